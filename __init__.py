@@ -1,0 +1,1 @@
+"""tailspec: lossless adaptive speculative rollouts for RL on reasoning LLMs."""

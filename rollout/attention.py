@@ -1,0 +1,209 @@
+"""Paged attention for Hugging Face models, plugged in through ``transformers.AttentionInterface``.
+
+One forward packs the new tokens of every sequence into a single row ``[1, T]`` with explicit
+position ids. :class:`AttentionMetadata` (built once per forward, shared by all layers) says
+where each new token's K/V goes in the paged cache, which cache slots each sequence attends to,
+and the mask: everything already cached is visible, and among the new tokens a causal mask or,
+for tree verification, any per-sequence ``[q, q]`` ancestor mask. Positions (for RoPE) are
+independent of cache indices, so tree nodes at the same depth share a position.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface, PretrainedConfig
+
+from .kv_cache import PagedKVCache
+
+ATTN_IMPLEMENTATION = "tailspec_paged"
+METADATA_KWARG = "tailspec_attn"
+
+
+@dataclass
+class SequenceSlice:
+    """What one sequence contributes to a forward."""
+
+    block_table: list[int]
+    num_cached: int  # tokens already in the cache before this forward
+    num_new: int  # new tokens (queries) this forward
+    new_token_mask: torch.Tensor | None = None  # [num_new, num_new] bool, None = causal
+
+
+@dataclass
+class AttentionMetadata:
+    cache: PagedKVCache
+    slot_mapping: torch.Tensor  # [T] slots the new tokens' K/V are written to
+    gather_slots: torch.Tensor  # [B, L] slots of each sequence's context (padded)
+    mask: torch.Tensor  # [B, 1, Q, L] bool, True = attend
+    query_positions: torch.Tensor  # [B, Q] positions of the (padded) queries
+    num_seqs: int
+    max_new: int
+    query_index: torch.Tensor | None  # [B, Q] packed index of each query; None when uniform
+    valid_queries: torch.Tensor | None  # [B*Q] bool; None when uniform
+    _window_masks: dict[int, torch.Tensor] = field(default_factory=dict)
+
+    def mask_for(self, sliding_window: int | None) -> torch.Tensor:
+        if sliding_window is None:
+            return self.mask
+        if sliding_window not in self._window_masks:
+            keys = torch.arange(self.mask.shape[-1], device=self.mask.device)
+            near = (self.query_positions.unsqueeze(-1) - keys) < sliding_window
+            windowed = self.mask & near.unsqueeze(1)
+            windowed[..., 0] |= ~windowed.any(dim=-1)  # padded rows keep one key (no NaNs)
+            self._window_masks[sliding_window] = windowed
+        return self._window_masks[sliding_window]
+
+
+def build_metadata(
+    cache: PagedKVCache, seqs: Sequence[SequenceSlice], positions: torch.Tensor
+) -> AttentionMetadata:
+    """Metadata for one packed forward; ``positions`` is the packed ``[T]`` position of each token."""
+    device = cache.layout.device
+    bs = cache.block_size
+    num_seqs = len(seqs)
+    q_lens = [s.num_new for s in seqs]
+    ctx_lens = [s.num_cached + s.num_new for s in seqs]
+    max_new, max_ctx = max(q_lens), max(ctx_lens)
+    uniform = all(q == max_new for q in q_lens)
+
+    max_blocks = max(len(s.block_table) for s in seqs)
+    table = torch.zeros(num_seqs, max_blocks, dtype=torch.long)
+    for i, s in enumerate(seqs):
+        table[i, : len(s.block_table)] = torch.tensor(s.block_table, dtype=torch.long)
+    table = table.to(device)
+    cached = torch.tensor([s.num_cached for s in seqs], dtype=torch.long, device=device)
+    q_len_t = torch.tensor(q_lens, dtype=torch.long, device=device)
+
+    keys = torch.arange(max_ctx, device=device)
+    key_blocks = (keys // bs).clamp(max=max_blocks - 1).expand(num_seqs, -1)
+    gather_slots = table.gather(1, key_blocks) * bs + keys % bs
+
+    rows = torch.arange(max_new, device=device)
+    new_cache_index = cached.unsqueeze(1) + rows  # [B, Q]
+    valid_q = rows < q_len_t.unsqueeze(1)  # [B, Q]
+    write_blocks = (new_cache_index // bs).clamp(max=max_blocks - 1)
+    new_slots = table.gather(1, write_blocks) * bs + new_cache_index % bs
+    slot_mapping = new_slots[valid_q] if not uniform else new_slots.reshape(-1)
+
+    rel = keys.view(1, 1, -1) - cached.view(-1, 1, 1)  # key index relative to first new token
+    in_prefix = rel < 0
+    in_new = (rel >= 0) & (rel < q_len_t.view(-1, 1, 1))
+    mask = in_prefix | (in_new & (rel <= rows.view(1, -1, 1)))  # causal among new tokens
+    for i, s in enumerate(seqs):
+        if s.new_token_mask is not None:
+            c0, q = s.num_cached, s.num_new
+            mask[i, :q, c0 : c0 + q] = s.new_token_mask.to(device)
+    mask &= valid_q.unsqueeze(-1)
+    mask[..., 0] |= ~valid_q  # padded query rows see one key, so softmax stays finite
+
+    if uniform:
+        query_index = valid_flat = None
+        query_positions = positions.view(num_seqs, max_new)
+    else:
+        offsets = torch.cumsum(q_len_t, 0) - q_len_t
+        query_index = torch.where(valid_q, offsets.unsqueeze(1) + rows, torch.zeros_like(rows))
+        valid_flat = valid_q.reshape(-1)
+        query_positions = positions[query_index]
+
+    return AttentionMetadata(
+        cache=cache,
+        slot_mapping=slot_mapping,
+        gather_slots=gather_slots,
+        mask=mask.unsqueeze(1),
+        query_positions=query_positions,
+        num_seqs=num_seqs,
+        max_new=max_new,
+        query_index=query_index,
+        valid_queries=valid_flat,
+    )
+
+
+def paged_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    sliding_window: int | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """``AttentionInterface`` function: write new K/V into the paged cache, attend over it.
+
+    ``query`` is ``[1, heads, T, head_dim]`` after RoPE, ``key``/``value`` ``[1, kv_heads, T, head_dim]``.
+    Returns ``[1, T, heads, head_dim]``.
+    """
+    meta: AttentionMetadata | None = kwargs.get(METADATA_KWARG)
+    if meta is None:
+        raise RuntimeError(
+            f"attention implementation {ATTN_IMPLEMENTATION!r} needs the {METADATA_KWARG!r} forward "
+            "kwarg; call the model through tailspec's ModelRunner"
+        )
+    layer = module.layer_idx
+    k_cache, v_cache = meta.cache.k[layer], meta.cache.v[layer]
+    k_cache.index_copy_(0, meta.slot_mapping, key[0].transpose(0, 1).to(k_cache.dtype))
+    v_cache.index_copy_(0, meta.slot_mapping, value[0].transpose(0, 1).to(v_cache.dtype))
+
+    num_heads, total, head_dim = query.shape[1], query.shape[2], query.shape[3]
+    b, q = meta.num_seqs, meta.max_new
+    keys = k_cache[meta.gather_slots].transpose(1, 2)  # [B, kv_heads, L, D]
+    values = v_cache[meta.gather_slots].transpose(1, 2)
+    if meta.query_index is None:
+        queries = query[0].view(num_heads, b, q, head_dim).transpose(0, 1)
+    else:
+        queries = query[0][:, meta.query_index].transpose(0, 1)  # [B, H, Q, D]
+    out = F.scaled_dot_product_attention(
+        queries.to(keys.dtype), keys, values,
+        attn_mask=meta.mask_for(sliding_window),
+        scale=scaling,
+        enable_gqa=keys.shape[1] != num_heads,
+    ).transpose(1, 2)  # [B, Q, H, D]
+    if meta.query_index is None:
+        out = out.reshape(1, total, num_heads, head_dim)
+    else:
+        out = out.reshape(b * q, num_heads, head_dim)[meta.valid_queries].unsqueeze(0)
+    return out.to(query.dtype), None
+
+
+_registered = False
+
+
+def register_paged_attention() -> None:
+    global _registered
+    if not _registered:
+        AttentionInterface.register(ATTN_IMPLEMENTATION, paged_attention_forward)
+        _registered = True
+
+
+def _configs_of(model: torch.nn.Module) -> list[PretrainedConfig]:
+    seen: dict[int, PretrainedConfig] = {}
+    for m in model.modules():
+        cfg = getattr(m, "config", None)
+        if isinstance(cfg, PretrainedConfig):
+            seen.setdefault(id(cfg), cfg)
+    return list(seen.values())
+
+
+@contextmanager
+def paged_attention_enabled(model: torch.nn.Module) -> Iterator[None]:
+    """Route the model's attention through the paged cache for the duration of the block.
+
+    The model is shared with the trainer (colocated, zero-copy), so its own implementation is
+    restored afterwards.
+    """
+    register_paged_attention()
+    configs = _configs_of(model)
+    previous = [c._attn_implementation for c in configs]
+    for c in configs:
+        c._attn_implementation = ATTN_IMPLEMENTATION
+    try:
+        yield
+    finally:
+        for c, impl in zip(configs, previous):
+            c._attn_implementation = impl

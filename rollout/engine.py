@@ -1,0 +1,337 @@
+"""The rollout engine: continuous batching over a paged KV cache, driving a Hugging Face model.
+
+Use :meth:`RolloutEngine.generate` for a batch of prompts (one completion per prompt, in
+order), or the step-wise API (:meth:`add_request`, :meth:`step`) to interleave submission and
+generation. Bad requests are refused with ``ValueError`` before they touch any running batch.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable, Sequence as Seq
+from dataclasses import dataclass, field
+
+import torch
+from tqdm.auto import tqdm
+
+from .attention import SequenceSlice, paged_attention_enabled
+from .kv_cache import blocks_for
+from .model_runner import ModelRunner
+from .params import RolloutConfig, SamplingParams
+from .request import FinishReason, RequestOutput, Sequence, SeqStatus
+from .sampling import BatchSamplingTensors, choose_tokens, draw_uniforms, processed_logprobs
+from .scheduler import ScheduledBatch, Scheduler, StepKind
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class EngineStats:
+    steps: int = 0
+    prefill_steps: int = 0
+    decode_steps: int = 0
+    prefill_tokens: int = 0
+    generated_tokens: int = 0
+    preemptions: int = 0
+    forked_prefills: int = 0  # group members that reused a leader's prefill
+    model_time_s: float = 0.0
+    wall_time_s: float = 0.0
+    batch_sizes: list[int] = field(default_factory=list)
+
+    def as_dict(self) -> dict[str, float]:
+        d = {k: v for k, v in self.__dict__.items() if k != "batch_sizes"}
+        d["mean_decode_batch"] = (
+            sum(self.batch_sizes) / len(self.batch_sizes) if self.batch_sizes else 0.0
+        )
+        d["tokens_per_s"] = self.generated_tokens / self.wall_time_s if self.wall_time_s else 0.0
+        return d
+
+
+def eos_ids_of(model: torch.nn.Module, tokenizer=None) -> frozenset[int]:
+    """EOS ids from the model's generation config, falling back to its config / the tokenizer."""
+    ids: set[int] = set()
+    for source in (getattr(model, "generation_config", None), getattr(model, "config", None), tokenizer):
+        value = getattr(source, "eos_token_id", None) if source is not None else None
+        if value is None:
+            continue
+        ids.update([value] if isinstance(value, int) else list(value))
+        if ids:
+            break
+    return frozenset(ids)
+
+
+class RolloutEngine:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        config: RolloutConfig | None = None,
+        *,
+        eos_token_ids: Iterable[int] | None = None,
+        tokenizer=None,
+    ) -> None:
+        self.model = model
+        self.config = config or RolloutConfig()
+        self.runner = ModelRunner(model, self.config.total_blocks, self.config.block_size)
+        self.vocab_size = self.runner.vocab_size
+        self.max_model_len = self.config.max_model_len or int(
+            getattr(model.config, "max_position_embeddings", 1 << 30)
+        )
+        self.eos_ids = frozenset(eos_token_ids) if eos_token_ids is not None else eos_ids_of(model, tokenizer)
+        bad_eos = [i for i in self.eos_ids if not 0 <= i < self.vocab_size]
+        if bad_eos:
+            raise ValueError(f"eos_token_ids {bad_eos} are outside the vocabulary [0, {self.vocab_size})")
+        self.scheduler = Scheduler(
+            self.runner.cache.allocator,
+            self.config.block_size,
+            self.config.max_num_seqs,
+            self.config.max_prefill_tokens,
+        )
+        self.generator = torch.Generator().manual_seed(self.config.seed)
+        self.stats = EngineStats()
+        self._next_id = 0
+        self._next_group = 0
+        self._seqs: dict[int, Sequence] = {}
+
+    # -- validation ----------------------------------------------------------------------
+    def validate(self, prompt_ids: Seq[int], params: SamplingParams) -> None:
+        """Raise ``ValueError`` naming the problem if the request cannot be served."""
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
+        if isinstance(prompt_ids, torch.Tensor):
+            prompt_ids = prompt_ids.tolist()
+        if len(prompt_ids) == 0:
+            raise ValueError("prompt_ids is empty; a prompt needs at least one token")
+        for i, tok in enumerate(prompt_ids):
+            if not isinstance(tok, int) or isinstance(tok, bool) or not 0 <= tok < self.vocab_size:
+                raise ValueError(
+                    f"prompt_ids[{i}] = {tok!r} is not a token id in the vocabulary [0, {self.vocab_size})"
+                )
+        bad_stops = [s for s in params.stop_token_ids if s >= self.vocab_size]
+        if bad_stops:
+            raise ValueError(f"stop_token_ids {bad_stops} are outside the vocabulary [0, {self.vocab_size})")
+        total = len(prompt_ids) + params.max_new_tokens
+        if total > self.max_model_len:
+            raise ValueError(
+                f"prompt length {len(prompt_ids)} + max_new_tokens {params.max_new_tokens} = {total} "
+                f"exceeds the context length max_model_len = {self.max_model_len}"
+            )
+        need = blocks_for(total, self.config.block_size)
+        if need > self.config.total_blocks:
+            raise ValueError(
+                f"a request of {total} tokens needs {need} KV blocks but the pool has "
+                f"{self.config.total_blocks}; raise RolloutConfig.num_blocks or kv_cache_tokens"
+            )
+
+    # -- step-wise API -------------------------------------------------------------------
+    def add_request(
+        self, prompt_ids: Seq[int], params: SamplingParams | None = None, *, group: int | None = None
+    ) -> int:
+        params = params or SamplingParams()
+        if isinstance(prompt_ids, torch.Tensor):
+            prompt_ids = prompt_ids.tolist()
+        self.validate(prompt_ids, params)
+        stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_ids)
+        seq = Sequence(self._next_id, list(prompt_ids), params, stop_ids, group=group)
+        self._next_id += 1
+        self._seqs[seq.seq_id] = seq
+        self.scheduler.add(seq)
+        return seq.seq_id
+
+    def new_group(self) -> int:
+        self._next_group += 1
+        return self._next_group
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work()
+
+    def abort(self, request_id: int) -> None:
+        seq = self._seqs.get(request_id)
+        if seq is not None and seq.status is not SeqStatus.FINISHED:
+            self.scheduler.abort(seq)
+            seq.finish_reason = seq.finish_reason or FinishReason.ABORT
+
+    def pop_output(self, request_id: int) -> RequestOutput:
+        seq = self._seqs.pop(request_id)
+        if seq.status is not SeqStatus.FINISHED:
+            raise ValueError(f"request {request_id} has not finished")
+        return seq.to_output()
+
+    def step(self) -> list[int]:
+        """Run one scheduled forward; return the ids of requests that finished in it."""
+        batch = self.scheduler.schedule()
+        if batch is None:
+            return []
+        with self._inference():
+            if batch.kind is StepKind.PREFILL:
+                finished = self._prefill(batch)
+            else:
+                finished = self._decode(batch)
+        self.stats.steps += 1
+        self.stats.preemptions = self.scheduler.num_preemptions
+        return finished
+
+    # -- batch API -----------------------------------------------------------------------
+    def generate(
+        self,
+        prompts: Seq[Seq[int]],
+        params: SamplingParams | Seq[SamplingParams] | None = None,
+        *,
+        progress: bool | None = None,
+    ) -> list[RequestOutput]:
+        """One completion per prompt, in order. Identical prompts are prefilled once and forked.
+
+        Every request is validated before any is submitted: one bad request raises
+        ``ValueError`` (naming its index) and nothing of the call runs.
+        """
+        prompts = [p.tolist() if isinstance(p, torch.Tensor) else list(p) for p in prompts]
+        if params is None or isinstance(params, SamplingParams):
+            per_request = [params or SamplingParams()] * len(prompts)
+        else:
+            per_request = list(params)
+            if len(per_request) != len(prompts):
+                raise ValueError(f"got {len(per_request)} SamplingParams for {len(prompts)} prompts")
+        errors = []
+        for i, (p, sp) in enumerate(zip(prompts, per_request)):
+            try:
+                self.validate(p, sp)
+            except ValueError as e:
+                errors.append(f"request {i}: {e}")
+        if errors:
+            raise ValueError("invalid request(s): " + "; ".join(errors))
+
+        groups: dict[tuple[int, ...], int] = {}
+        counts: dict[tuple[int, ...], int] = {}
+        for p in prompts:
+            counts[tuple(p)] = counts.get(tuple(p), 0) + 1
+        ids = []
+        for p, sp in zip(prompts, per_request):
+            key = tuple(p)
+            group = None
+            if counts[key] > 1:
+                group = groups.setdefault(key, self.new_group())
+            ids.append(self.add_request(p, sp, group=group))
+
+        pending = set(ids)
+        show = self.config.progress if progress is None else progress
+        bar = tqdm(total=len(ids), desc="rollout", unit="seq", disable=not show, leave=False)
+        start = time.perf_counter()
+        try:
+            with self._inference():
+                while pending:
+                    if not self.has_unfinished():
+                        raise RuntimeError("engine idle with unfinished requests (scheduler bug)")
+                    done = [i for i in self.step() if i in pending]
+                    pending.difference_update(done)
+                    bar.update(len(done))
+        finally:
+            bar.close()
+            self.stats.wall_time_s += time.perf_counter() - start
+        return [self.pop_output(i) for i in ids]
+
+    # -- internals -----------------------------------------------------------------------
+    def _inference(self):
+        return _InferenceScope(self.model)
+
+    def _prefill(self, batch: ScheduledBatch) -> list[int]:
+        slices, tokens, positions, last = [], [], [], []
+        for seq in batch.seqs:
+            new = seq.uncached_tokens()
+            slices.append(SequenceSlice(seq.block_table, seq.num_cached, len(new)))
+            positions.extend(range(seq.num_cached, seq.num_tokens))
+            tokens.extend(new)
+            last.append(len(tokens) - 1)
+        logits = self._forward(slices, tokens, positions, last)
+        self.stats.prefill_steps += 1
+        self.stats.prefill_tokens += len(tokens)
+
+        rows, seqs = [], []
+        for row, seq in enumerate(batch.seqs):
+            seq.num_cached = seq.num_tokens
+            rows.append(row)
+            seqs.append(seq)
+            for member in batch.followers.get(seq.seq_id, []):
+                self._fork_from(seq, member)
+                rows.append(row)
+                seqs.append(member)
+        self.stats.forked_prefills += len(seqs) - len(batch.seqs)
+        return self._sample_and_append(seqs, logits[rows] if len(rows) != len(batch.seqs) else logits)
+
+    def _fork_from(self, leader: Sequence, member: Sequence) -> None:
+        """Member shares the leader's full blocks; copy the leader's partial last block."""
+        bs = self.config.block_size
+        partial = leader.num_tokens % bs
+        if partial:
+            self.runner.cache.copy_block(leader.block_table[-1], member.block_table[-1], partial)
+        member.num_cached = leader.num_cached
+
+    def _decode(self, batch: ScheduledBatch) -> list[int]:
+        slices, tokens, positions = [], [], []
+        for seq in batch.seqs:
+            slices.append(SequenceSlice(seq.block_table, seq.num_cached, 1))
+            tokens.append(seq.token_at(seq.num_cached))
+            positions.append(seq.num_cached)
+        logits = self._forward(slices, tokens, positions, list(range(len(tokens))))
+        for seq in batch.seqs:
+            seq.num_cached += 1
+        self.stats.decode_steps += 1
+        self.stats.batch_sizes.append(len(batch.seqs))
+        return self._sample_and_append(batch.seqs, logits)
+
+    def _forward(self, slices, tokens, positions, logits_index) -> torch.Tensor:
+        start = time.perf_counter()
+        logits = self.runner.forward(slices, tokens, positions, logits_index)
+        self.stats.model_time_s += time.perf_counter() - start
+        return logits
+
+    def _sample_and_append(self, seqs: list[Sequence], logits: torch.Tensor) -> list[int]:
+        st = BatchSamplingTensors.from_params([s.params for s in seqs], logits.device)
+        logprobs = processed_logprobs(logits, st)
+        uniforms = None
+        if not st.all_greedy:
+            uniforms = draw_uniforms([s.generator for s in seqs], self.generator).to(logits.device)
+        chosen = choose_tokens(logprobs, st, uniforms)
+        chosen_lp = logprobs.gather(-1, chosen.unsqueeze(-1)).squeeze(-1)
+        finished = []
+        for seq, tok, lp in zip(seqs, chosen.tolist(), chosen_lp.tolist()):
+            seq.append(tok, lp)
+            self.stats.generated_tokens += 1
+            if seq.done:
+                self.scheduler.finish(seq)
+                finished.append(seq.seq_id)
+        return finished
+
+
+class _InferenceScope:
+    """no_grad + eval mode + paged attention, restoring the model's state afterwards.
+
+    Re-entrant: ``generate`` enters it once around its loop, so ``step`` pays nothing inside.
+    """
+
+    _depth: dict[int, int] = {}
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model
+
+    def __enter__(self) -> None:
+        key = id(self.model)
+        self._outer = self._depth.get(key, 0) == 0
+        self._depth[key] = self._depth.get(key, 0) + 1
+        if not self._outer:
+            return
+        self._was_training = self.model.training
+        self.model.eval()
+        self._no_grad = torch.no_grad()
+        self._no_grad.__enter__()
+        self._attn = paged_attention_enabled(self.model)
+        self._attn.__enter__()
+
+    def __exit__(self, *exc) -> None:
+        key = id(self.model)
+        self._depth[key] -= 1
+        if not self._outer:
+            return
+        del self._depth[key]
+        self._attn.__exit__(*exc)
+        self._no_grad.__exit__(*exc)
+        self.model.train(self._was_training)

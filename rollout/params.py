@@ -1,0 +1,125 @@
+"""User-facing parameter dataclasses: how to sample, and how the engine is sized.
+
+Both validate themselves on construction and raise ``ValueError`` naming the field and the
+allowed range, so bad input is refused before it can reach a running batch.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, fields, replace
+from typing import Any
+
+
+def _require(ok: bool, name: str, allowed: str, value: Any) -> None:
+    if not ok:
+        raise ValueError(f"{name} must be {allowed}, got {value!r}")
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How one request is sampled.
+
+    The *processed distribution* is the target's softmax after temperature, top-k, top-p and
+    min-p (applied in that order, as Hugging Face ``generate`` does). Every token is sampled
+    from it and its returned logprob is the log-probability under it. ``temperature == 0`` means
+    greedy decoding; the logprob returned for a greedy token is then taken from the unscaled,
+    unfiltered softmax.
+    """
+
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    max_new_tokens: int = 256
+    stop_token_ids: tuple[int, ...] = ()
+    seed: int | None = None
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        t = self.temperature
+        _require(
+            isinstance(t, (int, float)) and not isinstance(t, bool) and math.isfinite(t) and t >= 0,
+            "temperature", "a finite number >= 0 (0 = greedy)", t,
+        )
+        _require(_is_int(self.top_k) and self.top_k >= 0, "top_k", "an int >= 0 (0 = off)", self.top_k)
+        p = self.top_p
+        _require(isinstance(p, (int, float)) and 0 < p <= 1, "top_p", "in (0, 1]", p)
+        m = self.min_p
+        _require(isinstance(m, (int, float)) and 0 <= m <= 1, "min_p", "in [0, 1]", m)
+        _require(
+            _is_int(self.max_new_tokens) and self.max_new_tokens >= 1,
+            "max_new_tokens", "an int >= 1", self.max_new_tokens,
+        )
+        stops = tuple(self.stop_token_ids)
+        _require(
+            all(_is_int(s) and s >= 0 for s in stops),
+            "stop_token_ids", "a sequence of ints >= 0", self.stop_token_ids,
+        )
+        object.__setattr__(self, "stop_token_ids", stops)
+        _require(self.seed is None or _is_int(self.seed), "seed", "None or an int", self.seed)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    def with_updates(self, **changes: Any) -> SamplingParams:
+        return replace(self, **changes)
+
+
+STRATEGIES = ("none",)
+
+
+@dataclass
+class RolloutConfig:
+    """Sizing and behaviour of a :class:`tailspec.rollout.RolloutEngine`.
+
+    The KV pool holds ``num_blocks * block_size`` tokens; when ``num_blocks`` is None it is
+    derived from ``kv_cache_tokens``. Sequences are preempted (and later recomputed) when the
+    pool runs out, so a small pool is slow but never wrong.
+    """
+
+    block_size: int = 16
+    num_blocks: int | None = None
+    kv_cache_tokens: int = 65536
+    max_num_seqs: int = 256
+    max_prefill_tokens: int = 8192
+    max_model_len: int | None = None
+    strategy: str = "none"
+    seed: int = 0
+    progress: bool = False
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        _require(_is_int(self.block_size) and 1 <= self.block_size <= 1024,
+                 "block_size", "an int in [1, 1024]", self.block_size)
+        _require(self.num_blocks is None or (_is_int(self.num_blocks) and self.num_blocks >= 1),
+                 "num_blocks", "None or an int >= 1", self.num_blocks)
+        _require(_is_int(self.kv_cache_tokens) and self.kv_cache_tokens >= self.block_size,
+                 "kv_cache_tokens", f"an int >= block_size ({self.block_size})", self.kv_cache_tokens)
+        _require(_is_int(self.max_num_seqs) and self.max_num_seqs >= 1,
+                 "max_num_seqs", "an int >= 1", self.max_num_seqs)
+        _require(_is_int(self.max_prefill_tokens) and self.max_prefill_tokens >= 1,
+                 "max_prefill_tokens", "an int >= 1", self.max_prefill_tokens)
+        _require(self.max_model_len is None or (_is_int(self.max_model_len) and self.max_model_len >= 2),
+                 "max_model_len", "None or an int >= 2", self.max_model_len)
+        _require(self.strategy in STRATEGIES, "strategy", f"one of {STRATEGIES}", self.strategy)
+        _require(_is_int(self.seed), "seed", "an int", self.seed)
+
+    @property
+    def total_blocks(self) -> int:
+        if self.num_blocks is not None:
+            return self.num_blocks
+        return max(1, self.kv_cache_tokens // self.block_size)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> RolloutConfig:
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"unknown RolloutConfig field(s) {unknown}; allowed: {sorted(known)}")
+        return cls(**data)

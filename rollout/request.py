@@ -1,0 +1,93 @@
+"""Request state inside the engine, and what the engine returns for it."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+
+from .params import SamplingParams
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"  # an EOS or stop token was emitted (and kept)
+    LENGTH = "length"  # max_new_tokens reached
+    ABORT = "abort"  # cancelled by the caller
+
+
+class SeqStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class Sequence:
+    """One request's mutable state: its tokens, its KV blocks and its randomness."""
+
+    seq_id: int
+    prompt_ids: list[int]
+    params: SamplingParams
+    stop_ids: frozenset[int]
+    group: int | None = None  # requests with the same prompt in one call share a group id
+    output_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    block_table: list[int] = field(default_factory=list)
+    num_cached: int = 0  # tokens whose K/V are in the cache
+    status: SeqStatus = SeqStatus.WAITING
+    finish_reason: FinishReason | None = None
+    generator: torch.Generator | None = None
+    num_preemptions: int = 0
+
+    def __post_init__(self) -> None:
+        if self.params.seed is not None and self.generator is None:
+            self.generator = torch.Generator().manual_seed(self.params.seed)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    def token_at(self, index: int) -> int:
+        p = len(self.prompt_ids)
+        return self.prompt_ids[index] if index < p else self.output_ids[index - p]
+
+    def uncached_tokens(self) -> list[int]:
+        return (self.prompt_ids + self.output_ids)[self.num_cached :]
+
+    @property
+    def is_fresh(self) -> bool:
+        """Never run (or fully preempted before producing output)."""
+        return not self.output_ids and self.num_cached == 0
+
+    def append(self, token: int, logprob: float) -> None:
+        self.output_ids.append(token)
+        self.logprobs.append(logprob)
+        if token in self.stop_ids:
+            self.finish_reason = FinishReason.STOP
+        elif len(self.output_ids) >= self.params.max_new_tokens:
+            self.finish_reason = FinishReason.LENGTH
+
+    @property
+    def done(self) -> bool:
+        return self.finish_reason is not None
+
+    def to_output(self) -> RequestOutput:
+        return RequestOutput(
+            request_id=self.seq_id,
+            prompt_ids=list(self.prompt_ids),
+            completion_ids=list(self.output_ids),
+            logprobs=list(self.logprobs),
+            finish_reason=self.finish_reason.value if self.finish_reason else None,
+            num_preemptions=self.num_preemptions,
+        )
+
+
+@dataclass
+class RequestOutput:
+    request_id: int
+    prompt_ids: list[int]
+    completion_ids: list[int]
+    logprobs: list[float]  # processed log-probability of each completion token
+    finish_reason: str | None
+    num_preemptions: int = 0

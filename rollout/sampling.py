@@ -1,0 +1,158 @@
+"""Sampling as small pure functions over batched logits.
+
+``processed_logprobs`` turns raw logits into the log-probabilities of the *processed
+distribution* (temperature, then top-k, top-p, min-p, the order Hugging Face ``generate``
+uses), one parameter set per row. ``sample_from_logprobs`` draws from it by inverse CDF with
+one uniform per row, so the randomness of a request can come from its own generator and a
+request's samples do not depend on which other requests share its batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from .params import SamplingParams
+
+
+@dataclass
+class BatchSamplingTensors:
+    """Per-row sampling parameters as tensors on the logits' device."""
+
+    temperature: torch.Tensor  # [B] float, 0 = greedy
+    top_k: torch.Tensor  # [B] long, 0 = off
+    top_p: torch.Tensor  # [B] float
+    min_p: torch.Tensor  # [B] float
+    any_greedy: bool
+    all_greedy: bool
+    any_top_k: bool
+    any_top_p: bool
+    any_min_p: bool
+
+    @classmethod
+    def from_params(cls, params: Sequence[SamplingParams], device: torch.device) -> BatchSamplingTensors:
+        temps = [p.temperature for p in params]
+        top_k = [p.top_k for p in params]
+        top_p = [p.top_p for p in params]
+        min_p = [p.min_p for p in params]
+        return cls(
+            temperature=torch.tensor(temps, dtype=torch.float32, device=device),
+            top_k=torch.tensor(top_k, dtype=torch.long, device=device),
+            top_p=torch.tensor(top_p, dtype=torch.float32, device=device),
+            min_p=torch.tensor(min_p, dtype=torch.float32, device=device),
+            any_greedy=any(t == 0 for t in temps),
+            all_greedy=all(t == 0 for t in temps),
+            any_top_k=any(k > 0 for k in top_k),
+            any_top_p=any(p < 1.0 for p in top_p),
+            any_min_p=any(m > 0 for m in min_p),
+        )
+
+    def repeat_interleave(self, counts: torch.Tensor) -> BatchSamplingTensors:
+        """Rows repeated ``counts[i]`` times (one row per scored position of a sequence)."""
+        return BatchSamplingTensors(
+            temperature=self.temperature.repeat_interleave(counts),
+            top_k=self.top_k.repeat_interleave(counts),
+            top_p=self.top_p.repeat_interleave(counts),
+            min_p=self.min_p.repeat_interleave(counts),
+            any_greedy=self.any_greedy,
+            all_greedy=self.all_greedy,
+            any_top_k=self.any_top_k,
+            any_top_p=self.any_top_p,
+            any_min_p=self.any_min_p,
+        )
+
+
+def apply_temperature(logits: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
+    """Divide each row by its temperature; greedy rows (T = 0) are left unscaled."""
+    safe = torch.where(temperature > 0, temperature, torch.ones_like(temperature))
+    return logits / safe.unsqueeze(-1)
+
+
+def apply_top_k(logits: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
+    """Keep the ``top_k`` largest logits of each row (0 = keep all); ties at the edge are kept."""
+    vocab = logits.shape[-1]
+    k = torch.where((top_k > 0) & (top_k < vocab), top_k, torch.full_like(top_k, vocab))
+    kth = torch.topk(logits, int(k.max().item()), dim=-1).values
+    threshold = kth.gather(-1, (k - 1).unsqueeze(-1))
+    return logits.masked_fill(logits < threshold, float("-inf"))
+
+
+def apply_top_p(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Keep the smallest set of most likely tokens whose mass reaches ``top_p`` (at least one)."""
+    sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+    probs = sorted_logits.softmax(dim=-1)
+    mass_before = probs.cumsum(dim=-1) - probs
+    remove_sorted = mass_before >= top_p.unsqueeze(-1)
+    remove_sorted[..., 0] = False
+    remove = torch.zeros_like(remove_sorted).scatter(-1, order, remove_sorted)
+    return logits.masked_fill(remove, float("-inf"))
+
+
+def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Drop tokens whose probability is below ``min_p`` times the row's largest probability."""
+    probs = logits.softmax(dim=-1)
+    threshold = min_p.unsqueeze(-1) * probs.max(dim=-1, keepdim=True).values
+    return logits.masked_fill(probs < threshold, float("-inf"))
+
+
+def processed_logprobs(logits: torch.Tensor, st: BatchSamplingTensors) -> torch.Tensor:
+    """Log-probabilities of the processed distribution, shape ``[B, V]``, in float32.
+
+    Greedy rows get the plain log-softmax of their logits (their token is the argmax either way).
+    """
+    x = logits.float()
+    if not st.all_greedy:
+        x = apply_temperature(x, st.temperature)
+        filtered = x
+        if st.any_top_k:
+            filtered = apply_top_k(filtered, st.top_k)
+        if st.any_top_p:
+            filtered = apply_top_p(filtered, st.top_p)
+        if st.any_min_p:
+            filtered = apply_min_p(filtered, st.min_p)
+        if st.any_greedy:
+            filtered = torch.where((st.temperature > 0).unsqueeze(-1), filtered, x)
+        x = filtered
+    return torch.log_softmax(x, dim=-1)
+
+
+def sample_from_logprobs(logprobs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """Inverse-CDF sampling: one token per row from ``exp(logprobs)`` using ``uniforms`` in [0, 1).
+
+    The CDF is accumulated in float64 and scaled by its own total, so rounding can never select
+    a token of zero probability.
+    """
+    cdf = logprobs.double().exp().cumsum(dim=-1)
+    target = uniforms.double().unsqueeze(-1) * cdf[..., -1:]
+    idx = torch.searchsorted(cdf, target, right=True).squeeze(-1)
+    return idx.clamp_(max=logprobs.shape[-1] - 1)
+
+
+def choose_tokens(
+    logprobs: torch.Tensor, st: BatchSamplingTensors, uniforms: torch.Tensor | None
+) -> torch.Tensor:
+    """Greedy rows take the argmax, the others sample with their uniform."""
+    greedy_tokens = logprobs.argmax(dim=-1)
+    if st.all_greedy:
+        return greedy_tokens
+    assert uniforms is not None, "sampled rows need uniforms"
+    sampled = sample_from_logprobs(logprobs, uniforms)
+    if st.any_greedy:
+        return torch.where(st.temperature == 0, greedy_tokens, sampled)
+    return sampled
+
+
+def draw_uniforms(
+    generators: Sequence[torch.Generator | None], fallback: torch.Generator
+) -> torch.Tensor:
+    """One uniform per row, from the row's own generator when it has one (seeded requests)."""
+    out = torch.empty(len(generators), dtype=torch.float64)
+    shared_rows = [i for i, g in enumerate(generators) if g is None]
+    if shared_rows:
+        out[shared_rows] = torch.rand(len(shared_rows), generator=fallback, dtype=torch.float64)
+    for i, g in enumerate(generators):
+        if g is not None:
+            out[i] = torch.rand(1, generator=g, dtype=torch.float64)
+    return out

@@ -1,0 +1,160 @@
+"""Continuous batching: which sequences run in the next forward, and with which KV blocks.
+
+Each step is either a *prefill* (admit waiting sequences while KV blocks last, compute their
+uncached tokens) or a *decode* (one new token for every running sequence). When a running
+sequence needs a block and none is free, the most recently admitted sequence is preempted:
+its blocks are freed and it goes back to the front of the queue, to be recomputed (prompt and
+everything it generated so far) when blocks are free again. A fresh prompt group (the same
+prompt submitted several times) is admitted together and prefilled once: its members share the
+leader's full blocks and get a private copy of the last partial block.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections import deque
+from dataclasses import dataclass, field
+
+from .kv_cache import BlockAllocator, blocks_for
+from .request import Sequence, SeqStatus
+
+
+class StepKind(enum.Enum):
+    PREFILL = "prefill"
+    DECODE = "decode"
+
+
+@dataclass
+class ScheduledBatch:
+    kind: StepKind
+    seqs: list[Sequence]
+    # leader seq_id -> members that reuse the leader's prefill (their blocks are already set up)
+    followers: dict[int, list[Sequence]] = field(default_factory=dict)
+
+
+class Scheduler:
+    def __init__(
+        self, allocator: BlockAllocator, block_size: int, max_num_seqs: int, max_prefill_tokens: int
+    ) -> None:
+        self.allocator = allocator
+        self.block_size = block_size
+        self.max_num_seqs = max_num_seqs
+        self.max_prefill_tokens = max_prefill_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = SeqStatus.WAITING
+        self.waiting.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # -- step planning -------------------------------------------------------------------
+    def schedule(self) -> ScheduledBatch | None:
+        batch = self._schedule_prefill()
+        if batch is not None:
+            return batch
+        return self._schedule_decode()
+
+    def _group_members(self, leader: Sequence) -> list[Sequence]:
+        if leader.group is None or not leader.is_fresh:
+            return []
+        return [s for s in self.waiting if s is not leader and s.group == leader.group and s.is_fresh]
+
+    def _schedule_prefill(self) -> ScheduledBatch | None:
+        admitted: list[Sequence] = []
+        followers: dict[int, list[Sequence]] = {}
+        num_tokens = 0
+        while self.waiting:
+            slots_left = self.max_num_seqs - len(self.running)
+            if slots_left <= 0:
+                break
+            seq = self.waiting[0]
+            new_tokens = seq.num_tokens - seq.num_cached
+            if admitted and num_tokens + new_tokens > self.max_prefill_tokens:
+                break
+            own_blocks = blocks_for(seq.num_tokens, self.block_size)
+            if own_blocks + self._decode_headroom() > self.allocator.num_free:
+                break
+            members = self._group_members(seq)[: slots_left - 1]
+            partial = seq.num_tokens % self.block_size != 0
+            if partial:  # each member needs its own copy of the last block
+                members = members[: self.allocator.num_free - own_blocks]
+            self.waiting.popleft()
+            seq.block_table = self.allocator.allocate(own_blocks)
+            self._start(seq)
+            admitted.append(seq)
+            num_tokens += new_tokens
+            if members:
+                full = seq.block_table[:-1] if partial else seq.block_table
+                for m in members:
+                    self.waiting.remove(m)
+                    m.block_table = self.allocator.share(full) + (self.allocator.allocate(1) if partial else [])
+                    self._start(m)
+                followers[seq.seq_id] = members
+        if not admitted:
+            return None
+        return ScheduledBatch(StepKind.PREFILL, admitted, followers)
+
+    def _decode_headroom(self) -> int:
+        """Blocks the running sequences need for their next token; admission leaves them free
+        so that admitting a sequence does not immediately force a preemption."""
+        return sum(1 for s in self.running if s.num_cached + 1 > len(s.block_table) * self.block_size)
+
+    def _start(self, seq: Sequence) -> None:
+        seq.status = SeqStatus.RUNNING
+        self.running.append(seq)
+
+    def _schedule_decode(self) -> ScheduledBatch | None:
+        scheduled: list[Sequence] = []
+        for seq in list(self.running):
+            if seq.status is not SeqStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            if not self._reserve(seq, seq.num_cached + 1):
+                continue  # seq itself was preempted
+            scheduled.append(seq)
+        scheduled = [s for s in scheduled if s.status is SeqStatus.RUNNING]
+        if not scheduled:
+            return None
+        return ScheduledBatch(StepKind.DECODE, scheduled)
+
+    def _reserve(self, seq: Sequence, num_tokens: int) -> bool:
+        """Grow ``seq``'s block table to hold ``num_tokens``, preempting others if needed."""
+        missing = blocks_for(num_tokens, self.block_size) - len(seq.block_table)
+        while missing > self.allocator.num_free:
+            victim = self.running[-1]
+            self.preempt(victim)
+            if victim is seq:
+                return False
+        if missing > 0:
+            seq.block_table += self.allocator.allocate(missing)
+        return True
+
+    # -- state changes -------------------------------------------------------------------
+    def preempt(self, seq: Sequence) -> None:
+        self._release(seq)
+        seq.num_cached = 0
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        seq.status = SeqStatus.WAITING
+        self.waiting.appendleft(seq)
+
+    def finish(self, seq: Sequence) -> None:
+        self._release(seq)
+        seq.status = SeqStatus.FINISHED
+
+    def abort(self, seq: Sequence) -> None:
+        if seq.status is SeqStatus.WAITING:
+            self.waiting.remove(seq)
+            seq.status = SeqStatus.FINISHED
+        elif seq.status is SeqStatus.RUNNING:
+            self.finish(seq)
+
+    def _release(self, seq: Sequence) -> None:
+        if seq in self.running:
+            self.running.remove(seq)
+        if seq.block_table:
+            self.allocator.free(seq.block_table)
+            seq.block_table = []

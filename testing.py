@@ -1,0 +1,57 @@
+"""Tiny random-init models for tests and examples (no model hub needed).
+
+``initializer_range`` is raised well above the usual 0.02 so logits are peaked: greedy choices
+are then decided by the model rather than by float rounding between near-equal logits.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
+
+ARCHITECTURES = ("llama", "qwen2", "qwen3")
+
+
+def tiny_config(
+    arch: str,
+    vocab_size: int = 96,
+    hidden_size: int = 64,
+    num_layers: int = 2,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    max_position_embeddings: int = 512,
+    initializer_range: float = 0.2,
+    eos_token_id: int = 1,
+    pad_token_id: int = 0,
+):
+    common = dict(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=hidden_size * 2,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        max_position_embeddings=max_position_embeddings,
+        initializer_range=initializer_range,
+        eos_token_id=eos_token_id,
+        pad_token_id=pad_token_id,
+        bos_token_id=None,
+        tie_word_embeddings=False,
+    )
+    if arch == "llama":
+        return LlamaConfig(**common)
+    if arch == "qwen2":
+        return Qwen2Config(**common)
+    if arch == "qwen3":
+        return Qwen3Config(head_dim=hidden_size // num_heads, **common)
+    raise ValueError(f"arch must be one of {ARCHITECTURES}, got {arch!r}")
+
+
+def tiny_random_model(arch: str, seed: int = 0, dtype: torch.dtype = torch.float32, **kwargs):
+    """A random-init causal LM of the given architecture, in eval mode, deterministic from ``seed``."""
+    config = tiny_config(arch, **kwargs)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
+    model.generation_config.eos_token_id = config.eos_token_id
+    model.generation_config.pad_token_id = config.pad_token_id
+    return model.eval()
