@@ -1,0 +1,200 @@
+"""``SpecRollout``: a TRL ``rollout_func`` backed by the tailspec engine.
+
+TRL 1.16 calls ``rollout_func(prompts, trainer)`` with the per-process prompts *already repeated
+num_generations times* and expects one completion per row, in order, as ``prompt_ids``,
+``completion_ids`` and ``logprobs``. Identical prompts are prefilled once and forked by the
+engine. In the colocated default the engine drives the trainer's live policy module (no weight
+copy); the KV cache is kept between calls.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+
+from ..rollout.engine import RolloutEngine, eos_ids_of
+from ..rollout.params import RolloutConfig, SamplingParams
+from .sampling_from_trl import sampling_params_from_trl
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class SpecRolloutConfig:
+    """TRL-style configuration of :class:`SpecRollout` (engine sizing and strategy)."""
+
+    strategy: str = "none"
+    block_size: int = 16
+    kv_cache_tokens: int = 65536
+    max_num_seqs: int = 256
+    max_prefill_tokens: int = 8192
+    seed: int | None = None  # None: the trainer's seed + process index
+    progress: bool = False
+    log_metrics: bool = True
+
+    def rollout_config(self, seed: int) -> RolloutConfig:
+        return RolloutConfig(
+            block_size=self.block_size,
+            kv_cache_tokens=self.kv_cache_tokens,
+            max_num_seqs=self.max_num_seqs,
+            max_prefill_tokens=self.max_prefill_tokens,
+            strategy=self.strategy,
+            seed=seed,
+            progress=self.progress,
+        )
+
+
+@dataclass
+class RolloutStats:
+    num_prompts: int
+    completion_tokens: int
+    time_s: float
+    tokens_per_s: float
+    mean_completion_length: float
+    max_completion_length: int
+    preemptions: int
+
+
+class SpecRollout:
+    """Callable meeting TRL's ``rollout_func(prompts, trainer) -> dict`` contract.
+
+    ``model``/``tokenizer`` default to the trainer's policy and processing class; pass them to
+    generate with a separate copy instead. ``sampling`` overrides the parameters otherwise read
+    from the trainer's ``GRPOConfig``.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module | None = None,
+        tokenizer: Any | None = None,
+        config: SpecRolloutConfig | None = None,
+        sampling: SamplingParams | None = None,
+        **config_overrides: Any,
+    ) -> None:
+        base = asdict(config or SpecRolloutConfig())
+        base.update(config_overrides)
+        self.config = SpecRolloutConfig(**base)
+        self.config.rollout_config(seed=0)  # validate now, not at the first call
+        self.model = model
+        self.tokenizer = tokenizer
+        self.sampling = sampling
+        self._engine: RolloutEngine | None = None
+        self._engine_model_id: int | None = None
+        self.last_stats: RolloutStats | None = None
+        self.history: list[RolloutStats] = []
+
+    # -- TRL entry point -------------------------------------------------------------------
+    def __call__(self, prompts: list, trainer: Any) -> dict[str, list]:
+        tokenizer = self.tokenizer or trainer.processing_class
+        prompt_ids = self.tokenize_prompts(prompts, tokenizer, trainer)
+        params = self.sampling or sampling_params_from_trl(trainer.args)
+        start = time.perf_counter()
+        with self._policy(trainer) as model:
+            engine = self.engine_for(model, tokenizer, seed=self._seed(trainer))
+            outputs = engine.generate(prompt_ids, params, progress=self.config.progress)
+        elapsed = time.perf_counter() - start
+        completion_ids = [o.completion_ids for o in outputs]
+        self._record(completion_ids, elapsed, engine, trainer)
+        return {
+            "prompt_ids": [o.prompt_ids for o in outputs],
+            "completion_ids": completion_ids,
+            "logprobs": [o.logprobs for o in outputs],
+        }
+
+    # -- pieces ----------------------------------------------------------------------------
+    @staticmethod
+    def tokenize_prompts(prompts: list, tokenizer: Any, trainer: Any | None = None) -> list[list[int]]:
+        """Token ids of each prompt, exactly as TRL's own generation path would build them."""
+        if not prompts:
+            raise ValueError("prompts is empty")
+        if getattr(trainer, "tools", None):
+            raise ValueError("SpecRollout does not run tool calls; construct the trainer without tools")
+        conversational = isinstance(prompts[0], list)
+        if conversational:
+            for p in prompts:
+                for message in p:
+                    if not isinstance(message.get("content"), str):
+                        raise ValueError("SpecRollout supports text-only conversations (content must be a str)")
+            kwargs = dict(getattr(trainer, "chat_template_kwargs", None) or {})
+            encoded = tokenizer.apply_chat_template(
+                conversation=prompts,
+                chat_template=getattr(trainer, "chat_template", None),
+                add_generation_prompt=True,
+                tokenize=True,
+                return_dict=True,
+                **kwargs,
+            )
+            return [list(ids) for ids in encoded["input_ids"]]
+        if not all(isinstance(p, str) for p in prompts):
+            raise ValueError("prompts must all be strings or all be conversations (lists of messages)")
+        return [list(ids) for ids in tokenizer(text=prompts)["input_ids"]]
+
+    def engine_for(self, model: torch.nn.Module, tokenizer: Any, seed: int) -> RolloutEngine:
+        """The engine for ``model``, rebuilt only when the model object changes."""
+        if self._engine is None or self._engine_model_id != id(model):
+            eos = set(eos_ids_of(model))
+            if getattr(tokenizer, "eos_token_id", None) is not None:
+                eos.add(tokenizer.eos_token_id)
+            self._engine = RolloutEngine(model, self.config.rollout_config(seed), eos_token_ids=eos)
+            self._engine_model_id = id(model)
+        return self._engine
+
+    @property
+    def engine(self) -> RolloutEngine | None:
+        return self._engine
+
+    def _seed(self, trainer: Any) -> int:
+        if self.config.seed is not None:
+            return self.config.seed
+        args = getattr(trainer, "args", None)
+        rank = getattr(getattr(trainer, "accelerator", None), "process_index", 0)
+        return int(getattr(args, "seed", 0)) + int(rank)
+
+    @contextmanager
+    def _policy(self, trainer: Any) -> Iterator[torch.nn.Module]:
+        """The module to generate with: ours, or the trainer's live policy (unwrapped, and
+        gathered under ZeRO-3 as TRL's own generation does)."""
+        if self.model is not None:
+            with nullcontext(self.model) as model:
+                yield model
+            return
+        from trl.models import unwrap_model_for_generation
+
+        args = trainer.args
+        with unwrap_model_for_generation(
+            trainer.model_wrapped,
+            trainer.accelerator,
+            gather_deepspeed3_params=getattr(args, "ds3_gather_for_generation", True),
+            gradient_checkpointing_kwargs=getattr(args, "gradient_checkpointing_kwargs", None),
+        ) as model:
+            yield model
+
+    def _record(self, completion_ids: list[list[int]], elapsed: float, engine: RolloutEngine, trainer: Any) -> None:
+        lengths = [len(c) for c in completion_ids]
+        total = sum(lengths)
+        stats = RolloutStats(
+            num_prompts=len(lengths),
+            completion_tokens=total,
+            time_s=elapsed,
+            tokens_per_s=total / elapsed if elapsed > 0 else 0.0,
+            mean_completion_length=total / max(1, len(lengths)),
+            max_completion_length=max(lengths, default=0),
+            preemptions=engine.stats.preemptions,
+        )
+        self.last_stats = stats
+        self.history.append(stats)
+        logger.info(
+            "rollout: %d completions, %d tokens in %.2fs (%.0f tok/s)",
+            stats.num_prompts, total, elapsed, stats.tokens_per_s,
+        )
+        metrics = getattr(trainer, "_metrics", None)
+        if self.config.log_metrics and metrics is not None:
+            mode = "train" if getattr(trainer.model, "training", True) else "eval"
+            metrics[mode]["rollout/time_s"].append(stats.time_s)
+            metrics[mode]["rollout/tokens_per_s"].append(stats.tokens_per_s)
