@@ -1,0 +1,1 @@
+"""Benchmarks behind ``make bench`` / ``tailspec bench``; each measures its baselines side by side."""

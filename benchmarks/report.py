@@ -1,0 +1,81 @@
+"""Writes docs/BENCHMARKS.md (tables + plots) from the results of one ``tailspec bench`` run."""
+
+from __future__ import annotations
+
+import datetime as _dt
+import os
+import platform
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from .throughput import ThroughputResult
+
+
+def machine_line() -> str:
+    device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "CPU only"
+    return (
+        f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, {device}; "
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads"
+    )
+
+
+def throughput_table(results: Sequence[ThroughputResult]) -> str:
+    by_size: dict[int, dict[str, ThroughputResult]] = {}
+    for r in results:
+        by_size.setdefault(r.batch_size, {})[r.backend] = r
+    lines = [
+        "| batch size | prompts | HF generate tok/s | tailspec tok/s | tailspec / HF |",
+        "|---:|---:|---:|---:|---:|",
+    ]
+    for bs, row in sorted(by_size.items()):
+        hf, ts = row["hf_generate"], row["tailspec"]
+        lines.append(
+            f"| {bs} | {hf.num_prompts} | {hf.tokens_per_s:,.0f} | {ts.tokens_per_s:,.0f} | "
+            f"{ts.tokens_per_s / hf.tokens_per_s:.2f}x |"
+        )
+    return "\n".join(lines)
+
+
+def plot_throughput(results: Sequence[ThroughputResult], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    sizes = sorted({r.batch_size for r in results})
+    backends = ["hf_generate", "tailspec"]
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    width = 0.38
+    for j, backend in enumerate(backends):
+        vals = [next(r.tokens_per_s for r in results if r.batch_size == s and r.backend == backend) for s in sizes]
+        ax.bar([i + (j - 0.5) * width for i in range(len(sizes))], vals, width, label=backend)
+    ax.set_xticks(range(len(sizes)), [str(s) for s in sizes])
+    ax.set_xlabel("batch size")
+    ax.set_ylabel("completion tokens / s")
+    ax.set_title("Rollout throughput, tiny-task policy (CPU)")
+    ax.legend()
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def write_report(
+    out: Path, sections: list[tuple[str, str]], command: str, workload: str
+) -> None:
+    stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    parts = [
+        "# Benchmarks",
+        "",
+        f"Written by `{command}` on {stamp}. Machine: {machine_line()}.",
+        "Every table is measured side by side in one run, on the same prompts and sampling parameters.",
+        "",
+        f"Workload: {workload}",
+        "",
+    ]
+    for title, body in sections:
+        parts += [f"## {title}", "", body, ""]
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text("\n".join(parts))

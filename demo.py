@@ -1,0 +1,156 @@
+"""``tailspec demo``: a short GRPO run on the tiny chain-sum task with tailspec rollouts, on CPU.
+
+Starts from the shipped SFT policy (assets/tiny), prints reward and rollout tokens/s per step,
+and logs to wandb in offline mode unless told not to.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class DemoConfig:
+    max_steps: int = 20
+    num_generations: int = 8
+    prompts_per_step: int = 4
+    max_completion_length: int = 384
+    learning_rate: float = 2e-5
+    temperature: float = 1.0
+    beta: float = 0.0
+    seed: int = 0
+    num_train_prompts: int = 2000
+    output_dir: str = "outputs/demo"
+    wandb: bool = True
+    wandb_project: str = "tailspec-demo"
+    strategy: str = "none"
+
+    def __post_init__(self) -> None:
+        if self.max_steps < 1:
+            raise ValueError(f"max_steps must be an int >= 1, got {self.max_steps}")
+        if self.num_generations < 2:
+            raise ValueError(f"num_generations must be an int >= 2 (GRPO needs a group), got {self.num_generations}")
+        if self.prompts_per_step < 1:
+            raise ValueError(f"prompts_per_step must be an int >= 1, got {self.prompts_per_step}")
+
+    @classmethod
+    def from_yaml(cls, path: str | Path) -> DemoConfig:
+        data = yaml.safe_load(Path(path).read_text()) or {}
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"unknown demo config key(s) {unknown} in {path}; allowed: {sorted(known)}")
+        return cls(**data)
+
+
+def _step_printer():
+    from transformers import TrainerCallback
+
+    class StepPrinter(TrainerCallback):
+        """One line per GRPO step: reward, completion lengths, rollout throughput."""
+
+        def __init__(self) -> None:
+            self.rows: list[dict[str, Any]] = []
+
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            if not logs or "reward" not in logs:
+                return
+            row = {
+                "step": state.global_step,
+                "reward": logs["reward"],
+                "mean_len": logs.get("completions/mean_length", float("nan")),
+                "max_len": logs.get("completions/max_length", float("nan")),
+                "rollout_s": logs.get("rollout/time_s", float("nan")),
+                "rollout_tok_s": logs.get("rollout/tokens_per_s", float("nan")),
+            }
+            self.rows.append(row)
+            print(
+                f"step {row['step']:>3}  reward {row['reward']:.3f}  completion len mean {row['mean_len']:.0f} "
+                f"max {row['max_len']:.0f}  rollout {row['rollout_s']:.2f}s  {row['rollout_tok_s']:.0f} tok/s",
+                flush=True,
+            )
+
+    return StepPrinter()
+
+
+def run_demo(cfg: DemoConfig) -> dict[str, Any]:
+    os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+    out = Path(cfg.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    if cfg.wandb:
+        os.environ.setdefault("WANDB_MODE", "offline")
+        os.environ.setdefault("WANDB_DIR", str(out))
+        os.environ.setdefault("WANDB_PROJECT", cfg.wandb_project)
+        os.environ.setdefault("WANDB_SILENT", "true")
+
+    from trl import GRPOConfig
+
+    from .tasks.chain_sum import ChainSumConfig, chain_sum_reward, make_grpo_dataset
+    from .tasks.sft import load_tiny
+    from .trainer_hooks.grpo_trainer import GRPOTrainer
+    from .trainer_hooks.spec_rollout import SpecRollout
+
+    model, tokenizer = load_tiny("policy")
+    dataset = make_grpo_dataset(cfg.num_train_prompts, seed=cfg.seed, cfg=ChainSumConfig())
+    args = GRPOConfig(
+        output_dir=str(out),
+        per_device_train_batch_size=cfg.prompts_per_step * cfg.num_generations,
+        num_generations=cfg.num_generations,
+        max_completion_length=cfg.max_completion_length,
+        temperature=cfg.temperature,
+        learning_rate=cfg.learning_rate,
+        beta=cfg.beta,
+        max_steps=cfg.max_steps,
+        logging_steps=1,
+        save_strategy="no",
+        report_to=["wandb"] if cfg.wandb else [],
+        run_name=f"demo-{int(time.time())}",
+        use_cpu=True,
+        seed=cfg.seed,
+    )
+    printer = _step_printer()
+    rollout = SpecRollout(strategy=cfg.strategy)
+    trainer = GRPOTrainer(
+        model=model,
+        reward_funcs=chain_sum_reward,
+        args=args,
+        train_dataset=dataset,
+        processing_class=tokenizer,
+        rollout=rollout,
+        callbacks=[printer],
+    )
+    print(f"tailspec demo: GRPO on the chain-sum task, {cfg.max_steps} steps, config {asdict(cfg)}", flush=True)
+    start = time.perf_counter()
+    trainer.train()
+    wall = time.perf_counter() - start
+
+    rows = printer.rows
+    k = max(1, min(5, len(rows) // 2))
+    first = sum(r["reward"] for r in rows[:k]) / k
+    last = sum(r["reward"] for r in rows[-k:]) / k
+    tokens = sum(s.completion_tokens for s in rollout.history)
+    rollout_time = sum(s.time_s for s in rollout.history)
+    summary = {
+        "steps": len(rows),
+        "wall_s": wall,
+        f"reward_first_{k}": first,
+        f"reward_last_{k}": last,
+        "rollout_tokens": tokens,
+        "rollout_time_s": rollout_time,
+        "rollout_tokens_per_s": tokens / rollout_time if rollout_time else 0.0,
+    }
+    print("\n== tailspec demo summary ==")
+    for key, value in summary.items():
+        print(f"{key:>24}: {value:.3f}" if isinstance(value, float) else f"{key:>24}: {value}")
+    if cfg.wandb:
+        print(f"{'wandb run (offline)':>24}: {out / 'wandb'}  (upload with `wandb sync`)")
+    return summary
