@@ -147,13 +147,19 @@ def paged_attention_forward(
         )
     layer = module.layer_idx
     k_cache, v_cache = meta.cache.k[layer], meta.cache.v[layer]
-    k_cache.index_copy_(0, meta.slot_mapping, key[0].transpose(0, 1).to(k_cache.dtype))
-    v_cache.index_copy_(0, meta.slot_mapping, value[0].transpose(0, 1).to(v_cache.dtype))
+    kv_heads = k_cache.shape[1]
+    flat_k, flat_v = k_cache.view(k_cache.shape[0], -1), v_cache.view(v_cache.shape[0], -1)
+    total = key.shape[2]
+    flat_k.index_copy_(0, meta.slot_mapping, key[0].transpose(0, 1).reshape(total, -1).to(k_cache.dtype))
+    flat_v.index_copy_(0, meta.slot_mapping, value[0].transpose(0, 1).reshape(total, -1).to(v_cache.dtype))
 
-    num_heads, total, head_dim = query.shape[1], query.shape[2], query.shape[3]
+    num_heads, head_dim = query.shape[1], query.shape[3]
     b, q = meta.num_seqs, meta.max_new
-    keys = k_cache[meta.gather_slots].transpose(1, 2)  # [B, kv_heads, L, D]
-    values = v_cache[meta.gather_slots].transpose(1, 2)
+    ctx_shape = (*meta.gather_slots.shape, kv_heads, head_dim)
+    # index_select on the 2-D view is several times faster than advanced indexing on CPU
+    gather = meta.gather_slots.reshape(-1)
+    keys = flat_k.index_select(0, gather).view(ctx_shape).transpose(1, 2)  # [B, kv_heads, L, D]
+    values = flat_v.index_select(0, gather).view(ctx_shape).transpose(1, 2)
     if meta.query_index is None:
         queries = query[0].view(num_heads, b, q, head_dim).transpose(0, 1)
     else:
