@@ -50,15 +50,19 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--quick", action="store_true", help="fewer prompts (for a smoke run)")
     bench.set_defaults(func=_bench)
 
-    tiny = sub.add_parser("train-tiny", help="SFT recipe for the shipped tiny policy and drafter",
-                          add_help=False)
-    tiny.add_argument("rest", nargs=argparse.REMAINDER)
+    tiny = sub.add_parser("train-tiny", help="SFT recipe for the shipped tiny policy and drafter "
+                          "(options: tailspec train-tiny --help)", add_help=False)
     tiny.set_defaults(func=_train_tiny)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, rest = parser.parse_known_args(argv)
+    if args.func is _train_tiny:
+        args.rest = rest
+    elif rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.INFO,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",

@@ -1,0 +1,35 @@
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tailspec.cli import build_parser
+from tailspec.demo import DemoConfig
+from tailspec.rollout.params import RolloutConfig
+
+CONFIGS = Path(__file__).resolve().parent.parent / "configs"
+
+
+def test_cli_has_subcommands():
+    parser = build_parser()
+    assert parser.parse_args(["demo", "--steps", "3", "--no-wandb"]).steps == 3
+    assert parser.parse_args(["bench", "--quick"]).quick
+    with pytest.raises(SystemExit):
+        parser.parse_args(["no-such-command"])
+
+
+def test_demo_yaml_loads_and_validates(tmp_path):
+    cfg = DemoConfig.from_yaml(CONFIGS / "demo_cpu.yaml")
+    assert cfg.max_steps >= 1 and cfg.num_generations >= 2
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("max_steps: 3\nnot_a_field: 1\n")
+    with pytest.raises(ValueError, match="not_a_field"):
+        DemoConfig.from_yaml(bad)
+    with pytest.raises(ValueError, match="num_generations"):
+        DemoConfig(num_generations=1)
+
+
+def test_rollout_yaml_is_a_valid_rollout_config():
+    data = yaml.safe_load((CONFIGS / "rollout_default.yaml").read_text())
+    cfg = RolloutConfig.from_dict(data)
+    assert cfg.total_blocks == data["kv_cache_tokens"] // data["block_size"]

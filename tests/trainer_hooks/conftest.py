@@ -1,0 +1,55 @@
+import os
+
+import pytest
+from datasets import Dataset
+
+os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+os.environ.setdefault("WANDB_MODE", "disabled")
+
+
+@pytest.fixture(scope="module")
+def task_tokenizer():
+    from tailspec.tasks.tokenizer import build_tokenizer
+
+    return build_tokenizer()
+
+
+@pytest.fixture
+def tiny_policy(task_tokenizer):
+    from tailspec.testing import tiny_random_model
+
+    return tiny_random_model(
+        "qwen2",
+        seed=3,
+        vocab_size=len(task_tokenizer),
+        eos_token_id=task_tokenizer.eos_token_id,
+        pad_token_id=task_tokenizer.pad_token_id,
+        initializer_range=0.05,
+    )
+
+
+@pytest.fixture
+def grpo_dataset():
+    rows = [{"prompt": [{"role": "user", "content": f"add {i % 10} {(3 * i) % 10}"}], "answer": (i % 10) + (3 * i) % 10}
+            for i in range(16)]
+    return Dataset.from_list(rows)
+
+
+@pytest.fixture
+def grpo_args(tmp_path):
+    from trl import GRPOConfig
+
+    return GRPOConfig(
+        output_dir=str(tmp_path / "grpo"),
+        per_device_train_batch_size=8,
+        num_generations=4,
+        max_completion_length=12,
+        max_steps=2,
+        learning_rate=1e-3,
+        logging_steps=1,
+        report_to=[],
+        use_cpu=True,
+        save_strategy="no",
+        seed=0,
+    )
+

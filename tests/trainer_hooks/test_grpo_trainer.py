@@ -1,0 +1,61 @@
+import pytest
+import trl
+
+import tailspec
+from tailspec.trainer_hooks import SpecRollout
+
+
+def length_reward(completions, **kwargs):
+    return [float(len(c[0]["content"])) / 10.0 for c in completions]
+
+
+def params_snapshot(model):
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _changed(before, model):
+    after = model.state_dict()
+    return any(not (before[k] == after[k]).all() for k in before)
+
+
+def test_tailspec_grpo_trainer_two_steps(task_tokenizer, tiny_policy, grpo_dataset, grpo_args):
+    rollout = SpecRollout()
+    trainer = tailspec.GRPOTrainer(
+        model=tiny_policy, reward_funcs=length_reward, args=grpo_args,
+        train_dataset=grpo_dataset, processing_class=task_tokenizer, rollout=rollout,
+    )
+    before = params_snapshot(tiny_policy)
+    trainer.train()
+    assert trainer.state.global_step == 2
+    assert len(rollout.history) == 2  # one rollout per generation batch
+    # colocated: the engine drives the trainer's live module, no copy
+    assert rollout.engine.model is trainer.accelerator.unwrap_model(trainer.model)
+    logged = [h for h in trainer.state.log_history if "rollout/tokens_per_s" in h]
+    assert len(logged) == 2 and all(h["rollout/tokens_per_s"] > 0 for h in logged)
+    assert _changed(before, tiny_policy)
+
+
+def test_stock_trl_trainer_accepts_spec_rollout(task_tokenizer, tiny_policy, grpo_dataset, grpo_args):
+    rollout = SpecRollout()
+    trainer = trl.GRPOTrainer(
+        model=tiny_policy, reward_funcs=length_reward, args=grpo_args,
+        train_dataset=grpo_dataset, processing_class=task_tokenizer, rollout_func=rollout,
+    )
+    trainer.train()
+    assert trainer.state.global_step == 2
+    assert len(rollout.history) == 2
+
+
+def test_default_rollout_and_argument_checks(task_tokenizer, tiny_policy, grpo_dataset, grpo_args):
+    trainer = tailspec.GRPOTrainer(
+        model=tiny_policy, reward_funcs=length_reward, args=grpo_args,
+        train_dataset=grpo_dataset, processing_class=task_tokenizer,
+    )
+    assert isinstance(trainer.rollout, SpecRollout)
+    with pytest.raises(ValueError, match="not both"):
+        tailspec.GRPOTrainer(model=tiny_policy, reward_funcs=length_reward, args=grpo_args,
+                             train_dataset=grpo_dataset, processing_class=task_tokenizer,
+                             rollout=SpecRollout(), rollout_func=SpecRollout())
+    with pytest.raises(ValueError, match="callable"):
+        tailspec.GRPOTrainer(model=tiny_policy, reward_funcs=length_reward, args=grpo_args,
+                             train_dataset=grpo_dataset, processing_class=task_tokenizer, rollout=42)

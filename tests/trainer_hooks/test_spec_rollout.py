@@ -1,0 +1,83 @@
+from types import SimpleNamespace
+
+import pytest
+import torch
+from trl import GRPOConfig
+
+from tailspec.rollout.params import SamplingParams
+from tailspec.trainer_hooks import SpecRollout, sampling_params_from_trl
+
+
+def _args(**kw):
+    base = dict(output_dir="/tmp/unused", max_completion_length=32, report_to=[], use_cpu=True)
+    base.update(kw)
+    return GRPOConfig(**base)
+
+
+def test_sampling_params_follow_grpo_config():
+    sp = sampling_params_from_trl(_args(temperature=0.7, top_p=0.9, top_k=20, min_p=0.05))
+    assert sp == SamplingParams(temperature=0.7, top_p=0.9, top_k=20, min_p=0.05, max_new_tokens=32)
+    assert sampling_params_from_trl(_args()).min_p == 0.0  # GRPOConfig.min_p=None means off
+
+
+def test_generation_kwargs_override_and_greedy():
+    sp = sampling_params_from_trl(_args(generation_kwargs={"do_sample": False, "max_tokens": 7, "stop_token_ids": [5]}))
+    assert sp.greedy and sp.max_new_tokens == 7 and sp.stop_token_ids == (5,)
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(repetition_penalty=1.1), "repetition_penalty"),
+        (dict(generation_kwargs={"num_beams": 4}), "num_beams"),
+        (dict(generation_kwargs={"repetition_penalty": 1.3}), "repetition_penalty"),
+        (dict(temperature=-1.0), "temperature"),
+    ],
+)
+def test_unsupported_sampling_is_refused(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        sampling_params_from_trl(_args(**kwargs))
+
+
+def test_tokenize_prompts_matches_chat_template(task_tokenizer):
+    convs = [[{"role": "user", "content": "add 1 2"}], [{"role": "user", "content": "add 3 4 5"}]]
+    ids = SpecRollout.tokenize_prompts(convs, task_tokenizer)
+    for conv, row in zip(convs, ids):
+        expected = task_tokenizer.apply_chat_template(conv, add_generation_prompt=True, tokenize=True, return_dict=True)
+        assert row == list(expected["input_ids"])
+    plain = SpecRollout.tokenize_prompts(["add 1 2"], task_tokenizer)
+    assert plain == [task_tokenizer("add 1 2")["input_ids"]]
+
+
+@pytest.mark.parametrize("prompts", [[], ["add 1", [{"role": "user", "content": "x"}]]])
+def test_tokenize_prompts_rejects_bad_input(task_tokenizer, prompts):
+    with pytest.raises(ValueError):
+        SpecRollout.tokenize_prompts(prompts, task_tokenizer)
+
+
+def test_rollout_contract_with_repeated_prompts(task_tokenizer, tiny_policy):
+    """One row per prompt, in order, repeated prompts forked, greedy rows equal HF generate."""
+    convs = [[{"role": "user", "content": f"add {i} {i + 1}"}] for i in range(3)]
+    prompts = [c for c in convs for _ in range(4)]  # TRL repeats each prompt num_generations times
+    trainer = SimpleNamespace(
+        args=_args(max_completion_length=10, generation_kwargs={"do_sample": False}),
+        processing_class=task_tokenizer,
+        model=tiny_policy,
+    )
+    rollout = SpecRollout(model=tiny_policy)
+    out = rollout(prompts, trainer)
+    assert set(out) == {"prompt_ids", "completion_ids", "logprobs"}
+    assert len(out["prompt_ids"]) == len(out["completion_ids"]) == len(out["logprobs"]) == len(prompts)
+    expected_prompts = SpecRollout.tokenize_prompts(prompts, task_tokenizer)
+    assert out["prompt_ids"] == expected_prompts
+    assert rollout.engine.stats.forked_prefills == 9
+    eos = task_tokenizer.eos_token_id
+    for p, c, lp in zip(out["prompt_ids"], out["completion_ids"], out["logprobs"]):
+        assert len(c) == len(lp) >= 1
+        assert eos not in c[:-1]
+        ref = tiny_policy.generate(torch.tensor([p]), do_sample=False, max_new_tokens=10,
+                                   eos_token_id=eos, pad_token_id=task_tokenizer.pad_token_id)[0, len(p):].tolist()
+        if eos in ref:
+            ref = ref[: ref.index(eos) + 1]
+        assert c == ref
+    assert rollout.last_stats.num_prompts == len(prompts)
