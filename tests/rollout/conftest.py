@@ -1,0 +1,36 @@
+import functools
+
+import pytest
+import torch
+
+from tailspec.testing import ARCHITECTURES, tiny_random_model
+
+EOS = 1
+VOCAB = 96
+
+
+@functools.lru_cache(maxsize=None)
+def cached_model(arch: str, seed: int = 1, initializer_range: float = 0.2):
+    return tiny_random_model(arch, seed=seed, initializer_range=initializer_range)
+
+
+@pytest.fixture(params=ARCHITECTURES)
+def arch_model(request):
+    return cached_model(request.param)
+
+
+def hf_greedy(model, prompt: list[int], max_new_tokens: int, eos_id: int = EOS) -> list[int]:
+    """Batch-1 HF generate, cut after the first EOS (kept)."""
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=max_new_tokens,
+                             eos_token_id=eos_id if eos_id >= 0 else None, pad_token_id=0)
+    ids = out[0, len(prompt):].tolist()
+    if eos_id < 0:
+        return ids
+    return ids[: ids.index(eos_id) + 1] if eos_id in ids else ids
+
+
+def random_prompts(n: int, seed: int, min_len: int = 1, max_len: int = 25) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(min_len, max_len + 1, (n,), generator=g).tolist()
+    return [torch.randint(2, VOCAB, (length,), generator=g).tolist() for length in lengths]
