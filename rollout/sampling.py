@@ -84,7 +84,7 @@ def apply_top_p(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
     probs = sorted_logits.softmax(dim=-1)
     mass_before = probs.cumsum(dim=-1) - probs
-    remove_sorted = mass_before >= top_p.unsqueeze(-1)
+    remove_sorted = (mass_before >= top_p.unsqueeze(-1)) & (top_p < 1.0).unsqueeze(-1)
     remove_sorted[..., 0] = False
     remove = torch.zeros_like(remove_sorted).scatter(-1, order, remove_sorted)
     return logits.masked_fill(remove, float("-inf"))
@@ -125,9 +125,10 @@ def sample_from_logprobs(logprobs: torch.Tensor, uniforms: torch.Tensor) -> torc
     a token of zero probability.
     """
     cdf = logprobs.double().exp().cumsum(dim=-1)
-    target = uniforms.double().unsqueeze(-1) * cdf[..., -1:]
-    idx = torch.searchsorted(cdf, target, right=True).squeeze(-1)
-    return idx.clamp_(max=logprobs.shape[-1] - 1)
+    total = cdf[..., -1:]
+    idx = torch.searchsorted(cdf, uniforms.double().unsqueeze(-1) * total, right=True)
+    last_positive = (cdf < total).sum(dim=-1, keepdim=True)  # the last token with probability > 0
+    return torch.minimum(idx, last_positive).squeeze(-1)
 
 
 def choose_tokens(
