@@ -50,8 +50,11 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--quick", action="store_true", help="fewer prompts (for a smoke run)")
     bench.set_defaults(func=_bench)
 
-    tiny = sub.add_parser("train-tiny", help="SFT recipe for the shipped tiny policy and drafter "
-                          "(options: tailspec train-tiny --help)", add_help=False)
+    tiny = sub.add_parser(
+        "train-tiny",
+        help="SFT recipe for the shipped tiny policy and drafter (options: tailspec train-tiny --help)",
+        add_help=False,
+    )
     tiny.set_defaults(func=_train_tiny)
     return parser
 

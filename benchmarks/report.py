@@ -62,9 +62,7 @@ def plot_throughput(results: Sequence[ThroughputResult], path: Path) -> None:
     plt.close(fig)
 
 
-def write_report(
-    out: Path, sections: list[tuple[str, str]], command: str, workload: str
-) -> None:
+def write_report(out: Path, sections: list[tuple[str, str]], command: str, workload: str) -> None:
     stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     parts = [
         "# Benchmarks",

@@ -31,9 +31,15 @@ def run_bench(out: Path, quick: bool = False, seed: int = 1234) -> str:
     per_size = {1: 4, 8: 16, 32: 32} if quick else {1: 16, 8: 32, 32: 64}
     prompts = task_prompts(tokenizer, max(per_size.values()), seed)
     results = measure_throughput(
-        model, prompts, params, batch_sizes, per_size,
-        eos_token_ids=[tokenizer.eos_token_id], pad_token_id=tokenizer.pad_token_id,
-        engine_config=RolloutConfig(), repeats=1 if quick else 2,
+        model,
+        prompts,
+        params,
+        batch_sizes,
+        per_size,
+        eos_token_ids=[tokenizer.eos_token_id],
+        pad_token_id=tokenizer.pad_token_id,
+        engine_config=RolloutConfig(),
+        repeats=1 if quick else 2,
     )
     table = throughput_table(results)
     docs = out.parent
@@ -49,6 +55,10 @@ def run_bench(out: Path, quick: bool = False, seed: int = 1234) -> str:
         f"heavy-tailed answer lengths, T = 1.0, max_new_tokens = {params.max_new_tokens}, "
         f"seed {seed}{' (quick mode)' if quick else ''}."
     )
-    write_report(out, [("Rollout throughput: tailspec engine vs HF generate", section)],
-                 command="tailspec bench" + (" --quick" if quick else ""), workload=workload)
+    write_report(
+        out,
+        [("Rollout throughput: tailspec engine vs HF generate", section)],
+        command="tailspec bench" + (" --quick" if quick else ""),
+        workload=workload,
+    )
     return table

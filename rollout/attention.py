@@ -59,9 +59,7 @@ class AttentionMetadata:
         return self._window_masks[sliding_window]
 
 
-def build_metadata(
-    cache: PagedKVCache, seqs: Sequence[SequenceSlice], positions: torch.Tensor
-) -> AttentionMetadata:
+def build_metadata(cache: PagedKVCache, seqs: Sequence[SequenceSlice], positions: torch.Tensor) -> AttentionMetadata:
     """Metadata for one packed forward; ``positions`` is the packed ``[T]`` position of each token."""
     device = cache.layout.device
     bs = cache.block_size
@@ -165,7 +163,9 @@ def paged_attention_forward(
     else:
         queries = query[0][:, meta.query_index].transpose(0, 1)  # [B, H, Q, D]
     out = F.scaled_dot_product_attention(
-        queries.to(keys.dtype), keys, values,
+        queries.to(keys.dtype),
+        keys,
+        values,
         attn_mask=meta.mask_for(sliding_window),
         scale=scaling,
         enable_gqa=keys.shape[1] != num_heads,

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable, Sequence as Seq
+from collections.abc import Iterable
+from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 
 import torch
@@ -19,7 +20,7 @@ from .attention import SequenceSlice, paged_attention_enabled
 from .kv_cache import blocks_for
 from .model_runner import ModelRunner
 from .params import RolloutConfig, SamplingParams
-from .request import FinishReason, RequestOutput, Sequence, SeqStatus
+from .request import FinishReason, RequestOutput, SeqStatus, Sequence
 from .sampling import BatchSamplingTensors, choose_tokens, draw_uniforms, processed_logprobs
 from .scheduler import ScheduledBatch, Scheduler, StepKind
 
@@ -41,9 +42,7 @@ class EngineStats:
 
     def as_dict(self) -> dict[str, float]:
         d = {k: v for k, v in self.__dict__.items() if k != "batch_sizes"}
-        d["mean_decode_batch"] = (
-            sum(self.batch_sizes) / len(self.batch_sizes) if self.batch_sizes else 0.0
-        )
+        d["mean_decode_batch"] = sum(self.batch_sizes) / len(self.batch_sizes) if self.batch_sizes else 0.0
         d["tokens_per_s"] = self.generated_tokens / self.wall_time_s if self.wall_time_s else 0.0
         return d
 
@@ -74,9 +73,7 @@ class RolloutEngine:
         self.config = config or RolloutConfig()
         self.runner = ModelRunner(model, self.config.total_blocks, self.config.block_size)
         self.vocab_size = self.runner.vocab_size
-        self.max_model_len = self.config.max_model_len or int(
-            getattr(model.config, "max_position_embeddings", 1 << 30)
-        )
+        self.max_model_len = self.config.max_model_len or int(getattr(model.config, "max_position_embeddings", 1 << 30))
         self.eos_ids = frozenset(eos_token_ids) if eos_token_ids is not None else eos_ids_of(model, tokenizer)
         bad_eos = [i for i in self.eos_ids if not 0 <= i < self.vocab_size]
         if bad_eos:

@@ -44,7 +44,9 @@ class SamplingParams:
         t = self.temperature
         _require(
             isinstance(t, (int, float)) and not isinstance(t, bool) and math.isfinite(t) and t >= 0,
-            "temperature", "a finite number >= 0 (0 = greedy)", t,
+            "temperature",
+            "a finite number >= 0 (0 = greedy)",
+            t,
         )
         _require(_is_int(self.top_k) and self.top_k >= 0, "top_k", "an int >= 0 (0 = off)", self.top_k)
         p = self.top_p
@@ -53,12 +55,16 @@ class SamplingParams:
         _require(isinstance(m, (int, float)) and 0 <= m <= 1, "min_p", "in [0, 1]", m)
         _require(
             _is_int(self.max_new_tokens) and self.max_new_tokens >= 1,
-            "max_new_tokens", "an int >= 1", self.max_new_tokens,
+            "max_new_tokens",
+            "an int >= 1",
+            self.max_new_tokens,
         )
         stops = tuple(self.stop_token_ids)
         _require(
             all(_is_int(s) and s >= 0 for s in stops),
-            "stop_token_ids", "a sequence of ints >= 0", self.stop_token_ids,
+            "stop_token_ids",
+            "a sequence of ints >= 0",
+            self.stop_token_ids,
         )
         object.__setattr__(self, "stop_token_ids", stops)
         _require(self.seed is None or _is_int(self.seed), "seed", "None or an int", self.seed)
@@ -95,18 +101,39 @@ class RolloutConfig:
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        _require(_is_int(self.block_size) and 1 <= self.block_size <= 1024,
-                 "block_size", "an int in [1, 1024]", self.block_size)
-        _require(self.num_blocks is None or (_is_int(self.num_blocks) and self.num_blocks >= 1),
-                 "num_blocks", "None or an int >= 1", self.num_blocks)
-        _require(_is_int(self.kv_cache_tokens) and self.kv_cache_tokens >= self.block_size,
-                 "kv_cache_tokens", f"an int >= block_size ({self.block_size})", self.kv_cache_tokens)
-        _require(_is_int(self.max_num_seqs) and self.max_num_seqs >= 1,
-                 "max_num_seqs", "an int >= 1", self.max_num_seqs)
-        _require(_is_int(self.max_prefill_tokens) and self.max_prefill_tokens >= 1,
-                 "max_prefill_tokens", "an int >= 1", self.max_prefill_tokens)
-        _require(self.max_model_len is None or (_is_int(self.max_model_len) and self.max_model_len >= 2),
-                 "max_model_len", "None or an int >= 2", self.max_model_len)
+        _require(
+            _is_int(self.block_size) and 1 <= self.block_size <= 1024,
+            "block_size",
+            "an int in [1, 1024]",
+            self.block_size,
+        )
+        _require(
+            self.num_blocks is None or (_is_int(self.num_blocks) and self.num_blocks >= 1),
+            "num_blocks",
+            "None or an int >= 1",
+            self.num_blocks,
+        )
+        _require(
+            _is_int(self.kv_cache_tokens) and self.kv_cache_tokens >= self.block_size,
+            "kv_cache_tokens",
+            f"an int >= block_size ({self.block_size})",
+            self.kv_cache_tokens,
+        )
+        _require(
+            _is_int(self.max_num_seqs) and self.max_num_seqs >= 1, "max_num_seqs", "an int >= 1", self.max_num_seqs
+        )
+        _require(
+            _is_int(self.max_prefill_tokens) and self.max_prefill_tokens >= 1,
+            "max_prefill_tokens",
+            "an int >= 1",
+            self.max_prefill_tokens,
+        )
+        _require(
+            self.max_model_len is None or (_is_int(self.max_model_len) and self.max_model_len >= 2),
+            "max_model_len",
+            "None or an int >= 2",
+            self.max_model_len,
+        )
         _require(self.strategy in STRATEGIES, "strategy", f"one of {STRATEGIES}", self.strategy)
         _require(_is_int(self.seed), "seed", "an int", self.seed)
 

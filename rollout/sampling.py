@@ -131,9 +131,7 @@ def sample_from_logprobs(logprobs: torch.Tensor, uniforms: torch.Tensor) -> torc
     return torch.minimum(idx, last_positive).squeeze(-1)
 
 
-def choose_tokens(
-    logprobs: torch.Tensor, st: BatchSamplingTensors, uniforms: torch.Tensor | None
-) -> torch.Tensor:
+def choose_tokens(logprobs: torch.Tensor, st: BatchSamplingTensors, uniforms: torch.Tensor | None) -> torch.Tensor:
     """Greedy rows take the argmax, the others sample with their uniform."""
     greedy_tokens = logprobs.argmax(dim=-1)
     if st.all_greedy:
@@ -145,9 +143,7 @@ def choose_tokens(
     return sampled
 
 
-def draw_uniforms(
-    generators: Sequence[torch.Generator | None], fallback: torch.Generator
-) -> torch.Tensor:
+def draw_uniforms(generators: Sequence[torch.Generator | None], fallback: torch.Generator) -> torch.Tensor:
     """One uniform per row, from the row's own generator when it has one (seeded requests)."""
     out = torch.empty(len(generators), dtype=torch.float64)
     shared_rows = [i for i, g in enumerate(generators) if g is None]

@@ -16,7 +16,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from .kv_cache import BlockAllocator, blocks_for
-from .request import Sequence, SeqStatus
+from .request import SeqStatus, Sequence
 
 
 class StepKind(enum.Enum):
@@ -33,9 +33,7 @@ class ScheduledBatch:
 
 
 class Scheduler:
-    def __init__(
-        self, allocator: BlockAllocator, block_size: int, max_num_seqs: int, max_prefill_tokens: int
-    ) -> None:
+    def __init__(self, allocator: BlockAllocator, block_size: int, max_num_seqs: int, max_prefill_tokens: int) -> None:
         self.allocator = allocator
         self.block_size = block_size
         self.max_num_seqs = max_num_seqs

@@ -30,7 +30,7 @@ class ChainSumConfig:
     @cached_property
     def _weights(self) -> tuple[list[int], list[float]]:
         ns = list(range(self.min_terms, self.max_terms + 1))
-        return ns, [n ** -self.tail_exponent for n in ns]
+        return ns, [n**-self.tail_exponent for n in ns]
 
 
 @dataclass(frozen=True)
@@ -54,7 +54,9 @@ class ChainSumProblem:
         return " ".join(steps) + f" answer {total}"
 
 
-def sample_problem(rng: random.Random, cfg: ChainSumConfig = ChainSumConfig(), num_terms: int | None = None) -> ChainSumProblem:
+def sample_problem(
+    rng: random.Random, cfg: ChainSumConfig = ChainSumConfig(), num_terms: int | None = None
+) -> ChainSumProblem:
     ns, weights = cfg._weights
     n = num_terms if num_terms is not None else rng.choices(ns, weights)[0]
     return ChainSumProblem(tuple(rng.randint(0, 9) for _ in range(n)))

@@ -79,7 +79,9 @@ class SFTConfig:
 def encode_example(tokenizer: PreTrainedTokenizerFast, problem: ChainSumProblem) -> tuple[list[int], int]:
     """Token ids of the templated dialogue and the number of prompt tokens (not trained on)."""
     prompt = [{"role": "user", "content": problem.question}]
-    prompt_ids = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
+    prompt_ids = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True, return_dict=True)[
+        "input_ids"
+    ]
     full = tokenizer.apply_chat_template(
         prompt + [{"role": "assistant", "content": problem.solution}], tokenize=True, return_dict=True
     )["input_ids"]
@@ -163,8 +165,10 @@ def train_model(
         losses.append(loss.item())
         tokens += int(mask.sum())
         if step % 20 == 0:
-            bar.set_postfix(loss=f"{sum(losses[-20:]) / len(losses[-20:]):.4f}",
-                            tok_s=f"{tokens / (time.perf_counter() - start):.0f}")
+            bar.set_postfix(
+                loss=f"{sum(losses[-20:]) / len(losses[-20:]):.4f}",
+                tok_s=f"{tokens / (time.perf_counter() - start):.0f}",
+            )
     model.eval()
     metrics = {
         "steps": cfg.steps,
@@ -188,7 +192,10 @@ def _jsonable(cfg: SFTConfig) -> dict:
 
 
 def evaluate_accuracy(
-    model: torch.nn.Module, tokenizer: PreTrainedTokenizerFast, problems: list[ChainSumProblem], max_new_tokens: int = 400
+    model: torch.nn.Module,
+    tokenizer: PreTrainedTokenizerFast,
+    problems: list[ChainSumProblem],
+    max_new_tokens: int = 400,
 ) -> dict:
     """Greedy accuracy overall and on short (n <= 5) / long (n >= 15) problems, via the tailspec engine."""
     from ..rollout.engine import RolloutEngine
@@ -196,13 +203,18 @@ def evaluate_accuracy(
 
     engine = RolloutEngine(model, RolloutConfig(), eos_token_ids=[tokenizer.eos_token_id])
     prompts = [
-        list(tokenizer.apply_chat_template([{"role": "user", "content": p.question}], add_generation_prompt=True,
-                                           tokenize=True, return_dict=True)["input_ids"])
+        list(
+            tokenizer.apply_chat_template(
+                [{"role": "user", "content": p.question}], add_generation_prompt=True, tokenize=True, return_dict=True
+            )["input_ids"]
+        )
         for p in problems
     ]
     outputs = engine.generate(prompts, SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens))
-    correct = [extract_answer(tokenizer.decode(o.completion_ids, skip_special_tokens=True)) == p.answer
-               for o, p in zip(outputs, problems)]
+    correct = [
+        extract_answer(tokenizer.decode(o.completion_ids, skip_special_tokens=True)) == p.answer
+        for o, p in zip(outputs, problems)
+    ]
 
     def acc(sel):
         picked = [c for c, p in zip(correct, problems) if sel(p)]
@@ -285,24 +297,37 @@ def main(argv: list[str] | None = None) -> int:
     problems = sample_problems(args.eval_problems, seed=eval_seed, cfg=task)
     train_rows, eval_rows = [], []
     for name, spec, steps in (("policy", POLICY, args.policy_steps), ("drafter", DRAFTER, args.drafter_steps)):
-        cfg = SFTConfig(steps=steps, seed=args.seed, threads=args.threads, task=task,
-                        warmup_steps=min(100, max(1, steps // 10)))
+        cfg = SFTConfig(
+            steps=steps, seed=args.seed, threads=args.threads, task=task, warmup_steps=min(100, max(1, steps // 10))
+        )
         model, m = train_model(spec, cfg, tokenizer, out / name)
         ev = evaluate_accuracy(model, tokenizer, problems)
         (out / name / "eval.json").write_text(json.dumps(ev, indent=2))
         logger.info("%s: %s %s", name, m, ev)
         arch = f"Qwen2, hidden {spec.hidden_size}, {spec.num_layers} layers, {spec.num_heads}/{spec.num_kv_heads} heads"
-        train_rows.append(f"| {name} | {arch} | {m['parameters']:,} | {steps} | {m['train_tokens']:,} | {m['wall_s'] / 60:.1f} min |")
+        train_rows.append(
+            f"| {name} | {arch} | {m['parameters']:,} | {steps} | {m['train_tokens']:,} | {m['wall_s'] / 60:.1f} min |"
+        )
         eval_rows.append(
             f"| {name} | {ev['accuracy']:.1%} | {ev['accuracy_short']:.1%} | {ev['accuracy_long']:.1%} | "
             f"{ev['mean_completion_tokens']:.1f} | {ev['max_completion_tokens']} |"
         )
     command = "tailspec train-tiny " + " ".join(argv if argv is not None else [])
-    (out / "MODEL_CARD.md").write_text(MODEL_CARD.format(
-        command=command.strip(), max_terms=task.max_terms, tail_exponent=task.tail_exponent, vocab=len(tokenizer),
-        uniform_pct=int(SFTConfig().uniform_fraction * 100), seed=args.seed, threads=args.threads,
-        train_rows="\n".join(train_rows), num_problems=len(problems), eval_seed=eval_seed,
-        num_long=sum(len(p.terms) >= 15 for p in problems), eval_rows="\n".join(eval_rows),
-    ))
+    (out / "MODEL_CARD.md").write_text(
+        MODEL_CARD.format(
+            command=command.strip(),
+            max_terms=task.max_terms,
+            tail_exponent=task.tail_exponent,
+            vocab=len(tokenizer),
+            uniform_pct=int(SFTConfig().uniform_fraction * 100),
+            seed=args.seed,
+            threads=args.threads,
+            train_rows="\n".join(train_rows),
+            num_problems=len(problems),
+            eval_seed=eval_seed,
+            num_long=sum(len(p.terms) >= 15 for p in problems),
+            eval_rows="\n".join(eval_rows),
+        )
+    )
     print(f"wrote {out}")
     return 0

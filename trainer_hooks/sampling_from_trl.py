@@ -9,8 +9,16 @@ from ..rollout.params import SamplingParams
 
 # generation_kwargs keys SpecRollout understands; anything else is refused, never ignored.
 SUPPORTED_GENERATION_KWARGS = (
-    "temperature", "top_p", "top_k", "min_p", "max_new_tokens", "max_tokens",
-    "stop_token_ids", "seed", "do_sample", "repetition_penalty",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "max_new_tokens",
+    "max_tokens",
+    "stop_token_ids",
+    "seed",
+    "do_sample",
+    "repetition_penalty",
 )
 
 

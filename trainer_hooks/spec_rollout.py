@@ -191,7 +191,10 @@ class SpecRollout:
         self.history.append(stats)
         logger.info(
             "rollout: %d completions, %d tokens in %.2fs (%.0f tok/s)",
-            stats.num_prompts, total, elapsed, stats.tokens_per_s,
+            stats.num_prompts,
+            total,
+            elapsed,
+            stats.tokens_per_s,
         )
         metrics = getattr(trainer, "_metrics", None)
         if self.config.log_metrics and metrics is not None:

@@ -9,7 +9,7 @@ EOS = 1
 VOCAB = 96
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def cached_model(arch: str, seed: int = 1, initializer_range: float = 0.2):
     return tiny_random_model(arch, seed=seed, initializer_range=initializer_range)
 
@@ -22,9 +22,14 @@ def arch_model(request):
 def hf_greedy(model, prompt: list[int], max_new_tokens: int, eos_id: int = EOS) -> list[int]:
     """Batch-1 HF generate, cut after the first EOS (kept)."""
     with torch.no_grad():
-        out = model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=max_new_tokens,
-                             eos_token_id=eos_id if eos_id >= 0 else None, pad_token_id=0)
-    ids = out[0, len(prompt):].tolist()
+        out = model.generate(
+            torch.tensor([prompt]),
+            do_sample=False,
+            max_new_tokens=max_new_tokens,
+            eos_token_id=eos_id if eos_id >= 0 else None,
+            pad_token_id=0,
+        )
+    ids = out[0, len(prompt) :].tolist()
     if eos_id < 0:
         return ids
     return ids[: ids.index(eos_id) + 1] if eos_id in ids else ids

@@ -1,10 +1,9 @@
 """Greedy fp32 output of the engine equals Hugging Face generate token for token."""
 
 import pytest
+from conftest import EOS, cached_model, hf_greedy, random_prompts
 
 from tailspec.rollout import RolloutConfig, RolloutEngine, SamplingParams
-
-from conftest import EOS, cached_model, hf_greedy, random_prompts
 
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=24)
 
@@ -73,7 +72,10 @@ def test_block_size_does_not_change_outputs():
     model = cached_model("qwen2")
     prompts = random_prompts(6, seed=3)
     results = [
-        [o.completion_ids for o in RolloutEngine(model, RolloutConfig(block_size=bs, kv_cache_tokens=4096)).generate(prompts, GREEDY)]
+        [
+            o.completion_ids
+            for o in RolloutEngine(model, RolloutConfig(block_size=bs, kv_cache_tokens=4096)).generate(prompts, GREEDY)
+        ]
         for bs in (1, 3, 16)
     ]
     assert results[0] == results[1] == results[2]

@@ -1,11 +1,10 @@
 import pytest
 import torch
+from conftest import cached_model
 
 from tailspec.rollout.attention import SequenceSlice, build_metadata, paged_attention_enabled
 from tailspec.rollout.kv_cache import BlockAllocator, KVLayout, OutOfBlocks, PagedKVCache, blocks_for
 from tailspec.rollout.model_runner import ModelRunner
-
-from conftest import cached_model
 
 
 def test_allocator_refcounts():
@@ -37,7 +36,10 @@ def _cache(num_blocks=8, block_size=4):
 def test_metadata_for_causal_and_tree_sequences():
     cache = _cache()
     tree = torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool)  # node 0 with two children
-    seqs = [SequenceSlice([3, 5], num_cached=2, num_new=3), SequenceSlice([1], num_cached=1, num_new=3, new_token_mask=tree)]
+    seqs = [
+        SequenceSlice([3, 5], num_cached=2, num_new=3),
+        SequenceSlice([1], num_cached=1, num_new=3, new_token_mask=tree),
+    ]
     positions = torch.tensor([2, 3, 4, 1, 2, 2])
     meta = build_metadata(cache, seqs, positions)
     # new tokens go to cache indices 2,3,4 of seq 0 (blocks 3,3,5) and 1,2,3 of seq 1 (block 1)
@@ -79,7 +81,9 @@ def test_tree_mask_forward_equals_causal_paths():
         runner.forward([SequenceSlice(table, 0, len(prefix))], prefix, list(range(len(prefix))), [len(prefix) - 1])
         logits = runner.forward(
             [SequenceSlice(table, len(prefix), 4, new_token_mask=tree)],
-            nodes, [len(prefix) + d for d in depth], [0, 1, 2, 3],
+            nodes,
+            [len(prefix) + d for d in depth],
+            [0, 1, 2, 3],
         )
     paths = {0: [7], 1: [7, 8], 2: [7, 11], 3: [7, 11, 12]}
     with torch.no_grad():

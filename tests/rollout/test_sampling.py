@@ -3,6 +3,7 @@ processed target distribution (chi-square with fixed seeds)."""
 
 import pytest
 import torch
+from conftest import cached_model
 from transformers.generation.logits_process import (
     MinPLogitsWarper,
     TemperatureLogitsWarper,
@@ -12,8 +13,6 @@ from transformers.generation.logits_process import (
 
 from tailspec.rollout import RolloutConfig, RolloutEngine, SamplingParams
 from tailspec.rollout.sampling import BatchSamplingTensors, processed_logprobs, sample_from_logprobs
-
-from conftest import cached_model
 
 SETTINGS = [
     SamplingParams(temperature=1.0),

@@ -3,10 +3,9 @@
 import math
 
 import pytest
+from conftest import VOCAB, cached_model, hf_greedy, random_prompts
 
 from tailspec.rollout import RolloutConfig, RolloutEngine, SamplingParams
-
-from conftest import VOCAB, cached_model, hf_greedy, random_prompts
 
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=16)
 
@@ -36,8 +35,13 @@ def test_sampling_params_validation(kwargs, field):
 
 @pytest.mark.parametrize(
     "kwargs, field",
-    [(dict(block_size=0), "block_size"), (dict(num_blocks=0), "num_blocks"), (dict(strategy="magic"), "strategy"),
-     (dict(max_num_seqs=0), "max_num_seqs"), (dict(max_model_len=1), "max_model_len")],
+    [
+        (dict(block_size=0), "block_size"),
+        (dict(num_blocks=0), "num_blocks"),
+        (dict(strategy="magic"), "strategy"),
+        (dict(max_num_seqs=0), "max_num_seqs"),
+        (dict(max_model_len=1), "max_model_len"),
+    ],
 )
 def test_rollout_config_validation(kwargs, field):
     with pytest.raises(ValueError, match=field):

@@ -39,8 +39,14 @@ def test_solution_lengths_are_heavy_tailed():
 
 @pytest.mark.parametrize(
     "text, expected",
-    [("1+2=3 answer 3", 3), ("answer 4 then answer 12", 12), ("no result", None), ("", None), ("answer -5", -5),
-     ("answer x", None)],
+    [
+        ("1+2=3 answer 3", 3),
+        ("answer 4 then answer 12", 12),
+        ("no result", None),
+        ("", None),
+        ("answer -5", -5),
+        ("answer x", None),
+    ],
 )
 def test_extract_answer(text, expected):
     assert extract_answer(text) == expected

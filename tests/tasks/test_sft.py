@@ -26,7 +26,10 @@ def test_batches_mask_the_prompt_and_respect_the_budget():
     for row_ids, row_labels in zip(ids, labels):
         split = (row_ids == assistant).nonzero()[0].item()
         assert (row_labels[: split + 1] == -100).all()  # prompt and the assistant tag are not trained on
-        assert (row_labels[split + 1 :][row_labels[split + 1 :] != -100] == row_ids[split + 1 :][row_labels[split + 1 :] != -100]).all()
+        assert (
+            row_labels[split + 1 :][row_labels[split + 1 :] != -100]
+            == row_ids[split + 1 :][row_labels[split + 1 :] != -100]
+        ).all()
 
 
 def test_loss_falls_and_model_round_trips(tmp_path):

@@ -25,10 +25,15 @@ def test_chat_template_ids():
     tok = build_tokenizer()
     conv = [{"role": "user", "content": "add 1 2"}]
     ids = tok.apply_chat_template(conv, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
-    expected = [tok.convert_tokens_to_ids("<|user|>"), *tok("add 1 2")["input_ids"], tok.convert_tokens_to_ids("<|assistant|>")]
+    expected = [
+        tok.convert_tokens_to_ids("<|user|>"),
+        *tok("add 1 2")["input_ids"],
+        tok.convert_tokens_to_ids("<|assistant|>"),
+    ]
     assert list(ids) == expected
-    full = tok.apply_chat_template(conv + [{"role": "assistant", "content": "1+2=3 answer 3"}], tokenize=True,
-                                   return_dict=True)["input_ids"]
+    full = tok.apply_chat_template(
+        conv + [{"role": "assistant", "content": "1+2=3 answer 3"}], tokenize=True, return_dict=True
+    )["input_ids"]
     assert full[-1] == tok.eos_token_id
     assert tok.decode(full, skip_special_tokens=True) == "add 1 21+2=3 answer 3"
 

@@ -30,8 +30,10 @@ def tiny_policy(task_tokenizer):
 
 @pytest.fixture
 def grpo_dataset():
-    rows = [{"prompt": [{"role": "user", "content": f"add {i % 10} {(3 * i) % 10}"}], "answer": (i % 10) + (3 * i) % 10}
-            for i in range(16)]
+    rows = [
+        {"prompt": [{"role": "user", "content": f"add {i % 10} {(3 * i) % 10}"}], "answer": (i % 10) + (3 * i) % 10}
+        for i in range(16)
+    ]
     return Dataset.from_list(rows)
 
 
@@ -52,4 +54,3 @@ def grpo_args(tmp_path):
         save_strategy="no",
         seed=0,
     )
-

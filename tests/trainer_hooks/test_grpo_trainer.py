@@ -21,8 +21,12 @@ def _changed(before, model):
 def test_tailspec_grpo_trainer_two_steps(task_tokenizer, tiny_policy, grpo_dataset, grpo_args):
     rollout = SpecRollout()
     trainer = tailspec.GRPOTrainer(
-        model=tiny_policy, reward_funcs=length_reward, args=grpo_args,
-        train_dataset=grpo_dataset, processing_class=task_tokenizer, rollout=rollout,
+        model=tiny_policy,
+        reward_funcs=length_reward,
+        args=grpo_args,
+        train_dataset=grpo_dataset,
+        processing_class=task_tokenizer,
+        rollout=rollout,
     )
     before = params_snapshot(tiny_policy)
     trainer.train()
@@ -38,8 +42,12 @@ def test_tailspec_grpo_trainer_two_steps(task_tokenizer, tiny_policy, grpo_datas
 def test_stock_trl_trainer_accepts_spec_rollout(task_tokenizer, tiny_policy, grpo_dataset, grpo_args):
     rollout = SpecRollout()
     trainer = trl.GRPOTrainer(
-        model=tiny_policy, reward_funcs=length_reward, args=grpo_args,
-        train_dataset=grpo_dataset, processing_class=task_tokenizer, rollout_func=rollout,
+        model=tiny_policy,
+        reward_funcs=length_reward,
+        args=grpo_args,
+        train_dataset=grpo_dataset,
+        processing_class=task_tokenizer,
+        rollout_func=rollout,
     )
     trainer.train()
     assert trainer.state.global_step == 2
@@ -48,14 +56,29 @@ def test_stock_trl_trainer_accepts_spec_rollout(task_tokenizer, tiny_policy, grp
 
 def test_default_rollout_and_argument_checks(task_tokenizer, tiny_policy, grpo_dataset, grpo_args):
     trainer = tailspec.GRPOTrainer(
-        model=tiny_policy, reward_funcs=length_reward, args=grpo_args,
-        train_dataset=grpo_dataset, processing_class=task_tokenizer,
+        model=tiny_policy,
+        reward_funcs=length_reward,
+        args=grpo_args,
+        train_dataset=grpo_dataset,
+        processing_class=task_tokenizer,
     )
     assert isinstance(trainer.rollout, SpecRollout)
     with pytest.raises(ValueError, match="not both"):
-        tailspec.GRPOTrainer(model=tiny_policy, reward_funcs=length_reward, args=grpo_args,
-                             train_dataset=grpo_dataset, processing_class=task_tokenizer,
-                             rollout=SpecRollout(), rollout_func=SpecRollout())
+        tailspec.GRPOTrainer(
+            model=tiny_policy,
+            reward_funcs=length_reward,
+            args=grpo_args,
+            train_dataset=grpo_dataset,
+            processing_class=task_tokenizer,
+            rollout=SpecRollout(),
+            rollout_func=SpecRollout(),
+        )
     with pytest.raises(ValueError, match="callable"):
-        tailspec.GRPOTrainer(model=tiny_policy, reward_funcs=length_reward, args=grpo_args,
-                             train_dataset=grpo_dataset, processing_class=task_tokenizer, rollout=42)
+        tailspec.GRPOTrainer(
+            model=tiny_policy,
+            reward_funcs=length_reward,
+            args=grpo_args,
+            train_dataset=grpo_dataset,
+            processing_class=task_tokenizer,
+            rollout=42,
+        )

@@ -75,8 +75,13 @@ def test_rollout_contract_with_repeated_prompts(task_tokenizer, tiny_policy):
     for p, c, lp in zip(out["prompt_ids"], out["completion_ids"], out["logprobs"]):
         assert len(c) == len(lp) >= 1
         assert eos not in c[:-1]
-        ref = tiny_policy.generate(torch.tensor([p]), do_sample=False, max_new_tokens=10,
-                                   eos_token_id=eos, pad_token_id=task_tokenizer.pad_token_id)[0, len(p):].tolist()
+        ref = tiny_policy.generate(
+            torch.tensor([p]),
+            do_sample=False,
+            max_new_tokens=10,
+            eos_token_id=eos,
+            pad_token_id=task_tokenizer.pad_token_id,
+        )[0, len(p) :].tolist()
         if eos in ref:
             ref = ref[: ref.index(eos) + 1]
         assert c == ref
