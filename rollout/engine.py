@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from collections.abc import Sequence as Seq
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -89,6 +90,7 @@ class RolloutEngine:
         self._next_id = 0
         self._next_group = 0
         self._seqs: dict[int, Sequence] = {}
+        self._in_inference = False
 
     # -- validation ----------------------------------------------------------------------
     def validate(self, prompt_ids: Seq[int], params: SamplingParams) -> None:
@@ -227,8 +229,24 @@ class RolloutEngine:
         return [self.pop_output(i) for i in ids]
 
     # -- internals -----------------------------------------------------------------------
-    def _inference(self):
-        return _InferenceScope(self.model)
+    @contextmanager
+    def _inference(self) -> Iterator[None]:
+        """no_grad + eval mode + paged attention for the model, restored afterwards.
+
+        Re-entrant: ``generate`` enters it once around its loop, so ``step`` pays nothing inside.
+        """
+        if self._in_inference:
+            yield
+            return
+        was_training = self.model.training
+        self.model.eval()
+        self._in_inference = True
+        try:
+            with torch.no_grad(), paged_attention_enabled(self.model):
+                yield
+        finally:
+            self._in_inference = False
+            self.model.train(was_training)
 
     def _prefill(self, batch: ScheduledBatch) -> list[int]:
         slices, tokens, positions, last = [], [], [], []
@@ -297,38 +315,3 @@ class RolloutEngine:
                 self.scheduler.finish(seq)
                 finished.append(seq.seq_id)
         return finished
-
-
-class _InferenceScope:
-    """no_grad + eval mode + paged attention, restoring the model's state afterwards.
-
-    Re-entrant: ``generate`` enters it once around its loop, so ``step`` pays nothing inside.
-    """
-
-    _depth: dict[int, int] = {}
-
-    def __init__(self, model: torch.nn.Module) -> None:
-        self.model = model
-
-    def __enter__(self) -> None:
-        key = id(self.model)
-        self._outer = self._depth.get(key, 0) == 0
-        self._depth[key] = self._depth.get(key, 0) + 1
-        if not self._outer:
-            return
-        self._was_training = self.model.training
-        self.model.eval()
-        self._no_grad = torch.no_grad()
-        self._no_grad.__enter__()
-        self._attn = paged_attention_enabled(self.model)
-        self._attn.__enter__()
-
-    def __exit__(self, *exc) -> None:
-        key = id(self.model)
-        self._depth[key] -= 1
-        if not self._outer:
-            return
-        del self._depth[key]
-        self._attn.__exit__(*exc)
-        self._no_grad.__exit__(*exc)
-        self.model.train(self._was_training)
