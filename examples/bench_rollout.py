@@ -1,0 +1,16 @@
+"""Rollout throughput of the tailspec engine against HF generate (what `make bench` runs).
+
+    python examples/bench_rollout.py [--quick]
+"""
+
+import argparse
+from pathlib import Path
+
+from tailspec.benchmarks.run import run_bench
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--out", default="docs/BENCHMARKS.md")
+    args = parser.parse_args()
+    print(run_bench(Path(args.out), quick=args.quick))
