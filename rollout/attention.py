@@ -70,10 +70,8 @@ def build_metadata(cache: PagedKVCache, seqs: Sequence[SequenceSlice], positions
     uniform = all(q == max_new for q in q_lens)
 
     max_blocks = max(len(s.block_table) for s in seqs)
-    table = torch.zeros(num_seqs, max_blocks, dtype=torch.long)
-    for i, s in enumerate(seqs):
-        table[i, : len(s.block_table)] = torch.tensor(s.block_table, dtype=torch.long)
-    table = table.to(device)
+    padded = [s.block_table + [0] * (max_blocks - len(s.block_table)) for s in seqs]
+    table = torch.tensor(padded, dtype=torch.long, device=device)
     cached = torch.tensor([s.num_cached for s in seqs], dtype=torch.long, device=device)
     q_len_t = torch.tensor(q_lens, dtype=torch.long, device=device)
 
