@@ -1,6 +1,6 @@
 """Rollout throughput of the tailspec engine against HF generate (what `make bench` runs).
 
-    python examples/bench_rollout.py [--quick]
+python examples/bench_rollout.py [--quick]
 """
 
 import argparse

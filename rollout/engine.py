@@ -151,9 +151,10 @@ class RolloutEngine:
             seq.finish_reason = seq.finish_reason or FinishReason.ABORT
 
     def pop_output(self, request_id: int) -> RequestOutput:
-        seq = self._seqs.pop(request_id)
+        seq = self._seqs[request_id]
         if seq.status is not SeqStatus.FINISHED:
-            raise ValueError(f"request {request_id} has not finished")
+            raise ValueError(f"request {request_id} has not finished")  # and stays retrievable
+        del self._seqs[request_id]
         return seq.to_output()
 
     def step(self) -> list[int]:

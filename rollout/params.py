@@ -20,6 +20,14 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+# what torch.Generator.manual_seed accepts; checked here so a bad seed is refused up front
+_SEED_RANGE = "an int in [-2**63, 2**64)"
+
+
+def _valid_seed(value: Any) -> bool:
+    return _is_int(value) and -(2**63) <= value < 2**64
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How one request is sampled.
@@ -59,15 +67,18 @@ class SamplingParams:
             "an int >= 1",
             self.max_new_tokens,
         )
-        stops = tuple(self.stop_token_ids)
+        try:
+            stops = tuple(self.stop_token_ids)
+        except TypeError:  # not iterable (e.g. a bare int): refuse it below as a ValueError
+            stops = None
         _require(
-            all(_is_int(s) and s >= 0 for s in stops),
+            stops is not None and all(_is_int(s) and s >= 0 for s in stops),
             "stop_token_ids",
             "a sequence of ints >= 0",
             self.stop_token_ids,
         )
         object.__setattr__(self, "stop_token_ids", stops)
-        _require(self.seed is None or _is_int(self.seed), "seed", "None or an int", self.seed)
+        _require(self.seed is None or _valid_seed(self.seed), "seed", f"None or {_SEED_RANGE}", self.seed)
 
     @property
     def greedy(self) -> bool:
@@ -135,7 +146,7 @@ class RolloutConfig:
             self.max_model_len,
         )
         _require(self.strategy in STRATEGIES, "strategy", f"one of {STRATEGIES}", self.strategy)
-        _require(_is_int(self.seed), "seed", "an int", self.seed)
+        _require(_valid_seed(self.seed), "seed", _SEED_RANGE, self.seed)
 
     @property
     def total_blocks(self) -> int:

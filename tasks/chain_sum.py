@@ -1,44 +1,100 @@
 """The chain-sum task: add a list of digits with a chain of thought of running sums.
 
-``add 3 5 2 7`` → ``3+5=8 8+2=10 10+7=17 answer 17``. The number of terms is heavy-tailed
-(P(n) ∝ n^-tail_exponent on [min_terms, max_terms]), so most responses are short and a few are
-10-30x longer: rollouts have a real long tail. The answer is verifiable, giving a reward.
+``add 3 5 2 7`` → ``3+5=8 8+2=10 10+7=17 answer 17``. The answer is verifiable, which gives a
+reward for RL. The number of terms ``n`` is heavy-tailed, so rollouts have a real long tail:
+
+* with probability ``1 - long_fraction`` n comes from a power law, P(n) ∝ n^-tail_exponent on
+  ``[min_terms, long_min_terms - 1]`` (mostly n = 2..5: responses of 15-40 characters);
+* with probability ``long_fraction`` the problem is long: n is uniform on
+  ``[long_min_terms, max_terms]`` (responses of 120-370 characters, 10-25x the median).
+
+A pure truncated power law cannot make both the body short and the tail long enough (its 95th
+percentile length stays under ~7x the median for any exponent), hence the explicit long
+component. With ``long_fraction=0`` the distribution is the plain power law on
+``[min_terms, max_terms]``.
 """
 
 from __future__ import annotations
 
 import random
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from datasets import Dataset
+    from transformers import PreTrainedTokenizerBase
+
+_MAX_TERMS_LIMIT = 200
 
 
 @dataclass(frozen=True)
 class ChainSumConfig:
+    """The distribution of chain-sum problems (see the module docstring)."""
+
     min_terms: int = 2
     max_terms: int = 40
-    tail_exponent: float = 1.8
+    tail_exponent: float = 2.0
+    long_fraction: float = 0.1
+    long_min_terms: int = 15
 
     def __post_init__(self) -> None:
-        if not (isinstance(self.min_terms, int) and self.min_terms >= 2):
-            raise ValueError(f"min_terms must be an int >= 2, got {self.min_terms!r}")
-        if not (isinstance(self.max_terms, int) and self.min_terms <= self.max_terms <= 200):
-            raise ValueError(f"max_terms must be an int in [min_terms={self.min_terms}, 200], got {self.max_terms!r}")
+        def is_int(x: object) -> bool:
+            return isinstance(x, int) and not isinstance(x, bool)
+
+        if not (is_int(self.min_terms) and 2 <= self.min_terms <= _MAX_TERMS_LIMIT):
+            raise ValueError(f"min_terms must be an int in [2, {_MAX_TERMS_LIMIT}], got {self.min_terms!r}")
+        if not (is_int(self.max_terms) and self.min_terms <= self.max_terms <= _MAX_TERMS_LIMIT):
+            raise ValueError(
+                f"max_terms must be an int in [min_terms={self.min_terms}, {_MAX_TERMS_LIMIT}], got {self.max_terms!r}"
+            )
         if not (isinstance(self.tail_exponent, (int, float)) and 0 < self.tail_exponent <= 10):
-            raise ValueError(f"tail_exponent must be in (0, 10], got {self.tail_exponent!r}")
+            raise ValueError(f"tail_exponent must be a number in (0, 10], got {self.tail_exponent!r}")
+        if not (isinstance(self.long_fraction, (int, float)) and 0 <= self.long_fraction < 1):
+            raise ValueError(f"long_fraction must be a number in [0, 1), got {self.long_fraction!r}")
+        if self.long_fraction > 0 and not (
+            is_int(self.long_min_terms) and self.min_terms < self.long_min_terms <= self.max_terms
+        ):
+            raise ValueError(
+                f"long_min_terms must be an int in (min_terms={self.min_terms}, max_terms={self.max_terms}] "
+                f"when long_fraction > 0, got {self.long_min_terms!r} (set long_fraction=0 for a plain power law)"
+            )
 
     @cached_property
-    def _weights(self) -> tuple[list[int], list[float]]:
-        ns = list(range(self.min_terms, self.max_terms + 1))
+    def _body(self) -> tuple[list[int], list[float]]:
+        top = self.long_min_terms - 1 if self.long_fraction > 0 else self.max_terms
+        ns = list(range(self.min_terms, top + 1))
         return ns, [n**-self.tail_exponent for n in ns]
+
+    def probabilities(self) -> dict[int, float]:
+        """P(n) for every number of terms n with non-zero probability."""
+        ns, weights = self._body
+        total = sum(weights)
+        probs = {n: (1 - self.long_fraction) * w / total for n, w in zip(ns, weights)}
+        if self.long_fraction > 0:
+            span = self.max_terms - self.long_min_terms + 1
+            for n in range(self.long_min_terms, self.max_terms + 1):
+                probs[n] = self.long_fraction / span
+        return probs
+
+    def sample_num_terms(self, rng: random.Random) -> int:
+        if self.long_fraction > 0 and rng.random() < self.long_fraction:
+            return rng.randint(self.long_min_terms, self.max_terms)
+        ns, weights = self._body
+        return rng.choices(ns, weights)[0]
 
 
 @dataclass(frozen=True)
 class ChainSumProblem:
+    """One problem: the digits to add, in order."""
+
     terms: tuple[int, ...]
 
     @property
     def question(self) -> str:
+        """The user message, e.g. ``add 3 5 2 7``."""
         return "add " + " ".join(str(t) for t in self.terms)
 
     @property
@@ -47,58 +103,112 @@ class ChainSumProblem:
 
     @property
     def solution(self) -> str:
+        """The reference response (no EOS), e.g. ``3+5=8 8+2=10 10+7=17 answer 17``."""
         steps, total = [], self.terms[0]
         for t in self.terms[1:]:
             steps.append(f"{total}+{t}={total + t}")
             total += t
-        return " ".join(steps) + f" answer {total}"
+        return " ".join([*steps, f"answer {total}"])
 
 
 def sample_problem(
-    rng: random.Random, cfg: ChainSumConfig = ChainSumConfig(), num_terms: int | None = None
+    rng: random.Random, cfg: ChainSumConfig | None = None, num_terms: int | None = None
 ) -> ChainSumProblem:
-    ns, weights = cfg._weights
-    n = num_terms if num_terms is not None else rng.choices(ns, weights)[0]
+    """A problem with ``num_terms`` terms, or a number of terms drawn from ``cfg``."""
+    cfg = cfg if cfg is not None else ChainSumConfig()
+    n = num_terms if num_terms is not None else cfg.sample_num_terms(rng)
+    if n < 1:
+        raise ValueError(f"num_terms must be >= 1, got {n}")
     return ChainSumProblem(tuple(rng.randint(0, 9) for _ in range(n)))
 
 
-def sample_problems(n: int, seed: int, cfg: ChainSumConfig = ChainSumConfig()) -> list[ChainSumProblem]:
+def sample_problems(n: int, seed: int, cfg: ChainSumConfig | None = None) -> list[ChainSumProblem]:
+    """``n`` problems, deterministic given ``seed`` and ``cfg``."""
     rng = random.Random(seed)
     return [sample_problem(rng, cfg) for _ in range(n)]
 
 
-_ANSWER = re.compile(r"answer (-?\d+)")
+_ANSWER = re.compile(r"\banswer (-?\d+)")
 
 
-def extract_answer(text: str) -> int | None:
-    """The integer after the last ``answer`` in ``text``, or None."""
-    found = _ANSWER.findall(text or "")
-    return int(found[-1]) if found else None
+def extract_answer(text: Any) -> int | None:
+    """The integer after the last ``answer `` in ``text``, or None (also for non-strings)."""
+    if not isinstance(text, str):
+        return None
+    found = _ANSWER.findall(text)
+    if not found:
+        return None
+    try:
+        return int(found[-1])
+    except ValueError:  # e.g. more digits than Python's int-from-str limit
+        return None
 
 
-def _completion_text(completion) -> str:
+def _completion_text(completion: Any) -> str | None:
+    """The text of a completion: a string, or the content of a conversation's last message."""
     if isinstance(completion, str):
         return completion
-    if isinstance(completion, list) and completion and isinstance(completion[-1], dict):
-        return str(completion[-1].get("content", ""))
-    return ""
+    if isinstance(completion, dict):
+        completion = [completion]
+    if isinstance(completion, Sequence) and completion and isinstance(completion[-1], dict):
+        content = completion[-1].get("content")
+        return content if isinstance(content, str) else None
+    return None
 
 
-def chain_sum_reward(completions: list, answer: list, **kwargs) -> list[float]:
-    """TRL reward function: 1.0 when the completion's final answer is correct, else 0.0."""
+def _as_int(value: Any) -> int | None:
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int):
+        return value
+    try:
+        return int(str(value).strip())
+    except ValueError:
+        return None
+
+
+def chain_sum_reward(completions: Sequence[Any], answer: Sequence[Any], **kwargs: Any) -> list[float]:
+    """TRL reward function: 1.0 where the completion's final answer equals ``answer``, else 0.0.
+
+    ``completions`` are strings or conversations (lists of ``{"role", "content"}`` messages, the
+    last one is scored); ``answer`` is the dataset column (ints or numeric strings). Other dataset
+    columns arrive in ``kwargs`` and are ignored.
+    """
+    if len(completions) != len(answer):
+        raise ValueError(f"got {len(completions)} completions but {len(answer)} answers")
     rewards = []
     for completion, expected in zip(completions, answer):
         got = extract_answer(_completion_text(completion))
-        rewards.append(1.0 if got is not None and got == int(expected) else 0.0)
+        want = _as_int(expected)
+        rewards.append(1.0 if got is not None and got == want else 0.0)
     return rewards
 
 
-def make_grpo_dataset(num_prompts: int, seed: int, cfg: ChainSumConfig = ChainSumConfig(), conversational: bool = True):
-    """A ``datasets.Dataset`` with ``prompt`` (a conversation, or the raw question) and ``answer``."""
+def make_grpo_dataset(
+    num_prompts: int,
+    seed: int,
+    cfg: ChainSumConfig | None = None,
+    conversational: bool = True,
+    tokenizer: PreTrainedTokenizerBase | None = None,
+) -> Dataset:
+    """A ``datasets.Dataset`` of prompts for GRPO: columns ``prompt``, ``answer`` (int), ``num_terms``.
+
+    ``prompt`` is ``[{"role": "user", "content": question}]`` when ``conversational``, else the
+    question rendered by the chat template with the generation prompt (``<|user|>add 1 2<|assistant|>``;
+    ``tokenizer`` defaults to the tiny tokenizer).
+    """
     from datasets import Dataset
 
+    if not conversational and tokenizer is None:
+        from .tokenizer import build_tokenizer
+
+        tokenizer = build_tokenizer()
     rows = []
     for p in sample_problems(num_prompts, seed, cfg):
-        prompt = [{"role": "user", "content": p.question}] if conversational else p.question
+        conversation = [{"role": "user", "content": p.question}]
+        if conversational:
+            prompt: Any = conversation
+        else:
+            prompt = tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=False)
         rows.append({"prompt": prompt, "answer": p.answer, "num_terms": len(p.terms)})
     return Dataset.from_list(rows)

@@ -1,8 +1,13 @@
 """SFT recipe for the shipped tiny models: a policy (~3M parameters) and a drafter LM (~8x smaller).
 
 Both are Qwen2-architecture models trained from scratch on chain-sum solutions, deterministic
-from a seed. The policy is meant to be good but imperfect (long sums are harder), so RL has
-something to improve. ``tailspec train-tiny`` runs this recipe; the results ship in assets/tiny.
+given a seed (CPU, fp32). The policy is meant to be good but imperfect (long sums are harder),
+so RL has something to improve. Run it with::
+
+    python -m tailspec.tasks.sft --out assets/tiny --policy-steps N --drafter-steps M --seed 0 --threads 1
+
+(``tailspec train-tiny ...`` is the same command). The results ship in ``assets/tiny`` with a
+model card; :func:`load_tiny` loads them.
 """
 
 from __future__ import annotations
@@ -11,31 +16,43 @@ import argparse
 import json
 import logging
 import math
+import os
+import platform
 import random
+import shlex
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
+import transformers
 from tqdm.auto import tqdm
-from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+from transformers import AutoModelForCausalLM, PreTrainedTokenizerBase, Qwen2Config, Qwen2ForCausalLM
 
 from .chain_sum import ChainSumConfig, ChainSumProblem, extract_answer, sample_problem, sample_problems
-from .tokenizer import build_tokenizer
+from .tokenizer import build_tokenizer, chat_ids
 
 logger = logging.getLogger(__name__)
+
+SHORT_MAX_TERMS = 5  # "short" problems in the accuracy split: n <= 5
+LONG_MIN_TERMS = 15  # "long" problems: n >= 15
 
 
 @dataclass(frozen=True)
 class TinyModelSpec:
+    """Size of a tiny Qwen2 causal LM; the vocabulary and special ids come from the tokenizer."""
+
     hidden_size: int
     num_layers: int
     num_heads: int
     num_kv_heads: int
     intermediate_size: int
     max_position_embeddings: int = 1024
+    tie_word_embeddings: bool = True
 
-    def config(self, tokenizer: PreTrainedTokenizerFast) -> Qwen2Config:
+    def config(self, tokenizer: PreTrainedTokenizerBase) -> Qwen2Config:
         return Qwen2Config(
             vocab_size=len(tokenizer),
             hidden_size=self.hidden_size,
@@ -44,10 +61,25 @@ class TinyModelSpec:
             num_attention_heads=self.num_heads,
             num_key_value_heads=self.num_kv_heads,
             max_position_embeddings=self.max_position_embeddings,
-            tie_word_embeddings=True,
+            tie_word_embeddings=self.tie_word_embeddings,
             eos_token_id=tokenizer.eos_token_id,
             pad_token_id=tokenizer.pad_token_id,
             bos_token_id=None,
+        )
+
+    def build(self, tokenizer: PreTrainedTokenizerBase) -> Qwen2ForCausalLM:
+        """A freshly initialised model (seed torch first for a deterministic init)."""
+        model = Qwen2ForCausalLM(self.config(tokenizer))
+        model.generation_config.eos_token_id = tokenizer.eos_token_id
+        model.generation_config.pad_token_id = tokenizer.pad_token_id
+        model.generation_config.bos_token_id = None
+        return model
+
+    def describe(self) -> str:
+        return (
+            f"Qwen2, hidden {self.hidden_size}, {self.num_layers} layers, {self.num_heads} heads "
+            f"({self.num_kv_heads} KV), MLP {self.intermediate_size}, "
+            f"{'tied' if self.tie_word_embeddings else 'untied'} embeddings"
         )
 
 
@@ -57,277 +89,493 @@ DRAFTER = TinyModelSpec(hidden_size=128, num_layers=2, num_heads=4, num_kv_heads
 
 @dataclass
 class SFTConfig:
-    steps: int = 3000
-    tokens_per_batch: int = 6144
+    """One SFT run. ``batch_size`` counts sequences; batches are length-bucketed to limit padding."""
+
+    steps: int = 2000
+    batch_size: int = 32
     lr: float = 3e-3
     warmup_steps: int = 100
+    min_lr_ratio: float = 0.1  # cosine decay from lr to lr * min_lr_ratio
     weight_decay: float = 0.01
+    grad_clip: float = 1.0
     seed: int = 0
+    max_len: int = 512  # longer examples are truncated (the default task never needs it)
     threads: int = 1
-    uniform_fraction: float = 0.5  # share of examples with a uniform number of terms (teaches long sums)
+    bf16: bool = True  # bf16 autocast for forward/backward on CPU (weights, optimizer and saved model stay fp32)
+    uniform_fraction: float = 0.5  # share of examples with n uniform on [min_terms, max_terms] (the long tail)
+    bucket_batches: int = 8  # batches drawn at once, sorted by length and cut into batches
+    log_every: int = 50
     task: ChainSumConfig = field(default_factory=ChainSumConfig)
 
     def __post_init__(self) -> None:
-        if self.steps < 1:
-            raise ValueError(f"steps must be >= 1, got {self.steps}")
-        if self.tokens_per_batch < 512:
-            raise ValueError(f"tokens_per_batch must be >= 512, got {self.tokens_per_batch}")
-        if not 0 <= self.uniform_fraction <= 1:
-            raise ValueError(f"uniform_fraction must be in [0, 1], got {self.uniform_fraction}")
+        checks = {
+            "steps": (self.steps >= 1, ">= 1"),
+            "batch_size": (self.batch_size >= 1, ">= 1"),
+            "lr": (self.lr > 0, "> 0"),
+            "warmup_steps": (self.warmup_steps >= 0, ">= 0"),
+            "min_lr_ratio": (0 <= self.min_lr_ratio <= 1, "in [0, 1]"),
+            "weight_decay": (self.weight_decay >= 0, ">= 0"),
+            "grad_clip": (self.grad_clip > 0, "> 0"),
+            "max_len": (self.max_len >= 16, ">= 16"),
+            "threads": (self.threads >= 1, ">= 1"),
+            "uniform_fraction": (0 <= self.uniform_fraction <= 1, "in [0, 1]"),
+            "bucket_batches": (self.bucket_batches >= 1, ">= 1"),
+            "log_every": (self.log_every >= 1, ">= 1"),
+        }
+        for name, (ok, allowed) in checks.items():
+            if not ok:
+                raise ValueError(f"{name} must be {allowed}, got {getattr(self, name)!r}")
+
+    def lr_at(self, step: int) -> float:
+        """Linear warmup, then cosine decay to ``lr * min_lr_ratio`` at the last step."""
+        if step < self.warmup_steps:
+            return self.lr * (step + 1) / self.warmup_steps
+        progress = (step - self.warmup_steps) / max(1, self.steps - 1 - self.warmup_steps)
+        cosine = 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+        return self.lr * (self.min_lr_ratio + (1 - self.min_lr_ratio) * cosine)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
 
 
-def encode_example(tokenizer: PreTrainedTokenizerFast, problem: ChainSumProblem) -> tuple[list[int], int]:
-    """Token ids of the templated dialogue and the number of prompt tokens (not trained on)."""
+def encode_example(tokenizer: PreTrainedTokenizerBase, problem: ChainSumProblem) -> tuple[list[int], int]:
+    """Ids of ``<|user|>question<|assistant|>solution<|eos|>`` and the number of prompt ids (not trained on)."""
     prompt = [{"role": "user", "content": problem.question}]
-    prompt_ids = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True, return_dict=True)[
-        "input_ids"
-    ]
-    full = tokenizer.apply_chat_template(
-        prompt + [{"role": "assistant", "content": problem.solution}], tokenize=True, return_dict=True
-    )["input_ids"]
-    return list(full), len(prompt_ids)
+    prompt_ids = chat_ids(tokenizer, prompt, add_generation_prompt=True)
+    full = chat_ids(tokenizer, [*prompt, {"role": "assistant", "content": problem.solution}])
+    if full[: len(prompt_ids)] != prompt_ids:
+        raise RuntimeError("the chat template does not render the prompt as a prefix of the dialogue")
+    return full, len(prompt_ids)
 
 
-class BatchSampler:
-    """Draws length-bucketed batches under a token budget (little padding despite the long tail)."""
+def collate(
+    examples: list[tuple[list[int], int]], pad_token_id: int, max_len: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Right-padded ``input_ids``, ``attention_mask`` and ``labels`` (-100 on prompt and padding)."""
+    examples = [(ids[:max_len], min(prompt_len, max_len)) for ids, prompt_len in examples]
+    width = max(len(ids) for ids, _ in examples)
+    input_ids = torch.full((len(examples), width), pad_token_id, dtype=torch.long)
+    attention_mask = torch.zeros_like(input_ids)
+    labels = torch.full_like(input_ids, -100)
+    for row, (ids, prompt_len) in enumerate(examples):
+        input_ids[row, : len(ids)] = torch.tensor(ids)
+        attention_mask[row, : len(ids)] = 1
+        labels[row, prompt_len : len(ids)] = input_ids[row, prompt_len : len(ids)]
+    return input_ids, attention_mask, labels
 
-    def __init__(self, tokenizer: PreTrainedTokenizerFast, cfg: SFTConfig) -> None:
+
+class SFTBatches:
+    """An endless, seeded stream of length-bucketed training batches.
+
+    Examples come from the task distribution, except that a ``uniform_fraction`` of them have a
+    uniform number of terms, so the model sees enough long sums. ``bucket_batches`` batches are
+    drawn at once, sorted by length, cut into batches and shuffled.
+    """
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, cfg: SFTConfig) -> None:
         self.tokenizer = tokenizer
         self.cfg = cfg
         self.rng = random.Random(cfg.seed)
 
-    def _problem(self) -> ChainSumProblem:
+    def problem(self) -> ChainSumProblem:
         task = self.cfg.task
         if self.rng.random() < self.cfg.uniform_fraction:
             return sample_problem(self.rng, task, num_terms=self.rng.randint(task.min_terms, task.max_terms))
         return sample_problem(self.rng, task)
 
-    def batch(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        pool = sorted((encode_example(self.tokenizer, self._problem()) for _ in range(64)), key=lambda e: len(e[0]))
-        start = self.rng.randrange(len(pool))
-        width = len(pool[start][0])
-        rows = [pool[start]]
-        for ex in pool[start + 1 :] + pool[:start][::-1]:
-            width = max(width, len(ex[0]))
-            if width * (len(rows) + 1) > self.cfg.tokens_per_batch:
-                break
-            rows.append(ex)
-        pad = self.tokenizer.pad_token_id
-        ids = torch.full((len(rows), width), pad, dtype=torch.long)
-        mask = torch.zeros_like(ids)
-        labels = torch.full_like(ids, -100)
-        for i, (seq, prompt_len) in enumerate(rows):
-            ids[i, : len(seq)] = torch.tensor(seq)
-            mask[i, : len(seq)] = 1
-            labels[i, prompt_len : len(seq)] = ids[i, prompt_len : len(seq)]
-        return ids, mask, labels
-
-
-def _lr_at(step: int, cfg: SFTConfig) -> float:
-    if step < cfg.warmup_steps:
-        return cfg.lr * (step + 1) / cfg.warmup_steps
-    progress = (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps)
-    return cfg.lr * (0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * progress)))
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        size = self.cfg.batch_size
+        while True:
+            pool = [encode_example(self.tokenizer, self.problem()) for _ in range(size * self.cfg.bucket_batches)]
+            pool.sort(key=lambda ex: len(ex[0]))
+            batches = [pool[i : i + size] for i in range(0, len(pool), size)]
+            self.rng.shuffle(batches)
+            for batch in batches:
+                yield collate(batch, self.tokenizer.pad_token_id, self.cfg.max_len)
 
 
 def count_parameters(model: torch.nn.Module) -> int:
+    """Number of distinct parameters (tied embeddings counted once)."""
     return sum(p.numel() for p in model.parameters())
 
 
 def train_model(
     spec: TinyModelSpec,
-    cfg: SFTConfig,
-    tokenizer: PreTrainedTokenizerFast,
-    out_dir: Path | None = None,
+    sft_cfg: SFTConfig,
+    tokenizer: PreTrainedTokenizerBase,
+    out_dir: str | Path | None,
     progress: bool = True,
-) -> tuple[Qwen2ForCausalLM, dict]:
-    torch.manual_seed(cfg.seed)
-    torch.set_num_threads(cfg.threads)
-    model = Qwen2ForCausalLM(spec.config(tokenizer))
-    model.generation_config.eos_token_id = tokenizer.eos_token_id
-    model.generation_config.pad_token_id = tokenizer.pad_token_id
+) -> dict[str, Any]:
+    """Train a fresh ``spec`` model with ``sft_cfg``; save it to ``out_dir`` (safetensors) and return metrics.
+
+    Metrics: parameters, steps, first/final loss, a loss curve (mean per ``log_every`` steps),
+    trained (assistant) and processed tokens, wall time and tokens/s.
+    """
+    torch.set_num_threads(sft_cfg.threads)
+    torch.manual_seed(sft_cfg.seed)
+    model = spec.build(tokenizer)
     model.train()
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.98))
-    sampler = BatchSampler(tokenizer, cfg)
+    decay = [p for p in model.parameters() if p.ndim >= 2]
+    no_decay = [p for p in model.parameters() if p.ndim < 2]
+    optimizer = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": sft_cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=sft_cfg.lr,
+        betas=(0.9, 0.98),
+    )
+    batches = iter(SFTBatches(tokenizer, sft_cfg))
     losses: list[float] = []
-    tokens = 0
+    curve: list[dict[str, float]] = []
+    seq_tokens = loss_tokens = 0
     start = time.perf_counter()
-    bar = tqdm(range(cfg.steps), desc=f"sft h={spec.hidden_size}", disable=not progress)
+    bar = tqdm(range(sft_cfg.steps), desc=f"sft hidden={spec.hidden_size}", disable=not progress, mininterval=5)
     for step in bar:
-        ids, mask, labels = sampler.batch()
-        for group in opt.param_groups:
-            group["lr"] = _lr_at(step, cfg)
-        loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
-        opt.zero_grad(set_to_none=True)
+        input_ids, attention_mask, labels = next(batches)
+        for group in optimizer.param_groups:
+            group["lr"] = sft_cfg.lr_at(step)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=sft_cfg.bf16):
+            loss = model(input_ids=input_ids, attention_mask=attention_mask, labels=labels).loss
+        if not torch.isfinite(loss):
+            raise FloatingPointError(f"non-finite loss {loss.item()} at step {step}")
+        optimizer.zero_grad(set_to_none=True)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), sft_cfg.grad_clip)
+        optimizer.step()
         losses.append(loss.item())
-        tokens += int(mask.sum())
-        if step % 20 == 0:
-            bar.set_postfix(
-                loss=f"{sum(losses[-20:]) / len(losses[-20:]):.4f}",
-                tok_s=f"{tokens / (time.perf_counter() - start):.0f}",
+        seq_tokens += int(attention_mask.sum())
+        loss_tokens += int((labels != -100).sum())
+        if (step + 1) % sft_cfg.log_every == 0 or step + 1 == sft_cfg.steps:
+            window = losses[-sft_cfg.log_every :]
+            elapsed = time.perf_counter() - start
+            point = {"step": step + 1, "loss": sum(window) / len(window), "lr": sft_cfg.lr_at(step)}
+            curve.append(point)
+            bar.set_postfix(loss=f"{point['loss']:.4f}", tok_s=f"{seq_tokens / elapsed:.0f}")
+            logger.info(
+                "step %d/%d loss %.4f lr %.2e %.0f tok/s",
+                step + 1,
+                sft_cfg.steps,
+                point["loss"],
+                point["lr"],
+                seq_tokens / elapsed,
             )
+    wall = time.perf_counter() - start
     model.eval()
-    metrics = {
-        "steps": cfg.steps,
-        "final_loss": sum(losses[-50:]) / len(losses[-50:]),
-        "first_loss": losses[0],
-        "train_tokens": tokens,
-        "wall_s": time.perf_counter() - start,
+    tail = losses[-min(len(losses), 50) :]
+    metrics: dict[str, Any] = {
         "parameters": count_parameters(model),
+        "steps": sft_cfg.steps,
+        "first_loss": losses[0],
+        "final_loss": sum(tail) / len(tail),
+        "loss_curve": curve,
+        "sequence_tokens": seq_tokens,
+        "trained_tokens": loss_tokens,
+        "wall_s": wall,
+        "tokens_per_s": seq_tokens / wall,
     }
     if out_dir is not None:
-        out_dir.mkdir(parents=True, exist_ok=True)
-        model.save_pretrained(out_dir, safe_serialization=True)
-        (out_dir / "sft_metrics.json").write_text(json.dumps({**metrics, "config": _jsonable(cfg)}, indent=2))
-    return model, metrics
+        out = Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        model.save_pretrained(out, safe_serialization=True)
+        record = {**metrics, "spec": asdict(spec), "config": sft_cfg.to_dict()}
+        (out / "sft_metrics.json").write_text(json.dumps(record, indent=2) + "\n")
+    return metrics
 
 
-def _jsonable(cfg: SFTConfig) -> dict:
-    d = asdict(cfg)
-    d["task"] = asdict(cfg.task)
-    return d
-
-
+@torch.no_grad()
 def evaluate_accuracy(
     model: torch.nn.Module,
-    tokenizer: PreTrainedTokenizerFast,
+    tokenizer: PreTrainedTokenizerBase,
     problems: list[ChainSumProblem],
-    max_new_tokens: int = 400,
-) -> dict:
-    """Greedy accuracy overall and on short (n <= 5) / long (n >= 15) problems, via the tailspec engine."""
-    from ..rollout.engine import RolloutEngine
-    from ..rollout.params import RolloutConfig, SamplingParams
+    max_new_tokens: int = 512,
+    batch_size: int = 32,
+    progress: bool = False,
+    return_completions: bool = False,
+) -> dict[str, Any]:
+    """Greedy accuracy with HF ``generate`` (left-padded batches), overall and split by length.
 
-    engine = RolloutEngine(model, RolloutConfig(), eos_token_ids=[tokenizer.eos_token_id])
-    prompts = [
-        list(
-            tokenizer.apply_chat_template(
-                [{"role": "user", "content": p.question}], add_generation_prompt=True, tokenize=True, return_dict=True
-            )["input_ids"]
+    Returns ``accuracy`` (final answer correct), ``exact_match`` (the whole response equals the
+    reference solution), ``accuracy_short`` (n <= 5), ``accuracy_long`` (n >= 15; NaN when there
+    are none), their counts, and the mean / max completion length in tokens (EOS included);
+    with ``return_completions`` also ``completions``, the decoded responses in problem order.
+    """
+    if not problems:
+        raise ValueError("problems must not be empty")
+    was_training = model.training
+    model.eval()
+    pad, eos = tokenizer.pad_token_id, tokenizer.eos_token_id
+    # Similar lengths in a batch: the batch runs until its longest response ends.
+    order = sorted(range(len(problems)), key=lambda i: len(problems[i].terms))
+    completions: dict[int, list[int]] = {}
+    starts = range(0, len(order), batch_size)
+    for start in tqdm(starts, desc="eval", disable=not progress):
+        idx = order[start : start + batch_size]
+        prompts = [chat_ids(tokenizer, [{"role": "user", "content": problems[i].question}], True) for i in idx]
+        width = max(len(p) for p in prompts)
+        input_ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
+        attention_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+        out = model.generate(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            do_sample=False,
+            max_new_tokens=max_new_tokens,
+            eos_token_id=eos,
+            pad_token_id=pad,
         )
-        for p in problems
-    ]
-    outputs = engine.generate(prompts, SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens))
-    correct = [
-        extract_answer(tokenizer.decode(o.completion_ids, skip_special_tokens=True)) == p.answer
-        for o, p in zip(outputs, problems)
-    ]
+        for i, row in zip(idx, out[:, width:].tolist()):
+            completions[i] = row[: row.index(eos) + 1] if eos in row else row
+    if was_training:
+        model.train()
 
-    def acc(sel):
-        picked = [c for c, p in zip(correct, problems) if sel(p)]
-        return sum(picked) / len(picked) if picked else float("nan")
+    results = []
+    for i, p in enumerate(problems):
+        ids = completions[i]
+        text = tokenizer.decode(ids, skip_special_tokens=True)
+        results.append((p, extract_answer(text) == p.answer, text == p.solution and ids[-1] == eos, len(ids)))
 
-    lengths = [len(o.completion_ids) for o in outputs]
+    def rate(rows: list[tuple[ChainSumProblem, bool, bool, int]]) -> float:
+        return sum(r[1] for r in rows) / len(rows) if rows else float("nan")
+
+    short = [r for r in results if len(r[0].terms) <= SHORT_MAX_TERMS]
+    long = [r for r in results if len(r[0].terms) >= LONG_MIN_TERMS]
+    lengths = [r[3] for r in results]
+    extra: dict[str, Any] = {}
+    if return_completions:
+        extra["completions"] = [
+            tokenizer.decode(completions[i], skip_special_tokens=True) for i in range(len(problems))
+        ]
     return {
-        "accuracy": acc(lambda p: True),
-        "accuracy_short": acc(lambda p: len(p.terms) <= 5),
-        "accuracy_long": acc(lambda p: len(p.terms) >= 15),
-        "num_problems": len(problems),
-        "num_long": sum(len(p.terms) >= 15 for p in problems),
+        "num_problems": len(results),
+        "accuracy": rate(results),
+        "exact_match": sum(r[2] for r in results) / len(results),
+        "num_short": len(short),
+        "accuracy_short": rate(short),
+        "num_long": len(long),
+        "accuracy_long": rate(long),
         "mean_completion_tokens": sum(lengths) / len(lengths),
         "max_completion_tokens": max(lengths),
+        "mean_reference_tokens": sum(len(p.solution) + 1 for p in problems) / len(problems),
+        **extra,
     }
+
+
+def long_problems(num: int, seed: int, task: ChainSumConfig) -> list[ChainSumProblem]:
+    """Problems with n uniform on [15, max_terms]: a larger sample of the long tail for evaluation."""
+    rng = random.Random(seed)
+    low = min(LONG_MIN_TERMS, task.max_terms)
+    return [sample_problem(rng, task, num_terms=rng.randint(low, task.max_terms)) for _ in range(num)]
 
 
 def tiny_assets_dir() -> Path:
+    """``assets/tiny`` in the installed package (the repository root is the package root)."""
     return Path(__file__).resolve().parent.parent / "assets" / "tiny"
 
 
 def load_tiny(kind: str = "policy", dtype: torch.dtype = torch.float32):
-    """The shipped tiny model (``policy`` or ``drafter``) and its tokenizer."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    """The shipped tiny model (``"policy"`` or ``"drafter"``, in eval mode) and its tokenizer."""
+    from transformers import AutoTokenizer
 
     if kind not in ("policy", "drafter"):
         raise ValueError(f"kind must be 'policy' or 'drafter', got {kind!r}")
     root = tiny_assets_dir()
     if not (root / kind / "config.json").exists():
-        raise FileNotFoundError(f"no shipped {kind} at {root / kind}; run `tailspec train-tiny --out {root}`")
+        raise FileNotFoundError(
+            f"no shipped {kind} at {root / kind}; make it with `python -m tailspec.tasks.sft --out {root}`"
+        )
     tokenizer = AutoTokenizer.from_pretrained(root / "tokenizer")
-    model = AutoModelForCausalLM.from_pretrained(root / kind, dtype=dtype, attn_implementation="sdpa")
+    model = AutoModelForCausalLM.from_pretrained(root / kind, dtype=dtype)
     return model.eval(), tokenizer
 
 
-MODEL_CARD = """# Tiny chain-sum models
+MODEL_CARD = """# Tiny chain-sum models: policy and drafter
 
-Made locally by tailspec's SFT recipe (no model hub, no external data):
+Made from scratch on a CPU by tailspec's SFT recipe (`tasks/sft.py`), with no model hub and no
+external data, by:
 
     {command}
 
-Task: chain-sum (`tailspec/tasks/chain_sum.py`): `add 3 5 2 7` → `3+5=8 8+2=10 10+7=17 answer 17`,
-number of terms heavy-tailed on [2, {max_terms}] (P(n) ∝ n^-{tail_exponent}). Character-level
-tokenizer ({vocab} tokens) with a chat template (`<|user|>…<|assistant|>…<|eos|>`).
-Training data: {uniform_pct}% of examples with a uniform number of terms, the rest from the task
-distribution; loss on assistant tokens only; AdamW, cosine schedule, fp32, seed {seed},
-{threads} CPU thread(s).
+(seed {seed}, {threads} CPU thread(s), {precision}, torch {torch_version}, transformers {tf_version};
+wall times on {machine}).
+Files: `tokenizer/`, `policy/`, `drafter/` (each model: `model.safetensors`, `config.json`,
+`generation_config.json`, `sft_metrics.json` with the loss curve and config, `eval.json`).
+Load them with `tailspec.tasks.sft.load_tiny("policy")` / `load_tiny("drafter")`.
 
-| model | architecture | parameters | SFT steps | train tokens | wall time |
-|---|---|---:|---:|---:|---:|
+## Task and tokenizer
+
+Chain-sum (`tasks/chain_sum.py`): the user message `add 3 5 2 7`, the response
+`3+5=8 8+2=10 10+7=17 answer 17`, then `<|eos|>`. The number of terms is heavy-tailed:
+P(n) ∝ n^-{tail_exponent} on [{min_terms}, {body_max}] with probability {body_prob}, else n uniform on
+[{long_min}, {max_terms}] (P(n <= 5) = {p_short:.0%}, P(n >= 15) = {p_long:.0%}); responses are 14 to
+{max_solution} characters. Character-level tokenizer, {vocab} tokens, chat template
+`<|user|>{{question}}<|assistant|>{{response}}<|eos|>`.
+
+## Training
+
+Loss on the response tokens only (prompt masked); {uniform_pct}% of the training examples have n
+uniform on [{min_terms}, {max_terms}] (the long tail), the rest come from the task distribution.
+AdamW (betas 0.9/0.98, weight decay {weight_decay}), {warmup} warmup steps then cosine decay to
+{min_lr_ratio}x the peak learning rate, gradient clipping {grad_clip}, batches of {batch_size}
+sequences bucketed by length.
+
+| model | architecture | parameters | steps | peak lr | tokens seen | final loss | wall time |
+|---|---|---:|---:|---:|---:|---:|---:|
 {train_rows}
 
-Greedy accuracy on {num_problems} held-out problems from the task distribution (seed {eval_seed};
-{num_long} of them have >= 15 terms), measured with the tailspec engine:
+## Greedy accuracy
 
-| model | overall | short (n <= 5) | long (n >= 15) | mean completion tokens | max |
-|---|---:|---:|---:|---:|---:|
+HF `generate`, greedy, max {max_new_tokens} new tokens. "task" = {num_problems} held-out problems
+from the task distribution (seed {eval_seed}; {num_short} with n <= 5, {num_long} with n >= 15 —
+a small sample, see "long set"); "long set" = {num_long_set} problems with n uniform on
+[{long_min}, {max_terms}] (seed {long_seed}). Short problems are few (e.g. only 100 distinct ones
+with n = 2), so many of them also occur in the training data; long ones are unseen.
+
+| model | eval set | accuracy | n <= 5 | n >= 15 | exact response | mean completion tokens (reference) | max |
+|---|---|---:|---:|---:|---:|---:|---:|
 {eval_rows}
 """
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="tailspec train-tiny", description=__doc__)
-    parser.add_argument("--out", default=str(tiny_assets_dir()))
-    parser.add_argument("--policy-steps", type=int, default=3000)
-    parser.add_argument("--drafter-steps", type=int, default=1500)
+def _pct(x: float) -> str:
+    return "n/a" if math.isnan(x) else f"{x:.1%}"
+
+
+def _eval_row(name: str, set_name: str, ev: dict[str, Any]) -> str:
+    return (
+        f"| {name} | {set_name} | {_pct(ev['accuracy'])} | {_pct(ev['accuracy_short'])} | "
+        f"{_pct(ev['accuracy_long'])} | {_pct(ev['exact_match'])} | "
+        f"{ev['mean_completion_tokens']:.1f} ({ev['mean_reference_tokens']:.1f}) | {ev['max_completion_tokens']} |"
+    )
+
+
+def _machine() -> str:
+    model = platform.processor() or platform.machine()
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.exists():
+        names = [ln.split(":", 1)[1].strip() for ln in cpuinfo.read_text().splitlines() if ln.startswith("model name")]
+        model = names[0] if names else model
+    return f"{os.cpu_count()} CPUs, {model}"
+
+
+def _command(args: argparse.Namespace) -> str:
+    parts = ["python", "-m", "tailspec.tasks.sft", "--out", args.out]
+    for flag in ("policy_steps", "drafter_steps", "policy_lr", "drafter_lr", "batch_size", "seed", "threads"):
+        parts += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
+    for flag in ("no_bf16", "quick"):
+        if getattr(args, flag):
+            parts.append(f"--{flag.replace('_', '-')}")
+    return shlex.join(parts)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m tailspec.tasks.sft",
+        description="Train the tiny chain-sum policy and drafter from scratch and write a model card.",
+    )
+    parser.add_argument("--out", default=str(tiny_assets_dir()), help="output directory (default: the shipped assets)")
+    parser.add_argument("--policy-steps", type=int, default=2200)
+    parser.add_argument("--drafter-steps", type=int, default=2000)
+    parser.add_argument("--policy-lr", type=float, default=3e-3)
+    parser.add_argument("--drafter-lr", type=float, default=5e-3)
+    parser.add_argument("--batch-size", type=int, default=16, help="sequences per batch")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--eval-problems", type=int, default=200)
-    parser.add_argument("--quick", action="store_true", help="a few steps (for tests)")
-    args = parser.parse_args(argv)
+    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+    parser.add_argument("--no-bf16", action="store_true", help="train in plain fp32 (default: bf16 autocast)")
+    parser.add_argument("--eval-problems", type=int, default=200, help="held-out problems from the task distribution")
+    parser.add_argument("--long-eval-problems", type=int, default=100, help="extra held-out problems with n >= 15")
+    parser.add_argument("--quick", action="store_true", help="a few steps and problems (smoke test)")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bars")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     if args.quick:
-        args.policy_steps, args.drafter_steps, args.eval_problems = 3, 3, 4
-    logging.basicConfig(level=logging.INFO)
+        args.policy_steps = args.drafter_steps = 3
+        args.batch_size = 4
+        args.eval_problems, args.long_eval_problems = 4, 2
+    max_new_tokens = 24 if args.quick else 512
+    if not logging.getLogger().handlers:
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     out = Path(args.out)
+    task = ChainSumConfig()
     tokenizer = build_tokenizer()
     tokenizer.save_pretrained(out / "tokenizer")
-    task = ChainSumConfig()
-    eval_seed = 10_000 + args.seed
+
+    eval_seed, long_seed = 10_000 + args.seed, 20_000 + args.seed  # training streams use args.seed
     problems = sample_problems(args.eval_problems, seed=eval_seed, cfg=task)
-    train_rows, eval_rows = [], []
-    for name, spec, steps in (("policy", POLICY, args.policy_steps), ("drafter", DRAFTER, args.drafter_steps)):
+    long_set = long_problems(args.long_eval_problems, seed=long_seed, task=task)
+    runs = (
+        ("policy", POLICY, args.policy_steps, args.policy_lr),
+        ("drafter", DRAFTER, args.drafter_steps, args.drafter_lr),
+    )
+    train_rows, eval_rows, cfg = [], [], None
+    for name, spec, steps, lr in runs:
         cfg = SFTConfig(
-            steps=steps, seed=args.seed, threads=args.threads, task=task, warmup_steps=min(100, max(1, steps // 10))
-        )
-        model, m = train_model(spec, cfg, tokenizer, out / name)
-        ev = evaluate_accuracy(model, tokenizer, problems)
-        (out / name / "eval.json").write_text(json.dumps(ev, indent=2))
-        logger.info("%s: %s %s", name, m, ev)
-        arch = f"Qwen2, hidden {spec.hidden_size}, {spec.num_layers} layers, {spec.num_heads}/{spec.num_kv_heads} heads"
-        train_rows.append(
-            f"| {name} | {arch} | {m['parameters']:,} | {steps} | {m['train_tokens']:,} | {m['wall_s'] / 60:.1f} min |"
-        )
-        eval_rows.append(
-            f"| {name} | {ev['accuracy']:.1%} | {ev['accuracy_short']:.1%} | {ev['accuracy_long']:.1%} | "
-            f"{ev['mean_completion_tokens']:.1f} | {ev['max_completion_tokens']} |"
-        )
-    command = "tailspec train-tiny " + " ".join(argv if argv is not None else [])
-    (out / "MODEL_CARD.md").write_text(
-        MODEL_CARD.format(
-            command=command.strip(),
-            max_terms=task.max_terms,
-            tail_exponent=task.tail_exponent,
-            vocab=len(tokenizer),
-            uniform_pct=int(SFTConfig().uniform_fraction * 100),
+            steps=steps,
+            batch_size=args.batch_size,
+            lr=lr,
+            warmup_steps=min(100, max(1, steps // 10)),
             seed=args.seed,
             threads=args.threads,
+            bf16=not args.no_bf16,
+            task=task,
+        )
+        logger.info("training %s (%s) for %d steps", name, spec.describe(), steps)
+        metrics = train_model(spec, cfg, tokenizer, out / name, progress=not args.no_progress)
+        model = AutoModelForCausalLM.from_pretrained(out / name)  # evaluate what was saved
+        ev_start = time.perf_counter()
+        ev = evaluate_accuracy(model, tokenizer, problems, max_new_tokens, progress=not args.no_progress)
+        ev_long = evaluate_accuracy(model, tokenizer, long_set, max_new_tokens, progress=not args.no_progress)
+        ev_wall = time.perf_counter() - ev_start
+        (out / name / "eval.json").write_text(
+            json.dumps({"task": ev, "long_set": ev_long, "eval_wall_s": ev_wall}, indent=2) + "\n"
+        )
+        logger.info("%s: train %s", name, {k: v for k, v in metrics.items() if k != "loss_curve"})
+        logger.info("%s: eval task %s; long set %s (%.0f s)", name, ev, ev_long, ev_wall)
+        train_rows.append(
+            f"| {name} | {spec.describe()} | {metrics['parameters']:,} | {steps} | {lr:g} | "
+            f"{metrics['sequence_tokens']:,} | {metrics['final_loss']:.4f} | {metrics['wall_s'] / 60:.1f} min |"
+        )
+        eval_rows += [_eval_row(name, "task", ev), _eval_row(name, "long set", ev_long)]
+
+    probs = task.probabilities()
+    (out / "MODEL_CARD.md").write_text(
+        MODEL_CARD.format(
+            command=_command(args),
+            seed=args.seed,
+            threads=args.threads,
+            machine=_machine(),
+            precision="fp32 weights, bf16 autocast" if cfg.bf16 else "fp32",
+            torch_version=torch.__version__,
+            tf_version=transformers.__version__,
+            tail_exponent=f"{task.tail_exponent:g}",
+            min_terms=task.min_terms,
+            body_max=task.long_min_terms - 1 if task.long_fraction > 0 else task.max_terms,
+            body_prob=f"{1 - task.long_fraction:g}",
+            long_min=task.long_min_terms,
+            max_terms=task.max_terms,
+            p_short=sum(p for n, p in probs.items() if n <= SHORT_MAX_TERMS),
+            p_long=sum(p for n, p in probs.items() if n >= LONG_MIN_TERMS),
+            max_solution=len(ChainSumProblem((9,) * task.max_terms).solution),
+            vocab=len(tokenizer),
+            uniform_pct=round(cfg.uniform_fraction * 100),
+            weight_decay=cfg.weight_decay,
+            warmup="min(100, steps / 10)",
+            min_lr_ratio=cfg.min_lr_ratio,
+            grad_clip=cfg.grad_clip,
+            batch_size=cfg.batch_size,
             train_rows="\n".join(train_rows),
+            max_new_tokens=max_new_tokens,
             num_problems=len(problems),
             eval_seed=eval_seed,
-            num_long=sum(len(p.terms) >= 15 for p in problems),
+            num_short=sum(len(p.terms) <= SHORT_MAX_TERMS for p in problems),
+            num_long=sum(len(p.terms) >= LONG_MIN_TERMS for p in problems),
+            num_long_set=len(long_set),
+            long_seed=long_seed,
             eval_rows="\n".join(eval_rows),
         )
     )
     print(f"wrote {out}")
     return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

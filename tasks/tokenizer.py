@@ -1,37 +1,65 @@
-"""A character-level tokenizer for the tiny tasks, built locally with ``tokenizers``."""
+"""A character-level tokenizer for the tiny tasks, built locally with ``tokenizers`` (no hub download).
+
+Every character of :data:`CHARACTERS` is one token; the special tokens are single tokens with
+ids 0-4 (``<|pad|>`` is 0). Plain ``tokenizer(text)`` adds nothing (no BOS/EOS), and
+``decode`` joins characters without inserting spaces, so ``decode(encode(s)) == s`` for any
+string over the character set. Characters outside the set map to ``<|unk|>``.
+
+The chat template renders ``<|user|>{question}<|assistant|>{response}<|eos|>``. In transformers
+5.x ``apply_chat_template(..., tokenize=True)`` returns a ``BatchEncoding`` (``return_dict``
+defaults to True); :func:`chat_ids` returns the plain list of ids.
+"""
 
 from __future__ import annotations
 
-from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-from transformers import PreTrainedTokenizerFast
+from typing import Any
 
-SPECIAL_TOKENS = ("<|pad|>", "<|eos|>", "<|user|>", "<|assistant|>", "<|unk|>")
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
+
+PAD, EOS, USER, ASSISTANT, UNK = "<|pad|>", "<|eos|>", "<|user|>", "<|assistant|>", "<|unk|>"
+SPECIAL_TOKENS = (PAD, EOS, USER, ASSISTANT, UNK)
 CHARACTERS = "0123456789abcdefghijklmnopqrstuvwxyz +=-*().,:?\n#"
+MODEL_MAX_LENGTH = 1024
+
 CHAT_TEMPLATE = (
     "{% for message in messages %}"
     "{% if message['role'] == 'user' %}<|user|>{{ message['content'] }}"
     "{% elif message['role'] == 'assistant' %}<|assistant|>{{ message['content'] }}<|eos|>"
-    "{% else %}{{ raise_exception('only user and assistant roles are supported') }}{% endif %}"
+    "{% else %}{{ raise_exception('the chat template supports only user and assistant messages, got role '"
+    " + message['role']) }}{% endif %}"
     "{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>{% endif %}"
 )
 
 
 def build_tokenizer() -> PreTrainedTokenizerFast:
+    """The character-level tokenizer (deterministic: same vocabulary and ids on every call)."""
     vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS)}
     for ch in CHARACTERS:
         vocab[ch] = len(vocab)
-    core = Tokenizer(models.WordLevel(vocab, unk_token="<|unk|>"))
-    core.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    core = Tokenizer(models.WordLevel(vocab, unk_token=UNK))
+    core.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")  # every character, "\n" included
     core.decoder = decoders.Fuse()
-    tok = PreTrainedTokenizerFast(
+    tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=core,
-        pad_token="<|pad|>",
-        eos_token="<|eos|>",
-        unk_token="<|unk|>",
-        additional_special_tokens=["<|user|>", "<|assistant|>"],
+        pad_token=PAD,
+        eos_token=EOS,
+        unk_token=UNK,
+        additional_special_tokens=[USER, ASSISTANT],
         padding_side="left",
-        model_max_length=1024,
+        model_max_length=MODEL_MAX_LENGTH,
+        clean_up_tokenization_spaces=False,
     )
-    tok.chat_template = CHAT_TEMPLATE
-    return tok
+    tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer
+
+
+def chat_ids(
+    tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, str]], add_generation_prompt: bool = False
+) -> list[int]:
+    """Token ids of ``messages`` rendered by the chat template, as a plain list."""
+    out: Any = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True)
+    if isinstance(out, dict) or hasattr(out, "keys"):
+        out = out["input_ids"]
+    return [int(i) for i in out]

@@ -19,22 +19,55 @@ def test_problem_format():
     assert p.question == "add 3 5 2 7"
     assert p.solution == "3+5=8 8+2=10 10+7=17 answer 17"
     assert p.answer == 17 == extract_answer(p.solution)
+    assert ChainSumProblem((9, 9)).solution == "9+9=18 answer 18"
+
+
+def test_solutions_are_running_sums():
+    for p in sample_problems(300, seed=3):
+        steps = p.solution.split(" ")
+        assert steps[-2:] == ["answer", str(sum(p.terms))]
+        total = p.terms[0]
+        for step, term in zip(steps[:-2], p.terms[1:]):
+            assert step == f"{total}+{term}={total + term}"
+            total += term
+        assert len(steps) - 2 == len(p.terms) - 1
 
 
 def test_sampling_is_deterministic_and_in_range():
-    cfg = ChainSumConfig(min_terms=2, max_terms=12)
-    a, b = sample_problems(200, seed=5, cfg=cfg), sample_problems(200, seed=5, cfg=cfg)
+    cfg = ChainSumConfig(min_terms=2, max_terms=12, long_fraction=0.0)
+    a, b = sample_problems(300, seed=5, cfg=cfg), sample_problems(300, seed=5, cfg=cfg)
     assert a == b
+    assert a != sample_problems(300, seed=6, cfg=cfg)
     assert all(2 <= len(p.terms) <= 12 and all(0 <= t <= 9 for t in p.terms) for p in a)
-    assert sample_problem(random.Random(0), cfg, num_terms=7).terms.__len__() == 7
+    assert len(sample_problem(random.Random(0), cfg, num_terms=7).terms) == 7
+
+
+def test_default_distribution():
+    cfg = ChainSumConfig()
+    probs = cfg.probabilities()
+    assert sum(probs.values()) == pytest.approx(1.0)
+    assert set(probs) == set(range(2, 41))
+    assert all(probs[n] > probs[n + 1] for n in range(2, 14))  # power-law body
+    assert 0.05 <= sum(p for n, p in probs.items() if n >= 15) <= 0.1
+    assert sum(p for n, p in probs.items() if n <= 5) >= 0.6
+    counts = [len(p.terms) for p in sample_problems(4000, seed=2)]
+    assert sum(n >= 15 for n in counts) / len(counts) == pytest.approx(0.1, abs=0.02)
+    assert max(counts) <= 40 and min(counts) >= 2
 
 
 def test_solution_lengths_are_heavy_tailed():
     lengths = sorted(len(p.solution) for p in sample_problems(2000, seed=1))
     median = statistics.median(lengths)
-    assert lengths[int(0.99 * len(lengths))] >= 10 * median
-    assert lengths[int(0.95 * len(lengths))] >= 5 * median
-    assert median <= 40
+    assert lengths[int(0.95 * len(lengths))] >= 8 * median
+    assert lengths[-1] >= 12 * median
+    assert median <= 30
+
+
+def test_plain_power_law_without_long_component():
+    cfg = ChainSumConfig(long_fraction=0.0, tail_exponent=2.0)
+    probs = cfg.probabilities()
+    assert set(probs) == set(range(2, 41))
+    assert probs[4] / probs[2] == pytest.approx(0.25)
 
 
 @pytest.mark.parametrize(
@@ -42,10 +75,17 @@ def test_solution_lengths_are_heavy_tailed():
     [
         ("1+2=3 answer 3", 3),
         ("answer 4 then answer 12", 12),
+        ("3+4=7 answer 7<|eos|>", 7),
+        ("answer 7 answer", 7),
         ("no result", None),
         ("", None),
         ("answer -5", -5),
         ("answer x", None),
+        ("answer12", None),
+        ("reanswer 5", None),
+        ("answer " + "9" * 5000, None),  # over Python's int-from-str limit: no crash
+        (None, None),
+        (17, None),
     ],
 )
 def test_extract_answer(text, expected):
@@ -53,20 +93,52 @@ def test_extract_answer(text, expected):
 
 
 def test_reward_with_strings_and_conversations():
-    assert chain_sum_reward(["3+4=7 answer 7", "answer 8", "garbage"], answer=[7, "7", 7]) == [1.0, 0.0, 0.0]
-    convs = [[{"role": "assistant", "content": "answer 9"}], [{"role": "assistant", "content": "answer 1"}]]
-    assert chain_sum_reward(convs, answer=["9", 2]) == [1.0, 0.0]
+    assert chain_sum_reward(["3+4=7 answer 7", "answer 8", "garbage", ""], answer=[7, "7", 7, 0]) == [
+        1.0,
+        0.0,
+        0.0,
+        0.0,
+    ]
+    convs = [
+        [{"role": "assistant", "content": "answer 9"}],
+        [{"role": "user", "content": "answer 1"}, {"role": "assistant", "content": "answer 2"}],
+        [{"role": "assistant", "content": "answer 3"}],
+    ]
+    assert chain_sum_reward(convs, answer=["9", 1, " 3 "], prompts=["a", "b", "c"]) == [1.0, 0.0, 1.0]
+    assert chain_sum_reward([[]], answer=[1]) == [0.0]
+    assert chain_sum_reward(["answer 1"], answer=["not a number"]) == [0.0]
+    with pytest.raises(ValueError, match="answers"):
+        chain_sum_reward(["answer 1", "answer 2"], answer=[1])
 
 
-@pytest.mark.parametrize("kwargs", [dict(min_terms=1), dict(max_terms=1), dict(tail_exponent=0), dict(max_terms=500)])
-def test_config_validation(kwargs):
-    with pytest.raises(ValueError, match=next(iter(kwargs))):
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        (dict(min_terms=1), "min_terms"),
+        (dict(min_terms=2.5), "min_terms"),
+        (dict(max_terms=1), "max_terms"),
+        (dict(max_terms=500), "max_terms"),
+        (dict(tail_exponent=0), "tail_exponent"),
+        (dict(tail_exponent=-1.0), "tail_exponent"),
+        (dict(long_fraction=1.0), "long_fraction"),
+        (dict(long_fraction=-0.1), "long_fraction"),
+        (dict(long_min_terms=41), "long_min_terms"),
+        (dict(max_terms=12), "long_min_terms"),
+        (dict(long_min_terms=2), "long_min_terms"),
+    ],
+)
+def test_config_validation(kwargs, field):
+    with pytest.raises(ValueError, match=field):
         ChainSumConfig(**kwargs)
 
 
 def test_grpo_dataset_columns():
     ds = make_grpo_dataset(10, seed=0)
-    row = ds[0]
-    assert row["prompt"][0]["role"] == "user" and row["prompt"][0]["content"].startswith("add ")
-    assert isinstance(row["answer"], int)
-    assert isinstance(make_grpo_dataset(3, seed=0, conversational=False)[0]["prompt"], str)
+    assert set(ds.column_names) >= {"prompt", "answer"}
+    problems = sample_problems(10, seed=0)
+    for row, p in zip(ds, problems):
+        assert row["prompt"] == [{"role": "user", "content": p.question}]
+        assert row["answer"] == p.answer and isinstance(row["answer"], int)
+    raw = make_grpo_dataset(3, seed=0, conversational=False)
+    assert raw[0]["prompt"] == f"<|user|>{problems[0].question}<|assistant|>"
+    assert raw[0]["answer"] == problems[0].answer

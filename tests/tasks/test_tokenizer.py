@@ -1,49 +1,88 @@
+import pytest
+from jinja2.exceptions import TemplateError
 from transformers import AutoTokenizer
 
 from tailspec.tasks.chain_sum import sample_problems
-from tailspec.tasks.tokenizer import SPECIAL_TOKENS, build_tokenizer
+from tailspec.tasks.tokenizer import CHARACTERS, SPECIAL_TOKENS, build_tokenizer, chat_ids
 
 
-def test_round_trip_of_task_text():
-    tok = build_tokenizer()
-    for p in sample_problems(50, seed=0):
-        for text in (p.question, p.solution):
-            ids = tok(text)["input_ids"]
-            assert len(ids) == len(text)  # one token per character, nothing added
-            assert tok.decode(ids) == text
+@pytest.fixture(scope="module")
+def tok():
+    return build_tokenizer()
 
 
-def test_special_tokens_are_single_ids():
-    tok = build_tokenizer()
+def test_round_trip_of_task_text(tok):
+    texts = [t for p in sample_problems(50, seed=0) for t in (p.question, p.solution)]
+    texts += [CHARACTERS, "  two  spaces ", "a , b . c ? (d) e:f\ng#h", "x-y*z"]
+    for text in texts:
+        ids = tok(text)["input_ids"]
+        assert len(ids) == len(text)  # one token per character, nothing added (no BOS/EOS)
+        assert tok.unk_token_id not in ids
+        assert tok.decode(ids) == text
+
+
+def test_unknown_characters_map_to_unk(tok):
+    assert tok("A")["input_ids"] == [tok.unk_token_id]
+
+
+def test_special_tokens_are_single_ids(tok):
     assert tok.pad_token_id == 0
+    assert [tok.convert_tokens_to_ids(s) for s in SPECIAL_TOKENS] == [0, 1, 2, 3, 4]
     for s in SPECIAL_TOKENS:
-        assert len(tok(s)["input_ids"]) == 1
-    assert tok.eos_token == "<|eos|>" and tok.padding_side == "left"
+        assert tok(s)["input_ids"] == [tok.convert_tokens_to_ids(s)]
+    assert tok.eos_token == "<|eos|>" and tok.unk_token == "<|unk|>" and tok.pad_token == "<|pad|>"
+    assert tok.bos_token is None
+    assert tok.padding_side == "left"
+    assert len(tok) == len(SPECIAL_TOKENS) + len(CHARACTERS)
 
 
-def test_chat_template_ids():
-    tok = build_tokenizer()
+def test_build_is_deterministic(tok):
+    assert build_tokenizer().get_vocab() == tok.get_vocab()
+
+
+def test_chat_template_ids(tok):
     conv = [{"role": "user", "content": "add 1 2"}]
-    ids = tok.apply_chat_template(conv, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
     expected = [
         tok.convert_tokens_to_ids("<|user|>"),
         *tok("add 1 2")["input_ids"],
         tok.convert_tokens_to_ids("<|assistant|>"),
     ]
-    assert list(ids) == expected
-    full = tok.apply_chat_template(
-        conv + [{"role": "assistant", "content": "1+2=3 answer 3"}], tokenize=True, return_dict=True
-    )["input_ids"]
+    # transformers 5 returns a BatchEncoding from tokenize=True; chat_ids gives the plain list.
+    out = tok.apply_chat_template(conv, add_generation_prompt=True, tokenize=True)
+    assert list(out["input_ids"]) == expected
+    assert chat_ids(tok, conv, add_generation_prompt=True) == expected
+    assert tok.apply_chat_template(conv, add_generation_prompt=True, tokenize=False) == "<|user|>add 1 2<|assistant|>"
+    full = chat_ids(tok, conv + [{"role": "assistant", "content": "1+2=3 answer 3"}])
+    assert full[: len(expected)] == expected
     assert full[-1] == tok.eos_token_id
+    assert tok.decode(full) == "<|user|>add 1 2<|assistant|>1+2=3 answer 3<|eos|>"
     assert tok.decode(full, skip_special_tokens=True) == "add 1 21+2=3 answer 3"
 
 
-def test_save_and_load(tmp_path):
-    tok = build_tokenizer()
+def test_chat_template_rejects_system_messages(tok):
+    with pytest.raises(TemplateError, match="user and assistant"):
+        tok.apply_chat_template([{"role": "system", "content": "be nice"}], tokenize=False)
+
+
+def test_left_padding(tok):
+    batch = tok(["1", "123"], padding=True)
+    assert batch["input_ids"][0] == [0, 0, tok.convert_tokens_to_ids("1")]
+    assert batch["attention_mask"][0] == [0, 0, 1]
+
+
+def test_save_and_load(tok, tmp_path):
     tok.save_pretrained(tmp_path)
     loaded = AutoTokenizer.from_pretrained(tmp_path)
     conv = [{"role": "user", "content": "add 4 5"}]
-    kw = dict(add_generation_prompt=True, tokenize=True, return_dict=True)
-    assert loaded.apply_chat_template(conv, **kw)["input_ids"] == tok.apply_chat_template(conv, **kw)["input_ids"]
-    assert loaded.eos_token_id == tok.eos_token_id and loaded.padding_side == "left"
-    assert len(loaded) == len(tok)
+    assert chat_ids(loaded, conv, True) == chat_ids(tok, conv, True)
+    assert loaded.chat_template == tok.chat_template
+    assert loaded.get_vocab() == tok.get_vocab()
+    assert (loaded.eos_token_id, loaded.pad_token_id, loaded.unk_token_id) == (
+        tok.eos_token_id,
+        tok.pad_token_id,
+        tok.unk_token_id,
+    )
+    assert loaded.padding_side == "left"
+    text = "3+5=8 8+2=10 answer 10"
+    assert loaded(text)["input_ids"] == tok(text)["input_ids"]
+    assert loaded.decode(loaded(text)["input_ids"]) == text

@@ -1,0 +1,13 @@
+"""Settings shared by the whole test suite.
+
+The tests run tiny models, for which intra-op threading costs far more than it saves: on a
+busy 2-core machine one thread is ~10x faster than two. Set OMP_NUM_THREADS to override.
+Model caches and the Hugging Face greedy reference live in ``tests/rollout/conftest.py``.
+"""
+
+import os
+
+import torch
+
+if "OMP_NUM_THREADS" not in os.environ:
+    torch.set_num_threads(1)
