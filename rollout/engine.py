@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from collections.abc import Iterable, Iterator
 from collections.abc import Sequence as Seq
 from contextlib import contextmanager
@@ -17,13 +18,24 @@ from dataclasses import dataclass, field
 import torch
 from tqdm.auto import tqdm
 
+from ..drafter.base import EMPTY_DRAFT, DraftRequest, Drafter, DraftTree
 from .attention import SequenceSlice, paged_attention_enabled
 from .kv_cache import blocks_for
 from .model_runner import ModelRunner
 from .params import RolloutConfig, SamplingParams
 from .request import FinishReason, RequestOutput, SeqStatus, Sequence
-from .sampling import BatchSamplingTensors, choose_tokens, draw_uniforms, processed_logprobs
+from .sampling import BatchSamplingTensors, choose_tokens, draw_uniforms, processed_logprobs, uniform_source
 from .scheduler import ScheduledBatch, Scheduler, StepKind
+from .speculative import (
+    SpecStepRecord,
+    fit_draft,
+    keep_accepted_kv,
+    max_draft_depth,
+    pack_verify_batch,
+    release_unused_blocks,
+)
+from .strategy import Strategy, parse_strategy
+from .verify import verify_greedy, verify_sampled
 
 logger = logging.getLogger(__name__)
 
@@ -39,12 +51,22 @@ class EngineStats:
     forked_prefills: int = 0  # group members that reused a leader's prefill
     model_time_s: float = 0.0
     wall_time_s: float = 0.0
+    spec_steps: int = 0
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0
+    spec_emitted_tokens: int = 0  # tokens emitted by speculative steps (accepted + one per sequence)
+    spec_seq_steps: int = 0  # sequence-steps inside speculative steps
+    draft_time_s: float = 0.0
+    verify_time_s: float = 0.0
     batch_sizes: list[int] = field(default_factory=list)
+    spec_log: deque[SpecStepRecord] = field(default_factory=lambda: deque(maxlen=4096))
 
     def as_dict(self) -> dict[str, float]:
-        d = {k: v for k, v in self.__dict__.items() if k != "batch_sizes"}
+        d = {k: v for k, v in self.__dict__.items() if k not in ("batch_sizes", "spec_log")}
         d["mean_decode_batch"] = sum(self.batch_sizes) / len(self.batch_sizes) if self.batch_sizes else 0.0
         d["tokens_per_s"] = self.generated_tokens / self.wall_time_s if self.wall_time_s else 0.0
+        d["acceptance_rate"] = self.accepted_tokens / self.drafted_tokens if self.drafted_tokens else 0.0
+        d["mean_accept_length"] = self.spec_emitted_tokens / self.spec_seq_steps if self.spec_seq_steps else 1.0
         return d
 
 
@@ -62,6 +84,14 @@ def eos_ids_of(model: torch.nn.Module, tokenizer=None) -> frozenset[int]:
 
 
 class RolloutEngine:
+    """Continuous-batching generator over a paged KV cache, with optional speculative decoding.
+
+    ``drafter`` (a :class:`tailspec.drafter.Drafter`, or a smaller Hugging Face causal LM that
+    shares the tokenizer) serves the ``chain``/``tree`` strategies; the model-free suffix drafter
+    is built in. The strategy comes from ``config.strategy`` and can change between steps
+    (:meth:`set_strategy`).
+    """
+
     def __init__(
         self,
         model: torch.nn.Module,
@@ -69,6 +99,7 @@ class RolloutEngine:
         *,
         eos_token_ids: Iterable[int] | None = None,
         tokenizer=None,
+        drafter: Drafter | torch.nn.Module | None = None,
     ) -> None:
         self.model = model
         self.config = config or RolloutConfig()
@@ -91,6 +122,48 @@ class RolloutEngine:
         self._next_group = 0
         self._seqs: dict[int, Sequence] = {}
         self._in_inference = False
+        self.drafter = self._make_drafter(drafter, tokenizer)
+        self.suffix_drafter = self._make_suffix_drafter()
+        self.strategy = Strategy("none")
+        self.set_strategy(self.config.strategy)
+
+    # -- speculation set-up --------------------------------------------------------------
+    def _make_drafter(self, drafter: Drafter | torch.nn.Module | None, tokenizer) -> Drafter | None:
+        if drafter is None:
+            return None
+        if isinstance(drafter, torch.nn.Module):
+            from ..drafter.small_lm import SmallLMDrafter
+
+            drafter = SmallLMDrafter(
+                drafter,
+                kv_cache_tokens=self.config.draft_kv_cache_tokens or self.config.kv_cache_tokens,
+                block_size=self.config.block_size,
+                seed=self.config.seed,
+            )
+        if not isinstance(drafter, Drafter):
+            raise ValueError(f"drafter must be a tailspec Drafter or a torch.nn.Module, got {type(drafter).__name__}")
+        drafter.bind(self.vocab_size, tokenizer)
+        return drafter
+
+    def _make_suffix_drafter(self) -> Drafter:
+        from ..drafter.suffix import SuffixDrafter
+
+        drafter = SuffixDrafter(history_tokens=self.config.suffix_history_tokens)
+        drafter.bind(self.vocab_size)
+        return drafter
+
+    def set_strategy(self, strategy: str | Strategy) -> None:
+        """Switch the speculation strategy; takes effect at the next decode step."""
+        parsed = parse_strategy(strategy)
+        if parsed.uses_model_drafter and self.drafter is None:
+            raise ValueError(
+                f"strategy {str(parsed)!r} needs a drafter model; pass drafter=... to the engine "
+                "(or use 'none' or 'suffix')"
+            )
+        self.strategy = parsed
+
+    def _drafter_for(self, strategy: Strategy) -> Drafter:
+        return self.suffix_drafter if strategy.kind == "suffix" else self.drafter
 
     # -- validation ----------------------------------------------------------------------
     def validate(self, prompt_ids: Seq[int], params: SamplingParams) -> None:
@@ -149,6 +222,19 @@ class RolloutEngine:
         if seq is not None and seq.status is not SeqStatus.FINISHED:
             self.scheduler.abort(seq)
             seq.finish_reason = seq.finish_reason or FinishReason.ABORT
+            self._forget(seq)
+
+    def _finish(self, seq: Sequence) -> None:
+        self.scheduler.finish(seq)
+        for drafter in (self.drafter, self.suffix_drafter):
+            if drafter is not None:
+                drafter.finished(seq)
+        self._forget(seq)
+
+    def _forget(self, seq: Sequence) -> None:
+        for drafter in (self.drafter, self.suffix_drafter):
+            if drafter is not None:
+                drafter.release(seq.seq_id)
 
     def pop_output(self, request_id: int) -> RequestOutput:
         seq = self._seqs[request_id]
@@ -165,6 +251,8 @@ class RolloutEngine:
         with self._inference():
             if batch.kind is StepKind.PREFILL:
                 finished = self._prefill(batch)
+            elif self.strategy.speculative:
+                finished = self._spec_decode(batch, self.strategy)
             else:
                 finished = self._decode(batch)
         self.stats.steps += 1
@@ -313,6 +401,83 @@ class RolloutEngine:
             seq.append(tok, lp)
             self.stats.generated_tokens += 1
             if seq.done:
-                self.scheduler.finish(seq)
+                self._finish(seq)
                 finished.append(seq.seq_id)
+        return finished
+
+    def _spec_decode(self, batch: ScheduledBatch, strategy: Strategy) -> list[int]:
+        """Draft, verify every sequence's draft in one target forward, advance each by its own
+        accepted length (see ``rollout/verify.py`` for why the output is exactly the target's)."""
+        seqs, shape = batch.seqs, strategy.shape
+        assert shape is not None
+        start = time.perf_counter()
+        requests = [DraftRequest(seq, max_draft_depth(seq, shape)) for seq in seqs]
+        asked = [r for r in requests if r.max_depth > 0]
+        proposed = iter(self._drafter_for(strategy).propose(asked, shape) if asked else [])
+        trees: list[DraftTree] = []
+        allocator, bs = self.runner.cache.allocator, self.config.block_size
+        for r in requests:
+            tree = next(proposed) if r.max_depth > 0 else EMPTY_DRAFT
+            trees.append(fit_draft(r.seq, tree, allocator, bs))
+        drafted_at = time.perf_counter()
+
+        slices, tokens, positions = pack_verify_batch(seqs, trees)
+        logits = self._forward(slices, tokens, positions, list(range(len(tokens))))
+        counts = torch.tensor([s.num_new for s in slices], device=logits.device)
+        st = BatchSamplingTensors.from_params([s.params for s in seqs], logits.device).repeat_interleave(counts)
+        logprobs = processed_logprobs(logits, st)
+        argmax = logprobs.argmax(dim=-1).tolist() if st.any_greedy else []
+
+        finished, offset = [], 0
+        accepted_total = emitted_total = 0
+        drafter = self._drafter_for(strategy)
+        for seq, tree, n in zip(seqs, trees, counts.tolist()):
+            rows = logprobs[offset : offset + n]
+            if seq.params.greedy:
+                verdict = verify_greedy(tree, argmax[offset : offset + n])
+            else:
+                verdict = verify_sampled(
+                    tree,
+                    lambda r, rows=rows: rows[r].double().exp().cpu(),
+                    uniform_source(seq.generator, self.generator),
+                )
+            offset += n
+            emitted = verdict.emitted(tree)
+            lps = rows[[r for _, r in emitted], [t for t, _ in emitted]].tolist()
+            keep_accepted_kv(self.runner.cache, seq, verdict.path)
+            seq.num_cached += 1 + len(verdict.path)
+            seq.num_spec_steps += 1
+            seq.num_drafted += len(tree)
+            seq.num_accepted += len(verdict.path)
+            accepted_total += len(verdict.path)
+            for (tok, _), lp in zip(emitted, lps):
+                seq.append(tok, lp)
+                self.stats.generated_tokens += 1
+                emitted_total += 1
+                if seq.done:
+                    break
+            drafter.accepted(seq, len(verdict.path))
+            if seq.done:
+                self._finish(seq)
+                finished.append(seq.seq_id)
+            else:
+                release_unused_blocks(seq, allocator, bs)
+        end = time.perf_counter()
+
+        drafted_total = sum(len(t) for t in trees)
+        st_ = self.stats
+        st_.decode_steps += 1
+        st_.spec_steps += 1
+        st_.batch_sizes.append(len(seqs))
+        st_.drafted_tokens += drafted_total
+        st_.accepted_tokens += accepted_total
+        st_.spec_emitted_tokens += emitted_total
+        st_.spec_seq_steps += len(seqs)
+        st_.draft_time_s += drafted_at - start
+        st_.verify_time_s += end - drafted_at
+        st_.spec_log.append(
+            SpecStepRecord(
+                str(strategy), len(seqs), drafted_total, accepted_total, emitted_total, drafted_at - start, end - drafted_at
+            )
+        )
         return finished

@@ -110,3 +110,14 @@ class PagedKVCache:
         """Flat slot ids of cache indices, given a (padded) block table of matching leading dims."""
         block = block_table.gather(-1, cache_index // self.block_size)
         return block * self.block_size + cache_index % self.block_size
+
+    def move_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Copy the K/V at slots ``src`` to slots ``dst`` in every layer (all reads happen first)."""
+        for k, v in zip(self.k, self.v):
+            k[dst] = k[src]
+            v[dst] = v[src]
+
+
+def slot_of(block_table: list[int], cache_index: int, block_size: int) -> int:
+    """The flat slot of a sequence's token at ``cache_index``."""
+    return block_table[cache_index // block_size] * block_size + cache_index % block_size

@@ -10,6 +10,8 @@ import math
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
+from .strategy import parse_strategy
+
 
 def _require(ok: bool, name: str, allowed: str, value: Any) -> None:
     if not ok:
@@ -88,9 +90,6 @@ class SamplingParams:
         return replace(self, **changes)
 
 
-STRATEGIES = ("none",)
-
-
 @dataclass
 class RolloutConfig:
     """Sizing and behaviour of a :class:`tailspec.rollout.RolloutEngine`.
@@ -106,7 +105,9 @@ class RolloutConfig:
     max_num_seqs: int = 256
     max_prefill_tokens: int = 8192
     max_model_len: int | None = None
-    strategy: str = "none"
+    strategy: str = "none"  # see tailspec.rollout.strategy for the forms
+    draft_kv_cache_tokens: int | None = None  # the model drafter's own KV pool; None = kv_cache_tokens
+    suffix_history_tokens: int = 1 << 20  # completions of earlier calls the suffix drafter remembers
     seed: int = 0
     progress: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
@@ -145,7 +146,23 @@ class RolloutConfig:
             "None or an int >= 2",
             self.max_model_len,
         )
-        _require(self.strategy in STRATEGIES, "strategy", f"one of {STRATEGIES}", self.strategy)
+        try:
+            parse_strategy(self.strategy)
+        except ValueError as e:
+            raise ValueError(f"RolloutConfig.strategy: {e}") from None
+        _require(
+            self.draft_kv_cache_tokens is None
+            or (_is_int(self.draft_kv_cache_tokens) and self.draft_kv_cache_tokens >= self.block_size),
+            "draft_kv_cache_tokens",
+            f"None or an int >= block_size ({self.block_size})",
+            self.draft_kv_cache_tokens,
+        )
+        _require(
+            _is_int(self.suffix_history_tokens) and self.suffix_history_tokens >= 0,
+            "suffix_history_tokens",
+            "an int >= 0",
+            self.suffix_history_tokens,
+        )
         _require(_valid_seed(self.seed), "seed", _SEED_RANGE, self.seed)
 
     @property

@@ -39,6 +39,9 @@ class Sequence:
     finish_reason: FinishReason | None = None
     generator: torch.Generator | None = None
     num_preemptions: int = 0
+    num_spec_steps: int = 0  # speculative steps this sequence took part in
+    num_drafted: int = 0  # draft tokens verified for it
+    num_accepted: int = 0  # of those, accepted
 
     def __post_init__(self) -> None:
         if self.params.seed is not None and self.generator is None:
@@ -80,6 +83,9 @@ class Sequence:
             logprobs=list(self.logprobs),
             finish_reason=self.finish_reason.value if self.finish_reason else None,
             num_preemptions=self.num_preemptions,
+            num_spec_steps=self.num_spec_steps,
+            num_drafted=self.num_drafted,
+            num_accepted=self.num_accepted,
         )
 
 
@@ -91,3 +97,11 @@ class RequestOutput:
     logprobs: list[float]  # processed log-probability of each completion token
     finish_reason: str | None
     num_preemptions: int = 0
+    num_spec_steps: int = 0
+    num_drafted: int = 0
+    num_accepted: int = 0
+
+    @property
+    def mean_accept_length(self) -> float:
+        """Tokens emitted per speculative step (accepted drafts plus the target's own token)."""
+        return (self.num_accepted + self.num_spec_steps) / self.num_spec_steps if self.num_spec_steps else 1.0

@@ -9,7 +9,7 @@ request's samples do not depend on which other requests share its batch.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -118,17 +118,22 @@ def processed_logprobs(logits: torch.Tensor, st: BatchSamplingTensors) -> torch.
     return torch.log_softmax(x, dim=-1)
 
 
-def sample_from_logprobs(logprobs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
-    """Inverse-CDF sampling: one token per row from ``exp(logprobs)`` using ``uniforms`` in [0, 1).
+def sample_from_probs(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """Inverse-CDF sampling: one index per row of non-negative (not necessarily normalised) ``probs``.
 
     The CDF is accumulated in float64 and scaled by its own total, so rounding can never select
-    a token of zero probability.
+    an entry of zero probability.
     """
-    cdf = logprobs.double().exp().cumsum(dim=-1)
+    cdf = probs.double().cumsum(dim=-1)
     total = cdf[..., -1:]
     idx = torch.searchsorted(cdf, uniforms.double().unsqueeze(-1) * total, right=True)
-    last_positive = (cdf < total).sum(dim=-1, keepdim=True)  # the last token with probability > 0
+    last_positive = (cdf < total).sum(dim=-1, keepdim=True)  # the last entry with probability > 0
     return torch.minimum(idx, last_positive).squeeze(-1)
+
+
+def sample_from_logprobs(logprobs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """One token per row from ``exp(logprobs)`` using ``uniforms`` in [0, 1) (see :func:`sample_from_probs`)."""
+    return sample_from_probs(logprobs.double().exp(), uniforms)
 
 
 def choose_tokens(logprobs: torch.Tensor, st: BatchSamplingTensors, uniforms: torch.Tensor | None) -> torch.Tensor:
@@ -153,3 +158,13 @@ def draw_uniforms(generators: Sequence[torch.Generator | None], fallback: torch.
         if g is not None:
             out[i] = torch.rand(1, generator=g, dtype=torch.float64)
     return out
+
+
+def uniform_source(generator: torch.Generator | None, fallback: torch.Generator) -> Callable[[], float]:
+    """A draw-one-uniform function for a request: its own generator when seeded, else the engine's."""
+    gen = generator if generator is not None else fallback
+
+    def draw() -> float:
+        return float(torch.rand(1, generator=gen, dtype=torch.float64))
+
+    return draw

@@ -1,0 +1,307 @@
+"""A smaller Hugging Face causal LM as the drafter, with its own paged KV cache.
+
+Per sequence the drafter keeps a block table in its own pool and the number of the sequence's
+tokens whose K/V it holds. Each step it first *catches up* (feeds the tokens it has not seen:
+the prompt the first time, then the tokens the last step emitted), then drafts:
+
+* **chain** (``topk == 1``): one token per forward. Greedy requests take the argmax; sampled
+  requests sample from the drafter's processed distribution (the request's own temperature,
+  top-k, top-p and min-p), which is returned as ``draft_probs`` so verification stays exact.
+  The K/V of the drafted tokens stays cached and counts as valid for the accepted prefix.
+* **tree** (``topk > 1``): deterministic best-first expansion by cumulative log-probability,
+  EAGLE-2 style: each level expands the ``topk`` best frontier nodes into their ``topk`` best
+  children, and the ``budget`` best nodes overall form the tree. A level's forward recomputes
+  the frontier's ancestors under a tree mask (cheap for a small drafter), so nothing beyond the
+  committed tokens is kept.
+
+Runs on the drafter model's device and dtype; the pool never preempts: a sequence that does
+not fit evicts the least recently used drafter state, or gets no draft this step.
+"""
+
+from __future__ import annotations
+
+import heapq
+import logging
+from collections.abc import Iterator
+from collections.abc import Sequence as Seq
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import torch
+
+from ..rollout.attention import SequenceSlice, paged_attention_enabled
+from ..rollout.kv_cache import blocks_for
+from ..rollout.model_runner import ModelRunner
+from ..rollout.request import Sequence
+from ..rollout.sampling import BatchSamplingTensors, draw_uniforms, processed_logprobs, sample_from_logprobs
+from .base import Drafter, DraftRequest, DraftShape, DraftTree
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _DraftState:
+    block_table: list[int] = field(default_factory=list)
+    num_cached: int = 0  # tokens of the sequence whose K/V this drafter holds
+    last_used: int = 0
+
+
+def check_same_vocabulary(target_vocab: int, draft_vocab: int, target_tok=None, draft_tok=None) -> None:
+    """Refuse a drafter whose tokenizer or vocabulary does not match the target's."""
+    if target_tok is not None and draft_tok is not None:
+        if target_tok.get_vocab() != draft_tok.get_vocab():
+            raise ValueError(
+                "the drafter's tokenizer does not match the target's (different vocabularies); "
+                "a drafter must share the target's tokenizer"
+            )
+        if draft_vocab != target_vocab and len(target_tok) > min(draft_vocab, target_vocab):
+            raise ValueError(
+                f"drafter vocabulary size {draft_vocab} and target's {target_vocab} cannot both hold "
+                f"the tokenizer's {len(target_tok)} tokens"
+            )
+        return
+    if draft_vocab != target_vocab:
+        raise ValueError(
+            f"drafter vocabulary size {draft_vocab} does not match the target's {target_vocab}; "
+            "pass both tokenizers if the difference is only padding rows"
+        )
+
+
+class SmallLMDrafter(Drafter):
+    name = "small_lm"
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        *,
+        tokenizer=None,
+        kv_cache_tokens: int = 65536,
+        block_size: int = 16,
+        seed: int = 0,
+    ) -> None:
+        if not (isinstance(kv_cache_tokens, int) and kv_cache_tokens >= block_size):
+            raise ValueError(f"kv_cache_tokens must be an int >= block_size ({block_size}), got {kv_cache_tokens!r}")
+        self.model = model
+        self.tokenizer = tokenizer
+        self.block_size = block_size
+        self.runner = ModelRunner(model, kv_cache_tokens // block_size, block_size)
+        self.allocator = self.runner.cache.allocator
+        self.generator = torch.Generator().manual_seed(seed)
+        self.target_vocab = self.runner.vocab_size
+        self._states: dict[int, _DraftState] = {}
+        self._clock = 0
+        self._draft_base: dict[int, int] = {}  # seq_id -> num_tokens when the last draft was made
+
+    def bind(self, vocab_size: int, tokenizer=None) -> None:
+        check_same_vocabulary(vocab_size, self.runner.vocab_size, tokenizer, self.tokenizer)
+        self.target_vocab = vocab_size
+
+    # -- state and KV room ---------------------------------------------------------------
+    def release(self, seq_id: int) -> None:
+        state = self._states.pop(seq_id, None)
+        self._draft_base.pop(seq_id, None)
+        if state is not None and state.block_table:
+            self.allocator.free(state.block_table)
+
+    def _ensure_room(self, seq_id: int, num_tokens: int, busy: set[int]) -> bool:
+        state = self._states.setdefault(seq_id, _DraftState())
+        state.last_used = self._clock
+        missing = blocks_for(num_tokens, self.block_size) - len(state.block_table)
+        if missing <= 0:
+            return True
+        idle = sorted((s.last_used, sid) for sid, s in self._states.items() if sid not in busy)
+        while missing > self.allocator.num_free and idle:
+            self.release(idle.pop(0)[1])
+        if missing > self.allocator.num_free:
+            return False
+        state.block_table += self.allocator.allocate(missing)
+        return True
+
+    def accepted(self, seq: Sequence, num_accepted: int) -> None:
+        state, base = self._states.get(seq.seq_id), self._draft_base.pop(seq.seq_id, None)
+        if state is not None and base is not None:
+            state.num_cached = min(state.num_cached, base + num_accepted)
+
+    # -- forward helpers -----------------------------------------------------------------
+    @contextmanager
+    def _inference(self) -> Iterator[None]:
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            with torch.no_grad(), paged_attention_enabled(self.model):
+                yield
+        finally:
+            self.model.train(was_training)
+
+    def _logits(self, slices, tokens, positions, logits_index) -> torch.Tensor:
+        logits = self.runner.forward(slices, tokens, positions, logits_index).float()
+        v_draft, v_target = logits.shape[-1], self.target_vocab
+        if v_draft > v_target:
+            logits = logits[:, :v_target]
+        elif v_draft < v_target:
+            pad = logits.new_full((logits.shape[0], v_target - v_draft), float("-inf"))
+            logits = torch.cat([logits, pad], dim=-1)
+        return logits
+
+    def _catch_up(self, seqs: list[Sequence]) -> torch.Tensor:
+        """Feed every sequence's unseen tokens; return the logits after each one's last token."""
+        slices, tokens, positions, last = [], [], [], []
+        for seq in seqs:
+            state = self._states[seq.seq_id]
+            new = [seq.token_at(i) for i in range(state.num_cached, seq.num_tokens)]
+            slices.append(SequenceSlice(state.block_table, state.num_cached, len(new)))
+            tokens.extend(new)
+            positions.extend(range(state.num_cached, seq.num_tokens))
+            last.append(len(tokens) - 1)
+            state.num_cached = seq.num_tokens
+        return self._logits(slices, tokens, positions, last)
+
+    # -- drafting ------------------------------------------------------------------------
+    def propose(self, requests: Seq[DraftRequest], shape: DraftShape) -> list[DraftTree]:
+        self._clock += 1
+        busy = {r.seq.seq_id for r in requests}
+        extra = shape.depth if shape.is_chain else shape.depth * shape.topk  # the widest level's forward
+        live = [r for r in requests if self._ensure_room(r.seq.seq_id, r.seq.num_tokens + extra, busy)]
+        trees = {id(r): DraftTree() for r in requests}
+        if live:
+            with self._inference():
+                seqs = [r.seq for r in live]
+                # a state may hold drafted tokens beyond what was accepted: never more than the sequence
+                for seq in seqs:
+                    st = self._states[seq.seq_id]
+                    st.num_cached = min(st.num_cached, seq.num_tokens - 1)
+                root_logits = self._catch_up(seqs)
+                for seq in seqs:
+                    self._draft_base[seq.seq_id] = seq.num_tokens
+                drafted = (
+                    self._chain(live, root_logits) if shape.is_chain else self._tree(live, root_logits, shape)
+                )
+            trees.update({id(r): t for r, t in zip(live, drafted)})
+        return [trees[id(r)] for r in requests]
+
+    def _choose(self, seqs: list[Sequence], logits: torch.Tensor) -> tuple[list[int], torch.Tensor | None]:
+        """Next draft token per row (argmax for greedy requests, a sample otherwise) and, when any
+        row sampled, the processed draft distribution of every row."""
+        st = BatchSamplingTensors.from_params([s.params for s in seqs], logits.device)
+        logprobs = processed_logprobs(logits, st)
+        chosen = logprobs.argmax(dim=-1)
+        if st.all_greedy:
+            return chosen.tolist(), None
+        uniforms = draw_uniforms([s.generator for s in seqs], self.generator).to(logits.device)
+        sampled = sample_from_logprobs(logprobs, uniforms)
+        chosen = torch.where(st.temperature > 0, sampled, chosen)
+        return chosen.tolist(), logprobs.exp()
+
+    def _chain(self, requests: list[DraftRequest], logits: torch.Tensor) -> list[DraftTree]:
+        seqs = [r.seq for r in requests]
+        tokens: list[list[int]] = [[] for _ in seqs]
+        probs: list[list[torch.Tensor]] = [[] for _ in seqs]
+        active = list(range(len(seqs)))
+        while True:
+            chosen, q = self._choose([seqs[i] for i in active], logits)
+            for row, i in enumerate(active):
+                tokens[i].append(chosen[row])
+                if q is not None:
+                    probs[i].append(q[row])
+            active = [
+                i for i in active if len(tokens[i]) < requests[i].max_depth and tokens[i][-1] not in seqs[i].stop_ids
+            ]
+            if not active:
+                break
+            slices, feed, positions = [], [], []
+            for i in active:
+                state = self._states[seqs[i].seq_id]
+                slices.append(SequenceSlice(state.block_table, state.num_cached, 1))
+                feed.append(tokens[i][-1])
+                positions.append(state.num_cached)
+                state.num_cached += 1
+            logits = self._logits(slices, feed, positions, list(range(len(active))))
+        out = []
+        for seq, toks, ps in zip(seqs, tokens, probs):
+            q = torch.stack(ps) if ps and not seq.params.greedy else None
+            out.append(DraftTree.chain(toks, q))
+        return out
+
+    def _tree(self, requests: list[DraftRequest], root_logits: torch.Tensor, shape: DraftShape) -> list[DraftTree]:
+        """Best-first expansion; each node is ``(score, token, parent_node)`` in a per-sequence list."""
+        seqs = [r.seq for r in requests]
+        nodes: list[list[tuple[float, int, int]]] = [[] for _ in seqs]
+        frontier: list[list[int]] = [[] for _ in seqs]  # node indices to expand next
+
+        def add_children(i: int, parent: int, parent_score: float, logprobs: torch.Tensor) -> None:
+            top = torch.topk(logprobs, min(shape.topk, logprobs.shape[-1]))
+            for lp, tok in zip(top.values.tolist(), top.indices.tolist()):
+                if lp == float("-inf"):
+                    break
+                nodes[i].append((parent_score + lp, tok, parent))
+
+        root_lp = torch.log_softmax(root_logits, dim=-1)
+        for i in range(len(seqs)):
+            add_children(i, -1, 0.0, root_lp[i])
+            frontier[i] = self._best_frontier(nodes[i], range(len(nodes[i])), seqs[i], shape.topk)
+
+        for level in range(2, shape.depth + 1):
+            active = [i for i in range(len(seqs)) if frontier[i] and level <= requests[i].max_depth]
+            if not active:
+                break
+            slices, feed, positions, index, owners = [], [], [], [], []
+            for i in active:
+                keep = self._with_ancestors(nodes[i], frontier[i])
+                local = {n: k for k, n in enumerate(keep)}
+                parents = [local.get(nodes[i][n][2], -1) for n in keep]
+                sub = DraftTree([nodes[i][n][1] for n in keep], parents)
+                state = self._states[seqs[i].seq_id]
+                base = len(feed)
+                slices.append(SequenceSlice(state.block_table, state.num_cached, len(keep), sub.ancestor_mask()[1:, 1:]))
+                feed.extend(sub.tokens)
+                positions.extend(state.num_cached + d - 1 for d in sub.depths)
+                for n in frontier[i]:
+                    index.append(base + local[n])
+                    owners.append((i, n))
+            logprobs = torch.log_softmax(self._logits(slices, feed, positions, index), dim=-1)
+            fresh: dict[int, list[int]] = {}
+            for row, (i, n) in enumerate(owners):
+                before = len(nodes[i])
+                add_children(i, n, nodes[i][n][0], logprobs[row])
+                fresh.setdefault(i, []).extend(range(before, len(nodes[i])))
+            for i in active:
+                frontier[i] = self._best_frontier(nodes[i], fresh.get(i, []), seqs[i], shape.topk)
+        return [self._select(nodes[i], shape.max_nodes) for i in range(len(seqs))]
+
+    @staticmethod
+    def _best_frontier(nodes, candidates, seq: Sequence, width: int) -> list[int]:
+        expandable = [n for n in candidates if nodes[n][1] not in seq.stop_ids]
+        return heapq.nlargest(width, expandable, key=lambda n: nodes[n][0])
+
+    @staticmethod
+    def _with_ancestors(nodes, chosen: list[int]) -> list[int]:
+        keep: set[int] = set()
+        for n in chosen:
+            while n >= 0 and n not in keep:
+                keep.add(n)
+                n = nodes[n][2]
+        return sorted(keep)  # parents were created before children, so this is topological
+
+    @staticmethod
+    def _select(nodes: list[tuple[float, int, int]], budget: int) -> DraftTree:
+        """The ``budget`` best nodes by score (a child never outscores its parent, so ancestors come
+        along), in topological order with more likely siblings first."""
+        best = sorted(range(len(nodes)), key=lambda n: (-nodes[n][0], n))[:budget]
+        chosen = set(best)
+        chosen = {n for n in chosen if all(a in chosen for a in SmallLMDrafter._ancestors(nodes, n))}
+        order = sorted(chosen, key=lambda n: (SmallLMDrafter._depth(nodes, n), -nodes[n][0], n))
+        local = {n: k for k, n in enumerate(order)}
+        return DraftTree([nodes[n][1] for n in order], [local.get(nodes[n][2], -1) for n in order])
+
+    @staticmethod
+    def _ancestors(nodes, n: int) -> list[int]:
+        out = []
+        n = nodes[n][2]
+        while n >= 0:
+            out.append(n)
+            n = nodes[n][2]
+        return out
+
+    @staticmethod
+    def _depth(nodes, n: int) -> int:
+        return len(SmallLMDrafter._ancestors(nodes, n)) + 1

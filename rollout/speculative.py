@@ -1,0 +1,90 @@
+"""The pieces of a speculative decode step that touch sequences and KV blocks.
+
+A step: the drafter proposes a tree per sequence (:func:`max_draft_depth` bounds it so that
+``max_new_tokens`` is never exceeded); :func:`fit_draft` gives the drafts KV room from free
+blocks only (a draft never preempts anyone: it is cut to what fits); :func:`pack_verify_batch`
+lays out one target forward over every sequence's pending token and draft nodes, with tree
+masks; after verification :func:`keep_accepted_kv` moves the accepted path's K/V (if it is not
+already in place) to the positions that follow the sequence, and :func:`release_unused_blocks`
+hands the blocks that held rejected drafts back to the pool.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass
+
+import torch
+
+from ..drafter.base import DraftShape, DraftTree
+from .attention import SequenceSlice
+from .kv_cache import BlockAllocator, PagedKVCache, blocks_for, slot_of
+from .request import Sequence
+
+
+@dataclass
+class SpecStepRecord:
+    """What one speculative step did (the adaptive selector learns from these)."""
+
+    strategy: str
+    batch_size: int
+    drafted: int
+    accepted: int
+    emitted: int
+    draft_s: float
+    verify_s: float
+
+
+def max_draft_depth(seq: Sequence, shape: DraftShape) -> int:
+    """Deepest draft node that can still be emitted: the target always adds one token after the path."""
+    remaining = seq.params.max_new_tokens - len(seq.output_ids)
+    return max(0, min(shape.depth, remaining - 1))
+
+
+def fit_draft(seq: Sequence, tree: DraftTree, allocator: BlockAllocator, block_size: int) -> DraftTree:
+    """Grow ``seq``'s block table for its pending token plus ``tree`` from free blocks; cut the tree
+    to the room there is. The scheduler has already reserved the pending token's slot."""
+    if not len(tree):
+        return tree
+    need = blocks_for(seq.num_cached + 1 + len(tree), block_size)
+    missing = need - len(seq.block_table)
+    if missing > 0:
+        seq.block_table += allocator.allocate(min(missing, allocator.num_free))
+    room = len(seq.block_table) * block_size - seq.num_cached - 1
+    return tree.truncated(room)
+
+
+def pack_verify_batch(seqs: Seq[Sequence], trees: Seq[DraftTree]) -> tuple[list[SequenceSlice], list[int], list[int]]:
+    """Slices, packed tokens and positions of one target forward: per sequence the pending token
+    (position ``num_cached``) then its draft nodes (position ``num_cached + depth``)."""
+    slices, tokens, positions = [], [], []
+    for seq, tree in zip(seqs, trees):
+        c0 = seq.num_cached
+        mask = None if tree.is_chain else tree.ancestor_mask()
+        slices.append(SequenceSlice(seq.block_table, c0, 1 + len(tree), mask))
+        tokens.append(seq.token_at(c0))
+        tokens.extend(tree.tokens)
+        positions.append(c0)
+        positions.extend(c0 + d for d in tree.depths)
+    return slices, tokens, positions
+
+
+def keep_accepted_kv(cache: PagedKVCache, seq: Sequence, path: list[int]) -> None:
+    """Node ``i`` was written at cache index ``num_cached + 1 + i``; the ``j``-th accepted node
+    belongs at ``num_cached + 1 + j``. Move the ones that are elsewhere (never needed for chains)."""
+    moves = [(node, j) for j, node in enumerate(path) if node != j]
+    if not moves:
+        return
+    base, bs, table = seq.num_cached + 1, cache.block_size, seq.block_table
+    device = cache.layout.device
+    src = torch.tensor([slot_of(table, base + node, bs) for node, _ in moves], device=device)
+    dst = torch.tensor([slot_of(table, base + j, bs) for _, j in moves], device=device)
+    cache.move_slots(src, dst)
+
+
+def release_unused_blocks(seq: Sequence, allocator: BlockAllocator, block_size: int) -> None:
+    """Free the blocks past the ones ``seq``'s tokens occupy (those held rejected drafts)."""
+    keep = blocks_for(seq.num_tokens, block_size)
+    if len(seq.block_table) > keep:
+        allocator.free(seq.block_table[keep:])
+        del seq.block_table[keep:]

@@ -1,0 +1,87 @@
+"""Speculation strategies and their string form (``RolloutConfig.strategy``, ``--strategy``).
+
+=======================  ===========================================================
+``none``                 plain decoding, one token per sequence per step
+``chain:K``              the model drafter proposes a chain of K tokens (K in [1, 16])
+``tree:D,K,B``           the model drafter proposes a tree: depth D in [1, 16], up to
+                         K children per node in [1, 8], at most B nodes in [D, 128]
+``suffix``               the suffix/n-gram drafter, default shape ``suffix:8,2,16``
+``suffix:K``             the suffix drafter, as a chain of up to K tokens
+``suffix:D,K,B``         the suffix drafter, as a tree with frequency-ranked branches
+=======================  ===========================================================
+
+One strategy runs per batch step; the engine can switch between steps
+(:meth:`tailspec.rollout.RolloutEngine.set_strategy`) without re-prefilling anything.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..drafter.base import DraftShape
+
+KINDS = ("none", "chain", "tree", "suffix")
+GRAMMAR = "'none', 'chain:K', 'tree:D,K,B', 'suffix', 'suffix:K' or 'suffix:D,K,B'"
+DEFAULT_SUFFIX_SHAPE = DraftShape(depth=8, topk=2, budget=16)
+
+
+@dataclass(frozen=True)
+class Strategy:
+    kind: str
+    shape: DraftShape | None = None
+
+    @property
+    def speculative(self) -> bool:
+        return self.kind != "none"
+
+    @property
+    def uses_model_drafter(self) -> bool:
+        return self.kind in ("chain", "tree")
+
+    def __str__(self) -> str:
+        if self.shape is None:
+            return self.kind
+        s = self.shape
+        if self.kind == "chain" or (self.kind == "suffix" and s.is_chain and s.max_nodes == s.depth):
+            return f"{self.kind}:{s.depth}"
+        return f"{self.kind}:{s.depth},{s.topk},{s.max_nodes}"
+
+
+def _ints(text: str, spec: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",")]
+    except ValueError:
+        raise ValueError(f"strategy {spec!r} has a non-integer parameter; expected {GRAMMAR}") from None
+
+
+def _check(name: str, value: int, lo: int, hi: int, spec: str) -> None:
+    if not lo <= value <= hi:
+        raise ValueError(f"strategy {spec!r}: {name} must be in [{lo}, {hi}], got {value}")
+
+
+def parse_strategy(spec: str | Strategy) -> Strategy:
+    """Parse a strategy string; ``ValueError`` names what is wrong and the allowed forms."""
+    if isinstance(spec, Strategy):
+        return spec
+    if not isinstance(spec, str):
+        raise ValueError(f"strategy must be a string ({GRAMMAR}), got {spec!r}")
+    kind, _, params = spec.strip().partition(":")
+    if kind not in KINDS:
+        raise ValueError(f"unknown strategy {spec!r}; expected {GRAMMAR}")
+    if kind == "none":
+        if params:
+            raise ValueError(f"strategy 'none' takes no parameters, got {spec!r}")
+        return Strategy("none")
+    if kind == "suffix" and not params:
+        return Strategy("suffix", DEFAULT_SUFFIX_SHAPE)
+    values = _ints(params, spec) if params else []
+    if kind in ("chain", "suffix") and len(values) == 1:
+        _check("K", values[0], 1, 16, spec)
+        return Strategy(kind, DraftShape(depth=values[0], topk=1, budget=values[0]))
+    if kind in ("tree", "suffix") and len(values) == 3:
+        depth, topk, budget = values
+        _check("depth D", depth, 1, 16, spec)
+        _check("children per node K", topk, 1, 8, spec)
+        _check("node budget B", budget, depth, 128, spec)
+        return Strategy(kind, DraftShape(depth=depth, topk=topk, budget=budget))
+    raise ValueError(f"strategy {spec!r} has the wrong number of parameters; expected {GRAMMAR}")

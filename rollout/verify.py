@@ -1,0 +1,89 @@
+"""Lossless verification of a draft tree against the target's processed distribution.
+
+Each sequence's tree is walked from the root. At a node whose target distribution is ``p``,
+its children are tried in sibling order; child ``c`` (token ``x``, drawn from ``q_c``) is
+accepted with probability ``min(1, p(x) / q_c(x))``; on rejection ``p`` becomes the residual
+``normalize(max(0, p - q_c))`` and the next sibling is tried (recursive rejection sampling,
+multi-draft). When a child is accepted the walk moves into it; when all children are rejected,
+or the node is a leaf, one final token is drawn from the current ``p`` (the correction, or the
+bonus token at a leaf). Each step is a standard speculative-sampling step, so by induction every
+emitted token is distributed exactly as the target's processed distribution, whatever the
+drafts. Deterministic drafts use ``q_c = one-hot(x)``: accept with probability ``p(x)``, and the
+residual is ``p`` with ``x`` removed.
+
+Greedy is the temperature-to-zero case: follow the child whose token is the target's argmax,
+and emit the argmax where no child matches, which reproduces argmax decoding token for token.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from ..drafter.base import DraftTree
+from .sampling import sample_from_probs
+
+
+@dataclass
+class Verdict:
+    """The outcome for one sequence: accepted nodes, then one more token from the target."""
+
+    path: list[int]  # accepted node indices, root to leaf
+    final_token: int  # correction (after a rejection) or bonus (at a leaf)
+
+    def emitted(self, tree: DraftTree) -> list[tuple[int, int]]:
+        """``(token, row)`` for every emitted token; ``row`` is where its target distribution is
+        (0 = the root, ``i + 1`` = node ``i``)."""
+        rows = [0] + [c + 1 for c in self.path]
+        tokens = [tree.tokens[c] for c in self.path] + [self.final_token]
+        return list(zip(tokens, rows))
+
+
+def residual(p: torch.Tensor, q: torch.Tensor | None, token: int) -> torch.Tensor:
+    """``normalize(max(0, p - q))`` after ``token`` drawn from ``q`` was rejected (``q=None``: one-hot)."""
+    if q is None:
+        out = p.clone()
+        out[token] = 0.0
+    else:
+        out = (p - q).clamp_min(0.0)
+    total = out.sum()
+    if total <= 0:  # p == q up to rounding: rejection had probability ~0; p itself is the answer
+        return p
+    return out / total
+
+
+def verify_greedy(tree: DraftTree, target_argmax: list[int]) -> Verdict:
+    """``target_argmax[r]`` is the target's argmax at row ``r`` (0 = root, ``i + 1`` = node ``i``)."""
+    path: list[int] = []
+    row = 0
+    while True:
+        want = target_argmax[row]
+        match = next((c for c in tree.children[row] if tree.tokens[c] == want), None)
+        if match is None:
+            return Verdict(path, want)
+        path.append(match)
+        row = match + 1
+
+
+def verify_sampled(tree: DraftTree, target_probs: Callable[[int], torch.Tensor], uniform: Callable[[], float]) -> Verdict:
+    """Recursive rejection sampling. ``target_probs(row)`` returns the processed target
+    distribution at ``row`` as a float64 vector; ``uniform()`` draws from U[0, 1)."""
+    path: list[int] = []
+    row = 0
+    p = target_probs(0)
+    while True:
+        for c in tree.children[row]:
+            token = tree.tokens[c]
+            q = tree.draft_probs[c].to(p) if tree.draft_probs is not None else None
+            q_token = 1.0 if q is None else float(q[token])
+            if q_token > 0 and uniform() * q_token < float(p[token]):
+                path.append(c)
+                row = c + 1
+                p = target_probs(row)
+                break
+            p = residual(p, q, token)
+        else:
+            final = int(sample_from_probs(p, torch.tensor(uniform(), dtype=torch.float64)))
+            return Verdict(path, final)
