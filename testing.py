@@ -55,3 +55,16 @@ def tiny_random_model(arch: str, seed: int = 0, dtype: torch.dtype = torch.float
     model.generation_config.eos_token_id = config.eos_token_id
     model.generation_config.pad_token_id = config.pad_token_id
     return model.eval()
+
+
+def perturbed_copy(model: torch.nn.Module, noise: float, seed: int = 0) -> torch.nn.Module:
+    """A copy of ``model`` with Gaussian noise of relative size ``noise`` on every weight: a
+    "good" drafter for tests (agrees with the model most of the time, not always)."""
+    import copy
+
+    clone = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in clone.parameters():
+            p.add_(torch.randn(p.shape, generator=g, dtype=p.dtype) * noise * p.std().clamp_min(1e-6))
+    return clone.eval()

@@ -38,6 +38,8 @@ from .base import Drafter, DraftRequest, DraftShape, DraftTree
 
 logger = logging.getLogger(__name__)
 
+_DRAFT_SEED_OFFSET = 0x9E3779B97F4A7C15
+
 
 @dataclass
 class _DraftState:
@@ -86,7 +88,9 @@ class SmallLMDrafter(Drafter):
         self.block_size = block_size
         self.runner = ModelRunner(model, kv_cache_tokens // block_size, block_size)
         self.allocator = self.runner.cache.allocator
-        self.generator = torch.Generator().manual_seed(seed)
+        # a stream of its own: drawing drafts with the same uniforms the verifier then uses to
+        # accept them would correlate the two and bias the output
+        self.generator = torch.Generator().manual_seed((seed + _DRAFT_SEED_OFFSET) % 2**63)
         self.target_vocab = self.runner.vocab_size
         self._states: dict[int, _DraftState] = {}
         self._clock = 0
@@ -109,9 +113,10 @@ class SmallLMDrafter(Drafter):
         missing = blocks_for(num_tokens, self.block_size) - len(state.block_table)
         if missing <= 0:
             return True
-        idle = sorted((s.last_used, sid) for sid, s in self._states.items() if sid not in busy)
-        while missing > self.allocator.num_free and idle:
-            self.release(idle.pop(0)[1])
+        if missing > self.allocator.num_free:
+            idle = sorted((s.last_used, sid) for sid, s in self._states.items() if sid not in busy)
+            while missing > self.allocator.num_free and idle:
+                self.release(idle.pop(0)[1])
         if missing > self.allocator.num_free:
             return False
         state.block_table += self.allocator.allocate(missing)
@@ -173,9 +178,7 @@ class SmallLMDrafter(Drafter):
                 root_logits = self._catch_up(seqs)
                 for seq in seqs:
                     self._draft_base[seq.seq_id] = seq.num_tokens
-                drafted = (
-                    self._chain(live, root_logits) if shape.is_chain else self._tree(live, root_logits, shape)
-                )
+                drafted = self._chain(live, root_logits) if shape.is_chain else self._tree(live, root_logits, shape)
             trees.update({id(r): t for r, t in zip(live, drafted)})
         return [trees[id(r)] for r in requests]
 
@@ -252,7 +255,9 @@ class SmallLMDrafter(Drafter):
                 sub = DraftTree([nodes[i][n][1] for n in keep], parents)
                 state = self._states[seqs[i].seq_id]
                 base = len(feed)
-                slices.append(SequenceSlice(state.block_table, state.num_cached, len(keep), sub.ancestor_mask()[1:, 1:]))
+                slices.append(
+                    SequenceSlice(state.block_table, state.num_cached, len(keep), sub.ancestor_mask()[1:, 1:])
+                )
                 feed.extend(sub.tokens)
                 positions.extend(state.num_cached + d - 1 for d in sub.depths)
                 for n in frontier[i]:

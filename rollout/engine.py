@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import torch
 from tqdm.auto import tqdm
 
-from ..drafter.base import EMPTY_DRAFT, DraftRequest, Drafter, DraftTree
+from ..drafter.base import EMPTY_DRAFT, Drafter, DraftRequest, DraftTree
 from .attention import SequenceSlice, paged_attention_enabled
 from .kv_cache import blocks_for
 from .model_runner import ModelRunner
@@ -477,7 +477,13 @@ class RolloutEngine:
         st_.verify_time_s += end - drafted_at
         st_.spec_log.append(
             SpecStepRecord(
-                str(strategy), len(seqs), drafted_total, accepted_total, emitted_total, drafted_at - start, end - drafted_at
+                str(strategy),
+                len(seqs),
+                drafted_total,
+                accepted_total,
+                emitted_total,
+                drafted_at - start,
+                end - drafted_at,
             )
         )
         return finished

@@ -22,7 +22,7 @@ class SeqStatus(enum.Enum):
     FINISHED = "finished"
 
 
-@dataclass
+@dataclass(eq=False)  # identity: two requests are never "equal"
 class Sequence:
     """One request's mutable state: its tokens, its KV blocks and its randomness."""
 

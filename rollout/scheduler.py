@@ -39,7 +39,7 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.max_prefill_tokens = max_prefill_tokens
         self.waiting: deque[Sequence] = deque()
-        self.running: list[Sequence] = []
+        self.running: dict[int, Sequence] = {}  # seq_id -> sequence, in admission order
         self.num_preemptions = 0
 
     def add(self, seq: Sequence) -> None:
@@ -99,15 +99,15 @@ class Scheduler:
     def _decode_headroom(self) -> int:
         """Blocks the running sequences need for their next token; admission leaves them free
         so that admitting a sequence does not immediately force a preemption."""
-        return sum(1 for s in self.running if s.num_cached + 1 > len(s.block_table) * self.block_size)
+        return sum(1 for s in self.running.values() if s.num_cached + 1 > len(s.block_table) * self.block_size)
 
     def _start(self, seq: Sequence) -> None:
         seq.status = SeqStatus.RUNNING
-        self.running.append(seq)
+        self.running[seq.seq_id] = seq
 
     def _schedule_decode(self) -> ScheduledBatch | None:
         scheduled: list[Sequence] = []
-        for seq in list(self.running):
+        for seq in list(self.running.values()):
             if seq.status is not SeqStatus.RUNNING:
                 continue  # preempted earlier in this loop
             if not self._reserve(seq, seq.num_cached + 1):
@@ -122,7 +122,7 @@ class Scheduler:
         """Grow ``seq``'s block table to hold ``num_tokens``, preempting others if needed."""
         missing = blocks_for(num_tokens, self.block_size) - len(seq.block_table)
         while missing > self.allocator.num_free:
-            victim = self.running[-1]
+            victim = self.running[next(reversed(self.running))]
             self.preempt(victim)
             if victim is seq:
                 return False
@@ -151,8 +151,7 @@ class Scheduler:
             self.finish(seq)
 
     def _release(self, seq: Sequence) -> None:
-        if seq in self.running:
-            self.running.remove(seq)
+        self.running.pop(seq.seq_id, None)
         if seq.block_table:
             self.allocator.free(seq.block_table)
             seq.block_table = []

@@ -67,7 +67,9 @@ def verify_greedy(tree: DraftTree, target_argmax: list[int]) -> Verdict:
         row = match + 1
 
 
-def verify_sampled(tree: DraftTree, target_probs: Callable[[int], torch.Tensor], uniform: Callable[[], float]) -> Verdict:
+def verify_sampled(
+    tree: DraftTree, target_probs: Callable[[int], torch.Tensor], uniform: Callable[[], float]
+) -> Verdict:
     """Recursive rejection sampling. ``target_probs(row)`` returns the processed target
     distribution at ``row`` as a float64 vector; ``uniform()`` draws from U[0, 1)."""
     path: list[int] = []

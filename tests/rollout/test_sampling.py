@@ -5,7 +5,7 @@ import math
 
 import pytest
 import torch
-from conftest import cached_model
+from conftest import cached_model, chi_square_pvalue
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers.generation.logits_process import (
@@ -234,36 +234,6 @@ def test_choose_tokens_and_per_request_uniforms():
 
 
 # -- statistical checks of the engine's samples -------------------------------------------
-
-
-def chi_square_pvalue(counts: torch.Tensor, probs: torch.Tensor, min_expected: float = 5.0) -> float:
-    """Pearson chi-square goodness of fit; bins with expected count < ``min_expected`` are merged.
-
-    p = survival function of chi2(dof) = regularized upper incomplete gamma Q(dof/2, stat/2).
-    """
-    n = counts.sum()
-    expected = probs.double() * n
-    order = torch.argsort(expected, descending=True)
-    obs_bins, exp_bins, acc_o, acc_e = [], [], 0.0, 0.0
-    for i in order.tolist():
-        if expected[i] == 0:
-            assert counts[i] == 0, f"token {i} has zero probability but was sampled"
-            continue
-        acc_o += float(counts[i])
-        acc_e += float(expected[i])
-        if acc_e >= min_expected:
-            obs_bins.append(acc_o)
-            exp_bins.append(acc_e)
-            acc_o = acc_e = 0.0
-    if acc_e > 0:
-        obs_bins[-1] += acc_o
-        exp_bins[-1] += acc_e
-    if len(obs_bins) < 2:
-        return 1.0
-    o, e = torch.tensor(obs_bins, dtype=torch.float64), torch.tensor(exp_bins, dtype=torch.float64)
-    stat = ((o - e) ** 2 / e).sum()
-    dof = len(obs_bins) - 1
-    return float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64), stat / 2))
 
 
 def test_chi_square_pvalue_matches_known_quantiles():

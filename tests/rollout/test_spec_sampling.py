@@ -1,0 +1,108 @@
+"""Sampled speculative decoding emits exactly the target's processed distribution.
+
+For a fixed prompt, the engine generates many completions of 4 tokens; the first comes from the
+prefill, the next two from one speculative step (accepted drafts, a correction, or the bonus
+token). The empirical joint distribution of tokens 2 and 3 is compared (chi-square) with the
+exact one computed from the target's processed distributions, marginalised over token 1.
+"""
+
+import functools
+
+import pytest
+import torch
+from conftest import chi_square_pvalue
+
+from tailspec.rollout import RolloutConfig, RolloutEngine, SamplingParams
+from tailspec.rollout import verify as verify_module
+from tailspec.rollout.sampling import BatchSamplingTensors, processed_logprobs
+from tailspec.testing import perturbed_copy, tiny_random_model
+
+V = 12
+N = 5000
+PROMPT = [3, 7, 2, 9, 5]
+
+
+@functools.cache
+def target():
+    return tiny_random_model("llama", seed=3, vocab_size=V, initializer_range=0.06)
+
+
+@functools.cache
+def drafter(kind: str):
+    if kind == "good":
+        return perturbed_copy(target(), noise=0.5, seed=1)
+    return tiny_random_model("llama", seed=99, vocab_size=V, initializer_range=0.3, num_layers=1)
+
+
+def _processed(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    st = BatchSamplingTensors.from_params([params] * logits.shape[0], logits.device)
+    return processed_logprobs(logits, st).exp().double()
+
+
+@functools.cache
+def exact_joint_of_tokens_2_and_3(params: SamplingParams) -> torch.Tensor:
+    model = target()
+    with torch.no_grad():
+        p1 = _processed(model(torch.tensor([PROMPT])).logits[:, -1], params)[0]  # [V]
+        ctx2 = torch.tensor([PROMPT + [a] for a in range(V)])
+        p2 = _processed(model(ctx2).logits[:, -1], params)  # [V(t1), V(t2)]
+        ctx3 = torch.tensor([PROMPT + [a, b] for a in range(V) for b in range(V)])
+        p3 = _processed(model(ctx3).logits[:, -1], params).view(V, V, V)  # [t1, t2, t3]
+    joint = (p1.view(V, 1, 1) * p2.view(V, V, 1) * p3).sum(0)
+    return joint.reshape(-1)
+
+
+def joint_counts(strategy: str, kind: str | None, params: SamplingParams, seed: int = 0) -> torch.Tensor:
+    engine = RolloutEngine(
+        target(),
+        RolloutConfig(strategy=strategy, seed=seed, max_num_seqs=N, block_size=4, kv_cache_tokens=N * 16),
+        drafter=drafter(kind) if kind else None,
+    )
+    outs = engine.generate([PROMPT] * N, params.with_updates(max_new_tokens=4, ignore_eos=True))
+    assert engine.stats.drafted_tokens > 0
+    pairs = torch.tensor([o.completion_ids[1] * V + o.completion_ids[2] for o in outs])
+    return torch.bincount(pairs, minlength=V * V)
+
+
+SETTINGS = [
+    SamplingParams(temperature=1.0),
+    SamplingParams(temperature=0.7),
+    SamplingParams(temperature=1.0, top_k=6, top_p=0.9),
+    SamplingParams(temperature=0.7, min_p=0.1),
+]
+
+
+@pytest.mark.parametrize("params", SETTINGS, ids=["T1", "T0.7", "T1-topk-topp", "T0.7-minp"])
+@pytest.mark.parametrize(
+    "strategy,kind",
+    [("chain:2", "good"), ("chain:2", "bad"), ("tree:2,3,6", "good"), ("tree:2,3,6", "bad")],
+    ids=["chain-good", "chain-bad", "tree-good", "tree-bad"],
+)
+def test_speculative_samples_follow_the_target(strategy, kind, params):
+    counts = joint_counts(strategy, kind, params)
+    assert chi_square_pvalue(counts, exact_joint_of_tokens_2_and_3(params)) > 1e-3
+
+
+def test_suffix_drafter_samples_follow_the_target():
+    params = SamplingParams(temperature=1.0)
+    counts = joint_counts("suffix:2,2,4", None, params)
+    assert chi_square_pvalue(counts, exact_joint_of_tokens_2_and_3(params)) > 1e-3
+
+
+def test_plain_decoding_passes_the_same_check():
+    params = SamplingParams(temperature=1.0)
+    engine = RolloutEngine(target(), RolloutConfig(max_num_seqs=N, block_size=4, kv_cache_tokens=N * 16))
+    outs = engine.generate([PROMPT] * N, params.with_updates(max_new_tokens=3, ignore_eos=True))
+    counts = torch.bincount(
+        torch.tensor([o.completion_ids[1] * V + o.completion_ids[2] for o in outs]), minlength=V * V
+    )
+    assert chi_square_pvalue(counts, exact_joint_of_tokens_2_and_3(params)) > 1e-3
+
+
+def test_the_check_rejects_a_wrong_residual(monkeypatch):
+    """Resampling from the target instead of the residual after a rejection biases the output
+    towards the drafter; the check above must catch it."""
+    monkeypatch.setattr(verify_module, "residual", lambda p, q, token: p)
+    params = SamplingParams(temperature=1.0)
+    counts = joint_counts("chain:2", "bad", params)
+    assert chi_square_pvalue(counts, exact_joint_of_tokens_2_and_3(params)) < 1e-6
