@@ -122,6 +122,14 @@ class SmallLMDrafter(Drafter):
         state.block_table += self.allocator.allocate(missing)
         return True
 
+    def _can_read(self, seq: Sequence) -> bool:
+        """False if the sequence holds a token past the drafter's embedding table (a target with a
+        larger, padded vocabulary sampled a padding id): such a sequence gets no drafts."""
+        state = self._states.get(seq.seq_id)
+        start = min(state.num_cached, seq.num_tokens - 1) if state is not None else 0
+        vocab = self.runner.vocab_size
+        return all(seq.token_at(i) < vocab for i in range(start, seq.num_tokens))
+
     def accepted(self, seq: Sequence, num_accepted: int) -> None:
         state, base = self._states.get(seq.seq_id), self._draft_base.pop(seq.seq_id, None)
         if state is not None and base is not None:
@@ -166,7 +174,11 @@ class SmallLMDrafter(Drafter):
         self._clock += 1
         busy = {r.seq.seq_id for r in requests}
         extra = shape.depth if shape.is_chain else shape.depth * shape.topk  # the widest level's forward
-        live = [r for r in requests if self._ensure_room(r.seq.seq_id, r.seq.num_tokens + extra, busy)]
+        live = [
+            r
+            for r in requests
+            if self._can_read(r.seq) and self._ensure_room(r.seq.seq_id, r.seq.num_tokens + extra, busy)
+        ]
         trees = {id(r): DraftTree() for r in requests}
         if live:
             with self._inference():

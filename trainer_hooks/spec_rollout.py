@@ -20,6 +20,7 @@ import torch
 
 from ..rollout.engine import RolloutEngine, eos_ids_of
 from ..rollout.params import RolloutConfig, SamplingParams
+from ..rollout.strategy import parse_strategy
 from .sampling_from_trl import sampling_params_from_trl
 
 logger = logging.getLogger(__name__)
@@ -29,11 +30,13 @@ logger = logging.getLogger(__name__)
 class SpecRolloutConfig:
     """TRL-style configuration of :class:`SpecRollout` (engine sizing and strategy)."""
 
-    strategy: str = "none"
+    strategy: str = "none"  # none | chain:K | tree:D,K,B | suffix[:...] (see tailspec.rollout.strategy)
     block_size: int = 16
     kv_cache_tokens: int = 65536
     max_num_seqs: int = 256
     max_prefill_tokens: int = 8192
+    draft_kv_cache_tokens: int | None = None  # the drafter model's KV pool; None = kv_cache_tokens
+    suffix_history_tokens: int = 1 << 20
     seed: int | None = None  # None: the trainer's seed + process index
     progress: bool = False
     log_metrics: bool = True
@@ -45,6 +48,8 @@ class SpecRolloutConfig:
             max_num_seqs=self.max_num_seqs,
             max_prefill_tokens=self.max_prefill_tokens,
             strategy=self.strategy,
+            draft_kv_cache_tokens=self.draft_kv_cache_tokens,
+            suffix_history_tokens=self.suffix_history_tokens,
             seed=seed,
             progress=self.progress,
         )
@@ -59,14 +64,25 @@ class RolloutStats:
     mean_completion_length: float
     max_completion_length: int
     preemptions: int
+    strategy: str = "none"
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0
+    mean_accept_length: float = 1.0  # tokens per sequence per speculative step
+    draft_time_s: float = 0.0
+    verify_time_s: float = 0.0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted_tokens / self.drafted_tokens if self.drafted_tokens else 0.0
 
 
 class SpecRollout:
     """Callable meeting TRL's ``rollout_func(prompts, trainer) -> dict`` contract.
 
     ``model``/``tokenizer`` default to the trainer's policy and processing class; pass them to
-    generate with a separate copy instead. ``sampling`` overrides the parameters otherwise read
-    from the trainer's ``GRPOConfig``.
+    generate with a separate copy instead. ``drafter`` (a smaller causal LM sharing the
+    tokenizer, or a :class:`tailspec.drafter.Drafter`) serves the ``chain``/``tree`` strategies.
+    ``sampling`` overrides the parameters otherwise read from the trainer's ``GRPOConfig``.
     """
 
     def __init__(
@@ -75,15 +91,19 @@ class SpecRollout:
         tokenizer: Any | None = None,
         config: SpecRolloutConfig | None = None,
         sampling: SamplingParams | None = None,
+        drafter: Any | None = None,
         **config_overrides: Any,
     ) -> None:
         base = asdict(config or SpecRolloutConfig())
         base.update(config_overrides)
         self.config = SpecRolloutConfig(**base)
         self.config.rollout_config(seed=0)  # validate now, not at the first call
+        if drafter is None and parse_strategy(self.config.strategy).uses_model_drafter:
+            raise ValueError(f"strategy {self.config.strategy!r} needs a drafter model; pass SpecRollout(drafter=...)")
         self.model = model
         self.tokenizer = tokenizer
         self.sampling = sampling
+        self.drafter = drafter
         self._engine: RolloutEngine | None = None
         self._engine_model_id: int | None = None
         self.last_stats: RolloutStats | None = None
@@ -97,10 +117,11 @@ class SpecRollout:
         start = time.perf_counter()
         with self._policy(trainer) as model:
             engine = self.engine_for(model, tokenizer, seed=self._seed(trainer))
+            before = dict(engine.stats.as_dict())
             outputs = engine.generate(prompt_ids, params, progress=self.config.progress)
         elapsed = time.perf_counter() - start
         completion_ids = [o.completion_ids for o in outputs]
-        self._record(completion_ids, elapsed, engine, trainer)
+        self._record(completion_ids, elapsed, engine, before, trainer)
         return {
             "prompt_ids": [o.prompt_ids for o in outputs],
             "completion_ids": completion_ids,
@@ -141,7 +162,13 @@ class SpecRollout:
             eos = set(eos_ids_of(model))
             if getattr(tokenizer, "eos_token_id", None) is not None:
                 eos.add(tokenizer.eos_token_id)
-            self._engine = RolloutEngine(model, self.config.rollout_config(seed), eos_token_ids=eos)
+            self._engine = RolloutEngine(
+                model,
+                self.config.rollout_config(seed),
+                eos_token_ids=eos,
+                tokenizer=tokenizer,
+                drafter=self.drafter,
+            )
             self._engine_model_id = id(model)
         return self._engine
 
@@ -175,9 +202,22 @@ class SpecRollout:
         ) as model:
             yield model
 
-    def _record(self, completion_ids: list[list[int]], elapsed: float, engine: RolloutEngine, trainer: Any) -> None:
+    def _record(
+        self,
+        completion_ids: list[list[int]],
+        elapsed: float,
+        engine: RolloutEngine,
+        before: dict[str, float],
+        trainer: Any,
+    ) -> None:
         lengths = [len(c) for c in completion_ids]
         total = sum(lengths)
+        now = engine.stats.as_dict()
+
+        def delta(key: str) -> float:
+            return now[key] - before[key]
+
+        seq_steps = delta("spec_seq_steps")
         stats = RolloutStats(
             num_prompts=len(lengths),
             completion_tokens=total,
@@ -186,18 +226,29 @@ class SpecRollout:
             mean_completion_length=total / max(1, len(lengths)),
             max_completion_length=max(lengths, default=0),
             preemptions=engine.stats.preemptions,
+            strategy=str(engine.strategy),
+            drafted_tokens=int(delta("drafted_tokens")),
+            accepted_tokens=int(delta("accepted_tokens")),
+            mean_accept_length=delta("spec_emitted_tokens") / seq_steps if seq_steps else 1.0,
+            draft_time_s=delta("draft_time_s"),
+            verify_time_s=delta("verify_time_s"),
         )
         self.last_stats = stats
         self.history.append(stats)
         logger.info(
-            "rollout: %d completions, %d tokens in %.2fs (%.0f tok/s)",
+            "rollout: %d completions, %d tokens in %.2fs (%.0f tok/s), strategy %s, accept length %.2f",
             stats.num_prompts,
             total,
             elapsed,
             stats.tokens_per_s,
+            stats.strategy,
+            stats.mean_accept_length,
         )
         metrics = getattr(trainer, "_metrics", None)
         if self.config.log_metrics and metrics is not None:
             mode = "train" if getattr(trainer.model, "training", True) else "eval"
             metrics[mode]["rollout/time_s"].append(stats.time_s)
             metrics[mode]["rollout/tokens_per_s"].append(stats.tokens_per_s)
+            if stats.drafted_tokens:
+                metrics[mode]["rollout/accept_length"].append(stats.mean_accept_length)
+                metrics[mode]["rollout/acceptance_rate"].append(stats.acceptance_rate)

@@ -1,3 +1,4 @@
+from collections import defaultdict
 from types import SimpleNamespace
 
 import pytest
@@ -86,3 +87,36 @@ def test_rollout_contract_with_repeated_prompts(task_tokenizer, tiny_policy):
             ref = ref[: ref.index(eos) + 1]
         assert c == ref
     assert rollout.last_stats.num_prompts == len(prompts)
+
+
+@pytest.mark.parametrize("strategy", ["chain:3", "tree:3,2,6", "suffix"])
+def test_speculative_rollout_matches_plain_and_logs_acceptance(task_tokenizer, tiny_policy, strategy):
+    from tailspec.testing import perturbed_copy
+
+    convs = [[{"role": "user", "content": f"add {i} {i + 2} {i + 1}"}] for i in range(3)]
+    prompts = [c for c in convs for _ in range(3)]
+    metrics = {"train": defaultdict(list), "eval": defaultdict(list)}
+    trainer = SimpleNamespace(
+        args=_args(max_completion_length=24, generation_kwargs={"do_sample": False}),
+        processing_class=task_tokenizer,
+        model=tiny_policy,
+        _metrics=metrics,
+    )
+    plain = SpecRollout(model=tiny_policy)(prompts, trainer)
+    drafter = perturbed_copy(tiny_policy, noise=0.2, seed=1) if strategy != "suffix" else None
+    rollout = SpecRollout(model=tiny_policy, strategy=strategy, drafter=drafter)
+    out = rollout(prompts, trainer)
+    assert out["completion_ids"] == plain["completion_ids"]
+    for a, b in zip(out["logprobs"], plain["logprobs"]):
+        assert a == pytest.approx(b, abs=1e-4)
+    stats = rollout.last_stats
+    assert stats.strategy == strategy if strategy != "suffix" else stats.strategy.startswith("suffix")
+    assert stats.drafted_tokens > 0 and stats.mean_accept_length >= 1.0
+    assert metrics["eval"]["rollout/accept_length"] == [stats.mean_accept_length]
+
+
+def test_model_strategy_without_a_drafter_is_refused():
+    with pytest.raises(ValueError, match="needs a drafter model"):
+        SpecRollout(strategy="chain:4")
+    with pytest.raises(ValueError, match="strategy"):
+        SpecRollout(strategy="chain")
