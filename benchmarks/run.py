@@ -12,6 +12,7 @@ from ..tasks.chain_sum import ChainSumConfig, sample_problems
 from ..tasks.sft import load_tiny
 from ..trainer_hooks.spec_rollout import SpecRollout
 from .report import plot_throughput, throughput_table, write_report
+from .speculative import measure_speculative, plot_speculative, speculative_table
 from .throughput import measure_throughput
 
 logger = logging.getLogger(__name__)
@@ -50,6 +51,8 @@ def run_bench(out: Path, quick: bool = False, seed: int = 1234) -> str:
         "Best of the repeats for each backend.\n\n"
         f"{table}\n\n![throughput](bench_throughput.png)"
     )
+    spec_section, spec_table = speculative_section(model, tokenizer, prompts, params, docs, quick, seed)
+    table = f"{table}\n\n{spec_table}"
     workload = (
         f"the shipped tiny chain-sum policy (Qwen2 architecture, fp32), chain-sum prompts with "
         f"heavy-tailed answer lengths, T = 1.0, max_new_tokens = {params.max_new_tokens}, "
@@ -57,8 +60,53 @@ def run_bench(out: Path, quick: bool = False, seed: int = 1234) -> str:
     )
     write_report(
         out,
-        [("Rollout throughput: tailspec engine vs HF generate", section)],
+        [
+            ("Rollout throughput: tailspec engine vs HF generate", section),
+            ("Speculative decoding: strategies vs no speculation", spec_section),
+        ],
         command="tailspec bench" + (" --quick" if quick else ""),
         workload=workload,
     )
     return table
+
+
+SPEC_STRATEGIES = ("none", "chain:2", "chain:4", "tree:4,2,8", "suffix", "suffix:8")
+
+
+def speculative_section(
+    model, tokenizer, prompts, params: SamplingParams, docs: Path, quick: bool, seed: int
+) -> tuple[str, str]:
+    """Strategies side by side at batch 1, 4 and 16: distinct prompts, and GRPO-style groups."""
+    drafter, _ = load_tiny("drafter")
+    eos = [tokenizer.eos_token_id]
+    warmup = task_prompts(tokenizer, 2, seed + 1)
+    per_size = {1: 4, 4: 8, 16: 16} if quick else {1: 12, 4: 16, 16: 32}
+    results = measure_speculative(
+        model, drafter, prompts, warmup, params, (1, 4, 16), SPEC_STRATEGIES, per_size, eos, workload="distinct prompts"
+    )
+    results += measure_speculative(
+        model,
+        drafter,
+        prompts,
+        warmup,
+        params,
+        (16,),
+        SPEC_STRATEGIES,
+        {16: 16 if quick else 32},
+        eos,
+        workload="GRPO groups of 8",
+        group_size=8,
+    )
+    plot_speculative(results, docs / "bench_speculative.png")
+    table = speculative_table(results)
+    body = (
+        "Target: the shipped tiny policy; drafter LM: the shipped tiny drafter (8x fewer parameters); "
+        "the suffix drafter needs no model. Each cell is a fresh engine (warmed up on other prompts) "
+        "generating the same batches at T = 1.0; `vs none` divides by the no-speculation row of the "
+        "same workload and batch size. *Mean accepted length* is tokens emitted per sequence per "
+        "speculative step (accepted drafts + the target's own token); *draft s* / *verify s* split "
+        "the time of the speculative steps. *GRPO groups of 8*: each batch of 16 is 2 prompts x 8 "
+        "samples, as `GRPOTrainer` repeats them, so the suffix drafter can draft from siblings.\n\n"
+        f"{table}\n\n![speculative](bench_speculative.png)"
+    )
+    return body, table
