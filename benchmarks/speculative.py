@@ -152,3 +152,63 @@ def plot_speculative(results: Sequence[SpecResult], path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+@dataclass
+class ForwardCost:
+    model: str
+    query_tokens: int
+    ms: float
+
+
+def measure_forward_cost(
+    model: torch.nn.Module,
+    name: str,
+    query_tokens: Sequence[int] = (1, 2, 3, 5, 9, 17),
+    context: int = 64,
+    repeats: int = 30,
+) -> list[ForwardCost]:
+    """Median time of one batch-1 forward over ``context`` cached tokens with ``q`` new tokens:
+    what verifying a draft of ``q - 1`` tokens costs relative to one plain decode step."""
+    from ..rollout.attention import SequenceSlice, paged_attention_enabled
+    from ..rollout.model_runner import ModelRunner
+
+    block = 16
+    num_blocks = (context + max(query_tokens)) // block + 2
+    runner = ModelRunner(model, num_blocks, block)
+    table = runner.cache.allocator.allocate(num_blocks)
+    vocab = runner.vocab_size
+    out = []
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad(), paged_attention_enabled(model):
+            prefix = [i % vocab for i in range(context)]
+            runner.forward([SequenceSlice(table, 0, context)], prefix, list(range(context)), [context - 1])
+            for q in query_tokens:
+                times = []
+                for _ in range(repeats):
+                    start = time.perf_counter()
+                    runner.forward(
+                        [SequenceSlice(table, context, q)],
+                        [(7 * i) % vocab for i in range(q)],
+                        list(range(context, context + q)),
+                        list(range(q)),
+                    )
+                    times.append(time.perf_counter() - start)
+                out.append(ForwardCost(name, q, 1000 * sorted(times)[len(times) // 2]))
+    finally:
+        model.train(was_training)
+    return out
+
+
+def forward_cost_table(costs: Sequence[ForwardCost]) -> str:
+    models = list(dict.fromkeys(c.model for c in costs))
+    sizes = sorted({c.query_tokens for c in costs})
+    by = {(c.model, c.query_tokens): c.ms for c in costs}
+    lines = ["| model | " + " | ".join(f"{q} tok" for q in sizes) + " |", "|---|" + "---:|" * len(sizes)]
+    for m in models:
+        base = by[(m, sizes[0])]
+        cells = [f"{by[(m, q)]:.2f} ms ({by[(m, q)] / base:.1f}x)" for q in sizes]
+        lines.append(f"| {m} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
