@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import sys
 from pathlib import Path
@@ -12,11 +13,14 @@ def _demo(args: argparse.Namespace) -> int:
     from .demo import DemoConfig, run_demo
 
     cfg = DemoConfig.from_yaml(args.config) if args.config else DemoConfig()
+    overrides: dict[str, object] = {}
     if args.steps is not None:
-        cfg.max_steps = args.steps
+        overrides["max_steps"] = args.steps
+    if args.strategy is not None:
+        overrides["strategy"] = args.strategy
     if args.no_wandb:
-        cfg.wandb = False
-    run_demo(cfg)
+        overrides["wandb"] = False
+    run_demo(dataclasses.replace(cfg, **overrides))  # replace() re-runs validation
     return 0
 
 
@@ -42,6 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo = sub.add_parser("demo", help="a short GRPO run with tailspec rollouts on the tiny task (CPU)")
     demo.add_argument("--config", help="YAML demo config (see configs/demo_cpu.yaml)")
     demo.add_argument("--steps", type=int, help="number of GRPO steps")
+    demo.add_argument("--strategy", help="speculation strategy: none | chain:K | tree:D,K,B | suffix[:...]")
     demo.add_argument("--no-wandb", action="store_true", help="do not log to wandb (offline by default)")
     demo.set_defaults(func=_demo)
 

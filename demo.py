@@ -15,6 +15,8 @@ from typing import Any
 
 import yaml
 
+from .rollout.strategy import parse_strategy
+
 logger = logging.getLogger(__name__)
 
 
@@ -32,7 +34,7 @@ class DemoConfig:
     output_dir: str = "outputs/demo"
     wandb: bool = True
     wandb_project: str = "tailspec-demo"
-    strategy: str = "none"
+    strategy: str = "chain:4"  # none | chain:K | tree:D,K,B | suffix[:...]; chain/tree use the shipped drafter
 
     def __post_init__(self) -> None:
         if self.max_steps < 1:
@@ -41,6 +43,7 @@ class DemoConfig:
             raise ValueError(f"num_generations must be an int >= 2 (GRPO needs a group), got {self.num_generations}")
         if self.prompts_per_step < 1:
             raise ValueError(f"prompts_per_step must be an int >= 1, got {self.prompts_per_step}")
+        parse_strategy(self.strategy)  # raises ValueError naming the field
 
     @classmethod
     def from_yaml(cls, path: str | Path) -> DemoConfig:
@@ -71,11 +74,13 @@ def _step_printer():
                 "max_len": logs.get("completions/max_length", float("nan")),
                 "rollout_s": logs.get("rollout/time_s", float("nan")),
                 "rollout_tok_s": logs.get("rollout/tokens_per_s", float("nan")),
+                "accept_len": logs.get("rollout/accept_length"),
             }
             self.rows.append(row)
             print(
                 f"step {row['step']:>3}  reward {row['reward']:.3f}  completion len mean {row['mean_len']:.0f} "
-                f"max {row['max_len']:.0f}  rollout {row['rollout_s']:.2f}s  {row['rollout_tok_s']:.0f} tok/s",
+                f"max {row['max_len']:.0f}  rollout {row['rollout_s']:.2f}s  {row['rollout_tok_s']:.0f} tok/s"
+                + (f"  accept len {row['accept_len']:.2f}" if row["accept_len"] is not None else ""),
                 flush=True,
             )
 
@@ -115,10 +120,12 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
         report_to=["wandb"] if cfg.wandb else [],
         run_name=f"demo-{int(time.time())}",
         use_cpu=True,
+        bf16=False,  # TRL defaults to bf16 autocast; on CPUs without native bf16 it is ~10x slower than fp32
         seed=cfg.seed,
     )
     printer = _step_printer()
-    rollout = SpecRollout(strategy=cfg.strategy)
+    drafter = load_tiny("drafter")[0] if parse_strategy(cfg.strategy).uses_model_drafter else None
+    rollout = SpecRollout(strategy=cfg.strategy, drafter=drafter)
     trainer = GRPOTrainer(
         model=model,
         reward_funcs=chain_sum_reward,
@@ -147,7 +154,11 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
         "rollout_tokens": tokens,
         "rollout_time_s": rollout_time,
         "rollout_tokens_per_s": tokens / rollout_time if rollout_time else 0.0,
+        "strategy": cfg.strategy,
     }
+    drafted = sum(s.drafted_tokens for s in rollout.history)
+    if drafted:
+        summary["draft_acceptance_rate"] = sum(s.accepted_tokens for s in rollout.history) / drafted
     print("\n== tailspec demo summary ==")
     for key, value in summary.items():
         print(f"{key:>24}: {value:.3f}" if isinstance(value, float) else f"{key:>24}: {value}")

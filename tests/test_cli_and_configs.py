@@ -27,6 +27,29 @@ def test_demo_yaml_loads_and_validates(tmp_path):
         DemoConfig.from_yaml(bad)
     with pytest.raises(ValueError, match="num_generations"):
         DemoConfig(num_generations=1)
+    with pytest.raises(ValueError, match="strategy"):
+        DemoConfig(strategy="chain:0")
+    assert build_parser().parse_args(["demo", "--strategy", "suffix"]).strategy == "suffix"
+
+
+def test_demo_runs_a_speculative_grpo_step(tmp_path):
+    """The demo's whole path (shipped policy and drafter, TRL GRPO, speculative rollouts) for two steps."""
+    from tailspec.demo import run_demo
+
+    cfg = DemoConfig(
+        max_steps=2,
+        num_generations=2,
+        prompts_per_step=2,
+        max_completion_length=48,
+        num_train_prompts=16,
+        wandb=False,
+        output_dir=str(tmp_path),
+        strategy="chain:3",
+    )
+    summary = run_demo(cfg)
+    assert summary["steps"] == 2
+    assert summary["rollout_tokens"] > 0
+    assert 0.0 < summary["draft_acceptance_rate"] <= 1.0
 
 
 def test_rollout_yaml_is_a_valid_rollout_config():
