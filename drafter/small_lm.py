@@ -20,7 +20,6 @@ not fit evicts the least recently used drafter state, or gets no draft this step
 
 from __future__ import annotations
 
-import heapq
 import logging
 from collections.abc import Iterator
 from collections.abc import Sequence as Seq
@@ -33,12 +32,11 @@ from ..rollout.attention import SequenceSlice, paged_attention_enabled
 from ..rollout.kv_cache import blocks_for
 from ..rollout.model_runner import ModelRunner
 from ..rollout.request import Sequence
-from ..rollout.sampling import BatchSamplingTensors, draw_uniforms, processed_logprobs, sample_from_logprobs
 from .base import Drafter, DraftRequest, DraftShape, DraftTree
+from .draft_sampling import choose_draft_tokens, draft_generator
+from .tree_search import LevelInput, grow_trees
 
 logger = logging.getLogger(__name__)
-
-_DRAFT_SEED_OFFSET = 0x9E3779B97F4A7C15
 
 
 @dataclass
@@ -88,9 +86,7 @@ class SmallLMDrafter(Drafter):
         self.block_size = block_size
         self.runner = ModelRunner(model, kv_cache_tokens // block_size, block_size)
         self.allocator = self.runner.cache.allocator
-        # a stream of its own: drawing drafts with the same uniforms the verifier then uses to
-        # accept them would correlate the two and bias the output
-        self.generator = torch.Generator().manual_seed((seed + _DRAFT_SEED_OFFSET) % 2**63)
+        self.generator = draft_generator(seed)
         self.target_vocab = self.runner.vocab_size
         self._states: dict[int, _DraftState] = {}
         self._clock = 0
@@ -194,26 +190,13 @@ class SmallLMDrafter(Drafter):
             trees.update({id(r): t for r, t in zip(live, drafted)})
         return [trees[id(r)] for r in requests]
 
-    def _choose(self, seqs: list[Sequence], logits: torch.Tensor) -> tuple[list[int], torch.Tensor | None]:
-        """Next draft token per row (argmax for greedy requests, a sample otherwise) and, when any
-        row sampled, the processed draft distribution of every row."""
-        st = BatchSamplingTensors.from_params([s.params for s in seqs], logits.device)
-        logprobs = processed_logprobs(logits, st)
-        chosen = logprobs.argmax(dim=-1)
-        if st.all_greedy:
-            return chosen.tolist(), None
-        uniforms = draw_uniforms([s.generator for s in seqs], self.generator).to(logits.device)
-        sampled = sample_from_logprobs(logprobs, uniforms)
-        chosen = torch.where(st.temperature > 0, sampled, chosen)
-        return chosen.tolist(), logprobs.exp()
-
     def _chain(self, requests: list[DraftRequest], logits: torch.Tensor) -> list[DraftTree]:
         seqs = [r.seq for r in requests]
         tokens: list[list[int]] = [[] for _ in seqs]
         probs: list[list[torch.Tensor]] = [[] for _ in seqs]
         active = list(range(len(seqs)))
         while True:
-            chosen, q = self._choose([seqs[i] for i in active], logits)
+            chosen, q = choose_draft_tokens([seqs[i] for i in active], logits, self.generator)
             for row, i in enumerate(active):
                 tokens[i].append(chosen[row])
                 if q is not None:
@@ -238,87 +221,20 @@ class SmallLMDrafter(Drafter):
         return out
 
     def _tree(self, requests: list[DraftRequest], root_logits: torch.Tensor, shape: DraftShape) -> list[DraftTree]:
-        """Best-first expansion; each node is ``(score, token, parent_node)`` in a per-sequence list."""
+        """Best-first tree; each level's forward reruns the frontier's ancestors under a tree mask."""
         seqs = [r.seq for r in requests]
-        nodes: list[list[tuple[float, int, int]]] = [[] for _ in seqs]
-        frontier: list[list[int]] = [[] for _ in seqs]  # node indices to expand next
 
-        def add_children(i: int, parent: int, parent_score: float, logprobs: torch.Tensor) -> None:
-            top = torch.topk(logprobs, min(shape.topk, logprobs.shape[-1]))
-            for lp, tok in zip(top.values.tolist(), top.indices.tolist()):
-                if lp == float("-inf"):
-                    break
-                nodes[i].append((parent_score + lp, tok, parent))
-
-        root_lp = torch.log_softmax(root_logits, dim=-1)
-        for i in range(len(seqs)):
-            add_children(i, -1, 0.0, root_lp[i])
-            frontier[i] = self._best_frontier(nodes[i], range(len(nodes[i])), seqs[i], shape.topk)
-
-        for level in range(2, shape.depth + 1):
-            active = [i for i in range(len(seqs)) if frontier[i] and level <= requests[i].max_depth]
-            if not active:
-                break
-            slices, feed, positions, index, owners = [], [], [], [], []
-            for i in active:
-                keep = self._with_ancestors(nodes[i], frontier[i])
-                local = {n: k for k, n in enumerate(keep)}
-                parents = [local.get(nodes[i][n][2], -1) for n in keep]
-                sub = DraftTree([nodes[i][n][1] for n in keep], parents)
-                state = self._states[seqs[i].seq_id]
+        def score_level(inputs: list[LevelInput]) -> torch.Tensor:
+            slices, feed, positions, index = [], [], [], []
+            for inp in inputs:
+                state = self._states[seqs[inp.index].seq_id]
                 base = len(feed)
-                slices.append(
-                    SequenceSlice(state.block_table, state.num_cached, len(keep), sub.ancestor_mask()[1:, 1:])
-                )
-                feed.extend(sub.tokens)
-                positions.extend(state.num_cached + d - 1 for d in sub.depths)
-                for n in frontier[i]:
-                    index.append(base + local[n])
-                    owners.append((i, n))
-            logprobs = torch.log_softmax(self._logits(slices, feed, positions, index), dim=-1)
-            fresh: dict[int, list[int]] = {}
-            for row, (i, n) in enumerate(owners):
-                before = len(nodes[i])
-                add_children(i, n, nodes[i][n][0], logprobs[row])
-                fresh.setdefault(i, []).extend(range(before, len(nodes[i])))
-            for i in active:
-                frontier[i] = self._best_frontier(nodes[i], fresh.get(i, []), seqs[i], shape.topk)
-        return [self._select(nodes[i], shape.max_nodes) for i in range(len(seqs))]
+                mask = inp.sub.ancestor_mask()[1:, 1:]
+                slices.append(SequenceSlice(state.block_table, state.num_cached, len(inp.sub), mask))
+                feed.extend(inp.sub.tokens)
+                positions.extend(state.num_cached + d - 1 for d in inp.sub.depths)
+                index.extend(base + row for row in inp.frontier_rows)
+            return torch.log_softmax(self._logits(slices, feed, positions, index), dim=-1)
 
-    @staticmethod
-    def _best_frontier(nodes, candidates, seq: Sequence, width: int) -> list[int]:
-        expandable = [n for n in candidates if nodes[n][1] not in seq.stop_ids]
-        return heapq.nlargest(width, expandable, key=lambda n: nodes[n][0])
-
-    @staticmethod
-    def _with_ancestors(nodes, chosen: list[int]) -> list[int]:
-        keep: set[int] = set()
-        for n in chosen:
-            while n >= 0 and n not in keep:
-                keep.add(n)
-                n = nodes[n][2]
-        return sorted(keep)  # parents were created before children, so this is topological
-
-    @staticmethod
-    def _select(nodes: list[tuple[float, int, int]], budget: int) -> DraftTree:
-        """The ``budget`` best nodes by score (a child never outscores its parent, so ancestors come
-        along), in topological order with more likely siblings first."""
-        best = sorted(range(len(nodes)), key=lambda n: (-nodes[n][0], n))[:budget]
-        chosen = set(best)
-        chosen = {n for n in chosen if all(a in chosen for a in SmallLMDrafter._ancestors(nodes, n))}
-        order = sorted(chosen, key=lambda n: (SmallLMDrafter._depth(nodes, n), -nodes[n][0], n))
-        local = {n: k for k, n in enumerate(order)}
-        return DraftTree([nodes[n][1] for n in order], [local.get(nodes[n][2], -1) for n in order])
-
-    @staticmethod
-    def _ancestors(nodes, n: int) -> list[int]:
-        out = []
-        n = nodes[n][2]
-        while n >= 0:
-            out.append(n)
-            n = nodes[n][2]
-        return out
-
-    @staticmethod
-    def _depth(nodes, n: int) -> int:
-        return len(SmallLMDrafter._ancestors(nodes, n)) + 1
+        trees, _ = grow_trees(requests, torch.log_softmax(root_logits, dim=-1), shape, score_level)
+        return trees

@@ -6,7 +6,8 @@ can replace it later without touching the scheduler or the sampler.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 
 import torch
 
@@ -24,6 +25,37 @@ def model_vocab_size(model: torch.nn.Module) -> int:
     if head is not None and getattr(head, "weight", None) is not None:
         return int(head.weight.shape[0])
     return int(model.config.vocab_size)
+
+
+def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
+    """The decoder layer stack of a Hugging Face causal LM."""
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else getattr(model, "model", None)
+    layers = getattr(decoder, "layers", None)
+    if not isinstance(layers, torch.nn.ModuleList):
+        raise ValueError(f"cannot find the decoder layers of {type(model).__name__} to tap hidden states from")
+    return layers
+
+
+@contextmanager
+def capture_layer_inputs(model: torch.nn.Module, layer_ids: Sequence[int]) -> Iterator[dict[int, torch.Tensor]]:
+    """Within the block, each forward stores the hidden states entering layer ``i`` at ``captured[i]``."""
+    layers = decoder_layers(model)
+    bad = [i for i in layer_ids if not 0 <= i < len(layers)]
+    if bad:
+        raise ValueError(f"layer ids {bad} are outside the model's {len(layers)} decoder layers")
+    captured: dict[int, torch.Tensor] = {}
+    handles = []
+    for i in sorted(set(layer_ids)):
+
+        def hook(module, args, kwargs, i=i):
+            captured[i] = args[0] if args else kwargs["hidden_states"]
+
+        handles.append(layers[i].register_forward_pre_hook(hook, with_kwargs=True))
+    try:
+        yield captured
+    finally:
+        for handle in handles:
+            handle.remove()
 
 
 class ModelRunner:
@@ -54,3 +86,17 @@ class ModelRunner:
             **{METADATA_KWARG: meta},
         )
         return out.logits[0]
+
+    def forward_with_features(
+        self,
+        seqs: Sequence[SequenceSlice],
+        tokens: list[int],
+        positions: list[int],
+        logits_index: list[int],
+        feature_layers: Sequence[int],
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`forward`, plus the hidden states entering ``feature_layers`` for every packed
+        token, concatenated in the given order: ``[T, len(feature_layers) * hidden]``."""
+        with capture_layer_inputs(self.model, feature_layers) as captured:
+            logits = self.forward(seqs, tokens, positions, logits_index)
+        return logits, torch.cat([captured[i][0] for i in feature_layers], dim=-1)

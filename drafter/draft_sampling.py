@@ -1,0 +1,35 @@
+"""How a model drafter picks its next chain token: the request's own sampling rule on the
+drafter's logits, so that the draft distribution can be handed to the verifier."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from ..rollout.request import Sequence as EngineSequence
+from ..rollout.sampling import BatchSamplingTensors, draw_uniforms, processed_logprobs, sample_from_logprobs
+
+DRAFT_SEED_OFFSET = 0x9E3779B97F4A7C15
+
+
+def draft_generator(seed: int) -> torch.Generator:
+    """A random stream of the drafter's own: drawing drafts with the same uniforms the verifier
+    then uses to accept them would correlate the two and bias the output."""
+    return torch.Generator().manual_seed((seed + DRAFT_SEED_OFFSET) % 2**63)
+
+
+def choose_draft_tokens(
+    seqs: Sequence[EngineSequence], logits: torch.Tensor, generator: torch.Generator
+) -> tuple[list[int], torch.Tensor | None]:
+    """Next draft token per row (argmax for greedy requests, a sample from the processed
+    distribution otherwise) and, when any row sampled, every row's processed draft distribution."""
+    st = BatchSamplingTensors.from_params([s.params for s in seqs], logits.device)
+    logprobs = processed_logprobs(logits, st)
+    chosen = logprobs.argmax(dim=-1)
+    if st.all_greedy:
+        return chosen.tolist(), None
+    uniforms = draw_uniforms([s.generator for s in seqs], generator).to(logits.device)
+    sampled = sample_from_logprobs(logprobs, uniforms)
+    chosen = torch.where(st.temperature > 0, sampled, chosen)
+    return chosen.tolist(), logprobs.exp()

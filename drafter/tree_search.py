@@ -1,0 +1,118 @@
+"""Best-first draft trees (EAGLE-2 style), shared by the model drafters.
+
+Level 1 takes the ``topk`` best children of the root. Each further level expands the ``topk``
+best nodes of the previous level (by cumulative log-probability) into their ``topk`` best
+children. At the end the ``budget`` best nodes overall form the tree; since a child never
+outscores its parent, their ancestors come along. The model call is a callback: given, per
+sequence, the nodes to run (the frontier plus its ancestors, as a small :class:`DraftTree`),
+it returns the log-probabilities after each frontier node.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from .base import DraftRequest, DraftShape, DraftTree
+
+
+@dataclass
+class Node:
+    score: float  # cumulative log-probability
+    token: int
+    parent: int  # index of the parent node, -1 for a child of the root
+
+
+@dataclass
+class LevelInput:
+    """One sequence's share of a level's forward."""
+
+    index: int  # which request
+    keep: list[int]  # node ids to run, topological (the frontier and its ancestors)
+    sub: DraftTree  # those nodes as a tree (tokens, parents local to ``keep``)
+    frontier_rows: list[int]  # rows of ``keep`` whose next-token log-probabilities are wanted
+
+
+# score_level(inputs) -> log-probabilities [sum of len(frontier_rows), vocab], in input order
+ScoreLevel = Callable[[list[LevelInput]], torch.Tensor]
+
+
+def grow_trees(
+    requests: Sequence[DraftRequest],
+    root_logprobs: torch.Tensor,
+    shape: DraftShape,
+    score_level: ScoreLevel,
+) -> tuple[list[DraftTree], list[list[Node]]]:
+    """Best-first trees for every request; also returns each request's node list (node ids are
+    what :class:`LevelInput.keep` refers to)."""
+    nodes: list[list[Node]] = [[] for _ in requests]
+    frontier: list[list[int]] = [[] for _ in requests]
+    for i, r in enumerate(requests):
+        _add_children(nodes[i], -1, 0.0, root_logprobs[i], shape.topk)
+        frontier[i] = _best(nodes[i], range(len(nodes[i])), r.seq.stop_ids, shape.topk)
+
+    for level in range(2, shape.depth + 1):
+        active = [i for i, r in enumerate(requests) if frontier[i] and level <= r.max_depth]
+        if not active:
+            break
+        inputs = []
+        for i in active:
+            keep = with_ancestors(nodes[i], frontier[i])
+            local = {n: k for k, n in enumerate(keep)}
+            sub = DraftTree([nodes[i][n].token for n in keep], [local.get(nodes[i][n].parent, -1) for n in keep])
+            inputs.append(LevelInput(i, keep, sub, [local[n] for n in frontier[i]]))
+        logprobs = score_level(inputs)
+        row = 0
+        for inp in inputs:
+            i = inp.index
+            before = len(nodes[i])
+            for n in frontier[i]:
+                _add_children(nodes[i], n, nodes[i][n].score, logprobs[row], shape.topk)
+                row += 1
+            frontier[i] = _best(nodes[i], range(before, len(nodes[i])), requests[i].seq.stop_ids, shape.topk)
+    return [select(nodes[i], shape.max_nodes) for i in range(len(requests))], nodes
+
+
+def _add_children(nodes: list[Node], parent: int, parent_score: float, logprobs: torch.Tensor, topk: int) -> None:
+    top = torch.topk(logprobs, min(topk, logprobs.shape[-1]))
+    for lp, tok in zip(top.values.tolist(), top.indices.tolist()):
+        if lp == float("-inf"):
+            break
+        nodes.append(Node(parent_score + lp, tok, parent))
+
+
+def _best(nodes: list[Node], candidates, stop_ids, width: int) -> list[int]:
+    expandable = [n for n in candidates if nodes[n].token not in stop_ids]
+    return heapq.nlargest(width, expandable, key=lambda n: nodes[n].score)
+
+
+def ancestors(nodes: list[Node], n: int) -> list[int]:
+    out = []
+    n = nodes[n].parent
+    while n >= 0:
+        out.append(n)
+        n = nodes[n].parent
+    return out
+
+
+def with_ancestors(nodes: list[Node], chosen: list[int]) -> list[int]:
+    keep: set[int] = set()
+    for n in chosen:
+        while n >= 0 and n not in keep:
+            keep.add(n)
+            n = nodes[n].parent
+    return sorted(keep)  # parents were created before children, so this is topological
+
+
+def select(nodes: list[Node], budget: int) -> DraftTree:
+    """The ``budget`` best nodes by score with their ancestors, in topological order with more
+    likely siblings first."""
+    best = sorted(range(len(nodes)), key=lambda n: (-nodes[n].score, n))[:budget]
+    chosen = set(best)
+    chosen = {n for n in chosen if all(a in chosen for a in ancestors(nodes, n))}
+    order = sorted(chosen, key=lambda n: (len(ancestors(nodes, n)), -nodes[n].score, n))
+    local = {n: k for k, n in enumerate(order)}
+    return DraftTree([nodes[n].token for n in order], [local.get(nodes[n].parent, -1) for n in order])
