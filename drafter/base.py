@@ -138,6 +138,9 @@ class Drafter(ABC):
     """
 
     name: str = "drafter"
+    #: target layers whose *inputs* this drafter reads (EAGLE-style heads); ``None`` = none. When
+    #: set, the engine taps them in every target forward and calls :meth:`observe`.
+    feature_layers: tuple[int, ...] | None = None
 
     def bind(self, vocab_size: int, tokenizer=None) -> None:  # noqa: B027 - optional hook
         """Check that the drafter can serve a target with this vocabulary; raise ValueError if not."""
@@ -151,6 +154,14 @@ class Drafter(ABC):
 
     def release(self, seq_id: int) -> None:  # noqa: B027 - optional hook
         """Forget per-sequence state (the sequence finished or was aborted)."""
+
+    def observe(  # noqa: B027 - optional hook
+        self, seq: EngineSequence, start: int, features: torch.Tensor, next_logits: torch.Tensor
+    ) -> None:
+        """Target features of ``seq``'s committed tokens at positions ``start, start + 1, ...``
+        (``[n, feature_size]``), and the target's logits after the last ``next_logits.shape[0]``
+        of them (the distributions their next tokens were drawn from). Called only for drafters
+        with ``feature_layers``, after every target forward, for tokens the sequence keeps."""
 
     def finished(self, seq: EngineSequence) -> None:  # noqa: B027 - optional hook
         """``seq`` finished normally (its completion may be remembered); ``release`` follows."""

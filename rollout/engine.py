@@ -124,6 +124,10 @@ class RolloutEngine:
         self._in_inference = False
         self.drafter = self._make_drafter(drafter, tokenizer)
         self.suffix_drafter = self._make_suffix_drafter()
+        # an EAGLE-style drafter reads target features: tap them in every forward (whatever the
+        # strategy), so switching to it never needs a re-prefill
+        self.feature_layers = self.drafter.feature_layers if self.drafter is not None else None
+        self._features: torch.Tensor | None = None  # the last forward's taps, [T, feature_size]
         self.strategy = Strategy("none")
         self.set_strategy(self.config.strategy)
 
@@ -351,11 +355,14 @@ class RolloutEngine:
 
         rows, seqs = [], []
         for row, seq in enumerate(batch.seqs):
+            start, end = last[row] + 1 - slices[row].num_new, last[row] + 1
+            self._observe(seq, seq.num_cached, list(range(start, end)), logits[row : row + 1])
             seq.num_cached = seq.num_tokens
             rows.append(row)
             seqs.append(seq)
             for member in batch.followers.get(seq.seq_id, []):
                 self._fork_from(seq, member)
+                self._observe(member, 0, list(range(start, end)), logits[row : row + 1])
                 rows.append(row)
                 seqs.append(member)
         self.stats.forked_prefills += len(seqs) - len(batch.seqs)
@@ -376,7 +383,8 @@ class RolloutEngine:
             tokens.append(seq.token_at(seq.num_cached))
             positions.append(seq.num_cached)
         logits = self._forward(slices, tokens, positions, list(range(len(tokens))))
-        for seq in batch.seqs:
+        for row, seq in enumerate(batch.seqs):
+            self._observe(seq, seq.num_cached, [row], logits[row : row + 1])
             seq.num_cached += 1
         self.stats.decode_steps += 1
         self.stats.batch_sizes.append(len(batch.seqs))
@@ -384,9 +392,20 @@ class RolloutEngine:
 
     def _forward(self, slices, tokens, positions, logits_index) -> torch.Tensor:
         start = time.perf_counter()
-        logits = self.runner.forward(slices, tokens, positions, logits_index)
+        if self.feature_layers:
+            logits, self._features = self.runner.forward_with_features(
+                slices, tokens, positions, logits_index, self.feature_layers
+            )
+        else:
+            logits = self.runner.forward(slices, tokens, positions, logits_index)
         self.stats.model_time_s += time.perf_counter() - start
         return logits
+
+    def _observe(self, seq: Sequence, start: int, rows: list[int], next_logits: torch.Tensor) -> None:
+        """Hand the drafter the last forward's features of ``seq``'s kept tokens (packed ``rows``)."""
+        if self.feature_layers and self._features is not None:
+            index = torch.tensor(rows, device=self._features.device)
+            self.drafter.observe(seq, start, self._features.index_select(0, index), next_logits)
 
     def _sample_and_append(self, seqs: list[Sequence], logits: torch.Tensor) -> list[int]:
         st = BatchSamplingTensors.from_params([s.params for s in seqs], logits.device)
@@ -445,17 +464,22 @@ class RolloutEngine:
             emitted = verdict.emitted(tree)
             lps = rows[[r for _, r in emitted], [t for t, _ in emitted]].tolist()
             keep_accepted_kv(self.runner.cache, seq, verdict.path)
+            first_position = seq.num_cached
             seq.num_cached += 1 + len(verdict.path)
             seq.num_spec_steps += 1
             seq.num_drafted += len(tree)
             seq.num_accepted += len(verdict.path)
             accepted_total += len(verdict.path)
-            for (tok, _), lp in zip(emitted, lps):
+            kept_rows = []
+            for (tok, row), lp in zip(emitted, lps):
                 seq.append(tok, lp)
+                kept_rows.append(row)
                 self.stats.generated_tokens += 1
                 emitted_total += 1
                 if seq.done:
                     break
+            base = offset - n
+            self._observe(seq, first_position, [base + r for r in kept_rows], logits[[base + r for r in kept_rows]])
             drafter.accepted(seq, len(verdict.path))
             if seq.done:
                 self._finish(seq)

@@ -1,0 +1,167 @@
+"""Training data for the EAGLE-3 head, captured from the target forwards the engine already runs.
+
+A :class:`Eagle3Sample` is one finished sequence: its tokens, the target features of every token
+but the last (the last token is never fed to the target), and for each completion token the
+target's top-k distribution it was drawn from (soft labels). :class:`SequenceRecorder` assembles
+samples from the engine's per-step observations (only tokens the sequence kept: prefill, plain
+decode, and the accepted part of every verification); :class:`FeatureBuffer` holds them under a
+byte cap, keeping the most recent ones or a uniform reservoir sample.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+
+BUFFER_POLICIES = ("recent", "reservoir")
+
+
+@dataclass
+class Eagle3Sample:
+    tokens: torch.Tensor  # [n] int64
+    features: torch.Tensor  # [n - 1, feature_size]: target features of tokens 0 .. n-2
+    prompt_len: int
+    label_ids: torch.Tensor | None = None  # [n - prompt_len, k] target top-k ids for tokens prompt_len .. n-1
+    label_probs: torch.Tensor | None = None  # [n - prompt_len, k] their probabilities
+
+    def __post_init__(self) -> None:
+        n = self.tokens.shape[0]
+        if n < 2 or self.features.shape[0] != n - 1:
+            raise ValueError(f"a sample of {n} tokens needs {n - 1} feature rows, got {self.features.shape[0]}")
+        if not 1 <= self.prompt_len < n:
+            raise ValueError(f"prompt_len must be in [1, {n - 1}], got {self.prompt_len}")
+        if (self.label_ids is None) != (self.label_probs is None):
+            raise ValueError("label_ids and label_probs come together")
+        if self.label_ids is not None and self.label_ids.shape[0] != n - self.prompt_len:
+            raise ValueError(
+                f"soft labels cover {self.label_ids.shape[0]} tokens, the completion has {n - self.prompt_len}"
+            )
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.tokens.shape[0])
+
+    @property
+    def nbytes(self) -> int:
+        tensors = [self.tokens, self.features, self.label_ids, self.label_probs]
+        return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+
+class FeatureBuffer:
+    """Samples under a byte cap. ``recent`` drops the oldest; ``reservoir`` keeps a uniform sample
+    of everything ever added (Algorithm R over samples, evicting until the cap holds)."""
+
+    def __init__(self, max_bytes: int = 256 << 20, policy: str = "recent", seed: int = 0) -> None:
+        if not (isinstance(max_bytes, int) and max_bytes > 0):
+            raise ValueError(f"max_bytes must be an int > 0, got {max_bytes!r}")
+        if policy not in BUFFER_POLICIES:
+            raise ValueError(f"policy must be one of {BUFFER_POLICIES}, got {policy!r}")
+        self.max_bytes = max_bytes
+        self.policy = policy
+        self._samples: deque[Eagle3Sample] = deque()
+        self._bytes = 0
+        self._rng = random.Random(seed)
+        self.num_seen = 0
+        self.num_tokens_seen = 0
+
+    def __len__(self) -> int:
+        return len(self._samples)
+
+    @property
+    def nbytes(self) -> int:
+        return self._bytes
+
+    def add(self, sample: Eagle3Sample) -> bool:
+        """Add a sample; False if it was not kept (larger than the cap, or lost the reservoir draw)."""
+        self.num_seen += 1
+        self.num_tokens_seen += sample.num_tokens
+        if sample.nbytes > self.max_bytes:
+            return False
+        if self.policy == "reservoir" and self._bytes + sample.nbytes > self.max_bytes:
+            # keep with probability len / seen, replacing a uniformly chosen sample
+            if self._rng.random() >= len(self._samples) / self.num_seen:
+                return False
+            self._remove(self._rng.randrange(len(self._samples)))
+        while self._samples and self._bytes + sample.nbytes > self.max_bytes:
+            self._remove(0)
+        self._samples.append(sample)
+        self._bytes += sample.nbytes
+        return True
+
+    def _remove(self, index: int) -> None:
+        victim = self._samples[index]
+        del self._samples[index]
+        self._bytes -= victim.nbytes
+
+    def sample(self, n: int, generator: random.Random) -> list[Eagle3Sample]:
+        if not self._samples:
+            raise ValueError("the feature buffer is empty; run rollouts with an EAGLE-3 drafter attached first")
+        return [self._samples[generator.randrange(len(self._samples))] for _ in range(n)]
+
+    def samples(self) -> list[Eagle3Sample]:
+        return list(self._samples)
+
+    def token_counts(self, vocab_size: int) -> torch.Tensor:
+        """How often each token id occurs in the buffered samples (for a reduced draft vocabulary)."""
+        counts = torch.zeros(vocab_size, dtype=torch.long)
+        for s in self._samples:
+            counts += torch.bincount(s.tokens, minlength=vocab_size)[:vocab_size]
+        return counts
+
+
+@dataclass
+class _Recording:
+    prompt_len: int
+    features: list[torch.Tensor] = field(default_factory=list)
+    labels: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)  # position -> (ids, probs)
+    num_features: int = 0
+
+
+class SequenceRecorder:
+    """Builds :class:`Eagle3Sample` s from the engine's observations of live sequences."""
+
+    def __init__(self, label_topk: int = 8, dtype: torch.dtype | None = None) -> None:
+        if not (isinstance(label_topk, int) and 0 <= label_topk <= 1024):
+            raise ValueError(f"label_topk must be an int in [0, 1024] (0 = hard labels only), got {label_topk!r}")
+        self.label_topk = label_topk
+        self.dtype = dtype
+        self._live: dict[int, _Recording] = {}
+
+    def observe(self, seq_id: int, prompt_len: int, start: int, features: torch.Tensor, next_logits: torch.Tensor):
+        rec = self._live.get(seq_id)
+        if rec is None or start < rec.num_features:  # new, or recomputed after a preemption
+            if start != 0:
+                self._live.pop(seq_id, None)  # joined mid-way: this sequence cannot be recorded whole
+                return
+            rec = self._live[seq_id] = _Recording(prompt_len)
+        elif start > rec.num_features:
+            self._live.pop(seq_id, None)  # a gap: some tokens' features were never seen
+            return
+        feats = features.detach().to("cpu", self.dtype or features.dtype)
+        rec.features.append(feats)
+        rec.num_features += feats.shape[0]
+        if self.label_topk:
+            k = min(self.label_topk, next_logits.shape[-1])
+            top = torch.topk(torch.softmax(next_logits.detach().float(), dim=-1), k, dim=-1)
+            first = start + features.shape[0] - next_logits.shape[0]  # position of the first logits row
+            for j in range(next_logits.shape[0]):
+                rec.labels[first + j + 1] = (top.indices[j].cpu(), top.values[j].cpu())  # for token first+j+1
+
+    def finish(self, seq_id: int, token_ids: list[int]) -> Eagle3Sample | None:
+        rec = self._live.pop(seq_id, None)
+        if rec is None or rec.num_features < len(token_ids) - 1 or len(token_ids) < 2:
+            return None
+        n = len(token_ids)
+        features = torch.cat(rec.features)[: n - 1]
+        label_ids = label_probs = None
+        wanted = range(rec.prompt_len, n)
+        if self.label_topk and all(j in rec.labels for j in wanted):
+            label_ids = torch.stack([rec.labels[j][0] for j in wanted])
+            label_probs = torch.stack([rec.labels[j][1] for j in wanted])
+        return Eagle3Sample(torch.tensor(token_ids, dtype=torch.long), features, rec.prompt_len, label_ids, label_probs)
+
+    def drop(self, seq_id: int) -> None:
+        self._live.pop(seq_id, None)

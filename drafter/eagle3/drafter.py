@@ -1,0 +1,264 @@
+"""The EAGLE-3 head as an engine drafter, with its own one-layer paged KV cache.
+
+Per sequence the drafter keeps a block table in its own pool, ``num_cached`` (positions whose
+head K/V were computed from *real* target features) and the target features the engine has
+observed since. Each speculative step it
+
+1. **catches up**: runs rows ``(fc(features[t]), token[t + 1])`` at positions ``t`` from
+   ``num_cached`` to the second-to-last token (one packed forward for the whole batch); the last
+   row's logits give the first draft token and its hidden output feeds the next step;
+2. **drafts** a chain (each step feeds back its own hidden output with the token just drafted,
+   sampling from the request's processed distribution or taking the argmax, like the small-LM
+   drafter) or a best-first tree (each level reruns the frontier's ancestors under a tree mask).
+
+Draft rows are written past ``num_cached`` and overwritten at the next catch-up: their K/V came
+from the head's own hidden states, not the target's, so they are never kept. A sequence the pool
+cannot hold this step simply gets no draft; its features wait for the next step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass, field
+
+import torch
+
+from ...rollout.attention import METADATA_KWARG, SequenceSlice, build_metadata, paged_attention_forward
+from ...rollout.kv_cache import KVLayout, PagedKVCache, blocks_for
+from ...rollout.model_runner import model_device_dtype
+from ...rollout.request import Sequence
+from ..base import Drafter, DraftRequest, DraftShape, DraftTree
+from ..draft_sampling import choose_draft_tokens, draft_generator
+from ..tree_search import LevelInput, grow_trees
+from .data import FeatureBuffer, SequenceRecorder
+from .model import Eagle3Head
+
+
+@dataclass
+class _HeadState:
+    block_table: list[int] = field(default_factory=list)
+    num_cached: int = 0
+    pending: list[torch.Tensor] = field(default_factory=list)  # features of positions num_cached .. feature_end-1
+    feature_end: int = 0
+    blind: bool = False  # missed some features (cannot catch up): no drafts for this sequence
+
+
+class Eagle3Drafter(Drafter):
+    """Drafts with an :class:`Eagle3Head` for ``target`` (whose input embeddings it shares).
+
+    With ``buffer`` set, every finished sequence's features and soft labels are recorded into it
+    for :class:`tailspec.drafter.eagle3.train.DrafterTrainer`.
+    """
+
+    name = "eagle3"
+
+    def __init__(
+        self,
+        head: Eagle3Head,
+        target: torch.nn.Module,
+        *,
+        kv_cache_tokens: int = 65536,
+        block_size: int = 16,
+        seed: int = 0,
+        buffer: FeatureBuffer | None = None,
+        label_topk: int = 8,
+    ) -> None:
+        if not (isinstance(kv_cache_tokens, int) and kv_cache_tokens >= block_size):
+            raise ValueError(f"kv_cache_tokens must be an int >= block_size ({block_size}), got {kv_cache_tokens!r}")
+        head.config.check_target(target.config)
+        self.head = head
+        self.embed = target.get_input_embeddings()
+        self.feature_layers = tuple(head.config.aux_layer_ids)
+        device, dtype = model_device_dtype(head)
+        cfg = head.config
+        layout = KVLayout(1, cfg.num_key_value_heads, cfg.head_dim, dtype, device)
+        self.cache = PagedKVCache(layout, kv_cache_tokens // block_size, block_size)
+        self.block_size = block_size
+        self.generator = draft_generator(seed)
+        self.target_vocab = cfg.vocab_size
+        self.buffer = buffer
+        self.recorder = SequenceRecorder(label_topk) if buffer is not None else None
+        self._states: dict[int, _HeadState] = {}
+
+    @property
+    def version(self) -> int:
+        """Bumped by the trainer at every optimizer step (see ``DrafterTrainer``)."""
+        return int(getattr(self.head, "version", 0))
+
+    def bind(self, vocab_size: int, tokenizer=None) -> None:
+        if self.head.config.vocab_size > vocab_size:
+            raise ValueError(
+                f"EAGLE-3 head vocabulary {self.head.config.vocab_size} is larger than the target's {vocab_size}"
+            )
+        self.target_vocab = vocab_size
+
+    # -- observations from the engine ----------------------------------------------------
+    def observe(self, seq: Sequence, start: int, features: torch.Tensor, next_logits: torch.Tensor) -> None:
+        if self.recorder is not None:
+            self.recorder.observe(seq.seq_id, len(seq.prompt_ids), start, features, next_logits)
+        state = self._states.setdefault(seq.seq_id, _HeadState())
+        if start < state.feature_end:  # recomputed (after a preemption): restart from there
+            keep = max(0, start - state.num_cached)
+            state.num_cached = min(state.num_cached, start)
+            state.pending = [torch.cat(state.pending)[:keep]] if keep and state.pending else []
+            state.feature_end = start
+        if start > state.feature_end:
+            state.blind = True
+            state.pending = []
+            return
+        state.pending.append(features)
+        state.feature_end = start + features.shape[0]
+
+    def finished(self, seq: Sequence) -> None:
+        if self.recorder is not None:
+            sample = self.recorder.finish(seq.seq_id, seq.prompt_ids + seq.output_ids)
+            if sample is not None:
+                self.buffer.add(sample)
+
+    def release(self, seq_id: int) -> None:
+        if self.recorder is not None:
+            self.recorder.drop(seq_id)
+        state = self._states.pop(seq_id, None)
+        if state is not None and state.block_table:
+            self.cache.allocator.free(state.block_table)
+
+    def _ensure_room(self, state: _HeadState, num_positions: int) -> bool:
+        missing = blocks_for(num_positions, self.block_size) - len(state.block_table)
+        if missing <= 0:
+            return True
+        if missing > self.cache.allocator.num_free:
+            return False
+        state.block_table += self.cache.allocator.allocate(missing)
+        return True
+
+    # -- head forwards -------------------------------------------------------------------
+    def _run(
+        self, slices: list[SequenceSlice], hidden: torch.Tensor, tokens: list[int], positions: list[int]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One packed head forward over the paged cache -> (hidden out ``[T, H]``, target-vocab logits ``[T, V]``)."""
+        device = self.cache.layout.device
+        ids = torch.tensor(tokens, dtype=torch.long, device=device)
+        pos = torch.tensor(positions, dtype=torch.long, device=device)
+        meta = build_metadata(self.cache, slices, pos)
+        attn = self.head.midlayer.self_attn
+        scale = self.head.config.head_dim**-0.5
+
+        def attend(q, k, v):
+            return paged_attention_forward(attn, q, k, v, None, scaling=scale, **{METADATA_KWARG: meta})[0]
+
+        embeds = self.embed(ids).to(hidden.dtype).unsqueeze(0)
+        out, logits = self.head(embeds, hidden.unsqueeze(0), pos.unsqueeze(0), attend)
+        logits = self.head.target_logits(logits[0].float())
+        if logits.shape[-1] < self.target_vocab:
+            pad = logits.new_full((logits.shape[0], self.target_vocab - logits.shape[-1]), float("-inf"))
+            logits = torch.cat([logits, pad], dim=-1)
+        return out[0], logits
+
+    def _catch_up(self, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rows from each sequence's ``num_cached`` to its last observed feature; returns each
+        sequence's last row (hidden out, logits)."""
+        slices, feats, tokens, positions, last = [], [], [], [], []
+        for seq in seqs:
+            state = self._states[seq.seq_id]
+            n_new = state.feature_end - state.num_cached
+            slices.append(SequenceSlice(state.block_table, state.num_cached, n_new))
+            feats.extend(state.pending)
+            tokens.extend(seq.token_at(t + 1) for t in range(state.num_cached, state.feature_end))
+            positions.extend(range(state.num_cached, state.feature_end))
+            last.append(len(tokens) - 1)
+            state.num_cached, state.pending = state.feature_end, []
+        hidden = self.head.project(torch.cat(feats))
+        out, logits = self._run(slices, hidden, tokens, positions)
+        return out[last], logits[last]
+
+    # -- drafting ------------------------------------------------------------------------
+    def propose(self, requests: Seq[DraftRequest], shape: DraftShape) -> list[DraftTree]:
+        extra = shape.depth if shape.is_chain else shape.depth * shape.topk
+        live = []
+        for r in requests:
+            state = self._states.get(r.seq.seq_id)
+            if (
+                state is not None
+                and not state.blind
+                and state.feature_end == r.seq.num_tokens - 1
+                and state.feature_end > state.num_cached
+                and self._ensure_room(state, r.seq.num_tokens + extra)
+            ):
+                live.append(r)
+        trees = {id(r): DraftTree() for r in requests}
+        if live:
+            was_training = self.head.training
+            self.head.eval()
+            try:
+                with torch.no_grad():
+                    hidden, logits = self._catch_up([r.seq for r in live])
+                    drafted = (
+                        self._chain(live, hidden, logits) if shape.is_chain else self._tree(live, hidden, logits, shape)
+                    )
+            finally:
+                self.head.train(was_training)
+            trees.update({id(r): t for r, t in zip(live, drafted)})
+        return [trees[id(r)] for r in requests]
+
+    def _chain(self, requests: list[DraftRequest], hidden: torch.Tensor, logits: torch.Tensor) -> list[DraftTree]:
+        seqs = [r.seq for r in requests]
+        tokens: list[list[int]] = [[] for _ in seqs]
+        probs: list[list[torch.Tensor]] = [[] for _ in seqs]
+        active = list(range(len(seqs)))
+        while True:
+            chosen, q = choose_draft_tokens([seqs[i] for i in active], logits, self.generator)
+            for row, i in enumerate(active):
+                tokens[i].append(chosen[row])
+                if q is not None:
+                    probs[i].append(q[row])
+            keep = [
+                row
+                for row, i in enumerate(active)
+                if len(tokens[i]) < requests[i].max_depth and tokens[i][-1] not in seqs[i].stop_ids
+            ]
+            if not keep:
+                break
+            active = [active[row] for row in keep]
+            hidden = hidden[keep]
+            slices, feed, positions = [], [], []
+            for i in active:
+                state = self._states[seqs[i].seq_id]
+                position = state.num_cached + len(tokens[i]) - 1
+                slices.append(SequenceSlice(state.block_table, position, 1))
+                feed.append(tokens[i][-1])
+                positions.append(position)
+            hidden, logits = self._run(slices, hidden, feed, positions)
+        out = []
+        for seq, toks, ps in zip(seqs, tokens, probs):
+            q = torch.stack(ps) if ps and not seq.params.greedy else None
+            out.append(DraftTree.chain(toks, q))
+        return out
+
+    def _tree(
+        self, requests: list[DraftRequest], root_hidden: torch.Tensor, root_logits: torch.Tensor, shape: DraftShape
+    ) -> list[DraftTree]:
+        seqs = [r.seq for r in requests]
+        node_hidden: dict[tuple[int, int], torch.Tensor] = {}  # (request, node) -> the node row's hidden out
+
+        def score_level(inputs: list[LevelInput]) -> torch.Tensor:
+            slices, hidden_in, feed, positions, index, owners = [], [], [], [], [], []
+            for inp in inputs:
+                i = inp.index
+                state = self._states[seqs[i].seq_id]
+                base = len(feed)
+                slices.append(
+                    SequenceSlice(state.block_table, state.num_cached, len(inp.sub), inp.sub.ancestor_mask()[1:, 1:])
+                )
+                for n, parent in zip(inp.keep, inp.sub.parents):
+                    hidden_in.append(root_hidden[i] if parent < 0 else node_hidden[(i, inp.keep[parent])])
+                    owners.append((i, n))
+                feed.extend(inp.sub.tokens)
+                positions.extend(state.num_cached + d - 1 for d in inp.sub.depths)
+                index.extend(base + row for row in inp.frontier_rows)
+            out, logits = self._run(slices, torch.stack(hidden_in), feed, positions)
+            for row, key in enumerate(owners):
+                node_hidden[key] = out[row]
+            return torch.log_softmax(logits[index], dim=-1)
+
+        trees, _ = grow_trees(requests, torch.log_softmax(root_logits, dim=-1), shape, score_level)
+        return trees

@@ -1,0 +1,298 @@
+"""Online training of the EAGLE-3 head on features captured from rollouts.
+
+The loss unrolls the draft the way the engine runs it (*training-time test*, EAGLE-3): index
+``t`` of a sequence is "the last position with a real target feature". Step 0 feeds
+``(fc(features[t]), token[t + 1])`` at position ``t`` and predicts token ``t + 2``; step ``k``
+feeds the head's own step ``k - 1`` output at the same index with token ``t + k + 1`` at position
+``t + k`` and predicts token ``t + k + 2``. Step ``k`` attends to step-0 keys at indices ``<= t``
+(the cache the real features built) and to steps ``1 .. k`` at index ``t`` (its own draft chain),
+exactly the cache the engine's drafter sees. Each step's loss is a cross-entropy against the
+target's top-k distribution (soft labels) where recorded, else the token that was emitted,
+weighted ``step_decay ** k``; only completion tokens are predicted.
+
+:class:`DrafterTrainer` runs steps on demand, can be stopped between any two steps, bumps the
+head's ``version`` after every optimizer step, and saves/restores weights and optimizer state.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from tqdm.auto import tqdm
+
+from .data import Eagle3Sample, FeatureBuffer
+from .model import Eagle3Head
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class DrafterTrainingConfig:
+    """TRL-style configuration of :class:`DrafterTrainer`."""
+
+    learning_rate: float = 1e-3
+    weight_decay: float = 0.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.95
+    batch_size: int = 8  # sequences per step
+    ttt_steps: int = 4  # unrolled draft steps
+    step_decay: float = 0.8  # weight of unrolled step k is step_decay ** k
+    max_tokens: int = 1024  # longer sequences are cut to a random window of this many tokens
+    max_grad_norm: float = 1.0
+    soft_labels: bool = True
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        checks = [
+            ("learning_rate", self.learning_rate > 0, "a float > 0"),
+            ("weight_decay", self.weight_decay >= 0, "a float >= 0"),
+            ("adam_beta1", 0 <= self.adam_beta1 < 1, "a float in [0, 1)"),
+            ("adam_beta2", 0 <= self.adam_beta2 < 1, "a float in [0, 1)"),
+            ("batch_size", isinstance(self.batch_size, int) and 1 <= self.batch_size <= 4096, "an int in [1, 4096]"),
+            ("ttt_steps", isinstance(self.ttt_steps, int) and 1 <= self.ttt_steps <= 16, "an int in [1, 16]"),
+            ("step_decay", 0 < self.step_decay <= 1, "a float in (0, 1]"),
+            ("max_tokens", isinstance(self.max_tokens, int) and self.max_tokens >= 3, "an int >= 3"),
+            ("max_grad_norm", self.max_grad_norm > 0, "a float > 0"),
+        ]
+        for name, ok, allowed in checks:
+            if not ok:
+                raise ValueError(f"DrafterTrainingConfig.{name} must be {allowed}, got {getattr(self, name)!r}")
+
+
+@dataclass
+class TrainStepResult:
+    step: int
+    loss: float
+    accuracy: list[float]  # top-1 agreement with the emitted token, per unrolled step
+    num_predictions: int
+    time_s: float
+
+
+@dataclass
+class _Batch:
+    tokens: torch.Tensor  # [B, T + K + 2] (padded with 0)
+    valid: torch.Tensor  # [B, T + K + 2] bool: a completion token that exists
+    features: torch.Tensor  # [B, T, F]
+    positions: torch.Tensor  # [B, T] absolute position of index t
+    soft_ids: torch.Tensor | None = None  # [B, T + K + 2, k] target ids
+    soft_probs: torch.Tensor | None = None  # [B, T + K + 2, k] (rows of zeros where none)
+    has_soft: torch.Tensor | None = None  # [B, T + K + 2] bool
+    lengths: list[int] = field(default_factory=list)
+
+
+def _window(sample: Eagle3Sample, max_tokens: int, rng: random.Random) -> tuple[int, int]:
+    """A random window ``[s, e)`` of at most ``max_tokens`` tokens that holds completion tokens."""
+    n = sample.num_tokens
+    if n <= max_tokens:
+        return 0, n
+    first = max(0, sample.prompt_len - max_tokens + 2)  # keep at least two completion tokens
+    start = rng.randint(first, n - max_tokens)
+    return start, start + max_tokens
+
+
+def collate(samples: list[Eagle3Sample], ttt_steps: int, max_tokens: int, rng: random.Random) -> _Batch:
+    windows = [_window(s, max_tokens, rng) for s in samples]
+    lengths = [e - s for s, e in windows]
+    rows = max(lengths) - 1
+    width = rows + ttt_steps + 2
+    b, feat = len(samples), samples[0].features.shape[-1]
+    tokens = torch.zeros(b, width, dtype=torch.long)
+    valid = torch.zeros(b, width, dtype=torch.bool)
+    features = torch.zeros(b, rows, feat, dtype=samples[0].features.dtype)
+    positions = torch.zeros(b, rows, dtype=torch.long)
+    with_soft = all(s.label_ids is not None for s in samples)
+    k = samples[0].label_ids.shape[-1] if with_soft else 0
+    soft_ids = torch.zeros(b, width, k, dtype=torch.long) if with_soft else None
+    soft_probs = torch.zeros(b, width, k) if with_soft else None
+    has_soft = torch.zeros(b, width, dtype=torch.bool) if with_soft else None
+    for i, (s, (lo, hi)) in enumerate(zip(samples, windows)):
+        m = hi - lo
+        tokens[i, :m] = s.tokens[lo:hi]
+        features[i, : m - 1] = s.features[lo : hi - 1]
+        positions[i, : m - 1] = torch.arange(lo, hi - 1)
+        first_completion = max(s.prompt_len - lo, 0)
+        valid[i, first_completion:m] = True
+        if with_soft:
+            # label row r is token prompt_len + r; keep those inside the window
+            j0 = max(s.prompt_len, lo)
+            src = slice(j0 - s.prompt_len, hi - s.prompt_len)
+            soft_ids[i, j0 - lo : m] = s.label_ids[src]
+            soft_probs[i, j0 - lo : m] = s.label_probs[src].float()
+            has_soft[i, j0 - lo : m] = True
+    return _Batch(tokens, valid, features, positions, soft_ids, soft_probs, has_soft, lengths)
+
+
+def ttt_mask(rows: int, step: int, device: torch.device) -> torch.Tensor:
+    """``[rows, (step + 1) * rows]`` bool: causal over step-0 keys, the diagonal of every later step."""
+    idx = torch.arange(rows, device=device)
+    causal = idx.view(-1, 1) >= idx.view(1, -1)
+    eye = idx.view(-1, 1) == idx.view(1, -1)
+    return torch.cat([causal] + [eye] * step, dim=1)
+
+
+def unrolled_loss(
+    head: Eagle3Head, embed: torch.nn.Module, batch: _Batch, cfg: DrafterTrainingConfig
+) -> tuple[torch.Tensor, list[float], int]:
+    """The training-time-test loss of one batch -> (loss, per-step accuracy, number of predictions)."""
+    device = head.fc.weight.device
+    rows = batch.features.shape[1]
+    tokens = batch.tokens.to(device)
+    valid = batch.valid.to(device)
+    draft_ids = head.target_to_draft_ids(tokens)  # -1 where the draft vocabulary lacks the token
+    hidden = head.project(batch.features.to(device))
+    base_positions = batch.positions.to(device)
+    keys: list[torch.Tensor] = []
+    values: list[torch.Tensor] = []
+    total = torch.zeros((), device=device)
+    weight_sum, accuracy, count = 0.0, [], 0
+    for k in range(cfg.ttt_steps):
+        mask = ttt_mask(rows, k, device)
+
+        def attend(q, key, value, mask=mask):
+            keys.append(key)
+            values.append(value)
+            out = F.scaled_dot_product_attention(
+                q,
+                torch.cat(keys, dim=2),
+                torch.cat(values, dim=2),
+                attn_mask=mask,
+                enable_gqa=key.shape[1] != q.shape[1],
+            )
+            return out.transpose(1, 2)
+
+        embeds = embed(tokens[:, k + 1 : k + 1 + rows]).detach().to(hidden.dtype)
+        hidden, logits = head(embeds, hidden, base_positions + k, attend)
+        target = draft_ids[:, k + 2 : k + 2 + rows]
+        ok = valid[:, k + 2 : k + 2 + rows] & (target >= 0)
+        row_len = torch.tensor([n - 1 for n in batch.lengths], device=device)
+        ok &= torch.arange(rows, device=device).view(1, -1) < row_len.view(-1, 1)
+        if not bool(ok.any()):
+            break
+        logp = torch.log_softmax(logits.float(), dim=-1)[ok]  # [N, draft_vocab]
+        hard = -logp.gather(-1, target[ok].unsqueeze(-1)).squeeze(-1)
+        if cfg.soft_labels and batch.has_soft is not None:
+            soft_ok = batch.has_soft.to(device)[:, k + 2 : k + 2 + rows][ok]
+            ids = head.target_to_draft_ids(batch.soft_ids.to(device)[:, k + 2 : k + 2 + rows][ok])  # [N, top]
+            probs = batch.soft_probs.to(device)[:, k + 2 : k + 2 + rows][ok] * (ids >= 0)
+            soft = -(probs * logp.gather(-1, ids.clamp(min=0))).sum(-1)
+            per_token = torch.where(soft_ok, soft, hard)
+        else:
+            per_token = hard
+        w = cfg.step_decay**k
+        total = total + w * per_token.mean()
+        weight_sum += w
+        accuracy.append(float((logp.argmax(-1) == target[ok]).float().mean()))
+        count += int(ok.sum())
+    return total / max(weight_sum, 1e-12), accuracy, count
+
+
+class DrafterTrainer:
+    """Trains an :class:`Eagle3Head` from a :class:`FeatureBuffer`, a step at a time.
+
+    ``embed`` is the target's input embedding table (frozen). Each step is whole or not at all:
+    gradients are cleared first and the optimizer steps last, so an exception (a preempted
+    worker) leaves the weights and optimizer state of the previous step.
+    """
+
+    def __init__(
+        self,
+        head: Eagle3Head,
+        embed: torch.nn.Module,
+        buffer: FeatureBuffer,
+        config: DrafterTrainingConfig | None = None,
+    ) -> None:
+        self.head = head
+        self.embed = embed
+        self.buffer = buffer
+        self.config = config or DrafterTrainingConfig()
+        c = self.config
+        self.optimizer = torch.optim.AdamW(
+            head.parameters(), lr=c.learning_rate, betas=(c.adam_beta1, c.adam_beta2), weight_decay=c.weight_decay
+        )
+        self.rng = random.Random(c.seed)
+        self.step_count = 0
+        self.history: list[TrainStepResult] = []
+        if not hasattr(head, "version"):
+            head.version = 0
+
+    def train_step(self) -> TrainStepResult:
+        start = time.perf_counter()
+        c = self.config
+        batch = collate(self.buffer.sample(c.batch_size, self.rng), c.ttt_steps, c.max_tokens, self.rng)
+        was_training = self.head.training
+        self.head.train()
+        self.optimizer.zero_grad(set_to_none=True)
+        try:
+            loss, accuracy, count = unrolled_loss(self.head, self.embed, batch, c)
+            if count:
+                loss.backward()
+                torch.nn.utils.clip_grad_norm_(self.head.parameters(), c.max_grad_norm)
+                self.optimizer.step()
+                self.step_count += 1
+                self.head.version = getattr(self.head, "version", 0) + 1
+        finally:
+            self.optimizer.zero_grad(set_to_none=True)
+            self.head.train(was_training)
+        result = TrainStepResult(self.step_count, float(loss.detach()), accuracy, count, time.perf_counter() - start)
+        self.history.append(result)
+        return result
+
+    def train(
+        self, num_steps: int, *, should_stop: Callable[[], bool] | None = None, progress: bool = False
+    ) -> list[TrainStepResult]:
+        """Up to ``num_steps`` steps; ``should_stop()`` is checked before each one (yield to rollouts)."""
+        if not (isinstance(num_steps, int) and num_steps >= 0):
+            raise ValueError(f"num_steps must be an int >= 0, got {num_steps!r}")
+        results = []
+        bar = tqdm(total=num_steps, desc="drafter", unit="step", disable=not progress, leave=False)
+        try:
+            for _ in range(num_steps):
+                if should_stop is not None and should_stop():
+                    break
+                results.append(self.train_step())
+                bar.update(1)
+                bar.set_postfix(loss=f"{results[-1].loss:.3f}")
+        finally:
+            bar.close()
+        if results:
+            logger.info(
+                "drafter: %d steps, loss %.3f -> %.3f, step-0 accuracy %.3f",
+                len(results),
+                results[0].loss,
+                results[-1].loss,
+                results[-1].accuracy[0] if results[-1].accuracy else float("nan"),
+            )
+        return results
+
+    # -- checkpoints ---------------------------------------------------------------------
+    def save(self, path: str | Path, metadata: dict | None = None) -> Path:
+        from .checkpoint import save_checkpoint
+
+        return save_checkpoint(
+            path,
+            self.head,
+            step=self.step_count,
+            version=int(getattr(self.head, "version", 0)),
+            optimizer_state=self.optimizer.state_dict(),
+            metadata=metadata,
+        )
+
+    def load(self, path: str | Path, target_config=None) -> None:
+        """Restore weights, optimizer state, step and version from :meth:`save`'s checkpoint."""
+        from .checkpoint import load_checkpoint
+
+        ckpt = load_checkpoint(path, target_config=target_config)
+        if ckpt.head.config.to_dict() != self.head.config.to_dict():
+            raise ValueError("checkpoint was made for a head of another shape; build the trainer from its config")
+        self.head.load_state_dict(ckpt.head.state_dict())
+        if ckpt.optimizer_state is not None:
+            self.optimizer.load_state_dict(ckpt.optimizer_state)
+        self.step_count = ckpt.step
+        self.head.version = ckpt.version
