@@ -137,54 +137,71 @@ def ttt_mask(rows: int, step: int, device: torch.device) -> torch.Tensor:
     return torch.cat([causal] + [eye] * step, dim=1)
 
 
-def unrolled_loss(
-    head: Eagle3Head, embed: torch.nn.Module, batch: _Batch, cfg: DrafterTrainingConfig
-) -> tuple[torch.Tensor, list[float], int]:
-    """The training-time-test loss of one batch -> (loss, per-step accuracy, number of predictions)."""
+def unroll(head: Eagle3Head, embed: torch.nn.Module, batch: _Batch, num_steps: int) -> list[torch.Tensor]:
+    """Draft-vocabulary logits ``[B, T, draft_vocab]`` of each unrolled step. Step ``k`` at index
+    ``t`` reads token ``t + k + 1`` at position ``t + k`` and predicts token ``t + k + 2``."""
     device = head.fc.weight.device
     rows = batch.features.shape[1]
     tokens = batch.tokens.to(device)
-    valid = batch.valid.to(device)
-    draft_ids = head.target_to_draft_ids(tokens)  # -1 where the draft vocabulary lacks the token
     hidden = head.project(batch.features.to(device))
-    base_positions = batch.positions.to(device)
+    positions = batch.positions.to(device)
     keys: list[torch.Tensor] = []
     values: list[torch.Tensor] = []
-    total = torch.zeros((), device=device)
-    weight_sum, accuracy, count = 0.0, [], 0
-    for k in range(cfg.ttt_steps):
+    out = []
+    for k in range(num_steps):
         mask = ttt_mask(rows, k, device)
 
         def attend(q, key, value, mask=mask):
             keys.append(key)
             values.append(value)
-            out = F.scaled_dot_product_attention(
+            att = F.scaled_dot_product_attention(
                 q,
                 torch.cat(keys, dim=2),
                 torch.cat(values, dim=2),
                 attn_mask=mask,
                 enable_gqa=key.shape[1] != q.shape[1],
             )
-            return out.transpose(1, 2)
+            return att.transpose(1, 2)
 
         embeds = embed(tokens[:, k + 1 : k + 1 + rows]).detach().to(hidden.dtype)
-        hidden, logits = head(embeds, hidden, base_positions + k, attend)
-        target = draft_ids[:, k + 2 : k + 2 + rows]
-        ok = valid[:, k + 2 : k + 2 + rows] & (target >= 0)
-        row_len = torch.tensor([n - 1 for n in batch.lengths], device=device)
-        ok &= torch.arange(rows, device=device).view(1, -1) < row_len.view(-1, 1)
+        hidden, logits = head(embeds, hidden, positions + k, attend)
+        out.append(logits)
+    return out
+
+
+def step_targets(head: Eagle3Head, batch: _Batch, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Draft ids of the tokens unrolled step ``step`` predicts ``[B, T]`` (token ``t + step + 2``)
+    and where a prediction counts: a completion token inside the sequence and the draft vocabulary."""
+    device = head.fc.weight.device
+    rows = batch.features.shape[1]
+    cols = slice(step + 2, step + 2 + rows)
+    target = head.target_to_draft_ids(batch.tokens.to(device)[:, cols])
+    row_len = torch.tensor([n - 1 for n in batch.lengths], device=device)
+    inside = torch.arange(rows, device=device).view(1, -1) < row_len.view(-1, 1)
+    return target, batch.valid.to(device)[:, cols] & (target >= 0) & inside
+
+
+def unrolled_loss(
+    head: Eagle3Head, embed: torch.nn.Module, batch: _Batch, cfg: DrafterTrainingConfig
+) -> tuple[torch.Tensor, list[float], int]:
+    """The training-time-test loss of one batch -> (loss, per-step accuracy, number of predictions)."""
+    device = head.fc.weight.device
+    rows = batch.features.shape[1]
+    total = torch.zeros((), device=device)
+    weight_sum, accuracy, count = 0.0, [], 0
+    for k, logits in enumerate(unroll(head, embed, batch, cfg.ttt_steps)):
+        target, ok = step_targets(head, batch, k)
         if not bool(ok.any()):
             break
         logp = torch.log_softmax(logits.float(), dim=-1)[ok]  # [N, draft_vocab]
-        hard = -logp.gather(-1, target[ok].unsqueeze(-1)).squeeze(-1)
+        per_token = -logp.gather(-1, target[ok].unsqueeze(-1)).squeeze(-1)
         if cfg.soft_labels and batch.has_soft is not None:
-            soft_ok = batch.has_soft.to(device)[:, k + 2 : k + 2 + rows][ok]
-            ids = head.target_to_draft_ids(batch.soft_ids.to(device)[:, k + 2 : k + 2 + rows][ok])  # [N, top]
-            probs = batch.soft_probs.to(device)[:, k + 2 : k + 2 + rows][ok] * (ids >= 0)
+            cols = slice(k + 2, k + 2 + rows)
+            soft_ok = batch.has_soft.to(device)[:, cols][ok]
+            ids = head.target_to_draft_ids(batch.soft_ids.to(device)[:, cols][ok])  # [N, top]
+            probs = batch.soft_probs.to(device)[:, cols][ok] * (ids >= 0)
             soft = -(probs * logp.gather(-1, ids.clamp(min=0))).sum(-1)
-            per_token = torch.where(soft_ok, soft, hard)
-        else:
-            per_token = hard
+            per_token = torch.where(soft_ok, soft, per_token)
         w = cfg.step_decay**k
         total = total + w * per_token.mean()
         weight_sum += w

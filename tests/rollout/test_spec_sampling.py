@@ -12,6 +12,7 @@ import pytest
 import torch
 from conftest import chi_square_pvalue
 
+from tailspec.drafter.eagle3 import Eagle3Config, Eagle3Drafter, Eagle3Head
 from tailspec.rollout import RolloutConfig, RolloutEngine, SamplingParams
 from tailspec.rollout import verify as verify_module
 from tailspec.rollout.sampling import BatchSamplingTensors, processed_logprobs
@@ -28,10 +29,25 @@ def target():
 
 
 @functools.cache
-def drafter(kind: str):
+def drafter_model(kind: str):
     if kind == "good":
         return perturbed_copy(target(), noise=0.5, seed=1)
     return tiny_random_model("llama", seed=99, vocab_size=V, initializer_range=0.3, num_layers=1)
+
+
+@functools.cache
+def eagle3_head():
+    torch.manual_seed(0)
+    head = Eagle3Head(Eagle3Config.for_target(target().config))
+    head.reset_parameters(std=0.3)
+    return head.eval()
+
+
+def drafter(kind: str):
+    """A fresh drafter per engine (the EAGLE-3 drafter holds per-sequence state)."""
+    if kind == "eagle3":
+        return Eagle3Drafter(eagle3_head(), target())
+    return drafter_model(kind)
 
 
 def _processed(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
@@ -75,8 +91,15 @@ SETTINGS = [
 @pytest.mark.parametrize("params", SETTINGS, ids=["T1", "T0.7", "T1-topk-topp", "T0.7-minp"])
 @pytest.mark.parametrize(
     "strategy,kind",
-    [("chain:2", "good"), ("chain:2", "bad"), ("tree:2,3,6", "good"), ("tree:2,3,6", "bad")],
-    ids=["chain-good", "chain-bad", "tree-good", "tree-bad"],
+    [
+        ("chain:2", "good"),
+        ("chain:2", "bad"),
+        ("tree:2,3,6", "good"),
+        ("tree:2,3,6", "bad"),
+        ("chain:2", "eagle3"),
+        ("tree:2,3,6", "eagle3"),
+    ],
+    ids=["chain-good", "chain-bad", "tree-good", "tree-bad", "chain-eagle3", "tree-eagle3"],
 )
 def test_speculative_samples_follow_the_target(strategy, kind, params):
     counts = joint_counts(strategy, kind, params)

@@ -1,0 +1,139 @@
+"""The EAGLE-3 head as an engine drafter: greedy output identical to plain decoding (chains and
+trees, random and trained heads, full and reduced draft vocabularies, strategy switches), and the
+drafter's paged forward equal to the trainer's unrolled one."""
+
+import random
+
+import pytest
+import torch
+from eagle3_helpers import random_head, random_prompts, target, trained_head
+
+from tailspec.drafter.eagle3 import Eagle3Config, Eagle3Drafter, Eagle3Head, Eagle3Sample
+from tailspec.drafter.eagle3.model import vocab_from_counts
+from tailspec.drafter.eagle3.train import collate, unroll
+from tailspec.rollout import RolloutConfig, RolloutEngine, SamplingParams
+from tailspec.rollout.request import Sequence
+from tailspec.testing import tiny_random_model
+
+
+def plain(model, prompts, params):
+    return RolloutEngine(model, RolloutConfig()).generate(prompts, params)
+
+
+def spec(model, head, strategy, prompts, params, **cfg):
+    engine = RolloutEngine(model, RolloutConfig(strategy=strategy, **cfg), drafter=Eagle3Drafter(head, model))
+    return engine, engine.generate(prompts, params)
+
+
+def assert_same(got, want):
+    for i, (a, b) in enumerate(zip(got, want)):
+        assert a.completion_ids == b.completion_ids, f"request {i} differs"
+        assert a.finish_reason == b.finish_reason
+        assert a.logprobs == pytest.approx(b.logprobs, abs=1e-4)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("strategy", ["chain:1", "chain:3", "chain:6", "tree:3,2,6", "tree:4,3,12"])
+@pytest.mark.parametrize("quality", ["random", "trained"])
+def test_greedy_matches_plain_decoding(arch, strategy, quality):
+    model = target(arch)
+    head = random_head(model) if quality == "random" else trained_head(arch)
+    prompts = random_prompts(6, seed=len(strategy))
+    params = SamplingParams(max_new_tokens=28, temperature=0.0)
+    engine, got = spec(model, head, strategy, prompts, params)
+    assert_same(got, plain(model, prompts, params))
+    assert engine.stats.drafted_tokens > 0
+    if quality == "trained":
+        assert engine.stats.accepted_tokens > 0
+
+
+def test_reduced_draft_vocabulary_is_lossless_and_maps_ids():
+    model = target("qwen2")
+    head = random_head(model, draft_vocab_size=40)
+    counts = torch.arange(96).flip(0)  # low ids are "frequent"
+    head.set_vocab_map(vocab_from_counts(counts, 40, always=[1]))
+    assert head.t2d.sum() == 40 and bool(head.t2d[1]) and bool(head.t2d[:39].all())
+    prompts = random_prompts(5, seed=9)
+    params = SamplingParams(max_new_tokens=24, temperature=0.0)
+    for strategy in ("chain:3", "tree:3,2,6"):
+        engine, got = spec(model, head, strategy, prompts, params)
+        assert_same(got, plain(model, prompts, params))
+        assert engine.stats.drafted_tokens > 0
+
+
+def test_switching_strategies_mid_generation_needs_no_reprefill():
+    model = target("llama")
+    head = trained_head("llama")
+    prompts = random_prompts(5, seed=31)
+    params = SamplingParams(max_new_tokens=36, temperature=0.0)
+    engine = RolloutEngine(model, RolloutConfig(strategy="none"), drafter=Eagle3Drafter(head, model))
+    ids = [engine.add_request(p, params) for p in prompts]
+    cycle = ["none", "chain:3", "suffix", "tree:3,2,5", "none", "chain:5"]
+    step = 0
+    while engine.has_unfinished():
+        engine.set_strategy(cycle[step % len(cycle)])
+        engine.step()
+        step += 1
+    got = [engine.pop_output(i) for i in ids]
+    assert_same(got, plain(model, prompts, params))
+    assert engine.stats.prefill_steps <= 2  # prefills only: switching never re-prefilled
+    assert engine.stats.accepted_tokens > 0
+
+
+def test_a_tiny_head_pool_gives_no_drafts_but_correct_output():
+    model = target("qwen3")
+    head = random_head(model)
+    drafter = Eagle3Drafter(head, model, kv_cache_tokens=32, block_size=16)
+    engine = RolloutEngine(model, RolloutConfig(strategy="chain:3"), drafter=drafter)
+    prompts = random_prompts(4, seed=5, min_len=20, max_len=25)
+    params = SamplingParams(max_new_tokens=20, temperature=0.0)
+    assert_same(engine.generate(prompts, params), plain(model, prompts, params))
+    assert drafter.cache.allocator.num_free == drafter.cache.num_blocks  # every block returned
+
+
+def test_head_for_another_target_is_refused():
+    model = target("llama")
+    other = tiny_random_model("llama", hidden_size=32)
+    head = Eagle3Head(Eagle3Config.for_target(other.config))
+    with pytest.raises(ValueError, match="hidden size 32"):
+        Eagle3Drafter(head, model)
+    wider_vocab = Eagle3Head(Eagle3Config.for_target(tiny_random_model("llama", vocab_size=128).config))
+    with pytest.raises(ValueError, match="vocabulary size 128"):
+        Eagle3Drafter(wider_vocab, model)
+
+
+def test_paged_drafting_equals_the_unrolled_training_forward():
+    """The drafter's catch-up + chain rows and the trainer's training-time-test unroll are the
+    same computation: feeding the true tokens, step k at index t gives the same logits."""
+    model = target("qwen2")
+    head = random_head(model, std=0.05)
+    tokens = random_prompts(1, seed=2, min_len=14, max_len=14)[0]
+    with torch.no_grad():
+        hs = model(torch.tensor([tokens]), output_hidden_states=True).hidden_states
+    feats = torch.cat([hs[i][0] for i in head.config.aux_layer_ids], dim=-1)
+    n, steps = len(tokens), 4
+    sample = Eagle3Sample(torch.tensor(tokens), feats[:-1], 1)
+    with torch.no_grad():
+        train_logits = unroll(head, model.get_input_embeddings(), collate([sample], steps, 64, random.Random(0)), steps)
+
+    for t in (3, 7):  # last real feature at index t
+        drafter = Eagle3Drafter(head, model, kv_cache_tokens=256, block_size=4)
+        seq = Sequence(0, tokens[: t + 2], SamplingParams(temperature=0.0), frozenset())
+        drafter.observe(seq, 0, feats[: t + 1], torch.zeros(1, 96))
+        state = drafter._states[0]
+        assert drafter._ensure_room(state, n + steps)
+        with torch.no_grad():
+            hidden, logits = drafter._catch_up([seq])
+            draft = [logits[0]]
+            for k in range(1, steps):
+                if t + k + 1 >= n:
+                    break
+                from tailspec.rollout.attention import SequenceSlice
+
+                position = t + k
+                hidden, logits = drafter._run(
+                    [SequenceSlice(state.block_table, position, 1)], hidden, [tokens[t + k + 1]], [position]
+                )
+                draft.append(logits[0])
+        for k, row in enumerate(draft):
+            torch.testing.assert_close(row, train_logits[k][0, t], atol=1e-4, rtol=1e-4)
