@@ -1,4 +1,4 @@
-"""The ``tailspec`` command line: ``tailspec demo``, ``tailspec bench``, ``tailspec train-tiny``."""
+"""The ``tailspec`` command line: ``demo``, ``bench``, ``drafter warmup|export``, ``train-tiny``."""
 
 from __future__ import annotations
 
@@ -38,6 +38,75 @@ def _train_tiny(args: argparse.Namespace) -> int:
     return sft_main(args.rest) or 0
 
 
+def _load_policy(spec: str, tokenizer_path: str | None):
+    """``tiny`` (the shipped policy) or a local Hugging Face model directory."""
+    if spec == "tiny":
+        from .tasks.sft import load_tiny
+
+        return load_tiny("policy")
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(spec, dtype="auto").eval()
+    return model, AutoTokenizer.from_pretrained(tokenizer_path or spec)
+
+
+def _load_prompts(spec: str, tokenizer, num: int, seed: int) -> list[list[int]]:
+    """Token ids of ``num`` prompts: the built-in ``chain-sum`` task, or a JSONL file whose lines
+    hold ``{"prompt": "text"}`` or ``{"prompt": [chat messages]}``."""
+    import json
+
+    if spec == "chain-sum":
+        from .tasks.chain_sum import ChainSumConfig, make_grpo_dataset
+
+        rows = [r["prompt"] for r in make_grpo_dataset(num, seed=seed, cfg=ChainSumConfig())]
+    else:
+        lines = [line for line in Path(spec).read_text().splitlines() if line.strip()]
+        rows = [json.loads(line)["prompt"] for line in lines[:num]]
+    if not rows:
+        raise ValueError(f"no prompts in {spec}")
+    out = []
+    for row in rows:
+        if isinstance(row, list):
+            ids = tokenizer.apply_chat_template(row, add_generation_prompt=True, tokenize=True, return_dict=True)
+            out.append(list(ids["input_ids"]))
+        else:
+            out.append(list(tokenizer(text=row)["input_ids"]))
+    return out
+
+
+def _drafter_warmup(args: argparse.Namespace) -> int:
+    from .drafter.eagle3.train import DrafterTrainingConfig
+    from .drafter.eagle3.warmup import WarmupConfig, warmup_head
+
+    model, tokenizer = _load_policy(args.policy, args.tokenizer)
+    prompts = _load_prompts(args.prompts, tokenizer, args.num_prompts, args.seed)
+    cfg = WarmupConfig(
+        rounds=args.rounds,
+        steps_per_round=args.steps,
+        max_new_tokens=args.max_new_tokens,
+        draft_vocab_size=args.draft_vocab_size,
+        training=DrafterTrainingConfig(batch_size=args.batch_size, learning_rate=args.lr, seed=args.seed),
+        seed=args.seed,
+    )
+    _, trainer, rounds = warmup_head(model, prompts, cfg, eos_token_ids=None)
+    for r in rounds:
+        print(
+            f"round {r.round}: {r.completions} completions, {r.tokens} tokens, rollout accept length "
+            f"{r.accept_length:.2f}, loss {r.loss_first:.3f} -> {r.loss_last:.3f}"
+        )
+    path = trainer.save(args.out, metadata={"policy": args.policy, "prompts": args.prompts})
+    print(f"wrote {path}")
+    return 0
+
+
+def _drafter_export(args: argparse.Namespace) -> int:
+    from .drafter.eagle3.checkpoint import export_checkpoint, load_checkpoint
+
+    ckpt = load_checkpoint(args.checkpoint)
+    print(f"wrote {export_checkpoint(ckpt.head, args.out, format=args.format)}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tailspec", description=__doc__)
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
@@ -54,6 +123,28 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--out", default="docs/BENCHMARKS.md")
     bench.add_argument("--quick", action="store_true", help="fewer prompts (for a smoke run)")
     bench.set_defaults(func=_bench)
+
+    drafter = sub.add_parser("drafter", help="EAGLE-3 drafter heads: warm-up training and export")
+    dsub = drafter.add_subparsers(dest="drafter_command", required=True)
+    warm = dsub.add_parser("warmup", help="train a head offline from a policy's rollouts before RL starts")
+    warm.add_argument("--policy", default="tiny", help="'tiny' (the shipped policy) or a local HF model directory")
+    warm.add_argument("--tokenizer", help="tokenizer directory (default: the policy's)")
+    warm.add_argument("--prompts", default="chain-sum", help="'chain-sum' or a JSONL file of {\"prompt\": ...}")
+    warm.add_argument("--num-prompts", type=int, default=192)
+    warm.add_argument("--rounds", type=int, default=3)
+    warm.add_argument("--steps", type=int, default=200, help="training steps per round")
+    warm.add_argument("--max-new-tokens", type=int, default=384)
+    warm.add_argument("--draft-vocab-size", type=int, help="reduced draft vocabulary (most frequent tokens)")
+    warm.add_argument("--batch-size", type=int, default=8)
+    warm.add_argument("--lr", type=float, default=1e-3)
+    warm.add_argument("--seed", type=int, default=0)
+    warm.add_argument("--out", required=True, help="checkpoint directory to write")
+    warm.set_defaults(func=_drafter_warmup)
+    export = dsub.add_parser("export", help="write the LlamaForCausalLMEagle3 layout SGLang / vLLM load")
+    export.add_argument("--checkpoint", required=True, help="a tailspec EAGLE-3 checkpoint directory")
+    export.add_argument("--format", required=True, choices=["sglang", "vllm"])
+    export.add_argument("--out", required=True)
+    export.set_defaults(func=_drafter_export)
 
     tiny = sub.add_parser(
         "train-tiny",

@@ -86,8 +86,8 @@ def eos_ids_of(model: torch.nn.Module, tokenizer=None) -> frozenset[int]:
 class RolloutEngine:
     """Continuous-batching generator over a paged KV cache, with optional speculative decoding.
 
-    ``drafter`` (a :class:`tailspec.drafter.Drafter`, or a smaller Hugging Face causal LM that
-    shares the tokenizer) serves the ``chain``/``tree`` strategies; the model-free suffix drafter
+    ``drafter`` (a :class:`tailspec.drafter.Drafter`, an EAGLE-3 head for this model, or a smaller
+    Hugging Face causal LM that shares the tokenizer) serves the ``chain``/``tree`` strategies; the model-free suffix drafter
     is built in. The strategy comes from ``config.strategy`` and can change between steps
     (:meth:`set_strategy`).
     """
@@ -135,7 +135,17 @@ class RolloutEngine:
     def _make_drafter(self, drafter: Drafter | torch.nn.Module | None, tokenizer) -> Drafter | None:
         if drafter is None:
             return None
-        if isinstance(drafter, torch.nn.Module):
+        from ..drafter.eagle3 import Eagle3Drafter, Eagle3Head
+
+        if isinstance(drafter, Eagle3Head):
+            drafter = Eagle3Drafter(
+                drafter,
+                self.model,
+                kv_cache_tokens=self.config.draft_kv_cache_tokens or self.config.kv_cache_tokens,
+                block_size=self.config.block_size,
+                seed=self.config.seed,
+            )
+        elif isinstance(drafter, torch.nn.Module):
             from ..drafter.small_lm import SmallLMDrafter
 
             drafter = SmallLMDrafter(

@@ -40,6 +40,16 @@ class SpecRolloutConfig:
     seed: int | None = None  # None: the trainer's seed + process index
     progress: bool = False
     log_metrics: bool = True
+    # EAGLE-3 head only: training steps after every rollout call on the features it recorded, so
+    # the head follows the moving policy (in this process; tailspec.ray runs them on idle workers)
+    drafter_train_steps: int = 0
+    drafter_buffer_mb: int = 256
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.drafter_train_steps, int) and self.drafter_train_steps >= 0):
+            raise ValueError(f"drafter_train_steps must be an int >= 0, got {self.drafter_train_steps!r}")
+        if not (isinstance(self.drafter_buffer_mb, int) and self.drafter_buffer_mb >= 1):
+            raise ValueError(f"drafter_buffer_mb must be an int >= 1, got {self.drafter_buffer_mb!r}")
 
     def rollout_config(self, seed: int) -> RolloutConfig:
         return RolloutConfig(
@@ -70,6 +80,9 @@ class RolloutStats:
     mean_accept_length: float = 1.0  # tokens per sequence per speculative step
     draft_time_s: float = 0.0
     verify_time_s: float = 0.0
+    drafter_loss: float | None = None  # EAGLE-3 online training after this rollout
+    drafter_version: int | None = None
+    drafter_train_s: float = 0.0
 
     @property
     def acceptance_rate(self) -> float:
@@ -92,6 +105,7 @@ class SpecRollout:
         config: SpecRolloutConfig | None = None,
         sampling: SamplingParams | None = None,
         drafter: Any | None = None,
+        drafter_training: Any | None = None,
         **config_overrides: Any,
     ) -> None:
         base = asdict(config or SpecRolloutConfig())
@@ -104,6 +118,14 @@ class SpecRollout:
         self.tokenizer = tokenizer
         self.sampling = sampling
         self.drafter = drafter
+        from ..drafter.eagle3 import Eagle3Head, FeatureBuffer
+
+        self._online_head = isinstance(drafter, Eagle3Head) and self.config.drafter_train_steps > 0
+        if self.config.drafter_train_steps > 0 and not isinstance(drafter, Eagle3Head):
+            raise ValueError("drafter_train_steps > 0 needs an EAGLE-3 head as drafter (SpecRollout(drafter=head))")
+        self.feature_buffer = FeatureBuffer(self.config.drafter_buffer_mb << 20) if self._online_head else None
+        self.drafter_training = drafter_training
+        self.drafter_trainer = None  # DrafterTrainer, made at the first rollout (it needs the policy's embeddings)
         self._engine: RolloutEngine | None = None
         self._engine_model_id: int | None = None
         self.last_stats: RolloutStats | None = None
@@ -122,6 +144,8 @@ class SpecRollout:
         elapsed = time.perf_counter() - start
         completion_ids = [o.completion_ids for o in outputs]
         self._record(completion_ids, elapsed, engine, before, trainer)
+        if self._online_head:
+            self._train_drafter(trainer)
         return {
             "prompt_ids": [o.prompt_ids for o in outputs],
             "completion_ids": completion_ids,
@@ -162,15 +186,45 @@ class SpecRollout:
             eos = set(eos_ids_of(model))
             if getattr(tokenizer, "eos_token_id", None) is not None:
                 eos.add(tokenizer.eos_token_id)
-            self._engine = RolloutEngine(
-                model,
-                self.config.rollout_config(seed),
-                eos_token_ids=eos,
-                tokenizer=tokenizer,
-                drafter=self.drafter,
-            )
+            cfg = self.config.rollout_config(seed)
+            drafter = self.drafter
+            if self._online_head:
+                from ..drafter.eagle3 import Eagle3Drafter
+                from ..drafter.eagle3.train import DrafterTrainer
+
+                drafter = Eagle3Drafter(
+                    self.drafter,
+                    model,
+                    kv_cache_tokens=cfg.draft_kv_cache_tokens or cfg.kv_cache_tokens,
+                    block_size=cfg.block_size,
+                    seed=seed,
+                    buffer=self.feature_buffer,
+                )
+                if self.drafter_trainer is None:
+                    self.drafter_trainer = DrafterTrainer(
+                        self.drafter, model.get_input_embeddings(), self.feature_buffer, self.drafter_training
+                    )
+                else:
+                    self.drafter_trainer.embed = model.get_input_embeddings()
+            self._engine = RolloutEngine(model, cfg, eos_token_ids=eos, tokenizer=tokenizer, drafter=drafter)
             self._engine_model_id = id(model)
         return self._engine
+
+    def _train_drafter(self, trainer: Any) -> None:
+        """Online EAGLE-3 training on what the rollouts recorded (the buffer keeps the most recent)."""
+        start = time.perf_counter()
+        results = self.drafter_trainer.train(self.config.drafter_train_steps)
+        stats = self.last_stats
+        stats.drafter_train_s = time.perf_counter() - start
+        stats.drafter_version = int(getattr(self.drafter, "version", 0))
+        if results:
+            stats.drafter_loss = sum(r.loss for r in results) / len(results)
+        metrics = getattr(trainer, "_metrics", None)
+        if self.config.log_metrics and metrics is not None and stats.drafter_loss is not None:
+            mode = "train" if getattr(trainer.model, "training", True) else "eval"
+            metrics[mode]["drafter/loss"].append(stats.drafter_loss)
+            metrics[mode]["drafter/version"].append(float(stats.drafter_version))
+            metrics[mode]["drafter/train_s"].append(stats.drafter_train_s)
 
     @property
     def engine(self) -> RolloutEngine | None:

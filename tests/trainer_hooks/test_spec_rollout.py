@@ -120,3 +120,40 @@ def test_model_strategy_without_a_drafter_is_refused():
         SpecRollout(strategy="chain:4")
     with pytest.raises(ValueError, match="strategy"):
         SpecRollout(strategy="chain")
+
+
+def test_eagle3_head_drafts_and_trains_online_between_rollouts(task_tokenizer, tiny_policy):
+    """SpecRollout(drafter=head, drafter_train_steps=N): rollouts stay lossless, record features,
+    and the head takes N training steps (version, loss metrics) after every call."""
+    import torch
+
+    from tailspec.drafter.eagle3 import Eagle3Config, Eagle3Head
+    from tailspec.drafter.eagle3.train import DrafterTrainingConfig
+
+    convs = [[{"role": "user", "content": f"add {i} {i + 2} {i + 1}"}] for i in range(3)]
+    prompts = [c for c in convs for _ in range(2)]
+    metrics = {"train": defaultdict(list), "eval": defaultdict(list)}
+    trainer = SimpleNamespace(
+        args=_args(max_completion_length=24, generation_kwargs={"do_sample": False}),
+        processing_class=task_tokenizer,
+        model=tiny_policy,
+        _metrics=metrics,
+    )
+    plain = SpecRollout(model=tiny_policy)(prompts, trainer)
+    torch.manual_seed(0)
+    head = Eagle3Head(Eagle3Config.for_target(tiny_policy.config))
+    rollout = SpecRollout(
+        model=tiny_policy,
+        strategy="chain:3",
+        drafter=head,
+        drafter_train_steps=3,
+        drafter_training=DrafterTrainingConfig(batch_size=2),
+    )
+    for call in range(2):
+        out = rollout(prompts, trainer)
+        assert out["completion_ids"] == plain["completion_ids"]
+        assert rollout.last_stats.drafter_version == 3 * (call + 1)
+    assert len(rollout.feature_buffer) == 2 * len(prompts)
+    assert len(metrics["eval"]["drafter/loss"]) == 2
+    with pytest.raises(ValueError, match="EAGLE-3 head"):
+        SpecRollout(strategy="suffix", drafter_train_steps=2)
