@@ -87,8 +87,8 @@ class RolloutEngine:
     """Continuous-batching generator over a paged KV cache, with optional speculative decoding.
 
     ``drafter`` (a :class:`tailspec.drafter.Drafter`, an EAGLE-3 head for this model, or a smaller
-    Hugging Face causal LM that shares the tokenizer) serves the ``chain``/``tree`` strategies; the model-free suffix drafter
-    is built in. The strategy comes from ``config.strategy`` and can change between steps
+    Hugging Face causal LM that shares the tokenizer) serves the ``chain``/``tree`` strategies;
+    the model-free suffix drafter is built in. The strategy comes from ``config.strategy`` and can change between steps
     (:meth:`set_strategy`).
     """
 
