@@ -1,0 +1,123 @@
+"""EAGLE-3 head: acceptance and batch-1 speed before and after online training on the policy's rollouts.
+
+A fresh head (random init) drafts for held-out prompts; then the warm-up recipe rolls the policy
+out on training prompts (recording features and soft labels on the way) and trains the head for
+``rounds x steps`` steps; the same held-out prompts are drafted again. The small drafter LM runs
+the same prompts for comparison. Everything is measured in this one run.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ..drafter.eagle3 import Eagle3Config, Eagle3Head
+from ..drafter.eagle3.train import DrafterTrainingConfig
+from ..drafter.eagle3.warmup import WarmupConfig, WarmupRound, warmup_head
+from ..rollout.params import SamplingParams
+from .speculative import SpecResult, measure_speculative
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Eagle3Bench:
+    before: list[SpecResult]
+    after: list[SpecResult]
+    small_lm: list[SpecResult]
+    rounds: list[WarmupRound]
+    losses: list[float]
+    train_steps: int
+    aux_layer_ids: tuple[int, ...] = ()
+
+
+def measure_eagle3(
+    model: torch.nn.Module,
+    drafter_lm: torch.nn.Module,
+    train_prompts: list[list[int]],
+    held_out: list[list[int]],
+    warmup_prompts: list[list[int]],
+    params: SamplingParams,
+    eos: list[int],
+    *,
+    rounds: int,
+    steps_per_round: int,
+    strategies: tuple[str, ...] = ("chain:5", "tree:4,2,8"),
+    seed: int = 0,
+) -> Eagle3Bench:
+    torch.manual_seed(seed)
+    head = Eagle3Head(Eagle3Config.for_target(model.config))
+
+    def run(drafter, names) -> list[SpecResult]:
+        return measure_speculative(
+            model, drafter, held_out, warmup_prompts, params, (1,), names, {1: len(held_out)}, eos, workload="batch 1"
+        )
+
+    before = run(head, ("none", "chain:5"))
+    cfg = WarmupConfig(
+        rounds=rounds,
+        steps_per_round=steps_per_round,
+        max_new_tokens=params.max_new_tokens,
+        temperature=params.temperature,
+        training=DrafterTrainingConfig(seed=seed),
+        seed=seed,
+    )
+    head, trainer, warm_rounds = warmup_head(model, train_prompts, cfg, head=head, eos_token_ids=eos, progress=False)
+    after = run(head, ("none", *strategies))
+    small_lm = run(drafter_lm, ("chain:4",))
+    losses = [r.loss for r in trainer.history]
+    return Eagle3Bench(
+        before, after, small_lm, warm_rounds, losses, trainer.step_count, tuple(head.config.aux_layer_ids)
+    )
+
+
+def eagle3_table(bench: Eagle3Bench) -> str:
+    lines = [
+        "| drafter | strategy | tok/s | vs none | mean accepted length | acceptance | draft s | verify s |",
+        "|---|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    rows = [("none (no speculation)", r) for r in bench.after if r.strategy == "none"]
+    rows += [("EAGLE-3 head, random init", r) for r in bench.before if r.strategy != "none"]
+    rows += [(f"EAGLE-3 head, after {bench.train_steps} steps", r) for r in bench.after if r.strategy != "none"]
+    rows += [("small drafter LM", r) for r in bench.small_lm]
+    base = next(r for r in bench.after if r.strategy == "none").tokens_per_s
+    for name, r in rows:
+        lines.append(
+            f"| {name} | `{r.strategy}` | {r.tokens_per_s:,.0f} | {r.tokens_per_s / base:.2f}x | "
+            f"{r.mean_accept_length:.2f} | {r.acceptance_rate:.2f} | {r.draft_s:.2f} | {r.verify_s:.2f} |"
+        )
+    return "\n".join(lines)
+
+
+def plot_eagle3(bench: Eagle3Bench, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.6))
+    window = 10
+    smooth = [
+        sum(bench.losses[max(0, i - window + 1) : i + 1]) / len(bench.losses[max(0, i - window + 1) : i + 1])
+        for i in range(len(bench.losses))
+    ]
+    left.plot(bench.losses, alpha=0.3, label="loss")
+    left.plot(smooth, label=f"mean of {window}")
+    left.set_xlabel("training step")
+    left.set_ylabel("training-time-test loss")
+    left.set_title("EAGLE-3 head: online training loss")
+    left.legend()
+    names = ["random init"] + [f"trained ({r.strategy})" for r in bench.after if r.strategy != "none"] + ["small LM"]
+    values = [r.mean_accept_length for r in bench.before if r.strategy != "none"]
+    values += [r.mean_accept_length for r in bench.after if r.strategy != "none"]
+    values += [r.mean_accept_length for r in bench.small_lm]
+    right.bar(range(len(values)), values, color=["#999", *["#1f77b4"] * (len(values) - 2), "#ff7f0e"])
+    right.set_xticks(range(len(values)), names, rotation=15, fontsize=8)
+    right.set_ylabel("mean accepted length (batch 1)")
+    right.set_title("held-out prompts, T = 1.0")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
