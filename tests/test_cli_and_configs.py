@@ -56,3 +56,22 @@ def test_rollout_yaml_is_a_valid_rollout_config():
     data = yaml.safe_load((CONFIGS / "rollout_default.yaml").read_text())
     cfg = RolloutConfig.from_dict(data)
     assert cfg.total_blocks == data["kv_cache_tokens"] // data["block_size"]
+
+
+def test_drafter_warmup_then_export_from_the_command_line(tmp_path, capsys):
+    from tailspec.cli import main
+    from tailspec.drafter.eagle3.checkpoint import load_checkpoint, read_exported
+
+    ckpt = tmp_path / "head"
+    argv = ["drafter", "warmup", "--num-prompts", "6", "--rounds", "2", "--steps", "2", "--max-new-tokens", "24"]
+    assert main([*argv, "--batch-size", "2", "--out", str(ckpt)]) == 0
+    loaded = load_checkpoint(ckpt)
+    assert loaded.step == 4 and loaded.optimizer_state is not None
+    assert loaded.metadata["policy"] == "tiny"
+    for fmt in ("sglang", "vllm"):
+        assert (
+            main(["drafter", "export", "--checkpoint", str(ckpt), "--format", fmt, "--out", str(tmp_path / fmt)]) == 0
+        )
+        config, _ = read_exported(tmp_path / fmt)
+        assert config["architectures"] == ["LlamaForCausalLMEagle3"]
+    assert "round 1:" in capsys.readouterr().out
