@@ -17,6 +17,7 @@ head's ``version`` after every optimizer step, and saves/restores weights and op
 from __future__ import annotations
 
 import logging
+import os
 import random
 import time
 from collections.abc import Callable
@@ -210,12 +211,72 @@ def unrolled_loss(
     return total / max(weight_sum, 1e-12), accuracy, count
 
 
+def _adamw(head: Eagle3Head, c: DrafterTrainingConfig) -> torch.optim.AdamW:
+    return torch.optim.AdamW(
+        head.parameters(), lr=c.learning_rate, betas=(c.adam_beta1, c.adam_beta2), weight_decay=c.weight_decay
+    )
+
+
+class _TorchStepper:
+    """Plain PyTorch: clip, then AdamW."""
+
+    def __init__(self, head: Eagle3Head, c: DrafterTrainingConfig) -> None:
+        self.head, self.max_grad_norm = head, c.max_grad_norm
+        self.optimizer = _adamw(head, c)
+
+    def backward_and_step(self, loss: torch.Tensor) -> None:
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(self.head.parameters(), self.max_grad_norm)
+        self.optimizer.step()
+
+    def zero_grad(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+
+
+class _DeepSpeedStepper:
+    """DeepSpeed (ZeRO stage 0-2) for heads whose optimizer state is worth partitioning (a
+    150k-token ``lm_head``): ``deepspeed.initialize`` with our AdamW, its backward and step."""
+
+    def __init__(self, head: Eagle3Head, c: DrafterTrainingConfig, ds_config: dict) -> None:
+        try:
+            import deepspeed
+        except ImportError as e:
+            raise ValueError("deepspeed_config needs DeepSpeed: pip install 'tailspec[deepspeed]'") from e
+        ds = dict(ds_config)
+        stage = int(ds.get("zero_optimization", {}).get("stage", 0))
+        if stage > 2:
+            raise ValueError(
+                f"deepspeed_config zero_optimization.stage must be 0, 1 or 2 for a drafter head, got {stage}"
+            )
+        ds.setdefault("train_micro_batch_size_per_gpu", 1)
+        ds.setdefault("gradient_accumulation_steps", 1)
+        ds.setdefault("gradient_clipping", c.max_grad_norm)
+        if not torch.distributed.is_initialized():
+            for key, value in (
+                ("MASTER_ADDR", "127.0.0.1"),
+                ("MASTER_PORT", "29511"),
+                ("RANK", "0"),
+                ("LOCAL_RANK", "0"),
+                ("WORLD_SIZE", "1"),
+            ):
+                os.environ.setdefault(key, value)
+        self.engine, self.optimizer, _, _ = deepspeed.initialize(model=head, optimizer=_adamw(head, c), config=ds)
+
+    def backward_and_step(self, loss: torch.Tensor) -> None:
+        self.engine.backward(loss)
+        self.engine.step()
+
+    def zero_grad(self) -> None:
+        self.engine.zero_grad()
+
+
 class DrafterTrainer:
     """Trains an :class:`Eagle3Head` from a :class:`FeatureBuffer`, a step at a time.
 
     ``embed`` is the target's input embedding table (frozen). Each step is whole or not at all:
     gradients are cleared first and the optimizer steps last, so an exception (a preempted
-    worker) leaves the weights and optimizer state of the previous step.
+    worker) leaves the weights and optimizer state of the previous step. ``deepspeed_config``
+    (a DeepSpeed config dict, ZeRO stage <= 2) trains through DeepSpeed instead of plain AdamW.
     """
 
     def __init__(
@@ -224,15 +285,15 @@ class DrafterTrainer:
         embed: torch.nn.Module,
         buffer: FeatureBuffer,
         config: DrafterTrainingConfig | None = None,
+        *,
+        deepspeed_config: dict | None = None,
     ) -> None:
         self.head = head
         self.embed = embed
         self.buffer = buffer
         self.config = config or DrafterTrainingConfig()
         c = self.config
-        self.optimizer = torch.optim.AdamW(
-            head.parameters(), lr=c.learning_rate, betas=(c.adam_beta1, c.adam_beta2), weight_decay=c.weight_decay
-        )
+        self.stepper = _DeepSpeedStepper(head, c, deepspeed_config) if deepspeed_config else _TorchStepper(head, c)
         self.rng = random.Random(c.seed)
         self.step_count = 0
         self.history: list[TrainStepResult] = []
@@ -245,17 +306,15 @@ class DrafterTrainer:
         batch = collate(self.buffer.sample(c.batch_size, self.rng), c.ttt_steps, c.max_tokens, self.rng)
         was_training = self.head.training
         self.head.train()
-        self.optimizer.zero_grad(set_to_none=True)
+        self.stepper.zero_grad()
         try:
             loss, accuracy, count = unrolled_loss(self.head, self.embed, batch, c)
             if count:
-                loss.backward()
-                torch.nn.utils.clip_grad_norm_(self.head.parameters(), c.max_grad_norm)
-                self.optimizer.step()
+                self.stepper.backward_and_step(loss)
                 self.step_count += 1
                 self.head.version = getattr(self.head, "version", 0) + 1
         finally:
-            self.optimizer.zero_grad(set_to_none=True)
+            self.stepper.zero_grad()
             self.head.train(was_training)
         result = TrainStepResult(self.step_count, float(loss.detach()), accuracy, count, time.perf_counter() - start)
         self.history.append(result)
@@ -288,18 +347,31 @@ class DrafterTrainer:
             )
         return results
 
+    @property
+    def optimizer(self):
+        return self.stepper.optimizer
+
+    @property
+    def uses_deepspeed(self) -> bool:
+        return isinstance(self.stepper, _DeepSpeedStepper)
+
     # -- checkpoints ---------------------------------------------------------------------
     def save(self, path: str | Path, metadata: dict | None = None) -> Path:
+        """Weights, step, version and optimizer state. Under DeepSpeed its (possibly partitioned)
+        optimizer state goes to ``path/deepspeed`` in DeepSpeed's own layout."""
         from .checkpoint import save_checkpoint
 
-        return save_checkpoint(
+        out = save_checkpoint(
             path,
             self.head,
             step=self.step_count,
             version=int(getattr(self.head, "version", 0)),
-            optimizer_state=self.optimizer.state_dict(),
+            optimizer_state=None if self.uses_deepspeed else self.optimizer.state_dict(),
             metadata=metadata,
         )
+        if self.uses_deepspeed:
+            self.stepper.engine.save_checkpoint(str(out / "deepspeed"), tag=f"step{self.step_count}")
+        return out
 
     def load(self, path: str | Path, target_config=None) -> None:
         """Restore weights, optimizer state, step and version from :meth:`save`'s checkpoint."""
@@ -309,7 +381,9 @@ class DrafterTrainer:
         if ckpt.head.config.to_dict() != self.head.config.to_dict():
             raise ValueError("checkpoint was made for a head of another shape; build the trainer from its config")
         self.head.load_state_dict(ckpt.head.state_dict())
-        if ckpt.optimizer_state is not None:
+        if self.uses_deepspeed and (Path(path) / "deepspeed").is_dir():
+            self.stepper.engine.load_checkpoint(str(Path(path) / "deepspeed"))
+        elif ckpt.optimizer_state is not None and not self.uses_deepspeed:
             self.optimizer.load_state_dict(ckpt.optimizer_state)
         self.step_count = ckpt.step
         self.head.version = ckpt.version
