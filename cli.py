@@ -75,6 +75,8 @@ def _load_prompts(spec: str, tokenizer, num: int, seed: int) -> list[list[int]]:
 
 
 def _drafter_warmup(args: argparse.Namespace) -> int:
+    from dataclasses import asdict
+
     from .drafter.eagle3.train import DrafterTrainingConfig
     from .drafter.eagle3.warmup import WarmupConfig, warmup_head
 
@@ -94,7 +96,8 @@ def _drafter_warmup(args: argparse.Namespace) -> int:
             f"round {r.round}: {r.completions} completions, {r.tokens} tokens, rollout accept length "
             f"{r.accept_length:.2f}, loss {r.loss_first:.3f} -> {r.loss_last:.3f}"
         )
-    path = trainer.save(args.out, metadata={"policy": args.policy, "prompts": args.prompts})
+    metadata = {"policy": args.policy, "prompts": args.prompts, "rounds": [asdict(r) for r in rounds]}
+    path = trainer.save(args.out, metadata=metadata, include_optimizer=not args.weights_only)
     print(f"wrote {path}")
     return 0
 
@@ -139,6 +142,7 @@ def build_parser() -> argparse.ArgumentParser:
     warm.add_argument("--lr", type=float, default=1e-3)
     warm.add_argument("--seed", type=int, default=0)
     warm.add_argument("--out", required=True, help="checkpoint directory to write")
+    warm.add_argument("--weights-only", action="store_true", help="leave the optimizer state out (to ship)")
     warm.set_defaults(func=_drafter_warmup)
     export = dsub.add_parser("export", help="write the LlamaForCausalLMEagle3 layout SGLang / vLLM load")
     export.add_argument("--checkpoint", required=True, help="a tailspec EAGLE-3 checkpoint directory")

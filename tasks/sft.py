@@ -385,6 +385,18 @@ def load_tiny(kind: str = "policy", dtype: torch.dtype = torch.float32):
     return model.eval(), tokenizer
 
 
+def load_tiny_eagle3():
+    """The shipped EAGLE-3 head for the tiny policy (warmed up on its rollouts; see the model card)."""
+    from ..drafter.eagle3.checkpoint import load_checkpoint
+
+    path = tiny_assets_dir() / "eagle3"
+    if not (path / "config.json").exists():
+        raise FileNotFoundError(
+            f"no shipped EAGLE-3 head at {path}; make it with `tailspec drafter warmup --out {path}`"
+        )
+    return load_checkpoint(path).head.eval()
+
+
 MODEL_CARD = """# Tiny chain-sum models: policy and drafter
 
 Made from scratch on a CPU by tailspec's SFT recipe (`tasks/sft.py`), with no model hub and no

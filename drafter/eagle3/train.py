@@ -356,9 +356,9 @@ class DrafterTrainer:
         return isinstance(self.stepper, _DeepSpeedStepper)
 
     # -- checkpoints ---------------------------------------------------------------------
-    def save(self, path: str | Path, metadata: dict | None = None) -> Path:
-        """Weights, step, version and optimizer state. Under DeepSpeed its (possibly partitioned)
-        optimizer state goes to ``path/deepspeed`` in DeepSpeed's own layout."""
+    def save(self, path: str | Path, metadata: dict | None = None, *, include_optimizer: bool = True) -> Path:
+        """Weights, step, version and (unless ``include_optimizer=False``) optimizer state. Under
+        DeepSpeed its (possibly partitioned) optimizer state goes to ``path/deepspeed``."""
         from .checkpoint import save_checkpoint
 
         out = save_checkpoint(
@@ -366,10 +366,10 @@ class DrafterTrainer:
             self.head,
             step=self.step_count,
             version=int(getattr(self.head, "version", 0)),
-            optimizer_state=None if self.uses_deepspeed else self.optimizer.state_dict(),
+            optimizer_state=self.optimizer.state_dict() if include_optimizer and not self.uses_deepspeed else None,
             metadata=metadata,
         )
-        if self.uses_deepspeed:
+        if self.uses_deepspeed and include_optimizer:
             self.stepper.engine.save_checkpoint(str(out / "deepspeed"), tag=f"step{self.step_count}")
         return out
 
