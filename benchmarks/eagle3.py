@@ -18,7 +18,7 @@ from ..drafter.eagle3 import Eagle3Config, Eagle3Head
 from ..drafter.eagle3.train import DrafterTrainingConfig
 from ..drafter.eagle3.warmup import WarmupConfig, WarmupRound, warmup_head
 from ..rollout.params import SamplingParams
-from .speculative import SpecResult, measure_speculative
+from .speculative import ForwardCost, SpecResult, measure_speculative
 
 logger = logging.getLogger(__name__)
 
@@ -121,3 +121,30 @@ def plot_eagle3(bench: Eagle3Bench, path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def measure_head_cost(model: torch.nn.Module, head: Eagle3Head, context: int = 64, repeats: int = 30) -> ForwardCost:
+    """Median time of one batch-1 head row (a chain draft step) over ``context`` cached rows."""
+    import time
+
+    from ..drafter.eagle3 import Eagle3Drafter
+    from ..rollout.attention import SequenceSlice
+
+    drafter = Eagle3Drafter(head, model, kv_cache_tokens=4 * (context + 16), block_size=16)
+    table = drafter.cache.allocator.allocate(drafter.cache.num_blocks)
+    h = head.config.hidden_size
+    times = []
+    was_training = head.training
+    head.eval()
+    try:
+        with torch.no_grad():
+            drafter._run(
+                [SequenceSlice(table, 0, context)], torch.zeros(context, h), [1] * context, list(range(context))
+            )
+            for _ in range(repeats):
+                start = time.perf_counter()
+                drafter._run([SequenceSlice(table, context, 1)], torch.zeros(1, h), [2], [context])
+                times.append(time.perf_counter() - start)
+    finally:
+        head.train(was_training)
+    return ForwardCost("EAGLE-3 head", 1, 1000 * sorted(times)[len(times) // 2])
