@@ -34,7 +34,9 @@ class DemoConfig:
     output_dir: str = "outputs/demo"
     wandb: bool = True
     wandb_project: str = "tailspec-demo"
-    strategy: str = "chain:4"  # none | chain:K | tree:D,K,B | suffix[:...]; chain/tree use the shipped drafter
+    strategy: str = "chain:4"  # none | chain:K | tree:D,K,B | suffix[:...]; chain/tree use `drafter`
+    drafter: str = "eagle3"  # eagle3: the shipped EAGLE-3 head, trained online | small_lm: the shipped drafter LM
+    drafter_train_steps: int = 8  # EAGLE-3 training steps after every rollout (follows the moving policy)
 
     def __post_init__(self) -> None:
         if self.max_steps < 1:
@@ -44,6 +46,10 @@ class DemoConfig:
         if self.prompts_per_step < 1:
             raise ValueError(f"prompts_per_step must be an int >= 1, got {self.prompts_per_step}")
         parse_strategy(self.strategy)  # raises ValueError naming the field
+        if self.drafter not in ("eagle3", "small_lm"):
+            raise ValueError(f"drafter must be 'eagle3' or 'small_lm', got {self.drafter!r}")
+        if not (isinstance(self.drafter_train_steps, int) and self.drafter_train_steps >= 0):
+            raise ValueError(f"drafter_train_steps must be an int >= 0, got {self.drafter_train_steps!r}")
 
     @classmethod
     def from_yaml(cls, path: str | Path) -> DemoConfig:
@@ -75,16 +81,35 @@ def _step_printer():
                 "rollout_s": logs.get("rollout/time_s", float("nan")),
                 "rollout_tok_s": logs.get("rollout/tokens_per_s", float("nan")),
                 "accept_len": logs.get("rollout/accept_length"),
+                "drafter_loss": logs.get("drafter/loss"),
             }
             self.rows.append(row)
             print(
                 f"step {row['step']:>3}  reward {row['reward']:.3f}  completion len mean {row['mean_len']:.0f} "
                 f"max {row['max_len']:.0f}  rollout {row['rollout_s']:.2f}s  {row['rollout_tok_s']:.0f} tok/s"
-                + (f"  accept len {row['accept_len']:.2f}" if row["accept_len"] is not None else ""),
+                + (f"  accept len {row['accept_len']:.2f}" if row["accept_len"] is not None else "")
+                + (f"  drafter loss {row['drafter_loss']:.3f}" if row["drafter_loss"] is not None else ""),
                 flush=True,
             )
 
     return StepPrinter()
+
+
+def _make_rollout(cfg: DemoConfig):
+    from .drafter.eagle3.train import DrafterTrainingConfig
+    from .tasks.sft import load_tiny, load_tiny_eagle3
+    from .trainer_hooks.spec_rollout import SpecRollout
+
+    if not parse_strategy(cfg.strategy).uses_model_drafter:
+        return SpecRollout(strategy=cfg.strategy)
+    if cfg.drafter == "small_lm":
+        return SpecRollout(strategy=cfg.strategy, drafter=load_tiny("drafter")[0])
+    return SpecRollout(
+        strategy=cfg.strategy,
+        drafter=load_tiny_eagle3(),
+        drafter_train_steps=cfg.drafter_train_steps,
+        drafter_training=DrafterTrainingConfig(batch_size=8, max_tokens=512, seed=cfg.seed),
+    )
 
 
 def run_demo(cfg: DemoConfig) -> dict[str, Any]:
@@ -102,7 +127,6 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
     from .tasks.chain_sum import ChainSumConfig, chain_sum_reward, make_grpo_dataset
     from .tasks.sft import load_tiny
     from .trainer_hooks.grpo_trainer import GRPOTrainer
-    from .trainer_hooks.spec_rollout import SpecRollout
 
     model, tokenizer = load_tiny("policy")
     dataset = make_grpo_dataset(cfg.num_train_prompts, seed=cfg.seed, cfg=ChainSumConfig())
@@ -124,8 +148,7 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
         seed=cfg.seed,
     )
     printer = _step_printer()
-    drafter = load_tiny("drafter")[0] if parse_strategy(cfg.strategy).uses_model_drafter else None
-    rollout = SpecRollout(strategy=cfg.strategy, drafter=drafter)
+    rollout = _make_rollout(cfg)
     trainer = GRPOTrainer(
         model=model,
         reward_funcs=chain_sum_reward,
@@ -159,6 +182,15 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
     drafted = sum(s.drafted_tokens for s in rollout.history)
     if drafted:
         summary["draft_acceptance_rate"] = sum(s.accepted_tokens for s in rollout.history) / drafted
+        first_al = sum(s.mean_accept_length for s in rollout.history[:k]) / k
+        last_al = sum(s.mean_accept_length for s in rollout.history[-k:]) / k
+        summary[f"accept_length_first_{k}"] = first_al
+        summary[f"accept_length_last_{k}"] = last_al
+    losses = [s.drafter_loss for s in rollout.history if s.drafter_loss is not None]
+    if losses:
+        summary["drafter_version"] = rollout.history[-1].drafter_version
+        summary[f"drafter_loss_first_{k}"] = sum(losses[:k]) / len(losses[:k])
+        summary[f"drafter_loss_last_{k}"] = sum(losses[-k:]) / len(losses[-k:])
     print("\n== tailspec demo summary ==")
     for key, value in summary.items():
         print(f"{key:>24}: {value:.3f}" if isinstance(value, float) else f"{key:>24}: {value}")
