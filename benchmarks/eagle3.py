@@ -9,7 +9,7 @@ the same prompts for comparison. Everything is measured in this one run.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -32,6 +32,8 @@ class Eagle3Bench:
     losses: list[float]
     train_steps: int
     aux_layer_ids: tuple[int, ...] = ()
+    shipped: list[SpecResult] = field(default_factory=list)
+    shipped_steps: int = 0
 
 
 def measure_eagle3(
@@ -47,6 +49,7 @@ def measure_eagle3(
     steps_per_round: int,
     strategies: tuple[str, ...] = ("chain:5", "tree:4,2,8"),
     seed: int = 0,
+    shipped: Eagle3Head | None = None,
 ) -> Eagle3Bench:
     torch.manual_seed(seed)
     head = Eagle3Head(Eagle3Config.for_target(model.config))
@@ -69,9 +72,13 @@ def measure_eagle3(
     after = run(head, ("none", *strategies))
     small_lm = run(drafter_lm, ("chain:4",))
     losses = [r.loss for r in trainer.history]
-    return Eagle3Bench(
+    bench = Eagle3Bench(
         before, after, small_lm, warm_rounds, losses, trainer.step_count, tuple(head.config.aux_layer_ids)
     )
+    if shipped is not None:
+        bench.shipped = run(shipped, strategies)
+        bench.shipped_steps = int(getattr(shipped, "version", 0))
+    return bench
 
 
 def eagle3_table(bench: Eagle3Bench) -> str:
@@ -82,6 +89,7 @@ def eagle3_table(bench: Eagle3Bench) -> str:
     rows = [("none (no speculation)", r) for r in bench.after if r.strategy == "none"]
     rows += [("EAGLE-3 head, random init", r) for r in bench.before if r.strategy != "none"]
     rows += [(f"EAGLE-3 head, after {bench.train_steps} steps", r) for r in bench.after if r.strategy != "none"]
+    rows += [(f"shipped EAGLE-3 head ({bench.shipped_steps} steps)", r) for r in bench.shipped]
     rows += [("small drafter LM", r) for r in bench.small_lm]
     base = next(r for r in bench.after if r.strategy == "none").tokens_per_s
     for name, r in rows:

@@ -9,7 +9,7 @@ import torch
 
 from ..rollout.params import RolloutConfig, SamplingParams
 from ..tasks.chain_sum import ChainSumConfig, sample_problems
-from ..tasks.sft import load_tiny
+from ..tasks.sft import load_tiny, load_tiny_eagle3
 from ..trainer_hooks.spec_rollout import SpecRollout
 from .eagle3 import eagle3_table, measure_eagle3, measure_head_cost, plot_eagle3
 from .report import plot_throughput, throughput_table, write_report
@@ -147,6 +147,7 @@ def eagle3_section(model, tokenizer, params: SamplingParams, docs: Path, quick: 
         rounds=rounds,
         steps_per_round=steps,
         seed=seed,
+        shipped=load_tiny_eagle3(),
     )
     plot_eagle3(bench, docs / "bench_eagle3.png")
     table = eagle3_table(bench)
