@@ -40,6 +40,17 @@ from .verify import verify_greedy, verify_sampled
 logger = logging.getLogger(__name__)
 
 
+@dataclass(frozen=True)
+class StepRecord:
+    """One decode step: how many sequences ran, with which strategy, what it emitted and cost."""
+
+    num_active: int
+    strategy: str
+    emitted: int
+    seconds: float
+    in_tail: bool
+
+
 @dataclass
 class EngineStats:
     steps: int = 0
@@ -58,11 +69,17 @@ class EngineStats:
     spec_seq_steps: int = 0  # sequence-steps inside speculative steps
     draft_time_s: float = 0.0
     verify_time_s: float = 0.0
+    tail_steps: int = 0
+    tail_time_s: float = 0.0
+    decode_time_s: float = 0.0
     batch_sizes: list[int] = field(default_factory=list)
     spec_log: deque[SpecStepRecord] = field(default_factory=lambda: deque(maxlen=4096))
+    step_log: deque[StepRecord] = field(default_factory=lambda: deque(maxlen=65536))
+    strategy_steps: dict[str, int] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, float]:
-        d = {k: v for k, v in self.__dict__.items() if k not in ("batch_sizes", "spec_log")}
+        skip = ("batch_sizes", "spec_log", "step_log", "strategy_steps")
+        d = {k: v for k, v in self.__dict__.items() if k not in skip}
         d["mean_decode_batch"] = sum(self.batch_sizes) / len(self.batch_sizes) if self.batch_sizes else 0.0
         d["tokens_per_s"] = self.generated_tokens / self.wall_time_s if self.wall_time_s else 0.0
         d["acceptance_rate"] = self.accepted_tokens / self.drafted_tokens if self.drafted_tokens else 0.0
@@ -128,6 +145,13 @@ class RolloutEngine:
         # strategy), so switching to it never needs a re-prefill
         self.feature_layers = self.drafter.feature_layers if self.drafter is not None else None
         self._features: torch.Tensor | None = None  # the last forward's taps, [T, feature_size]
+        self.hybrid_drafter = None
+        if self.drafter is not None:
+            from ..drafter.hybrid import HybridDrafter
+
+            self.hybrid_drafter = HybridDrafter(self.drafter, self.suffix_drafter)
+        self.selector = None  # made when the strategy is "adaptive"; kept across calls (learned state)
+        self._peak_active = 0
         self.strategy = Strategy("none")
         self.set_strategy(self.config.strategy)
 
@@ -174,10 +198,16 @@ class RolloutEngine:
                 f"strategy {str(parsed)!r} needs a drafter model; pass drafter=... to the engine "
                 "(or use 'none' or 'suffix')"
             )
+        if parsed.adaptive and self.selector is None:
+            from .selector import StrategySelector
+
+            self.selector = StrategySelector(self.config.selector, has_model_drafter=self.drafter is not None)
         self.strategy = parsed
 
     def _drafter_for(self, strategy: Strategy) -> Drafter:
-        return self.suffix_drafter if strategy.kind == "suffix" else self.drafter
+        if strategy.kind == "suffix":
+            return self.suffix_drafter
+        return self.hybrid_drafter if strategy.kind == "hybrid" else self.drafter
 
     # -- validation ----------------------------------------------------------------------
     def validate(self, prompt_ids: Seq[int], params: SamplingParams) -> None:
@@ -265,10 +295,8 @@ class RolloutEngine:
         with self._inference():
             if batch.kind is StepKind.PREFILL:
                 finished = self._prefill(batch)
-            elif self.strategy.speculative:
-                finished = self._spec_decode(batch, self.strategy)
             else:
-                finished = self._decode(batch)
+                finished = self._decode_step(batch)
         self.stats.steps += 1
         self.stats.preemptions = self.scheduler.num_preemptions
         return finished
@@ -385,6 +413,37 @@ class RolloutEngine:
         if partial:
             self.runner.cache.copy_block(leader.block_table[-1], member.block_table[-1], partial)
         member.num_cached = leader.num_cached
+
+    def _decode_step(self, batch: ScheduledBatch) -> list[int]:
+        """One decode step with the fixed strategy, or the selector's pick; timed and logged.
+
+        The step's own ``.tolist()`` of the sampled tokens already waits for the device, so the
+        goodput measurement adds no synchronisation of its own."""
+        n = len(batch.seqs)
+        strategy = self.strategy
+        if strategy.adaptive:
+            if self.drafter is not None:
+                self.selector.on_drafter_version(int(getattr(self.drafter, "version", 0)))
+            strategy = self.selector.choose(n)
+        before, start = self.stats.generated_tokens, time.perf_counter()
+        finished = self._spec_decode(batch, strategy) if strategy.speculative else self._decode(batch)
+        seconds = time.perf_counter() - start
+        emitted = self.stats.generated_tokens - before
+        if self.selector is not None and self.strategy.adaptive:
+            self.selector.observe(n, strategy, emitted, seconds)
+        self._peak_active = max(self._peak_active, n)
+        in_tail = n <= self.config.tail_fraction * self._peak_active
+        st = self.stats
+        st.decode_time_s += seconds
+        if in_tail:
+            st.tail_steps += 1
+            st.tail_time_s += seconds
+        name = str(strategy)
+        st.strategy_steps[name] = st.strategy_steps.get(name, 0) + 1
+        st.step_log.append(StepRecord(n, name, emitted, seconds, in_tail))
+        if not self.scheduler.has_work():
+            self._peak_active = 0  # the wave is over; the next one measures its own peak
+        return finished
 
     def _decode(self, batch: ScheduledBatch) -> list[int]:
         slices, tokens, positions = [], [], []

@@ -108,6 +108,8 @@ class RolloutConfig:
     strategy: str = "none"  # see tailspec.rollout.strategy for the forms
     draft_kv_cache_tokens: int | None = None  # the model drafter's own KV pool; None = kv_cache_tokens
     suffix_history_tokens: int = 1 << 20  # completions of earlier calls the suffix drafter remembers
+    selector: Any = None  # strategy="adaptive": a SelectorConfig (or its dict); None = defaults
+    tail_fraction: float = 0.25  # a step is "in the tail" when active sequences <= this x the wave's peak
     seed: int = 0
     progress: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
@@ -164,6 +166,17 @@ class RolloutConfig:
             self.suffix_history_tokens,
         )
         _require(_valid_seed(self.seed), "seed", _SEED_RANGE, self.seed)
+        _require(0 < self.tail_fraction <= 1, "tail_fraction", "a float in (0, 1]", self.tail_fraction)
+        from .selector import SelectorConfig
+
+        if isinstance(self.selector, dict):
+            self.selector = SelectorConfig(**self.selector)
+        _require(
+            self.selector is None or isinstance(self.selector, SelectorConfig),
+            "selector",
+            "None, a SelectorConfig or a dict of its fields",
+            self.selector,
+        )
 
     @property
     def total_blocks(self) -> int:

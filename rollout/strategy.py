@@ -8,6 +8,11 @@
 ``suffix``               the suffix/n-gram drafter, default shape ``suffix:8,2,16``
 ``suffix:K``             the suffix drafter, as a chain of up to K tokens
 ``suffix:D,K,B``         the suffix drafter, as a tree with frequency-ranked branches
+``hybrid``               the model drafter's tree and the suffix drafter's tree fused
+                         into one verification tree, default ``hybrid:4,2,12``
+``hybrid:D,K,B``         the same with depth D, K children per node, budget B nodes
+``adaptive``             a per-step choice among arms (``RolloutConfig.adaptive_arms``)
+                         by measured goodput (:mod:`tailspec.rollout.selector`)
 =======================  ===========================================================
 
 One strategy runs per batch step; the engine can switch between steps
@@ -20,9 +25,12 @@ from dataclasses import dataclass
 
 from ..drafter.base import DraftShape
 
-KINDS = ("none", "chain", "tree", "suffix")
-GRAMMAR = "'none', 'chain:K', 'tree:D,K,B', 'suffix', 'suffix:K' or 'suffix:D,K,B'"
+KINDS = ("none", "chain", "tree", "suffix", "hybrid", "adaptive")
+GRAMMAR = (
+    "'none', 'chain:K', 'tree:D,K,B', 'suffix', 'suffix:K', 'suffix:D,K,B', 'hybrid', 'hybrid:D,K,B' or 'adaptive'"
+)
 DEFAULT_SUFFIX_SHAPE = DraftShape(depth=8, topk=2, budget=16)
+DEFAULT_HYBRID_SHAPE = DraftShape(depth=4, topk=2, budget=12)
 
 
 @dataclass(frozen=True)
@@ -32,11 +40,15 @@ class Strategy:
 
     @property
     def speculative(self) -> bool:
-        return self.kind != "none"
+        return self.kind not in ("none", "adaptive")
+
+    @property
+    def adaptive(self) -> bool:
+        return self.kind == "adaptive"
 
     @property
     def uses_model_drafter(self) -> bool:
-        return self.kind in ("chain", "tree")
+        return self.kind in ("chain", "tree", "hybrid")
 
     def __str__(self) -> str:
         if self.shape is None:
@@ -68,17 +80,19 @@ def parse_strategy(spec: str | Strategy) -> Strategy:
     kind, _, params = spec.strip().partition(":")
     if kind not in KINDS:
         raise ValueError(f"unknown strategy {spec!r}; expected {GRAMMAR}")
-    if kind == "none":
+    if kind in ("none", "adaptive"):
         if params:
-            raise ValueError(f"strategy 'none' takes no parameters, got {spec!r}")
-        return Strategy("none")
+            raise ValueError(f"strategy {kind!r} takes no parameters, got {spec!r}")
+        return Strategy(kind)
     if kind == "suffix" and not params:
         return Strategy("suffix", DEFAULT_SUFFIX_SHAPE)
+    if kind == "hybrid" and not params:
+        return Strategy("hybrid", DEFAULT_HYBRID_SHAPE)
     values = _ints(params, spec) if params else []
     if kind in ("chain", "suffix") and len(values) == 1:
         _check("K", values[0], 1, 16, spec)
         return Strategy(kind, DraftShape(depth=values[0], topk=1, budget=values[0]))
-    if kind in ("tree", "suffix") and len(values) == 3:
+    if kind in ("tree", "suffix", "hybrid") and len(values) == 3:
         depth, topk, budget = values
         _check("depth D", depth, 1, 16, spec)
         _check("children per node K", topk, 1, 8, spec)

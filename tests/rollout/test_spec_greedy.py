@@ -74,6 +74,17 @@ def test_suffix_drafter_matches_hf_generate(arch, strategy):
 
 
 @pytest.mark.parametrize("arch", ARCHITECTURES)
+@pytest.mark.parametrize("strategy", ["hybrid", "hybrid:3,1,6", "hybrid:5,3,16"])
+def test_hybrid_matches_plain_decoding(arch, strategy):
+    prompts = random_prompts(5, seed=4) + [[5, 6, 7, 5, 6, 7, 5, 6]] * 3
+    params = SamplingParams(max_new_tokens=30, temperature=0.0)
+    want = plain_outputs(arch, prompts, params)
+    engine = spec_engine(arch, strategy, "good")
+    assert_same(engine.generate(prompts, params), want)
+    assert engine.stats.accepted_tokens > 0
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
 def test_ragged_batch_with_eos_matches_hf(arch):
     prompts = random_prompts(8, seed=11, max_len=30)
     engine = spec_engine(arch, "tree:3,2,5", "good")

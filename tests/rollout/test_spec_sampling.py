@@ -98,8 +98,9 @@ SETTINGS = [
         ("tree:2,3,6", "bad"),
         ("chain:2", "eagle3"),
         ("tree:2,3,6", "eagle3"),
+        ("hybrid:2,2,6", "good"),
     ],
-    ids=["chain-good", "chain-bad", "tree-good", "tree-bad", "chain-eagle3", "tree-eagle3"],
+    ids=["chain-good", "chain-bad", "tree-good", "tree-bad", "chain-eagle3", "tree-eagle3", "hybrid-good"],
 )
 def test_speculative_samples_follow_the_target(strategy, kind, params):
     counts = joint_counts(strategy, kind, params)

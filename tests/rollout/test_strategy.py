@@ -58,3 +58,16 @@ def test_model_strategies_need_a_drafter():
     with pytest.raises(ValueError, match="needs a drafter model"):
         engine.set_strategy("tree:2,2,4")
     assert str(engine.strategy) == "suffix:8,2,16"
+
+
+def test_hybrid_and_adaptive_forms():
+    from tailspec.rollout.strategy import parse_strategy
+
+    hybrid = parse_strategy("hybrid")
+    assert str(hybrid) == "hybrid:4,2,12" and hybrid.uses_model_drafter and hybrid.speculative
+    assert str(parse_strategy("hybrid:3,1,6")) == "hybrid:3,1,6"
+    adaptive = parse_strategy("adaptive")
+    assert adaptive.adaptive and not adaptive.speculative and not adaptive.uses_model_drafter
+    for bad in ("hybrid:3", "adaptive:2", "hybrid:0,2,4"):
+        with pytest.raises(ValueError, match="strategy"):
+            parse_strategy(bad)

@@ -1,0 +1,208 @@
+"""Per-batch choice of the speculation strategy from measured goodput.
+
+The number of active sequences picks a *bucket* (``bucket_bounds``: a bucket holds batch sizes up
+to its bound); in each bucket every *arm* (a strategy) keeps a sliding window of rewards, the
+goodput of the steps it ran there: tokens emitted per second of step time. ``choose`` first tries
+every arm ``min_trials`` times, then exploits by UCB (mean plus a bonus that shrinks as the arm is
+tried, scaled by the bucket's best mean) or epsilon-greedy. No batch-size threshold is needed:
+speculation turns itself off wherever its measured goodput is lower than plain decoding's. A
+configured ``speculate_up_to`` acts only as a prior (above it, plain decoding is tried first and
+speculative arms need to beat it on measurements).
+
+When the model drafter's weights change (``on_drafter_version``), the estimates of the arms that
+use it are decayed (only the newest ``decay_keep`` rewards stay) or reset; state persists across
+``generate`` calls (RL steps) otherwise, and can be saved with ``state_dict``.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from bisect import bisect_left
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+from .strategy import Strategy, parse_strategy
+
+POLICIES = ("ucb", "epsilon")
+DEFAULT_ARMS = ("none", "chain:2", "chain:4", "tree:4,2,8", "suffix", "hybrid:4,2,12")
+
+
+@dataclass
+class SelectorConfig:
+    arms: tuple[str, ...] = DEFAULT_ARMS
+    bucket_bounds: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256, 1024)
+    policy: str = "ucb"
+    ucb_c: float = 0.25  # exploration bonus, as a fraction of the bucket's best mean goodput
+    epsilon: float = 0.05
+    window: int = 32  # rewards kept per (bucket, arm)
+    min_trials: int = 2  # tries of every arm in a bucket before exploiting
+    speculate_up_to: int | None = None  # prior: above this many active sequences, try "none" first
+    prune_ratio: float = 0.7  # skip exploring an arm a neighbouring bucket measured below this x its best
+    drafter_update: str = "decay"  # what a new drafter version does to model-drafter arms: decay | reset
+    decay_keep: int = 4
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        self.arms = tuple(self.arms)
+        self.bucket_bounds = tuple(self.bucket_bounds)
+        if not self.arms:
+            raise ValueError("SelectorConfig.arms must name at least one strategy")
+        for arm in self.arms:
+            if parse_strategy(arm).adaptive:
+                raise ValueError("SelectorConfig.arms cannot contain 'adaptive'")
+        if (
+            not self.bucket_bounds
+            or any(b < 1 for b in self.bucket_bounds)
+            or list(self.bucket_bounds) != sorted(set(self.bucket_bounds))
+        ):
+            raise ValueError(
+                f"SelectorConfig.bucket_bounds must be increasing ints >= 1, got {list(self.bucket_bounds)}"
+            )
+        checks = [
+            ("policy", self.policy in POLICIES, f"one of {POLICIES}"),
+            ("ucb_c", self.ucb_c >= 0, "a float >= 0"),
+            ("epsilon", 0 <= self.epsilon <= 1, "a float in [0, 1]"),
+            ("window", isinstance(self.window, int) and self.window >= 1, "an int >= 1"),
+            ("min_trials", isinstance(self.min_trials, int) and self.min_trials >= 1, "an int >= 1"),
+            ("speculate_up_to", self.speculate_up_to is None or self.speculate_up_to >= 0, "None or an int >= 0"),
+            ("drafter_update", self.drafter_update in ("decay", "reset"), "'decay' or 'reset'"),
+            ("decay_keep", isinstance(self.decay_keep, int) and self.decay_keep >= 0, "an int >= 0"),
+            ("prune_ratio", 0 <= self.prune_ratio <= 1, "a float in [0, 1]"),
+        ]
+        for name, ok, allowed in checks:
+            if not ok:
+                raise ValueError(f"SelectorConfig.{name} must be {allowed}, got {getattr(self, name)!r}")
+
+
+@dataclass
+class ArmStats:
+    rewards: deque[float] = field(default_factory=deque)
+    trials: int = 0  # all-time, for reporting
+
+    @property
+    def mean(self) -> float:
+        return sum(self.rewards) / len(self.rewards) if self.rewards else 0.0
+
+
+class StrategySelector:
+    """Bandit over strategies per batch-size bucket. ``has_model_drafter`` drops the arms that need one."""
+
+    def __init__(self, config: SelectorConfig | None = None, *, has_model_drafter: bool = True) -> None:
+        self.config = config or SelectorConfig()
+        arms = [parse_strategy(a) for a in self.config.arms]
+        self.arms: list[Strategy] = [a for a in arms if has_model_drafter or not a.uses_model_drafter]
+        if not self.arms:
+            raise ValueError("no selector arm can run without a model drafter; add 'none' or 'suffix' arms")
+        self._none = next((a for a in self.arms if a.kind == "none"), None)
+        w = self.config.window
+        self._stats: list[dict[Strategy, ArmStats]] = [
+            {a: ArmStats(deque(maxlen=w)) for a in self.arms} for _ in self.config.bucket_bounds
+        ]
+        self._rng = random.Random(self.config.seed)
+        self.drafter_version: int | None = None
+
+    def bucket(self, num_active: int) -> int:
+        """Index of the bucket holding ``num_active`` sequences (the last bucket holds all larger)."""
+        return min(bisect_left(self.config.bucket_bounds, num_active), len(self.config.bucket_bounds) - 1)
+
+    def _order(self, b: int) -> list[Strategy]:
+        """Arms in the order untried ones are explored: plain decoding first (the baseline the
+        others are compared with); with the ``speculate_up_to`` prior, above it only plain
+        decoding until it has ``min_trials`` rewards, then the rest."""
+        if self._none is None:
+            return list(self.arms)
+        return [self._none] + [a for a in self.arms if a is not self._none]
+
+    def _relative(self, b: int, arm: Strategy) -> float | None:
+        """``arm``'s goodput relative to the best arm of bucket ``b`` (None if not measured there)."""
+        stats = self._stats[b]
+        if not stats[arm].rewards:
+            return None
+        return stats[arm].mean / max(s.mean for s in stats.values() if s.rewards)
+
+    def _neighbour_estimate(self, b: int, arm: Strategy) -> float | None:
+        """Goodput ``arm`` would have in bucket ``b``, from the nearest bucket that measured it
+        (its ratio to that bucket's best, times bucket ``b``'s best so far)."""
+        measured = [s.mean for s in self._stats[b].values() if s.rewards]
+        if not measured:
+            return None
+        for distance in range(1, len(self._stats)):
+            for nb in (b - distance, b + distance):
+                if 0 <= nb < len(self._stats) and len(self._stats[nb][arm].rewards) >= self.config.min_trials:
+                    return self._relative(nb, arm) * max(measured)
+        return None
+
+    def choose(self, num_active: int) -> Strategy:
+        b = self.bucket(num_active)
+        stats = self._stats[b]
+        estimates: dict[Strategy, float] = {}
+        for arm in self._order(b):
+            if len(stats[arm].rewards) >= self.config.min_trials:
+                continue
+            guess = self._neighbour_estimate(b, arm)
+            measured = [s.mean for s in stats.values() if s.rewards]
+            prior = self.config.speculate_up_to
+            if guess is None and measured and prior is not None and self.config.bucket_bounds[b] > prior:
+                guess = 0.5 * max(measured) if arm.speculative else None  # the prior: speculation loses here
+            if guess is not None and not stats[arm].rewards and guess < self.config.prune_ratio * max(measured):
+                estimates[arm] = guess  # a neighbour says it loses clearly: do not pay to explore it here
+                continue
+            return arm
+        means = {a: (s.mean if s.rewards else estimates.get(a, 0.0)) for a, s in stats.items()}
+        counts = {a: max(1, len(s.rewards)) for a, s in stats.items()}
+        best = max(self.arms, key=lambda a: means[a])
+        if self.config.policy == "epsilon":
+            return self._rng.choice(self.arms) if self._rng.random() < self.config.epsilon else best
+        total = sum(counts.values())
+        scale = means[best] * self.config.ucb_c
+        return max(self.arms, key=lambda a: means[a] + scale * math.sqrt(math.log(total) / counts[a]))
+
+    def observe(self, num_active: int, arm: Strategy, tokens: int, seconds: float) -> None:
+        """Record a step's goodput (``tokens`` emitted in ``seconds`` of step time)."""
+        if arm not in self._stats[0] or seconds <= 0:
+            return
+        s = self._stats[self.bucket(num_active)][arm]
+        s.rewards.append(tokens / seconds)
+        s.trials += 1
+
+    def on_drafter_version(self, version: int) -> None:
+        """The model drafter changed: forget (most of) what its arms measured."""
+        if self.drafter_version is not None and version != self.drafter_version:
+            keep = 0 if self.config.drafter_update == "reset" else self.config.decay_keep
+            for stats in self._stats:
+                for arm, s in stats.items():
+                    if arm.uses_model_drafter:
+                        s.rewards = deque(list(s.rewards)[-keep:] if keep else [], maxlen=self.config.window)
+        self.drafter_version = version
+
+    def best(self, num_active: int) -> Strategy | None:
+        """The arm with the highest mean goodput in the bucket (None before any observation)."""
+        stats = self._stats[self.bucket(num_active)]
+        tried = [a for a in self.arms if stats[a].rewards]
+        return max(tried, key=lambda a: stats[a].mean) if tried else None
+
+    def estimates(self) -> dict[int, dict[str, tuple[float, int]]]:
+        """Per bucket bound: arm -> (mean goodput in tokens/s, rewards in the window), for tried buckets."""
+        out = {}
+        for bound, stats in zip(self.config.bucket_bounds, self._stats):
+            row = {str(a): (s.mean, len(s.rewards)) for a, s in stats.items() if s.rewards}
+            if row:
+                out[bound] = row
+        return out
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "arms": [str(a) for a in self.arms],
+            "drafter_version": self.drafter_version,
+            "rewards": [{str(a): list(s.rewards) for a, s in stats.items()} for stats in self._stats],
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state["arms"] != [str(a) for a in self.arms] or len(state["rewards"]) != len(self._stats):
+            raise ValueError("selector state was saved with other arms or buckets")
+        self.drafter_version = state["drafter_version"]
+        for stats, saved in zip(self._stats, state["rewards"]):
+            for arm, s in stats.items():
+                s.rewards = deque(saved[str(arm)], maxlen=self.config.window)

@@ -1,0 +1,144 @@
+"""The per-batch strategy selector on a simulated cost model, and in the engine."""
+
+import random
+
+import pytest
+from conftest import cached_model, random_prompts
+
+from tailspec.rollout import RolloutConfig, RolloutEngine, SamplingParams
+from tailspec.rollout.selector import SelectorConfig, StrategySelector
+from tailspec.rollout.strategy import parse_strategy
+from tailspec.testing import perturbed_copy
+
+ARMS = ("none", "chain:2", "chain:4", "suffix")
+
+
+def simulated_goodput(arm: str, batch: int, spec_gain: float = 1.8, crossover: int = 12) -> float:
+    """Tokens/s of a step: speculation multiplies goodput by up to ``spec_gain`` at batch 1 and
+    loses past ``crossover`` sequences (verification costs more than it returns)."""
+    base = 100.0 * batch**0.8
+    if arm == "none":
+        return base
+    depth = {"chain:2": 2, "chain:4": 4, "suffix:8,2,16": 3}[str(parse_strategy(arm))]
+    gain = spec_gain * (1 + 0.05 * depth) / 1.2
+    return base * gain * (crossover / (crossover + batch)) * 1.6
+
+
+def run(selector, steps, goodput, rng, sizes=(1, 2, 3, 6, 12, 24, 48, 96)):
+    picks = []
+    for _ in range(steps):
+        n = rng.choice(sizes)
+        arm = selector.choose(n)
+        reward = goodput(str(arm), n) * rng.uniform(0.9, 1.1)
+        selector.observe(n, arm, tokens=int(reward), seconds=1.0)
+        picks.append((n, str(arm)))
+    return picks
+
+
+def truth(n, goodput):
+    return max(ARMS, key=lambda a: goodput(a, n))
+
+
+@pytest.mark.parametrize("policy", ["ucb", "epsilon"])
+def test_converges_to_the_best_arm_per_bucket(policy):
+    rng = random.Random(0)
+    selector = StrategySelector(SelectorConfig(arms=ARMS, policy=policy, seed=1))
+    picks = run(selector, 3000, simulated_goodput, rng)
+    for n in (1, 2, 3, 6, 12, 24, 48, 96):
+        assert str(selector.best(n)) == str(parse_strategy(truth(n, simulated_goodput))), n
+    late = picks[-600:]
+    right = sum(arm == str(parse_strategy(truth(n, simulated_goodput))) for n, arm in late)
+    assert right / len(late) > 0.8
+
+
+def test_speculation_turns_off_for_large_batches():
+    rng = random.Random(1)
+    selector = StrategySelector(SelectorConfig(arms=ARMS))
+    run(selector, 3000, simulated_goodput, rng)
+    assert str(selector.best(96)) == "none" and str(selector.best(48)) == "none"
+    assert str(selector.best(1)) != "none"
+    late = [selector.choose(96) for _ in range(50)]
+    assert sum(str(a) == "none" for a in late) >= 45
+
+
+def test_re_adapts_when_costs_change():
+    rng = random.Random(2)
+    selector = StrategySelector(SelectorConfig(arms=ARMS, window=16))
+    run(selector, 1500, simulated_goodput, rng, sizes=(2,))
+    assert str(selector.best(2)) != "none"
+
+    def slower_speculation(arm, n):  # e.g. the policy moved away from the drafter
+        return simulated_goodput(arm, n) * (0.3 if arm != "none" else 1.0)
+
+    picks = run(selector, 1500, slower_speculation, rng, sizes=(2,))
+    assert str(selector.best(2)) == "none"
+    assert sum(arm == "none" for _, arm in picks[-300:]) > 240
+
+
+def test_a_new_drafter_version_decays_or_resets_model_arms():
+    for mode, keep in (("decay", 4), ("reset", 0)):
+        selector = StrategySelector(SelectorConfig(arms=ARMS, drafter_update=mode, decay_keep=4))
+        selector.on_drafter_version(1)
+        run(selector, 400, simulated_goodput, random.Random(3), sizes=(1,))
+        before = {arm: n for arm, (_, n) in selector.estimates()[1].items()}
+        selector.on_drafter_version(1)  # same version: nothing happens
+        assert {arm: n for arm, (_, n) in selector.estimates()[1].items()} == before
+        selector.on_drafter_version(2)
+        counts = {arm: n for arm, (_, n) in selector.estimates()[1].items()}
+        assert counts.get("chain:2", 0) == min(keep, before["chain:2"]) and counts.get("chain:4", 0) == keep
+        for arm in ("none", "suffix:8,2,16"):  # arms without the model drafter keep theirs
+            assert counts[arm] == before[arm]
+
+
+def test_state_round_trip_and_validation():
+    selector = StrategySelector(SelectorConfig(arms=ARMS))
+    run(selector, 200, simulated_goodput, random.Random(4))
+    other = StrategySelector(SelectorConfig(arms=ARMS))
+    other.load_state_dict(selector.state_dict())
+    assert other.estimates() == selector.estimates()
+    with pytest.raises(ValueError, match="other arms"):
+        StrategySelector(SelectorConfig(arms=("none",))).load_state_dict(selector.state_dict())
+    with pytest.raises(ValueError, match="policy"):
+        SelectorConfig(policy="thompson")
+    with pytest.raises(ValueError, match="adaptive"):
+        SelectorConfig(arms=("none", "adaptive"))
+    with pytest.raises(ValueError, match="bucket_bounds"):
+        SelectorConfig(bucket_bounds=(4, 2))
+    assert [str(a) for a in StrategySelector(SelectorConfig(arms=ARMS), has_model_drafter=False).arms] == [
+        "none",
+        "suffix:8,2,16",
+    ]
+
+
+def test_the_prior_keeps_large_batches_off_speculation_from_the_start():
+    selector = StrategySelector(SelectorConfig(arms=ARMS, speculate_up_to=8))
+    picks = run(selector, 100, simulated_goodput, random.Random(5), sizes=(64,))
+    assert all(arm == "none" for _, arm in picks[:20])
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_adaptive_engine_matches_plain_decoding(arch):
+    """Switching arms between steps (including hybrid and suffix) never changes greedy output."""
+    model = cached_model(arch)
+    drafter = perturbed_copy(model, noise=0.3, seed=7)
+    prompts = random_prompts(12, seed=21)
+    params = [SamplingParams(max_new_tokens=8 + 6 * i, temperature=0.0) for i in range(12)]  # a long tail
+    want = RolloutEngine(model, RolloutConfig()).generate(prompts, params)
+    engine = RolloutEngine(
+        model, RolloutConfig(strategy="adaptive", selector={"min_trials": 1, "seed": 3}), drafter=drafter
+    )
+    for _ in range(2):  # the second call starts from what the first learned
+        got = engine.generate(prompts, params)
+        assert [o.completion_ids for o in got] == [o.completion_ids for o in want]
+    used = engine.stats.strategy_steps
+    assert len(used) >= 4, used  # it really switched
+    assert engine.stats.prefill_steps <= 4
+    log = list(engine.stats.step_log)
+    assert sum(r.emitted for r in log) == engine.stats.generated_tokens - 2 * len(prompts)  # prefill emits one each
+    assert engine.stats.tail_steps > 0 and engine.stats.tail_time_s > 0
+
+
+def test_adaptive_without_a_drafter_uses_model_free_arms():
+    engine = RolloutEngine(cached_model("llama"), RolloutConfig(strategy="adaptive"))
+    engine.generate(random_prompts(4, seed=2), SamplingParams(max_new_tokens=20, temperature=0.0))
+    assert set(engine.stats.strategy_steps) <= {"none", "suffix:8,2,16"}
