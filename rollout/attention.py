@@ -211,3 +211,53 @@ def paged_attention_enabled(model: torch.nn.Module) -> Iterator[None]:
     finally:
         for c, impl in zip(configs, previous):
             c._attn_implementation = impl
+
+
+def build_padded_metadata(
+    cache: PagedKVCache,
+    seqs: Sequence[SequenceSlice],
+    positions: Sequence[int],
+    batch: int,
+    tokens: int,
+    context: int,
+    scratch_slot: int,
+) -> AttentionMetadata:
+    """Metadata of fixed shape ``[batch, tokens, context]`` for a captured forward.
+
+    Sequence ``i``'s new tokens are rows ``i * tokens + r``. Padding rows (beyond a sequence's
+    new tokens, or whole padding sequences) write their K/V to ``scratch_slot`` and attend to one
+    key, so they never touch a real sequence's cache and keep the softmax finite.
+    """
+    device = cache.layout.device
+    bs = cache.block_size
+    slot_mapping = torch.full((batch, tokens), scratch_slot, dtype=torch.long)
+    gather = torch.full((batch, context), scratch_slot, dtype=torch.long)
+    mask = torch.zeros(batch, tokens, context, dtype=torch.bool)
+    mask[:, :, 0] = True  # padding rows; for real rows key 0 is visible anyway (prefix or first new token)
+    query_positions = torch.zeros(batch, tokens, dtype=torch.long)
+    offset = 0
+    for i, s in enumerate(seqs):
+        n_ctx = s.num_cached + s.num_new
+        if n_ctx > context or s.num_new > tokens:
+            raise ValueError(f"sequence {i} ({s.num_new} new, {n_ctx} in context) exceeds the bucket")
+        table = torch.tensor(s.block_table, dtype=torch.long)
+        keys = torch.arange(n_ctx)
+        gather[i, :n_ctx] = table[keys // bs] * bs + keys % bs
+        slot_mapping[i, : s.num_new] = gather[i, s.num_cached : n_ctx]
+        rows = torch.arange(s.num_new)
+        mask[i, : s.num_new, : s.num_cached] = True
+        new = rows.view(-1, 1) >= rows.view(1, -1) if s.new_token_mask is None else s.new_token_mask.bool().cpu()
+        mask[i, : s.num_new, s.num_cached : n_ctx] = new
+        query_positions[i, : s.num_new] = torch.tensor(positions[offset : offset + s.num_new])
+        offset += s.num_new
+    return AttentionMetadata(
+        cache=cache,
+        slot_mapping=slot_mapping.reshape(-1).to(device),
+        gather_slots=gather.to(device),
+        mask=mask.unsqueeze(1).to(device),
+        query_positions=query_positions.to(device),
+        num_seqs=batch,
+        max_new=tokens,
+        query_index=None,
+        valid_queries=None,
+    )

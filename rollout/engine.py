@@ -120,7 +120,9 @@ class RolloutEngine:
     ) -> None:
         self.model = model
         self.config = config or RolloutConfig()
-        self.runner = ModelRunner(model, self.config.total_blocks, self.config.block_size)
+        self.runner = ModelRunner(
+            model, self.config.total_blocks, self.config.block_size, graph_pool=self._make_graph_pool(model)
+        )
         self.vocab_size = self.runner.vocab_size
         self.max_model_len = self.config.max_model_len or int(getattr(model.config, "max_position_embeddings", 1 << 30))
         self.eos_ids = frozenset(eos_token_ids) if eos_token_ids is not None else eos_ids_of(model, tokenizer)
@@ -154,6 +156,18 @@ class RolloutEngine:
         self._peak_active = 0
         self.strategy = Strategy("none")
         self.set_strategy(self.config.strategy)
+
+    def _make_graph_pool(self, model: torch.nn.Module):
+        from .graph_pool import CudaGraphBackend, EagerBackend, GraphPool
+
+        backend = self.config.graph_backend
+        on_cuda = next(model.parameters()).device.type == "cuda"
+        if backend == "none" or (backend == "auto" and not on_cuda):
+            return None
+        if backend == "cuda_graph" and not on_cuda:
+            raise ValueError("RolloutConfig.graph_backend='cuda_graph' needs the model on a CUDA device")
+        chosen = CudaGraphBackend() if backend in ("auto", "cuda_graph") else EagerBackend()
+        return GraphPool(chosen, memory_budget=self.config.graph_memory_mb << 20)
 
     # -- speculation set-up --------------------------------------------------------------
     def _make_drafter(self, drafter: Drafter | torch.nn.Module | None, tokenizer) -> Drafter | None:

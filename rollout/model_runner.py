@@ -11,7 +11,8 @@ from contextlib import contextmanager
 
 import torch
 
-from .attention import METADATA_KWARG, SequenceSlice, build_metadata
+from .attention import METADATA_KWARG, SequenceSlice, build_metadata, build_padded_metadata
+from .graph_pool import GraphPool
 from .kv_cache import KVLayout, PagedKVCache
 
 
@@ -59,12 +60,21 @@ def capture_layer_inputs(model: torch.nn.Module, layer_ids: Sequence[int]) -> It
 
 
 class ModelRunner:
-    def __init__(self, model: torch.nn.Module, num_blocks: int, block_size: int) -> None:
+    """Packed forwards over the paged cache. With a :class:`GraphPool`, decode and verification
+    forwards (few new tokens per sequence) are padded to a bucket and replayed from the pool;
+    prefills, and forwards that tap hidden states, run eagerly."""
+
+    def __init__(
+        self, model: torch.nn.Module, num_blocks: int, block_size: int, graph_pool: GraphPool | None = None
+    ) -> None:
         self.model = model
         self.device, self.dtype = model_device_dtype(model)
         self.vocab_size = model_vocab_size(model)
         self.layout = KVLayout.from_hf_config(model.config, self.dtype, self.device)
-        self.cache = PagedKVCache(self.layout, num_blocks, block_size)
+        self.graph_pool = graph_pool
+        # one extra block: padding rows of captured forwards write their K/V there
+        self.cache = PagedKVCache(self.layout, num_blocks + (1 if graph_pool is not None else 0), block_size)
+        self.scratch_slot = self.cache.allocator.allocate(1)[0] * block_size if graph_pool is not None else -1
 
     def forward(
         self,
@@ -74,6 +84,12 @@ class ModelRunner:
         logits_index: list[int],
     ) -> torch.Tensor:
         """Run one packed forward and return the logits of the packed positions ``logits_index``."""
+        if self.graph_pool is not None:
+            key = self.graph_pool.key_for(
+                len(seqs), max(s.num_new for s in seqs), max(s.num_cached + s.num_new for s in seqs)
+            )
+            if key is not None and key.tokens <= self.graph_pool.token_buckets[-1]:
+                return self._forward_padded(seqs, tokens, positions, logits_index, key)
         ids = torch.tensor(tokens, dtype=torch.long, device=self.device)
         pos = torch.tensor(positions, dtype=torch.long, device=self.device)
         keep = torch.tensor(logits_index, dtype=torch.long, device=self.device)
@@ -87,6 +103,43 @@ class ModelRunner:
         )
         return out.logits[0]
 
+    def _forward_padded(self, seqs, tokens, positions, logits_index, key) -> torch.Tensor:
+        """The forward padded to ``key`` and replayed from the graph pool."""
+        b, q = key.batch, key.tokens
+        ids = torch.zeros(b, q, dtype=torch.long)
+        pos = torch.zeros(b, q, dtype=torch.long)
+        row_of, offset = [], 0
+        for i, s in enumerate(seqs):
+            ids[i, : s.num_new] = torch.tensor(tokens[offset : offset + s.num_new])
+            pos[i, : s.num_new] = torch.tensor(positions[offset : offset + s.num_new])
+            row_of.extend(i * q + r for r in range(s.num_new))
+            offset += s.num_new
+        meta = build_padded_metadata(self.cache, seqs, positions, b, q, key.context, self.scratch_slot)
+        inputs = {
+            "ids": ids.view(1, -1).to(self.device),
+            "pos": pos.view(1, -1).to(self.device),
+            "slot_mapping": meta.slot_mapping,
+            "gather_slots": meta.gather_slots,
+            "mask": meta.mask,
+            "query_positions": meta.query_positions,
+        }
+
+        def make_fn():
+            cache, model = self.cache, self.model
+
+            def fn(x):
+                static = type(meta)(
+                    cache, x["slot_mapping"], x["gather_slots"], x["mask"], x["query_positions"], b, q, None, None
+                )
+                out = model(input_ids=x["ids"], position_ids=x["pos"], use_cache=False, **{METADATA_KWARG: static})
+                return out.logits[0]
+
+            return fn
+
+        logits = self.graph_pool.run(key, make_fn, inputs)  # [b * q, vocab], overwritten by the next replay
+        rows = torch.tensor([row_of[i] for i in logits_index], dtype=torch.long, device=logits.device)
+        return logits.index_select(0, rows)
+
     def forward_with_features(
         self,
         seqs: Sequence[SequenceSlice],
@@ -97,6 +150,10 @@ class ModelRunner:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """:meth:`forward`, plus the hidden states entering ``feature_layers`` for every packed
         token, concatenated in the given order: ``[T, len(feature_layers) * hidden]``."""
-        with capture_layer_inputs(self.model, feature_layers) as captured:
-            logits = self.forward(seqs, tokens, positions, logits_index)
+        pool, self.graph_pool = self.graph_pool, None  # hooks only fire in eager forwards
+        try:
+            with capture_layer_inputs(self.model, feature_layers) as captured:
+                logits = self.forward(seqs, tokens, positions, logits_index)
+        finally:
+            self.graph_pool = pool
         return logits, torch.cat([captured[i][0] for i in feature_layers], dim=-1)

@@ -110,6 +110,8 @@ class RolloutConfig:
     suffix_history_tokens: int = 1 << 20  # completions of earlier calls the suffix drafter remembers
     selector: Any = None  # strategy="adaptive": a SelectorConfig (or its dict); None = defaults
     tail_fraction: float = 0.25  # a step is "in the tail" when active sequences <= this x the wave's peak
+    graph_backend: str = "auto"  # auto: CUDA graphs on CUDA, none on CPU | cuda_graph | eager | none
+    graph_memory_mb: int = 2048  # budget of the graph pool
     seed: int = 0
     progress: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
@@ -167,6 +169,18 @@ class RolloutConfig:
         )
         _require(_valid_seed(self.seed), "seed", _SEED_RANGE, self.seed)
         _require(0 < self.tail_fraction <= 1, "tail_fraction", "a float in (0, 1]", self.tail_fraction)
+        _require(
+            self.graph_backend in ("auto", "cuda_graph", "eager", "none"),
+            "graph_backend",
+            "'auto', 'cuda_graph', 'eager' or 'none'",
+            self.graph_backend,
+        )
+        _require(
+            _is_int(self.graph_memory_mb) and self.graph_memory_mb >= 1,
+            "graph_memory_mb",
+            "an int >= 1",
+            self.graph_memory_mb,
+        )
         from .selector import SelectorConfig
 
         if isinstance(self.selector, dict):

@@ -1,0 +1,189 @@
+"""A memory-budgeted pool of captured forward passes, keyed by padded shape buckets.
+
+A forward of ``num_seqs`` sequences with ``tokens`` new tokens each over contexts of up to
+``context`` tokens is padded up to a :class:`GraphKey` bucket. The first time a bucket is seen,
+the backend *captures* it: on CUDA a ``torch.cuda.CUDAGraph`` recorded into one memory pool
+shared by every graph, with static input buffers that later calls copy into (no CPU
+synchronisation inside the captured region); on CPU the eager backend keeps the same
+bookkeeping around a plain call, so the pool logic is the same code everywhere and testable
+without a GPU. Entries are kept in LRU order; when the bytes held exceed ``memory_budget``,
+the least recently used entries are evicted. Counters: captures, hits, evictions, bytes.
+"""
+
+from __future__ import annotations
+
+import logging
+from bisect import bisect_left
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+Inputs = dict[str, torch.Tensor]
+ForwardFn = Callable[[Inputs], torch.Tensor]
+
+
+@dataclass(frozen=True, order=True)
+class GraphKey:
+    batch: int  # padded number of sequences
+    tokens: int  # padded new tokens per sequence
+    context: int  # padded context length (keys attended to)
+
+
+@dataclass
+class PoolStats:
+    captures: int = 0
+    hits: int = 0
+    evictions: int = 0
+    uncaptured: int = 0  # calls larger than the largest bucket, run without a graph
+    bytes: int = 0
+
+
+def _round_up(value: int, buckets: tuple[int, ...]) -> int | None:
+    i = bisect_left(buckets, value)
+    return buckets[i] if i < len(buckets) else None
+
+
+class CapturedForward:
+    """What a backend returns: ``run(inputs)`` replays the captured forward on new inputs."""
+
+    nbytes: int = 0
+
+    def run(self, inputs: Inputs) -> torch.Tensor:  # pragma: no cover - interface
+        raise NotImplementedError
+
+
+class _EagerForward(CapturedForward):
+    def __init__(self, fn: ForwardFn, example: Inputs) -> None:
+        self.fn = fn
+        # what static input buffers would hold: the bookkeeping matches the CUDA backend's
+        self.nbytes = sum(t.numel() * t.element_size() for t in example.values())
+
+    def run(self, inputs: Inputs) -> torch.Tensor:
+        return self.fn(inputs)
+
+
+class EagerBackend:
+    """CPU (and fallback) backend: no capture, same interface and accounting."""
+
+    name = "eager"
+
+    def capture(self, fn: ForwardFn, example: Inputs) -> CapturedForward:
+        return _EagerForward(fn, example)
+
+
+class _CudaGraphForward(CapturedForward):
+    def __init__(self, fn: ForwardFn, example: Inputs, pool, warmup_iters: int = 2) -> None:
+        self.static_inputs = {k: v.clone() for k, v in example.items()}
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):  # warm-up outside the graph (lazy inits, autotuning)
+            for _ in range(warmup_iters):
+                fn(self.static_inputs)
+        torch.cuda.current_stream().wait_stream(stream)
+        before = torch.cuda.memory_reserved()
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph, pool=pool):
+            self.static_output = fn(self.static_inputs)
+        grown = torch.cuda.memory_reserved() - before
+        buffers = sum(t.numel() * t.element_size() for t in self.static_inputs.values())
+        self.nbytes = max(grown, 0) + buffers
+
+    def run(self, inputs: Inputs) -> torch.Tensor:
+        for name, value in inputs.items():
+            self.static_inputs[name].copy_(value, non_blocking=True)
+        self.graph.replay()
+        return self.static_output  # valid until the next replay of any graph in the pool
+
+
+class CudaGraphBackend:
+    """Captures into one memory pool shared by all graphs (``torch.cuda.graph_pool_handle``)."""
+
+    name = "cuda_graph"
+
+    def __init__(self) -> None:
+        if not torch.cuda.is_available():
+            raise ValueError("the CUDA graph backend needs a CUDA device; use the eager backend on CPU")
+        self.pool = torch.cuda.graph_pool_handle()
+
+    def capture(self, fn: ForwardFn, example: Inputs) -> CapturedForward:
+        return _CudaGraphForward(fn, example, self.pool)
+
+
+class GraphPool:
+    """Captured forwards per bucket under a memory budget, least recently used evicted first."""
+
+    def __init__(
+        self,
+        backend: EagerBackend | CudaGraphBackend | None = None,
+        *,
+        batch_buckets: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256),
+        token_buckets: tuple[int, ...] = (1, 2, 4, 8, 16, 32),
+        context_buckets: tuple[int, ...] = (256, 512, 1024, 2048, 4096, 8192, 16384, 32768),
+        memory_budget: int = 1 << 30,
+    ) -> None:
+        for name, buckets in (("batch", batch_buckets), ("token", token_buckets), ("context", context_buckets)):
+            if not buckets or list(buckets) != sorted(set(buckets)) or buckets[0] < 1:
+                raise ValueError(f"{name}_buckets must be increasing ints >= 1, got {list(buckets)}")
+        if not (isinstance(memory_budget, int) and memory_budget > 0):
+            raise ValueError(f"memory_budget must be an int > 0 (bytes), got {memory_budget!r}")
+        self.backend = backend or EagerBackend()
+        self.batch_buckets = tuple(batch_buckets)
+        self.token_buckets = tuple(token_buckets)
+        self.context_buckets = tuple(context_buckets)
+        self.memory_budget = memory_budget
+        self.stats = PoolStats()
+        self._entries: OrderedDict[GraphKey, CapturedForward] = OrderedDict()
+
+    def key_for(self, num_seqs: int, tokens: int, context: int) -> GraphKey | None:
+        """The bucket a forward pads to, or None if it is larger than every bucket."""
+        b = _round_up(num_seqs, self.batch_buckets)
+        t = _round_up(tokens, self.token_buckets)
+        c = _round_up(context, self.context_buckets)
+        return None if b is None or t is None or c is None else GraphKey(b, t, c)
+
+    def __contains__(self, key: GraphKey) -> bool:
+        return key in self._entries
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def keys(self) -> list[GraphKey]:
+        """Held keys, least recently used first."""
+        return list(self._entries)
+
+    def run(self, key: GraphKey | None, make_fn: Callable[[], ForwardFn], inputs: Inputs) -> torch.Tensor:
+        """Replay the forward captured for ``key`` on ``inputs`` (already padded to the bucket),
+        capturing it first if needed. ``key=None`` runs ``make_fn()`` eagerly, uncaptured."""
+        if key is None:
+            self.stats.uncaptured += 1
+            return make_fn()(inputs)
+        entry = self._entries.get(key)
+        if entry is not None:
+            self._entries.move_to_end(key)
+            self.stats.hits += 1
+            return entry.run(inputs)
+        entry = self.backend.capture(make_fn(), inputs)
+        self.stats.captures += 1
+        if entry.nbytes > self.memory_budget:
+            logger.warning("graph for %s needs %d bytes, over the whole budget; not kept", key, entry.nbytes)
+            return entry.run(inputs)
+        self._entries[key] = entry
+        self.stats.bytes += entry.nbytes
+        self._evict_to_budget(keep=key)
+        return entry.run(inputs)
+
+    def _evict_to_budget(self, keep: GraphKey) -> None:
+        while self.stats.bytes > self.memory_budget:
+            victim = next(k for k in self._entries if k != keep)
+            entry = self._entries.pop(victim)
+            self.stats.bytes -= entry.nbytes
+            self.stats.evictions += 1
+
+    def clear(self) -> None:
+        """Drop every entry (e.g. after the model's weights were replaced by new tensors)."""
+        self._entries.clear()
+        self.stats.bytes = 0

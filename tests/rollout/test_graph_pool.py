@@ -1,0 +1,116 @@
+"""The graph pool: bucket choice, LRU and budget with the eager backend on CPU; the padded forward
+it replays is exact; CUDA-graph capture on a GPU (``gpu`` marker)."""
+
+import pytest
+import torch
+from conftest import cached_model, random_prompts
+
+from tailspec.rollout import RolloutConfig, RolloutEngine, SamplingParams
+from tailspec.rollout.graph_pool import EagerBackend, GraphKey, GraphPool
+from tailspec.testing import perturbed_copy
+
+
+def _pool(budget=10_000):
+    return GraphPool(
+        EagerBackend(),
+        batch_buckets=(1, 2, 4, 8),
+        token_buckets=(1, 4),
+        context_buckets=(16, 64),
+        memory_budget=budget,
+    )
+
+
+def _inputs(key: GraphKey, width: int = 10):
+    return {"x": torch.zeros(key.batch * key.tokens, width)}  # 4 bytes x batch x tokens x width
+
+
+def test_bucket_choice_rounds_up_and_refuses_what_is_too_large():
+    pool = _pool()
+    assert pool.key_for(3, 1, 10) == GraphKey(4, 1, 16)
+    assert pool.key_for(1, 2, 17) == GraphKey(1, 4, 64)
+    assert pool.key_for(8, 4, 64) == GraphKey(8, 4, 64)
+    assert pool.key_for(9, 1, 10) is None and pool.key_for(1, 5, 10) is None and pool.key_for(1, 1, 65) is None
+
+
+def test_capture_once_then_hit_and_evict_least_recently_used():
+    pool = _pool(budget=1000)
+    calls = []
+
+    def make(tag):
+        def make_fn():
+            calls.append(tag)
+            return lambda x: x["x"].sum()
+
+        return make_fn
+
+    a, b, c = GraphKey(1, 1, 16), GraphKey(2, 1, 16), GraphKey(4, 1, 16)  # 40, 80, 160 bytes of inputs
+    for key in (a, b, a, a):
+        pool.run(key, make(key), _inputs(key))
+    assert pool.stats.captures == 2 and pool.stats.hits == 2 and calls == [a, b]
+    assert pool.keys() == [b, a]  # least recently used first
+    pool.memory_budget = 250
+    pool.run(c, make(c), _inputs(c))  # 40 + 80 + 160 > 250: b (the LRU) goes
+    assert pool.keys() == [a, c] and pool.stats.evictions == 1 and pool.stats.bytes == 200 <= pool.memory_budget
+    big = GraphKey(8, 4, 64)
+    out = pool.run(big, make(big), _inputs(big))  # larger than the whole budget: run, not kept
+    assert float(out) == 0.0 and big not in pool and pool.stats.bytes <= pool.memory_budget
+    pool.run(None, make("eager"), _inputs(a))
+    assert pool.stats.uncaptured == 1
+
+
+def test_bad_pool_settings_are_refused():
+    with pytest.raises(ValueError, match="batch_buckets"):
+        GraphPool(batch_buckets=(4, 2))
+    with pytest.raises(ValueError, match="memory_budget"):
+        GraphPool(memory_budget=0)
+    with pytest.raises(ValueError, match="graph_backend"):
+        RolloutConfig(graph_backend="tensorrt")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="CUDA device"):
+            RolloutEngine(cached_model("llama"), RolloutConfig(graph_backend="cuda_graph"))
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("strategy", ["none", "chain:3", "tree:3,2,6"])
+def test_padded_bucketed_forward_is_exact(arch, strategy):
+    model = cached_model(arch)
+    drafter = perturbed_copy(model, noise=0.3, seed=7)
+    prompts = random_prompts(6, seed=3)
+    params = [SamplingParams(max_new_tokens=10 + 5 * i, temperature=0.0) for i in range(6)]  # ragged batches
+    want = RolloutEngine(model, RolloutConfig()).generate(prompts, params)
+    engine = RolloutEngine(model, RolloutConfig(strategy=strategy, graph_backend="eager"), drafter=drafter)
+    got = engine.generate(prompts, params)
+    for a, b in zip(got, want):
+        assert a.completion_ids == b.completion_ids
+        assert a.logprobs == pytest.approx(b.logprobs, abs=1e-4)
+    stats = engine.runner.graph_pool.stats
+    assert stats.captures >= 2 and stats.hits > stats.captures
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("strategy", ["none", "chain:3", "tree:3,2,6"])
+def test_cuda_graph_decode_and_verification_equal_eager(strategy):
+    model = cached_model("qwen2").to("cuda")
+    drafter = perturbed_copy(model, noise=0.3, seed=7).to("cuda")
+    prompts = random_prompts(6, seed=3)
+    params = [SamplingParams(max_new_tokens=10 + 5 * i, temperature=0.0) for i in range(6)]
+    want = RolloutEngine(model, RolloutConfig(graph_backend="none"), drafter=drafter).generate(prompts, params)
+    engine = RolloutEngine(model, RolloutConfig(strategy=strategy, graph_backend="cuda_graph"), drafter=drafter)
+    got = engine.generate(prompts, params)
+    for a, b in zip(got, want):
+        assert a.completion_ids == b.completion_ids
+        assert a.logprobs == pytest.approx(b.logprobs, abs=1e-3)
+    assert engine.runner.graph_pool.stats.hits > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_graph_pool_stays_under_its_budget():
+    model = cached_model("llama").to("cuda")
+    engine = RolloutEngine(model, RolloutConfig(graph_backend="cuda_graph", graph_memory_mb=8))
+    prompts = random_prompts(32, seed=5)
+    engine.generate(prompts, [SamplingParams(max_new_tokens=4 + i, temperature=0.0) for i in range(32)])
+    pool = engine.runner.graph_pool
+    assert pool.stats.captures > 0
+    assert pool.stats.bytes <= pool.memory_budget
