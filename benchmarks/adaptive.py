@@ -39,35 +39,53 @@ class RunResult:
         return self.tokens / self.seconds if self.seconds else 0.0
 
 
+def _per_request(params: SamplingParams, n: int, rep: int) -> list[SamplingParams]:
+    """Seeded per request, so every contender's plain-decoding passes sample the same completions."""
+    return [params.with_updates(seed=1000 * rep + i) for i in range(n)]
+
+
 def _engine_run(
-    name: str, model, drafter, prompts, params, eos, strategy: str, repeats: int = 1, config: dict | None = None
+    name: str, model, drafter, prompts, params, eos, strategy: str, repeats: int, split_cold: bool = False
 ) -> list[RunResult]:
-    engine = RolloutEngine(
-        model, RolloutConfig(strategy=strategy, **(config or {})), drafter=drafter, eos_token_ids=eos
-    )
+    """``repeats`` passes over ``prompts`` on one engine; with ``split_cold`` the first pass (a fresh
+    selector) is reported apart from the rest (what later RL steps see)."""
+    engine = RolloutEngine(model, RolloutConfig(strategy=strategy), drafter=drafter, eos_token_ids=eos)
     engine.generate([list(p) for p in prompts[:2]], params.with_updates(max_new_tokens=8))  # warm-up
-    out = []
-    for r in range(repeats):
+    passes = []
+    for rep in range(repeats):
         before_log, before_tail = len(engine.stats.step_log), engine.stats.tail_time_s
         before_steps = dict(engine.stats.strategy_steps)
-        torch.manual_seed(r)
         start = time.perf_counter()
-        outs = engine.generate([list(p) for p in prompts], params)
+        outs = engine.generate([list(p) for p in prompts], _per_request(params, len(prompts), rep))
         seconds = time.perf_counter() - start
-        steps = list(engine.stats.step_log)[before_log:]
         used = {k: v - before_steps.get(k, 0) for k, v in engine.stats.strategy_steps.items()}
-        label = name if repeats == 1 else f"{name} ({'cold' if r == 0 else 'warm'})"
-        out.append(
+        passes.append(
             RunResult(
-                label,
+                name,
                 seconds,
                 sum(len(o.completion_ids) for o in outs),
                 engine.stats.tail_time_s - before_tail,
-                steps,
+                list(engine.stats.step_log)[before_log:],
                 {k: v for k, v in used.items() if v},
             )
         )
-        logger.info("%s: %.2fs, %.0f tok/s", label, seconds, out[-1].tokens_per_s)
+    groups = [(f"{name} (cold)", passes[:1]), (f"{name} (warm)", passes[1:])] if split_cold else [(name, passes)]
+    out = []
+    for label, group in groups:
+        if group:
+            merged = RunResult(
+                label,
+                sum(p.seconds for p in group),
+                sum(p.tokens for p in group),
+                sum(p.tail_s for p in group),
+                group[-1].steps,
+                {
+                    k: sum(p.strategy_steps.get(k, 0) for p in group)
+                    for k in {k for p in group for k in p.strategy_steps}
+                },
+            )
+            logger.info("%s: %.2fs, %.0f tok/s", label, merged.seconds, merged.tokens_per_s)
+            out.append(merged)
     return out
 
 
@@ -79,44 +97,51 @@ def measure_long_tail(
     eos: list[int],
     pad_token_id: int,
     fixed: Sequence[str] = ("chain:2", "chain:4", "tree:4,2,8", "suffix", "hybrid"),
+    repeats: int = 3,
 ) -> list[RunResult]:
-    results = []
+    """Every contender makes ``repeats`` passes (T > 0 completions differ between passes; totals
+    over several passes are what is compared)."""
     hf_generate(model, [list(p) for p in prompts[:2]], params.with_updates(max_new_tokens=8), eos, pad_token_id)
-    torch.manual_seed(0)
-    start = time.perf_counter()
-    completions = hf_generate(model, [list(p) for p in prompts], params, eos, pad_token_id)
-    results.append(RunResult("HF generate", time.perf_counter() - start, sum(len(c) for c in completions)))
-    results += _engine_run("none", model, drafter, prompts, params, eos, "none")
+    seconds = tokens = 0
+    for rep in range(repeats):
+        torch.manual_seed(rep)
+        start = time.perf_counter()
+        completions = hf_generate(model, [list(p) for p in prompts], params, eos, pad_token_id)
+        seconds += time.perf_counter() - start
+        tokens += sum(len(c) for c in completions)
+    results = [RunResult("HF generate", seconds, tokens)]
+    results += _engine_run("none", model, drafter, prompts, params, eos, "none", repeats)
     for strategy in fixed:
-        results += _engine_run(strategy, model, drafter, prompts, params, eos, strategy)
-    results += _engine_run("adaptive", model, drafter, prompts, params, eos, "adaptive", repeats=2)
+        results += _engine_run(strategy, model, drafter, prompts, params, eos, strategy, repeats)
+    results += _engine_run("adaptive", model, drafter, prompts, params, eos, "adaptive", repeats + 1, split_cold=True)
     return results
 
 
-def measure_uniform(model, drafter, prompts, params: SamplingParams, eos: list[int]) -> list[RunResult]:
+def measure_uniform(model, drafter, prompts, params: SamplingParams, eos: list[int], repeats: int = 3):
     """Every request runs exactly ``max_new_tokens`` (EOS ignored): a full batch all the way."""
     uniform = params.with_updates(ignore_eos=True)
-    results = _engine_run("none", model, drafter, prompts, uniform, eos, "none")
-    results += _engine_run("adaptive", model, drafter, prompts, uniform, eos, "adaptive", repeats=2)
+    results = _engine_run("none", model, drafter, prompts, uniform, eos, "none", repeats)
+    results += _engine_run("adaptive", model, drafter, prompts, uniform, eos, "adaptive", repeats + 1, split_cold=True)
     return results
 
 
 def long_tail_table(results: Sequence[RunResult]) -> str:
     by = {r.name: r for r in results}
-    none, hf = by["none"].seconds, by["HF generate"].seconds if "HF generate" in by else None
+    none = by["none"].tokens_per_s
+    hf = by["HF generate"].tokens_per_s if "HF generate" in by else None
     fixed = [r for r in results if r.name not in ("HF generate", "none") and not r.name.startswith("adaptive")]
-    best_fixed = min(fixed, key=lambda r: r.seconds) if fixed else None
+    best_fixed = max(fixed, key=lambda r: r.tokens_per_s) if fixed else None
     lines = [
-        "| run | total s | tok/s | vs none | vs HF generate | tail s | strategies used (steps) |",
-        "|---|---:|---:|---:|---:|---:|---|",
+        "| run | tokens | total s | tok/s | vs none | vs HF generate | tail s | strategies used (steps) |",
+        "|---|---:|---:|---:|---:|---:|---:|---|",
     ]
     for r in results:
-        vs_hf = f"{hf / r.seconds:.2f}x" if hf else "n/a"
+        vs_hf = f"{r.tokens_per_s / hf:.2f}x" if hf else "n/a"
         mark = " (best fixed)" if r is best_fixed else ""
         used = ", ".join(f"`{k}` {v}" for k, v in sorted(r.strategy_steps.items(), key=lambda kv: -kv[1]))
         lines.append(
-            f"| {r.name}{mark} | {r.seconds:.2f} | {r.tokens_per_s:,.0f} | {none / r.seconds:.2f}x | {vs_hf} | "
-            f"{r.tail_s:.2f} | {used} |"
+            f"| {r.name}{mark} | {r.tokens:,} | {r.seconds:.2f} | {r.tokens_per_s:,.0f} | "
+            f"{r.tokens_per_s / none:.2f}x | {vs_hf} | {r.tail_s:.2f} | {used} |"
         )
     return "\n".join(lines)
 

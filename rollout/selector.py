@@ -34,10 +34,10 @@ class SelectorConfig:
     arms: tuple[str, ...] = DEFAULT_ARMS
     bucket_bounds: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256, 1024)
     policy: str = "ucb"
-    ucb_c: float = 0.25  # exploration bonus, as a fraction of the bucket's best mean goodput
+    ucb_c: float = 0.1  # exploration bonus, as a fraction of the bucket's best mean goodput
     epsilon: float = 0.05
     window: int = 32  # rewards kept per (bucket, arm)
-    min_trials: int = 2  # tries of every arm in a bucket before exploiting
+    min_trials: int = 1  # tries of every arm in a bucket before exploiting
     speculate_up_to: int | None = None  # prior: above this many active sequences, try "none" first
     prune_ratio: float = 0.7  # skip exploring an arm a neighbouring bucket measured below this x its best
     drafter_update: str = "decay"  # what a new drafter version does to model-drafter arms: decay | reset
