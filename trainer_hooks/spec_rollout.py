@@ -13,7 +13,7 @@ import logging
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
@@ -30,13 +30,16 @@ logger = logging.getLogger(__name__)
 class SpecRolloutConfig:
     """TRL-style configuration of :class:`SpecRollout` (engine sizing and strategy)."""
 
-    strategy: str = "none"  # none | chain:K | tree:D,K,B | suffix[:...] (see tailspec.rollout.strategy)
+    strategy: str = "none"  # none | chain:K | tree:D,K,B | suffix[:...] | hybrid[:...] | adaptive
     block_size: int = 16
     kv_cache_tokens: int = 65536
     max_num_seqs: int = 256
     max_prefill_tokens: int = 8192
     draft_kv_cache_tokens: int | None = None  # the drafter model's KV pool; None = kv_cache_tokens
     suffix_history_tokens: int = 1 << 20
+    selector: dict | None = None  # strategy="adaptive": SelectorConfig fields
+    graph_backend: str = "auto"
+    graph_memory_mb: int = 2048
     seed: int | None = None  # None: the trainer's seed + process index
     progress: bool = False
     log_metrics: bool = True
@@ -60,6 +63,9 @@ class SpecRolloutConfig:
             strategy=self.strategy,
             draft_kv_cache_tokens=self.draft_kv_cache_tokens,
             suffix_history_tokens=self.suffix_history_tokens,
+            selector=dict(self.selector) if self.selector else None,
+            graph_backend=self.graph_backend,
+            graph_memory_mb=self.graph_memory_mb,
             seed=seed,
             progress=self.progress,
         )
@@ -80,6 +86,8 @@ class RolloutStats:
     mean_accept_length: float = 1.0  # tokens per sequence per speculative step
     draft_time_s: float = 0.0
     verify_time_s: float = 0.0
+    tail_time_s: float = 0.0  # decode time with <= tail_fraction of the call's peak still active
+    strategy_steps: dict[str, int] = field(default_factory=dict)  # decode steps per strategy (adaptive mix)
     drafter_loss: float | None = None  # EAGLE-3 online training after this rollout
     drafter_version: int | None = None
     drafter_train_s: float = 0.0
@@ -140,10 +148,11 @@ class SpecRollout:
         with self._policy(trainer) as model:
             engine = self.engine_for(model, tokenizer, seed=self._seed(trainer))
             before = dict(engine.stats.as_dict())
+            before_steps = dict(engine.stats.strategy_steps)
             outputs = engine.generate(prompt_ids, params, progress=self.config.progress)
         elapsed = time.perf_counter() - start
         completion_ids = [o.completion_ids for o in outputs]
-        self._record(completion_ids, elapsed, engine, before, trainer)
+        self._record(completion_ids, elapsed, engine, before, before_steps, trainer)
         if self._online_head:
             self._train_drafter(trainer)
         return {
@@ -262,6 +271,7 @@ class SpecRollout:
         elapsed: float,
         engine: RolloutEngine,
         before: dict[str, float],
+        before_steps: dict[str, int],
         trainer: Any,
     ) -> None:
         lengths = [len(c) for c in completion_ids]
@@ -286,6 +296,12 @@ class SpecRollout:
             mean_accept_length=delta("spec_emitted_tokens") / seq_steps if seq_steps else 1.0,
             draft_time_s=delta("draft_time_s"),
             verify_time_s=delta("verify_time_s"),
+            tail_time_s=delta("tail_time_s"),
+            strategy_steps={
+                k: v - before_steps.get(k, 0)
+                for k, v in engine.stats.strategy_steps.items()
+                if v > before_steps.get(k, 0)
+            },
         )
         self.last_stats = stats
         self.history.append(stats)
@@ -303,6 +319,11 @@ class SpecRollout:
             mode = "train" if getattr(trainer.model, "training", True) else "eval"
             metrics[mode]["rollout/time_s"].append(stats.time_s)
             metrics[mode]["rollout/tokens_per_s"].append(stats.tokens_per_s)
+            metrics[mode]["rollout/tail_s"].append(stats.tail_time_s)
+            steps = sum(stats.strategy_steps.values())
+            if steps:
+                spec = sum(v for k, v in stats.strategy_steps.items() if k != "none")
+                metrics[mode]["rollout/speculative_step_fraction"].append(spec / steps)
             if stats.drafted_tokens:
                 metrics[mode]["rollout/accept_length"].append(stats.mean_accept_length)
                 metrics[mode]["rollout/acceptance_rate"].append(stats.acceptance_rate)

@@ -157,3 +157,29 @@ def test_eagle3_head_drafts_and_trains_online_between_rollouts(task_tokenizer, t
     assert len(metrics["eval"]["drafter/loss"]) == 2
     with pytest.raises(ValueError, match="EAGLE-3 head"):
         SpecRollout(strategy="suffix", drafter_train_steps=2)
+
+
+def test_adaptive_rollout_is_lossless_and_reports_its_strategy_mix(task_tokenizer, tiny_policy):
+    from tailspec.testing import perturbed_copy
+
+    convs = [[{"role": "user", "content": f"add {i} {i + 3}"}] for i in range(4)]
+    prompts = [c for c in convs for _ in range(2)]
+    metrics = {"train": defaultdict(list), "eval": defaultdict(list)}
+    trainer = SimpleNamespace(
+        args=_args(max_completion_length=24, generation_kwargs={"do_sample": False}),
+        processing_class=task_tokenizer,
+        model=tiny_policy,
+        _metrics=metrics,
+    )
+    plain = SpecRollout(model=tiny_policy)(prompts, trainer)
+    rollout = SpecRollout(
+        model=tiny_policy,
+        strategy="adaptive",
+        drafter=perturbed_copy(tiny_policy, noise=0.2, seed=1),
+        selector={"min_trials": 1},
+    )
+    out = rollout(prompts, trainer)
+    assert out["completion_ids"] == plain["completion_ids"]
+    stats = rollout.last_stats
+    assert stats.strategy == "adaptive" and len(stats.strategy_steps) >= 2
+    assert metrics["eval"]["rollout/speculative_step_fraction"] and metrics["eval"]["rollout/tail_s"]
