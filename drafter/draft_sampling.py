@@ -9,6 +9,7 @@ import torch
 
 from ..rollout.request import Sequence as EngineSequence
 from ..rollout.sampling import BatchSamplingTensors, draw_uniforms, processed_logprobs, sample_from_logprobs
+from .base import DraftRequest, DraftTree
 
 DRAFT_SEED_OFFSET = 0x9E3779B97F4A7C15
 
@@ -33,3 +34,39 @@ def choose_draft_tokens(
     sampled = sample_from_logprobs(logprobs, uniforms)
     chosen = torch.where(st.temperature > 0, sampled, chosen)
     return chosen.tolist(), logprobs.exp()
+
+
+class ChainDrafts:
+    """The chains a model drafter is growing, one per request: each :meth:`extend` picks the next
+    token of every active chain from ``logits`` (rows in ``active`` order), then retires chains
+    that reached their depth or drafted a stop token."""
+
+    def __init__(self, requests: Sequence[DraftRequest], generator: torch.Generator) -> None:
+        self.requests = list(requests)
+        self.generator = generator
+        self.tokens: list[list[int]] = [[] for _ in self.requests]
+        self.probs: list[list[torch.Tensor]] = [[] for _ in self.requests]
+        self.active = list(range(len(self.requests)))
+
+    def extend(self, logits: torch.Tensor) -> list[int]:
+        """Append a token to every active chain; return the rows (of the old ``active``) still going."""
+        seqs = [self.requests[i].seq for i in self.active]
+        chosen, q = choose_draft_tokens(seqs, logits, self.generator)
+        for row, i in enumerate(self.active):
+            self.tokens[i].append(chosen[row])
+            if q is not None:
+                self.probs[i].append(q[row])
+        keep = [
+            row
+            for row, i in enumerate(self.active)
+            if len(self.tokens[i]) < self.requests[i].max_depth and self.tokens[i][-1] not in seqs[row].stop_ids
+        ]
+        self.active = [self.active[row] for row in keep]
+        return keep
+
+    def trees(self) -> list[DraftTree]:
+        out = []
+        for r, toks, ps in zip(self.requests, self.tokens, self.probs):
+            q = torch.stack(ps) if ps and not r.seq.params.greedy else None
+            out.append(DraftTree.chain(toks, q))
+        return out

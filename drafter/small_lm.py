@@ -33,7 +33,7 @@ from ..rollout.kv_cache import blocks_for
 from ..rollout.model_runner import ModelRunner
 from ..rollout.request import Sequence
 from .base import Drafter, DraftRequest, DraftShape, DraftTree
-from .draft_sampling import choose_draft_tokens, draft_generator
+from .draft_sampling import ChainDrafts, draft_generator
 from .tree_search import LevelInput, grow_trees
 
 logger = logging.getLogger(__name__)
@@ -191,34 +191,17 @@ class SmallLMDrafter(Drafter):
         return [trees[id(r)] for r in requests]
 
     def _chain(self, requests: list[DraftRequest], logits: torch.Tensor) -> list[DraftTree]:
-        seqs = [r.seq for r in requests]
-        tokens: list[list[int]] = [[] for _ in seqs]
-        probs: list[list[torch.Tensor]] = [[] for _ in seqs]
-        active = list(range(len(seqs)))
-        while True:
-            chosen, q = choose_draft_tokens([seqs[i] for i in active], logits, self.generator)
-            for row, i in enumerate(active):
-                tokens[i].append(chosen[row])
-                if q is not None:
-                    probs[i].append(q[row])
-            active = [
-                i for i in active if len(tokens[i]) < requests[i].max_depth and tokens[i][-1] not in seqs[i].stop_ids
-            ]
-            if not active:
-                break
+        chains = ChainDrafts(requests, self.generator)
+        while chains.extend(logits):
             slices, feed, positions = [], [], []
-            for i in active:
-                state = self._states[seqs[i].seq_id]
+            for i in chains.active:
+                state = self._states[requests[i].seq.seq_id]
                 slices.append(SequenceSlice(state.block_table, state.num_cached, 1))
-                feed.append(tokens[i][-1])
+                feed.append(chains.tokens[i][-1])
                 positions.append(state.num_cached)
                 state.num_cached += 1
-            logits = self._logits(slices, feed, positions, list(range(len(active))))
-        out = []
-        for seq, toks, ps in zip(seqs, tokens, probs):
-            q = torch.stack(ps) if ps and not seq.params.greedy else None
-            out.append(DraftTree.chain(toks, q))
-        return out
+            logits = self._logits(slices, feed, positions, list(range(len(feed))))
+        return chains.trees()
 
     def _tree(self, requests: list[DraftRequest], root_logits: torch.Tensor, shape: DraftShape) -> list[DraftTree]:
         """Best-first tree; each level's forward reruns the frontier's ancestors under a tree mask."""

@@ -28,7 +28,7 @@ from ...rollout.kv_cache import KVLayout, PagedKVCache, blocks_for
 from ...rollout.model_runner import model_device_dtype
 from ...rollout.request import Sequence
 from ..base import Drafter, DraftRequest, DraftShape, DraftTree
-from ..draft_sampling import choose_draft_tokens, draft_generator
+from ..draft_sampling import ChainDrafts, draft_generator
 from ..tree_search import LevelInput, grow_trees
 from .data import FeatureBuffer, SequenceRecorder
 from .model import Eagle3Head
@@ -201,38 +201,18 @@ class Eagle3Drafter(Drafter):
         return [trees[id(r)] for r in requests]
 
     def _chain(self, requests: list[DraftRequest], hidden: torch.Tensor, logits: torch.Tensor) -> list[DraftTree]:
-        seqs = [r.seq for r in requests]
-        tokens: list[list[int]] = [[] for _ in seqs]
-        probs: list[list[torch.Tensor]] = [[] for _ in seqs]
-        active = list(range(len(seqs)))
-        while True:
-            chosen, q = choose_draft_tokens([seqs[i] for i in active], logits, self.generator)
-            for row, i in enumerate(active):
-                tokens[i].append(chosen[row])
-                if q is not None:
-                    probs[i].append(q[row])
-            keep = [
-                row
-                for row, i in enumerate(active)
-                if len(tokens[i]) < requests[i].max_depth and tokens[i][-1] not in seqs[i].stop_ids
-            ]
-            if not keep:
-                break
-            active = [active[row] for row in keep]
+        chains = ChainDrafts(requests, self.generator)
+        while keep := chains.extend(logits):
             hidden = hidden[keep]
             slices, feed, positions = [], [], []
-            for i in active:
-                state = self._states[seqs[i].seq_id]
-                position = state.num_cached + len(tokens[i]) - 1
+            for i in chains.active:
+                state = self._states[requests[i].seq.seq_id]
+                position = state.num_cached + len(chains.tokens[i]) - 1
                 slices.append(SequenceSlice(state.block_table, position, 1))
-                feed.append(tokens[i][-1])
+                feed.append(chains.tokens[i][-1])
                 positions.append(position)
             hidden, logits = self._run(slices, hidden, feed, positions)
-        out = []
-        for seq, toks, ps in zip(seqs, tokens, probs):
-            q = torch.stack(ps) if ps and not seq.params.greedy else None
-            out.append(DraftTree.chain(toks, q))
-        return out
+        return chains.trees()
 
     def _tree(
         self, requests: list[DraftRequest], root_hidden: torch.Tensor, root_logits: torch.Tensor, shape: DraftShape
