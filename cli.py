@@ -64,14 +64,9 @@ def _load_prompts(spec: str, tokenizer, num: int, seed: int) -> list[list[int]]:
         rows = [json.loads(line)["prompt"] for line in lines[:num]]
     if not rows:
         raise ValueError(f"no prompts in {spec}")
-    out = []
-    for row in rows:
-        if isinstance(row, list):
-            ids = tokenizer.apply_chat_template(row, add_generation_prompt=True, tokenize=True, return_dict=True)
-            out.append(list(ids["input_ids"]))
-        else:
-            out.append(list(tokenizer(text=row)["input_ids"]))
-    return out
+    from .trainer_hooks.spec_rollout import SpecRollout
+
+    return SpecRollout.tokenize_prompts(rows, tokenizer)  # exactly as the rollouts in training will
 
 
 def _drafter_warmup(args: argparse.Namespace) -> int:

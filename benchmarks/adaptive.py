@@ -21,6 +21,7 @@ import torch
 from ..rollout.engine import RolloutEngine, StepRecord
 from ..rollout.params import RolloutConfig, SamplingParams
 from .hf_baseline import hf_generate
+from .report import pyplot
 
 logger = logging.getLogger(__name__)
 
@@ -148,10 +149,7 @@ def long_tail_table(results: Sequence[RunResult]) -> str:
 
 def plot_adaptive(result: RunResult, path: Path) -> None:
     """Active sequences per decode step, coloured by the strategy the selector chose."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     names = sorted({s.strategy for s in result.steps})
     colours = {n: plt.cm.tab10(i % 10) for i, n in enumerate(names)}

@@ -18,6 +18,7 @@ from ..drafter.eagle3 import Eagle3Config, Eagle3Head
 from ..drafter.eagle3.train import DrafterTrainingConfig
 from ..drafter.eagle3.warmup import WarmupConfig, WarmupRound, warmup_head
 from ..rollout.params import SamplingParams
+from .report import pyplot
 from .speculative import ForwardCost, SpecResult, measure_speculative
 
 logger = logging.getLogger(__name__)
@@ -101,10 +102,7 @@ def eagle3_table(bench: Eagle3Bench) -> str:
 
 
 def plot_eagle3(bench: Eagle3Bench, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.6))
     window = 10

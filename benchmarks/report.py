@@ -38,11 +38,18 @@ def throughput_table(results: Sequence[ThroughputResult]) -> str:
     return "\n".join(lines)
 
 
-def plot_throughput(results: Sequence[ThroughputResult], path: Path) -> None:
+def pyplot():
+    """matplotlib's pyplot on the file-only Agg backend (benchmarks run headless)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot_throughput(results: Sequence[ThroughputResult], path: Path) -> None:
+    plt = pyplot()
 
     sizes = sorted({r.batch_size for r in results})
     backends = ["hf_generate", "tailspec"]

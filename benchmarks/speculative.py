@@ -18,6 +18,7 @@ from tqdm.auto import tqdm
 
 from ..rollout.engine import RolloutEngine
 from ..rollout.params import RolloutConfig, SamplingParams
+from .report import pyplot
 
 logger = logging.getLogger(__name__)
 
@@ -125,10 +126,7 @@ def speculative_table(results: Sequence[SpecResult]) -> str:
 
 
 def plot_speculative(results: Sequence[SpecResult], path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     workloads = list(dict.fromkeys(r.workload for r in results))
     fig, axes = plt.subplots(1, len(workloads), figsize=(6 * len(workloads), 3.6), squeeze=False)

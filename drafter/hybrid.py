@@ -81,6 +81,3 @@ class HybridDrafter(Drafter):
         else:
             self.model_drafter.accepted(seq, 0)
         self.suffix_drafter.accepted(seq, num_accepted)
-
-    def release(self, seq_id: int) -> None:
-        self._model_chain.pop(seq_id, None)

@@ -408,13 +408,13 @@ class RolloutEngine:
         rows, seqs = [], []
         for row, seq in enumerate(batch.seqs):
             start, end = last[row] + 1 - slices[row].num_new, last[row] + 1
-            self._observe(seq, seq.num_cached, list(range(start, end)), logits[row : row + 1])
+            self._observe(seq, seq.num_cached, list(range(start, end)), logits, [row])
             seq.num_cached = seq.num_tokens
             rows.append(row)
             seqs.append(seq)
             for member in batch.followers.get(seq.seq_id, []):
                 self._fork_from(seq, member)
-                self._observe(member, 0, list(range(start, end)), logits[row : row + 1])
+                self._observe(member, 0, list(range(start, end)), logits, [row])
                 rows.append(row)
                 seqs.append(member)
         self.stats.forked_prefills += len(seqs) - len(batch.seqs)
@@ -467,7 +467,7 @@ class RolloutEngine:
             positions.append(seq.num_cached)
         logits = self._forward(slices, tokens, positions, list(range(len(tokens))))
         for row, seq in enumerate(batch.seqs):
-            self._observe(seq, seq.num_cached, [row], logits[row : row + 1])
+            self._observe(seq, seq.num_cached, [row], logits, [row])
             seq.num_cached += 1
         self.stats.decode_steps += 1
         self.stats.batch_sizes.append(len(batch.seqs))
@@ -484,10 +484,13 @@ class RolloutEngine:
         self.stats.model_time_s += time.perf_counter() - start
         return logits
 
-    def _observe(self, seq: Sequence, start: int, rows: list[int], next_logits: torch.Tensor) -> None:
-        """Hand the drafter the last forward's features of ``seq``'s kept tokens (packed ``rows``)."""
+    def _observe(self, seq: Sequence, start: int, rows: list[int], logits: torch.Tensor, logit_rows: list[int]) -> None:
+        """Hand a feature-reading drafter the last forward's features of ``seq``'s kept tokens
+        (packed ``rows``) and the logits after the last of them (``logit_rows`` of ``logits``).
+        Nothing is sliced for drafters that read no features."""
         if self.feature_layers and self._features is not None:
             index = torch.tensor(rows, device=self._features.device)
+            next_logits = logits.index_select(0, torch.tensor(logit_rows, device=logits.device))
             self.drafter.observe(seq, start, self._features.index_select(0, index), next_logits)
 
     def _sample_and_append(self, seqs: list[Sequence], logits: torch.Tensor) -> list[int]:
@@ -515,7 +518,8 @@ class RolloutEngine:
         start = time.perf_counter()
         requests = [DraftRequest(seq, max_draft_depth(seq, shape)) for seq in seqs]
         asked = [r for r in requests if r.max_depth > 0]
-        proposed = iter(self._drafter_for(strategy).propose(asked, shape) if asked else [])
+        drafter = self._drafter_for(strategy)
+        proposed = iter(drafter.propose(asked, shape) if asked else [])
         trees: list[DraftTree] = []
         allocator, bs = self.runner.cache.allocator, self.config.block_size
         for r in requests:
@@ -532,7 +536,6 @@ class RolloutEngine:
 
         finished, offset = [], 0
         accepted_total = emitted_total = 0
-        drafter = self._drafter_for(strategy)
         for seq, tree, n in zip(seqs, trees, counts.tolist()):
             rows = logprobs[offset : offset + n]
             if seq.params.greedy:
@@ -561,8 +564,8 @@ class RolloutEngine:
                 emitted_total += 1
                 if seq.done:
                     break
-            base = offset - n
-            self._observe(seq, first_position, [base + r for r in kept_rows], logits[[base + r for r in kept_rows]])
+            kept = [offset - n + r for r in kept_rows]
+            self._observe(seq, first_position, kept, logits, kept)
             drafter.accepted(seq, len(verdict.path))
             if seq.done:
                 self._finish(seq)

@@ -11,7 +11,7 @@ from contextlib import contextmanager
 
 import torch
 
-from .attention import METADATA_KWARG, SequenceSlice, build_metadata, build_padded_metadata
+from .attention import METADATA_KWARG, AttentionMetadata, SequenceSlice, build_metadata, build_padded_metadata
 from .graph_pool import GraphPool
 from .kv_cache import KVLayout, PagedKVCache
 
@@ -128,7 +128,7 @@ class ModelRunner:
             cache, model = self.cache, self.model
 
             def fn(x):
-                static = type(meta)(
+                static = AttentionMetadata(
                     cache, x["slot_mapping"], x["gather_slots"], x["mask"], x["query_positions"], b, q, None, None
                 )
                 out = model(input_ids=x["ids"], position_ids=x["pos"], use_cache=False, **{METADATA_KWARG: static})

@@ -10,6 +10,7 @@ import math
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
+from .selector import SelectorConfig
 from .strategy import parse_strategy
 
 
@@ -181,8 +182,6 @@ class RolloutConfig:
             "an int >= 1",
             self.graph_memory_mb,
         )
-        from .selector import SelectorConfig
-
         if isinstance(self.selector, dict):
             self.selector = SelectorConfig(**self.selector)
         _require(

@@ -83,7 +83,7 @@ class Eagle3Drafter(Drafter):
     @property
     def version(self) -> int:
         """Bumped by the trainer at every optimizer step (see ``DrafterTrainer``)."""
-        return int(getattr(self.head, "version", 0))
+        return self.head.version
 
     def bind(self, vocab_size: int, tokenizer=None) -> None:
         if self.head.config.vocab_size > vocab_size:

@@ -232,6 +232,7 @@ class Eagle3Head(nn.Module):
     def __init__(self, cfg: Eagle3Config) -> None:
         super().__init__()
         self.config = cfg
+        self.version = 0  # weights version: bumped by every training step, saved in checkpoints
         self.fc = nn.Linear(cfg.feature_size, cfg.hidden_size, bias=False)
         self.midlayer = Eagle3Layer(cfg)
         self.norm = nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)

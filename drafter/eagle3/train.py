@@ -297,8 +297,6 @@ class DrafterTrainer:
         self.rng = random.Random(c.seed)
         self.step_count = 0
         self.history: list[TrainStepResult] = []
-        if not hasattr(head, "version"):
-            head.version = 0
 
     def train_step(self) -> TrainStepResult:
         start = time.perf_counter()
@@ -312,7 +310,7 @@ class DrafterTrainer:
             if count:
                 self.stepper.backward_and_step(loss)
                 self.step_count += 1
-                self.head.version = getattr(self.head, "version", 0) + 1
+                self.head.version += 1
         finally:
             self.stepper.zero_grad()
             self.head.train(was_training)
@@ -365,7 +363,7 @@ class DrafterTrainer:
             path,
             self.head,
             step=self.step_count,
-            version=int(getattr(self.head, "version", 0)),
+            version=self.head.version,
             optimizer_state=self.optimizer.state_dict() if include_optimizer and not self.uses_deepspeed else None,
             metadata=metadata,
         )

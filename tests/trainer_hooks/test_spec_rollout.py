@@ -15,6 +15,18 @@ def _args(**kw):
     return GRPOConfig(**base)
 
 
+def _greedy_trainer(tokenizer, policy, max_completion_length: int = 24):
+    """A stand-in for GRPOTrainer as SpecRollout reads it (greedy), and its metrics store."""
+    metrics = {"train": defaultdict(list), "eval": defaultdict(list)}
+    trainer = SimpleNamespace(
+        args=_args(max_completion_length=max_completion_length, generation_kwargs={"do_sample": False}),
+        processing_class=tokenizer,
+        model=policy,
+        _metrics=metrics,
+    )
+    return trainer, metrics
+
+
 def test_sampling_params_follow_grpo_config():
     sp = sampling_params_from_trl(_args(temperature=0.7, top_p=0.9, top_k=20, min_p=0.05))
     assert sp == SamplingParams(temperature=0.7, top_p=0.9, top_k=20, min_p=0.05, max_new_tokens=32)
@@ -95,13 +107,7 @@ def test_speculative_rollout_matches_plain_and_logs_acceptance(task_tokenizer, t
 
     convs = [[{"role": "user", "content": f"add {i} {i + 2} {i + 1}"}] for i in range(3)]
     prompts = [c for c in convs for _ in range(3)]
-    metrics = {"train": defaultdict(list), "eval": defaultdict(list)}
-    trainer = SimpleNamespace(
-        args=_args(max_completion_length=24, generation_kwargs={"do_sample": False}),
-        processing_class=task_tokenizer,
-        model=tiny_policy,
-        _metrics=metrics,
-    )
+    trainer, metrics = _greedy_trainer(task_tokenizer, tiny_policy)
     plain = SpecRollout(model=tiny_policy)(prompts, trainer)
     drafter = perturbed_copy(tiny_policy, noise=0.2, seed=1) if strategy != "suffix" else None
     rollout = SpecRollout(model=tiny_policy, strategy=strategy, drafter=drafter)
@@ -132,13 +138,7 @@ def test_eagle3_head_drafts_and_trains_online_between_rollouts(task_tokenizer, t
 
     convs = [[{"role": "user", "content": f"add {i} {i + 2} {i + 1}"}] for i in range(3)]
     prompts = [c for c in convs for _ in range(2)]
-    metrics = {"train": defaultdict(list), "eval": defaultdict(list)}
-    trainer = SimpleNamespace(
-        args=_args(max_completion_length=24, generation_kwargs={"do_sample": False}),
-        processing_class=task_tokenizer,
-        model=tiny_policy,
-        _metrics=metrics,
-    )
+    trainer, metrics = _greedy_trainer(task_tokenizer, tiny_policy)
     plain = SpecRollout(model=tiny_policy)(prompts, trainer)
     torch.manual_seed(0)
     head = Eagle3Head(Eagle3Config.for_target(tiny_policy.config))
@@ -164,13 +164,7 @@ def test_adaptive_rollout_is_lossless_and_reports_its_strategy_mix(task_tokenize
 
     convs = [[{"role": "user", "content": f"add {i} {i + 3}"}] for i in range(4)]
     prompts = [c for c in convs for _ in range(2)]
-    metrics = {"train": defaultdict(list), "eval": defaultdict(list)}
-    trainer = SimpleNamespace(
-        args=_args(max_completion_length=24, generation_kwargs={"do_sample": False}),
-        processing_class=task_tokenizer,
-        model=tiny_policy,
-        _metrics=metrics,
-    )
+    trainer, metrics = _greedy_trainer(task_tokenizer, tiny_policy)
     plain = SpecRollout(model=tiny_policy)(prompts, trainer)
     rollout = SpecRollout(
         model=tiny_policy,

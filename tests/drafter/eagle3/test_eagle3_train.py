@@ -13,12 +13,9 @@ from tailspec.rollout import RolloutConfig, RolloutEngine, SamplingParams
 
 
 def chat_prompts(tokenizer, rows):
-    return [
-        tokenizer.apply_chat_template(r["prompt"], add_generation_prompt=True, tokenize=True, return_dict=True)[
-            "input_ids"
-        ]
-        for r in rows
-    ]
+    from tailspec.trainer_hooks.spec_rollout import SpecRollout
+
+    return SpecRollout.tokenize_prompts([r["prompt"] for r in rows], tokenizer)
 
 
 def test_training_on_policy_rollouts_lowers_the_loss_and_raises_held_out_acceptance():
