@@ -18,6 +18,8 @@ import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface, PretrainedConfig
 
+from ..kernels.dispatch import resolve_backend
+from ..kernels.paged_attention import PagedAttentionPlan, paged_attention_triton
 from .kv_cache import PagedKVCache
 
 ATTN_IMPLEMENTATION = "tailspec_paged"
@@ -45,6 +47,7 @@ class AttentionMetadata:
     max_new: int
     query_index: torch.Tensor | None  # [B, Q] packed index of each query; None when uniform
     valid_queries: torch.Tensor | None  # [B*Q] bool; None when uniform
+    plan: PagedAttentionPlan | None = None  # set when the Triton kernel attends (tailspec.kernels)
     _window_masks: dict[int, torch.Tensor] = field(default_factory=dict)
 
     def mask_for(self, sliding_window: int | None) -> torch.Tensor:
@@ -59,9 +62,14 @@ class AttentionMetadata:
         return self._window_masks[sliding_window]
 
 
-def build_metadata(cache: PagedKVCache, seqs: Sequence[SequenceSlice], positions: torch.Tensor) -> AttentionMetadata:
-    """Metadata for one packed forward; ``positions`` is the packed ``[T]`` position of each token."""
+def build_metadata(
+    cache: PagedKVCache, seqs: Sequence[SequenceSlice], positions: torch.Tensor, kernels: str | None = None
+) -> AttentionMetadata:
+    """Metadata for one packed forward; ``positions`` is the packed ``[T]`` position of each token.
+    ``kernels`` picks the attention backend (``tailspec.kernels.dispatch``)."""
     device = cache.layout.device
+    if resolve_backend(device, kernels) == "triton":
+        return _kernel_metadata(cache, seqs, positions)
     bs = cache.block_size
     num_seqs = len(seqs)
     q_lens = [s.num_new for s in seqs]
@@ -119,6 +127,40 @@ def build_metadata(cache: PagedKVCache, seqs: Sequence[SequenceSlice], positions
     )
 
 
+def _kernel_metadata(cache: PagedKVCache, seqs: Sequence[SequenceSlice], positions: torch.Tensor) -> AttentionMetadata:
+    """Metadata for the Triton kernel: block tables and lengths instead of dense slots and masks."""
+    device = cache.layout.device
+    q_lens = [s.num_new for s in seqs]
+    query_start = torch.tensor([0, *q_lens[:-1]]).cumsum(0).tolist()
+    plan = PagedAttentionPlan.build(
+        [s.block_table for s in seqs],
+        [s.num_cached for s in seqs],
+        q_lens,
+        query_start,
+        positions,
+        [s.new_token_mask for s in seqs],
+        cache.block_size,
+        device,
+    )
+    slots = []
+    for s in seqs:
+        index = torch.arange(s.num_cached, s.num_cached + s.num_new)
+        table = torch.tensor(s.block_table, dtype=torch.long)
+        slots.append(table[index // cache.block_size] * cache.block_size + index % cache.block_size)
+    return AttentionMetadata(
+        cache=cache,
+        slot_mapping=torch.cat(slots).to(device) if slots else torch.zeros(0, dtype=torch.long, device=device),
+        gather_slots=torch.zeros(0, 0, dtype=torch.long, device=device),
+        mask=torch.zeros(0, dtype=torch.bool, device=device),
+        query_positions=positions.to(device),
+        num_seqs=len(seqs),
+        max_new=max(q_lens),
+        query_index=None,
+        valid_queries=None,
+        plan=plan,
+    )
+
+
 def paged_attention_forward(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -150,6 +192,11 @@ def paged_attention_forward(
     flat_v.index_copy_(0, meta.slot_mapping, value[0].transpose(0, 1).reshape(total, -1).to(v_cache.dtype))
 
     num_heads, head_dim = query.shape[1], query.shape[3]
+    if meta.plan is not None:
+        out = paged_attention_triton(
+            query[0].transpose(0, 1), k_cache, v_cache, meta.plan, scaling, sliding_window
+        )  # [T, H, D]
+        return out.unsqueeze(0).to(query.dtype), None
     b, q = meta.num_seqs, meta.max_new
     ctx_shape = (*meta.gather_slots.shape, kv_heads, head_dim)
     # index_select on the 2-D view is several times faster than advanced indexing on CPU
@@ -221,6 +268,7 @@ def build_padded_metadata(
     tokens: int,
     context: int,
     scratch_slot: int,
+    kernels: str | None = None,
 ) -> AttentionMetadata:
     """Metadata of fixed shape ``[batch, tokens, context]`` for a captured forward.
 
@@ -250,6 +298,20 @@ def build_padded_metadata(
         mask[i, : s.num_new, s.num_cached : n_ctx] = new
         query_positions[i, : s.num_new] = torch.tensor(positions[offset : offset + s.num_new])
         offset += s.num_new
+    plan = None
+    if resolve_backend(device, kernels) == "triton":
+        width, scratch_block, pad = -(-context // bs), scratch_slot // bs, batch - len(seqs)
+        plan = PagedAttentionPlan.build(
+            [(s.block_table + [scratch_block] * width)[:width] for s in seqs] + [[scratch_block] * width] * pad,
+            [s.num_cached for s in seqs] + [0] * pad,
+            [s.num_new for s in seqs] + [0] * pad,
+            [i * tokens for i in range(batch)],
+            query_positions.reshape(-1),
+            [s.new_token_mask for s in seqs] + [None] * pad,
+            bs,
+            device,
+            mask_size=tokens,
+        )
     return AttentionMetadata(
         cache=cache,
         slot_mapping=slot_mapping.reshape(-1).to(device),
@@ -260,4 +322,5 @@ def build_padded_metadata(
         max_new=tokens,
         query_index=None,
         valid_queries=None,
+        plan=plan,
     )

@@ -19,12 +19,13 @@ import torch
 from tqdm.auto import tqdm
 
 from ..drafter.base import EMPTY_DRAFT, Drafter, DraftRequest, DraftTree
+from ..kernels.dispatch import kernel_backend
 from .attention import SequenceSlice, paged_attention_enabled
 from .kv_cache import blocks_for
 from .model_runner import ModelRunner
 from .params import RolloutConfig, SamplingParams
 from .request import FinishReason, RequestOutput, SeqStatus, Sequence
-from .sampling import BatchSamplingTensors, choose_tokens, draw_uniforms, processed_logprobs, uniform_source
+from .sampling import BatchSamplingTensors, choose_tokens, draw_uniforms, processed_logprobs
 from .scheduler import ScheduledBatch, Scheduler, StepKind
 from .speculative import (
     SpecStepRecord,
@@ -35,7 +36,7 @@ from .speculative import (
     release_unused_blocks,
 )
 from .strategy import Strategy, parse_strategy
-from .verify import verify_greedy, verify_sampled
+from .verify import verify_batch
 
 logger = logging.getLogger(__name__)
 
@@ -387,7 +388,7 @@ class RolloutEngine:
         self.model.eval()
         self._in_inference = True
         try:
-            with torch.no_grad(), paged_attention_enabled(self.model):
+            with torch.no_grad(), paged_attention_enabled(self.model), kernel_backend(self.config.kernels):
                 yield
         finally:
             self._in_inference = False
@@ -532,20 +533,17 @@ class RolloutEngine:
         counts = torch.tensor([s.num_new for s in slices], device=logits.device)
         st = BatchSamplingTensors.from_params([s.params for s in seqs], logits.device).repeat_interleave(counts)
         logprobs = processed_logprobs(logits, st)
-        argmax = logprobs.argmax(dim=-1).tolist() if st.any_greedy else []
+        greedy = [seq.params.greedy for seq in seqs]
+        if st.all_greedy:
+            uniforms = torch.zeros(len(tokens), dtype=torch.float64)
+        else:  # one per scored row, aligned with the rows (greedy sequences ignore theirs)
+            uniforms = draw_uniforms([s.generator for s in seqs], self.generator, counts.tolist())
+        verdicts = verify_batch(trees, logprobs, greedy, uniforms)
 
         finished, offset = [], 0
         accepted_total = emitted_total = 0
-        for seq, tree, n in zip(seqs, trees, counts.tolist()):
+        for seq, tree, n, verdict in zip(seqs, trees, counts.tolist(), verdicts):
             rows = logprobs[offset : offset + n]
-            if seq.params.greedy:
-                verdict = verify_greedy(tree, argmax[offset : offset + n])
-            else:
-                verdict = verify_sampled(
-                    tree,
-                    lambda r, rows=rows: rows[r].double().exp().cpu(),
-                    uniform_source(seq.generator, self.generator),
-                )
             offset += n
             emitted = verdict.emitted(tree)
             lps = rows[[r for _, r in emitted], [t for t, _ in emitted]].tolist()

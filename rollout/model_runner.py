@@ -123,13 +123,27 @@ class ModelRunner:
             "mask": meta.mask,
             "query_positions": meta.query_positions,
         }
+        if meta.plan is not None:
+            inputs.update({f"plan.{k}": v for k, v in meta.plan.tensors().items()})
 
         def make_fn():
-            cache, model = self.cache, self.model
+            cache, model, plan = self.cache, self.model, meta.plan
 
             def fn(x):
+                static_plan = None
+                if plan is not None:
+                    static_plan = plan.with_tensors({k[5:]: v for k, v in x.items() if k.startswith("plan.")})
                 static = AttentionMetadata(
-                    cache, x["slot_mapping"], x["gather_slots"], x["mask"], x["query_positions"], b, q, None, None
+                    cache,
+                    x["slot_mapping"],
+                    x["gather_slots"],
+                    x["mask"],
+                    x["query_positions"],
+                    b,
+                    q,
+                    None,
+                    None,
+                    plan=static_plan,
                 )
                 out = model(input_ids=x["ids"], position_ids=x["pos"], use_cache=False, **{METADATA_KWARG: static})
                 return out.logits[0]

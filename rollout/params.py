@@ -10,6 +10,7 @@ import math
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
+from ..kernels.dispatch import BACKEND_CHOICES
 from .selector import SelectorConfig
 from .strategy import parse_strategy
 
@@ -113,6 +114,7 @@ class RolloutConfig:
     tail_fraction: float = 0.25  # a step is "in the tail" when active sequences <= this x the wave's peak
     graph_backend: str = "auto"  # auto: CUDA graphs on CUDA, none on CPU | cuda_graph | eager | none
     graph_memory_mb: int = 2048  # budget of the graph pool
+    kernels: str = "auto"  # auto: Triton kernels on CUDA, torch elsewhere | triton | torch (tailspec.kernels)
     seed: int = 0
     progress: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
@@ -176,6 +178,7 @@ class RolloutConfig:
             "'auto', 'cuda_graph', 'eager' or 'none'",
             self.graph_backend,
         )
+        _require(self.kernels in BACKEND_CHOICES, "kernels", "'auto', 'triton' or 'torch'", self.kernels)
         _require(
             _is_int(self.graph_memory_mb) and self.graph_memory_mb >= 1,
             "graph_memory_mb",

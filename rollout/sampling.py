@@ -9,7 +9,7 @@ request's samples do not depend on which other requests share its batch.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -148,23 +148,20 @@ def choose_tokens(logprobs: torch.Tensor, st: BatchSamplingTensors, uniforms: to
     return sampled
 
 
-def draw_uniforms(generators: Sequence[torch.Generator | None], fallback: torch.Generator) -> torch.Tensor:
-    """One uniform per row, from the row's own generator when it has one (seeded requests)."""
-    out = torch.empty(len(generators), dtype=torch.float64)
-    shared_rows = [i for i, g in enumerate(generators) if g is None]
-    if shared_rows:
-        out[shared_rows] = torch.rand(len(shared_rows), generator=fallback, dtype=torch.float64)
-    for i, g in enumerate(generators):
-        if g is not None:
-            out[i] = torch.rand(1, generator=g, dtype=torch.float64)
+def draw_uniforms(
+    generators: Sequence[torch.Generator | None], fallback: torch.Generator, counts: Sequence[int] | None = None
+) -> torch.Tensor:
+    """``counts[i]`` uniforms (default one) for row ``i``, concatenated: from the row's own generator
+    when it has one (seeded requests, whose draws then do not depend on the rest of the batch),
+    else from ``fallback``."""
+    sizes = list(counts) if counts is not None else [1] * len(generators)
+    ends = torch.tensor(sizes).cumsum(0).tolist()
+    out = torch.empty(ends[-1] if ends else 0, dtype=torch.float64)
+    shared = [(end - n, end) for g, n, end in zip(generators, sizes, ends) if g is None and n > 0]
+    if shared:
+        draws = torch.rand(sum(e - s for s, e in shared), generator=fallback, dtype=torch.float64)
+        out[torch.cat([torch.arange(s, e) for s, e in shared])] = draws
+    for g, n, end in zip(generators, sizes, ends):
+        if g is not None and n > 0:
+            out[end - n : end] = torch.rand(n, generator=g, dtype=torch.float64)
     return out
-
-
-def uniform_source(generator: torch.Generator | None, fallback: torch.Generator) -> Callable[[], float]:
-    """A draw-one-uniform function for a request: its own generator when seeded, else the engine's."""
-    gen = generator if generator is not None else fallback
-
-    def draw() -> float:
-        return float(torch.rand(1, generator=gen, dtype=torch.float64))
-
-    return draw

@@ -17,12 +17,13 @@ and emit the argmax where no child matches, which reproduces argmax decoding tok
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 
 from ..drafter.base import DraftTree
+from ..kernels.dispatch import resolve_backend
 from .sampling import sample_from_probs
 
 
@@ -68,10 +69,12 @@ def verify_greedy(tree: DraftTree, target_argmax: list[int]) -> Verdict:
 
 
 def verify_sampled(
-    tree: DraftTree, target_probs: Callable[[int], torch.Tensor], uniform: Callable[[], float]
+    tree: DraftTree, target_probs: Callable[[int], torch.Tensor], uniforms: Sequence[float] | torch.Tensor
 ) -> Verdict:
     """Recursive rejection sampling. ``target_probs(row)`` returns the processed target
-    distribution at ``row`` as a float64 vector; ``uniform()`` draws from U[0, 1)."""
+    distribution at ``row``; ``uniforms`` holds ``len(tree) + 1`` draws from U[0, 1): entry ``c``
+    decides node ``c`` (used only if the walk reaches it) and the last one draws the final token.
+    Pre-drawn per node, so the Triton kernel consumes exactly the same randomness."""
     path: list[int] = []
     row = 0
     p = target_probs(0)
@@ -80,12 +83,60 @@ def verify_sampled(
             token = tree.tokens[c]
             q = tree.draft_probs[c].to(p) if tree.draft_probs is not None else None
             q_token = 1.0 if q is None else float(q[token])
-            if q_token > 0 and uniform() * q_token < float(p[token]):
+            if q_token > 0 and float(uniforms[c]) * q_token < float(p[token]):
                 path.append(c)
                 row = c + 1
                 p = target_probs(row)
                 break
             p = residual(p, q, token)
         else:
-            final = int(sample_from_probs(p, torch.tensor(uniform(), dtype=torch.float64)))
+            final = int(sample_from_probs(p, torch.tensor(float(uniforms[len(tree)]), dtype=torch.float64)))
             return Verdict(path, final)
+
+
+def verify_batch(
+    trees: Sequence[DraftTree],
+    logprobs: torch.Tensor,
+    greedy: Sequence[bool],
+    uniforms: torch.Tensor,
+    backend: str | None = None,
+) -> list[Verdict]:
+    """Verify every sequence's tree from one verification forward.
+
+    ``logprobs`` ``[R, V]`` are the processed target log-probabilities of the packed rows (tree
+    ``b`` owns ``len(trees[b]) + 1`` consecutive rows, root first); ``uniforms`` ``[R]`` float64
+    is aligned with the rows (see :func:`verify_sampled`; greedy sequences ignore theirs).
+    ``backend`` picks the fused Triton kernel or this module's loop (see ``tailspec.kernels``).
+    """
+    if resolve_backend(logprobs.device, backend, kernel="verify") == "triton":
+        return _verify_batch_triton(trees, logprobs, greedy, uniforms)
+    probs = logprobs.exp() if not all(greedy) else None
+    argmax = logprobs.argmax(dim=-1).tolist() if any(greedy) else []
+    verdicts, offset = [], 0
+    for tree, is_greedy in zip(trees, greedy):
+        n = len(tree) + 1
+        if is_greedy:
+            verdicts.append(verify_greedy(tree, argmax[offset : offset + n]))
+        else:
+            rows = probs[offset : offset + n]
+            verdicts.append(verify_sampled(tree, lambda r, rows=rows: rows[r], uniforms[offset : offset + n].tolist()))
+        offset += n
+    return verdicts
+
+
+def _verify_batch_triton(
+    trees: Sequence[DraftTree], logprobs: torch.Tensor, greedy: Sequence[bool], uniforms: torch.Tensor
+) -> list[Verdict]:
+    from ..kernels.tree_verify import pack_trees, verify_trees_triton
+
+    device = logprobs.device
+    packed = pack_trees(trees, logprobs.shape[-1], device)
+    path, path_len, final = verify_trees_triton(
+        packed,
+        logprobs.exp(),
+        logprobs.argmax(dim=-1),
+        torch.tensor(list(greedy), dtype=torch.int32, device=device),
+        uniforms.to(device),
+    )
+    paths, lens, finals = path.tolist(), path_len.tolist(), final.tolist()
+    return [Verdict(paths[b][: lens[b]], finals[b]) for b in range(len(trees))]

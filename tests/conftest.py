@@ -2,6 +2,8 @@
 
 The tests run tiny models, for which intra-op threading costs far more than it saves: on a
 busy 2-core machine one thread is ~10x faster than two. Set OMP_NUM_THREADS to override.
+Without CUDA, Triton kernels run in Triton's interpreter (``TRITON_INTERPRET=1``, which must be
+set before the first kernel is compiled); on a CUDA machine they compile for the GPU.
 Model caches and the Hugging Face greedy reference live in ``tests/rollout/conftest.py``.
 """
 
@@ -11,3 +13,6 @@ import torch
 
 if "OMP_NUM_THREADS" not in os.environ:
     torch.set_num_threads(1)
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")

@@ -192,3 +192,18 @@ def test_kv_blocks_are_all_returned():
     assert allocator.num_free == allocator.num_blocks
     drafter_alloc = engine.drafter.allocator
     assert drafter_alloc.num_free == drafter_alloc.num_blocks
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+@pytest.mark.parametrize("strategy,drafter", [("none", None), ("chain:3", "good"), ("tree:3,2,6", "bad")])
+def test_triton_kernels_match_plain_decoding(arch, strategy, drafter):
+    """Attention and verification through the Triton kernels (interpreter without CUDA), for the
+    target and the drafter, reproduce plain decoding on the torch path token for token."""
+    pytest.importorskip("triton")
+    prompts = random_prompts(3, seed=13, max_len=12)
+    params = SamplingParams(max_new_tokens=10, temperature=0.0)
+    want = plain_outputs(arch, prompts, params, kernels="torch")
+    engine = spec_engine(arch, strategy, drafter, kernels="triton")
+    assert_same(engine.generate(prompts, params), want)
+    if drafter:
+        assert engine.stats.drafted_tokens > 0

@@ -13,6 +13,7 @@ import torch
 from conftest import chi_square_pvalue
 
 from tailspec.drafter.eagle3 import Eagle3Config, Eagle3Drafter, Eagle3Head
+from tailspec.kernels.dispatch import kernel_backend
 from tailspec.rollout import RolloutConfig, RolloutEngine, SamplingParams
 from tailspec.rollout import verify as verify_module
 from tailspec.rollout.sampling import BatchSamplingTensors, processed_logprobs
@@ -68,13 +69,21 @@ def exact_joint_of_tokens_2_and_3(params: SamplingParams) -> torch.Tensor:
     return joint.reshape(-1)
 
 
-def joint_counts(strategy: str, kind: str | None, params: SamplingParams, seed: int = 0) -> torch.Tensor:
+def joint_counts(
+    strategy: str,
+    kind: str | None,
+    params: SamplingParams,
+    seed: int = 0,
+    verify_kernel: str = "auto",
+    n: int = N,
+) -> torch.Tensor:
     engine = RolloutEngine(
         target(),
-        RolloutConfig(strategy=strategy, seed=seed, max_num_seqs=N, block_size=4, kv_cache_tokens=N * 16),
+        RolloutConfig(strategy=strategy, seed=seed, max_num_seqs=n, block_size=4, kv_cache_tokens=n * 16),
         drafter=drafter(kind) if kind else None,
     )
-    outs = engine.generate([PROMPT] * N, params.with_updates(max_new_tokens=4, ignore_eos=True))
+    with kernel_backend(verify_kernel, kernels=("verify",)):
+        outs = engine.generate([PROMPT] * n, params.with_updates(max_new_tokens=4, ignore_eos=True))
     assert engine.stats.drafted_tokens > 0
     pairs = torch.tensor([o.completion_ids[1] * V + o.completion_ids[2] for o in outs])
     return torch.bincount(pairs, minlength=V * V)
@@ -104,6 +113,40 @@ SETTINGS = [
 )
 def test_speculative_samples_follow_the_target(strategy, kind, params):
     counts = joint_counts(strategy, kind, params)
+    assert chi_square_pvalue(counts, exact_joint_of_tokens_2_and_3(params)) > 1e-3
+
+
+@pytest.mark.parametrize(
+    "strategy,kind,params",
+    [
+        ("chain:2", "bad", SETTINGS[0]),
+        ("tree:2,3,6", "good", SETTINGS[2]),
+        ("tree:2,3,6", "eagle3", SETTINGS[3]),
+        ("hybrid:2,2,6", "good", SETTINGS[1]),
+    ],
+    ids=["chain-bad-T1", "tree-good-topk-topp", "tree-eagle3-minp", "hybrid-T0.7"],
+)
+def test_triton_verify_kernel_draws_the_same_samples(strategy, kind, params):
+    """The fused verification kernel (interpreter without CUDA) consumes the same uniforms as the
+    torch rule and decides identically, so a seeded engine samples the same completions."""
+    pytest.importorskip("triton")
+    prompts = [PROMPT[: 1 + i % 5] for i in range(24)]
+    outputs = []
+    for backend in ("torch", "triton"):
+        engine = RolloutEngine(target(), RolloutConfig(strategy=strategy, seed=5), drafter=drafter(kind))
+        with kernel_backend(backend, kernels=("verify",)):
+            outs = engine.generate(prompts, params.with_updates(max_new_tokens=8, ignore_eos=True))
+        assert engine.stats.drafted_tokens > 0
+        outputs.append([(o.completion_ids, o.num_accepted) for o in outs])
+    assert outputs[0] == outputs[1]
+
+
+def test_samples_follow_the_target_with_the_triton_verify_kernel():
+    """The chi-square check with the kernel in the engine, on fewer samples (the interpreter runs
+    one program per sequence in Python); attention stays on torch (see tests/kernels for it)."""
+    pytest.importorskip("triton")
+    params = SETTINGS[0]
+    counts = joint_counts("chain:2", "bad", params, verify_kernel="triton", n=1200)
     assert chi_square_pvalue(counts, exact_joint_of_tokens_2_and_3(params)) > 1e-3
 
 

@@ -33,8 +33,8 @@ def _sample(p: torch.Tensor, g: torch.Generator) -> int:
     return int(torch.multinomial(p.float(), 1, generator=g))
 
 
-def _uniform(g: torch.Generator):
-    return lambda: float(torch.rand(1, generator=g, dtype=torch.float64))
+def _uniforms(tree: DraftTree, g: torch.Generator) -> torch.Tensor:
+    return torch.rand(len(tree) + 1, generator=g, dtype=torch.float64)
 
 
 def _target(tree: DraftTree):
@@ -90,10 +90,9 @@ DRAFTERS = [draft_chain_stochastic, draft_chain_deterministic, draft_tree_iid, d
 def joint_counts(draft, n: int, seed: int) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     counts = torch.zeros(V * V, dtype=torch.long)
-    uniform = _uniform(g)
     for _ in range(n):
         tree = draft(g)
-        verdict = verify_sampled(tree, _target(tree), uniform)
+        verdict = verify_sampled(tree, _target(tree), _uniforms(tree, g))
         pair = _first_two(tree, verdict)
         if pair is None:  # first token was a correction: draw the second from the target directly
             first = verdict.final_token
@@ -137,7 +136,7 @@ def test_zero_probability_tokens_are_never_emitted():
     banned = int((P_ROOT == 0).nonzero()[0])
     tree = DraftTree.chain([banned, 1])  # a draft of a token the target has filtered out
     for _ in range(500):
-        verdict = verify_sampled(tree, _target(tree), _uniform(g))
+        verdict = verify_sampled(tree, _target(tree), _uniforms(tree, g))
         assert verdict.path == [] and verdict.final_token != banned
 
 
@@ -165,5 +164,5 @@ def test_bonus_token_after_a_fully_accepted_chain():
         p[[3, 4, 5][row]] = 1.0
         return p
 
-    verdict = verify_sampled(tree, certain, _uniform(g))
+    verdict = verify_sampled(tree, certain, _uniforms(tree, g))
     assert verdict.path == [0, 1] and verdict.final_token == 5

@@ -1,0 +1,122 @@
+"""Triton source of the paged attention kernel (imported only when first used).
+
+One program handles ``BLOCK_Q`` new tokens of one sequence for one query head. It walks the
+sequence's context ``BLOCK_N`` keys at a time, finding each key's slot through the block table
+(any cache block size), and keeps an online softmax in fp32. A query sees every cached key and,
+among the new tokens, the causal prefix or, with a tree mask, its ancestors; an optional sliding
+window drops keys too far behind the query's position. Rows beyond a sequence's new tokens are
+not written (the launcher zero-fills the output). See ``kernels/paged_attention.py``.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def paged_attention_kernel(
+    q_ptr,  # [T, H, D]
+    k_cache_ptr,  # [slots, KVH, D]
+    v_cache_ptr,
+    out_ptr,  # [T, H, D] f32
+    block_tables_ptr,  # [B, max_blocks] i32
+    cached_lens_ptr,  # [B] i32 tokens already cached before this forward
+    query_lens_ptr,  # [B] i32 new tokens this forward
+    query_start_ptr,  # [B] i32 packed row of each sequence's first new token
+    tree_mask_ptr,  # [B, MQ, MQ] u8 (HAS_TREE)
+    query_pos_ptr,  # [T] i32 positions (HAS_WINDOW)
+    scale,
+    window,
+    head_dim,
+    block_size,
+    max_blocks,
+    mask_q,
+    stride_qt,
+    stride_qh,
+    stride_ks,
+    stride_kh,
+    stride_vs,
+    stride_vh,
+    stride_ot,
+    stride_oh,
+    GROUP: tl.constexpr,
+    HAS_TREE: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    first = tl.program_id(2) * BLOCK_Q
+    kv_head = h // GROUP
+    cached = tl.load(cached_lens_ptr + b)
+    q_len = tl.load(query_lens_ptr + b)
+    q_start = tl.load(query_start_ptr + b)
+
+    rows = first + tl.arange(0, BLOCK_Q)
+    row_ok = rows < q_len
+    dims = tl.arange(0, BLOCK_D)
+    dim_ok = dims < head_dim
+    packed_rows = (q_start + rows).to(tl.int64)
+    q = tl.load(
+        q_ptr + packed_rows[:, None] * stride_qt + h * stride_qh + dims[None, :],
+        mask=row_ok[:, None] & dim_ok[None, :],
+        other=0.0,
+    ).to(tl.float32)
+    if HAS_WINDOW:
+        q_pos = tl.load(query_pos_ptr + packed_rows, mask=row_ok, other=0)
+
+    # new tokens only attend to earlier new tokens (causal or ancestors), so keys end at the last row
+    key_end = tl.where(first < q_len, cached + tl.minimum(q_len, first + BLOCK_Q), 0)
+    m = tl.full((BLOCK_Q,), -1.0e30, dtype=tl.float32)
+    denom = tl.zeros((BLOCK_Q,), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_Q, BLOCK_D), dtype=tl.float32)
+    table = block_tables_ptr + b.to(tl.int64) * max_blocks
+    for start in range(0, key_end, BLOCK_N):
+        keys = start + tl.arange(0, BLOCK_N)
+        key_ok = keys < key_end
+        block = tl.load(table + keys // block_size, mask=key_ok, other=0)
+        slots = block.to(tl.int64) * block_size + keys % block_size
+        kv_mask = key_ok[:, None] & dim_ok[None, :]
+        k = tl.load(
+            k_cache_ptr + slots[:, None] * stride_ks + kv_head * stride_kh + dims[None, :], mask=kv_mask, other=0.0
+        ).to(tl.float32)
+        scores = tl.dot(q, tl.trans(k), input_precision="ieee") * scale  # [BLOCK_Q, BLOCK_N]
+
+        new = keys - cached  # index among this forward's new tokens (< 0: cached)
+        if HAS_TREE:
+            in_new = (new >= 0) & key_ok
+            allowed = tl.load(
+                tree_mask_ptr + b.to(tl.int64) * mask_q * mask_q + rows[:, None] * mask_q + new[None, :],
+                mask=row_ok[:, None] & in_new[None, :],
+                other=0,
+            )
+            visible = (new[None, :] < 0) | (allowed != 0)
+        else:
+            visible = new[None, :] <= rows[:, None]
+        visible = visible & key_ok[None, :] & row_ok[:, None]
+        if HAS_WINDOW:
+            visible = visible & ((q_pos[:, None] - keys[None, :]) < window)
+        scores = tl.where(visible, scores, float("-inf"))
+
+        m_new = tl.maximum(m, tl.max(scores, axis=1))
+        probs = tl.exp(scores - m_new[:, None])
+        rescale = tl.exp(m - m_new)
+        denom = denom * rescale + tl.sum(probs, axis=1)
+        v = tl.load(
+            v_cache_ptr + slots[:, None] * stride_vs + kv_head * stride_vh + dims[None, :], mask=kv_mask, other=0.0
+        ).to(tl.float32)
+        acc = acc * rescale[:, None] + tl.dot(probs, v, input_precision="ieee")
+        m = m_new
+
+    out = acc / tl.where(denom > 0, denom, 1.0)[:, None]
+    tl.store(
+        out_ptr + packed_rows[:, None] * stride_ot + h * stride_oh + dims[None, :],
+        out,
+        mask=row_ok[:, None] & dim_ok[None, :],
+    )
+
+
+__all__ = ["paged_attention_kernel"]

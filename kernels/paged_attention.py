@@ -1,0 +1,182 @@
+"""Paged attention over the block tables, for prefill, decode and tree verification.
+
+:class:`PagedAttentionPlan` describes one packed forward the way the kernel reads it: per
+sequence a block table, how many tokens were cached before the forward, how many new tokens
+(queries) it has and where they start in the packed rows, and optionally a ``[Q, Q]`` mask among
+the new tokens (tree verification; default causal). :func:`paged_attention_reference` is the
+plain torch definition; :func:`paged_attention_triton` launches the Triton kernel. The engine's
+own torch path (``tailspec.rollout.attention``, gather + SDPA) computes the same function.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+import torch
+
+PLAN_TENSORS = ("block_tables", "cached_lens", "query_lens", "query_start", "query_positions", "tree_mask")
+
+
+@dataclass
+class PagedAttentionPlan:
+    block_tables: torch.Tensor  # [B, max_blocks] int32
+    cached_lens: torch.Tensor  # [B] int32
+    query_lens: torch.Tensor  # [B] int32
+    query_start: torch.Tensor  # [B] int32
+    query_positions: torch.Tensor  # [T] int32, for sliding windows
+    tree_mask: torch.Tensor | None  # [B, MQ, MQ] uint8 among new tokens; None = causal
+    block_size: int
+    max_query_len: int
+
+    @classmethod
+    def build(
+        cls,
+        block_tables: list[list[int]],
+        cached_lens: list[int],
+        query_lens: list[int],
+        query_start: list[int],
+        query_positions: torch.Tensor,
+        tree_masks: list[torch.Tensor | None],
+        block_size: int,
+        device: torch.device,
+        mask_size: int | None = None,
+    ) -> PagedAttentionPlan:
+        """``mask_size`` materialises a ``[B, mask_size, mask_size]`` mask (causal where no tree)
+        even without trees, so a captured graph sees inputs of one shape whatever the step holds."""
+        max_blocks = max(1, max(len(t) for t in block_tables))
+        max_q = mask_size or max(1, max(query_lens))
+        table = torch.zeros(len(block_tables), max_blocks, dtype=torch.int32)
+        for i, t in enumerate(block_tables):
+            table[i, : len(t)] = torch.tensor(t, dtype=torch.int32)
+        tree_mask = None
+        if mask_size is not None or any(m is not None for m in tree_masks):
+            causal = torch.ones(max_q, max_q, dtype=torch.bool).tril()
+            tree_mask = causal.expand(len(block_tables), -1, -1).clone()
+            for i, m in enumerate(tree_masks):
+                if m is not None:
+                    q = m.shape[0]
+                    tree_mask[i, :q, :q] = m.bool().cpu()
+            tree_mask = tree_mask.to(torch.uint8).to(device)
+
+        def ints(values: list[int]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.int32, device=device)
+
+        return cls(
+            block_tables=table.to(device),
+            cached_lens=ints(cached_lens),
+            query_lens=ints(query_lens),
+            query_start=ints(query_start),
+            query_positions=query_positions.to(device=device, dtype=torch.int32),
+            tree_mask=tree_mask,
+            block_size=block_size,
+            max_query_len=max_q,
+        )
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """The tensor fields (static inputs of a captured graph)."""
+        return {name: getattr(self, name) for name in PLAN_TENSORS if getattr(self, name) is not None}
+
+    def with_tensors(self, tensors: dict[str, torch.Tensor]) -> PagedAttentionPlan:
+        return replace(self, **{k: v for k, v in tensors.items() if k in PLAN_TENSORS})
+
+
+def paged_attention_reference(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    plan: PagedAttentionPlan,
+    scale: float | None = None,
+    sliding_window: int | None = None,
+) -> torch.Tensor:
+    """``query`` ``[T, H, D]``, caches ``[slots, KVH, D]`` (new K/V already written). Returns
+    ``[T, H, D]`` in float32; rows that belong to no sequence are zero."""
+    num_rows, heads, head_dim = query.shape
+    group = heads // k_cache.shape[1]
+    scale = scale if scale is not None else 1.0 / math.sqrt(head_dim)
+    out = torch.zeros(num_rows, heads, head_dim, dtype=torch.float32, device=query.device)
+    bs = plan.block_size
+    for b in range(plan.block_tables.shape[0]):
+        cached, q_len, start = (int(x[b]) for x in (plan.cached_lens, plan.query_lens, plan.query_start))
+        if q_len == 0:
+            continue
+        ctx = cached + q_len
+        keys_idx = torch.arange(ctx, device=query.device)
+        slots = plan.block_tables[b].long()[keys_idx // bs] * bs + keys_idx % bs
+        k = k_cache[slots].float().repeat_interleave(group, dim=1)  # [L, H, D]
+        v = v_cache[slots].float().repeat_interleave(group, dim=1)
+        q = query[start : start + q_len].float()  # [Q, H, D]
+        new = torch.ones(q_len, q_len, dtype=torch.bool, device=query.device).tril()
+        if plan.tree_mask is not None:
+            new = plan.tree_mask[b, :q_len, :q_len].bool()
+        visible = torch.cat([torch.ones(q_len, cached, dtype=torch.bool, device=query.device), new], dim=1)
+        if sliding_window is not None:
+            pos = plan.query_positions[start : start + q_len].long()
+            visible &= (pos.unsqueeze(1) - keys_idx.unsqueeze(0)) < sliding_window
+        scores = torch.einsum("qhd,khd->hqk", q, k) * scale
+        scores = scores.masked_fill(~visible, float("-inf"))
+        weights = torch.nan_to_num(scores.softmax(dim=-1))  # a row with no visible key gives zeros
+        out[start : start + q_len] = torch.einsum("hqk,khd->qhd", weights, v)
+    return out
+
+
+def paged_attention_triton(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    plan: PagedAttentionPlan,
+    scale: float | None = None,
+    sliding_window: int | None = None,
+    block_q: int = 16,
+    block_n: int = 32,
+) -> torch.Tensor:
+    """The Triton kernel over the same inputs as :func:`paged_attention_reference`."""
+    from ._triton_attention import paged_attention_kernel
+
+    num_rows, heads, head_dim = query.shape
+    kv_heads = k_cache.shape[1]
+    if heads % kv_heads:
+        raise ValueError(f"{heads} query heads are not a multiple of {kv_heads} KV heads")
+    scale = scale if scale is not None else 1.0 / math.sqrt(head_dim)
+    out = torch.zeros(num_rows, heads, head_dim, dtype=torch.float32, device=query.device)
+    num_seqs = plan.block_tables.shape[0]
+    tree = plan.tree_mask
+    mask_q = tree.shape[1] if tree is not None else 1
+    grid = (num_seqs, heads, triton_cdiv(plan.max_query_len, block_q))
+    paged_attention_kernel[grid](
+        query,
+        k_cache,
+        v_cache,
+        out,
+        plan.block_tables,
+        plan.cached_lens,
+        plan.query_lens,
+        plan.query_start,
+        tree if tree is not None else plan.query_lens,  # unread without a tree
+        plan.query_positions,
+        float(scale),
+        int(sliding_window or 0),
+        head_dim,
+        plan.block_size,
+        plan.block_tables.shape[1],
+        mask_q,
+        query.stride(0),
+        query.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        out.stride(0),
+        out.stride(1),
+        GROUP=heads // kv_heads,
+        HAS_TREE=tree is not None,
+        HAS_WINDOW=sliding_window is not None,
+        BLOCK_Q=block_q,
+        BLOCK_N=block_n,
+        BLOCK_D=max(16, 1 << (head_dim - 1).bit_length()),
+    )
+    return out
+
+
+def triton_cdiv(a: int, b: int) -> int:
+    return -(-a // b)
