@@ -13,6 +13,7 @@ from ..tasks.sft import load_tiny, load_tiny_eagle3
 from ..trainer_hooks.spec_rollout import SpecRollout
 from .adaptive import long_tail_table, measure_long_tail, measure_uniform, plot_adaptive
 from .eagle3 import eagle3_table, measure_eagle3, measure_head_cost, plot_eagle3
+from .kernels import NO_CUDA_SECTION, kernels_section, run_kernel_bench
 from .report import plot_throughput, throughput_table, write_report
 from .speculative import (
     forward_cost_table,
@@ -62,6 +63,7 @@ def run_bench(out: Path, quick: bool = False, seed: int = 1234) -> str:
     spec_section, spec_table = speculative_section(model, tokenizer, prompts, params, docs, quick, seed)
     eagle_section, eagle_tab = eagle3_section(model, tokenizer, params, docs, quick, seed)
     adaptive_section, adaptive_tab = long_tail_section(model, tokenizer, params, docs, quick, seed)
+    kernel_section = kernels_section_for_this_machine(model, tokenizer, quick)
     table = f"{table}\n\n{spec_table}\n\n{eagle_tab}\n\n{adaptive_tab}"
     workload = (
         f"the shipped tiny chain-sum policy (Qwen2 architecture, fp32), chain-sum prompts with "
@@ -75,11 +77,27 @@ def run_bench(out: Path, quick: bool = False, seed: int = 1234) -> str:
             ("Speculative decoding: strategies vs no speculation", spec_section),
             ("EAGLE-3 head: before and after online training", eagle_section),
             ("Adaptive strategy selection on a long-tail rollout", adaptive_section),
+            ("Triton kernels", kernel_section),
         ],
         command="tailspec bench" + (" --quick" if quick else ""),
         workload=workload,
     )
     return table
+
+
+def kernels_section_for_this_machine(model, tokenizer, quick: bool) -> str:
+    """The kernel benchmark on CUDA (a copy of the policy and the shipped head moved to the GPU);
+    a note saying why not elsewhere."""
+    if not torch.cuda.is_available():
+        return NO_CUDA_SECTION
+    import copy
+
+    device = torch.device("cuda")
+    policy = copy.deepcopy(model).to(device)
+    head = load_tiny_eagle3().to(device)
+    prompts = task_prompts(tokenizer, 64, seed=0)
+    timings, engine = run_kernel_bench(device, policy, prompts, [tokenizer.eos_token_id], head, quick)
+    return kernels_section(timings, engine, torch.cuda.get_device_name(0))
 
 
 SPEC_STRATEGIES = ("none", "chain:2", "chain:4", "tree:4,2,8", "suffix", "suffix:8")

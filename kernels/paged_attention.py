@@ -46,9 +46,7 @@ class PagedAttentionPlan:
         even without trees, so a captured graph sees inputs of one shape whatever the step holds."""
         max_blocks = max(1, max(len(t) for t in block_tables))
         max_q = mask_size or max(1, max(query_lens))
-        table = torch.zeros(len(block_tables), max_blocks, dtype=torch.int32)
-        for i, t in enumerate(block_tables):
-            table[i, : len(t)] = torch.tensor(t, dtype=torch.int32)
+        table = torch.tensor([t + [0] * (max_blocks - len(t)) for t in block_tables], dtype=torch.int32)
         tree_mask = None
         if mask_size is not None or any(m is not None for m in tree_masks):
             causal = torch.ones(max_q, max_q, dtype=torch.bool).tril()

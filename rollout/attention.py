@@ -142,14 +142,11 @@ def _kernel_metadata(cache: PagedKVCache, seqs: Sequence[SequenceSlice], positio
         cache.block_size,
         device,
     )
-    slots = []
-    for s in seqs:
-        index = torch.arange(s.num_cached, s.num_cached + s.num_new)
-        table = torch.tensor(s.block_table, dtype=torch.long)
-        slots.append(table[index // cache.block_size] * cache.block_size + index % cache.block_size)
+    bs = cache.block_size
+    slots = [s.block_table[i // bs] * bs + i % bs for s in seqs for i in range(s.num_cached, s.num_cached + s.num_new)]
     return AttentionMetadata(
         cache=cache,
-        slot_mapping=torch.cat(slots).to(device) if slots else torch.zeros(0, dtype=torch.long, device=device),
+        slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
         gather_slots=torch.zeros(0, 0, dtype=torch.long, device=device),
         mask=torch.zeros(0, dtype=torch.bool, device=device),
         query_positions=positions.to(device),

@@ -1,0 +1,278 @@
+"""Triton kernels against their torch paths, and the engine with and without them.
+
+Meant for a CUDA machine (``python examples/bench_kernels.py``); ``tailspec bench`` includes it
+when CUDA is available. On CPU it only runs under ``--interpret`` (Triton's interpreter, tiny
+shapes): a smoke check that the script works, whose timings mean nothing.
+
+Every contender runs on the same inputs in the same process; each time is the median of
+``repeats`` runs after a warm-up (which also compiles the kernels), synchronising the device
+around each run. Outputs are compared too, so a fast wrong kernel cannot go unnoticed.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import types
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from ..drafter.base import DraftTree
+from ..kernels.paged_attention import PagedAttentionPlan, paged_attention_reference
+from ..rollout.attention import SequenceSlice, build_metadata, paged_attention_forward
+from ..rollout.engine import RolloutEngine
+from ..rollout.kv_cache import KVLayout, PagedKVCache
+from ..rollout.params import RolloutConfig, SamplingParams
+from ..rollout.verify import verify_batch
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class KernelTiming:
+    kernel: str
+    shape: str
+    torch_ms: float
+    triton_ms: float
+    max_abs_diff: float  # attention: vs the torch reference; verification: mismatching decisions
+
+    @property
+    def speedup(self) -> float:
+        return self.torch_ms / self.triton_ms if self.triton_ms > 0 else 0.0
+
+
+@dataclass
+class EngineTiming:
+    strategy: str
+    batch_size: int
+    torch_tok_s: float
+    triton_tok_s: float
+    same_output: bool
+
+
+def _median_ms(fn: Callable[[], object], device: torch.device, repeats: int) -> float:
+    def sync() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    fn()
+    sync()
+    times = []
+    for _ in range(repeats):
+        sync()
+        start = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - start)
+    return 1000 * sorted(times)[len(times) // 2]
+
+
+def _random_trees(g: torch.Generator, num_seqs: int, vocab: int, width: int, depth: int) -> list[DraftTree]:
+    """Sampled drafts: ``width`` branches of ``depth`` nodes each (a chain when width = 1)."""
+    trees = []
+    for _ in range(num_seqs):
+        tokens, parents = [], []
+        for _ in range(width):
+            parent = -1
+            for _ in range(depth):
+                parents.append(parent)
+                parent = len(tokens)
+                tokens.append(int(torch.randint(vocab, (1,), generator=g)))
+        q = torch.softmax(torch.randn(len(tokens), vocab, generator=g), dim=-1)
+        q[torch.arange(len(tokens)), tokens] += 1.0  # the drafted token is the draft's favourite
+        trees.append(DraftTree(tokens, parents, q / q.sum(-1, keepdim=True)))
+    return trees
+
+
+def measure_verify(
+    device: torch.device, num_seqs: int, vocab: int, width: int, depth: int, repeats: int, seed: int = 0
+) -> KernelTiming:
+    g = torch.Generator().manual_seed(seed)
+    trees = _random_trees(g, num_seqs, vocab, width, depth)
+    rows = sum(len(t) + 1 for t in trees)
+    logprobs = torch.log_softmax(torch.randn(rows, vocab, generator=g) * 2, dim=-1).to(device)
+    greedy = [False] * num_seqs
+    uniforms = torch.rand(rows, generator=g, dtype=torch.float64)
+    trees = [DraftTree(t.tokens, t.parents, t.draft_probs.to(device)) for t in trees]
+    results = {}
+
+    def run(backend: str):
+        results[backend] = verify_batch(trees, logprobs, greedy, uniforms, backend=backend)
+
+    torch_ms = _median_ms(lambda: run("torch"), device, repeats)
+    triton_ms = _median_ms(lambda: run("triton"), device, repeats)
+    mismatches = sum(
+        (a.path, a.final_token) != (b.path, b.final_token) for a, b in zip(results["torch"], results["triton"])
+    )
+    shape = f"{num_seqs} seqs x {'chain' if width == 1 else f'{width} branches'} of {depth}, vocab {vocab}"
+    return KernelTiming("verify (sampled)", shape, torch_ms, triton_ms, float(mismatches))
+
+
+def measure_attention(
+    device: torch.device,
+    num_seqs: int,
+    context: int,
+    new_tokens: int,
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    repeats: int,
+    block_size: int = 16,
+    seed: int = 0,
+) -> KernelTiming:
+    """The engine's attention call for one layer (K/V write + attention): dense gather + SDPA
+    (torch) against the kernel over block tables (triton)."""
+    g = torch.Generator().manual_seed(seed)
+    per_seq = -(-(context + new_tokens) // block_size)
+    num_blocks = num_seqs * per_seq
+    layout = KVLayout(num_layers=1, num_kv_heads=kv_heads, head_dim=head_dim, dtype=dtype, device=device)
+    cache = PagedKVCache(layout, num_blocks, block_size)
+    cache.k[0].copy_(torch.randn(cache.k[0].shape, generator=g).to(device, dtype))
+    cache.v[0].copy_(torch.randn(cache.v[0].shape, generator=g).to(device, dtype))
+    order = torch.randperm(num_blocks, generator=g).tolist()
+    slices = [SequenceSlice(order[i * per_seq : (i + 1) * per_seq], context, new_tokens) for i in range(num_seqs)]
+    positions = torch.arange(context, context + new_tokens).repeat(num_seqs).to(device)
+    total = num_seqs * new_tokens
+    q = torch.randn(1, heads, total, head_dim, generator=g).to(device, dtype)
+    k = torch.randn(1, kv_heads, total, head_dim, generator=g).to(device, dtype)
+    v = torch.randn(1, kv_heads, total, head_dim, generator=g).to(device, dtype)
+    module = types.SimpleNamespace(layer_idx=0)
+    metas = {b: build_metadata(cache, slices, positions, kernels=b) for b in ("torch", "triton")}
+    outs = {}
+
+    def run(backend: str):
+        outs[backend] = paged_attention_forward(module, q, k, v, None, tailspec_attn=metas[backend])[0][0]
+
+    torch_ms = _median_ms(lambda: run("torch"), device, repeats)
+    triton_ms = _median_ms(lambda: run("triton"), device, repeats)
+    plan = metas["triton"].plan
+    assert isinstance(plan, PagedAttentionPlan)
+    want = paged_attention_reference(q[0].transpose(0, 1), cache.k[0], cache.v[0], plan)
+    diff = float((outs["triton"].float() - want).abs().max())
+    kind = "decode" if new_tokens == 1 else f"verify {new_tokens} tokens"
+    shape = f"{num_seqs} seqs, context {context}, {kind}, {heads}/{kv_heads} heads x {head_dim}, {str(dtype)[6:]}"
+    return KernelTiming("paged attention", shape, torch_ms, triton_ms, diff)
+
+
+def measure_engine(
+    model: torch.nn.Module,
+    prompts: list[list[int]],
+    params: SamplingParams,
+    strategies: Sequence[str],
+    eos_token_ids: list[int],
+    drafter=None,
+) -> list[EngineTiming]:
+    """Completion tokens/s of the engine with ``kernels="torch"`` and ``kernels="triton"`` (greedy,
+    so both must produce the same tokens)."""
+    out = []
+    for strategy in strategies:
+        rates, outputs = {}, {}
+        for backend in ("torch", "triton"):
+            config = RolloutConfig(strategy=strategy, kernels=backend, max_num_seqs=len(prompts))
+            engine = RolloutEngine(
+                model, config, eos_token_ids=eos_token_ids, drafter=drafter if strategy != "none" else None
+            )
+            engine.generate(prompts[:2], params.with_updates(max_new_tokens=8))  # warm-up / compile
+            if model.device.type == "cuda":
+                torch.cuda.synchronize()
+            start = time.perf_counter()
+            results = engine.generate(prompts, params)
+            if model.device.type == "cuda":
+                torch.cuda.synchronize()
+            seconds = time.perf_counter() - start
+            outputs[backend] = [r.completion_ids for r in results]
+            rates[backend] = sum(len(c) for c in outputs[backend]) / seconds
+        same = outputs["torch"] == outputs["triton"]
+        out.append(EngineTiming(strategy, len(prompts), rates["torch"], rates["triton"], same))
+        logger.info("engine %s: torch %.0f tok/s, triton %.0f tok/s", strategy, rates["torch"], rates["triton"])
+    return out
+
+
+def kernel_table(timings: Sequence[KernelTiming]) -> str:
+    lines = [
+        "| kernel | shape | torch ms | Triton ms | torch / Triton | check |",
+        "|---|---|---:|---:|---:|---|",
+    ]
+    for t in timings:
+        check = (
+            f"{int(t.max_abs_diff)} mismatching verdicts"
+            if t.kernel.startswith("verify")
+            else f"max abs diff {t.max_abs_diff:.1e}"
+        )
+        lines.append(f"| {t.kernel} | {t.shape} | {t.torch_ms:.3f} | {t.triton_ms:.3f} | {t.speedup:.2f}x | {check} |")
+    return "\n".join(lines)
+
+
+def engine_table(timings: Sequence[EngineTiming]) -> str:
+    lines = [
+        "| strategy | prompts | kernels=torch tok/s | kernels=triton tok/s | triton / torch | same tokens |",
+        "|---|---:|---:|---:|---:|---|",
+    ]
+    for t in timings:
+        ratio = t.triton_tok_s / t.torch_tok_s if t.torch_tok_s else 0.0
+        lines.append(
+            f"| `{t.strategy}` | {t.batch_size} | {t.torch_tok_s:,.0f} | {t.triton_tok_s:,.0f} | {ratio:.2f}x | "
+            f"{'yes' if t.same_output else 'NO'} |"
+        )
+    return "\n".join(lines)
+
+
+def run_kernel_bench(
+    device: torch.device,
+    model: torch.nn.Module | None,
+    prompts: list[list[int]],
+    eos_token_ids: list[int],
+    drafter=None,
+    quick: bool = False,
+) -> tuple[list[KernelTiming], list[EngineTiming]]:
+    """The kernel micro-benchmarks at rollout-like shapes (tiny shapes when ``quick``), then the
+    engine end to end on ``model`` when one is given."""
+    repeats = 3 if quick else 20
+    vocab = 64 if quick else 151_936  # Qwen's vocabulary
+    half = torch.float32 if device.type != "cuda" else torch.bfloat16
+    timings = []
+    for width, depth, seqs in ((1, 4, 2), (3, 2, 2)) if quick else ((1, 4, 64), (4, 4, 64), (1, 6, 256)):
+        timings.append(measure_verify(device, seqs, vocab, width, depth, repeats))
+    attention_shapes = (
+        [(2, 40, 1, 4, 2, 16, torch.float32), (2, 40, 5, 4, 2, 16, torch.float32)]
+        if quick
+        else [
+            (64, 1024, 1, 32, 8, 128, half),
+            (64, 1024, 5, 32, 8, 128, half),
+            (256, 2048, 1, 32, 8, 128, half),
+            (16, 4096, 9, 32, 8, 128, half),
+            (64, 1024, 5, 32, 8, 128, torch.float32),
+        ]
+    )
+    for seqs, context, new, heads, kv_heads, head_dim, dtype in attention_shapes:
+        timings.append(measure_attention(device, seqs, context, new, heads, kv_heads, head_dim, dtype, repeats))
+    engine = []
+    if model is not None:
+        params = SamplingParams(temperature=0.0, max_new_tokens=16 if quick else 256)
+        strategies = ("none", "chain:4") if drafter is not None else ("none",)
+        engine = measure_engine(model, prompts, params, strategies, eos_token_ids, drafter)
+    return timings, engine
+
+
+def kernels_section(timings: Sequence[KernelTiming], engine: Sequence[EngineTiming], device: str) -> str:
+    parts = [
+        f"Device: {device}. Median of repeated runs after a warm-up that compiles the kernels; the "
+        "torch column is what the engine runs without the kernels (verification: the per-sequence "
+        "rule of `rollout/verify.py`; attention: gather over the block tables + SDPA).",
+        "",
+        kernel_table(timings),
+    ]
+    if engine:
+        parts += ["", "Engine end to end (greedy, so both runs must emit the same tokens):", "", engine_table(engine)]
+    return "\n".join(parts)
+
+
+NO_CUDA_SECTION = (
+    "Not measured on this machine: it has no CUDA device, and timings of Triton's CPU interpreter mean "
+    "nothing. The kernels are checked on CPU in the interpreter by `tests/kernels` (exact verdicts, "
+    'attention within fp32 tolerance) and by the engine tests with `kernels="triton"`. On a GPU, '
+    "`python examples/bench_kernels.py` (or `tailspec bench`) measures them here."
+)
