@@ -141,6 +141,20 @@ def test_triton_verify_kernel_draws_the_same_samples(strategy, kind, params):
     assert outputs[0] == outputs[1]
 
 
+def test_triton_attention_and_verify_kernels_draw_the_same_samples():
+    """Both kernels (the target's and the EAGLE-3 head's attention too): the same seeded samples
+    as the torch path (attention differs from SDPA only by float rounding)."""
+    pytest.importorskip("triton")
+    prompts = [PROMPT[: 1 + i % 5] for i in range(6)]
+    params = SETTINGS[1].with_updates(max_new_tokens=6, ignore_eos=True)
+    outputs = []
+    for backend in ("torch", "triton"):
+        config = RolloutConfig(strategy="tree:2,3,6", seed=3, kernels=backend)
+        engine = RolloutEngine(target(), config, drafter=drafter("eagle3"))
+        outputs.append([(o.completion_ids, o.num_accepted) for o in engine.generate(prompts, params)])
+    assert outputs[0] == outputs[1]
+
+
 def test_samples_follow_the_target_with_the_triton_verify_kernel():
     """The chi-square check with the kernel in the engine, on fewer samples (the interpreter runs
     one program per sequence in Python); attention stays on torch (see tests/kernels for it)."""

@@ -1,0 +1,80 @@
+"""Compile the Triton kernels for a GPU architecture without a GPU (ahead of time).
+
+``python -m tailspec.kernels.aot --arch 90`` compiles every kernel variant the launchers use
+(verification; attention for fp32/bf16/fp16 caches, with and without tree masks and sliding
+windows) to a cubin with Triton's bundled ``ptxas`` and prints the cubin sizes as JSON. It checks
+that the kernels are valid compiled Triton, which the CPU interpreter does not, and warms
+Triton's cache on a build machine. Needs ``TRITON_INTERPRET`` unset.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+ATTENTION_DTYPES = ("fp32", "bf16", "fp16")
+
+
+def _signature(kernel, pointer_types: dict[str, str], scalar_types: dict[str, str]) -> dict[str, str]:
+    """Triton types of a kernel's arguments: declared constexprs, the given pointer and scalar
+    types, ``*i32`` for other pointers and ``i32`` for other scalars."""
+    sig = {}
+    for param in kernel.params:
+        if param.is_constexpr:
+            sig[param.name] = "constexpr"
+        elif param.name.endswith("_ptr"):
+            sig[param.name] = pointer_types.get(param.name, "*i32")
+        else:
+            sig[param.name] = scalar_types.get(param.name, "i32")
+    return sig
+
+
+def compile_kernels(arch: int, head_dim: int = 128, group: int = 4) -> dict[str, int]:
+    """Cubin size per kernel variant for ``sm_<arch>``."""
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        raise RuntimeError("ahead-of-time compilation needs TRITON_INTERPRET unset (the kernels are interpreted)")
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from ._triton_attention import paged_attention_kernel
+    from ._triton_verify import verify_trees_kernel
+
+    target = GPUTarget("cuda", arch, 32)
+    sizes = {}
+    floats = {"target_probs_ptr": "*fp32", "draft_probs_ptr": "*fp32", "uniforms_ptr": "*fp64", "scratch_ptr": "*fp32"}
+    verify = ASTSource(verify_trees_kernel, _signature(verify_trees_kernel, floats, {}), {"BLOCK_V": 1024})
+    sizes["verify"] = len(triton.compile(verify, target=target, options={"enable_fp_fusion": False}).asm["cubin"])
+    block_d = max(16, 1 << (head_dim - 1).bit_length())
+    for dtype in ATTENTION_DTYPES:
+        for tree in (False, True):
+            for window in (False, True):
+                constexprs = {
+                    "GROUP": group,
+                    "HAS_TREE": tree,
+                    "HAS_WINDOW": window,
+                    "BLOCK_Q": 16,
+                    "BLOCK_N": 32,
+                    "BLOCK_D": block_d,
+                }
+                pointers = {"q_ptr": f"*{dtype}", "k_cache_ptr": f"*{dtype}", "v_cache_ptr": f"*{dtype}"}
+                pointers |= {"out_ptr": "*fp32", "tree_mask_ptr": "*u8"}
+                signature = _signature(paged_attention_kernel, pointers, {"scale": "fp32"})
+                src = ASTSource(paged_attention_kernel, signature, constexprs)
+                name = f"attention[{dtype}{',tree' if tree else ''}{',window' if window else ''}]"
+                sizes[name] = len(triton.compile(src, target=target).asm["cubin"])
+    return sizes
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--arch", type=int, default=90, help="compute capability without the dot (80: A100, 90: H100)")
+    parser.add_argument("--head-dim", type=int, default=128)
+    args = parser.parse_args(argv)
+    print(json.dumps(compile_kernels(args.arch, args.head_dim), indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
