@@ -101,6 +101,75 @@ def eos_ids_of(model: torch.nn.Module, tokenizer=None) -> frozenset[int]:
     return frozenset(ids)
 
 
+@dataclass(frozen=True)
+class RequestLimits:
+    """What a request must fit: the vocabulary, the context length and the KV pool."""
+
+    vocab_size: int
+    max_model_len: int
+    block_size: int
+    total_blocks: int
+
+    @classmethod
+    def of(cls, model: torch.nn.Module, config: RolloutConfig) -> RequestLimits:
+        from .model_runner import model_vocab_size
+
+        max_len = config.max_model_len or int(getattr(model.config, "max_position_embeddings", 1 << 30))
+        return cls(model_vocab_size(model), max_len, config.block_size, config.total_blocks)
+
+    def check(self, prompt_ids: Seq[int], params: SamplingParams) -> None:
+        """Raise ``ValueError`` naming the problem if the request cannot be served."""
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
+        if isinstance(prompt_ids, torch.Tensor):
+            prompt_ids = prompt_ids.tolist()
+        if len(prompt_ids) == 0:
+            raise ValueError("prompt_ids is empty; a prompt needs at least one token")
+        for i, tok in enumerate(prompt_ids):
+            if not isinstance(tok, int) or isinstance(tok, bool) or not 0 <= tok < self.vocab_size:
+                raise ValueError(
+                    f"prompt_ids[{i}] = {tok!r} is not a token id in the vocabulary [0, {self.vocab_size})"
+                )
+        bad_stops = [s for s in params.stop_token_ids if s >= self.vocab_size]
+        if bad_stops:
+            raise ValueError(f"stop_token_ids {bad_stops} are outside the vocabulary [0, {self.vocab_size})")
+        total = len(prompt_ids) + params.max_new_tokens
+        if total > self.max_model_len:
+            raise ValueError(
+                f"prompt length {len(prompt_ids)} + max_new_tokens {params.max_new_tokens} = {total} "
+                f"exceeds the context length max_model_len = {self.max_model_len}"
+            )
+        need = blocks_for(total, self.block_size)
+        if need > self.total_blocks:
+            raise ValueError(
+                f"a request of {total} tokens needs {need} KV blocks but the pool has "
+                f"{self.total_blocks}; raise RolloutConfig.num_blocks or kv_cache_tokens"
+            )
+
+
+def prepare_requests(
+    prompts: Seq[Seq[int]], params: SamplingParams | Seq[SamplingParams] | None, limits: RequestLimits
+) -> tuple[list[list[int]], list[SamplingParams]]:
+    """Prompts as lists and one ``SamplingParams`` per prompt, every request checked first: one
+    bad request raises ``ValueError`` naming its index (and all the others that are bad)."""
+    prompts = [p.tolist() if isinstance(p, torch.Tensor) else list(p) for p in prompts]
+    if params is None or isinstance(params, SamplingParams):
+        per_request = [params or SamplingParams()] * len(prompts)
+    else:
+        per_request = list(params)
+        if len(per_request) != len(prompts):
+            raise ValueError(f"got {len(per_request)} SamplingParams for {len(prompts)} prompts")
+    errors = []
+    for i, (p, sp) in enumerate(zip(prompts, per_request)):
+        try:
+            limits.check(p, sp)
+        except ValueError as e:
+            errors.append(f"request {i}: {e}")
+    if errors:
+        raise ValueError("invalid request(s): " + "; ".join(errors))
+    return prompts, per_request
+
+
 class RolloutEngine:
     """Continuous-batching generator over a paged KV cache, with optional speculative decoding.
 
@@ -125,7 +194,8 @@ class RolloutEngine:
             model, self.config.total_blocks, self.config.block_size, graph_pool=self._make_graph_pool(model)
         )
         self.vocab_size = self.runner.vocab_size
-        self.max_model_len = self.config.max_model_len or int(getattr(model.config, "max_position_embeddings", 1 << 30))
+        self.limits = RequestLimits.of(model, self.config)
+        self.max_model_len = self.limits.max_model_len
         self.eos_ids = frozenset(eos_token_ids) if eos_token_ids is not None else eos_ids_of(model, tokenizer)
         bad_eos = [i for i in self.eos_ids if not 0 <= i < self.vocab_size]
         if bad_eos:
@@ -227,32 +297,7 @@ class RolloutEngine:
     # -- validation ----------------------------------------------------------------------
     def validate(self, prompt_ids: Seq[int], params: SamplingParams) -> None:
         """Raise ``ValueError`` naming the problem if the request cannot be served."""
-        if not isinstance(params, SamplingParams):
-            raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
-        if isinstance(prompt_ids, torch.Tensor):
-            prompt_ids = prompt_ids.tolist()
-        if len(prompt_ids) == 0:
-            raise ValueError("prompt_ids is empty; a prompt needs at least one token")
-        for i, tok in enumerate(prompt_ids):
-            if not isinstance(tok, int) or isinstance(tok, bool) or not 0 <= tok < self.vocab_size:
-                raise ValueError(
-                    f"prompt_ids[{i}] = {tok!r} is not a token id in the vocabulary [0, {self.vocab_size})"
-                )
-        bad_stops = [s for s in params.stop_token_ids if s >= self.vocab_size]
-        if bad_stops:
-            raise ValueError(f"stop_token_ids {bad_stops} are outside the vocabulary [0, {self.vocab_size})")
-        total = len(prompt_ids) + params.max_new_tokens
-        if total > self.max_model_len:
-            raise ValueError(
-                f"prompt length {len(prompt_ids)} + max_new_tokens {params.max_new_tokens} = {total} "
-                f"exceeds the context length max_model_len = {self.max_model_len}"
-            )
-        need = blocks_for(total, self.config.block_size)
-        if need > self.config.total_blocks:
-            raise ValueError(
-                f"a request of {total} tokens needs {need} KV blocks but the pool has "
-                f"{self.config.total_blocks}; raise RolloutConfig.num_blocks or kv_cache_tokens"
-            )
+        self.limits.check(prompt_ids, params)
 
     # -- step-wise API -------------------------------------------------------------------
     def add_request(
@@ -329,21 +374,7 @@ class RolloutEngine:
         Every request is validated before any is submitted: one bad request raises
         ``ValueError`` (naming its index) and nothing of the call runs.
         """
-        prompts = [p.tolist() if isinstance(p, torch.Tensor) else list(p) for p in prompts]
-        if params is None or isinstance(params, SamplingParams):
-            per_request = [params or SamplingParams()] * len(prompts)
-        else:
-            per_request = list(params)
-            if len(per_request) != len(prompts):
-                raise ValueError(f"got {len(per_request)} SamplingParams for {len(prompts)} prompts")
-        errors = []
-        for i, (p, sp) in enumerate(zip(prompts, per_request)):
-            try:
-                self.validate(p, sp)
-            except ValueError as e:
-                errors.append(f"request {i}: {e}")
-        if errors:
-            raise ValueError("invalid request(s): " + "; ".join(errors))
+        prompts, per_request = prepare_requests(prompts, params, self.limits)
 
         groups: dict[tuple[int, ...], int] = {}
         counts: dict[tuple[int, ...], int] = {}

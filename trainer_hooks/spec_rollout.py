@@ -21,6 +21,7 @@ import torch
 from ..rollout.engine import RolloutEngine, eos_ids_of
 from ..rollout.params import RolloutConfig, SamplingParams
 from ..rollout.strategy import parse_strategy
+from ..workers.coordinator import RolloutCoordinator, RolloutReport, WorkersConfig
 from .sampling_from_trl import sampling_params_from_trl
 
 logger = logging.getLogger(__name__)
@@ -47,12 +48,32 @@ class SpecRolloutConfig:
     # the head follows the moving policy (in this process; tailspec.ray runs them on idle workers)
     drafter_train_steps: int = 0
     drafter_buffer_mb: int = 256
+    # Ray rollout workers (tailspec.workers): 0 = the colocated in-process engine (zero-copy); N >= 1
+    # engines in Ray actors, started locally unless ray_address (or RAY_ADDRESS) names a cluster.
+    # An EAGLE-3 head then trains on workers the long tail leaves idle (workers_config fields).
+    workers: int = 0
+    ray_address: str | None = None
+    workers_config: dict | None = None
 
     def __post_init__(self) -> None:
+        if not (isinstance(self.workers, int) and self.workers >= 0):
+            raise ValueError(f"workers must be an int >= 0, got {self.workers!r}")
+        if self.workers and self.drafter_train_steps:
+            raise ValueError(
+                "drafter_train_steps is for the in-process engine; with workers the EAGLE-3 head trains on "
+                "idle workers (workers_config: spot_training, max_spot_steps)"
+            )
+        if self.workers:
+            self.workers_options()  # validate now
         if not (isinstance(self.drafter_train_steps, int) and self.drafter_train_steps >= 0):
             raise ValueError(f"drafter_train_steps must be an int >= 0, got {self.drafter_train_steps!r}")
         if not (isinstance(self.drafter_buffer_mb, int) and self.drafter_buffer_mb >= 1):
             raise ValueError(f"drafter_buffer_mb must be an int >= 1, got {self.drafter_buffer_mb!r}")
+
+    def workers_options(self) -> WorkersConfig:
+        return WorkersConfig(
+            **{"num_workers": self.workers, "address": self.ray_address, **(self.workers_config or {})}
+        )
 
     def rollout_config(self, seed: int) -> RolloutConfig:
         return RolloutConfig(
@@ -91,6 +112,9 @@ class RolloutStats:
     drafter_loss: float | None = None  # EAGLE-3 online training after this rollout
     drafter_version: int | None = None
     drafter_train_s: float = 0.0
+    spot_train_steps: int = 0  # with Ray workers: drafter steps run on idle workers during the rollout
+    policy_version: int | None = None  # with Ray workers: the weights the workers generated with
+    workers_died: int = 0
 
     @property
     def acceptance_rate(self) -> float:
@@ -136,6 +160,7 @@ class SpecRollout:
         self.drafter_trainer = None  # DrafterTrainer, made at the first rollout (it needs the policy's embeddings)
         self._engine: RolloutEngine | None = None
         self._engine_model_id: int | None = None
+        self._coordinator: RolloutCoordinator | None = None
         self.last_stats: RolloutStats | None = None
         self.history: list[RolloutStats] = []
 
@@ -144,6 +169,8 @@ class SpecRollout:
         tokenizer = self.tokenizer or trainer.processing_class
         prompt_ids = self.tokenize_prompts(prompts, tokenizer, trainer)
         params = self.sampling or sampling_params_from_trl(trainer.args)
+        if self.config.workers:
+            return self._call_workers(prompt_ids, params, tokenizer, trainer)
         start = time.perf_counter()
         with self._policy(trainer) as model:
             engine = self.engine_for(model, tokenizer, seed=self._seed(trainer))
@@ -152,14 +179,51 @@ class SpecRollout:
             outputs = engine.generate(prompt_ids, params, progress=self.config.progress)
         elapsed = time.perf_counter() - start
         completion_ids = [o.completion_ids for o in outputs]
-        self._record(completion_ids, elapsed, engine, before, before_steps, trainer)
+        now = engine.stats.as_dict()
+        counters = {k: now[k] - before[k] for k in now if isinstance(now[k], (int, float))}
+        steps = {
+            k: v - before_steps.get(k, 0) for k, v in engine.stats.strategy_steps.items() if v > before_steps.get(k, 0)
+        }
+        self._record(completion_ids, elapsed, counters, steps, str(engine.strategy), trainer)
         if self._online_head:
             self._train_drafter(trainer)
+        return self._trl_outputs(outputs)
+
+    @staticmethod
+    def _trl_outputs(outputs: list) -> dict[str, list]:
         return {
             "prompt_ids": [o.prompt_ids for o in outputs],
-            "completion_ids": completion_ids,
+            "completion_ids": [o.completion_ids for o in outputs],
             "logprobs": [o.logprobs for o in outputs],
         }
+
+    def _call_workers(self, prompt_ids: list[list[int]], params: SamplingParams, tokenizer: Any, trainer: Any):
+        """The rollout on Ray workers; the policy goes to them once per global step."""
+        step = int(getattr(getattr(trainer, "state", None), "global_step", 0) or 0)
+        start = time.perf_counter()
+        with self._policy(trainer) as model:
+            if self._coordinator is None:
+                self._coordinator = RolloutCoordinator(
+                    model,
+                    self.config.rollout_config(self._seed(trainer)),
+                    sorted(self._eos_ids(model, tokenizer)),
+                    drafter=self.drafter,
+                    config=self.config.workers_options(),
+                    training=self.drafter_training,
+                    policy_version=step,
+                )
+            else:
+                self._coordinator.sync_policy(model, step)
+        report = self._coordinator.generate(prompt_ids, params)
+        elapsed = time.perf_counter() - start
+        completion_ids = [o.completion_ids for o in report.outputs]
+        self._record(completion_ids, elapsed, report.stats, report.strategy_steps, self.config.strategy, trainer)
+        self._record_spot_training(report, trainer)
+        return self._trl_outputs(report.outputs)
+
+    @property
+    def coordinator(self) -> RolloutCoordinator | None:
+        return self._coordinator
 
     # -- pieces ----------------------------------------------------------------------------
     @staticmethod
@@ -192,9 +256,7 @@ class SpecRollout:
     def engine_for(self, model: torch.nn.Module, tokenizer: Any, seed: int) -> RolloutEngine:
         """The engine for ``model``, rebuilt only when the model object changes."""
         if self._engine is None or self._engine_model_id != id(model):
-            eos = set(eos_ids_of(model))
-            if getattr(tokenizer, "eos_token_id", None) is not None:
-                eos.add(tokenizer.eos_token_id)
+            eos = self._eos_ids(model, tokenizer)
             cfg = self.config.rollout_config(seed)
             drafter = self.drafter
             if self._online_head:
@@ -219,6 +281,13 @@ class SpecRollout:
             self._engine_model_id = id(model)
         return self._engine
 
+    @staticmethod
+    def _eos_ids(model: torch.nn.Module, tokenizer: Any) -> set[int]:
+        eos = set(eos_ids_of(model))
+        if getattr(tokenizer, "eos_token_id", None) is not None:
+            eos.add(tokenizer.eos_token_id)
+        return eos
+
     def _train_drafter(self, trainer: Any) -> None:
         """Online EAGLE-3 training on what the rollouts recorded (the buffer keeps the most recent)."""
         start = time.perf_counter()
@@ -234,6 +303,22 @@ class SpecRollout:
             metrics[mode]["drafter/loss"].append(stats.drafter_loss)
             metrics[mode]["drafter/version"].append(float(stats.drafter_version))
             metrics[mode]["drafter/train_s"].append(stats.drafter_train_s)
+
+    def _record_spot_training(self, report: RolloutReport, trainer: Any) -> None:
+        stats = self.last_stats
+        stats.spot_train_steps = report.spot_steps
+        stats.drafter_version = report.drafter_version
+        stats.policy_version = report.policy_version
+        stats.workers_died = report.workers_died
+        if report.spot_losses:
+            stats.drafter_loss = sum(report.spot_losses) / len(report.spot_losses)
+        metrics = getattr(trainer, "_metrics", None)
+        if self.config.log_metrics and metrics is not None and report.drafter_version is not None:
+            mode = "train" if getattr(trainer.model, "training", True) else "eval"
+            metrics[mode]["drafter/spot_steps"].append(float(report.spot_steps))
+            metrics[mode]["drafter/version"].append(float(report.drafter_version))
+            if stats.drafter_loss is not None:
+                metrics[mode]["drafter/loss"].append(stats.drafter_loss)
 
     @property
     def engine(self) -> RolloutEngine | None:
@@ -269,19 +354,16 @@ class SpecRollout:
         self,
         completion_ids: list[list[int]],
         elapsed: float,
-        engine: RolloutEngine,
-        before: dict[str, float],
-        before_steps: dict[str, int],
+        counters: dict[str, float],
+        strategy_steps: dict[str, int],
+        strategy: str,
         trainer: Any,
     ) -> None:
+        """Stats of one rollout call from the engine counters it moved (one engine or summed over
+        workers), into ``last_stats``/``history`` and the trainer's metrics."""
         lengths = [len(c) for c in completion_ids]
         total = sum(lengths)
-        now = engine.stats.as_dict()
-
-        def delta(key: str) -> float:
-            return now[key] - before[key]
-
-        seq_steps = delta("spec_seq_steps")
+        seq_steps = counters.get("spec_seq_steps", 0)
         stats = RolloutStats(
             num_prompts=len(lengths),
             completion_tokens=total,
@@ -289,19 +371,15 @@ class SpecRollout:
             tokens_per_s=total / elapsed if elapsed > 0 else 0.0,
             mean_completion_length=total / max(1, len(lengths)),
             max_completion_length=max(lengths, default=0),
-            preemptions=engine.stats.preemptions,
-            strategy=str(engine.strategy),
-            drafted_tokens=int(delta("drafted_tokens")),
-            accepted_tokens=int(delta("accepted_tokens")),
-            mean_accept_length=delta("spec_emitted_tokens") / seq_steps if seq_steps else 1.0,
-            draft_time_s=delta("draft_time_s"),
-            verify_time_s=delta("verify_time_s"),
-            tail_time_s=delta("tail_time_s"),
-            strategy_steps={
-                k: v - before_steps.get(k, 0)
-                for k, v in engine.stats.strategy_steps.items()
-                if v > before_steps.get(k, 0)
-            },
+            preemptions=int(counters.get("preemptions", 0)),
+            strategy=strategy,
+            drafted_tokens=int(counters.get("drafted_tokens", 0)),
+            accepted_tokens=int(counters.get("accepted_tokens", 0)),
+            mean_accept_length=counters.get("spec_emitted_tokens", 0) / seq_steps if seq_steps else 1.0,
+            draft_time_s=counters.get("draft_time_s", 0.0),
+            verify_time_s=counters.get("verify_time_s", 0.0),
+            tail_time_s=counters.get("tail_time_s", 0.0),
+            strategy_steps=dict(strategy_steps),
         )
         self.last_stats = stats
         self.history.append(stats)

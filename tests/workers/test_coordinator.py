@@ -1,0 +1,181 @@
+"""Rollouts over 2 Ray workers (local Ray): the same completions as one engine, spot drafter
+training only while a worker idles in the tail, versions equal everywhere afterwards, and no
+request lost when a worker is killed mid-rollout or mid-training. Ordering is asserted from
+recorded events, never from timing."""
+
+import functools
+
+import pytest
+import torch
+
+from tailspec.drafter.eagle3 import Eagle3Config, Eagle3Head
+from tailspec.drafter.eagle3.train import DrafterTrainingConfig
+from tailspec.rollout import RolloutConfig, RolloutEngine, SamplingParams
+from tailspec.testing import perturbed_copy, tiny_random_model
+from tailspec.workers import RolloutCoordinator, WorkersConfig, shard_requests
+
+EOS = 1
+CONFIG = RolloutConfig(strategy="chain:3", kv_cache_tokens=8192)
+TRAINING = DrafterTrainingConfig(batch_size=4, max_tokens=128, seed=0)
+
+
+@functools.cache
+def policy():
+    return tiny_random_model("qwen2", seed=1)
+
+
+def fresh_head() -> Eagle3Head:
+    torch.manual_seed(0)
+    head = Eagle3Head(Eagle3Config.for_target(policy().config))
+    head.reset_parameters(std=0.05)
+    return head
+
+
+def long_tail_batch():
+    """Four GRPO-style groups; one is much longer, so its worker is still busy in the tail."""
+    groups = [([5, 6, 7, 8], 96), ([9, 10, 11], 6), ([3, 4], 6), ([20, 21, 22, 23, 24], 6)]
+    prompts, params = [], []
+    for prompt, length in groups:
+        for _ in range(3):
+            prompts.append(prompt)
+            params.append(SamplingParams(temperature=0.0, max_new_tokens=length, ignore_eos=True))
+    return prompts, params
+
+
+def single_engine(prompts, params, model=None):
+    return RolloutEngine(model or policy(), CONFIG, drafter=fresh_head()).generate(prompts, params)
+
+
+def coordinator(**overrides) -> RolloutCoordinator:
+    on_event = overrides.pop("on_event", None)
+    config = WorkersConfig(num_workers=2, spot_steps_per_call=2, **overrides)
+    return RolloutCoordinator(policy(), CONFIG, [EOS], drafter=fresh_head(), config=config, training=TRAINING,
+                              on_event=on_event)
+
+
+def kinds(events, kind):
+    return [e for e in events if e.kind == kind]
+
+
+def test_shards_keep_groups_together_and_balance():
+    prompts = [[1]] * 4 + [[2]] * 2 + [[3]] * 2 + [[4]] * 3 + [[5]]
+    shards = shard_requests(prompts, 2)
+    assert sorted(i for s in shards for i in s) == list(range(len(prompts)))
+    for s in shards:  # a group never straddles shards
+        assert all(prompts[i] != prompts[j] for i in s for t in shards if t is not s for j in t)
+    assert sorted(len(s) for s in shards) == [6, 6]
+    assert shard_requests([[1], [2]], 5) == [[0], [1]]  # no empty shards
+
+
+def test_workers_config_is_validated():
+    with pytest.raises(ValueError, match="WorkersConfig.num_workers"):
+        WorkersConfig(num_workers=0)
+    with pytest.raises(ValueError, match="WorkersConfig.spot_steps_per_call"):
+        WorkersConfig(spot_steps_per_call=0)
+
+
+def test_results_equal_one_engine_and_spot_training_fills_the_tail(ray_local):
+    prompts, params = long_tail_batch()
+    want = single_engine(prompts, params)
+    coord = coordinator()
+    for _ in range(2):
+        start = len(coord.events)
+        report = coord.generate(prompts, params)
+        assert [o.completion_ids for o in report.outputs] == [o.completion_ids for o in want]
+        assert [o.prompt_ids for o in report.outputs] == prompts
+        events = coord.events[start:]
+        end = kinds(events, "rollout_end")[0].seq
+        starts = kinds(events, "spot_start")
+        assert starts, "the short shards' worker should have trained while the long one generated"
+        for e in starts:  # only while another worker is still generating
+            assert e.detail["busy"] and e.worker not in e.detail["busy"]
+        assert all(e.seq < end for e in kinds(events, "spot_done"))  # training ended with the rollout
+        assert report.spot_steps == sum(e.detail["steps"] for e in kinds(events, "spot_done")) > 0
+    versions = coord.worker_versions()
+    assert len({v for _, v in versions.values()}) == 1  # every worker drafts with one version
+    (version,) = {v for _, v in versions.values()}
+    assert version == report.drafter_version == coord.head.version == coord.drafter_state.version > 0
+    for worker_events in coord.worker_events().values():  # no step after the last broadcast
+        last_broadcast = max(e.seq for e in worker_events if e.kind == "drafter")
+        assert all(e.seq < last_broadcast for e in worker_events if e.kind == "train_step")
+    coord.shutdown()
+
+
+def test_no_spot_training_when_turned_off(ray_local):
+    prompts, params = long_tail_batch()
+    coord = coordinator(spot_training=False)
+    report = coord.generate(prompts, params)
+    assert report.spot_steps == 0 and not kinds(coord.events, "spot_start")
+    assert report.drafter_version == 0
+    coord.shutdown()
+
+
+def test_killing_a_worker_mid_rollout_loses_no_request(ray_local):
+    prompts, params = long_tail_batch()
+    want = single_engine(prompts, params)
+    killed = []
+
+    def kill_first_shard_worker(event):
+        if event.kind == "shard" and not killed:
+            killed.append(event.worker)
+            ray_local.kill(coord.workers[event.worker])
+
+    coord = coordinator(on_event=kill_first_shard_worker)
+    report = coord.generate(prompts, params)
+    assert [o.completion_ids for o in report.outputs] == [o.completion_ids for o in want]
+    assert report.workers_died == 1
+    assert [e.worker for e in kinds(coord.events, "worker_died")] == killed
+    assert kinds(coord.events, "rerun")[0].worker == killed[0]
+    coord.on_event = None
+    report = coord.generate(prompts, params)  # the dead worker is replaced first
+    assert len(coord.workers) == 2 and len(kinds(coord.events, "spawn")) == 3
+    assert [o.completion_ids for o in report.outputs] == [o.completion_ids for o in want]
+    assert len({v for v in coord.worker_versions().values()}) == 1
+    coord.shutdown()
+
+
+def test_training_lost_with_its_worker_resumes_from_the_last_version(ray_local):
+    prompts, params = long_tail_batch()
+    want = single_engine(prompts, params)
+    state = {"kill_at": 2, "seen": 0}
+
+    def kill_trainer_at_second_chunk(event):
+        if event.kind == "spot_start":
+            state["seen"] += 1
+            if state["seen"] == state["kill_at"]:
+                ray_local.kill(coord.workers[event.worker])
+
+    coord = coordinator(on_event=kill_trainer_at_second_chunk)
+    report = coord.generate(prompts, params)
+    assert [o.completion_ids for o in report.outputs] == [o.completion_ids for o in want]
+    done = kinds(coord.events, "spot_done")
+    assert kinds(coord.events, "worker_died") and done
+    assert coord.drafter_state.version == done[-1].detail["version"]  # the lost chunk left no trace
+    coord.on_event = None
+    before = coord.drafter_state.version
+    coord.generate(prompts, params)
+    resumed = [e for e in kinds(coord.events, "spot_start") if e.seq > done[-1].seq]
+    assert resumed and resumed[0].detail["version"] == before
+    coord.shutdown()
+
+
+def test_policy_weights_reach_every_worker_once_per_version(ray_local):
+    prompts, params = long_tail_batch()
+    coord = coordinator(spot_training=False)
+    new_policy = perturbed_copy(policy(), noise=0.5, seed=3)
+    assert coord.sync_policy(new_policy, version=1)
+    assert not coord.sync_policy(new_policy, version=1)  # already there
+    assert {v[0] for v in coord.worker_versions().values()} == {1}
+    report = coord.generate(prompts, params)
+    want = single_engine(prompts, params, model=new_policy)
+    assert [o.completion_ids for o in report.outputs] == [o.completion_ids for o in want]
+    assert report.policy_version == 1 and len(kinds(coord.events, "policy_sync")) == 1
+    coord.shutdown()
+
+
+def test_bad_requests_are_refused_before_any_work(ray_local):
+    coord = coordinator(spot_training=False)
+    with pytest.raises(ValueError, match="request 1"):
+        coord.generate([[5, 6], [500]], SamplingParams(max_new_tokens=4))
+    assert not kinds(coord.events, "shard")
+    coord.shutdown()

@@ -1,0 +1,229 @@
+"""``RolloutWorker``: one engine (a policy copy and a drafter) in a Ray actor.
+
+The class is plain Python; :class:`tailspec.workers.RolloutCoordinator` wraps it with
+``ray.remote`` (threaded, so ``stop_training`` can arrive while ``train_drafter`` runs). Every
+call records :class:`WorkerEvent` s with a per-worker sequence number, so tests and logs can
+reason about what happened in which order without reading clocks.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..drafter.eagle3 import Eagle3Drafter, Eagle3Head, FeatureBuffer
+from ..drafter.eagle3.data import Eagle3Sample
+from ..drafter.eagle3.train import DrafterTrainer, DrafterTrainingConfig
+from ..rollout.engine import RolloutEngine
+from ..rollout.params import RolloutConfig, SamplingParams
+from ..rollout.request import RequestOutput
+
+logger = logging.getLogger(__name__)
+
+STAT_KEYS = (
+    "generated_tokens",
+    "drafted_tokens",
+    "accepted_tokens",
+    "spec_emitted_tokens",
+    "spec_seq_steps",
+    "draft_time_s",
+    "verify_time_s",
+    "tail_time_s",
+    "preemptions",
+)
+
+
+@dataclass
+class DrafterState:
+    """Everything needed to continue training an EAGLE-3 head elsewhere (versioned)."""
+
+    head: dict[str, torch.Tensor]
+    version: int
+    step: int = 0
+    optimizer: dict[str, Any] | None = None
+
+    @classmethod
+    def of(cls, head: Eagle3Head, trainer: DrafterTrainer | None = None) -> DrafterState:
+        return cls(
+            head={k: v.detach().cpu().clone() for k, v in head.state_dict().items()},
+            version=int(head.version),
+            step=trainer.step_count if trainer is not None else 0,
+            optimizer=trainer.optimizer.state_dict() if trainer is not None else None,
+        )
+
+    def load_into(self, head: Eagle3Head) -> None:
+        head.load_state_dict(self.head)
+        head.version = self.version
+
+
+@dataclass
+class WorkerEvent:
+    seq: int  # per-worker order
+    kind: str  # generate_start | generate_end | train_start | train_step | train_end | policy | drafter
+    detail: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class GenerateResult:
+    worker: int
+    indices: list[int]
+    outputs: list[RequestOutput]
+    samples: list[Eagle3Sample]  # EAGLE-3 training data recorded while generating
+    stats: dict[str, float]  # engine counters for this call (deltas)
+    strategy_steps: dict[str, int]
+    seconds: float
+    policy_version: int
+    drafter_version: int | None
+
+
+@dataclass
+class TrainResult:
+    worker: int
+    state: DrafterState
+    losses: list[float]
+    stopped: bool  # yielded before max_steps (rollout over or work arrived)
+
+
+class RolloutWorker:
+    """An engine on a policy copy; optionally trains the EAGLE-3 head between rollouts' work."""
+
+    def __init__(
+        self,
+        index: int,
+        model: torch.nn.Module,
+        rollout_config: RolloutConfig,
+        eos_token_ids: list[int],
+        drafter: Any = None,
+        drafter_state: DrafterState | None = None,
+        training_config: DrafterTrainingConfig | None = None,
+        policy_version: int = 0,
+        num_threads: int | None = None,
+        sample_buffer_mb: int = 64,
+    ) -> None:
+        if num_threads:
+            torch.set_num_threads(num_threads)
+        self.index = index
+        if torch.cuda.is_available():  # a GPU actor: Ray made exactly its GPU visible
+            model = model.to("cuda")
+            drafter = drafter.to("cuda") if isinstance(drafter, torch.nn.Module) else drafter
+        self.model = model.eval()
+        self.policy_version = policy_version
+        self.training_config = training_config
+        self.sample_buffer_bytes = sample_buffer_mb << 20
+        self._events: list[WorkerEvent] = []
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self.head: Eagle3Head | None = drafter if isinstance(drafter, Eagle3Head) else None
+        self.trainer: DrafterTrainer | None = None
+        engine_drafter = drafter
+        if self.head is not None:
+            if drafter_state is not None:
+                drafter_state.load_into(self.head)
+            engine_drafter = Eagle3Drafter(
+                self.head,
+                self.model,
+                kv_cache_tokens=rollout_config.draft_kv_cache_tokens or rollout_config.kv_cache_tokens,
+                block_size=rollout_config.block_size,
+                seed=rollout_config.seed,
+                buffer=FeatureBuffer(self.sample_buffer_bytes),
+            )
+        self.eagle_drafter = engine_drafter if self.head is not None else None
+        self.engine = RolloutEngine(self.model, rollout_config, eos_token_ids=eos_token_ids, drafter=engine_drafter)
+
+    # -- bookkeeping -----------------------------------------------------------------------
+    def _event(self, kind: str, **detail: Any) -> None:
+        with self._lock:
+            self._events.append(WorkerEvent(len(self._events), kind, detail))
+
+    def events(self) -> list[WorkerEvent]:
+        with self._lock:
+            return list(self._events)
+
+    def ping(self) -> int:
+        return self.index
+
+    def versions(self) -> tuple[int, int | None]:
+        """(policy version, drafter version)."""
+        return self.policy_version, (int(self.head.version) if self.head is not None else None)
+
+    # -- rollout work ------------------------------------------------------------------------
+    def generate(self, indices: list[int], prompts: list[list[int]], params: list[SamplingParams]) -> GenerateResult:
+        self._event("generate_start", requests=len(prompts), policy=self.policy_version)
+        start = time.perf_counter()
+        before = self.engine.stats.as_dict()
+        before_steps = dict(self.engine.stats.strategy_steps)
+        outputs = self.engine.generate(prompts, params)
+        after = self.engine.stats.as_dict()
+        samples: list[Eagle3Sample] = []
+        if self.eagle_drafter is not None:  # hand the recorded data over and start a fresh buffer
+            samples = self.eagle_drafter.buffer.samples()
+            self.eagle_drafter.buffer = FeatureBuffer(self.sample_buffer_bytes)
+        seconds = time.perf_counter() - start
+        self._event("generate_end", requests=len(prompts), samples=len(samples))
+        return GenerateResult(
+            worker=self.index,
+            indices=list(indices),
+            outputs=outputs,
+            samples=samples,
+            stats={k: after[k] - before[k] for k in STAT_KEYS},
+            strategy_steps={
+                k: v - before_steps.get(k, 0)
+                for k, v in self.engine.stats.strategy_steps.items()
+                if v > before_steps.get(k, 0)
+            },
+            seconds=seconds,
+            policy_version=self.policy_version,
+            drafter_version=int(self.head.version) if self.head is not None else None,
+        )
+
+    def set_policy(self, state_dict: dict[str, torch.Tensor], version: int) -> int:
+        """Load new policy weights in place (the engine keeps its caches; nothing is mid-flight)."""
+        self.model.load_state_dict(state_dict)
+        self.policy_version = version
+        self._event("policy", version=version)
+        return version
+
+    def set_drafter(self, state: DrafterState) -> int:
+        if self.head is None:
+            raise RuntimeError(f"worker {self.index} has no EAGLE-3 head to load a drafter state into")
+        state.load_into(self.head)
+        self.trainer = None  # optimizer state now lives with whoever trained this version
+        self._event("drafter", version=state.version)
+        return state.version
+
+    # -- spot drafter training ---------------------------------------------------------------
+    def train_drafter(self, state: DrafterState, samples: list[Eagle3Sample], max_steps: int) -> TrainResult:
+        """Up to ``max_steps`` training steps from ``state`` on ``samples``; checks for
+        :meth:`stop_training` before every step. Returns the new state (head, optimizer, version)."""
+        if self.head is None:
+            raise RuntimeError(f"worker {self.index} has no EAGLE-3 head to train")
+        self._stop.clear()
+        self._event("train_start", from_version=state.version, samples=len(samples))
+        buffer = FeatureBuffer(max(self.sample_buffer_bytes, sum(s.nbytes for s in samples) + 1))
+        for s in samples:
+            buffer.add(s)
+        if self.trainer is None or int(self.head.version) != state.version:
+            state.load_into(self.head)
+            self.trainer = DrafterTrainer(self.head, self.model.get_input_embeddings(), buffer, self.training_config)
+            if state.optimizer is not None:
+                self.trainer.optimizer.load_state_dict(state.optimizer)
+            self.trainer.step_count = state.step
+        else:
+            self.trainer.buffer = buffer
+            self.trainer.embed = self.model.get_input_embeddings()
+        results = self.trainer.train(max_steps, should_stop=self._stop.is_set)
+        losses = [r.loss for r in results]
+        for r in results:
+            self._event("train_step", step=r.step, loss=r.loss)
+        stopped = len(losses) < max_steps
+        self._event("train_end", version=int(self.head.version), steps=len(losses), stopped=stopped)
+        return TrainResult(self.index, DrafterState.of(self.head, self.trainer), losses, stopped)
+
+    def stop_training(self) -> None:
+        """Make a running :meth:`train_drafter` return before its next step."""
+        self._stop.set()
