@@ -20,6 +20,10 @@ def _demo(args: argparse.Namespace) -> int:
         overrides["strategy"] = args.strategy
     if args.no_wandb:
         overrides["wandb"] = False
+    if args.workers is not None:
+        overrides["workers"] = args.workers
+    if args.ray_address is not None:
+        overrides["ray_address"] = args.ray_address
     run_demo(dataclasses.replace(cfg, **overrides))  # replace() re-runs validation
     return 0
 
@@ -115,6 +119,8 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--steps", type=int, help="number of GRPO steps")
     demo.add_argument("--strategy", help="speculation strategy: none | chain:K | tree:D,K,B | suffix[:...]")
     demo.add_argument("--no-wandb", action="store_true", help="do not log to wandb (offline by default)")
+    demo.add_argument("--workers", type=int, help="Ray rollout workers (0: the in-process engine)")
+    demo.add_argument("--ray-address", help="Ray cluster to join (default: RAY_ADDRESS, else a local Ray)")
     demo.set_defaults(func=_demo)
 
     bench = sub.add_parser("bench", help="benchmarks side by side; writes docs/BENCHMARKS.md")

@@ -36,7 +36,13 @@ class DemoConfig:
     wandb_project: str = "tailspec-demo"
     strategy: str = "chain:4"  # none | chain:K | tree:D,K,B | suffix[:...]; chain/tree use `drafter`
     drafter: str = "eagle3"  # eagle3: the shipped EAGLE-3 head, trained online | small_lm: the shipped drafter LM
-    drafter_train_steps: int = 8  # EAGLE-3 training steps after every rollout (follows the moving policy)
+    drafter_train_steps: int = 8  # in-process EAGLE-3 training steps after every rollout (workers = 0)
+    # Ray rollout workers: 0 = the in-process engine; N = N engines in Ray actors (a local Ray unless
+    # ray_address / RAY_ADDRESS names a cluster), the EAGLE-3 head trained on workers idle in the tail
+    workers: int = 0
+    ray_address: str | None = None
+    spot_training: bool = True
+    max_spot_steps: int = 64  # drafter steps per rollout on idle workers
 
     def __post_init__(self) -> None:
         if self.max_steps < 1:
@@ -50,6 +56,10 @@ class DemoConfig:
             raise ValueError(f"drafter must be 'eagle3' or 'small_lm', got {self.drafter!r}")
         if not (isinstance(self.drafter_train_steps, int) and self.drafter_train_steps >= 0):
             raise ValueError(f"drafter_train_steps must be an int >= 0, got {self.drafter_train_steps!r}")
+        if not (isinstance(self.workers, int) and self.workers >= 0):
+            raise ValueError(f"workers must be an int >= 0, got {self.workers!r}")
+        if not (isinstance(self.max_spot_steps, int) and self.max_spot_steps >= 0):
+            raise ValueError(f"max_spot_steps must be an int >= 0, got {self.max_spot_steps!r}")
 
     @classmethod
     def from_yaml(cls, path: str | Path) -> DemoConfig:
@@ -100,15 +110,23 @@ def _make_rollout(cfg: DemoConfig):
     from .tasks.sft import load_tiny, load_tiny_eagle3
     from .trainer_hooks.spec_rollout import SpecRollout
 
+    placement: dict[str, Any] = {}
+    if cfg.workers:
+        placement = {
+            "workers": cfg.workers,
+            "ray_address": cfg.ray_address,
+            "workers_config": {"spot_training": cfg.spot_training, "max_spot_steps": cfg.max_spot_steps},
+        }
     if not parse_strategy(cfg.strategy).uses_model_drafter:
-        return SpecRollout(strategy=cfg.strategy)
+        return SpecRollout(strategy=cfg.strategy, **placement)
     if cfg.drafter == "small_lm":
-        return SpecRollout(strategy=cfg.strategy, drafter=load_tiny("drafter")[0])
+        return SpecRollout(strategy=cfg.strategy, drafter=load_tiny("drafter")[0], **placement)
     return SpecRollout(
         strategy=cfg.strategy,
         drafter=load_tiny_eagle3(),
-        drafter_train_steps=cfg.drafter_train_steps,
+        drafter_train_steps=0 if cfg.workers else cfg.drafter_train_steps,
         drafter_training=DrafterTrainingConfig(batch_size=8, max_tokens=512, seed=cfg.seed),
+        **placement,
     )
 
 
@@ -186,6 +204,11 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
         last_al = sum(s.mean_accept_length for s in rollout.history[-k:]) / k
         summary[f"accept_length_first_{k}"] = first_al
         summary[f"accept_length_last_{k}"] = last_al
+    if cfg.workers:
+        summary["workers"] = cfg.workers
+        summary["spot_train_steps"] = sum(s.spot_train_steps for s in rollout.history)
+        summary["policy_syncs"] = sum(e.kind == "policy_sync" for e in rollout.coordinator.events)
+        summary["workers_died"] = sum(s.workers_died for s in rollout.history)
     losses = [s.drafter_loss for s in rollout.history if s.drafter_loss is not None]
     if losses:
         summary["drafter_version"] = rollout.history[-1].drafter_version

@@ -49,8 +49,9 @@ def single_engine(prompts, params, model=None):
 def coordinator(**overrides) -> RolloutCoordinator:
     on_event = overrides.pop("on_event", None)
     config = WorkersConfig(num_workers=2, spot_steps_per_call=2, **overrides)
-    return RolloutCoordinator(policy(), CONFIG, [EOS], drafter=fresh_head(), config=config, training=TRAINING,
-                              on_event=on_event)
+    return RolloutCoordinator(
+        policy(), CONFIG, [EOS], drafter=fresh_head(), config=config, training=TRAINING, on_event=on_event
+    )
 
 
 def kinds(events, kind):
