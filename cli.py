@@ -29,9 +29,12 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from .benchmarks.run import run_bench
+    from .benchmarks.run import run_bench, run_spot_training_section
 
-    print(run_bench(Path(args.out), quick=args.quick))
+    if args.section == "spot_training":
+        print(run_spot_training_section(Path(args.out), quick=args.quick))
+    else:
+        print(run_bench(Path(args.out), quick=args.quick))
     print(f"wrote {args.out}")
     return 0
 
@@ -126,6 +129,12 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="benchmarks side by side; writes docs/BENCHMARKS.md")
     bench.add_argument("--out", default="docs/BENCHMARKS.md")
     bench.add_argument("--quick", action="store_true", help="fewer prompts (for a smoke run)")
+    bench.add_argument(
+        "--section",
+        choices=["all", "spot_training"],
+        default="all",
+        help="all: rewrite the whole report; spot_training: only that section, in place",
+    )
     bench.set_defaults(func=_bench)
 
     drafter = sub.add_parser("drafter", help="EAGLE-3 drafter heads: warm-up training and export")

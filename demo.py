@@ -131,6 +131,12 @@ def _make_rollout(cfg: DemoConfig):
 
 
 def run_demo(cfg: DemoConfig) -> dict[str, Any]:
+    """Run the demo; returns its printed summary."""
+    return run_demo_with_rollout(cfg)[0]
+
+
+def run_demo_with_rollout(cfg: DemoConfig) -> tuple[dict[str, Any], Any]:
+    """:func:`run_demo`, also returning the ``SpecRollout`` (its per-call ``history``, coordinator)."""
     os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
     out = Path(cfg.output_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -219,4 +225,6 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
         print(f"{key:>24}: {value:.3f}" if isinstance(value, float) else f"{key:>24}: {value}")
     if cfg.wandb:
         print(f"{'wandb run (offline)':>24}: {out / 'wandb'}  (upload with `wandb sync`)")
-    return summary
+    if rollout.coordinator is not None:
+        rollout.coordinator.shutdown()
+    return summary, rollout

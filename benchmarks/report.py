@@ -84,3 +84,20 @@ def write_report(out: Path, sections: list[tuple[str, str]], command: str, workl
         parts += [f"## {title}", "", body, ""]
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text("\n".join(parts))
+
+
+def replace_section(out: Path, title: str, body: str, command: str) -> None:
+    """Write one ``## title`` section of an existing report in place (appended if absent), noting
+    the command that measured it; the other sections are left as they were."""
+    stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    block = f"## {title}\n\nMeasured by `{command}` on {stamp}. Machine: {machine_line()}.\n\n{body}\n"
+    text = out.read_text() if out.exists() else "# Benchmarks\n"
+    header = f"## {title}\n"
+    if header in text:
+        start = text.index(header)
+        nxt = text.find("\n## ", start + len(header))
+        text = text[:start] + block + (text[nxt + 1 :] if nxt >= 0 else "")
+    else:
+        text = text.rstrip("\n") + "\n\n" + block
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(text)

@@ -14,7 +14,7 @@ from ..trainer_hooks.spec_rollout import SpecRollout
 from .adaptive import long_tail_table, measure_long_tail, measure_uniform, plot_adaptive
 from .eagle3 import eagle3_table, measure_eagle3, measure_head_cost, plot_eagle3
 from .kernels import NO_CUDA_SECTION, kernels_section, run_kernel_bench
-from .report import plot_throughput, throughput_table, write_report
+from .report import plot_throughput, replace_section, throughput_table, write_report
 from .speculative import (
     forward_cost_table,
     measure_forward_cost,
@@ -22,6 +22,7 @@ from .speculative import (
     plot_speculative,
     speculative_table,
 )
+from .spot_training import measure_spot_training, plot_spot, spot_section, spot_table
 from .throughput import measure_throughput
 
 logger = logging.getLogger(__name__)
@@ -31,6 +32,23 @@ def task_prompts(tokenizer, num: int, seed: int) -> list[list[int]]:
     problems = sample_problems(num, seed=seed, cfg=ChainSumConfig())
     conversations = [[{"role": "user", "content": p.question}] for p in problems]
     return SpecRollout.tokenize_prompts(conversations, tokenizer)
+
+
+SPOT_TITLE = "Spot drafter training on Ray workers"
+
+
+def run_spot_training_section(out: Path, quick: bool = False, seed: int = 0) -> str:
+    """Only the spot-training comparison (a GRPO run twice), written into ``out`` in place."""
+    steps = 3 if quick else 8
+    runs = measure_spot_training(steps, workers=2, seed=seed, quick=quick)
+    plot_spot(runs, out.parent / "bench_spot_training.png")
+    replace_section(
+        out,
+        SPOT_TITLE,
+        spot_section(runs, "bench_spot_training.png"),
+        "tailspec bench --section spot_training" + (" --quick" if quick else ""),
+    )
+    return spot_table(runs)
 
 
 def run_bench(out: Path, quick: bool = False, seed: int = 1234) -> str:
@@ -64,7 +82,9 @@ def run_bench(out: Path, quick: bool = False, seed: int = 1234) -> str:
     eagle_section, eagle_tab = eagle3_section(model, tokenizer, params, docs, quick, seed)
     adaptive_section, adaptive_tab = long_tail_section(model, tokenizer, params, docs, quick, seed)
     kernel_section = kernels_section_for_this_machine(model, tokenizer, quick)
-    table = f"{table}\n\n{spec_table}\n\n{eagle_tab}\n\n{adaptive_tab}"
+    spot_runs = measure_spot_training(3 if quick else 8, workers=2, seed=0, quick=quick)
+    plot_spot(spot_runs, docs / "bench_spot_training.png")
+    table = f"{table}\n\n{spec_table}\n\n{eagle_tab}\n\n{adaptive_tab}\n\n{spot_table(spot_runs)}"
     workload = (
         f"the shipped tiny chain-sum policy (Qwen2 architecture, fp32), chain-sum prompts with "
         f"heavy-tailed answer lengths, T = 1.0, max_new_tokens = {params.max_new_tokens}, "
@@ -78,6 +98,7 @@ def run_bench(out: Path, quick: bool = False, seed: int = 1234) -> str:
             ("EAGLE-3 head: before and after online training", eagle_section),
             ("Adaptive strategy selection on a long-tail rollout", adaptive_section),
             ("Triton kernels", kernel_section),
+            (SPOT_TITLE, spot_section(spot_runs, "bench_spot_training.png")),
         ],
         command="tailspec bench" + (" --quick" if quick else ""),
         workload=workload,

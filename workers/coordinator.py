@@ -14,13 +14,16 @@ One rollout call:
    coordinator's last drafter state. One worker trains at a time, chunk after chunk, while the
    rollout lasts; it is told to stop (it yields before its next step) as soon as the last shard
    is done or a re-run shard needs a worker. Each chunk returns the new state, so the coordinator
-   always holds the newest version, optimizer state included.
+   always holds the newest version, optimizer state included. The rollout's results return at
+   once; the chunk that was stopping is collected by :meth:`RolloutCoordinator.settle` before
+   anything else touches the workers, so its last step overlaps the trainer's optimizer step.
 4. **Faults.** A worker that dies mid-rollout has its whole shard re-run on the others (a shard's
    results only come back complete), so every prompt still gets exactly one completion, in
    order; a worker that dies while training costs only its running chunk: training resumes from
    the last state the coordinator holds. Dead workers are replaced before the next rollout.
-5. **Broadcast.** At the end the newest drafter state goes to every worker, and their versions
-   are checked to be equal.
+5. **Broadcast.** After the rollout (in :meth:`RolloutCoordinator.settle`, before the next
+   rollout, policy sync or version query) the newest drafter state goes to every worker, so all
+   workers always draft with the same version, and the driver's head object follows.
 
 Policy weights are pushed with :meth:`sync_policy` once per version (the trainer's global
 step): one ``ray.put`` that every worker reads.
@@ -114,11 +117,18 @@ class RolloutReport:
     stats: dict[str, float]  # engine counters (STAT_KEYS), summed
     strategy_steps: dict[str, int]
     seconds: float
-    spot_steps: int
+    spot_steps: int  # chunks finished during this call (one still stopping at its end counts next call)
     spot_losses: list[float]
     drafter_version: int | None
     policy_version: int
     workers_died: int
+
+
+@dataclass
+class _Tally:
+    steps: int = 0
+    losses: list[float] = field(default_factory=list)
+    died: int = 0
 
 
 @dataclass
@@ -193,6 +203,9 @@ class RolloutCoordinator:
         self.samples: deque[Eagle3Sample] = deque()
         self._sample_bytes = 0
         self.events: list[CoordinatorEvent] = []
+        self._pending_training: tuple[Any, int] | None = None  # a chunk still stopping after its rollout
+        self._needs_broadcast = False
+        self._tally = _Tally()
         for _ in range(c.num_workers):
             self._spawn()
         ray.get([w.ping.remote() for w in self.workers.values()])
@@ -240,16 +253,20 @@ class RolloutCoordinator:
     def worker_versions(self) -> dict[int, tuple[int, int | None]]:
         import ray
 
+        self.settle()
         return {i: ray.get(w.versions.remote()) for i, w in self.workers.items()}
 
     def worker_events(self) -> dict[int, list]:
         import ray
 
+        self.settle()
         return {i: ray.get(w.events.remote()) for i, w in self.workers.items()}
 
     def shutdown(self) -> None:
+        """Settle pending drafter work (so no trained state is lost), then stop the workers."""
         import ray
 
+        self.settle()
         for w in self.workers.values():
             ray.kill(w)
         self.workers.clear()
@@ -259,6 +276,7 @@ class RolloutCoordinator:
         """Send ``model``'s weights to every worker unless they already have ``version``."""
         import ray
 
+        self.settle()
         if version == self.policy_version:
             return False
         state = {k: v.detach().to("cpu") for k, v in model.state_dict().items()}
@@ -290,6 +308,7 @@ class RolloutCoordinator:
         import ray
 
         prompts, per_request = prepare_requests(prompts, params, self.limits)
+        self.settle()
         if self.config.respawn_dead_workers:
             self.replace_dead_workers()
         if not self.workers:
@@ -303,7 +322,8 @@ class RolloutCoordinator:
         generating: dict[Any, tuple[int, _Shard]] = {}
         training: tuple[Any, int] | None = None  # (ref, worker)
         stop_sent = False
-        spot_steps, spot_losses, died = 0, [], 0
+        tally = self._tally  # includes the chunk settled at the start of this call
+        self._tally = _Tally()
         samples_ref = state_ref = None
         spot_ok = True  # off for the rest of the call if a training chunk raised
         last_trainer: int | None = None
@@ -326,14 +346,14 @@ class RolloutCoordinator:
                 self.drafter_state is not None
                 and c.spot_training
                 and spot_ok
-                and spot_steps < c.max_spot_steps
+                and tally.steps < c.max_spot_steps
                 and bool(self.samples)
                 and bool(generating)  # someone is still in the tail
                 and not waiting
             )
 
         dispatch()
-        while generating or training is not None:
+        while generating:
             if training is None and idle and can_train():
                 index = last_trainer if last_trainer in idle else min(idle)  # it holds the optimizer
                 idle.discard(index)
@@ -342,44 +362,26 @@ class RolloutCoordinator:
                     samples_ref = ray.put(list(self.samples))
                 if state_ref is None:
                     state_ref = ray.put(self.drafter_state)
-                steps = min(self.config.spot_steps_per_call, self.config.max_spot_steps - spot_steps)
+                steps = min(self.config.spot_steps_per_call, self.config.max_spot_steps - tally.steps)
                 ref = self.workers[index].train_drafter.remote(state_ref, samples_ref, steps)
                 training, stop_sent = (ref, index), False
                 busy = sorted(i for i, _ in generating.values())
                 self._event("spot_start", index, version=self.drafter_state.version, busy=busy)
-            if training is not None and not stop_sent and (not generating or waiting):
-                self.workers[training[1]].stop_training.remote()  # the rollout ended, or work arrived
+            if training is not None and not stop_sent and waiting:
+                self.workers[training[1]].stop_training.remote()  # work arrived for it
                 stop_sent = True
-                self._event("spot_stop", training[1], rollout_over=not generating)
+                self._event("spot_stop", training[1], rollout_over=False)
             refs = list(generating) + ([training[0]] if training is not None else [])
             (ready,), _ = ray.wait(refs, num_returns=1)
             if training is not None and ready == training[0]:
                 index = training[1]
                 training = None
-                try:
-                    result: TrainResult = ray.get(ready)
-                except ray.exceptions.RayActorError as e:
-                    self._mark_dead(index, e)
-                    died += 1
-                    logger.warning(
-                        "drafter training on worker %d was lost with it; training resumes from version %d",
-                        index,
-                        self.drafter_state.version,
-                    )
-                    continue
-                except ray.exceptions.RayTaskError as e:
-                    logger.error("drafter training failed on worker %d (no more this rollout): %s", index, e)
+                outcome = self._settle_training(ready, index, tally)
+                if outcome == "failed":
                     spot_ok = False
+                if outcome != "lost":
                     idle.add(index)
-                    self._event("spot_failed", index, error=str(e)[:200])
-                    dispatch()
-                    continue
-                self.drafter_state = result.state
                 state_ref = None
-                spot_steps += len(result.losses)
-                spot_losses += result.losses
-                idle.add(index)
-                self._event("spot_done", index, version=result.state.version, steps=len(result.losses))
                 dispatch()
                 continue
             index, shard = generating.pop(ready)
@@ -387,7 +389,7 @@ class RolloutCoordinator:
                 res: GenerateResult = ray.get(ready)
             except ray.exceptions.RayActorError as e:
                 self._mark_dead(index, e)
-                died += 1
+                tally.died += 1
                 if shard.attempts >= self.config.max_shard_attempts:
                     raise RuntimeError(
                         f"a shard of {len(shard.indices)} requests failed on {shard.attempts} workers"
@@ -414,19 +416,63 @@ class RolloutCoordinator:
             self._event("shard_done", index, requests=len(res.indices), samples=len(res.samples))
             dispatch()
         self._event("rollout_end")
-        self._broadcast_drafter()
+        if training is not None:  # it yields before its next step; settled (and counted) by the next call
+            if not stop_sent:
+                self.workers[training[1]].stop_training.remote()
+                self._event("spot_stop", training[1], rollout_over=True)
+            self._pending_training = training
+        self._needs_broadcast = self.drafter_state is not None
         assert all(o is not None for o in outputs)
         return RolloutReport(
             outputs=outputs,  # type: ignore[arg-type]
             stats=stats,
             strategy_steps=strategy_steps,
             seconds=time.perf_counter() - start,
-            spot_steps=spot_steps,
-            spot_losses=spot_losses,
+            spot_steps=tally.steps,
+            spot_losses=tally.losses,
             drafter_version=self.drafter_state.version if self.drafter_state is not None else None,
             policy_version=self.policy_version,
-            workers_died=died,
+            workers_died=tally.died,
         )
+
+    def settle(self) -> None:
+        """Finish what a rollout left running: collect the training chunk that was told to stop
+        when the rollout ended (it yields before its next step), then send the newest drafter
+        state to every worker. Called before the next rollout, policy sync or version query, so
+        the tail of one RL step's drafter training overlaps the trainer's optimizer step."""
+        if self._pending_training is not None:
+            ref, index = self._pending_training
+            self._pending_training = None
+            self._settle_training(ref, index, self._tally)
+        if self._needs_broadcast:
+            self._needs_broadcast = False
+            self._broadcast_drafter()
+
+    def _settle_training(self, ref: Any, index: int, tally: _Tally) -> str:
+        """Take a training chunk's result: ``done`` (state updated), ``lost`` (the worker died;
+        training resumes from the last state) or ``failed`` (it raised)."""
+        import ray
+
+        try:
+            result: TrainResult = ray.get(ref)
+        except ray.exceptions.RayActorError as e:
+            self._mark_dead(index, e)
+            tally.died += 1
+            logger.warning(
+                "drafter training on worker %d was lost with it; training resumes from version %d",
+                index,
+                self.drafter_state.version,
+            )
+            return "lost"
+        except ray.exceptions.RayTaskError as e:
+            logger.error("drafter training failed on worker %d (no more this rollout): %s", index, e)
+            self._event("spot_failed", index, error=str(e)[:200])
+            return "failed"
+        self.drafter_state = result.state
+        tally.steps += len(result.losses)
+        tally.losses += result.losses
+        self._event("spot_done", index, version=result.state.version, steps=len(result.losses))
+        return "done"
 
     def _broadcast_drafter(self) -> None:
         """Every worker drafts with the newest version from the next rollout on; the driver's head
