@@ -21,31 +21,29 @@ def _load_row(src_ptr, dst_ptr, V, BLOCK_V: tl.constexpr):
 
 
 @triton.jit
+def _minus_draft(scratch_ptr, q_ptr, offs, inside, token, use_q):
+    """max(0, p - q) on one block; q is one-hot(token) when use_q == 0."""
+    p = tl.load(scratch_ptr + offs, mask=inside, other=0.0)
+    if use_q != 0:
+        r = tl.maximum(p - tl.load(q_ptr + offs, mask=inside, other=0.0), 0.0)
+    else:
+        r = tl.where(offs == token, 0.0, p)
+    return r
+
+
+@triton.jit
 def _residual(scratch_ptr, q_ptr, token, use_q, V, BLOCK_V: tl.constexpr):
-    """scratch <- normalize(max(0, scratch - q)); q is one-hot(token) when use_q == 0. Left as is
-    when nothing remains (p == q up to rounding)."""
+    """scratch <- normalize(max(0, scratch - q)); left as is when nothing remains (p == q up to
+    rounding), like ``rollout.verify.residual``."""
     total = tl.zeros((), dtype=tl.float32)
     for start in range(0, V, BLOCK_V):
         offs = start + tl.arange(0, BLOCK_V)
-        inside = offs < V
-        p = tl.load(scratch_ptr + offs, mask=inside, other=0.0)
-        if use_q != 0:
-            q = tl.load(q_ptr + offs, mask=inside, other=0.0)
-            r = tl.maximum(p - q, 0.0)
-        else:
-            r = tl.where(offs == token, 0.0, p)
-        total += tl.sum(r, axis=0)
+        total += tl.sum(_minus_draft(scratch_ptr, q_ptr, offs, offs < V, token, use_q), axis=0)
     if total > 0:
         for start in range(0, V, BLOCK_V):
             offs = start + tl.arange(0, BLOCK_V)
-            inside = offs < V
-            p = tl.load(scratch_ptr + offs, mask=inside, other=0.0)
-            if use_q != 0:
-                q = tl.load(q_ptr + offs, mask=inside, other=0.0)
-                r = tl.maximum(p - q, 0.0)
-            else:
-                r = tl.where(offs == token, 0.0, p)
-            tl.store(scratch_ptr + offs, r / total, mask=inside)
+            r = _minus_draft(scratch_ptr, q_ptr, offs, offs < V, token, use_q)
+            tl.store(scratch_ptr + offs, r / total, mask=offs < V)
     tl.debug_barrier()
 
 

@@ -200,8 +200,11 @@ class RolloutCoordinator:
         )
         self._next_index = 0
         self.workers: dict[int, Any] = {}
-        self.samples: deque[Eagle3Sample] = deque()
+        self.samples: deque[tuple[int, Eagle3Sample]] = deque()  # (id, sample), oldest first
         self._sample_bytes = 0
+        self._next_sample_id = 0
+        self._sent_upto: dict[int, int] = {}  # worker -> highest sample id it has been sent
+        self._trainer_holds: dict[int, int] = {}  # worker -> drafter version its own trainer holds
         self.events: list[CoordinatorEvent] = []
         self._pending_training: tuple[Any, int] | None = None  # a chunk still stopping after its rollout
         self._needs_broadcast = False
@@ -243,6 +246,8 @@ class RolloutCoordinator:
     def _mark_dead(self, index: int, error: BaseException) -> None:
         logger.warning("rollout worker %d died: %s", index, error)
         self.workers.pop(index, None)
+        self._sent_upto.pop(index, None)
+        self._trainer_holds.pop(index, None)
         self._event("worker_died", index, error=type(error).__name__)
 
     def replace_dead_workers(self) -> None:
@@ -296,10 +301,11 @@ class RolloutCoordinator:
         for s in samples:
             if s.nbytes > cap:
                 continue
-            self.samples.append(s)
+            self.samples.append((self._next_sample_id, s))
+            self._next_sample_id += 1
             self._sample_bytes += s.nbytes
             while self._sample_bytes > cap:
-                self._sample_bytes -= self.samples.popleft().nbytes
+                self._sample_bytes -= self.samples.popleft()[1].nbytes
 
     # -- one rollout -----------------------------------------------------------------------------
     def generate(
@@ -324,7 +330,6 @@ class RolloutCoordinator:
         stop_sent = False
         tally = self._tally  # includes the chunk settled at the start of this call
         self._tally = _Tally()
-        samples_ref = state_ref = None
         spot_ok = True  # off for the rest of the call if a training chunk raised
         last_trainer: int | None = None
 
@@ -358,12 +363,14 @@ class RolloutCoordinator:
                 index = last_trainer if last_trainer in idle else min(idle)  # it holds the optimizer
                 idle.discard(index)
                 last_trainer = index
-                if samples_ref is None:
-                    samples_ref = ray.put(list(self.samples))
-                if state_ref is None:
-                    state_ref = ray.put(self.drafter_state)
+                upto = self._sent_upto.get(index, -1)
+                new = [s for i, s in self.samples if i > upto]  # each sample goes to a worker once
+                self._sent_upto[index] = self._next_sample_id - 1
+                holds = self._trainer_holds.get(index) == self.drafter_state.version
                 steps = min(self.config.spot_steps_per_call, self.config.max_spot_steps - tally.steps)
-                ref = self.workers[index].train_drafter.remote(state_ref, samples_ref, steps)
+                ref = self.workers[index].train_drafter.remote(
+                    None if holds else self.drafter_state, new, steps, self.config.sample_buffer_mb << 20
+                )
                 training, stop_sent = (ref, index), False
                 busy = sorted(i for i, _ in generating.values())
                 self._event("spot_start", index, version=self.drafter_state.version, busy=busy)
@@ -381,7 +388,6 @@ class RolloutCoordinator:
                     spot_ok = False
                 if outcome != "lost":
                     idle.add(index)
-                state_ref = None
                 dispatch()
                 continue
             index, shard = generating.pop(ready)
@@ -411,7 +417,6 @@ class RolloutCoordinator:
                 strategy_steps[k] = strategy_steps.get(k, 0) + v
             if res.samples:
                 self._add_samples(res.samples)
-                samples_ref = None
             idle.add(index)
             self._event("shard_done", index, requests=len(res.indices), samples=len(res.samples))
             dispatch()
@@ -466,9 +471,11 @@ class RolloutCoordinator:
             return "lost"
         except ray.exceptions.RayTaskError as e:
             logger.error("drafter training failed on worker %d (no more this rollout): %s", index, e)
+            self._trainer_holds.pop(index, None)  # its trainer may have moved past our last state
             self._event("spot_failed", index, error=str(e)[:200])
             return "failed"
         self.drafter_state = result.state
+        self._trainer_holds = {index: result.state.version}  # only this worker's trainer is current
         tally.steps += len(result.losses)
         tally.losses += result.losses
         self._event("spot_done", index, version=result.state.version, steps=len(result.losses))

@@ -120,6 +120,7 @@ class RolloutWorker:
         self._lock = threading.Lock()
         self.head: Eagle3Head | None = drafter if isinstance(drafter, Eagle3Head) else None
         self.trainer: DrafterTrainer | None = None
+        self.train_buffer: FeatureBuffer | None = None  # samples sent for spot training, kept between chunks
         engine_drafter = drafter
         if self.head is not None:
             if drafter_state is not None:
@@ -191,31 +192,42 @@ class RolloutWorker:
     def set_drafter(self, state: DrafterState) -> int:
         if self.head is None:
             raise RuntimeError(f"worker {self.index} has no EAGLE-3 head to load a drafter state into")
+        produced_here = self.trainer is not None and int(self.head.version) == state.version
         state.load_into(self.head)
-        self.trainer = None  # optimizer state now lives with whoever trained this version
+        if not produced_here:
+            self.trainer = None  # the optimizer state of this version lives with the worker that trained it
         self._event("drafter", version=state.version)
         return state.version
 
     # -- spot drafter training ---------------------------------------------------------------
-    def train_drafter(self, state: DrafterState, samples: list[Eagle3Sample], max_steps: int) -> TrainResult:
-        """Up to ``max_steps`` training steps from ``state`` on ``samples``; checks for
-        :meth:`stop_training` before every step. Returns the new state (head, optimizer, version)."""
+    def train_drafter(
+        self, state: DrafterState | None, new_samples: list[Eagle3Sample], max_steps: int, buffer_bytes: int
+    ) -> TrainResult:
+        """Up to ``max_steps`` training steps, checking for :meth:`stop_training` before every one.
+
+        ``new_samples`` are added to this worker's training buffer (the coordinator sends each
+        sample once per worker; ``buffer_bytes`` caps it, newest kept, as the coordinator's own).
+        ``state`` is where to start from, or None to continue from this worker's own trainer,
+        which must then hold the coordinator's latest version. Returns the new state."""
         if self.head is None:
             raise RuntimeError(f"worker {self.index} has no EAGLE-3 head to train")
         self._stop.clear()
-        self._event("train_start", from_version=state.version, samples=len(samples))
-        buffer = FeatureBuffer(max(self.sample_buffer_bytes, sum(s.nbytes for s in samples) + 1))
-        for s in samples:
-            buffer.add(s)
-        if self.trainer is None or int(self.head.version) != state.version:
+        if self.train_buffer is None or self.train_buffer.max_bytes != buffer_bytes:
+            self.train_buffer = FeatureBuffer(buffer_bytes)
+        for sample in new_samples:
+            self.train_buffer.add(sample)
+        self._event("train_start", from_version=None if state is None else state.version, new=len(new_samples))
+        if state is not None:
             state.load_into(self.head)
-            self.trainer = DrafterTrainer(self.head, self.model.get_input_embeddings(), buffer, self.training_config)
+            self.trainer = DrafterTrainer(
+                self.head, self.model.get_input_embeddings(), self.train_buffer, self.training_config
+            )
             if state.optimizer is not None:
                 self.trainer.optimizer.load_state_dict(state.optimizer)
             self.trainer.step_count = state.step
-        else:
-            self.trainer.buffer = buffer
-            self.trainer.embed = self.model.get_input_embeddings()
+        elif self.trainer is None:
+            raise RuntimeError(f"worker {self.index} has no trainer to continue; send a DrafterState")
+        self.trainer.buffer = self.train_buffer
         results = self.trainer.train(max_steps, should_stop=self._stop.is_set)
         losses = [r.loss for r in results]
         for r in results:

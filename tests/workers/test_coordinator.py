@@ -103,9 +103,11 @@ def test_results_equal_one_engine_and_spot_training_fills_the_tail(ray_local):
     (version,) = {v for _, v in versions.values()}
     assert version == coord.head.version == coord.drafter_state.version > 0
     assert sum(e.detail["steps"] for e in done) == version  # the head started at version 0
-    for worker_events in coord.worker_events().values():  # no training step after the last broadcast
+    recorded = sum(e.detail["samples"] for e in kinds(coord.events, "shard_done"))
+    for worker_events in coord.worker_events().values():
         last_broadcast = max(e.seq for e in worker_events if e.kind == "drafter")
-        assert all(e.seq < last_broadcast for e in worker_events if e.kind == "train_step")
+        assert all(e.seq < last_broadcast for e in worker_events if e.kind == "train_step")  # none after it
+        assert sum(e.detail["new"] for e in worker_events if e.kind == "train_start") <= recorded  # sent once
     coord.shutdown()
 
 
