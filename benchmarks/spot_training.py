@@ -109,7 +109,8 @@ def spot_section(runs: list[SpotRun], plot_name: str) -> str:
     return (
         "GRPO on the tiny chain-sum task with `SpecRollout(workers=2)` (local Ray, one CPU per worker), "
         "`chain:4` drafts from the shipped EAGLE-3 head, the same seeds in both runs. With spot training on, "
-        "a worker whose shard has drained trains the head (chunks of 4 steps, at most 64 per rollout) while "
-        "the other is still generating; the newest head goes to both workers after each rollout.\n\n"
+        "a worker whose shard has drained trains the head (chunks of 4 steps of 4 samples x 256 tokens, "
+        "learning rate 1e-4, at most 64 per rollout) while the other is still generating; the newest head goes "
+        "to both workers after each rollout. Step 1 includes starting Ray and the workers.\n\n"
         f"{spot_table(runs)}\n\n![spot training]({plot_name})"
     )
