@@ -221,6 +221,15 @@ class SpecRollout:
         self._record_spot_training(report, trainer)
         return self._trl_outputs(report.outputs)
 
+    def sync_weights(self, trainer: Any) -> None:
+        """New policy weights (once per global step, called by ``tailspec.GRPOTrainer``): sent to
+        the Ray workers; nothing to do for the colocated engine, which runs on the live module."""
+        if self._coordinator is None:
+            return
+        step = int(getattr(getattr(trainer, "state", None), "global_step", 0) or 0)
+        with self._policy(trainer) as model:
+            self._coordinator.sync_policy(model, step)
+
     @property
     def coordinator(self) -> RolloutCoordinator | None:
         return self._coordinator

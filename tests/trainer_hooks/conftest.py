@@ -51,6 +51,7 @@ def grpo_args(tmp_path):
         logging_steps=1,
         report_to=[],
         use_cpu=True,
+        bf16=False,  # TRL's default bf16 autocast: slow on CPUs without bf16, and not what the rollout ran
         save_strategy="no",
         seed=0,
     )

@@ -82,3 +82,39 @@ def test_default_rollout_and_argument_checks(task_tokenizer, tiny_policy, grpo_d
             processing_class=task_tokenizer,
             rollout=42,
         )
+
+
+def test_importance_sampling_correction_is_on_with_a_ratio_of_one(task_tokenizer, tiny_policy, grpo_dataset, grpo_args):
+    """TRL's correction runs on the rollout's processed logprobs; rollout and trainer use the same
+    fp32 model (the fixture turns TRL's default bf16 autocast off), so the ratio is 1 up to rounding. Weights are
+    synced once per optimizer step."""
+    trainer = tailspec.GRPOTrainer(
+        model=tiny_policy,
+        reward_funcs=length_reward,
+        args=grpo_args,
+        train_dataset=grpo_dataset,
+        processing_class=task_tokenizer,
+        rollout=SpecRollout(),
+    )
+    trainer.train()
+    logged = [h for h in trainer.state.log_history if "sampling/importance_sampling_ratio/mean" in h]
+    assert len(logged) == 2
+    for h in logged:
+        for stat in ("min", "mean", "max"):
+            assert h[f"sampling/importance_sampling_ratio/{stat}"] == pytest.approx(1.0, abs=1e-4)
+        assert h["sampling/sampling_logp_difference/max"] < 1e-4
+    assert trainer.weight_sync.synced_steps == list(range(trainer.state.global_step)) == [0, 1]
+
+
+def test_importance_sampling_can_be_turned_off(task_tokenizer, tiny_policy, grpo_dataset, grpo_args):
+    trainer = tailspec.GRPOTrainer(
+        model=tiny_policy,
+        reward_funcs=length_reward,
+        args=grpo_args,
+        train_dataset=grpo_dataset,
+        processing_class=task_tokenizer,
+        importance_sampling=False,
+    )
+    trainer.train()
+    assert not trainer.use_vllm
+    assert not any("sampling/importance_sampling_ratio/mean" in h for h in trainer.state.log_history)
