@@ -418,7 +418,13 @@ class RolloutCoordinator:
             if res.samples:
                 self._add_samples(res.samples)
             idle.add(index)
-            self._event("shard_done", index, requests=len(res.indices), samples=len(res.samples))
+            self._event(
+                "shard_done",
+                index,
+                requests=len(res.indices),
+                samples=len(res.samples),
+                drafter_version=res.drafter_version,
+            )
             dispatch()
         self._event("rollout_end")
         if training is not None:  # it yields before its next step; settled (and counted) by the next call

@@ -1,5 +1,8 @@
 """``RolloutWorker``: one engine (a policy copy and a drafter) in a Ray actor.
 
+Spot training updates a copy of the EAGLE-3 head; the head the engine drafts with changes only
+when the coordinator broadcasts a version, so all workers always draft with the same one.
+
 The class is plain Python; :class:`tailspec.workers.RolloutCoordinator` wraps it with
 ``ray.remote`` (threaded, so ``stop_training`` can arrive while ``train_drafter`` runs). Every
 call records :class:`WorkerEvent` s with a per-worker sequence number, so tests and logs can
@@ -8,6 +11,7 @@ reason about what happened in which order without reading clocks.
 
 from __future__ import annotations
 
+import copy
 import logging
 import threading
 import time
@@ -121,6 +125,7 @@ class RolloutWorker:
         self.head: Eagle3Head | None = drafter if isinstance(drafter, Eagle3Head) else None
         self.trainer: DrafterTrainer | None = None
         self.train_buffer: FeatureBuffer | None = None  # samples sent for spot training, kept between chunks
+        self.train_head: Eagle3Head | None = None  # the copy spot training updates
         engine_drafter = drafter
         if self.head is not None:
             if drafter_state is not None:
@@ -192,9 +197,8 @@ class RolloutWorker:
     def set_drafter(self, state: DrafterState) -> int:
         if self.head is None:
             raise RuntimeError(f"worker {self.index} has no EAGLE-3 head to load a drafter state into")
-        produced_here = self.trainer is not None and int(self.head.version) == state.version
         state.load_into(self.head)
-        if not produced_here:
+        if self.trainer is not None and int(self.train_head.version) != state.version:
             self.trainer = None  # the optimizer state of this version lives with the worker that trained it
         self._event("drafter", version=state.version)
         return state.version
@@ -217,10 +221,12 @@ class RolloutWorker:
         for sample in new_samples:
             self.train_buffer.add(sample)
         self._event("train_start", from_version=None if state is None else state.version, new=len(new_samples))
+        if self.train_head is None:  # trained apart from the drafting head, which changes only by broadcast
+            self.train_head = copy.deepcopy(self.head)
         if state is not None:
-            state.load_into(self.head)
+            state.load_into(self.train_head)
             self.trainer = DrafterTrainer(
-                self.head, self.model.get_input_embeddings(), self.train_buffer, self.training_config
+                self.train_head, self.model.get_input_embeddings(), self.train_buffer, self.training_config
             )
             if state.optimizer is not None:
                 self.trainer.optimizer.load_state_dict(state.optimizer)
@@ -233,8 +239,8 @@ class RolloutWorker:
         for r in results:
             self._event("train_step", step=r.step, loss=r.loss)
         stopped = len(losses) < max_steps
-        self._event("train_end", version=int(self.head.version), steps=len(losses), stopped=stopped)
-        return TrainResult(self.index, DrafterState.of(self.head, self.trainer), losses, stopped)
+        self._event("train_end", version=int(self.train_head.version), steps=len(losses), stopped=stopped)
+        return TrainResult(self.index, DrafterState.of(self.train_head, self.trainer), losses, stopped)
 
     def stop_training(self) -> None:
         """Make a running :meth:`train_drafter` return before its next step."""

@@ -90,6 +90,8 @@ def test_results_equal_one_engine_and_spot_training_fills_the_tail(ray_local):
         assert starts, "the short shards' worker should have trained while the long one generated"
         for e in starts:  # only during the rollout, while another worker is still generating
             assert e.seq < end and e.detail["busy"] and e.worker not in e.detail["busy"]
+        # all workers drafted with one version (training updates a copy, not the drafting head)
+        assert len({e.detail["drafter_version"] for e in kinds(events, "shard_done")}) == 1
     coord.settle()  # the chunk that was stopping at the end of the rollout, then the broadcast
     done = kinds(coord.events, "spot_done")
     broadcasts = kinds(coord.events, "drafter_broadcast")
