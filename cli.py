@@ -29,10 +29,12 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from .benchmarks.run import run_bench, run_spot_training_section
+    from .benchmarks.run import run_bench, run_e2e_section, run_spot_training_section
 
     if args.section == "spot_training":
         print(run_spot_training_section(Path(args.out), quick=args.quick))
+    elif args.section == "e2e":
+        print(run_e2e_section(Path(args.out), quick=args.quick))
     else:
         print(run_bench(Path(args.out), quick=args.quick))
     print(f"wrote {args.out}")
@@ -131,9 +133,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--quick", action="store_true", help="fewer prompts (for a smoke run)")
     bench.add_argument(
         "--section",
-        choices=["all", "spot_training"],
+        choices=["all", "spot_training", "e2e"],
         default="all",
-        help="all: rewrite the whole report; spot_training: only that section, in place",
+        help="all: rewrite the whole report; spot_training / e2e: only that section, in place",
     )
     bench.set_defaults(func=_bench)
 

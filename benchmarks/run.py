@@ -12,6 +12,7 @@ from ..tasks.chain_sum import ChainSumConfig, sample_problems
 from ..tasks.sft import load_tiny, load_tiny_eagle3
 from ..trainer_hooks.spec_rollout import SpecRollout
 from .adaptive import long_tail_table, measure_long_tail, measure_uniform, plot_adaptive
+from .e2e import e2e_section, e2e_table, measure_e2e, plot_e2e
 from .eagle3 import eagle3_table, measure_eagle3, measure_head_cost, plot_eagle3
 from .kernels import NO_CUDA_SECTION, kernels_section, run_kernel_bench
 from .report import plot_throughput, replace_section, throughput_table, write_report
@@ -35,6 +36,20 @@ def task_prompts(tokenizer, num: int, seed: int) -> list[list[int]]:
 
 
 SPOT_TITLE = "Spot drafter training on Ray workers"
+E2E_TITLE = "GRPO end to end: stock TRL vs tailspec"
+
+
+def run_e2e_section(out: Path, quick: bool = False, seed: int = 0) -> str:
+    """Only the end-to-end GRPO comparison, written into ``out`` in place."""
+    runs = measure_e2e(3 if quick else 10, seed=seed, quick=quick)
+    plot_e2e(runs, out.parent / "bench_e2e.png")
+    replace_section(
+        out,
+        E2E_TITLE,
+        e2e_section(runs, "bench_e2e.png"),
+        "tailspec bench --section e2e" + (" --quick" if quick else ""),
+    )
+    return e2e_table(runs)
 
 
 def run_spot_training_section(out: Path, quick: bool = False, seed: int = 0) -> str:
@@ -84,7 +99,10 @@ def run_bench(out: Path, quick: bool = False, seed: int = 1234) -> str:
     kernel_section = kernels_section_for_this_machine(model, tokenizer, quick)
     spot_runs = measure_spot_training(3 if quick else 8, workers=2, seed=0, quick=quick)
     plot_spot(spot_runs, docs / "bench_spot_training.png")
-    table = f"{table}\n\n{spec_table}\n\n{eagle_tab}\n\n{adaptive_tab}\n\n{spot_table(spot_runs)}"
+    e2e_runs = measure_e2e(3 if quick else 10, seed=0, quick=quick)
+    plot_e2e(e2e_runs, docs / "bench_e2e.png")
+    tables = [table, spec_table, eagle_tab, adaptive_tab, spot_table(spot_runs), e2e_table(e2e_runs)]
+    table = "\n\n".join(tables)
     workload = (
         f"the shipped tiny chain-sum policy (Qwen2 architecture, fp32), chain-sum prompts with "
         f"heavy-tailed answer lengths, T = 1.0, max_new_tokens = {params.max_new_tokens}, "
@@ -99,6 +117,7 @@ def run_bench(out: Path, quick: bool = False, seed: int = 1234) -> str:
             ("Adaptive strategy selection on a long-tail rollout", adaptive_section),
             ("Triton kernels", kernel_section),
             (SPOT_TITLE, spot_section(spot_runs, "bench_spot_training.png")),
+            (E2E_TITLE, e2e_section(e2e_runs, "bench_e2e.png")),
         ],
         command="tailspec bench" + (" --quick" if quick else ""),
         workload=workload,
