@@ -358,7 +358,8 @@ class RolloutCoordinator:
             )
 
         dispatch()
-        while generating:
+        while generating or waiting:  # waiting: a re-run shard whose only free worker is still training
+            dispatch()
             if training is None and idle and can_train():
                 index = last_trainer if last_trainer in idle else min(idle)  # it holds the optimizer
                 idle.discard(index)

@@ -172,6 +172,28 @@ def test_training_lost_with_its_worker_resumes_from_the_last_version(ray_local):
     coord.shutdown()
 
 
+def test_a_rerun_waits_for_the_training_worker_when_no_other_is_left(ray_local):
+    """The generating worker dies while the other trains: its shard is re-run on the trainer, which
+    is told to stop first (and, with respawning off, no new worker comes to help)."""
+    prompts, params = long_tail_batch()
+    want = single_engine(prompts, params)
+    killed = []
+
+    def kill_the_busy_worker_once_training_starts(event):
+        if event.kind == "spot_start" and not killed:
+            killed.append(event.detail["busy"][0])
+            ray_local.kill(coord.workers[killed[0]])
+
+    coord = coordinator(on_event=kill_the_busy_worker_once_training_starts, respawn_dead_workers=False)
+    report = coord.generate(prompts, params)
+    assert [o.completion_ids for o in report.outputs] == [o.completion_ids for o in want]
+    (stop,) = [e for e in kinds(coord.events, "spot_stop") if not e.detail["rollout_over"]]
+    rerun = [e for e in kinds(coord.events, "shard") if e.detail["attempt"] == 2]
+    assert rerun and rerun[0].seq > stop.seq and rerun[0].worker == stop.worker
+    assert len(coord.workers) == 1
+    coord.shutdown()
+
+
 def test_policy_weights_reach_every_worker_once_per_version(ray_local):
     prompts, params = long_tail_batch()
     coord = coordinator(spot_training=False)
