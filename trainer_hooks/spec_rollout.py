@@ -161,6 +161,7 @@ class SpecRollout:
         self._engine: RolloutEngine | None = None
         self._engine_model_id: int | None = None
         self._coordinator: RolloutCoordinator | None = None
+        self._strategies_seen: set[str] = set()
         self.last_stats: RolloutStats | None = None
         self.history: list[RolloutStats] = []
 
@@ -411,6 +412,11 @@ class SpecRollout:
             if steps:
                 spec = sum(v for k, v in stats.strategy_steps.items() if k != "none")
                 metrics[mode]["rollout/speculative_step_fraction"].append(spec / steps)
+                # the strategy mix: every strategy seen so far gets a value each call (0 when unused)
+                self._strategies_seen.update(stats.strategy_steps)
+                for name in sorted(self._strategies_seen):
+                    share = stats.strategy_steps.get(name, 0) / steps
+                    metrics[mode][f"rollout/strategy_fraction/{name}"].append(share)
             if stats.drafted_tokens:
                 metrics[mode]["rollout/accept_length"].append(stats.mean_accept_length)
                 metrics[mode]["rollout/acceptance_rate"].append(stats.acceptance_rate)

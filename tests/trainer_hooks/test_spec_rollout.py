@@ -177,3 +177,6 @@ def test_adaptive_rollout_is_lossless_and_reports_its_strategy_mix(task_tokenize
     stats = rollout.last_stats
     assert stats.strategy == "adaptive" and len(stats.strategy_steps) >= 2
     assert metrics["eval"]["rollout/speculative_step_fraction"] and metrics["eval"]["rollout/tail_s"]
+    mix = {k: v[-1] for k, v in metrics["eval"].items() if k.startswith("rollout/strategy_fraction/")}
+    assert set(mix) == {f"rollout/strategy_fraction/{k}" for k in stats.strategy_steps}
+    assert sum(mix.values()) == pytest.approx(1.0)
