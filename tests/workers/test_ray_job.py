@@ -24,7 +24,9 @@ def free_port() -> int:
 def test_submitted_example_job_succeeds(tmp_path):
     ray = str(Path(sys.executable).parent / "ray")
     # a throwaway loopback-only cluster: no token authentication, nothing inherited from outside
-    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")} | {"RAY_AUTH_MODE": "disabled"}
+    # (and no torch.distributed rendezvous left in this process's environment by earlier tests)
+    inherited = ("RAY_", "MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(inherited)} | {"RAY_AUTH_MODE": "disabled"}
     gcs, dashboard = free_port(), free_port()
     start = [
         ray,
