@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .report import pyplot
+from .report import plot_panels
 
 logger = logging.getLogger(__name__)
 
@@ -144,24 +144,16 @@ def e2e_table(runs: list[E2ERun]) -> str:
 
 
 def plot_e2e(runs: list[E2ERun], path: Path) -> None:
-    plt = pyplot()
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.6))
-    for r in runs:
-        steps = range(1, len(r.step_s) + 1)
-        ax1.plot(steps, r.step_s, marker="o", label=r.name)
-        ax2.plot(range(1, len(r.rewards) + 1), r.rewards, marker="o", label=r.name)
-    ax1.set_xlabel("RL step")
-    ax1.set_ylabel("seconds")
-    ax1.set_title("Wall time per GRPO step")
-    ax2.set_xlabel("RL step")
-    ax2.set_ylabel("mean reward")
-    ax2.set_title("Reward")
-    for ax in (ax1, ax2):
-        ax.legend(fontsize=8)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    def steps(n: int) -> list[int]:
+        return list(range(1, n + 1))
+
+    plot_panels(
+        path,
+        [
+            ("Wall time per GRPO step", "seconds", [(r.name, steps(len(r.step_s)), r.step_s) for r in runs]),
+            ("Reward", "mean reward", [(r.name, steps(len(r.rewards)), r.rewards) for r in runs]),
+        ],
+    )
 
 
 def e2e_section(runs: list[E2ERun], plot_name: str) -> str:

@@ -48,6 +48,23 @@ def pyplot():
     return plt
 
 
+def plot_panels(path: Path, panels: list[tuple[str, str, list[tuple[str, list[int], list[float]]]]]) -> None:
+    """Line plots side by side over RL steps: each panel is ``(title, y label, [(label, xs, ys)])``."""
+    plt = pyplot()
+    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 3.6), squeeze=False)
+    for ax, (title, ylabel, series) in zip(axes[0], panels):
+        for label, xs, ys in series:
+            ax.plot(xs, ys, marker="o", label=label)
+        ax.set_xlabel("RL step")
+        ax.set_ylabel(ylabel)
+        ax.set_title(title)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def plot_throughput(results: Sequence[ThroughputResult], path: Path) -> None:
     plt = pyplot()
 

@@ -39,31 +39,25 @@ SPOT_TITLE = "Spot drafter training on Ray workers"
 E2E_TITLE = "GRPO end to end: stock TRL vs tailspec"
 
 
+def _rewrite_section(out: Path, quick: bool, title: str, name: str, runs, plot, section, table) -> str:
+    """Plot ``runs``, write their ``title`` section of ``out`` in place, return their table."""
+    plot_name = f"bench_{name}.png"
+    plot(runs, out.parent / plot_name)
+    command = f"tailspec bench --section {name}" + (" --quick" if quick else "")
+    replace_section(out, title, section(runs, plot_name), command)
+    return table(runs)
+
+
 def run_e2e_section(out: Path, quick: bool = False, seed: int = 0) -> str:
     """Only the end-to-end GRPO comparison, written into ``out`` in place."""
     runs = measure_e2e(3 if quick else 10, seed=seed, quick=quick)
-    plot_e2e(runs, out.parent / "bench_e2e.png")
-    replace_section(
-        out,
-        E2E_TITLE,
-        e2e_section(runs, "bench_e2e.png"),
-        "tailspec bench --section e2e" + (" --quick" if quick else ""),
-    )
-    return e2e_table(runs)
+    return _rewrite_section(out, quick, E2E_TITLE, "e2e", runs, plot_e2e, e2e_section, e2e_table)
 
 
 def run_spot_training_section(out: Path, quick: bool = False, seed: int = 0) -> str:
     """Only the spot-training comparison (a GRPO run twice), written into ``out`` in place."""
-    steps = 3 if quick else 8
-    runs = measure_spot_training(steps, workers=2, seed=seed, quick=quick)
-    plot_spot(runs, out.parent / "bench_spot_training.png")
-    replace_section(
-        out,
-        SPOT_TITLE,
-        spot_section(runs, "bench_spot_training.png"),
-        "tailspec bench --section spot_training" + (" --quick" if quick else ""),
-    )
-    return spot_table(runs)
+    runs = measure_spot_training(3 if quick else 8, workers=2, seed=seed, quick=quick)
+    return _rewrite_section(out, quick, SPOT_TITLE, "spot_training", runs, plot_spot, spot_section, spot_table)
 
 
 def run_bench(out: Path, quick: bool = False, seed: int = 1234) -> str:

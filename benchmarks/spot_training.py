@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..demo import DemoConfig, run_demo_with_rollout
-from .report import pyplot
+from .report import plot_panels
 
 logger = logging.getLogger(__name__)
 
@@ -85,24 +85,20 @@ def spot_table(runs: list[SpotRun]) -> str:
 
 
 def plot_spot(runs: list[SpotRun], path: Path) -> None:
-    plt = pyplot()
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.6))
-    for run in runs:
-        steps = range(1, len(run.accept_length) + 1)
-        ax1.plot(steps, run.accept_length, marker="o", label=run.name)
-        ax2.plot(list(steps)[1:], run.rollout_s[1:], marker="o", label=run.name)
-    ax1.set_xlabel("RL step")
-    ax1.set_ylabel("mean accepted length")
-    ax1.set_title("Acceptance over RL steps")
-    ax2.set_xlabel("RL step")
-    ax2.set_ylabel("rollout seconds")
-    ax2.set_title("Rollout time per step (from step 2)")
-    for ax in (ax1, ax2):
-        ax.legend(fontsize=8)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    def steps(run: SpotRun) -> list[int]:
+        return list(range(1, len(run.accept_length) + 1))
+
+    plot_panels(
+        path,
+        [
+            ("Acceptance over RL steps", "mean accepted length", [(r.name, steps(r), r.accept_length) for r in runs]),
+            (
+                "Rollout time per step (from step 2)",
+                "rollout seconds",
+                [(r.name, steps(r)[1:], r.rollout_s[1:]) for r in runs],
+            ),
+        ],
+    )
 
 
 def spot_section(runs: list[SpotRun], plot_name: str) -> str:

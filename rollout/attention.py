@@ -275,10 +275,13 @@ def build_padded_metadata(
     """
     device = cache.layout.device
     bs = cache.block_size
+    use_plan = resolve_backend(device, kernels) == "triton"
+    dense_context = 0 if use_plan else context  # the kernel reads block tables, not gathered slots
     slot_mapping = torch.full((batch, tokens), scratch_slot, dtype=torch.long)
-    gather = torch.full((batch, context), scratch_slot, dtype=torch.long)
-    mask = torch.zeros(batch, tokens, context, dtype=torch.bool)
-    mask[:, :, 0] = True  # padding rows; for real rows key 0 is visible anyway (prefix or first new token)
+    gather = torch.full((batch, dense_context), scratch_slot, dtype=torch.long)
+    mask = torch.zeros(batch, tokens, dense_context, dtype=torch.bool)
+    if dense_context:
+        mask[:, :, 0] = True  # padding rows; for real rows key 0 is visible anyway (prefix or first new token)
     query_positions = torch.zeros(batch, tokens, dtype=torch.long)
     offset = 0
     for i, s in enumerate(seqs):
@@ -286,17 +289,20 @@ def build_padded_metadata(
         if n_ctx > context or s.num_new > tokens:
             raise ValueError(f"sequence {i} ({s.num_new} new, {n_ctx} in context) exceeds the bucket")
         table = torch.tensor(s.block_table, dtype=torch.long)
+        new_keys = torch.arange(s.num_cached, n_ctx)
+        slot_mapping[i, : s.num_new] = table[new_keys // bs] * bs + new_keys % bs
+        query_positions[i, : s.num_new] = torch.tensor(positions[offset : offset + s.num_new])
+        offset += s.num_new
+        if use_plan:
+            continue
         keys = torch.arange(n_ctx)
         gather[i, :n_ctx] = table[keys // bs] * bs + keys % bs
-        slot_mapping[i, : s.num_new] = gather[i, s.num_cached : n_ctx]
         rows = torch.arange(s.num_new)
         mask[i, : s.num_new, : s.num_cached] = True
         new = rows.view(-1, 1) >= rows.view(1, -1) if s.new_token_mask is None else s.new_token_mask.bool().cpu()
         mask[i, : s.num_new, s.num_cached : n_ctx] = new
-        query_positions[i, : s.num_new] = torch.tensor(positions[offset : offset + s.num_new])
-        offset += s.num_new
     plan = None
-    if resolve_backend(device, kernels) == "triton":
+    if use_plan:
         width, scratch_block, pad = -(-context // bs), scratch_slot // bs, batch - len(seqs)
         plan = PagedAttentionPlan.build(
             [(s.block_table + [scratch_block] * width)[:width] for s in seqs] + [[scratch_block] * width] * pad,

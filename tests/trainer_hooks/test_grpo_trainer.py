@@ -13,19 +13,27 @@ def params_snapshot(model):
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-def _changed(before, model):
-    after = model.state_dict()
-    return any(not (before[k] == after[k]).all() for k in before)
-
-
-def test_tailspec_grpo_trainer_two_steps(task_tokenizer, tiny_policy, grpo_dataset, grpo_args):
-    rollout = SpecRollout()
-    trainer = tailspec.GRPOTrainer(
+@pytest.fixture
+def common(task_tokenizer, tiny_policy, grpo_dataset, grpo_args):
+    """The trainer arguments every test here shares."""
+    return dict(
         model=tiny_policy,
         reward_funcs=length_reward,
         args=grpo_args,
         train_dataset=grpo_dataset,
         processing_class=task_tokenizer,
+    )
+
+
+def _changed(before, model):
+    after = model.state_dict()
+    return any(not (before[k] == after[k]).all() for k in before)
+
+
+def test_tailspec_grpo_trainer_two_steps(common, tiny_policy):
+    rollout = SpecRollout()
+    trainer = tailspec.GRPOTrainer(
+        **common,
         rollout=rollout,
     )
     before = params_snapshot(tiny_policy)
@@ -39,14 +47,10 @@ def test_tailspec_grpo_trainer_two_steps(task_tokenizer, tiny_policy, grpo_datas
     assert _changed(before, tiny_policy)
 
 
-def test_stock_trl_trainer_accepts_spec_rollout(task_tokenizer, tiny_policy, grpo_dataset, grpo_args):
+def test_stock_trl_trainer_accepts_spec_rollout(common):
     rollout = SpecRollout()
     trainer = trl.GRPOTrainer(
-        model=tiny_policy,
-        reward_funcs=length_reward,
-        args=grpo_args,
-        train_dataset=grpo_dataset,
-        processing_class=task_tokenizer,
+        **common,
         rollout_func=rollout,
     )
     trainer.train()
@@ -54,46 +58,30 @@ def test_stock_trl_trainer_accepts_spec_rollout(task_tokenizer, tiny_policy, grp
     assert len(rollout.history) == 2
 
 
-def test_default_rollout_and_argument_checks(task_tokenizer, tiny_policy, grpo_dataset, grpo_args):
+def test_default_rollout_and_argument_checks(common):
     trainer = tailspec.GRPOTrainer(
-        model=tiny_policy,
-        reward_funcs=length_reward,
-        args=grpo_args,
-        train_dataset=grpo_dataset,
-        processing_class=task_tokenizer,
+        **common,
     )
     assert isinstance(trainer.rollout, SpecRollout)
     with pytest.raises(ValueError, match="not both"):
         tailspec.GRPOTrainer(
-            model=tiny_policy,
-            reward_funcs=length_reward,
-            args=grpo_args,
-            train_dataset=grpo_dataset,
-            processing_class=task_tokenizer,
+            **common,
             rollout=SpecRollout(),
             rollout_func=SpecRollout(),
         )
     with pytest.raises(ValueError, match="callable"):
         tailspec.GRPOTrainer(
-            model=tiny_policy,
-            reward_funcs=length_reward,
-            args=grpo_args,
-            train_dataset=grpo_dataset,
-            processing_class=task_tokenizer,
+            **common,
             rollout=42,
         )
 
 
-def test_importance_sampling_correction_is_on_with_a_ratio_of_one(task_tokenizer, tiny_policy, grpo_dataset, grpo_args):
+def test_importance_sampling_correction_is_on_with_a_ratio_of_one(common):
     """TRL's correction runs on the rollout's processed logprobs; rollout and trainer use the same
     fp32 model (the fixture turns TRL's default bf16 autocast off), so the ratio is 1 up to rounding. Weights are
     synced once per optimizer step."""
     trainer = tailspec.GRPOTrainer(
-        model=tiny_policy,
-        reward_funcs=length_reward,
-        args=grpo_args,
-        train_dataset=grpo_dataset,
-        processing_class=task_tokenizer,
+        **common,
         rollout=SpecRollout(),
     )
     trainer.train()
@@ -106,13 +94,9 @@ def test_importance_sampling_correction_is_on_with_a_ratio_of_one(task_tokenizer
     assert trainer.weight_sync.synced_steps == list(range(trainer.state.global_step)) == [0, 1]
 
 
-def test_importance_sampling_can_be_turned_off(task_tokenizer, tiny_policy, grpo_dataset, grpo_args):
+def test_importance_sampling_can_be_turned_off(common):
     trainer = tailspec.GRPOTrainer(
-        model=tiny_policy,
-        reward_funcs=length_reward,
-        args=grpo_args,
-        train_dataset=grpo_dataset,
-        processing_class=task_tokenizer,
+        **common,
         importance_sampling=False,
     )
     trainer.train()
