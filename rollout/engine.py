@@ -130,6 +130,11 @@ class RequestLimits:
                 raise ValueError(
                     f"prompt_ids[{i}] = {tok!r} is not a token id in the vocabulary [0, {self.vocab_size})"
                 )
+        if params.prompt_logprobs >= len(prompt_ids):
+            raise ValueError(
+                f"prompt_logprobs = {params.prompt_logprobs} must be smaller than the prompt length "
+                f"{len(prompt_ids)} (the first prompt token has no prediction)"
+            )
         bad_stops = [s for s in params.stop_token_ids if s >= self.vocab_size]
         if bad_stops:
             raise ValueError(f"stop_token_ids {bad_stops} are outside the vocabulary [0, {self.vocab_size})")
@@ -427,13 +432,27 @@ class RolloutEngine:
 
     def _prefill(self, batch: ScheduledBatch) -> list[int]:
         slices, tokens, positions, last = [], [], [], []
+        scored: list[tuple[Sequence, int]] = []  # (leader, tokens scored for it and its followers)
+        score_rows: list[int] = []
         for seq in batch.seqs:
             new = seq.uncached_tokens()
             slices.append(SequenceSlice(seq.block_table, seq.num_cached, len(new)))
             positions.extend(range(seq.num_cached, seq.num_tokens))
             tokens.extend(new)
             last.append(len(tokens) - 1)
-        logits = self._forward(slices, tokens, positions, last)
+            group = [seq, *batch.followers.get(seq.seq_id, [])]
+            n = max((s.params.prompt_logprobs for s in group if s.prompt_logprobs is None), default=0)
+            if n:
+                # the logits at prompt position j predict token j + 1
+                first = len(tokens) - len(new) + (len(seq.prompt_ids) - 1 - n - seq.num_cached)
+                if first < len(tokens) - len(new):
+                    raise RuntimeError("prompt logprobs requested for a prompt that is already cached")
+                scored.append((seq, n))
+                score_rows.extend(range(first, first + n))
+        logits = self._forward(slices, tokens, positions, last + score_rows)
+        if scored:
+            self._store_prompt_logprobs(scored, logits[len(last) :], batch)
+            logits = logits[: len(last)]
         self.stats.prefill_steps += 1
         self.stats.prefill_tokens += len(tokens)
 
@@ -451,6 +470,22 @@ class RolloutEngine:
                 seqs.append(member)
         self.stats.forked_prefills += len(seqs) - len(batch.seqs)
         return self._sample_and_append(seqs, logits[rows] if len(rows) != len(batch.seqs) else logits)
+
+    @staticmethod
+    def _store_prompt_logprobs(scored: list[tuple[Sequence, int]], span_logits: torch.Tensor, batch) -> None:
+        """Unprocessed log-probabilities of each scored prompt span; a group's followers (same
+        prompt) take the suffix of their leader's span that they asked for."""
+        targets = [tok for seq, n in scored for tok in seq.prompt_ids[len(seq.prompt_ids) - n :]]
+        target = torch.tensor(targets, device=span_logits.device).unsqueeze(-1)
+        picked = torch.log_softmax(span_logits.float(), dim=-1).gather(-1, target).squeeze(-1).tolist()
+        offset = 0
+        for leader, n in scored:
+            span = picked[offset : offset + n]
+            offset += n
+            for seq in [leader, *batch.followers.get(leader.seq_id, [])]:
+                k = seq.params.prompt_logprobs
+                if k and seq.prompt_logprobs is None:
+                    seq.prompt_logprobs = span[n - k :]
 
     def _fork_from(self, leader: Sequence, member: Sequence) -> None:
         """Member shares the leader's full blocks; copy the leader's partial last block."""

@@ -41,6 +41,11 @@ class SamplingParams:
     from it and its returned logprob is the log-probability under it. ``temperature == 0`` means
     greedy decoding; the logprob returned for a greedy token is then taken from the unscaled,
     unfiltered softmax.
+
+    ``prompt_logprobs = n`` also returns the log-probabilities of the prompt's last ``n`` tokens,
+    each given everything before it, under the model's *unprocessed* softmax (temperature 1, no
+    filters), computed in the request's prefill: one forward scores a span (how ATTS scores a
+    drafted chunk). ``n`` must be smaller than the prompt (the first token has no prediction).
     """
 
     temperature: float = 1.0
@@ -51,6 +56,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     seed: int | None = None
     ignore_eos: bool = False
+    prompt_logprobs: int = 0
 
     def __post_init__(self) -> None:
         t = self.temperature
@@ -83,6 +89,12 @@ class SamplingParams:
         )
         object.__setattr__(self, "stop_token_ids", stops)
         _require(self.seed is None or _valid_seed(self.seed), "seed", f"None or {_SEED_RANGE}", self.seed)
+        _require(
+            _is_int(self.prompt_logprobs) and self.prompt_logprobs >= 0,
+            "prompt_logprobs",
+            "an int >= 0 (0 = off)",
+            self.prompt_logprobs,
+        )
 
     @property
     def greedy(self) -> bool:

@@ -33,6 +33,7 @@ class Sequence:
     group: int | None = None  # requests with the same prompt in one call share a group id
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    prompt_logprobs: list[float] | None = None  # of the last params.prompt_logprobs prompt tokens
     block_table: list[int] = field(default_factory=list)
     num_cached: int = 0  # tokens whose K/V are in the cache
     status: SeqStatus = SeqStatus.WAITING
@@ -86,6 +87,7 @@ class Sequence:
             num_spec_steps=self.num_spec_steps,
             num_drafted=self.num_drafted,
             num_accepted=self.num_accepted,
+            prompt_logprobs=None if self.prompt_logprobs is None else list(self.prompt_logprobs),
         )
 
 
@@ -100,6 +102,8 @@ class RequestOutput:
     num_spec_steps: int = 0
     num_drafted: int = 0
     num_accepted: int = 0
+    # unprocessed log-probabilities of the last SamplingParams.prompt_logprobs prompt tokens
+    prompt_logprobs: list[float] | None = None
 
     @property
     def mean_accept_length(self) -> float:
