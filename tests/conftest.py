@@ -9,6 +9,7 @@ Model caches and the Hugging Face greedy reference live in ``tests/rollout/conft
 
 import os
 
+import pytest
 import torch
 
 if "OMP_NUM_THREADS" not in os.environ:
@@ -16,3 +17,14 @@ if "OMP_NUM_THREADS" not in os.environ:
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+@pytest.fixture(scope="module")
+def ray_local():
+    """A local Ray instance for the module's tests (2 CPUs, no dashboard), stopped afterwards."""
+    ray = pytest.importorskip("ray")
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, ignore_reinit_error=True)
+    try:
+        yield ray
+    finally:
+        ray.shutdown()
