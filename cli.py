@@ -1,4 +1,4 @@
-"""The ``tailspec`` command line: ``demo``, ``bench``, ``drafter warmup|export``, ``train-tiny``."""
+"""The ``tailspec`` command line: ``demo``, ``bench``, ``atts``, ``drafter warmup|export``, ``train-tiny``."""
 
 from __future__ import annotations
 
@@ -29,15 +29,51 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from .benchmarks.run import run_bench, run_e2e_section, run_spot_training_section
+    from .benchmarks.run import run_atts_section, run_bench, run_e2e_section, run_spot_training_section
 
-    if args.section == "spot_training":
+    if args.section == "atts":
+        print(run_atts_section(Path(args.out), quick=args.quick))
+    elif args.section == "spot_training":
         print(run_spot_training_section(Path(args.out), quick=args.quick))
     elif args.section == "e2e":
         print(run_e2e_section(Path(args.out), quick=args.quick))
     else:
         print(run_bench(Path(args.out), quick=args.quick))
     print(f"wrote {args.out}")
+    return 0
+
+
+def _atts(args: argparse.Namespace) -> int:
+    from .atts import ATTSConfig
+    from .benchmarks.atts import ATTSBenchConfig, atts_table, measure_atts
+    from .benchmarks.run import write_atts_section
+    from .tasks.tokenizer import build_tokenizer
+
+    alphas = tuple(sorted({*args.alphas, args.alpha}))
+    delimiters = tuple(build_tokenizer().encode(args.delimiter)) if args.delimiter else ()
+    atts = ATTSConfig(
+        alpha=args.alpha,
+        num_samples=args.samples,
+        chunk_tokens=args.chunk_tokens,
+        delimiter_ids=delimiters,
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        seed=args.seed,
+    )
+    cfg = ATTSBenchConfig(
+        questions=args.questions,
+        calibration_questions=args.calibration_questions,
+        alphas=alphas,
+        main_alpha=args.alpha,
+        atts=atts,
+        ray=args.ray,
+        seed=args.seed,
+    )
+    rows, calibration = measure_atts(cfg, progress=True)
+    print(atts_table(rows))
+    if args.out:
+        write_atts_section(Path(args.out), rows, calibration, cfg, command="tailspec " + " ".join(args.argv))
+        print(f"wrote {args.out}")
     return 0
 
 
@@ -133,11 +169,28 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--quick", action="store_true", help="fewer prompts (for a smoke run)")
     bench.add_argument(
         "--section",
-        choices=["all", "spot_training", "e2e"],
+        choices=["all", "spot_training", "e2e", "atts"],
         default="all",
-        help="all: rewrite the whole report; spot_training / e2e: only that section, in place",
+        help="all: rewrite the whole report; spot_training / e2e / atts: only that section, in place",
     )
     bench.set_defaults(func=_bench)
+
+    atts = sub.add_parser(
+        "atts", help="ATTS on the tiny task: draft chunks, conformal takeover by the target, vs target-only and sync"
+    )
+    atts.add_argument("--alpha", type=float, default=0.2, help="takeover rate to ask for, in (0, 1)")
+    atts.add_argument("--alphas", type=float, nargs="*", default=[0.1, 0.4], help="more alphas to sweep (split)")
+    atts.add_argument("--questions", type=int, default=32)
+    atts.add_argument("--calibration-questions", type=int, default=32, help="held-out questions for calibration")
+    atts.add_argument("--samples", type=int, default=8, help="samples per question")
+    atts.add_argument("--chunk-tokens", type=int, default=32)
+    atts.add_argument("--delimiter", default="", help="text whose tokens end a chunk early (e.g. ' ' = one step)")
+    atts.add_argument("--max-new-tokens", type=int, default=384)
+    atts.add_argument("--temperature", type=float, default=1.0)
+    atts.add_argument("--seed", type=int, default=0)
+    atts.add_argument("--ray", action="store_true", help="draft and target engines as Ray actors (local Ray)")
+    atts.add_argument("--out", help="also write the ATTS section of this report (e.g. docs/BENCHMARKS.md)")
+    atts.set_defaults(func=_atts)
 
     drafter = sub.add_parser("drafter", help="EAGLE-3 drafter heads: warm-up training and export")
     dsub = drafter.add_subparsers(dest="drafter_command", required=True)
@@ -174,6 +227,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args, rest = parser.parse_known_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)
     if args.func is _train_tiny:
         args.rest = rest
     elif rest:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from pathlib import Path
 
@@ -12,6 +13,7 @@ from ..tasks.chain_sum import ChainSumConfig, sample_problems
 from ..tasks.sft import load_tiny, load_tiny_eagle3
 from ..trainer_hooks.spec_rollout import SpecRollout
 from .adaptive import long_tail_table, measure_long_tail, measure_uniform, plot_adaptive
+from .atts import ATTS_TITLE, ATTSBenchConfig, atts_section, atts_table, measure_atts, plot_atts
 from .e2e import e2e_section, e2e_table, measure_e2e, plot_e2e
 from .eagle3 import eagle3_table, measure_eagle3, measure_head_cost, plot_eagle3
 from .kernels import NO_CUDA_SECTION, kernels_section, run_kernel_bench
@@ -60,6 +62,23 @@ def run_spot_training_section(out: Path, quick: bool = False, seed: int = 0) -> 
     return _rewrite_section(out, quick, SPOT_TITLE, "spot_training", runs, plot_spot, spot_section, spot_table)
 
 
+def write_atts_section(out: Path, rows, calibration, cfg: ATTSBenchConfig, command: str) -> None:
+    plot_atts(rows, out.parent / "bench_atts.png")
+    replace_section(out, ATTS_TITLE, atts_section(rows, calibration, cfg, "bench_atts.png"), command)
+
+
+def run_atts_section(out: Path, quick: bool = False) -> str:
+    """Only the ATTS comparison (engines as Ray actors), written into ``out`` in place."""
+    cfg = _atts_bench_config(quick)
+    rows, calibration = measure_atts(cfg)
+    write_atts_section(out, rows, calibration, cfg, "tailspec bench --section atts" + (" --quick" if quick else ""))
+    return atts_table(rows)
+
+
+def _atts_bench_config(quick: bool) -> ATTSBenchConfig:
+    return dataclasses.replace(ATTSBenchConfig.quick() if quick else ATTSBenchConfig(), ray=True)
+
+
 def run_bench(out: Path, quick: bool = False, seed: int = 1234) -> str:
     torch.manual_seed(seed)
     model, tokenizer = load_tiny("policy")
@@ -95,7 +114,11 @@ def run_bench(out: Path, quick: bool = False, seed: int = 1234) -> str:
     plot_spot(spot_runs, docs / "bench_spot_training.png")
     e2e_runs = measure_e2e(3 if quick else 10, seed=0, quick=quick)
     plot_e2e(e2e_runs, docs / "bench_e2e.png")
+    atts_cfg = _atts_bench_config(quick)
+    atts_rows, atts_calibration = measure_atts(atts_cfg)
+    plot_atts(atts_rows, docs / "bench_atts.png")
     tables = [table, spec_table, eagle_tab, adaptive_tab, spot_table(spot_runs), e2e_table(e2e_runs)]
+    tables.append(atts_table(atts_rows))
     table = "\n\n".join(tables)
     workload = (
         f"the shipped tiny chain-sum policy (Qwen2 architecture, fp32), chain-sum prompts with "
@@ -112,6 +135,7 @@ def run_bench(out: Path, quick: bool = False, seed: int = 1234) -> str:
             ("Triton kernels", kernel_section),
             (SPOT_TITLE, spot_section(spot_runs, "bench_spot_training.png")),
             (E2E_TITLE, e2e_section(e2e_runs, "bench_e2e.png")),
+            (ATTS_TITLE, atts_section(atts_rows, atts_calibration, atts_cfg, "bench_atts.png")),
         ],
         command="tailspec bench" + (" --quick" if quick else ""),
         workload=workload,

@@ -61,6 +61,7 @@ class EngineStats:
     generated_tokens: int = 0
     preemptions: int = 0
     forked_prefills: int = 0  # group members that reused a leader's prefill
+    mixed_steps: int = 0  # prefills that also advanced the running sequences (RolloutConfig.mixed_batches)
     model_time_s: float = 0.0
     wall_time_s: float = 0.0
     spec_steps: int = 0
@@ -354,14 +355,17 @@ class RolloutEngine:
 
     def step(self) -> list[int]:
         """Run one scheduled forward; return the ids of requests that finished in it."""
-        batch = self.scheduler.schedule()
+        mixed = self.config.mixed_batches and not self.strategy.speculative and not self.strategy.adaptive
+        batch = self.scheduler.schedule(mixed=mixed)
         if batch is None:
             return []
         with self._inference():
-            if batch.kind is StepKind.PREFILL:
-                finished = self._prefill(batch)
-            else:
+            if batch.kind is StepKind.DECODE:
                 finished = self._decode_step(batch)
+            else:  # PREFILL, or MIXED: a running sequence is a prompt with one uncached token
+                finished = self._prefill(batch)
+                if batch.kind is StepKind.MIXED:
+                    self.stats.mixed_steps += 1
         self.stats.steps += 1
         self.stats.preemptions = self.scheduler.num_preemptions
         return finished

@@ -123,6 +123,9 @@ class RolloutConfig:
     draft_kv_cache_tokens: int | None = None  # the model drafter's own KV pool; None = kv_cache_tokens
     suffix_history_tokens: int = 1 << 20  # completions of earlier calls the suffix drafter remembers
     selector: Any = None  # strategy="adaptive": a SelectorConfig (or its dict); None = defaults
+    # waiting prompts join the running sequences' decode forward (one forward, no decode stall);
+    # applies to non-speculative strategies (speculative steps keep prefill and verify apart)
+    mixed_batches: bool = False
     tail_fraction: float = 0.25  # a step is "in the tail" when active sequences <= this x the wave's peak
     graph_backend: str = "auto"  # auto: CUDA graphs on CUDA, none on CPU | cuda_graph | eager | none
     graph_memory_mb: int = 2048  # budget of the graph pool
@@ -132,6 +135,7 @@ class RolloutConfig:
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        _require(isinstance(self.mixed_batches, bool), "mixed_batches", "a bool", self.mixed_batches)
         _require(
             _is_int(self.block_size) and 1 <= self.block_size <= 1024,
             "block_size",

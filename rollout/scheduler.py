@@ -22,6 +22,7 @@ from .request import SeqStatus, Sequence
 class StepKind(enum.Enum):
     PREFILL = "prefill"
     DECODE = "decode"
+    MIXED = "mixed"  # running sequences' next token + newly admitted prompts in one forward
 
 
 @dataclass
@@ -50,11 +51,17 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     # -- step planning -------------------------------------------------------------------
-    def schedule(self) -> ScheduledBatch | None:
-        batch = self._schedule_prefill()
-        if batch is not None:
-            return batch
-        return self._schedule_decode()
+    def schedule(self, mixed: bool = False) -> ScheduledBatch | None:
+        """A prefill step if a waiting sequence can be admitted, else a decode step. With ``mixed``,
+        the running sequences' blocks for their next token are reserved first and any admitted
+        prompts join them in one MIXED step (running sequences first in ``seqs``)."""
+        if not mixed or not self.running:
+            return self._schedule_prefill() or self._schedule_decode()
+        decode = self._schedule_decode()
+        prefill = self._schedule_prefill()
+        if decode is None or prefill is None:
+            return decode or prefill
+        return ScheduledBatch(StepKind.MIXED, decode.seqs + prefill.seqs, prefill.followers)
 
     def _group_members(self, leader: Sequence) -> list[Sequence]:
         if leader.group is None or not leader.is_fresh:

@@ -1,0 +1,29 @@
+"""`tailspec atts`: every contender runs on the same questions and the report section is written."""
+
+import pytest
+
+from tailspec.benchmarks.atts import ATTSBenchConfig
+from tailspec.cli import main
+
+
+def test_atts_cli_writes_the_comparison(tmp_path, capsys):
+    out = tmp_path / "BENCHMARKS.md"
+    out.write_text("# Benchmarks\n\n## Other section\n\nkept\n")
+    argv = ["atts", "--questions", "3", "--calibration-questions", "3", "--samples", "2", "--alphas", "0.4"]
+    assert main([*argv, "--max-new-tokens", "32", "--chunk-tokens", "8", "--delimiter", " ", "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    for name in ("target only", "draft only", "ATTS async (split)", "ATTS async (online)", "synchronous baseline"):
+        assert f"| {name} |" in printed
+    assert printed.count("| ATTS async (split) |") == 2  # alphas 0.2 and 0.4
+    text = out.read_text()
+    assert "## Other section\n\nkept" in text
+    assert "## ATTS: asynchronous test-time scaling with conformal takeover" in text
+    assert "Measured by `tailspec atts --questions 3" in text
+    assert (tmp_path / "bench_atts.png").stat().st_size > 0
+
+
+def test_bad_bench_config_is_refused():
+    with pytest.raises(ValueError, match="main_alpha"):
+        ATTSBenchConfig(alphas=(0.1,), main_alpha=0.2)
+    with pytest.raises(ValueError, match=r"alpha must be in \(0, 1\)"):
+        main(["atts", "--alpha", "1.5", "--questions", "1"])
