@@ -43,6 +43,12 @@ class DemoConfig:
     ray_address: str | None = None
     spot_training: bool = True
     max_spot_steps: int = 64  # drafter steps per rollout on idle workers
+    # the rest of the story around the GRPO run
+    warmup_steps: int = 0  # EAGLE-3 warm-up steps on the policy's rollouts before RL (0 = use the shipped head as is)
+    warmup_prompts: int = 48
+    baseline: bool = False  # also run the same GRPO configuration with strategy "none" and compare per step
+    export: str | None = None  # export the trained head for "sglang" or "vllm" into output_dir
+    deepspeed: str | None = None  # "zero2" | "zero3" | a DeepSpeed JSON path (needs tailspec[deepspeed])
 
     def __post_init__(self) -> None:
         if self.max_steps < 1:
@@ -60,6 +66,16 @@ class DemoConfig:
             raise ValueError(f"workers must be an int >= 0, got {self.workers!r}")
         if not (isinstance(self.max_spot_steps, int) and self.max_spot_steps >= 0):
             raise ValueError(f"max_spot_steps must be an int >= 0, got {self.max_spot_steps!r}")
+        if not (isinstance(self.warmup_steps, int) and self.warmup_steps >= 0):
+            raise ValueError(f"warmup_steps must be an int >= 0, got {self.warmup_steps!r}")
+        if not (isinstance(self.warmup_prompts, int) and self.warmup_prompts >= 1):
+            raise ValueError(f"warmup_prompts must be an int >= 1, got {self.warmup_prompts!r}")
+        if self.export not in (None, "sglang", "vllm"):
+            raise ValueError(f"export must be null, 'sglang' or 'vllm', got {self.export!r}")
+        if self.deepspeed is not None:
+            from .trainer_hooks.deepspeed import deepspeed_config
+
+            deepspeed_config(self.deepspeed)  # raises ValueError naming the field
 
     @classmethod
     def from_yaml(cls, path: str | Path) -> DemoConfig:
@@ -105,7 +121,7 @@ def _step_printer():
     return StepPrinter()
 
 
-def _make_rollout(cfg: DemoConfig):
+def _make_rollout(cfg: DemoConfig, head=None):
     from .drafter.eagle3.train import DrafterTrainingConfig
     from .tasks.sft import load_tiny, load_tiny_eagle3
     from .trainer_hooks.spec_rollout import SpecRollout
@@ -131,7 +147,7 @@ def _make_rollout(cfg: DemoConfig):
     )
     return SpecRollout(
         strategy=cfg.strategy,
-        drafter=load_tiny_eagle3(),
+        drafter=head if head is not None else load_tiny_eagle3(),
         drafter_train_steps=0 if cfg.workers else cfg.drafter_train_steps,
         drafter_training=training,
         **placement,
@@ -143,8 +159,7 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
     return run_demo_with_rollout(cfg)[0]
 
 
-def run_demo_with_rollout(cfg: DemoConfig) -> tuple[dict[str, Any], Any]:
-    """:func:`run_demo`, also returning the ``SpecRollout`` (its per-call ``history``, coordinator)."""
+def _prepare_environment(cfg: DemoConfig) -> Path:
     os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
     out = Path(cfg.output_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -153,7 +168,44 @@ def run_demo_with_rollout(cfg: DemoConfig) -> tuple[dict[str, Any], Any]:
         os.environ.setdefault("WANDB_DIR", str(out))
         os.environ.setdefault("WANDB_PROJECT", cfg.wandb_project)
         os.environ.setdefault("WANDB_SILENT", "true")
+    if cfg.deepspeed is not None:
+        from .trainer_hooks.deepspeed import require_deepspeed, single_process_environment
 
+        require_deepspeed()
+        single_process_environment()
+    return out
+
+
+def _warm_up(cfg: DemoConfig):
+    """Continue the shipped EAGLE-3 head on the shipped policy's rollouts of fresh prompts."""
+    from .drafter.eagle3.train import DrafterTrainingConfig
+    from .drafter.eagle3.warmup import WarmupConfig, warmup_head
+    from .tasks.chain_sum import ChainSumConfig, make_grpo_dataset
+    from .tasks.sft import load_tiny, load_tiny_eagle3
+    from .trainer_hooks.spec_rollout import SpecRollout
+
+    model, tokenizer = load_tiny("policy")
+    rows = make_grpo_dataset(cfg.warmup_prompts, seed=cfg.seed + 7919, cfg=ChainSumConfig())
+    prompts = SpecRollout.tokenize_prompts([r["prompt"] for r in rows], tokenizer)
+    warm = WarmupConfig(
+        rounds=1,
+        steps_per_round=cfg.warmup_steps,
+        max_new_tokens=cfg.max_completion_length,
+        training=DrafterTrainingConfig(batch_size=8, max_tokens=512, learning_rate=1e-4, seed=cfg.seed),
+        seed=cfg.seed,
+    )
+    head, _, rounds = warmup_head(model, prompts, warm, head=load_tiny_eagle3(), progress=True)
+    r = rounds[-1]
+    print(
+        f"drafter warm-up: {r.completions} rollouts ({r.tokens} tokens) of the policy, {cfg.warmup_steps} steps, "
+        f"loss {r.loss_first:.3f} -> {r.loss_last:.3f}",
+        flush=True,
+    )
+    return head
+
+
+def _grpo_run(cfg: DemoConfig, out: Path, head=None, label: str = "tailspec"):
+    """One GRPO run: (printed rows per step, the SpecRollout, wall seconds, wandb run name)."""
     from trl import GRPOConfig
 
     from .tasks.chain_sum import ChainSumConfig, chain_sum_reward, make_grpo_dataset
@@ -162,6 +214,12 @@ def run_demo_with_rollout(cfg: DemoConfig) -> tuple[dict[str, Any], Any]:
 
     model, tokenizer = load_tiny("policy")
     dataset = make_grpo_dataset(cfg.num_train_prompts, seed=cfg.seed, cfg=ChainSumConfig())
+    run_name = f"demo-{label.replace(' ', '-')}-{int(time.time())}"
+    extra: dict[str, Any] = {}
+    if cfg.deepspeed is not None:
+        from .trainer_hooks.deepspeed import deepspeed_config
+
+        extra["deepspeed"] = deepspeed_config(cfg.deepspeed)
     args = GRPOConfig(
         output_dir=str(out),
         per_device_train_batch_size=cfg.prompts_per_step * cfg.num_generations,
@@ -174,13 +232,14 @@ def run_demo_with_rollout(cfg: DemoConfig) -> tuple[dict[str, Any], Any]:
         logging_steps=1,
         save_strategy="no",
         report_to=["wandb"] if cfg.wandb else [],
-        run_name=f"demo-{int(time.time())}",
+        run_name=run_name,
         use_cpu=True,
         bf16=False,  # TRL defaults to bf16 autocast; on CPUs without native bf16 it is ~10x slower than fp32
         seed=cfg.seed,
+        **extra,
     )
     printer = _step_printer()
-    rollout = _make_rollout(cfg)
+    rollout = _make_rollout(cfg, head)
     trainer = GRPOTrainer(
         model=model,
         reward_funcs=chain_sum_reward,
@@ -190,18 +249,27 @@ def run_demo_with_rollout(cfg: DemoConfig) -> tuple[dict[str, Any], Any]:
         rollout=rollout,
         callbacks=[printer],
     )
-    print(f"tailspec demo: GRPO on the chain-sum task, {cfg.max_steps} steps, config {asdict(cfg)}", flush=True)
+    print(f"\n== GRPO ({label}): strategy {cfg.strategy}, {cfg.max_steps} steps, workers {cfg.workers} ==", flush=True)
     start = time.perf_counter()
-    trainer.train()
-    wall = time.perf_counter() - start
+    try:
+        trainer.train()
+    finally:
+        if rollout.coordinator is not None:
+            rollout.coordinator.shutdown()
+    if cfg.wandb:
+        import wandb
 
-    rows = printer.rows
+        wandb.finish()
+    return printer.rows, rollout, time.perf_counter() - start, run_name
+
+
+def _summarize(cfg: DemoConfig, rows: list[dict[str, Any]], rollout: Any, wall: float) -> dict[str, Any]:
     k = max(1, min(5, len(rows) // 2))
     first = sum(r["reward"] for r in rows[:k]) / k
     last = sum(r["reward"] for r in rows[-k:]) / k
     tokens = sum(s.completion_tokens for s in rollout.history)
     rollout_time = sum(s.time_s for s in rollout.history)
-    summary = {
+    summary: dict[str, Any] = {
         "steps": len(rows),
         "wall_s": wall,
         f"reward_first_{k}": first,
@@ -228,11 +296,56 @@ def run_demo_with_rollout(cfg: DemoConfig) -> tuple[dict[str, Any], Any]:
         summary["drafter_version"] = rollout.history[-1].drafter_version
         summary[f"drafter_loss_first_{k}"] = sum(losses[:k]) / len(losses[:k])
         summary[f"drafter_loss_last_{k}"] = sum(losses[-k:]) / len(losses[-k:])
+    return summary
+
+
+def _print_comparison(rows: list[dict[str, Any]], base_rows: list[dict[str, Any]], strategy: str) -> None:
+    print(f"\n== per step: {strategy} vs no speculation (same GRPO config and seeds) ==")
+    print(f"{'step':>4}  {'reward':>7} {'(none)':>7}  {'rollout s':>9} {'(none)':>7}  {'speedup':>7}")
+    for r, b in zip(rows, base_rows):
+        ratio = b["rollout_s"] / r["rollout_s"] if r["rollout_s"] else float("nan")
+        print(
+            f"{r['step']:>4}  {r['reward']:>7.3f} {b['reward']:>7.3f}  {r['rollout_s']:>9.2f} {b['rollout_s']:>7.2f}  "
+            f"{ratio:>6.2f}x"
+        )
+
+
+def run_demo_with_rollout(cfg: DemoConfig) -> tuple[dict[str, Any], Any]:
+    """:func:`run_demo`, also returning the ``SpecRollout`` of the main run (its per-call
+    ``history``, coordinator). With ``warmup_steps``, ``baseline`` and ``export`` it is the whole
+    story: warm the drafter up, train, compare with no speculation, export the drafter."""
+    out = _prepare_environment(cfg)
+    print(f"tailspec demo: GRPO on the chain-sum task, config {asdict(cfg)}", flush=True)
+    uses_head = parse_strategy(cfg.strategy).uses_model_drafter and cfg.drafter == "eagle3"
+    head = _warm_up(cfg) if uses_head and cfg.warmup_steps else None
+    rows, rollout, wall, run_name = _grpo_run(cfg, out, head)
+    summary = _summarize(cfg, rows, rollout, wall)
+    wandb_runs = [run_name]
+    if cfg.baseline:
+        from dataclasses import replace
+
+        base_rows, base_rollout, base_wall, base_name = _grpo_run(
+            replace(cfg, strategy="none"), out, label="no speculation"
+        )
+        wandb_runs.append(base_name)
+        _print_comparison(rows, base_rows, cfg.strategy)
+        base_time = sum(s.time_s for s in base_rollout.history)
+        summary["baseline_rollout_time_s"] = base_time
+        summary["baseline_wall_s"] = base_wall
+        summary["rollout_speedup_vs_none"] = base_time / summary["rollout_time_s"] if summary["rollout_time_s"] else 0.0
+        k = max(1, min(5, len(base_rows) // 2))
+        summary[f"baseline_reward_last_{k}"] = sum(r["reward"] for r in base_rows[-k:]) / k
+    if cfg.export and uses_head:
+        from .drafter.eagle3.checkpoint import export_checkpoint
+
+        summary["exported_drafter"] = str(
+            export_checkpoint(rollout.drafter, out / f"drafter_{cfg.export}", format=cfg.export)
+        )
     print("\n== tailspec demo summary ==")
     for key, value in summary.items():
         print(f"{key:>24}: {value:.3f}" if isinstance(value, float) else f"{key:>24}: {value}")
     if cfg.wandb:
-        print(f"{'wandb run (offline)':>24}: {out / 'wandb'}  (upload with `wandb sync`)")
-    if rollout.coordinator is not None:
-        rollout.coordinator.shutdown()
+        print(f"{'wandb runs (offline)':>24}: {', '.join(wandb_runs)} in {out / 'wandb'}  (upload with `wandb sync`)")
+    if "exported_drafter" in summary:
+        print(f"{'exported drafter':>24}: {summary['exported_drafter']}  ({cfg.export} EAGLE-3 layout)")
     return summary, rollout

@@ -1,0 +1,60 @@
+"""DeepSpeed for the GRPO trainer: the shipped ZeRO configs and a single-process launch.
+
+``GRPOConfig(deepspeed=deepspeed_config("zero3"))`` trains under ZeRO-3; the rollout generates
+with the full parameters gathered for the call, exactly as TRL's own generation does
+(``SpecRollout`` enters ``trl.models.unwrap_model_for_generation`` with
+``ds3_gather_for_generation``). Under ``accelerate launch``/``deepspeed`` the launcher sets the
+distributed environment; a plain ``python`` run gets a one-process group from
+:func:`single_process_environment`.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from pathlib import Path
+
+SHIPPED = {"zero2": "deepspeed_zero2.json", "zero3": "deepspeed_zero3.json"}
+_ENV_KEYS = ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE")
+
+
+def configs_dir() -> Path:
+    return Path(__file__).resolve().parent.parent / "configs"
+
+
+def deepspeed_config(spec: str) -> str:
+    """Path of a DeepSpeed JSON: ``"zero2"``/``"zero3"`` (shipped in configs/) or a file path."""
+    if not isinstance(spec, str) or not spec:
+        raise ValueError(f"deepspeed must be 'zero2', 'zero3' or a path to a DeepSpeed JSON, got {spec!r}")
+    if spec in SHIPPED:
+        return str(configs_dir() / SHIPPED[spec])
+    path = Path(spec)
+    if not path.is_file():
+        raise ValueError(f"deepspeed must be 'zero2', 'zero3' or a path to a DeepSpeed JSON; no file at {spec!r}")
+    return str(path)
+
+
+def require_deepspeed() -> None:
+    try:
+        import deepspeed  # noqa: F401
+    except ImportError as e:
+        raise ValueError(
+            "a DeepSpeed config was given but DeepSpeed is not installed: pip install 'tailspec[deepspeed]'"
+        ) from e
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def single_process_environment() -> dict[str, str]:
+    """Set the torch.distributed variables for a one-process run where no launcher set them;
+    returns what was set (empty under a launcher)."""
+    if "RANK" in os.environ or "LOCAL_RANK" in os.environ:
+        return {}
+    values = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1"}
+    for key in _ENV_KEYS:
+        os.environ.setdefault(key, values[key])
+    return values
