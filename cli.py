@@ -12,7 +12,9 @@ from pathlib import Path
 def _demo(args: argparse.Namespace) -> int:
     from .demo import DemoConfig, run_demo
 
-    cfg = DemoConfig.from_yaml(args.config) if args.config else DemoConfig()
+    from .trainer_hooks.deepspeed import configs_dir
+
+    cfg = DemoConfig.from_yaml(args.config or configs_dir() / "demo_cpu.yaml")
     overrides: dict[str, object] = {}
     if args.steps is not None:
         overrides["max_steps"] = args.steps
@@ -24,6 +26,10 @@ def _demo(args: argparse.Namespace) -> int:
         overrides["workers"] = args.workers
     if args.ray_address is not None:
         overrides["ray_address"] = args.ray_address
+    if args.deepspeed is not None:
+        overrides["deepspeed"] = args.deepspeed
+    if args.no_baseline:
+        overrides["baseline"] = False
     run_demo(dataclasses.replace(cfg, **overrides))  # replace() re-runs validation
     return 0
 
@@ -156,12 +162,14 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     demo = sub.add_parser("demo", help="a short GRPO run with tailspec rollouts on the tiny task (CPU)")
-    demo.add_argument("--config", help="YAML demo config (see configs/demo_cpu.yaml)")
+    demo.add_argument("--config", help="YAML demo config (default: the shipped configs/demo_cpu.yaml)")
     demo.add_argument("--steps", type=int, help="number of GRPO steps")
     demo.add_argument("--strategy", help="speculation strategy: none | chain:K | tree:D,K,B | suffix[:...]")
     demo.add_argument("--no-wandb", action="store_true", help="do not log to wandb (offline by default)")
     demo.add_argument("--workers", type=int, help="Ray rollout workers (0: the in-process engine)")
     demo.add_argument("--ray-address", help="Ray cluster to join (default: RAY_ADDRESS, else a local Ray)")
+    demo.add_argument("--deepspeed", help="train under DeepSpeed: zero2 | zero3 | a DeepSpeed JSON path")
+    demo.add_argument("--no-baseline", action="store_true", help="skip the no-speculation comparison run")
     demo.set_defaults(func=_demo)
 
     bench = sub.add_parser("bench", help="benchmarks side by side; writes docs/BENCHMARKS.md")

@@ -54,7 +54,13 @@ def single_process_environment() -> dict[str, str]:
     returns what was set (empty under a launcher)."""
     if "RANK" in os.environ or "LOCAL_RANK" in os.environ:
         return {}
-    values = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1"}
+    values = {
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(_free_port()),
+        "RANK": "0",
+        "LOCAL_RANK": "0",
+        "WORLD_SIZE": "1",
+    }
     for key in _ENV_KEYS:
         os.environ.setdefault(key, values[key])
     return values

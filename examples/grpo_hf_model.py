@@ -1,0 +1,239 @@
+"""GRPO with tailspec rollouts on a real Hugging Face model and dataset (needs a model hub or local copies).
+
+    # one GPU: a small instruct model on GSM8K, an EAGLE-3 head warmed up on the model first
+    python examples/grpo_hf_model.py --config configs/grpo_hf_single_gpu.yaml
+    # a multi-GPU Ray cluster: one rollout engine per GPU, the head trained on GPUs the tail leaves idle
+    ray job submit --address http://HEAD:8265 --working-dir . -- \\
+        python examples/grpo_hf_model.py --config configs/grpo_hf_ray_multi_gpu.yaml
+
+Any config field can be overridden: ``--set max_steps=10 --set strategy=suffix``. ``model`` and
+``dataset`` accept hub names or local paths (a local dataset is a JSON/JSONL file with ``question``
+and ``answer`` fields; a GSM8K-style answer ends with ``#### <number>``). The reward is 1 when the
+last number in the completion equals the reference number.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+from dataclasses import asdict, dataclass, fields, replace
+from pathlib import Path
+
+import yaml
+
+
+@dataclass
+class HFGRPOConfig:
+    model: str = "Qwen/Qwen2.5-0.5B-Instruct"
+    dataset: str = "openai/gsm8k"
+    dataset_config: str | None = "main"
+    split: str = "train"
+    system_prompt: str = "Reason step by step, then give the final answer as a number after '####'."
+    output_dir: str = "outputs/grpo_hf"
+    max_steps: int = 200
+    num_generations: int = 8
+    prompts_per_step: int = 8
+    max_completion_length: int = 1024
+    learning_rate: float = 1e-6
+    beta: float = 0.0
+    temperature: float = 1.0
+    bf16: bool = True
+    gradient_checkpointing: bool = True
+    strategy: str = "adaptive"  # none | chain:K | tree:D,K,B | suffix | hybrid | adaptive
+    drafter: str = "eagle3"  # eagle3: a head warmed up on the model's rollouts before RL | none
+    warmup_prompts: int = 256
+    warmup_steps: int = 400
+    drafter_train_steps: int = 8  # online head training after every rollout (in-process engine)
+    export: str | None = "sglang"  # export the trained head for sglang | vllm | null
+    kv_cache_tokens: int = 262144
+    workers: int = 0  # Ray rollout workers (one per GPU on a cluster); 0 = colocated engine
+    ray_address: str | None = None
+    deepspeed: str | None = None  # zero2 | zero3 | a DeepSpeed JSON path
+    wandb: bool = True
+    wandb_mode: str = "offline"
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.export not in (None, "sglang", "vllm"):
+            raise ValueError(f"export must be null, 'sglang' or 'vllm', got {self.export!r}")
+        if self.drafter not in ("eagle3", "none"):
+            raise ValueError(f"drafter must be 'eagle3' or 'none', got {self.drafter!r}")
+        for name in ("max_steps", "num_generations", "prompts_per_step", "max_completion_length"):
+            if not (isinstance(getattr(self, name), int) and getattr(self, name) >= 1):
+                raise ValueError(f"{name} must be an int >= 1, got {getattr(self, name)!r}")
+        from tailspec.rollout.strategy import parse_strategy
+
+        if self.drafter == "none" and parse_strategy(self.strategy).uses_model_drafter:
+            raise ValueError(
+                f"strategy {self.strategy!r} drafts with a model; set drafter: eagle3 (or strategy: suffix)"
+            )
+        if self.num_generations < 2:
+            raise ValueError(f"num_generations must be >= 2 (GRPO needs a group), got {self.num_generations}")
+
+    @classmethod
+    def from_yaml(cls, path: str | Path, overrides: list[str] | None = None) -> HFGRPOConfig:
+        data = yaml.safe_load(Path(path).read_text()) or {}
+        for item in overrides or []:
+            key, _, value = item.partition("=")
+            data[key] = yaml.safe_load(value)
+        types = {f.name: str(f.type) for f in fields(cls)}
+        unknown = sorted(set(data) - set(types))
+        if unknown:
+            raise ValueError(f"unknown config key(s) {unknown}; allowed: {sorted(types)}")
+        for key, value in data.items():  # YAML 1.1 reads 1e-6 as a string
+            if types[key] == "float" and isinstance(value, (int, str)) and not isinstance(value, bool):
+                try:
+                    data[key] = float(value)
+                except ValueError as e:
+                    raise ValueError(f"{key} must be a number, got {value!r}") from e
+        return cls(**data)
+
+
+_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
+
+
+def last_number(text: str) -> float | None:
+    found = _NUMBER.findall(text or "")
+    if not found:
+        return None
+    try:
+        return float(found[-1].replace(",", ""))
+    except ValueError:
+        return None
+
+
+def reference_number(answer: str) -> float | None:
+    """The number after ``####`` (GSM8K), else the last number in the answer."""
+    return last_number(answer.split("####")[-1])
+
+
+def number_reward(completions, answer, **kwargs) -> list[float]:
+    rewards = []
+    for completion, ref in zip(completions, answer):
+        text = completion[-1]["content"] if isinstance(completion, list) else completion
+        got, want = last_number(text), reference_number(str(ref))
+        rewards.append(1.0 if got is not None and want is not None and abs(got - want) < 1e-6 else 0.0)
+    return rewards
+
+
+def load_prompts(cfg: HFGRPOConfig):
+    from datasets import load_dataset
+
+    local = Path(cfg.dataset)
+    if local.is_file():
+        data = load_dataset("json", data_files=str(local), split="train")
+    else:
+        data = load_dataset(cfg.dataset, cfg.dataset_config, split=cfg.split)
+
+    def to_prompt(row):
+        messages = [{"role": "user", "content": row["question"]}]
+        if cfg.system_prompt:
+            messages.insert(0, {"role": "system", "content": cfg.system_prompt})
+        return {"prompt": messages, "answer": row["answer"]}
+
+    return data.map(to_prompt, remove_columns=[c for c in data.column_names if c != "answer"])
+
+
+def warm_up_head(cfg: HFGRPOConfig, model, tokenizer, dataset):
+    """A fresh EAGLE-3 head trained on the model's own rollouts of ``warmup_prompts`` prompts."""
+    from tailspec.drafter.eagle3.train import DrafterTrainingConfig
+    from tailspec.drafter.eagle3.warmup import WarmupConfig, warmup_head
+    from tailspec.trainer_hooks.spec_rollout import SpecRollout
+
+    rows = dataset.select(range(min(cfg.warmup_prompts, len(dataset))))
+    prompts = SpecRollout.tokenize_prompts(list(rows["prompt"]), tokenizer)
+    warm = WarmupConfig(
+        rounds=2,
+        steps_per_round=max(1, cfg.warmup_steps // 2),
+        max_new_tokens=cfg.max_completion_length,
+        training=DrafterTrainingConfig(batch_size=8, seed=cfg.seed),
+        seed=cfg.seed,
+    )
+    head, _, rounds = warmup_head(model, prompts, warm, eos_token_ids=None)
+    for r in rounds:
+        print(
+            f"warm-up round {r.round}: accept length {r.accept_length:.2f}, loss {r.loss_first:.3f} -> {r.loss_last:.3f}"
+        )
+    return head
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", default="configs/grpo_hf_single_gpu.yaml")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config field")
+    args = parser.parse_args(argv)
+    cfg = HFGRPOConfig.from_yaml(args.config, args.set)
+    if cfg.wandb:
+        os.environ.setdefault("WANDB_MODE", cfg.wandb_mode)
+    os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from trl import GRPOConfig
+
+    import tailspec
+    from tailspec.trainer_hooks.deepspeed import deepspeed_config, require_deepspeed, single_process_environment
+
+    cuda = torch.cuda.is_available()
+    dtype = torch.bfloat16 if (cfg.bf16 and cuda) else torch.float32
+    tokenizer = AutoTokenizer.from_pretrained(cfg.model)
+    model = AutoModelForCausalLM.from_pretrained(cfg.model, dtype=dtype)
+    if cuda and cfg.workers == 0 and cfg.deepspeed is None:
+        model = model.to("cuda")
+    dataset = load_prompts(cfg)
+    head = warm_up_head(cfg, model, tokenizer, dataset) if cfg.drafter == "eagle3" and cfg.strategy != "none" else None
+    extra = {}
+    if cfg.deepspeed is not None:
+        require_deepspeed()
+        single_process_environment()
+        extra["deepspeed"] = deepspeed_config(cfg.deepspeed)
+    training = GRPOConfig(
+        output_dir=cfg.output_dir,
+        per_device_train_batch_size=cfg.prompts_per_step * cfg.num_generations,
+        num_generations=cfg.num_generations,
+        max_completion_length=cfg.max_completion_length,
+        temperature=cfg.temperature,
+        learning_rate=cfg.learning_rate,
+        beta=cfg.beta,
+        max_steps=cfg.max_steps,
+        logging_steps=1,
+        save_strategy="no",
+        report_to=["wandb"] if cfg.wandb else [],
+        bf16=cfg.bf16 and cuda,
+        use_cpu=not cuda,
+        gradient_checkpointing=cfg.gradient_checkpointing and cuda,
+        seed=cfg.seed,
+        **extra,
+    )
+    rollout = tailspec.SpecRollout(
+        strategy=cfg.strategy,
+        drafter=head,
+        drafter_train_steps=cfg.drafter_train_steps if (head is not None and cfg.workers == 0) else 0,
+        kv_cache_tokens=cfg.kv_cache_tokens,
+        workers=cfg.workers,
+        ray_address=cfg.ray_address,
+    )
+    trainer = tailspec.GRPOTrainer(
+        model=model,
+        reward_funcs=number_reward,
+        args=training,
+        train_dataset=dataset,
+        processing_class=tokenizer,
+        rollout=rollout,
+    )
+    print(f"GRPO on {cfg.model} / {cfg.dataset}: {asdict(cfg)}", flush=True)
+    trainer.train()
+    if rollout.coordinator is not None:
+        rollout.coordinator.shutdown()
+    if head is not None and cfg.export:
+        from tailspec.drafter.eagle3.checkpoint import export_checkpoint
+
+        out = Path(cfg.output_dir) / f"drafter_{cfg.export}"
+        print(f"exported drafter: {export_checkpoint(rollout.drafter, out, format=cfg.export)}")
+    rewards = [h["reward"] for h in trainer.state.log_history if "reward" in h]
+    return {"steps": trainer.state.global_step, "rewards": rewards, "config": asdict(replace(cfg))}
+
+
+if __name__ == "__main__":
+    main()
