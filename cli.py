@@ -11,7 +11,6 @@ from pathlib import Path
 
 def _demo(args: argparse.Namespace) -> int:
     from .demo import DemoConfig, run_demo
-
     from .trainer_hooks.deepspeed import configs_dir
 
     cfg = DemoConfig.from_yaml(args.config or configs_dir() / "demo_cpu.yaml")

@@ -153,7 +153,8 @@ def warm_up_head(cfg: HFGRPOConfig, model, tokenizer, dataset):
     head, _, rounds = warmup_head(model, prompts, warm, eos_token_ids=None)
     for r in rounds:
         print(
-            f"warm-up round {r.round}: accept length {r.accept_length:.2f}, loss {r.loss_first:.3f} -> {r.loss_last:.3f}"
+            f"warm-up round {r.round}: accept length {r.accept_length:.2f}, "
+            f"loss {r.loss_first:.3f} -> {r.loss_last:.3f}"
         )
     return head
 

@@ -15,7 +15,6 @@ os.environ["WANDB_MODE"] = "disabled"
 
 def main(stage: str, out_dir: str) -> None:
     import deepspeed
-    import torch
     from datasets import Dataset
     from trl import GRPOConfig
 
