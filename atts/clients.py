@@ -153,7 +153,12 @@ class EngineActor:
 
 
 class RayEngineClient:
-    """An engine in a Ray actor (one per GPU on a cluster; on CPU, pin its threads)."""
+    """An engine in a Ray actor (one per GPU on a cluster; on CPU, pin its threads).
+
+    The client keeps every in-flight request (prompt and parameters), so when the actor dies
+    (node lost, OOM, killed) it starts a new one and submits them again, up to ``max_restarts``
+    times; requests carry their own seeds, so their results do not change.
+    """
 
     def __init__(
         self,
@@ -166,28 +171,58 @@ class RayEngineClient:
         num_gpus: float = 0,
         num_threads: int | None = None,
         poll_timeout_s: float = 0.002,
+        max_restarts: int = 3,
     ) -> None:
         import ray
 
-        actor_cls = ray.remote(num_cpus=num_cpus, num_gpus=num_gpus, max_concurrency=4)(EngineActor)
-        self.actor = actor_cls.remote(
-            model, config, list(eos_token_ids) if eos_token_ids is not None else None, num_threads
-        )
-        info = ray.get(self.actor.describe.remote())
         self.name = name
+        self.poll_timeout_s = poll_timeout_s
+        self.max_restarts = max_restarts
+        self.restarts = 0
+        self._actor_cls = ray.remote(num_cpus=num_cpus, num_gpus=num_gpus, max_concurrency=4)(EngineActor)
+        self._actor_args = (
+            ray.put(model),
+            config,
+            list(eos_token_ids) if eos_token_ids is not None else None,
+            num_threads,
+        )
+        self._start_actor()
+        info = ray.get(self.actor.describe.remote())
         self.eos_token_ids = frozenset(info["eos_token_ids"])
         self.vocab_size = int(info["vocab_size"])
         self.limits: RequestLimits = info["limits"]
-        self.poll_timeout_s = poll_timeout_s
         self._next_ticket = 0
-        self._pending: set[int] = set()
+        self._pending: dict[int, tuple[list[int], SamplingParams]] = {}
+
+    def _start_actor(self) -> None:
+        self.actor = self._actor_cls.remote(*self._actor_args)
+
+    def _restart(self, error: Exception) -> None:
+        import ray
+
+        if self.restarts >= self.max_restarts:
+            raise RuntimeError(f"{self.name}: engine actor died {self.restarts + 1} times; giving up") from error
+        self.restarts += 1
+        logger.warning(
+            "%s: engine actor died (%s); starting a new one and resubmitting %d request(s)",
+            self.name,
+            type(error).__name__,
+            len(self._pending),
+        )
+        try:
+            ray.kill(self.actor)
+        except Exception:  # already gone
+            pass
+        self._start_actor()
+        for ticket, (prompt, params) in self._pending.items():
+            self.actor.submit.remote(ticket, prompt, params)
 
     def submit(self, prompt_ids: Sequence[int], params: SamplingParams) -> int:
         prompt = list(prompt_ids)
         self.limits.check(prompt, params)
         ticket, self._next_ticket = self._next_ticket, self._next_ticket + 1
+        self._pending[ticket] = (prompt, params)
         self.actor.submit.remote(ticket, prompt, params)
-        self._pending.add(ticket)
         return ticket
 
     def poll(self) -> list[tuple[int, RequestOutput]]:
@@ -195,8 +230,13 @@ class RayEngineClient:
 
         if not self._pending:
             return []
-        out = ray.get(self.actor.poll.remote(self.poll_timeout_s))
-        self._pending.difference_update(t for t, _ in out)
+        try:
+            out = ray.get(self.actor.poll.remote(self.poll_timeout_s))
+        except ray.exceptions.RayActorError as e:
+            self._restart(e)
+            return []
+        for ticket, _ in out:
+            self._pending.pop(ticket, None)
         return out
 
     def num_pending(self) -> int:
@@ -216,6 +256,8 @@ class RayEngineClient:
 
         try:
             ray.get(self.actor.close.remote())
+        except ray.exceptions.RayActorError:
+            pass
         finally:
             ray.kill(self.actor)
 

@@ -37,3 +37,37 @@ def test_ray_engines_give_the_in_process_samples(ray_local):
     finally:
         remote_draft.close()
         remote_target.close()
+
+
+def test_a_killed_engine_actor_loses_no_request(ray_local):
+    """The target's actor is killed mid-run: a new one is started, in-flight requests are
+    resubmitted, and the run returns the same samples as an undisturbed one."""
+    target = tiny_random_model("qwen2", seed=5)
+    draft = tiny_random_model("llama", seed=6)
+    rollout = RolloutConfig(block_size=8, kv_cache_tokens=8192)
+    config = ATTSConfig(alpha=0.4, num_samples=2, chunk_tokens=3, max_new_tokens=18, temperature=0.0, seed=2)
+    prompts = [[5, 6, 7, 8], [9, 10, 11], [12, 13, 14, 15, 16]]
+    calibration_prompts = [[20, 21, 22], [23, 24, 25, 26]]
+    local = ATTSRunner(RolloutEngine(draft, rollout), RolloutEngine(target, rollout), config)
+    calibration = local.calibrate(calibration_prompts)
+    expected = local.run(prompts, calibration)
+
+    remote_draft = RayEngineClient(draft, rollout, name="draft", num_threads=1)
+    remote_target = RayEngineClient(target, rollout, name="target", num_threads=1)
+    polls = {"n": 0}
+    original_poll = remote_target.poll
+
+    def poll_and_kill_once():
+        polls["n"] += 1
+        if polls["n"] == 6 and remote_target.num_pending():
+            ray_local.kill(remote_target.actor)
+        return original_poll()
+
+    remote_target.poll = poll_and_kill_once
+    try:
+        got = ATTSRunner(remote_draft, remote_target, config).run(prompts, calibration)
+        assert remote_target.restarts == 1
+        assert [s.completion_ids for s in got.samples] == [s.completion_ids for s in expected.samples]
+    finally:
+        remote_draft.close()
+        remote_target.close()
