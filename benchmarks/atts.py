@@ -94,7 +94,7 @@ def measure_atts(cfg: ATTSBenchConfig, progress: bool = False) -> tuple[list[ATT
     calibration_prompts, prompts = _prompts(tokenizer, calibration_problems), _prompts(tokenizer, problems)
     references = [p.answer for p in problems]
     base = cfg.atts
-    rollout = RolloutConfig(kv_cache_tokens=65536, max_num_seqs=256, mixed_batches=True)
+    rollout = RolloutConfig(kv_cache_tokens=65536, max_num_seqs=256, mixed_batches=True, prefix_caching=True)
 
     closers: list[Callable[[], None]] = []
     if cfg.ray:
@@ -219,7 +219,8 @@ def atts_section(rows: list[ATTSRow], calibration: ConformalCalibration, cfg: AT
         f"Draft: the shipped tiny drafter LM (0.4M parameters); target: the shipped tiny policy (3.2M); "
         f"{cfg.questions} chain-sum questions x {c.num_samples} samples at T = {c.temperature}, {chunking}, "
         f"at most {c.max_new_tokens} tokens per sample; score = mean NLL of the chunk under the target (one "
-        f"prefill). Calibration: {calibration.n} chunk scores from {cfg.calibration_questions} held-out "
+        f"prefill); engines with `mixed_batches` and `prefix_caching` on. Calibration: {calibration.n} chunk "
+        f"scores from {cfg.calibration_questions} held-out "
         f"questions through the same path (all turns, no takeover). Engines "
         f"{'as Ray actors' if cfg.ray else 'in-process, stepped in turn'}; every row ran in the same process "
         f"on the same questions. *Realized takeover* counts taken-over draft chunks among scored ones; the "
@@ -233,12 +234,12 @@ def atts_section(rows: list[ATTSRow], calibration: ConformalCalibration, cfg: AT
 
 READING = (
     "**Reading it.** Async vs synchronous isolates the barrier: same engines, same takeover budget. "
-    "Against target-only sampling ATTS loses here, for two reasons that are properties of this setup, "
-    "not of the method: the tiny draft is only ~2-3x cheaper per sample than the tiny target on a CPU "
-    "(per-layer framework overhead dominates both), while every ATTS turn re-prefills the question and "
-    "history on both engines (no prefix cache yet) and adds a scoring prefill. ATTS pays when the target "
-    "is far larger than the draft (its setting: a 1.5B draft for a 32B target). Calibration chunks come "
-    "from draft-only trajectories; at test time taken-over chunks put target-written text in the history, "
-    "which lowers later scores, so the realized split-conformal rate can fall below alpha (the online "
-    "variant corrects for that)."
+    "Against target-only sampling ATTS loses here, for reasons that are properties of this setup, not of "
+    "the method: the tiny draft is only ~2-3x cheaper per sample than the tiny target on a CPU (per-layer "
+    "framework overhead dominates both), and every turn adds a scoring prefill and a fresh request on each "
+    "engine (the engines cache prefixes, so the question and history are mostly not recomputed). ATTS pays "
+    "when the target is far larger than the draft (its setting: a 1.5B draft for a 32B target). "
+    "Calibration chunks come from draft-only trajectories; at test time taken-over chunks put "
+    "target-written text in the history, which lowers later scores, so the realized split-conformal rate "
+    "can fall below alpha (the online variant corrects for that)."
 )

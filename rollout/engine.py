@@ -61,6 +61,7 @@ class EngineStats:
     generated_tokens: int = 0
     preemptions: int = 0
     forked_prefills: int = 0  # group members that reused a leader's prefill
+    prefix_hit_tokens: int = 0  # prompt tokens served from the prefix cache (RolloutConfig.prefix_caching)
     mixed_steps: int = 0  # prefills that also advanced the running sequences (RolloutConfig.mixed_batches)
     model_time_s: float = 0.0
     wall_time_s: float = 0.0
@@ -197,7 +198,11 @@ class RolloutEngine:
         self.model = model
         self.config = config or RolloutConfig()
         self.runner = ModelRunner(
-            model, self.config.total_blocks, self.config.block_size, graph_pool=self._make_graph_pool(model)
+            model,
+            self.config.total_blocks,
+            self.config.block_size,
+            graph_pool=self._make_graph_pool(model),
+            cache_prefixes=self.config.prefix_caching,
         )
         self.vocab_size = self.runner.vocab_size
         self.limits = RequestLimits.of(model, self.config)
@@ -219,6 +224,12 @@ class RolloutEngine:
         self._seqs: dict[int, Sequence] = {}
         self._in_inference = False
         self.drafter = self._make_drafter(drafter, tokenizer)
+        if self.config.prefix_caching and self.drafter is not None:
+            raise ValueError(
+                "prefix_caching does not work with a model drafter yet (the drafter would miss the cached "
+                "prefix); use prefix_caching=False or a model-free strategy (suffix)"
+            )
+        self._weights_fingerprint: int | None = None
         self.suffix_drafter = self._make_suffix_drafter()
         # an EAGLE-style drafter reads target features: tap them in every forward (whatever the
         # strategy), so switching to it never needs a re-prefill
@@ -355,6 +366,8 @@ class RolloutEngine:
 
     def step(self) -> list[int]:
         """Run one scheduled forward; return the ids of requests that finished in it."""
+        if self.config.prefix_caching:
+            self._drop_stale_prefixes()
         mixed = self.config.mixed_batches and not self.strategy.speculative and not self.strategy.adaptive
         batch = self.scheduler.schedule(mixed=mixed)
         if batch is None:
@@ -368,6 +381,7 @@ class RolloutEngine:
                     self.stats.mixed_steps += 1
         self.stats.steps += 1
         self.stats.preemptions = self.scheduler.num_preemptions
+        self.stats.prefix_hit_tokens = self.scheduler.num_prefix_hit_tokens
         return finished
 
     # -- batch API -----------------------------------------------------------------------
@@ -415,6 +429,16 @@ class RolloutEngine:
         return [self.pop_output(i) for i in ids]
 
     # -- internals -----------------------------------------------------------------------
+    def _drop_stale_prefixes(self) -> None:
+        """Cached K/V is only valid for the weights that computed it: forget it when any parameter
+        was replaced or changed in place (optimizer steps and ``load_state_dict`` bump tensor
+        version counters)."""
+        fingerprint = hash(tuple((p.data_ptr(), p._version) for p in self.model.parameters()))
+        if fingerprint != self._weights_fingerprint:
+            if self._weights_fingerprint is not None:
+                self.runner.cache.allocator.clear_prefixes()
+            self._weights_fingerprint = fingerprint
+
     @contextmanager
     def _inference(self) -> Iterator[None]:
         """no_grad + eval mode + paged attention for the model, restored afterwards.

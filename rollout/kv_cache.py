@@ -8,7 +8,8 @@ flat ``[num_slots, kv_heads, head_dim]`` tensor. Prompt groups share their full 
 
 from __future__ import annotations
 
-from collections import deque
+from collections import OrderedDict, deque
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -19,26 +20,48 @@ class OutOfBlocks(RuntimeError):
 
 
 class BlockAllocator:
-    """Free list and reference counts over ``num_blocks`` block ids."""
+    """Free list and reference counts over ``num_blocks`` block ids.
 
-    def __init__(self, num_blocks: int) -> None:
+    With ``cache_prefixes`` a full block can be registered under the hash of the tokens it holds
+    and every token before it (:func:`prefix_hashes`). When its last reference goes, such a block
+    is kept, evictable, instead of freed: a later request whose tokens start the same way
+    takes it back (:meth:`reuse`) rather than recomputing it. Evictable blocks count as free and
+    are handed out, least recently released first, only when the free list is empty.
+    """
+
+    def __init__(self, num_blocks: int, cache_prefixes: bool = False) -> None:
         self.num_blocks = num_blocks
+        self.cache_prefixes = cache_prefixes
         self._free: deque[int] = deque(range(num_blocks))
         self._refs = [0] * num_blocks
+        self._evictable: OrderedDict[int, None] = OrderedDict()
+        self._block_of: dict[int, int] = {}  # prefix hash -> block
+        self._hash_of: dict[int, int] = {}  # block -> prefix hash
+        self.epoch = 0  # bumped by clear_prefixes: K/V computed before it must not be registered
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        return len(self._free) + len(self._evictable)
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return len(self._hash_of)
 
     def refcount(self, block: int) -> int:
         return self._refs[block]
 
     def allocate(self, n: int) -> list[int]:
-        if n > len(self._free):
-            raise OutOfBlocks(f"asked for {n} blocks, {len(self._free)} free")
-        blocks = [self._free.popleft() for _ in range(n)]
-        for b in blocks:
+        if n > self.num_free:
+            raise OutOfBlocks(f"asked for {n} blocks, {self.num_free} free")
+        blocks = []
+        for _ in range(n):
+            if self._free:
+                b = self._free.popleft()
+            else:  # evict the least recently released cached block
+                b, _ = self._evictable.popitem(last=False)
+                del self._block_of[self._hash_of.pop(b)]
             self._refs[b] = 1
+            blocks.append(b)
         return blocks
 
     def share(self, blocks: list[int]) -> list[int]:
@@ -55,7 +78,48 @@ class BlockAllocator:
                 raise RuntimeError(f"double free of block {b}")
             self._refs[b] -= 1
             if self._refs[b] == 0:
-                self._free.append(b)
+                if b in self._hash_of:
+                    self._evictable[b] = None
+                else:
+                    self._free.append(b)
+
+    # -- prefix caching ---------------------------------------------------------------------------
+    def register(self, block: int, prefix_hash: int) -> None:
+        """Record that ``block`` (in use, full) holds the K/V of the tokens ``prefix_hash`` names."""
+        if not self.cache_prefixes or prefix_hash in self._block_of or block in self._hash_of:
+            return
+        if self._refs[block] <= 0:
+            raise RuntimeError(f"registering free block {block}")
+        self._block_of[prefix_hash] = block
+        self._hash_of[block] = prefix_hash
+
+    def lookup(self, prefix_hash: int) -> int | None:
+        return self._block_of.get(prefix_hash)
+
+    def reuse(self, block: int) -> None:
+        """Take a reference to a cached block (reviving it if it was evictable)."""
+        if block not in self._hash_of:
+            raise RuntimeError(f"block {block} holds no cached prefix")
+        if self._refs[block] == 0:
+            del self._evictable[block]
+        self._refs[block] += 1
+
+    def clear_prefixes(self) -> None:
+        """Forget every cached prefix (e.g. the weights changed); evictable blocks become free."""
+        self.epoch += 1
+        self._free.extend(self._evictable)
+        self._evictable.clear()
+        self._block_of.clear()
+        self._hash_of.clear()
+
+
+def prefix_hashes(tokens: Sequence[int], block_size: int, num_blocks: int) -> list[int]:
+    """One hash per full block: of the block's tokens and, through the previous hash, all before."""
+    hashes, previous = [], 0
+    for i in range(num_blocks):
+        previous = hash((previous, tuple(tokens[i * block_size : (i + 1) * block_size])))
+        hashes.append(previous)
+    return hashes
 
 
 def blocks_for(num_tokens: int, block_size: int) -> int:
@@ -85,10 +149,10 @@ class KVLayout:
 class PagedKVCache:
     """K and V storage of every layer plus the block allocator that hands out its slots."""
 
-    def __init__(self, layout: KVLayout, num_blocks: int, block_size: int) -> None:
+    def __init__(self, layout: KVLayout, num_blocks: int, block_size: int, cache_prefixes: bool = False) -> None:
         self.layout = layout
         self.block_size = block_size
-        self.allocator = BlockAllocator(num_blocks)
+        self.allocator = BlockAllocator(num_blocks, cache_prefixes)
         slots = num_blocks * block_size
         shape = (slots, layout.num_kv_heads, layout.head_dim)
         self.k = [torch.zeros(shape, dtype=layout.dtype, device=layout.device) for _ in range(layout.num_layers)]

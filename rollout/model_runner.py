@@ -65,7 +65,12 @@ class ModelRunner:
     prefills, and forwards that tap hidden states, run eagerly."""
 
     def __init__(
-        self, model: torch.nn.Module, num_blocks: int, block_size: int, graph_pool: GraphPool | None = None
+        self,
+        model: torch.nn.Module,
+        num_blocks: int,
+        block_size: int,
+        graph_pool: GraphPool | None = None,
+        cache_prefixes: bool = False,
     ) -> None:
         self.model = model
         self.device, self.dtype = model_device_dtype(model)
@@ -73,7 +78,9 @@ class ModelRunner:
         self.layout = KVLayout.from_hf_config(model.config, self.dtype, self.device)
         self.graph_pool = graph_pool
         # one extra block: padding rows of captured forwards write their K/V there
-        self.cache = PagedKVCache(self.layout, num_blocks + (1 if graph_pool is not None else 0), block_size)
+        self.cache = PagedKVCache(
+            self.layout, num_blocks + (1 if graph_pool is not None else 0), block_size, cache_prefixes
+        )
         self.scratch_slot = self.cache.allocator.allocate(1)[0] * block_size if graph_pool is not None else -1
 
     def forward(

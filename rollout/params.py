@@ -126,6 +126,9 @@ class RolloutConfig:
     # waiting prompts join the running sequences' decode forward (one forward, no decode stall);
     # applies to non-speculative strategies (speculative steps keep prefill and verify apart)
     mixed_batches: bool = False
+    # keep full KV blocks after their requests finish and reuse them for requests that start with
+    # the same tokens (multi-turn, ATTS); dropped whenever the model's parameters change
+    prefix_caching: bool = False
     tail_fraction: float = 0.25  # a step is "in the tail" when active sequences <= this x the wave's peak
     graph_backend: str = "auto"  # auto: CUDA graphs on CUDA, none on CPU | cuda_graph | eager | none
     graph_memory_mb: int = 2048  # budget of the graph pool
@@ -136,6 +139,7 @@ class RolloutConfig:
 
     def __post_init__(self) -> None:
         _require(isinstance(self.mixed_batches, bool), "mixed_batches", "a bool", self.mixed_batches)
+        _require(isinstance(self.prefix_caching, bool), "prefix_caching", "a bool", self.prefix_caching)
         _require(
             _is_int(self.block_size) and 1 <= self.block_size <= 1024,
             "block_size",

@@ -40,6 +40,7 @@ class Sequence:
     finish_reason: FinishReason | None = None
     generator: torch.Generator | None = None
     num_preemptions: int = 0
+    cache_epoch: int = 0  # the prefix-cache epoch (weights) its K/V was computed under
     num_spec_steps: int = 0  # speculative steps this sequence took part in
     num_drafted: int = 0  # draft tokens verified for it
     num_accepted: int = 0  # of those, accepted

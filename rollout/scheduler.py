@@ -15,7 +15,7 @@ import enum
 from collections import deque
 from dataclasses import dataclass, field
 
-from .kv_cache import BlockAllocator, blocks_for
+from .kv_cache import BlockAllocator, blocks_for, prefix_hashes
 from .request import SeqStatus, Sequence
 
 
@@ -42,6 +42,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: dict[int, Sequence] = {}  # seq_id -> sequence, in admission order
         self.num_preemptions = 0
+        self.num_prefix_hit_tokens = 0  # prompt tokens whose K/V came from the prefix cache
 
     def add(self, seq: Sequence) -> None:
         seq.status = SeqStatus.WAITING
@@ -77,18 +78,24 @@ class Scheduler:
             if slots_left <= 0:
                 break
             seq = self.waiting[0]
-            new_tokens = seq.num_tokens - seq.num_cached
+            cached = self._cached_prefix(seq)
+            new_tokens = seq.num_tokens - seq.num_cached - len(cached) * self.block_size
             if admitted and num_tokens + new_tokens > self.max_prefill_tokens:
                 break
-            own_blocks = blocks_for(seq.num_tokens, self.block_size)
-            if own_blocks + self._decode_headroom() > self.allocator.num_free:
+            own_blocks = blocks_for(seq.num_tokens, self.block_size) - len(cached)
+            revived = sum(self.allocator.refcount(b) == 0 for b in cached)  # leave the evictable pool
+            if own_blocks + revived + self._decode_headroom() > self.allocator.num_free:
                 break
             members = self._group_members(seq)[: slots_left - 1]
             partial = seq.num_tokens % self.block_size != 0
             if partial:  # each member needs its own copy of the last block
                 members = members[: self.allocator.num_free - own_blocks]
             self.waiting.popleft()
-            seq.block_table = self.allocator.allocate(own_blocks)
+            for b in cached:
+                self.allocator.reuse(b)
+            seq.block_table = cached + self.allocator.allocate(own_blocks)
+            seq.num_cached += len(cached) * self.block_size
+            self.num_prefix_hit_tokens += len(cached) * self.block_size
             self._start(seq)
             admitted.append(seq)
             num_tokens += new_tokens
@@ -103,12 +110,40 @@ class Scheduler:
             return None
         return ScheduledBatch(StepKind.PREFILL, admitted, followers)
 
+    def _cached_prefix(self, seq: Sequence) -> list[int]:
+        """Cached blocks holding the start of a sequence that has nothing in the cache yet. At
+        least one token is left to compute (its logits), and the prompt span whose
+        log-probabilities were asked for and not yet computed stays uncached."""
+        if not self.allocator.cache_prefixes or seq.num_cached or seq.block_table:
+            return []
+        limit = seq.num_tokens - 1
+        spans = [s.params.prompt_logprobs for s in (seq, *self._group_members(seq)) if s.prompt_logprobs is None]
+        if any(spans):
+            limit = min(limit, len(seq.prompt_ids) - 1 - max(spans))
+        tokens = seq.prompt_ids + seq.output_ids
+        blocks = []
+        for h in prefix_hashes(tokens, self.block_size, max(0, limit) // self.block_size):
+            block = self.allocator.lookup(h)
+            if block is None:
+                break
+            blocks.append(block)
+        return blocks
+
+    def _register_prefix(self, seq: Sequence) -> None:
+        """Name the full blocks whose K/V the sequence has computed, for later requests."""
+        full = min(seq.num_cached // self.block_size, len(seq.block_table))
+        if not self.allocator.cache_prefixes or full == 0 or seq.cache_epoch != self.allocator.epoch:
+            return  # nothing full, or (part of) its K/V was computed with weights since replaced
+        for block, h in zip(seq.block_table, prefix_hashes(seq.prompt_ids + seq.output_ids, self.block_size, full)):
+            self.allocator.register(block, h)
+
     def _decode_headroom(self) -> int:
         """Blocks the running sequences need for their next token; admission leaves them free
         so that admitting a sequence does not immediately force a preemption."""
         return sum(1 for s in self.running.values() if s.num_cached + 1 > len(s.block_table) * self.block_size)
 
     def _start(self, seq: Sequence) -> None:
+        seq.cache_epoch = self.allocator.epoch
         seq.status = SeqStatus.RUNNING
         self.running[seq.seq_id] = seq
 
@@ -160,5 +195,6 @@ class Scheduler:
     def _release(self, seq: Sequence) -> None:
         self.running.pop(seq.seq_id, None)
         if seq.block_table:
+            self._register_prefix(seq)
             self.allocator.free(seq.block_table)
             seq.block_table = []
