@@ -168,11 +168,6 @@ def _prepare_environment(cfg: DemoConfig) -> Path:
         os.environ.setdefault("WANDB_DIR", str(out))
         os.environ.setdefault("WANDB_PROJECT", cfg.wandb_project)
         os.environ.setdefault("WANDB_SILENT", "true")
-    if cfg.deepspeed is not None:
-        from .trainer_hooks.deepspeed import require_deepspeed, single_process_environment
-
-        require_deepspeed()
-        single_process_environment()
     return out
 
 
@@ -210,16 +205,12 @@ def _grpo_run(cfg: DemoConfig, out: Path, head=None, label: str = "tailspec"):
 
     from .tasks.chain_sum import ChainSumConfig, chain_sum_reward, make_grpo_dataset
     from .tasks.sft import load_tiny
+    from .trainer_hooks.deepspeed import deepspeed_training_args
     from .trainer_hooks.grpo_trainer import GRPOTrainer
 
     model, tokenizer = load_tiny("policy")
     dataset = make_grpo_dataset(cfg.num_train_prompts, seed=cfg.seed, cfg=ChainSumConfig())
     run_name = f"demo-{label.replace(' ', '-')}-{int(time.time())}"
-    extra: dict[str, Any] = {}
-    if cfg.deepspeed is not None:
-        from .trainer_hooks.deepspeed import deepspeed_config
-
-        extra["deepspeed"] = deepspeed_config(cfg.deepspeed)
     args = GRPOConfig(
         output_dir=str(out),
         per_device_train_batch_size=cfg.prompts_per_step * cfg.num_generations,
@@ -236,7 +227,7 @@ def _grpo_run(cfg: DemoConfig, out: Path, head=None, label: str = "tailspec"):
         use_cpu=True,
         bf16=False,  # TRL defaults to bf16 autocast; on CPUs without native bf16 it is ~10x slower than fp32
         seed=cfg.seed,
-        **extra,
+        **deepspeed_training_args(cfg.deepspeed),
     )
     printer = _step_printer()
     rollout = _make_rollout(cfg, head)

@@ -4,18 +4,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+
+from ..rollout.params import _is_int, _require
 
 TAKEOVER_MODES = ("split", "online")
-
-
-def _require(ok: bool, name: str, allowed: str, value: Any) -> None:
-    if not ok:
-        raise ValueError(f"{name} must be {allowed}, got {value!r}")
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 @dataclass(frozen=True)

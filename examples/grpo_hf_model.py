@@ -174,7 +174,7 @@ def main(argv: list[str] | None = None) -> dict:
     from trl import GRPOConfig
 
     import tailspec
-    from tailspec.trainer_hooks.deepspeed import deepspeed_config, require_deepspeed, single_process_environment
+    from tailspec.trainer_hooks.deepspeed import deepspeed_training_args
 
     cuda = torch.cuda.is_available()
     dtype = torch.bfloat16 if (cfg.bf16 and cuda) else torch.float32
@@ -184,11 +184,6 @@ def main(argv: list[str] | None = None) -> dict:
         model = model.to("cuda")
     dataset = load_prompts(cfg)
     head = warm_up_head(cfg, model, tokenizer, dataset) if cfg.drafter == "eagle3" and cfg.strategy != "none" else None
-    extra = {}
-    if cfg.deepspeed is not None:
-        require_deepspeed()
-        single_process_environment()
-        extra["deepspeed"] = deepspeed_config(cfg.deepspeed)
     training = GRPOConfig(
         output_dir=cfg.output_dir,
         per_device_train_batch_size=cfg.prompts_per_step * cfg.num_generations,
@@ -205,7 +200,7 @@ def main(argv: list[str] | None = None) -> dict:
         use_cpu=not cuda,
         gradient_checkpointing=cfg.gradient_checkpointing and cuda,
         seed=cfg.seed,
-        **extra,
+        **deepspeed_training_args(cfg.deepspeed),  # {} without DeepSpeed
     )
     rollout = tailspec.SpecRollout(
         strategy=cfg.strategy,

@@ -64,3 +64,14 @@ def single_process_environment() -> dict[str, str]:
     for key in _ENV_KEYS:
         os.environ.setdefault(key, values[key])
     return values
+
+
+def deepspeed_training_args(spec: str | None) -> dict[str, str]:
+    """``GRPOConfig`` keyword arguments for ``spec`` (none when it is None): checks DeepSpeed is
+    installed and gives a launcher-less run its one-process group first."""
+    if spec is None:
+        return {}
+    path = deepspeed_config(spec)
+    require_deepspeed()
+    single_process_environment()
+    return {"deepspeed": path}
