@@ -102,3 +102,29 @@ def test_importance_sampling_can_be_turned_off(common):
     trainer.train()
     assert not trainer.use_vllm
     assert not any("sampling/importance_sampling_ratio/mean" in h for h in trainer.state.log_history)
+
+
+def test_multiple_iterations_and_steps_per_generation(common, grpo_dataset):
+    """num_iterations = 2 and steps_per_generation = 2: TRL generates once per 4 optimizer steps
+    (a batch of 2 x 8 completions, reused for 2 iterations); the rollout runs once per generation,
+    weights are synced before each generation whose weights changed, the IS ratio stays ~1, and
+    eval generation goes through the rollout too."""
+    args = common["args"]
+    args.num_iterations = 2
+    args.steps_per_generation = 2
+    args.generation_batch_size = None
+    args.max_steps = 4
+    args.eval_strategy = "steps"
+    args.eval_steps = 4
+    args.per_device_eval_batch_size = 8
+    args.__post_init__()  # TRL derives generation_batch_size from steps_per_generation
+    rollout = SpecRollout()
+    trainer = tailspec.GRPOTrainer(**common, rollout=rollout, eval_dataset=grpo_dataset.select(range(4)))
+    trainer.train()
+    assert trainer.state.global_step == 4
+    # one generation batch of 2 x 8 serves all 4 training steps; eval (4 prompts x 4) in batches of 8
+    assert [h.num_prompts for h in rollout.history] == [16, 8, 8]
+    assert trainer.weight_sync.synced_steps == [0, 4]  # before each generation whose weights changed
+    logged = [h for h in trainer.state.log_history if "sampling/importance_sampling_ratio/mean" in h]
+    assert logged and all(abs(h["sampling/importance_sampling_ratio/mean"] - 1) < 1e-4 for h in logged)
+    assert any("eval_rollout/time_s" in h for h in trainer.state.log_history)
