@@ -76,3 +76,42 @@ def test_drafter_warmup_then_export_from_the_command_line(tmp_path, capsys):
         config, _ = read_exported(tmp_path / fmt)
         assert config["architectures"] == ["LlamaForCausalLMEagle3"]
     assert "round 1:" in capsys.readouterr().out
+
+
+def test_demo_tells_the_whole_story(tmp_path, capsys):
+    """Warm-up of the shipped head, the GRPO run, the no-speculation run side by side, the export."""
+    from tailspec.demo import run_demo
+
+    cfg = DemoConfig(
+        max_steps=2,
+        num_generations=2,
+        prompts_per_step=2,
+        max_completion_length=32,
+        num_train_prompts=16,
+        wandb=False,
+        output_dir=str(tmp_path),
+        strategy="chain:3",
+        warmup_steps=3,
+        warmup_prompts=4,
+        baseline=True,
+        export="sglang",
+    )
+    summary = run_demo(cfg)
+    printed = capsys.readouterr().out
+    assert "drafter warm-up: 4 rollouts" in printed
+    assert "per step: chain:3 vs no speculation" in printed
+    assert summary["drafter_version"] == 1600 + 3 + 2 * cfg.drafter_train_steps  # shipped, warm-up, online
+    assert summary["baseline_rollout_time_s"] > 0 and summary["rollout_throughput_vs_none"] > 0
+    exported = tmp_path / "drafter_sglang"
+    assert summary["exported_drafter"] == str(exported)
+    assert (exported / "config.json").is_file() and (exported / "model.safetensors").is_file()
+    assert "exported drafter" in printed
+
+
+def test_the_default_demo_config_is_the_story():
+    cfg = DemoConfig.from_yaml(CONFIGS / "demo_cpu.yaml")
+    assert cfg.workers == 2 and cfg.warmup_steps > 0 and cfg.baseline and cfg.export == "sglang"
+    with pytest.raises(ValueError, match="export"):
+        DemoConfig(export="onnx")
+    with pytest.raises(ValueError, match="deepspeed"):
+        DemoConfig(deepspeed="zero4")
