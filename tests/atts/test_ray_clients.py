@@ -54,19 +54,21 @@ def test_a_killed_engine_actor_loses_no_request(ray_local):
 
     remote_draft = RayEngineClient(draft, rollout, name="draft", num_threads=1)
     remote_target = RayEngineClient(target, rollout, name="target", num_threads=1)
-    polls = {"n": 0}
+    state = {"polls": 0, "killed": False}
     original_poll = remote_target.poll
 
     def poll_and_kill_once():
-        polls["n"] += 1
-        if polls["n"] == 6 and remote_target.num_pending():
+        """Kill the actor once, at the first poll after the third that has requests in flight."""
+        state["polls"] += 1
+        if not state["killed"] and state["polls"] > 3 and remote_target.num_pending():
             ray_local.kill(remote_target.actor)
+            state["killed"] = True
         return original_poll()
 
     remote_target.poll = poll_and_kill_once
     try:
         got = ATTSRunner(remote_draft, remote_target, config).run(prompts, calibration)
-        assert remote_target.restarts == 1
+        assert state["killed"] and remote_target.restarts == 1
         assert [s.completion_ids for s in got.samples] == [s.completion_ids for s in expected.samples]
     finally:
         remote_draft.close()
