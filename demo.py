@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -318,8 +318,6 @@ def run_demo_with_rollout(cfg: DemoConfig) -> tuple[dict[str, Any], Any]:
     summary = _summarize(cfg, rows, rollout, wall)
     wandb_runs = [run_name]
     if cfg.baseline:
-        from dataclasses import replace
-
         base_rows, base_rollout, base_wall, base_name = _grpo_run(
             replace(cfg, strategy="none"), out, label="no speculation"
         )

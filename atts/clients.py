@@ -13,7 +13,6 @@ import contextlib
 import logging
 import queue
 import threading
-import time
 from collections.abc import Sequence
 from typing import Any, Protocol
 
@@ -275,6 +274,4 @@ def wait_all(client: EngineClient, requests: list[tuple[list[int], SamplingParam
         if not got and client.num_pending() == 0:
             raise RuntimeError(f"{client.name}: requests vanished")
         results.update(got)
-        if not got:
-            time.sleep(0)
     return [results[t] for t in tickets]

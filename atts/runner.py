@@ -155,14 +155,21 @@ class ATTSRunner:
         self.progress = progress
         if draft_tokenizer is not None and target_tokenizer is not None:
             check_tokenizers_match(draft_tokenizer, target_tokenizer)
+        tokenizer = target_tokenizer or draft_tokenizer
         for client in (self.draft, self.target):
-            tokenizer = target_tokenizer or draft_tokenizer
             if tokenizer is not None and len(tokenizer) > client.vocab_size:
                 raise ValueError(
                     f"the tokenizer has {len(tokenizer)} tokens but the {client.name} model's vocabulary has "
                     f"{client.vocab_size}"
                 )
         self.eos_ids = self.target.eos_token_ids
+
+    def sessions(self) -> contextlib.ExitStack:
+        """Both engines' sessions (inference mode held across polls), as one context."""
+        stack = contextlib.ExitStack()
+        for client in (self.draft, self.target):
+            stack.enter_context(client.session())
+        return stack
 
     # -- validation ----------------------------------------------------------------------------------------
     def check_prompts(self, prompts: Sequence[Sequence[int]]) -> list[list[int]]:
@@ -217,9 +224,7 @@ class ATTSRunner:
             send(self.draft, state, *state.draft_request())
 
         bar = tqdm(total=len(states), desc="atts", unit="sample", disable=not self.progress, leave=False)
-        with contextlib.ExitStack() as stack, bar:
-            for client in (self.draft, self.target):
-                stack.enter_context(client.session())
+        with self.sessions(), bar:
             for state in states:
                 next_draft(state)
             while inflight:

@@ -8,14 +8,13 @@ but every turn waits for its slowest sample.
 
 from __future__ import annotations
 
-import contextlib
 import math
 from collections.abc import Sequence
 
 from ..rollout.engine import RolloutEngine
-from .clients import EngineClient, as_client, wait_all
+from .clients import EngineClient, wait_all
 from .config import ATTSConfig
-from .runner import ATTSResult, ATTSRunner, EventLog, check_tokenizers_match, collect, make_samples
+from .runner import ATTSResult, ATTSRunner, EventLog, collect, make_samples
 from .sample import Phase
 
 
@@ -33,16 +32,12 @@ def run_synchronous(
     draft_tokenizer=None,
     target_tokenizer=None,
 ) -> ATTSResult:
-    if draft_tokenizer is not None and target_tokenizer is not None:
-        check_tokenizers_match(draft_tokenizer, target_tokenizer)
-    draft, target = as_client(draft, "draft"), as_client(target, "target")
-    prompts = ATTSRunner(draft, target, config).check_prompts(prompts)
-    states = make_samples(prompts, config, target.eos_token_ids)
+    runner = ATTSRunner(draft, target, config, draft_tokenizer=draft_tokenizer, target_tokenizer=target_tokenizer)
+    draft, target = runner.draft, runner.target
+    states = make_samples(runner.check_prompts(prompts), config, runner.eos_ids)
     log = EventLog()
     decisions: list[float] = []
-    with contextlib.ExitStack() as stack:
-        for client in (draft, target):
-            stack.enter_context(client.session())
+    with runner.sessions():
         active = list(states)
         while active:
             for s in active:

@@ -21,7 +21,7 @@ import torch
 from ..rollout.engine import RolloutEngine, StepRecord
 from ..rollout.params import RolloutConfig, SamplingParams
 from .hf_baseline import hf_generate
-from .report import pyplot
+from .report import pyplot, save_figure
 
 logger = logging.getLogger(__name__)
 
@@ -166,6 +166,4 @@ def plot_adaptive(result: RunResult, path: Path) -> None:
     ax.set_ylabel("active sequences")
     ax.set_title(f"{result.name}: strategy chosen per step")
     ax.legend(markerscale=3, fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)

@@ -30,7 +30,7 @@ from ..rollout import RolloutConfig, RolloutEngine
 from ..tasks.chain_sum import ChainSumConfig, extract_answer, sample_problems
 from ..tasks.sft import load_tiny
 from ..trainer_hooks.spec_rollout import SpecRollout
-from .report import pyplot
+from .report import pyplot, save_figure
 
 logger = logging.getLogger(__name__)
 
@@ -204,10 +204,7 @@ def plot_atts(rows: list[ATTSRow], path: Path) -> None:
     right.set_xlabel("wall time, s")
     right.set_title("Wall time (same questions)")
     right.invert_yaxis()
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def atts_section(rows: list[ATTSRow], calibration: ConformalCalibration, cfg: ATTSBenchConfig, plot_name: str) -> str:

@@ -18,7 +18,7 @@ from ..drafter.eagle3 import Eagle3Config, Eagle3Head
 from ..drafter.eagle3.train import DrafterTrainingConfig
 from ..drafter.eagle3.warmup import WarmupConfig, WarmupRound, warmup_head
 from ..rollout.params import SamplingParams
-from .report import pyplot
+from .report import pyplot, save_figure
 from .speculative import ForwardCost, SpecResult, measure_speculative
 
 logger = logging.getLogger(__name__)
@@ -124,9 +124,7 @@ def plot_eagle3(bench: Eagle3Bench, path: Path) -> None:
     right.set_xticks(range(len(values)), names, rotation=15, fontsize=8)
     right.set_ylabel("mean accepted length (batch 1)")
     right.set_title("held-out prompts, T = 1.0")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def measure_head_cost(model: torch.nn.Module, head: Eagle3Head, context: int = 64, repeats: int = 30) -> ForwardCost:

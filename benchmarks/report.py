@@ -48,6 +48,14 @@ def pyplot():
     return plt
 
 
+def save_figure(fig, path: Path) -> None:
+    """Lay out, write (creating the folder) and close a benchmark figure."""
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    pyplot().close(fig)
+
+
 def plot_panels(path: Path, panels: list[tuple[str, str, list[tuple[str, list[int], list[float]]]]]) -> None:
     """Line plots side by side over RL steps: each panel is ``(title, y label, [(label, xs, ys)])``."""
     plt = pyplot()
@@ -59,10 +67,7 @@ def plot_panels(path: Path, panels: list[tuple[str, str, list[tuple[str, list[in
         ax.set_ylabel(ylabel)
         ax.set_title(title)
         ax.legend(fontsize=8)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def plot_throughput(results: Sequence[ThroughputResult], path: Path) -> None:
@@ -80,10 +85,7 @@ def plot_throughput(results: Sequence[ThroughputResult], path: Path) -> None:
     ax.set_ylabel("completion tokens / s")
     ax.set_title("Rollout throughput, tiny-task policy (CPU)")
     ax.legend()
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def write_report(out: Path, sections: list[tuple[str, str]], command: str, workload: str) -> None:

@@ -18,7 +18,7 @@ from tqdm.auto import tqdm
 
 from ..rollout.engine import RolloutEngine
 from ..rollout.params import RolloutConfig, SamplingParams
-from .report import pyplot
+from .report import pyplot, save_figure
 
 logger = logging.getLogger(__name__)
 
@@ -146,10 +146,7 @@ def plot_speculative(results: Sequence[SpecResult], path) -> None:
         ax.set_ylabel("completion tokens / s")
         ax.set_title(f"Speculative strategies ({workload})")
         ax.legend(fontsize=7)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 @dataclass

@@ -366,7 +366,7 @@ class RolloutEngine:
 
     def step(self) -> list[int]:
         """Run one scheduled forward; return the ids of requests that finished in it."""
-        if self.config.prefix_caching:
+        if self.config.prefix_caching and self.scheduler.waiting:  # only admission reads the cache
             self._drop_stale_prefixes()
         mixed = self.config.mixed_batches and not self.strategy.speculative and not self.strategy.adaptive
         batch = self.scheduler.schedule(mixed=mixed)

@@ -78,7 +78,8 @@ class Scheduler:
             if slots_left <= 0:
                 break
             seq = self.waiting[0]
-            cached = self._cached_prefix(seq)
+            group = self._group_members(seq)
+            cached = self._cached_prefix(seq, group)
             new_tokens = seq.num_tokens - seq.num_cached - len(cached) * self.block_size
             if admitted and num_tokens + new_tokens > self.max_prefill_tokens:
                 break
@@ -86,7 +87,7 @@ class Scheduler:
             revived = sum(self.allocator.refcount(b) == 0 for b in cached)  # leave the evictable pool
             if own_blocks + revived + self._decode_headroom() > self.allocator.num_free:
                 break
-            members = self._group_members(seq)[: slots_left - 1]
+            members = group[: slots_left - 1]
             partial = seq.num_tokens % self.block_size != 0
             if partial:  # each member needs its own copy of the last block
                 members = members[: self.allocator.num_free - own_blocks]
@@ -110,14 +111,14 @@ class Scheduler:
             return None
         return ScheduledBatch(StepKind.PREFILL, admitted, followers)
 
-    def _cached_prefix(self, seq: Sequence) -> list[int]:
+    def _cached_prefix(self, seq: Sequence, group: list[Sequence]) -> list[int]:
         """Cached blocks holding the start of a sequence that has nothing in the cache yet. At
         least one token is left to compute (its logits), and the prompt span whose
         log-probabilities were asked for and not yet computed stays uncached."""
         if not self.allocator.cache_prefixes or seq.num_cached or seq.block_table:
             return []
         limit = seq.num_tokens - 1
-        spans = [s.params.prompt_logprobs for s in (seq, *self._group_members(seq)) if s.prompt_logprobs is None]
+        spans = [s.params.prompt_logprobs for s in (seq, *group) if s.prompt_logprobs is None]
         if any(spans):
             limit = min(limit, len(seq.prompt_ids) - 1 - max(spans))
         tokens = seq.prompt_ids + seq.output_ids

@@ -15,7 +15,6 @@ import socket
 from pathlib import Path
 
 SHIPPED = {"zero2": "deepspeed_zero2.json", "zero3": "deepspeed_zero3.json"}
-_ENV_KEYS = ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE")
 
 
 def configs_dir() -> Path:
@@ -61,8 +60,8 @@ def single_process_environment() -> dict[str, str]:
         "LOCAL_RANK": "0",
         "WORLD_SIZE": "1",
     }
-    for key in _ENV_KEYS:
-        os.environ.setdefault(key, values[key])
+    for key, value in values.items():
+        os.environ.setdefault(key, value)
     return values
 
 
