@@ -5,8 +5,10 @@ from __future__ import annotations
 import warnings
 from typing import Any
 
+import torch
 import trl
 
+from .importance import ImportanceStats, importance_sampling_ratio
 from .spec_rollout import SpecRollout
 
 
@@ -45,6 +47,11 @@ class GRPOTrainer(trl.GRPOTrainer):
     rollout's processed logprobs whenever ``GRPOConfig.vllm_importance_sampling_correction`` is
     (TRL's default), with TRL's modes and clipping; ``importance_sampling=False`` turns it off.
     Weights are synced once per global step (:class:`RolloutWeightSync`).
+
+    When training is on-policy (no optimizer step between generating a batch and its loss), the
+    ratio's trainer logprobs are taken, detached, from the loss forward instead of TRL's extra
+    no-grad forward after generation (see :mod:`tailspec.trainer_hooks.importance`): the same
+    numbers, one policy forward per step less. ``fuse_importance_forward=False`` keeps TRL's forward.
     """
 
     def __init__(
@@ -53,6 +60,7 @@ class GRPOTrainer(trl.GRPOTrainer):
         rollout: Any | None = None,
         rollout_func: Any | None = None,
         importance_sampling: bool = True,
+        fuse_importance_forward: bool = True,
         **kwargs: Any,
     ):
         if rollout is not None and rollout_func is not None:
@@ -76,3 +84,58 @@ class GRPOTrainer(trl.GRPOTrainer):
             self.use_vllm = True
             self.vllm_generation = self.weight_sync
             self._last_loaded_step = -1
+        generate_every = self.args.steps_per_generation * self.num_iterations
+        self.fused_importance_forward = (
+            fuse_importance_forward and self.use_vllm and self.args.gradient_accumulation_steps % generate_every == 0
+        )
+        self._ratio_inputs: dict[str, Any] | None = None
+
+    # -- importance sampling from the loss forward ------------------------------------------
+    def _generate_and_score_completions(self, inputs):
+        if not self.fused_importance_forward:
+            return super()._generate_and_score_completions(inputs)
+        # TRL skips its no-grad logprob forward (and the ratio) when the correction is off; the
+        # rollout's logprobs still come back as ``sampling_per_token_logps``
+        self.vllm_importance_sampling_correction = False
+        try:
+            return super()._generate_and_score_completions(inputs)
+        finally:
+            self.vllm_importance_sampling_correction = True
+
+    def _compute_loss(self, model, inputs):
+        if self.fused_importance_forward:
+            if "sampling_per_token_logps" not in inputs:
+                raise ValueError("the rollout returned no logprobs; importance sampling needs them")
+            self._ratio_inputs = inputs  # filled in by the loss forward, before TRL's loss reads it
+        try:
+            return super()._compute_loss(model, inputs)
+        finally:
+            self._ratio_inputs = None
+
+    def _get_per_token_logps_and_entropies(self, model, *args, **kwargs):
+        out = super()._get_per_token_logps_and_entropies(model, *args, **kwargs)
+        inputs, self._ratio_inputs = self._ratio_inputs, None
+        if inputs is not None:
+            self._set_importance_ratio(out[0].detach(), inputs)
+        return out
+
+    def _set_importance_ratio(self, trainer_logps: torch.Tensor, inputs: dict[str, Any]) -> None:
+        sampling_logps, mask = inputs["sampling_per_token_logps"], inputs["completion_mask"]
+        mode = self.vllm_importance_sampling_mode
+        ratio = importance_sampling_ratio(
+            trainer_logps,
+            sampling_logps,
+            mask,
+            mode,
+            self.vllm_importance_sampling_clip_min,
+            self.vllm_importance_sampling_clip_max,
+        )
+        inputs["importance_sampling_ratio"] = ratio
+        stats = ImportanceStats.of(trainer_logps, sampling_logps, mask, ratio, mode.startswith("sequence"))
+        gathered = self.accelerator.gather(
+            torch.tensor(list(stats.as_metrics().values()), device=trainer_logps.device).unsqueeze(0)
+        )
+        reduce = {"min": torch.min, "max": torch.max, "mean": torch.mean}
+        metrics = self._metrics["train" if self.model.training else "eval"]
+        for column, key in enumerate(stats.as_metrics()):
+            metrics[key].append(float(reduce[key.rsplit("/", 1)[1]](gathered[:, column])))

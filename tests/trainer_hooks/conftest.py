@@ -55,3 +55,19 @@ def grpo_args(tmp_path):
         save_strategy="no",
         seed=0,
     )
+
+
+def length_reward(completions, **kwargs):
+    return [float(len(c[0]["content"])) / 10.0 for c in completions]
+
+
+@pytest.fixture
+def common(task_tokenizer, tiny_policy, grpo_dataset, grpo_args):
+    """The GRPO trainer arguments the trainer tests share."""
+    return dict(
+        model=tiny_policy,
+        reward_funcs=length_reward,
+        args=grpo_args,
+        train_dataset=grpo_dataset,
+        processing_class=task_tokenizer,
+    )

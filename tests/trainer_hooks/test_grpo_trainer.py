@@ -5,24 +5,8 @@ import tailspec
 from tailspec.trainer_hooks import SpecRollout
 
 
-def length_reward(completions, **kwargs):
-    return [float(len(c[0]["content"])) / 10.0 for c in completions]
-
-
 def params_snapshot(model):
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
-
-
-@pytest.fixture
-def common(task_tokenizer, tiny_policy, grpo_dataset, grpo_args):
-    """The trainer arguments every test here shares."""
-    return dict(
-        model=tiny_policy,
-        reward_funcs=length_reward,
-        args=grpo_args,
-        train_dataset=grpo_dataset,
-        processing_class=task_tokenizer,
-    )
 
 
 def _changed(before, model):
