@@ -76,13 +76,11 @@ def _train(common, task_tokenizer, fuse: bool, mode: str):
     args = common["args"]
     args.vllm_importance_sampling_mode = mode
     args.vllm_importance_sampling_clip_max = 1.1
-    trainer = tailspec.GRPOTrainer(
-        **{**common, "model": model}, rollout=SkewedRollout(), fuse_importance_forward=fuse
-    )
+    trainer = tailspec.GRPOTrainer(**{**common, "model": model}, rollout=SkewedRollout(), fuse_importance_forward=fuse)
     forwards = []  # the trainer's policy forwards (the rollout engine's are not counted), with grad or not
     original = trainer._get_per_token_logps_and_entropies
-    trainer._get_per_token_logps_and_entropies = lambda *a, **k: forwards.append(torch.is_grad_enabled()) or original(
-        *a, **k
+    trainer._get_per_token_logps_and_entropies = lambda *a, **k: (
+        forwards.append(torch.is_grad_enabled()) or original(*a, **k)
     )
     trainer.train()
     return trainer, model, forwards
