@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import random
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -28,10 +28,34 @@ class E2ERun:
     step_s: list[float]
     rewards: list[float]
     total_s: float
+    generation_s: list[float] = field(default_factory=list)  # per step: generating and scoring the batch
 
     def mean_step_s(self, skip_first: bool = True) -> float:
-        xs = self.step_s[1:] if skip_first and len(self.step_s) > 1 else self.step_s
-        return sum(xs) / len(xs)
+        return _mean_after_first(self.step_s, skip_first)
+
+    def mean_generation_s(self, skip_first: bool = True) -> float:
+        return _mean_after_first(self.generation_s, skip_first) if self.generation_s else float("nan")
+
+
+def _mean_after_first(xs: list[float], skip_first: bool) -> float:
+    xs = xs[1:] if skip_first and len(xs) > 1 else xs
+    return sum(xs) / len(xs)
+
+
+def _time_generation(trainer) -> list[float]:
+    """Per call of TRL's ``_generate_and_score_completions`` (generation, rewards, advantages and
+    any logprob forwards TRL runs there), its wall time."""
+    seconds: list[float] = []
+    original = trainer._generate_and_score_completions
+
+    def timed(inputs):
+        start = time.perf_counter()
+        out = original(inputs)
+        seconds.append(time.perf_counter() - start)
+        return out
+
+    trainer._generate_and_score_completions = timed
+    return seconds
 
 
 def _step_timer():
@@ -113,9 +137,10 @@ def measure_e2e(steps: int, seed: int = 0, quick: bool = False, strategy: str = 
             trainer = trl.GRPOTrainer(**common)
         else:
             trainer = GRPOTrainer(**common, rollout=SpecRollout(strategy=strategy, drafter=load_tiny_eagle3()))
+        generation_s = _time_generation(trainer)
         start = time.perf_counter()
         trainer.train()
-        runs.append(E2ERun(name, timer.step_s, timer.rewards, time.perf_counter() - start))
+        runs.append(E2ERun(name, timer.step_s, timer.rewards, time.perf_counter() - start, generation_s))
         logger.info("%s: %.2f s/step, reward %.3f", name, runs[-1].mean_step_s(), sum(timer.rewards) / steps)
     return runs
 
@@ -129,14 +154,16 @@ def e2e_table(runs: list[E2ERun]) -> str:
         return f"{mean:.3f} ± {sd:.3f}"
 
     lines = [
-        "| run | RL steps | total s | s / step (steps 2+) | speedup per step | mean reward per step ± sd |",
-        "|---|---:|---:|---:|---:|---:|",
+        "| run | RL steps | total s | s / step (steps 2+) | of which generation s | training s | "
+        "speedup per step | mean reward per step ± sd |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in runs:
         speedup = stock.mean_step_s() / r.mean_step_s()
+        generation = r.mean_generation_s()
         lines.append(
-            f"| {r.name} | {len(r.step_s)} | {r.total_s:.1f} | {r.mean_step_s():.2f} | {speedup:.2f}x | "
-            f"{stats(r.rewards)} |"
+            f"| {r.name} | {len(r.step_s)} | {r.total_s:.1f} | {r.mean_step_s():.2f} | {generation:.2f} | "
+            f"{r.mean_step_s() - generation:.2f} | {speedup:.2f}x | {stats(r.rewards)} |"
         )
     p = permutation_pvalue(stock.rewards, ours.rewards)
     lines += ["", f"Reward curves: two-sided permutation test of equal mean per-step reward, p = {p:.2f}."]
@@ -162,9 +189,10 @@ def e2e_section(runs: list[E2ERun], plot_name: str) -> str:
         "max 384 completion tokens, T = 1, lr 2e-5, fp32 on CPU, the same seeds) with stock "
         "`trl.GRPOTrainer` (its default `generate`) and with `tailspec.GRPOTrainer(rollout=SpecRollout("
         "strategy='adaptive', drafter=<shipped EAGLE-3 head>))`, which also runs TRL's importance-sampling "
-        "correction (one extra policy forward per step that stock TRL without vLLM skips). Step 1 is left "
-        "out of the per-step mean (model warm-up). The trainer's share of a step (loss, backward, optimizer, "
-        "the extra forward) is the same work in both runs; on this tiny model it is most of the step, which "
-        "bounds the end-to-end speedup (a `chain:4` run measured 1.14x the same way).\n\n"
+        "correction (stock TRL without vLLM has none); its trainer logprobs come from the loss forward, so it "
+        "costs no extra forward (`fuse_importance_forward`, on by default). Step 1 is left out of the "
+        "per-step means (model warm-up). *Generation s* is the time in TRL's `_generate_and_score_completions` "
+        "(generation, rewards, advantages); *training s* the rest of the step (loss forward, backward, "
+        "optimizer), the same work in both runs.\n\n"
         f"{e2e_table(runs)}\n\n![end to end]({plot_name})"
     )

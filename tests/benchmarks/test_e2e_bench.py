@@ -20,8 +20,10 @@ def test_quick_end_to_end_run(tmp_path, monkeypatch):
     assert [r.name.split()[0] for r in runs] == ["stock", "tailspec"]
     for r in runs:
         assert len(r.step_s) == 2 and len(r.rewards) == 2 and r.total_s > 0
+        assert len(r.generation_s) == 2 and all(0 < g < s for g, s in zip(r.generation_s, r.step_s))
     table = e2e_table(runs)
     assert "1.00x" in table and "permutation test" in table
     plot_e2e(runs, tmp_path / "e2e.png")
     assert (tmp_path / "e2e.png").stat().st_size > 0
-    assert E2ERun("x", [5.0, 1.0, 3.0], [0.0], 9.0).mean_step_s() == 2.0
+    run = E2ERun("x", [5.0, 1.0, 3.0], [0.0], 9.0, [4.0, 0.5, 1.5])
+    assert run.mean_step_s() == 2.0 and run.mean_generation_s() == 1.0
