@@ -34,9 +34,17 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from .benchmarks.run import run_atts_section, run_bench, run_e2e_section, run_spot_training_section
+    from .benchmarks.run import (
+        run_adaptive_section,
+        run_atts_section,
+        run_bench,
+        run_e2e_section,
+        run_spot_training_section,
+    )
 
-    if args.section == "atts":
+    if args.section == "adaptive":
+        print(run_adaptive_section(Path(args.out), quick=args.quick))
+    elif args.section == "atts":
         print(run_atts_section(Path(args.out), quick=args.quick))
     elif args.section == "spot_training":
         print(run_spot_training_section(Path(args.out), quick=args.quick))
@@ -176,9 +184,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--quick", action="store_true", help="fewer prompts (for a smoke run)")
     bench.add_argument(
         "--section",
-        choices=["all", "spot_training", "e2e", "atts"],
+        choices=["all", "adaptive", "spot_training", "e2e", "atts"],
         default="all",
-        help="all: rewrite the whole report; spot_training / e2e / atts: only that section, in place",
+        help="all: rewrite the whole report; adaptive / spot_training / e2e / atts: only that section, in place",
     )
     bench.set_defaults(func=_bench)
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import time
+from bisect import bisect_left
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,8 +33,9 @@ class RunResult:
     seconds: float
     tokens: int
     tail_s: float = 0.0
-    steps: list[StepRecord] = field(default_factory=list)
+    steps: list[StepRecord] = field(default_factory=list)  # the last pass's decode steps (the plot)
     strategy_steps: dict[str, int] = field(default_factory=dict)
+    all_steps: list[StepRecord] = field(default_factory=list)  # every pass's decode steps
 
     @property
     def tokens_per_s(self) -> float:
@@ -84,6 +86,7 @@ def _engine_run(
                     k: sum(p.strategy_steps.get(k, 0) for p in group)
                     for k in {k for p in group for k in p.strategy_steps}
                 },
+                [s for p in group for s in p.steps],
             )
             logger.info("%s: %.2fs, %.0f tok/s", label, merged.seconds, merged.tokens_per_s)
             out.append(merged)
@@ -145,6 +148,84 @@ def long_tail_table(results: Sequence[RunResult]) -> str:
             f"{r.tokens_per_s / none:.2f}x | {vs_hf} | {r.tail_s:.2f} | {used} |"
         )
     return "\n".join(lines)
+
+
+@dataclass
+class BucketGoodput:
+    """Decode steps of one run that fell in one batch-size bucket."""
+
+    tokens: int = 0
+    seconds: float = 0.0
+    steps: int = 0
+    arms: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def goodput(self) -> float:
+        return self.tokens / self.seconds if self.seconds else 0.0
+
+
+def goodput_by_bucket(steps: Sequence[StepRecord], bounds: Sequence[int]) -> dict[int, BucketGoodput]:
+    """Emitted tokens and step time per bucket of active sequences (the selector's buckets: a
+    bound holds the batch sizes above the previous bound, up to itself; the last holds the rest)."""
+    out: dict[int, BucketGoodput] = {}
+    for s in steps:
+        bound = bounds[min(bisect_left(bounds, s.num_active), len(bounds) - 1)]
+        b = out.setdefault(bound, BucketGoodput())
+        b.tokens += s.emitted
+        b.seconds += s.seconds
+        b.steps += 1
+        b.arms[s.strategy] = b.arms.get(s.strategy, 0) + 1
+    return out
+
+
+@dataclass
+class OracleBound:
+    """What the best *fixed* arm per bucket would give: no selector can beat its arms' goodputs."""
+
+    table: str
+    none_decode_s: float  # the no-speculation run's decode time
+    oracle_decode_s: float  # the same tokens per bucket, each bucket at its best measured goodput
+
+    @property
+    def speedup(self) -> float:
+        return self.none_decode_s / self.oracle_decode_s if self.oracle_decode_s else 0.0
+
+
+def oracle_bound(results: Sequence[RunResult], bounds: Sequence[int], min_steps: int = 5) -> OracleBound:
+    """Per-bucket goodput of every fixed strategy (and of adaptive, for comparison) and the bound
+    it implies: the no-speculation run's tokens in each bucket, decoded at that bucket's best fixed
+    goodput (arms with fewer than ``min_steps`` steps in a bucket are not trusted there)."""
+    runs = {r.name: goodput_by_bucket(r.all_steps, bounds) for r in results if r.all_steps}
+    fixed = [n for n in runs if not n.startswith("adaptive")]
+    adaptive = [n for n in runs if n.startswith("adaptive")]
+    none = runs["none"]
+    header = " | ".join(f"`{n}` tok/s" for n in fixed + adaptive)
+    lines = [
+        f"| active sequences | `none` decode s | {header} | best fixed | adaptive's arms (steps) |",
+        "|---|---:|" + "---:|" * (len(fixed) + len(adaptive)) + "---|---|",
+    ]
+    none_s = oracle_s = 0.0
+    previous = 0
+    for bound in bounds:
+        if bound not in none:
+            previous = bound
+            continue
+        trusted = {n: runs[n][bound].goodput for n in fixed if bound in runs[n] and runs[n][bound].steps >= min_steps}
+        best = max(trusted, key=trusted.get)
+        none_s += none[bound].seconds
+        oracle_s += none[bound].tokens / trusted[best]
+        cells = []
+        for n in fixed + adaptive:
+            g = runs[n].get(bound)
+            cells.append(f"{g.goodput:,.0f}" if g and g.steps else "-")
+        used = runs[adaptive[-1]].get(bound) if adaptive else None
+        arms = ", ".join(f"`{a}` {k}" for a, k in sorted(used.arms.items(), key=lambda kv: -kv[1])) if used else ""
+        label = f"{previous + 1}-{bound}" if bound > previous + 1 else str(bound)
+        if bound == bounds[-1]:
+            label = f">{previous}"
+        lines.append(f"| {label} | {none[bound].seconds:.2f} | {' | '.join(cells)} | `{best}` | {arms} |")
+        previous = bound
+    return OracleBound("\n".join(lines), none_s, oracle_s)
 
 
 def plot_adaptive(result: RunResult, path: Path) -> None:

@@ -1,4 +1,12 @@
-from tailspec.benchmarks.adaptive import long_tail_table, measure_long_tail, measure_uniform, plot_adaptive
+from tailspec.benchmarks.adaptive import (
+    goodput_by_bucket,
+    long_tail_table,
+    measure_long_tail,
+    measure_uniform,
+    oracle_bound,
+    plot_adaptive,
+)
+from tailspec.rollout.engine import StepRecord
 from tailspec.rollout import SamplingParams
 from tailspec.testing import perturbed_copy, tiny_random_model
 
@@ -16,7 +24,32 @@ def test_measure_and_report_long_tail(tmp_path):
     assert adaptive.steps and sum(adaptive.strategy_steps.values()) >= len(adaptive.steps)  # steps: the last pass
     table = long_tail_table(results)
     assert "(best fixed)" in table and table.count("\n") == 1 + len(results)
+    oracle = oracle_bound(results, (1, 2, 4, 1024), min_steps=1)
+    assert oracle.oracle_decode_s <= oracle.none_decode_s and oracle.speedup >= 1.0
+    assert "`none` tok/s" in oracle.table and "`adaptive (warm)` tok/s" in oracle.table
     plot_adaptive(adaptive, tmp_path / "a.png")
     assert (tmp_path / "a.png").stat().st_size > 0
     uniform = measure_uniform(model, drafter, prompts, params, [1], repeats=2)
     assert [r.tokens for r in uniform] == [16 * len(prompts) * 2, 16 * len(prompts), 16 * len(prompts) * 2]
+
+
+def test_goodput_buckets_and_the_oracle_bound():
+    def step(active, arm, emitted, seconds):
+        return StepRecord(active, arm, emitted, seconds, in_tail=False)
+
+    bounds = (1, 4, 16)
+    buckets = goodput_by_bucket([step(1, "none", 1, 0.5), step(3, "none", 3, 1.0), step(40, "none", 40, 2.0)], bounds)
+    assert sorted(buckets) == [1, 4, 16]  # 40 active falls in the last bucket
+    assert buckets[4].goodput == 3.0 and buckets[16].arms == {"none": 1}
+
+    from tailspec.benchmarks.adaptive import RunResult
+
+    none = RunResult("none", 0, 0, all_steps=[step(1, "none", 10, 1.0)] * 5 + [step(8, "none", 80, 1.0)] * 5)
+    chain = RunResult("chain:2", 0, 0, all_steps=[step(1, "chain:2", 20, 1.0)] * 5 + [step(8, "chain:2", 40, 1.0)] * 5)
+    few = RunResult("tree", 0, 0, all_steps=[step(1, "tree", 100, 1.0)] * 4)  # 4 steps: not trusted
+    oracle = oracle_bound([none, chain, few], bounds)
+    # bucket 1: chain:2 at 20 tok/s decodes none's 50 tokens in 2.5 s; bucket 16: none stays best (5 s)
+    assert oracle.none_decode_s == 10.0 and oracle.oracle_decode_s == 7.5
+    assert oracle.speedup == 10.0 / 7.5
+    assert "| 1 | 5.00 | 10 | 20 | 100 | `chain:2` |" in oracle.table
+    assert "| >4 | 5.00 | 80 | 40 | - | `none` |" in oracle.table
