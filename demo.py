@@ -91,7 +91,8 @@ def _step_printer():
     from transformers import TrainerCallback
 
     class StepPrinter(TrainerCallback):
-        """One line per GRPO step: reward, completion lengths, rollout throughput."""
+        """One line per GRPO step: reward, completion lengths, rollout throughput, and the share of
+        prompt groups whose rewards differ (only those carry a GRPO gradient)."""
 
         def __init__(self) -> None:
             self.rows: list[dict[str, Any]] = []
@@ -108,10 +109,12 @@ def _step_printer():
                 "rollout_tok_s": logs.get("rollout/tokens_per_s", float("nan")),
                 "accept_len": logs.get("rollout/accept_length"),
                 "drafter_loss": logs.get("drafter/loss"),
+                "groups_with_signal": 1.0 - logs.get("frac_reward_zero_std", float("nan")),
             }
             self.rows.append(row)
             print(
-                f"step {row['step']:>3}  reward {row['reward']:.3f}  completion len mean {row['mean_len']:.0f} "
+                f"step {row['step']:>3}  reward {row['reward']:.3f}  groups with signal "
+                f"{row['groups_with_signal']:.2f}  completion len mean {row['mean_len']:.0f} "
                 f"max {row['max_len']:.0f}  rollout {row['rollout_s']:.2f}s  {row['rollout_tok_s']:.0f} tok/s"
                 + (f"  accept len {row['accept_len']:.2f}" if row["accept_len"] is not None else "")
                 + (f"  drafter loss {row['drafter_loss']:.3f}" if row["drafter_loss"] is not None else ""),
@@ -265,6 +268,7 @@ def _summarize(cfg: DemoConfig, rows: list[dict[str, Any]], rollout: Any, wall: 
         "wall_s": wall,
         f"reward_first_{k}": first,
         f"reward_last_{k}": last,
+        "groups_with_signal": sum(r["groups_with_signal"] for r in rows) / len(rows),
         "rollout_tokens": tokens,
         "rollout_time_s": rollout_time,
         "rollout_tokens_per_s": tokens / rollout_time if rollout_time else 0.0,

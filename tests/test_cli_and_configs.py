@@ -50,6 +50,7 @@ def test_demo_runs_a_speculative_grpo_step(tmp_path):
     assert summary["steps"] == 2
     assert summary["rollout_tokens"] > 0
     assert 0.0 < summary["draft_acceptance_rate"] <= 1.0
+    assert 0.0 <= summary["groups_with_signal"] <= 1.0  # the share of groups whose rewards differ
     assert summary["drafter_version"] == 1600 + 2 * cfg.drafter_train_steps  # the shipped head, trained online
 
 
