@@ -1,4 +1,5 @@
 from tailspec.benchmarks.adaptive import (
+    RunResult,
     goodput_by_bucket,
     long_tail_table,
     measure_long_tail,
@@ -6,8 +7,8 @@ from tailspec.benchmarks.adaptive import (
     oracle_bound,
     plot_adaptive,
 )
-from tailspec.rollout.engine import StepRecord
 from tailspec.rollout import SamplingParams
+from tailspec.rollout.engine import StepRecord
 from tailspec.testing import perturbed_copy, tiny_random_model
 
 
@@ -41,8 +42,6 @@ def test_goodput_buckets_and_the_oracle_bound():
     buckets = goodput_by_bucket([step(1, "none", 1, 0.5), step(3, "none", 3, 1.0), step(40, "none", 40, 2.0)], bounds)
     assert sorted(buckets) == [1, 4, 16]  # 40 active falls in the last bucket
     assert buckets[4].goodput == 3.0 and buckets[16].arms == {"none": 1}
-
-    from tailspec.benchmarks.adaptive import RunResult
 
     none = RunResult("none", 0, 0, all_steps=[step(1, "none", 10, 1.0)] * 5 + [step(8, "none", 80, 1.0)] * 5)
     chain = RunResult("chain:2", 0, 0, all_steps=[step(1, "chain:2", 20, 1.0)] * 5 + [step(8, "chain:2", 40, 1.0)] * 5)

@@ -64,7 +64,7 @@ class SkewedRollout:
         return out
 
 
-def _train(common, task_tokenizer, fuse: bool, mode: str):
+def _train(common, task_tokenizer, fuse: bool, mode: str, eval_dataset=None, **overrides):
     model = tiny_random_model(
         "qwen2",
         seed=3,
@@ -76,7 +76,17 @@ def _train(common, task_tokenizer, fuse: bool, mode: str):
     args = common["args"]
     args.vllm_importance_sampling_mode = mode
     args.vllm_importance_sampling_clip_max = 1.1
-    trainer = tailspec.GRPOTrainer(**{**common, "model": model}, rollout=SkewedRollout(), fuse_importance_forward=fuse)
+    if overrides:
+        for key, value in overrides.items():
+            setattr(args, key, value)
+        args.generation_batch_size = None
+        args.__post_init__()  # TRL derives generation_batch_size from steps_per_generation
+    trainer = tailspec.GRPOTrainer(
+        **{**common, "model": model},
+        rollout=SkewedRollout(),
+        fuse_importance_forward=fuse,
+        eval_dataset=eval_dataset,
+    )
     forwards = []  # the trainer's policy forwards (the rollout engine's are not counted), with grad or not
     original = trainer._get_per_token_logps_and_entropies
     trainer._get_per_token_logps_and_entropies = lambda *a, **k: (
@@ -108,6 +118,38 @@ def test_fused_ratio_trains_exactly_like_trls_extra_forward(common, task_tokeniz
     assert ratios(fused) == pytest.approx(ratios(trl_path), abs=1e-5)
     assert ratios(fused)[3] == pytest.approx(0.2, abs=1e-4)  # the skew is what the ratio sees
     assert ratios(fused)[0] != pytest.approx(1.0)
+
+
+def test_fused_with_accumulation_over_a_generation_and_eval(common, task_tokenizer, grpo_dataset):
+    """steps_per_generation = gradient_accumulation_steps = 2: one generation feeds both micro-batches
+    of an optimizer step (still on-policy, so fused); eval batches go through the fused ratio too."""
+    runs = [
+        _train(
+            common,
+            task_tokenizer,
+            fuse=fuse,
+            mode="token_mask",
+            eval_dataset=grpo_dataset.select(range(4)),
+            steps_per_generation=2,
+            gradient_accumulation_steps=2,
+            eval_strategy="steps",
+            eval_steps=2,
+            per_device_eval_batch_size=8,
+        )
+        for fuse in (False, True)
+    ]
+    (trl_path, trl_model, trl_forwards), (fused, fused_model, fused_forwards) = runs
+    assert fused.fused_importance_forward
+    # per generation TRL adds a no-grad forward; fused, only the loss forwards remain (eval's run without grad)
+    assert trl_forwards == [False, True, True] * 2 + [False, False] * 2
+    assert fused_forwards == [True, True] * 2 + [False] * 2
+    for key, value in trl_model.state_dict().items():
+        assert torch.allclose(value, fused_model.state_dict()[key], atol=1e-6), key
+    evals = [h for h in fused.state.log_history if "eval_sampling/importance_sampling_ratio/mean" in h]
+    trl_evals = [h for h in trl_path.state.log_history if "eval_sampling/importance_sampling_ratio/mean" in h]
+    assert len(evals) == len(trl_evals) == 1
+    assert evals[0]["eval_sampling/sampling_logp_difference/mean"] == pytest.approx(0.2, abs=1e-4)
+    assert evals[0]["eval_loss"] == pytest.approx(trl_evals[0]["eval_loss"], abs=1e-6)
 
 
 def test_fusion_stays_off_when_weights_move_between_generation_and_loss(common):
