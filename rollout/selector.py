@@ -39,7 +39,7 @@ class SelectorConfig:
     window: int = 32  # rewards kept per (bucket, arm)
     min_trials: int = 1  # tries of every arm in a bucket before exploiting
     speculate_up_to: int | None = None  # prior: above this many active sequences, try "none" first
-    prune_ratio: float = 0.7  # skip exploring an arm a neighbouring bucket measured below this x its best
+    prune_ratio: float = 0.7  # skip exploring an arm a smaller-batch bucket measured below this x its best
     drafter_update: str = "decay"  # what a new drafter version does to model-drafter arms: decay | reset
     decay_keep: int = 4
     seed: int = 0
@@ -123,15 +123,19 @@ class StrategySelector:
         return stats[arm].mean / max(s.mean for s in stats.values() if s.rewards)
 
     def _neighbour_estimate(self, b: int, arm: Strategy) -> float | None:
-        """Goodput ``arm`` would have in bucket ``b``, from the nearest bucket that measured it
-        (its ratio to that bucket's best, times bucket ``b``'s best so far)."""
+        """Goodput ``arm`` would have in bucket ``b``, from the nearest *smaller-batch* bucket that
+        measured it (its ratio to that bucket's best, times bucket ``b``'s best so far).
+
+        Only smaller batches count: speculation returns less the more sequences share a step, so
+        an arm that loses on fewer sequences will lose on more, but one that loses on a large batch
+        may well win in the tail. Rollouts drain from large batches to small, so larger buckets are
+        measured first; letting them prune would keep speculation out of the tail for good."""
         measured = [s.mean for s in self._stats[b].values() if s.rewards]
         if not measured:
             return None
-        for distance in range(1, len(self._stats)):
-            for nb in (b - distance, b + distance):
-                if 0 <= nb < len(self._stats) and len(self._stats[nb][arm].rewards) >= self.config.min_trials:
-                    return self._relative(nb, arm) * max(measured)
+        for nb in range(b - 1, -1, -1):
+            if len(self._stats[nb][arm].rewards) >= self.config.min_trials:
+                return self._relative(nb, arm) * max(measured)
         return None
 
     def choose(self, num_active: int) -> Strategy:
@@ -147,7 +151,7 @@ class StrategySelector:
             if guess is None and measured and prior is not None and self.config.bucket_bounds[b] > prior:
                 guess = 0.5 * max(measured) if arm.speculative else None  # the prior: speculation loses here
             if guess is not None and not stats[arm].rewards and guess < self.config.prune_ratio * max(measured):
-                estimates[arm] = guess  # a neighbour says it loses clearly: do not pay to explore it here
+                estimates[arm] = guess  # a smaller batch says it loses clearly: do not pay to explore it here
                 continue
             return arm
         means = {a: (s.mean if s.rewards else estimates.get(a, 0.0)) for a, s in stats.items()}
