@@ -19,6 +19,7 @@ _EXPORTS = {
     "SpecRollout": "tailspec.trainer_hooks.spec_rollout",
     "SpecRolloutConfig": "tailspec.trainer_hooks.spec_rollout",
     "GRPOTrainer": "tailspec.trainer_hooks.grpo_trainer",
+    "DrafterFromTrainer": "tailspec.trainer_hooks.drafter_from_trainer",
 }
 
 __all__ = [*_EXPORTS, "__version__"]

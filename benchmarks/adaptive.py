@@ -47,50 +47,82 @@ def _per_request(params: SamplingParams, n: int, rep: int) -> list[SamplingParam
     return [params.with_updates(seed=1000 * rep + i) for i in range(n)]
 
 
-def _engine_run(
-    name: str, model, drafter, prompts, params, eos, strategy: str, repeats: int, split_cold: bool = False
-) -> list[RunResult]:
-    """``repeats`` passes over ``prompts`` on one engine; with ``split_cold`` the first pass (a fresh
-    selector) is reported apart from the rest (what later RL steps see)."""
-    engine = RolloutEngine(model, RolloutConfig(strategy=strategy), drafter=drafter, eos_token_ids=eos)
-    engine.generate([list(p) for p in prompts[:2]], params.with_updates(max_new_tokens=8))  # warm-up
-    passes = []
-    for rep in range(repeats):
+class _EngineContender:
+    """One engine (one strategy) making passes over the same prompts; with ``split_cold`` its
+    first pass (a fresh selector) is reported apart from the rest (what later RL steps see)."""
+
+    def __init__(self, name, model, drafter, prompts, params, eos, strategy: str, split_cold: bool = False):
+        self.name, self.prompts, self.params, self.split_cold = name, prompts, params, split_cold
+        self.engine = RolloutEngine(model, RolloutConfig(strategy=strategy), drafter=drafter, eos_token_ids=eos)
+        self.engine.generate([list(p) for p in prompts[:2]], params.with_updates(max_new_tokens=8))  # warm-up
+
+    def run_pass(self, rep: int) -> RunResult:
+        engine = self.engine
         before_log, before_tail = len(engine.stats.step_log), engine.stats.tail_time_s
         before_steps = dict(engine.stats.strategy_steps)
         start = time.perf_counter()
-        outs = engine.generate([list(p) for p in prompts], _per_request(params, len(prompts), rep))
+        outs = engine.generate([list(p) for p in self.prompts], _per_request(self.params, len(self.prompts), rep))
         seconds = time.perf_counter() - start
         used = {k: v - before_steps.get(k, 0) for k, v in engine.stats.strategy_steps.items()}
-        passes.append(
-            RunResult(
-                name,
-                seconds,
-                sum(len(o.completion_ids) for o in outs),
-                engine.stats.tail_time_s - before_tail,
-                list(engine.stats.step_log)[before_log:],
-                {k: v for k, v in used.items() if v},
-            )
+        return RunResult(
+            self.name,
+            seconds,
+            sum(len(o.completion_ids) for o in outs),
+            engine.stats.tail_time_s - before_tail,
+            list(engine.stats.step_log)[before_log:],
+            {k: v for k, v in used.items() if v},
         )
-    groups = [(f"{name} (cold)", passes[:1]), (f"{name} (warm)", passes[1:])] if split_cold else [(name, passes)]
-    out = []
-    for label, group in groups:
-        if group:
-            merged = RunResult(
-                label,
-                sum(p.seconds for p in group),
-                sum(p.tokens for p in group),
-                sum(p.tail_s for p in group),
-                group[-1].steps,
-                {
-                    k: sum(p.strategy_steps.get(k, 0) for p in group)
-                    for k in {k for p in group for k in p.strategy_steps}
-                },
-                [s for p in group for s in p.steps],
-            )
-            logger.info("%s: %.2fs, %.0f tok/s", label, merged.seconds, merged.tokens_per_s)
-            out.append(merged)
-    return out
+
+    def report(self, passes: list[RunResult]) -> list[RunResult]:
+        name = self.name
+        groups = (
+            [(f"{name} (cold)", passes[:1]), (f"{name} (warm)", passes[1:])] if self.split_cold else [(name, passes)]
+        )
+        return [_merge(label, group) for label, group in groups if group]
+
+
+class _HFContender:
+    """HF ``generate`` on left-padded batches, as TRL calls it."""
+
+    def __init__(self, model, prompts, params, eos, pad_token_id):
+        self.name, self.split_cold = "HF generate", False
+        self.model, self.prompts, self.params, self.eos, self.pad = model, prompts, params, eos, pad_token_id
+        hf_generate(model, [list(p) for p in prompts[:2]], params.with_updates(max_new_tokens=8), eos, pad_token_id)
+
+    def run_pass(self, rep: int) -> RunResult:
+        torch.manual_seed(rep)
+        start = time.perf_counter()
+        completions = hf_generate(self.model, [list(p) for p in self.prompts], self.params, self.eos, self.pad)
+        return RunResult(self.name, time.perf_counter() - start, sum(len(c) for c in completions))
+
+    def report(self, passes: list[RunResult]) -> list[RunResult]:
+        return [_merge(self.name, passes)]
+
+
+def _merge(label: str, group: list[RunResult]) -> RunResult:
+    merged = RunResult(
+        label,
+        sum(p.seconds for p in group),
+        sum(p.tokens for p in group),
+        sum(p.tail_s for p in group),
+        group[-1].steps,
+        {k: sum(p.strategy_steps.get(k, 0) for p in group) for k in {k for p in group for k in p.strategy_steps}},
+        [s for p in group for s in p.steps],
+    )
+    logger.info("%s: %.2fs, %.0f tok/s", label, merged.seconds, merged.tokens_per_s)
+    return merged
+
+
+def _interleaved(contenders: list, passes: list[int]) -> list[RunResult]:
+    """Pass ``rep`` of every contender, then pass ``rep + 1`` of every contender, and so on: a
+    shared machine's speed drifts over minutes, and interleaving spreads the drift over all of
+    them instead of favouring whoever ran while the machine was fast."""
+    done: list[list[RunResult]] = [[] for _ in contenders]
+    for rep in range(max(passes)):
+        for i, contender in enumerate(contenders):
+            if rep < passes[i]:
+                done[i].append(contender.run_pass(rep))
+    return [r for contender, runs in zip(contenders, done) for r in contender.report(runs)]
 
 
 def measure_long_tail(
@@ -104,29 +136,22 @@ def measure_long_tail(
     repeats: int = 3,
 ) -> list[RunResult]:
     """Every contender makes ``repeats`` passes (T > 0 completions differ between passes; totals
-    over several passes are what is compared)."""
-    hf_generate(model, [list(p) for p in prompts[:2]], params.with_updates(max_new_tokens=8), eos, pad_token_id)
-    seconds = tokens = 0
-    for rep in range(repeats):
-        torch.manual_seed(rep)
-        start = time.perf_counter()
-        completions = hf_generate(model, [list(p) for p in prompts], params, eos, pad_token_id)
-        seconds += time.perf_counter() - start
-        tokens += sum(len(c) for c in completions)
-    results = [RunResult("HF generate", seconds, tokens)]
-    results += _engine_run("none", model, drafter, prompts, params, eos, "none", repeats)
-    for strategy in fixed:
-        results += _engine_run(strategy, model, drafter, prompts, params, eos, strategy, repeats)
-    results += _engine_run("adaptive", model, drafter, prompts, params, eos, "adaptive", repeats + 1, split_cold=True)
-    return results
+    over several passes are what is compared), interleaved; adaptive makes one more (its cold pass)."""
+    contenders = [_HFContender(model, prompts, params, eos, pad_token_id)]
+    for strategy in ("none", *fixed):
+        contenders.append(_EngineContender(strategy, model, drafter, prompts, params, eos, strategy))
+    contenders.append(_EngineContender("adaptive", model, drafter, prompts, params, eos, "adaptive", split_cold=True))
+    return _interleaved(contenders, [repeats] * (len(contenders) - 1) + [repeats + 1])
 
 
 def measure_uniform(model, drafter, prompts, params: SamplingParams, eos: list[int], repeats: int = 3):
     """Every request runs exactly ``max_new_tokens`` (EOS ignored): a full batch all the way."""
     uniform = params.with_updates(ignore_eos=True)
-    results = _engine_run("none", model, drafter, prompts, uniform, eos, "none", repeats)
-    results += _engine_run("adaptive", model, drafter, prompts, uniform, eos, "adaptive", repeats + 1, split_cold=True)
-    return results
+    contenders = [
+        _EngineContender("none", model, drafter, prompts, uniform, eos, "none"),
+        _EngineContender("adaptive", model, drafter, prompts, uniform, eos, "adaptive", split_cold=True),
+    ]
+    return _interleaved(contenders, [repeats, repeats + 1])
 
 
 def long_tail_table(results: Sequence[RunResult]) -> str:

@@ -44,7 +44,10 @@ class HFGRPOConfig:
     drafter: str = "eagle3"  # eagle3: a head warmed up on the model's rollouts before RL | none
     warmup_prompts: int = 256
     warmup_steps: int = 400
-    drafter_train_steps: int = 8  # online head training after every rollout (in-process engine)
+    drafter_train_steps: int = 8  # online head training steps after every rollout / optimizer step
+    # where the online head's training data comes from: "rollout" (features the engine records while
+    # generating) | "trainer" (the trainer's own loss forward, tailspec.DrafterFromTrainer)
+    drafter_data: str = "rollout"
     export: str | None = "sglang"  # export the trained head for sglang | vllm | null
     kv_cache_tokens: int = 262144
     workers: int = 0  # Ray rollout workers (one per GPU on a cluster); 0 = colocated engine
@@ -59,6 +62,10 @@ class HFGRPOConfig:
             raise ValueError(f"export must be null, 'sglang' or 'vllm', got {self.export!r}")
         if self.drafter not in ("eagle3", "none"):
             raise ValueError(f"drafter must be 'eagle3' or 'none', got {self.drafter!r}")
+        if self.drafter_data not in ("rollout", "trainer"):
+            raise ValueError(f"drafter_data must be 'rollout' or 'trainer', got {self.drafter_data!r}")
+        if self.drafter_data == "trainer" and self.workers:
+            raise ValueError("drafter_data: trainer trains the head in the trainer process; use it with workers: 0")
         for name in ("max_steps", "num_generations", "prompts_per_step", "max_completion_length"):
             if not (isinstance(getattr(self, name), int) and getattr(self, name) >= 1):
                 raise ValueError(f"{name} must be an int >= 1, got {getattr(self, name)!r}")
@@ -205,7 +212,9 @@ def main(argv: list[str] | None = None) -> dict:
     rollout = tailspec.SpecRollout(
         strategy=cfg.strategy,
         drafter=head,
-        drafter_train_steps=cfg.drafter_train_steps if (head is not None and cfg.workers == 0) else 0,
+        drafter_train_steps=(
+            cfg.drafter_train_steps if (head is not None and cfg.workers == 0 and cfg.drafter_data == "rollout") else 0
+        ),
         kv_cache_tokens=cfg.kv_cache_tokens,
         workers=cfg.workers,
         ray_address=cfg.ray_address,
@@ -218,6 +227,8 @@ def main(argv: list[str] | None = None) -> dict:
         processing_class=tokenizer,
         rollout=rollout,
     )
+    if head is not None and cfg.drafter_data == "trainer":
+        tailspec.DrafterFromTrainer(head, trainer, train_steps=cfg.drafter_train_steps)
     print(f"GRPO on {cfg.model} / {cfg.dataset}: {asdict(cfg)}", flush=True)
     trainer.train()
     if rollout.coordinator is not None:
@@ -228,7 +239,12 @@ def main(argv: list[str] | None = None) -> dict:
         out = Path(cfg.output_dir) / f"drafter_{cfg.export}"
         print(f"exported drafter: {export_checkpoint(rollout.drafter, out, format=cfg.export)}")
     rewards = [h["reward"] for h in trainer.state.log_history if "reward" in h]
-    return {"steps": trainer.state.global_step, "rewards": rewards, "config": asdict(replace(cfg))}
+    return {
+        "steps": trainer.state.global_step,
+        "rewards": rewards,
+        "drafter_version": head.version if head is not None else None,
+        "config": asdict(replace(cfg)),
+    }
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from typing import Any
 
 import torch
 
@@ -38,18 +39,25 @@ def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
 
 
 @contextmanager
-def capture_layer_inputs(model: torch.nn.Module, layer_ids: Sequence[int]) -> Iterator[dict[int, torch.Tensor]]:
-    """Within the block, each forward stores the hidden states entering layer ``i`` at ``captured[i]``."""
+def capture_layer_inputs(
+    model: torch.nn.Module, layer_ids: Sequence[int], *, keep_all: bool = False
+) -> Iterator[dict[int, Any]]:
+    """Within the block, each forward stores the hidden states entering layer ``i`` at
+    ``captured[i]`` (with ``keep_all``, appends them to the list ``captured[i]``, one per forward)."""
     layers = decoder_layers(model)
     bad = [i for i in layer_ids if not 0 <= i < len(layers)]
     if bad:
         raise ValueError(f"layer ids {bad} are outside the model's {len(layers)} decoder layers")
-    captured: dict[int, torch.Tensor] = {}
+    captured: dict[int, Any] = {i: [] for i in layer_ids} if keep_all else {}
     handles = []
     for i in sorted(set(layer_ids)):
 
         def hook(module, args, kwargs, i=i):
-            captured[i] = args[0] if args else kwargs["hidden_states"]
+            hidden = args[0] if args else kwargs["hidden_states"]
+            if keep_all:
+                captured[i].append(hidden)
+            else:
+                captured[i] = hidden
 
         handles.append(layers[i].register_forward_pre_hook(hook, with_kwargs=True))
     try:

@@ -112,6 +112,12 @@ class FeatureBuffer:
         return counts
 
 
+def soft_labels(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The target's top-``k`` next-token ids and probabilities (unprocessed softmax) per row, on CPU."""
+    top = torch.topk(torch.softmax(logits.detach().float(), dim=-1), min(k, logits.shape[-1]), dim=-1)
+    return top.indices.cpu(), top.values.cpu()
+
+
 @dataclass
 class _Recording:
     prompt_len: int
@@ -144,11 +150,10 @@ class SequenceRecorder:
         rec.features.append(feats)
         rec.num_features += feats.shape[0]
         if self.label_topk:
-            k = min(self.label_topk, next_logits.shape[-1])
-            top = torch.topk(torch.softmax(next_logits.detach().float(), dim=-1), k, dim=-1)
+            ids, probs = soft_labels(next_logits, self.label_topk)
             first = start + features.shape[0] - next_logits.shape[0]  # position of the first logits row
             for j in range(next_logits.shape[0]):
-                rec.labels[first + j + 1] = (top.indices[j].cpu(), top.values[j].cpu())  # for token first+j+1
+                rec.labels[first + j + 1] = (ids[j], probs[j])  # for token first+j+1
 
     def finish(self, seq_id: int, token_ids: list[int]) -> Eagle3Sample | None:
         rec = self._live.pop(seq_id, None)

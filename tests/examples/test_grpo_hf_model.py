@@ -42,12 +42,16 @@ def test_bad_config_is_refused(tmp_path):
     path.write_text("strategy: chain:2\ndrafter: none\n")
     with pytest.raises(ValueError, match="drafts with a model"):
         example.HFGRPOConfig.from_yaml(path)
+    path.write_text("drafter_data: trainer\nworkers: 2\n")
+    with pytest.raises(ValueError, match="workers: 0"):
+        example.HFGRPOConfig.from_yaml(path)
     path.write_text("max_stepz: 3\n")
     with pytest.raises(ValueError, match="unknown config key"):
         example.HFGRPOConfig.from_yaml(path)
 
 
-def test_example_runs_with_a_local_model_and_dataset(tmp_path):
+@pytest.mark.parametrize("drafter_data", ["rollout", "trainer"])
+def test_example_runs_with_a_local_model_and_dataset(tmp_path, drafter_data):
     from tailspec.tasks.tokenizer import build_tokenizer
     from tailspec.testing import tiny_random_model
 
@@ -74,6 +78,7 @@ def test_example_runs_with_a_local_model_and_dataset(tmp_path):
         "warmup_prompts": 4,
         "warmup_steps": 2,
         "drafter_train_steps": 1,
+        "drafter_data": drafter_data,
         "kv_cache_tokens": 4096,
         "wandb": False,
         "bf16": False,
@@ -84,4 +89,5 @@ def test_example_runs_with_a_local_model_and_dataset(tmp_path):
     result = _example().main(["--config", str(path), "--set", "learning_rate=1e-3"])
     assert result["steps"] == 2 and len(result["rewards"]) == 2
     assert result["config"]["learning_rate"] == 1e-3
+    assert result["drafter_version"] == 2 + 2  # warm-up steps, then one online step per RL step
     assert (tmp_path / "out" / "drafter_vllm" / "config.json").is_file()
