@@ -225,8 +225,9 @@ def oracle_bound(results: Sequence[RunResult], bounds: Sequence[int], min_steps:
     adaptive = [n for n in runs if n.startswith("adaptive")]
     none = runs["none"]
     header = " | ".join(f"`{n}` tok/s" for n in fixed + adaptive)
+    chooser = adaptive[-1] if adaptive else "adaptive"
     lines = [
-        f"| active sequences | `none` decode s | {header} | best fixed | adaptive's arms (steps) |",
+        f"| active sequences | `none` decode s | {header} | best fixed | `{chooser}` arms (steps) |",
         "|---|---:|" + "---:|" * (len(fixed) + len(adaptive)) + "---|---|",
     ]
     none_s = oracle_s = 0.0

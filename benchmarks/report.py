@@ -115,7 +115,7 @@ def replace_section(out: Path, title: str, body: str, command: str) -> None:
     if header in text:
         start = text.index(header)
         nxt = text.find("\n## ", start + len(header))
-        text = text[:start] + block + (text[nxt + 1 :] if nxt >= 0 else "")
+        text = text[:start] + block + ("\n" + text[nxt + 1 :] if nxt >= 0 else "")
     else:
         text = text.rstrip("\n") + "\n\n" + block
     out.parent.mkdir(parents=True, exist_ok=True)

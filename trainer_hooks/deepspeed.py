@@ -74,3 +74,16 @@ def deepspeed_training_args(spec: str | None) -> dict[str, str]:
     require_deepspeed()
     single_process_environment()
     return {"deepspeed": path}
+
+
+def gathered(*modules):
+    """A context in which ``modules``' parameters are whole: under ZeRO-3 (parameters carrying
+    DeepSpeed's ``ds_id``) they are gathered for reading; otherwise nothing happens."""
+    import contextlib
+
+    params = [p for m in modules for p in m.parameters() if hasattr(p, "ds_id")]
+    if not params:
+        return contextlib.nullcontext()
+    import deepspeed
+
+    return deepspeed.zero.GatheredParameters(params, modifier_rank=None)

@@ -31,6 +31,7 @@ from ..drafter.eagle3.data import Eagle3Sample, FeatureBuffer, soft_labels
 from ..drafter.eagle3.model import Eagle3Head
 from ..drafter.eagle3.train import DrafterTrainer, DrafterTrainingConfig
 from ..rollout.model_runner import capture_layer_inputs
+from .deepspeed import gathered
 
 logger = logging.getLogger(__name__)
 
@@ -158,15 +159,12 @@ class DrafterFromTrainer(TrainerCallback):
             logger.warning("drafter tap: %d decoder outputs for %d forwards; batch skipped", len(final), len(hidden))
             return out
         features = torch.cat([torch.cat(hidden[i], dim=0) for i in layers], dim=-1)
-        for sample in samples_from_forward(
-            input_ids,
-            attention_mask,
-            logits_to_keep,
-            features,
-            torch.cat(final, dim=0),
-            policy.get_output_embeddings(),
-            self.label_topk,
-        ):
+        lm_head = policy.get_output_embeddings()
+        with gathered(lm_head):  # ZeRO-3 partitions it between forwards
+            samples = samples_from_forward(
+                input_ids, attention_mask, logits_to_keep, features, torch.cat(final, dim=0), lm_head, self.label_topk
+            )
+        for sample in samples:
             self.samples_recorded += self.buffer.add(sample)
         return out
 
@@ -181,8 +179,10 @@ class DrafterFromTrainer(TrainerCallback):
     def on_step_end(self, args, state, control, **kwargs):
         if not self.train_steps or not len(self.buffer):
             return
-        self.drafter_trainer.embed = self.trainer.accelerator.unwrap_model(self.trainer.model).get_input_embeddings()
-        results = self.drafter_trainer.train(self.train_steps)
+        embed = self.trainer.accelerator.unwrap_model(self.trainer.model).get_input_embeddings()
+        self.drafter_trainer.embed = embed
+        with gathered(embed):  # the head reads the policy's embeddings; ZeRO-3 partitions them
+            results = self.drafter_trainer.train(self.train_steps)
         metrics = getattr(self.trainer, "_metrics", None)
         if self.log_metrics and metrics is not None and results:
             metrics["train"]["drafter/loss"].append(sum(r.loss for r in results) / len(results))

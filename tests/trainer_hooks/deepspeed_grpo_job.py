@@ -18,7 +18,8 @@ def main(stage: str, out_dir: str) -> None:
     from datasets import Dataset
     from trl import GRPOConfig
 
-    from tailspec import GRPOTrainer, SpecRollout
+    from tailspec import DrafterFromTrainer, GRPOTrainer, SpecRollout
+    from tailspec.drafter.eagle3 import Eagle3Config, Eagle3Head
     from tailspec.tasks.tokenizer import build_tokenizer
     from tailspec.testing import tiny_random_model
     from tailspec.trainer_hooks.deepspeed import deepspeed_config, single_process_environment
@@ -45,6 +46,8 @@ def main(stage: str, out_dir: str) -> None:
         model=model, reward_funcs=length_reward, args=args, train_dataset=Dataset.from_list(rows),
         processing_class=tok, rollout=rollout,
     )  # fmt: skip
+    head = Eagle3Head(Eagle3Config.for_target(model.config))
+    tap = DrafterFromTrainer(head, trainer, train_steps=2)  # reads partitioned parameters under ZeRO-3
     trainer.train()
     engine = trainer.model_wrapped
     params = list(trainer.model.parameters())
@@ -66,6 +69,9 @@ def main(stage: str, out_dir: str) -> None:
                 "shapes_ok": shapes_ok,
                 "completion_tokens": sum(s.completion_tokens for s in rollout.history),
                 "rollout_calls": len(rollout.history),
+                "drafter_samples": tap.samples_recorded,
+                "drafter_version": head.version,
+                "drafter_losses": [h["drafter/loss"] for h in trainer.state.log_history if "drafter/loss" in h],
             }
         ),
         flush=True,

@@ -33,3 +33,6 @@ def test_grpo_trains_under_zero_with_tailspec_rollouts(stage, tmp_path):
     for key in ("is_ratio_mean", "is_ratio_min", "is_ratio_max"):
         assert all(abs(r - 1) < 1e-3 for r in result[key]), result
     assert result["shapes_ok"] and result["moved"] > 1e-4  # the optimizer really stepped the policy
+    # an EAGLE-3 head trained from the trainer's loss forwards (gathered embeddings / LM head under ZeRO-3)
+    assert result["drafter_samples"] == 3 * 8 and result["drafter_version"] == 3 * 2
+    assert len(result["drafter_losses"]) == 3 and all(loss == loss and loss > 0 for loss in result["drafter_losses"])
