@@ -14,18 +14,27 @@ def task_tokenizer():
     return build_tokenizer()
 
 
-@pytest.fixture
-def tiny_policy(task_tokenizer):
+@pytest.fixture(scope="module")
+def make_policy(task_tokenizer):
+    """A fresh tiny Qwen2 policy for the task tokenizer, the same weights at every call."""
     from tailspec.testing import tiny_random_model
 
-    return tiny_random_model(
-        "qwen2",
-        seed=3,
-        vocab_size=len(task_tokenizer),
-        eos_token_id=task_tokenizer.eos_token_id,
-        pad_token_id=task_tokenizer.pad_token_id,
-        initializer_range=0.05,
-    )
+    def make():
+        return tiny_random_model(
+            "qwen2",
+            seed=3,
+            vocab_size=len(task_tokenizer),
+            eos_token_id=task_tokenizer.eos_token_id,
+            pad_token_id=task_tokenizer.pad_token_id,
+            initializer_range=0.05,
+        )
+
+    return make
+
+
+@pytest.fixture
+def tiny_policy(make_policy):
+    return make_policy()
 
 
 @pytest.fixture

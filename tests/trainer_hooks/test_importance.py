@@ -4,7 +4,6 @@ import pytest
 import torch
 
 import tailspec
-from tailspec.testing import tiny_random_model
 from tailspec.trainer_hooks import SpecRollout
 from tailspec.trainer_hooks.importance import ImportanceStats, importance_sampling_ratio
 
@@ -64,15 +63,8 @@ class SkewedRollout:
         return out
 
 
-def _train(common, task_tokenizer, fuse: bool, mode: str, eval_dataset=None, **overrides):
-    model = tiny_random_model(
-        "qwen2",
-        seed=3,
-        vocab_size=len(task_tokenizer),
-        eos_token_id=task_tokenizer.eos_token_id,
-        pad_token_id=task_tokenizer.pad_token_id,
-        initializer_range=0.05,
-    )
+def _train(common, make_policy, fuse: bool, mode: str, eval_dataset=None, **overrides):
+    model = make_policy()
     args = common["args"]
     args.vllm_importance_sampling_mode = mode
     args.vllm_importance_sampling_clip_max = 1.1
@@ -97,12 +89,12 @@ def _train(common, task_tokenizer, fuse: bool, mode: str, eval_dataset=None, **o
 
 
 @pytest.mark.parametrize("mode", ["token_truncate", "sequence_mask"])
-def test_fused_ratio_trains_exactly_like_trls_extra_forward(common, task_tokenizer, mode):
+def test_fused_ratio_trains_exactly_like_trls_extra_forward(common, make_policy, mode):
     """The same weights, seeds and skewed rollout logprobs, with TRL's no-grad logprob forward and
     with the ratio taken from the loss forward: the same updates and the same logged ratios, and
     one policy forward per step instead of two."""
-    trl_path, trl_model, trl_forwards = _train(common, task_tokenizer, fuse=False, mode=mode)
-    fused, fused_model, fused_forwards = _train(common, task_tokenizer, fuse=True, mode=mode)
+    trl_path, trl_model, trl_forwards = _train(common, make_policy, fuse=False, mode=mode)
+    fused, fused_model, fused_forwards = _train(common, make_policy, fuse=True, mode=mode)
     assert fused.fused_importance_forward and not trl_path.fused_importance_forward
     assert trl_forwards == [False, True, False, True]  # TRL: a no-grad forward after each generation
     assert fused_forwards == [True, True]
@@ -120,13 +112,13 @@ def test_fused_ratio_trains_exactly_like_trls_extra_forward(common, task_tokeniz
     assert ratios(fused)[0] != pytest.approx(1.0)
 
 
-def test_fused_with_accumulation_over_a_generation_and_eval(common, task_tokenizer, grpo_dataset):
+def test_fused_with_accumulation_over_a_generation_and_eval(common, make_policy, grpo_dataset):
     """steps_per_generation = gradient_accumulation_steps = 2: one generation feeds both micro-batches
     of an optimizer step (still on-policy, so fused); eval batches go through the fused ratio too."""
     runs = [
         _train(
             common,
-            task_tokenizer,
+            make_policy,
             fuse=fuse,
             mode="token_mask",
             eval_dataset=grpo_dataset.select(range(4)),
