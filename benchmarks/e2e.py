@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import random
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -58,26 +59,78 @@ def _time_generation(trainer) -> list[float]:
     return seconds
 
 
-def _step_timer():
+class _Turns:
+    """Whose turn it is among ``n`` trainers running in threads (one RL step per turn)."""
+
+    def __init__(self, n: int) -> None:
+        self.n, self.turn, self.done = n, 0, set()
+        self.cv = threading.Condition()
+
+    def wait(self, i: int) -> None:
+        with self.cv:
+            self.cv.wait_for(lambda: self.turn == i)
+
+    def pass_on(self, i: int, finished: bool = False) -> None:
+        with self.cv:
+            if finished:
+                self.done.add(i)
+            if self.turn == i:
+                later = [(i + k) % self.n for k in range(1, self.n + 1)]
+                self.turn = next((j for j in later if j not in self.done), i)
+            self.cv.notify_all()
+
+
+def _lockstep_timer(turns: _Turns, index: int):
+    """Times each RL step of one trainer, taking turns with the others: a step starts only when the
+    previous trainer's step has ended, so every trainer's step k runs next to the others' step k
+    and the machine's speed drift (minutes on a shared VM) hits them alike."""
     from transformers import TrainerCallback
 
-    class StepTimer(TrainerCallback):
+    class LockstepTimer(TrainerCallback):
         def __init__(self) -> None:
             self.step_s: list[float] = []
             self.rewards: list[float] = []
             self._start = 0.0
 
         def on_step_begin(self, args, state, control, **kwargs):
+            turns.wait(index)
             self._start = time.perf_counter()
 
         def on_step_end(self, args, state, control, **kwargs):
             self.step_s.append(time.perf_counter() - self._start)
+            turns.pass_on(index)
 
         def on_log(self, args, state, control, logs=None, **kwargs):
             if logs and "reward" in logs:
                 self.rewards.append(float(logs["reward"]))
 
-    return StepTimer()
+    return LockstepTimer()
+
+
+def _train_in_lockstep(trainers: list, turns: _Turns) -> list[float]:
+    """``trainer.train()`` for each, in threads taking turns step by step (their timers wait on
+    ``turns``); wall seconds of each."""
+    errors: list[BaseException] = []
+    walls = [0.0] * len(trainers)
+
+    def run(i: int) -> None:
+        start = time.perf_counter()
+        try:
+            trainers[i].train()
+        except BaseException as e:  # re-raised in the caller
+            errors.append(e)
+        finally:
+            walls[i] = time.perf_counter() - start
+            turns.pass_on(i, finished=True)
+
+    threads = [threading.Thread(target=run, args=(i,), name=f"e2e-{i}") for i in range(len(trainers))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    return walls
 
 
 def permutation_pvalue(a: list[float], b: list[float], rounds: int = 20000, seed: int = 0) -> float:
@@ -105,11 +158,13 @@ def measure_e2e(steps: int, seed: int = 0, quick: bool = False, strategy: str = 
 
     os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
     prompts, generations, length = (2, 4, 96) if quick else (4, 8, 384)
-    runs = []
-    for name in ("stock TRL (generate)", f"tailspec ({strategy}, EAGLE-3)"):
+    names = ("stock TRL (generate)", f"tailspec ({strategy}, EAGLE-3)")
+    turns = _Turns(len(names))
+    trainers, timers, generation_s = [], [], []
+    for index, name in enumerate(names):
         model, tokenizer = load_tiny("policy")
         args = trl.GRPOConfig(
-            output_dir="outputs/bench_e2e",
+            output_dir=f"outputs/bench_e2e/{index}",
             per_device_train_batch_size=prompts * generations,
             num_generations=generations,
             max_completion_length=length,
@@ -123,25 +178,30 @@ def measure_e2e(steps: int, seed: int = 0, quick: bool = False, strategy: str = 
             use_cpu=True,
             bf16=False,
             seed=seed,
+            disable_tqdm=True,
         )
-        timer = _step_timer()
+        timers.append(_lockstep_timer(turns, index))
         common: dict[str, Any] = dict(
             model=model,
             reward_funcs=chain_sum_reward,
             args=args,
             train_dataset=make_grpo_dataset(2000, seed=seed, cfg=ChainSumConfig()),
             processing_class=tokenizer,
-            callbacks=[timer],
+            callbacks=[timers[-1]],
         )
         if name.startswith("stock"):
             trainer = trl.GRPOTrainer(**common)
         else:
             trainer = GRPOTrainer(**common, rollout=SpecRollout(strategy=strategy, drafter=load_tiny_eagle3()))
-        generation_s = _time_generation(trainer)
-        start = time.perf_counter()
-        trainer.train()
-        runs.append(E2ERun(name, timer.step_s, timer.rewards, time.perf_counter() - start, generation_s))
-        logger.info("%s: %.2f s/step, reward %.3f", name, runs[-1].mean_step_s(), sum(timer.rewards) / steps)
+        generation_s.append(_time_generation(trainer))
+        trainers.append(trainer)
+    walls = _train_in_lockstep(trainers, turns)
+    runs = []
+    for name, timer, gen, wall in zip(names, timers, generation_s, walls):
+        runs.append(E2ERun(name, timer.step_s, timer.rewards, sum(timer.step_s), gen))
+        logger.info(
+            "%s: %.2f s/step, reward %.3f (wall %.1f s)", name, runs[-1].mean_step_s(), sum(timer.rewards) / steps, wall
+        )
     return runs
 
 
@@ -191,7 +251,9 @@ def e2e_section(runs: list[E2ERun], plot_name: str) -> str:
         "strategy='adaptive', drafter=<shipped EAGLE-3 head>))`, which also runs TRL's importance-sampling "
         "correction (stock TRL without vLLM has none); its trainer logprobs come from the loss forward, so it "
         "costs no extra forward (`fuse_importance_forward`, on by default). Step 1 is left out of the "
-        "per-step means (model warm-up). *Generation s* is the time in TRL's `_generate_and_score_completions` "
+        "per-step means (model warm-up). The two trainers run in lockstep (two threads taking turns: step k of "
+        "one, then step k of the other), so the machine's speed drift hits both alike; *total s* sums a run's "
+        "step times. *Generation s* is the time in TRL's `_generate_and_score_completions` "
         "(generation, rewards, advantages); *training s* the rest of the step (loss forward, backward, "
         "optimizer), the same work in both runs.\n\n"
         f"{e2e_table(runs)}\n\n![end to end]({plot_name})"

@@ -27,3 +27,32 @@ def test_quick_end_to_end_run(tmp_path, monkeypatch):
     assert (tmp_path / "e2e.png").stat().st_size > 0
     run = E2ERun("x", [5.0, 1.0, 3.0], [0.0], 9.0, [4.0, 0.5, 1.5])
     assert run.mean_step_s() == 2.0 and run.mean_generation_s() == 1.0
+
+
+def test_turns_alternate_and_survive_a_finished_or_failed_trainer():
+    import threading
+
+    from tailspec.benchmarks.e2e import _Turns
+
+    turns, order = _Turns(2), []
+
+    def worker(i: int, steps: int, fail_at: int | None = None) -> None:
+        try:
+            for k in range(steps):
+                turns.wait(i)
+                order.append(i)
+                if k == fail_at:
+                    raise RuntimeError("a trainer died mid-step")
+                turns.pass_on(i)
+        except RuntimeError:
+            pass
+        finally:
+            turns.pass_on(i, finished=True)
+
+    threads = [threading.Thread(target=worker, args=(0, 2, 1)), threading.Thread(target=worker, args=(1, 4))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=10)
+    assert not any(t.is_alive() for t in threads)  # no deadlock when trainer 0 dies holding the turn
+    assert order == [0, 1, 0, 1, 1, 1]
