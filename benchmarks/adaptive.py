@@ -73,13 +73,6 @@ class _EngineContender:
             {k: v for k, v in used.items() if v},
         )
 
-    def report(self, passes: list[RunResult]) -> list[RunResult]:
-        name = self.name
-        groups = (
-            [(f"{name} (cold)", passes[:1]), (f"{name} (warm)", passes[1:])] if self.split_cold else [(name, passes)]
-        )
-        return [_merge(label, group) for label, group in groups if group]
-
 
 class _HFContender:
     """HF ``generate`` on left-padded batches, as TRL calls it."""
@@ -94,9 +87,6 @@ class _HFContender:
         start = time.perf_counter()
         completions = hf_generate(self.model, [list(p) for p in self.prompts], self.params, self.eos, self.pad)
         return RunResult(self.name, time.perf_counter() - start, sum(len(c) for c in completions))
-
-    def report(self, passes: list[RunResult]) -> list[RunResult]:
-        return [_merge(self.name, passes)]
 
 
 def _merge(label: str, group: list[RunResult]) -> RunResult:
@@ -114,7 +104,8 @@ def _merge(label: str, group: list[RunResult]) -> RunResult:
 
 
 def _interleaved(contenders: list, passes: list[int]) -> list[RunResult]:
-    """Pass ``rep`` of every contender, then pass ``rep + 1`` of every contender, and so on: a
+    """Each contender's passes merged into one result (a ``split_cold`` contender's first pass
+    apart from the rest). Pass ``rep`` of every contender, then pass ``rep + 1`` of every contender, and so on: a
     shared machine's speed drifts over minutes, and interleaving spreads the drift over all of
     them instead of favouring whoever ran while the machine was fast."""
     done: list[list[RunResult]] = [[] for _ in contenders]
@@ -122,7 +113,11 @@ def _interleaved(contenders: list, passes: list[int]) -> list[RunResult]:
         for i, contender in enumerate(contenders):
             if rep < passes[i]:
                 done[i].append(contender.run_pass(rep))
-    return [r for contender, runs in zip(contenders, done) for r in contender.report(runs)]
+    merged = []
+    for c, runs in zip(contenders, done):
+        groups = [(f"{c.name} (cold)", runs[:1]), (f"{c.name} (warm)", runs[1:])] if c.split_cold else [(c.name, runs)]
+        merged += [_merge(label, group) for label, group in groups if group]
+    return merged
 
 
 def measure_long_tail(

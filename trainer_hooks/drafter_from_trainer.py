@@ -148,21 +148,23 @@ class DrafterFromTrainer(TrainerCallback):
 
     # -- recording -----------------------------------------------------------------------
     def _tap(self, model, input_ids, attention_mask, logits_to_keep, *args, **kwargs):
-
         if not (torch.is_grad_enabled() and model.training) or self._already_seen(input_ids):
             return self._tapped(model, input_ids, attention_mask, logits_to_keep, *args, **kwargs)
         policy = self.trainer.accelerator.unwrap_model(model)
         layers = tuple(self.head.config.aux_layer_ids)
         with capture_layer_inputs(policy, layers, keep_all=True) as hidden, capture_final_hidden(policy) as final:
             out = self._tapped(model, input_ids, attention_mask, logits_to_keep, *args, **kwargs)
-        if len(final) != len(hidden[layers[0]]):
-            logger.warning("drafter tap: %d decoder outputs for %d forwards; batch skipped", len(final), len(hidden))
+        forwards = len(hidden[layers[0]])
+        if len(final) != forwards:
+            logger.warning("drafter tap: %d decoder outputs for %d forwards; batch skipped", len(final), forwards)
             return out
-        features = torch.cat([torch.cat(hidden[i], dim=0) for i in layers], dim=-1)
+        # detached first: the loss's autograd graph must not grow by these copies
+        features = torch.cat([torch.cat([h.detach() for h in hidden[i]], dim=0) for i in layers], dim=-1)
+        last_hidden = torch.cat([h.detach() for h in final], dim=0)
         lm_head = policy.get_output_embeddings()
         with gathered(lm_head):  # ZeRO-3 partitions it between forwards
             samples = samples_from_forward(
-                input_ids, attention_mask, logits_to_keep, features, torch.cat(final, dim=0), lm_head, self.label_topk
+                input_ids, attention_mask, logits_to_keep, features, last_hidden, lm_head, self.label_topk
             )
         for sample in samples:
             self.samples_recorded += self.buffer.add(sample)

@@ -132,10 +132,9 @@ class GRPOTrainer(trl.GRPOTrainer):
         )
         inputs["importance_sampling_ratio"] = ratio
         stats = ImportanceStats.of(trainer_logps, sampling_logps, mask, ratio, mode.startswith("sequence"))
-        gathered = self.accelerator.gather(
-            torch.tensor(list(stats.as_metrics().values()), device=trainer_logps.device).unsqueeze(0)
-        )
-        reduce = {"min": torch.min, "max": torch.max, "mean": torch.mean}
+        local = stats.as_metrics()
+        gathered = self.accelerator.gather(torch.tensor(list(local.values()), device=trainer_logps.device)[None])
+        reduce = {"min": torch.min, "max": torch.max, "mean": torch.mean}  # over processes, by the key's statistic
         metrics = self._metrics["train" if self.model.training else "eval"]
-        for column, key in enumerate(stats.as_metrics()):
+        for column, key in enumerate(local):
             metrics[key].append(float(reduce[key.rsplit("/", 1)[1]](gathered[:, column])))
