@@ -56,6 +56,23 @@ def capture_final_hidden(model: torch.nn.Module):
         handle.remove()
 
 
+@contextmanager
+def capture_model_inputs(model: torch.nn.Module):
+    """Within the block, ``(input_ids, attention_mask)`` of every forward of ``model``, in order."""
+    calls: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def hook(module, args, kwargs):
+        input_ids = kwargs.get("input_ids", args[0] if args else None)
+        mask = kwargs.get("attention_mask")
+        calls.append((input_ids, torch.ones_like(input_ids) if mask is None else mask))
+
+    handle = model.register_forward_pre_hook(hook, with_kwargs=True)
+    try:
+        yield calls
+    finally:
+        handle.remove()
+
+
 def samples_from_forward(
     input_ids: torch.Tensor,
     attention_mask: torch.Tensor,
@@ -152,22 +169,28 @@ class DrafterFromTrainer(TrainerCallback):
             return self._tapped(model, input_ids, attention_mask, logits_to_keep, *args, **kwargs)
         policy = self.trainer.accelerator.unwrap_model(model)
         layers = tuple(self.head.config.aux_layer_ids)
-        with capture_layer_inputs(policy, layers, keep_all=True) as hidden, capture_final_hidden(policy) as final:
+        with (
+            capture_layer_inputs(policy, layers, keep_all=True) as hidden,
+            capture_final_hidden(policy) as final,
+            capture_model_inputs(policy) as calls,
+        ):
             out = self._tapped(model, input_ids, attention_mask, logits_to_keep, *args, **kwargs)
-        forwards = len(hidden[layers[0]])
-        if len(final) != forwards:
-            logger.warning("drafter tap: %d decoder outputs for %d forwards; batch skipped", len(final), forwards)
+        if any(len(hidden[i]) != len(calls) for i in layers) or len(final) != len(calls):
+            logger.warning("drafter tap: hidden states do not match the %d forwards; batch skipped", len(calls))
             return out
-        # detached first: the loss's autograd graph must not grow by these copies
-        features = torch.cat([torch.cat([h.detach() for h in hidden[i]], dim=0) for i in layers], dim=-1)
-        last_hidden = torch.cat([h.detach() for h in final], dim=0)
+        # one trainer call may run several forwards (row chunks, length groups): each in its own
+        # layout, which keeps the prompt width and trims completions on the right
+        prompt_width = input_ids.shape[1] - logits_to_keep
         lm_head = policy.get_output_embeddings()
         with gathered(lm_head):  # ZeRO-3 partitions it between forwards
-            samples = samples_from_forward(
-                input_ids, attention_mask, logits_to_keep, features, last_hidden, lm_head, self.label_topk
-            )
-        for sample in samples:
-            self.samples_recorded += self.buffer.add(sample)
+            for j, (ids, mask) in enumerate(calls):
+                # detached: the loss's autograd graph must not grow by these copies
+                features = torch.cat([hidden[i][j].detach() for i in layers], dim=-1)
+                samples = samples_from_forward(
+                    ids, mask, ids.shape[1] - prompt_width, features, final[j].detach(), lm_head, self.label_topk
+                )
+                for sample in samples:
+                    self.samples_recorded += self.buffer.add(sample)
         return out
 
     def _already_seen(self, input_ids: torch.Tensor) -> bool:

@@ -9,6 +9,7 @@ import torch
 import trl
 
 from .importance import ImportanceStats, importance_sampling_ratio
+from .length_groups import forward_by_length
 from .spec_rollout import SpecRollout
 
 
@@ -52,6 +53,13 @@ class GRPOTrainer(trl.GRPOTrainer):
     ratio's trainer logprobs are taken, detached, from the loss forward instead of TRL's extra
     no-grad forward after generation (see :mod:`tailspec.trainer_hooks.importance`): the same
     numbers, one policy forward per step less. ``fuse_importance_forward=False`` keeps TRL's forward.
+
+    Policy forwards (the loss's, and the no-grad old- and reference-logprob ones) run per group of
+    similar completion lengths, each trimmed to its own longest row (see
+    :mod:`tailspec.trainer_hooks.length_groups`): a long-tail batch no longer pays for its padding.
+    ``length_group_overhead_tokens`` is the fixed cost of one more forward call, in tokens, that the
+    grouping weighs against the padding it saves; ``length_grouped_forward=False`` runs TRL's
+    padded forward. Multimodal batches and MoE auxiliary losses always take TRL's forward.
     """
 
     def __init__(
@@ -61,8 +69,12 @@ class GRPOTrainer(trl.GRPOTrainer):
         rollout_func: Any | None = None,
         importance_sampling: bool = True,
         fuse_importance_forward: bool = True,
+        length_grouped_forward: bool = True,
+        length_group_overhead_tokens: int = 128,
         **kwargs: Any,
     ):
+        if length_group_overhead_tokens < 0:
+            raise ValueError(f"length_group_overhead_tokens must be >= 0, got {length_group_overhead_tokens}")
         if rollout is not None and rollout_func is not None:
             raise ValueError("pass rollout= or rollout_func=, not both")
         rollout = rollout if rollout is not None else rollout_func
@@ -89,6 +101,8 @@ class GRPOTrainer(trl.GRPOTrainer):
             fuse_importance_forward and self.use_vllm and self.args.gradient_accumulation_steps % generate_every == 0
         )
         self._ratio_inputs: dict[str, Any] | None = None
+        self.length_grouped_forward = length_grouped_forward
+        self.length_group_overhead_tokens = length_group_overhead_tokens
 
     # -- importance sampling from the loss forward ------------------------------------------
     def _generate_and_score_completions(self, inputs):
@@ -112,8 +126,35 @@ class GRPOTrainer(trl.GRPOTrainer):
         finally:
             self._ratio_inputs = None
 
-    def _get_per_token_logps_and_entropies(self, model, *args, **kwargs):
-        out = super()._get_per_token_logps_and_entropies(model, *args, **kwargs)
+    def _get_per_token_logps_and_entropies(
+        self,
+        model,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        logits_to_keep: int,
+        batch_size: int | None = None,
+        compute_entropy: bool = False,
+        compute_aux_loss: bool = False,
+        **extra: Any,
+    ):
+        def padded(ids: torch.Tensor, mask: torch.Tensor, keep: int):
+            return super(GRPOTrainer, self)._get_per_token_logps_and_entropies(
+                model, ids, mask, keep, batch_size, compute_entropy, compute_aux_loss, **extra
+            )
+
+        # images and MoE auxiliary losses are tied to TRL's row layout: left to TRL's forward
+        plain_text = not compute_aux_loss and all(value is None for value in extra.values())
+        if self.length_grouped_forward and plain_text:
+            logps, entropies = forward_by_length(
+                lambda ids, mask, keep: padded(ids, mask, keep)[:2],
+                input_ids,
+                attention_mask,
+                logits_to_keep,
+                self.length_group_overhead_tokens,
+            )
+            out = (logps, entropies, None)
+        else:
+            out = padded(input_ids, attention_mask, logits_to_keep)
         inputs, self._ratio_inputs = self._ratio_inputs, None
         if inputs is not None:
             self._set_importance_ratio(out[0].detach(), inputs)

@@ -80,3 +80,22 @@ def common(task_tokenizer, tiny_policy, grpo_dataset, grpo_args):
         train_dataset=grpo_dataset,
         processing_class=task_tokenizer,
     )
+
+
+@pytest.fixture
+def varied_length_rollout():
+    """SpecRollout's completions cut to very different lengths, as a long-tail rollout returns them."""
+    from tailspec.trainer_hooks.spec_rollout import SpecRollout
+
+    class VariedLengthRollout:
+        def __init__(self) -> None:
+            self.inner = SpecRollout()
+
+        def __call__(self, prompts, trainer):
+            out = self.inner(prompts, trainer)
+            cut = [1 + (3 * i) % 12 for i in range(len(out["completion_ids"]))]
+            out["completion_ids"] = [c[:n] for c, n in zip(out["completion_ids"], cut)]
+            out["logprobs"] = [lp[:n] for lp, n in zip(out["logprobs"], cut)]
+            return out
+
+    return VariedLengthRollout

@@ -121,3 +121,26 @@ def test_argument_checks(common, tiny_policy):
         DrafterFromTrainer(make_head(tiny_policy), trainer, train_steps=-1)
     with pytest.raises(ValueError, match="buffer_mb"):
         DrafterFromTrainer(make_head(tiny_policy), trainer, buffer_mb=0)
+
+
+def test_grouped_forwards_record_the_samples_a_padded_forward_does(common, make_policy, varied_length_rollout):
+    """Length-grouped loss forwards (several narrower forwards per call) give the tap the same
+    samples as one padded forward: each forward is cut in its own layout."""
+    recorded = []
+    for grouped in (False, True):
+        policy = make_policy()
+        trainer = tailspec.GRPOTrainer(
+            **{**common, "model": policy},
+            rollout=varied_length_rollout(),
+            length_grouped_forward=grouped,
+            length_group_overhead_tokens=0,
+        )
+        tap = DrafterFromTrainer(make_head(policy), trainer, train_steps=0)
+        trainer.train()
+        recorded.append(sorted(tap.buffer._samples, key=lambda s: s.tokens.tolist()))
+    padded, grouped = recorded
+    assert len(padded) == len(grouped) == 16
+    for a, b in zip(padded, grouped):
+        assert torch.equal(a.tokens, b.tokens) and a.prompt_len == b.prompt_len
+        torch.testing.assert_close(a.features, b.features, atol=1e-5, rtol=1e-4)
+        assert torch.equal(a.label_ids, b.label_ids)
