@@ -255,6 +255,8 @@ def e2e_section(runs: list[E2ERun], plot_name: str) -> str:
         "one, then step k of the other), so the machine's speed drift hits both alike; *total s* sums a run's "
         "step times. *Generation s* is the time in TRL's `_generate_and_score_completions` "
         "(generation, rewards, advantages); *training s* the rest of the step (loss forward, backward, "
-        "optimizer), the same work in both runs.\n\n"
+        "optimizer). tailspec runs its policy forwards per group of similar completion lengths, each trimmed "
+        "to its longest row (`length_grouped_forward`, on by default: the same logprobs and gradients); stock "
+        "TRL runs them on the batch padded to its longest completion.\n\n"
         f"{e2e_table(runs)}\n\n![end to end]({plot_name})"
     )
