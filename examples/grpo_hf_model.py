@@ -46,7 +46,8 @@ class HFGRPOConfig:
     warmup_steps: int = 400
     drafter_train_steps: int = 8  # online head training steps after every rollout / optimizer step
     # where the online head's training data comes from: "rollout" (features the engine records while
-    # generating) | "trainer" (the trainer's own loss forward, tailspec.DrafterFromTrainer)
+    # generating) | "trainer" (the trainer's own loss forward, tailspec.DrafterFromTrainer; with Ray
+    # workers, each new version is sent to them and they do no spot training of their own)
     drafter_data: str = "rollout"
     export: str | None = "sglang"  # export the trained head for sglang | vllm | null
     kv_cache_tokens: int = 262144
@@ -64,8 +65,6 @@ class HFGRPOConfig:
             raise ValueError(f"drafter must be 'eagle3' or 'none', got {self.drafter!r}")
         if self.drafter_data not in ("rollout", "trainer"):
             raise ValueError(f"drafter_data must be 'rollout' or 'trainer', got {self.drafter_data!r}")
-        if self.drafter_data == "trainer" and self.workers:
-            raise ValueError("drafter_data: trainer trains the head in the trainer process; use it with workers: 0")
         for name in ("max_steps", "num_generations", "prompts_per_step", "max_completion_length"):
             if not (isinstance(getattr(self, name), int) and getattr(self, name) >= 1):
                 raise ValueError(f"{name} must be an int >= 1, got {getattr(self, name)!r}")
@@ -218,6 +217,7 @@ def main(argv: list[str] | None = None) -> dict:
         kv_cache_tokens=cfg.kv_cache_tokens,
         workers=cfg.workers,
         ray_address=cfg.ray_address,
+        workers_config={"spot_training": cfg.drafter_data == "rollout"} if cfg.workers else None,
     )
     trainer = tailspec.GRPOTrainer(
         model=model,

@@ -208,6 +208,10 @@ class DrafterFromTrainer(TrainerCallback):
         self.drafter_trainer.embed = embed
         with gathered(embed):  # the head reads the policy's embeddings; ZeRO-3 partitions them
             results = self.drafter_trainer.train(self.train_steps)
+        rollout = getattr(self.trainer, "rollout", None) or getattr(self.trainer, "rollout_func", None)
+        publish = getattr(rollout, "publish_drafter", None)
+        if results and callable(publish):
+            publish(self.head)  # Ray rollout workers get the new version before the next rollout
         metrics = getattr(self.trainer, "_metrics", None)
         if self.log_metrics and metrics is not None and results:
             metrics["train"]["drafter/loss"].append(sum(r.loss for r in results) / len(results))

@@ -231,6 +231,15 @@ class SpecRollout:
         with self._policy(trainer) as model:
             self._coordinator.sync_policy(model, step)
 
+    def publish_drafter(self, head: Any) -> bool:
+        """``head`` was trained outside this rollout (``DrafterFromTrainer``): Ray workers draft
+        with it from the next rollout on. True when that applies: this rollout drafts with that
+        very head object and runs workers (the colocated engine reads the object itself)."""
+        if head is not self.drafter or self._coordinator is None:
+            return False
+        self._coordinator.publish_drafter(head)
+        return True
+
     @property
     def coordinator(self) -> RolloutCoordinator | None:
         return self._coordinator

@@ -488,6 +488,18 @@ class RolloutCoordinator:
         self._event("spot_done", index, version=result.state.version, steps=len(result.losses))
         return "done"
 
+    def publish_drafter(self, head: Eagle3Head) -> None:
+        """Make ``head`` (trained outside the workers, e.g. by ``DrafterFromTrainer`` in the
+        trainer process) the drafter every worker uses from the next rollout on. Spot training, if
+        on, continues from it; the workers' optimizer states belong to the replaced version."""
+        if self.head is None:
+            raise ValueError("this coordinator drafts with no EAGLE-3 head; there is nothing to replace")
+        self.settle()  # a training chunk that finished meanwhile must not overwrite the new state
+        self.drafter_state = DrafterState.of(head)
+        self._trainer_holds = {}
+        self._needs_broadcast = True
+        self._event("drafter_published", version=self.drafter_state.version)
+
     def _broadcast_drafter(self) -> None:
         """Every worker drafts with the newest version from the next rollout on; the driver's head
         object follows too (for checkpoints and export)."""

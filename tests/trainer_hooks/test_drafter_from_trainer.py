@@ -108,9 +108,16 @@ def test_the_engine_drafts_with_the_head_the_trainer_trains(common, tiny_policy)
     rollout = SpecRollout(strategy="chain:2", drafter=head)
     trainer = tailspec.GRPOTrainer(**common, rollout=rollout)
     DrafterFromTrainer(head, trainer, train_steps=2)
+    published = []
+    publish = rollout.publish_drafter
+    rollout.publish_drafter = lambda h: published.append((h, h.version, publish(h)))
     trainer.train()
     assert rollout.engine.drafter.head is head and head.version == 4
     assert rollout.history[-1].drafted_tokens > 0
+    # offered to the rollout after every optimizer step; the colocated engine needs no copy
+    assert [version for _, version, _ in published] == [2, 4]
+    assert all(h is head and not sent for h, _, sent in published)
+    assert not rollout.publish_drafter(make_head(tiny_policy))  # not the head it drafts with
 
 
 def test_argument_checks(common, tiny_policy):

@@ -214,3 +214,22 @@ def test_bad_requests_are_refused_before_any_work(ray_local):
         coord.generate([[5, 6], [500]], SamplingParams(max_new_tokens=4))
     assert not kinds(coord.events, "shard")
     coord.shutdown()
+
+
+def test_a_head_trained_elsewhere_reaches_every_worker(ray_local):
+    """DrafterFromTrainer trains the head in the trainer process and publishes it: every worker
+    drafts with that version from the next rollout on, and a finished spot chunk cannot undo it."""
+    prompts, params = long_tail_batch()
+    coord = coordinator(spot_training=False)
+    trained = fresh_head()
+    trained.reset_parameters(std=0.02)
+    trained.version = 7
+    coord.publish_drafter(trained)
+    assert {v[1] for v in coord.worker_versions().values()} == {7}
+    assert coord.head.version == 7 and kinds(coord.events, "drafter_published")
+    for key, value in trained.state_dict().items():
+        assert torch.equal(coord.head.state_dict()[key], value), key
+    report = coord.generate(prompts, params)
+    assert [o.completion_ids for o in report.outputs] == [o.completion_ids for o in single_engine(prompts, params)]
+    assert report.drafter_version == 7
+    coord.shutdown()
