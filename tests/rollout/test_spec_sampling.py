@@ -160,7 +160,7 @@ def test_samples_follow_the_target_with_the_triton_verify_kernel():
     one program per sequence in Python); attention stays on torch (see tests/kernels for it)."""
     pytest.importorskip("triton")
     params = SETTINGS[0]
-    counts = joint_counts("chain:2", "bad", params, verify_kernel="triton", n=1200)
+    counts = joint_counts("chain:2", "bad", params, verify_kernel="triton", n=600)
     assert chi_square_pvalue(counts, exact_joint_of_tokens_2_and_3(params)) > 1e-3
 
 
