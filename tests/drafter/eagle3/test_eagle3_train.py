@@ -23,10 +23,10 @@ def test_training_on_policy_rollouts_lowers_the_loss_and_raises_held_out_accepta
     from tailspec.tasks.sft import load_tiny
 
     model, tokenizer = load_tiny("policy")
-    data = make_grpo_dataset(96, seed=5, cfg=ChainSumConfig())
-    train_prompts = chat_prompts(tokenizer, [data[i] for i in range(80)])
-    held_out = chat_prompts(tokenizer, [data[i] for i in range(80, 96)])
-    params = SamplingParams(max_new_tokens=160, temperature=1.0)
+    data = make_grpo_dataset(64, seed=5, cfg=ChainSumConfig())
+    train_prompts = chat_prompts(tokenizer, [data[i] for i in range(48)])
+    held_out = chat_prompts(tokenizer, [data[i] for i in range(48, 64)])
+    params = SamplingParams(max_new_tokens=128, temperature=1.0)
     head = random_head(model, seed=0, std=0.02)
     _, _, buffer = collect(model, head, train_prompts, params, seed=1)
 
