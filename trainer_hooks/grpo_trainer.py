@@ -59,7 +59,9 @@ class GRPOTrainer(trl.GRPOTrainer):
     :mod:`tailspec.trainer_hooks.length_groups`): a long-tail batch no longer pays for its padding.
     ``length_group_overhead_tokens`` is the fixed cost of one more forward call, in tokens, that the
     grouping weighs against the padding it saves; ``length_grouped_forward=False`` runs TRL's
-    padded forward. Multimodal batches and MoE auxiliary losses always take TRL's forward.
+    padded forward. Multimodal batches and MoE auxiliary losses always take TRL's forward. Under
+    ZeRO-3 every forward gathers the partitioned parameters again, so there a group costs far more
+    than its launch: raise the overhead (thousands of tokens) or measure with the option off.
     """
 
     def __init__(
