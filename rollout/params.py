@@ -46,6 +46,10 @@ class SamplingParams:
     each given everything before it, under the model's *unprocessed* softmax (temperature 1, no
     filters), computed in the request's prefill: one forward scores a span (how ATTS scores a
     drafted chunk). ``n`` must be smaller than the prompt (the first token has no prediction).
+
+    ``seed`` makes the request's draws reproducible on their own: two requests with the same prompt
+    and the same seed draw the same completion (as in vLLM). Leave it ``None`` for independent
+    samples of one prompt (GRPO groups); the engine then draws from its own seeded stream.
     """
 
     temperature: float = 1.0
