@@ -31,6 +31,9 @@ class DemoConfig:
     beta: float = 0.0
     seed: int = 0
     num_train_prompts: int = 2000
+    # a fixed problem set ("add 7 7 8", ...) trained on whole at every step, so the reward is comparable
+    # from step to step; prompts_per_step must then equal its size. None: num_train_prompts sampled ones
+    problems: list[str] | None = None
     output_dir: str = "outputs/demo"
     wandb: bool = True
     wandb_project: str = "tailspec-demo"
@@ -57,6 +60,21 @@ class DemoConfig:
             raise ValueError(f"num_generations must be an int >= 2 (GRPO needs a group), got {self.num_generations}")
         if self.prompts_per_step < 1:
             raise ValueError(f"prompts_per_step must be an int >= 1, got {self.prompts_per_step}")
+        if self.problems is not None:
+            from .tasks.chain_sum import ChainSumProblem
+
+            if not (isinstance(self.problems, list) and self.problems):
+                raise ValueError(f"problems must be null or a non-empty list of questions, got {self.problems!r}")
+            for question in self.problems:
+                try:
+                    ChainSumProblem.from_question(question)
+                except ValueError as e:
+                    raise ValueError(f"problems: {e}") from None
+            if self.prompts_per_step != len(self.problems):
+                raise ValueError(
+                    f"prompts_per_step must equal the number of problems ({len(self.problems)}) when problems "
+                    f"is set, got {self.prompts_per_step}"
+                )
         parse_strategy(self.strategy)  # raises ValueError naming the field
         if self.drafter not in ("eagle3", "small_lm"):
             raise ValueError(f"drafter must be 'eagle3' or 'small_lm', got {self.drafter!r}")
@@ -202,17 +220,27 @@ def _warm_up(cfg: DemoConfig):
     return head
 
 
+def train_dataset(cfg: DemoConfig):
+    """The GRPO prompts: ``cfg.problems`` whole and in order once per step (the trainer does not
+    shuffle them), else ``num_train_prompts`` sampled problems."""
+    from .tasks.chain_sum import ChainSumConfig, ChainSumProblem, grpo_dataset_of, make_grpo_dataset
+
+    if cfg.problems:
+        return grpo_dataset_of([ChainSumProblem.from_question(q) for q in cfg.problems] * cfg.max_steps)
+    return make_grpo_dataset(cfg.num_train_prompts, seed=cfg.seed, cfg=ChainSumConfig())
+
+
 def _grpo_run(cfg: DemoConfig, out: Path, head=None, label: str = "tailspec"):
     """One GRPO run: (printed rows per step, the SpecRollout, wall seconds, wandb run name)."""
     from trl import GRPOConfig
 
-    from .tasks.chain_sum import ChainSumConfig, chain_sum_reward, make_grpo_dataset
+    from .tasks.chain_sum import chain_sum_reward
     from .tasks.sft import load_tiny
     from .trainer_hooks.deepspeed import deepspeed_training_args
     from .trainer_hooks.grpo_trainer import GRPOTrainer
 
     model, tokenizer = load_tiny("policy")
-    dataset = make_grpo_dataset(cfg.num_train_prompts, seed=cfg.seed, cfg=ChainSumConfig())
+    dataset = train_dataset(cfg)
     run_name = f"demo-{label.replace(' ', '-')}-{int(time.time())}"
     args = GRPOConfig(
         output_dir=str(out),
@@ -230,6 +258,7 @@ def _grpo_run(cfg: DemoConfig, out: Path, head=None, label: str = "tailspec"):
         use_cpu=True,
         bf16=False,  # TRL defaults to bf16 autocast; on CPUs without native bf16 it is ~10x slower than fp32
         seed=cfg.seed,
+        shuffle_dataset=not cfg.problems,
         **deepspeed_training_args(cfg.deepspeed),
     )
     printer = _step_printer()

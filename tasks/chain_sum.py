@@ -28,6 +28,7 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
 _MAX_TERMS_LIMIT = 200
+_DIGITS = frozenset("0123456789")
 
 
 @dataclass(frozen=True)
@@ -91,6 +92,16 @@ class ChainSumProblem:
     """One problem: the digits to add, in order."""
 
     terms: tuple[int, ...]
+
+    @classmethod
+    def from_question(cls, question: str) -> ChainSumProblem:
+        """The problem a question states (``"add 3 5 2 7"``); a ``ValueError`` says what is wrong."""
+        words = question.split() if isinstance(question, str) else []
+        if len(words) < 2 or words[0] != "add" or not all(w in _DIGITS for w in words[1:]):
+            raise ValueError(f"a chain-sum question is 'add' followed by single digits 0-9, got {question!r}")
+        if len(words) - 1 > _MAX_TERMS_LIMIT:
+            raise ValueError(f"a chain-sum question has at most {_MAX_TERMS_LIMIT} terms, got {len(words) - 1}")
+        return cls(tuple(int(w) for w in words[1:]))
 
     @property
     def question(self) -> str:
@@ -191,12 +202,22 @@ def make_grpo_dataset(
     conversational: bool = True,
     tokenizer: PreTrainedTokenizerBase | None = None,
 ) -> Dataset:
-    """A ``datasets.Dataset`` of prompts for GRPO: columns ``prompt``, ``answer`` (int), ``num_terms``.
+    """A ``datasets.Dataset`` of ``num_prompts`` sampled problems for GRPO: columns ``prompt``,
+    ``answer`` (int), ``num_terms``.
 
     ``prompt`` is ``[{"role": "user", "content": question}]`` when ``conversational``, else the
     question rendered by the chat template with the generation prompt (``<|user|>add 1 2<|assistant|>``;
     ``tokenizer`` defaults to the tiny tokenizer).
     """
+    return grpo_dataset_of(sample_problems(num_prompts, seed, cfg), conversational, tokenizer)
+
+
+def grpo_dataset_of(
+    problems: Sequence[ChainSumProblem],
+    conversational: bool = True,
+    tokenizer: PreTrainedTokenizerBase | None = None,
+) -> Dataset:
+    """:func:`make_grpo_dataset`'s columns for the given problems, in their order."""
     from datasets import Dataset
 
     if not conversational and tokenizer is None:
@@ -204,7 +225,7 @@ def make_grpo_dataset(
 
         tokenizer = build_tokenizer()
     rows = []
-    for p in sample_problems(num_prompts, seed, cfg):
+    for p in problems:
         conversation = [{"role": "user", "content": p.question}]
         if conversational:
             prompt: Any = conversation

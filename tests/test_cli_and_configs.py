@@ -112,6 +112,22 @@ def test_demo_tells_the_whole_story(tmp_path, capsys):
 def test_the_default_demo_config_is_the_story():
     cfg = DemoConfig.from_yaml(CONFIGS / "demo_cpu.yaml")
     assert cfg.workers == 2 and cfg.warmup_steps > 0 and cfg.baseline and cfg.export == "sglang"
+
+
+def test_a_fixed_problem_set_is_every_step_in_order():
+    from tailspec.demo import train_dataset
+
+    problems = ["add 7 7 8", "add 1 2", "add 3 9 8 2 5"]
+    cfg = DemoConfig(max_steps=3, prompts_per_step=3, problems=problems)
+    data = train_dataset(cfg)
+    assert [row["prompt"][0]["content"] for row in data] == problems * 3
+    assert data[0]["answer"] == 22 and data[2]["answer"] == 27
+    with pytest.raises(ValueError, match="prompts_per_step must equal the number of problems"):
+        DemoConfig(prompts_per_step=2, problems=problems)
+    with pytest.raises(ValueError, match="problems: a chain-sum question"):
+        DemoConfig(prompts_per_step=1, problems=["add 12 3"])
+    with pytest.raises(ValueError, match="problems must be null or a non-empty list"):
+        DemoConfig(problems=[])
     with pytest.raises(ValueError, match="export"):
         DemoConfig(export="onnx")
     with pytest.raises(ValueError, match="deepspeed"):

@@ -22,6 +22,15 @@ def test_problem_format():
     assert ChainSumProblem((9, 9)).solution == "9+9=18 answer 18"
 
 
+def test_problems_from_questions():
+    for p in sample_problems(50, seed=4):
+        assert ChainSumProblem.from_question(p.question) == p
+    assert ChainSumProblem.from_question("  add 1   2 ").terms == (1, 2)
+    for bad in ["add", "sum 1 2", "add 1 12", "add 1 -2", "add 1 x", "", None, "add " + "1 " * 201]:
+        with pytest.raises(ValueError, match="chain-sum question"):
+            ChainSumProblem.from_question(bad)
+
+
 def test_solutions_are_running_sums():
     for p in sample_problems(300, seed=3):
         steps = p.solution.split(" ")
