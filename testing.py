@@ -57,6 +57,18 @@ def tiny_random_model(arch: str, seed: int = 0, dtype: torch.dtype = torch.float
     return model.eval()
 
 
+def tiny_task_policy(tokenizer, seed: int = 3, initializer_range: float = 0.05):
+    """A random-init tiny Qwen2 policy sized for ``tokenizer`` (the chain-sum task's, in the tests)."""
+    return tiny_random_model(
+        "qwen2",
+        seed=seed,
+        vocab_size=len(tokenizer),
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        initializer_range=initializer_range,
+    )
+
+
 def perturbed_copy(model: torch.nn.Module, noise: float, seed: int = 0) -> torch.nn.Module:
     """A copy of ``model`` with Gaussian noise of relative size ``noise`` on every weight: a
     "good" drafter for tests (agrees with the model most of the time, not always)."""

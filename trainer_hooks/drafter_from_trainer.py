@@ -94,6 +94,11 @@ def samples_from_forward(
     padding only, which rotary attention does not see (relative positions)."""
     width = input_ids.shape[1]
     prompt_width = width - completion_width
+    label_ids = label_probs = None
+    if label_topk:  # one projection of every row's predicting columns; rows take their prefix
+        with torch.no_grad():
+            logits = lm_head(final_hidden[:, prompt_width - 1 : width - 1].detach())
+        label_ids, label_probs = soft_labels(logits, label_topk)
     samples = []
     for b in range(input_ids.shape[0]):
         mask = attention_mask[b].bool()
@@ -102,18 +107,14 @@ def samples_from_forward(
         if p < 1 or c < 1 or not (mask[prompt_width - p : prompt_width + c].all()):
             continue
         start, end = prompt_width - p, prompt_width + c
-        label_ids = label_probs = None
-        if label_topk:
-            with torch.no_grad():
-                logits = lm_head(final_hidden[b, prompt_width - 1 : end - 1].detach())
-            label_ids, label_probs = soft_labels(logits, label_topk)
+        # cloned: a view would keep the whole batch's tensors alive in the buffer
         samples.append(
             Eagle3Sample(
-                input_ids[b, start:end].detach().cpu().long(),
-                features[b, start : end - 1].detach().to("cpu", dtype or features.dtype),
+                input_ids[b, start:end].detach().cpu().long().clone(),
+                features[b, start : end - 1].detach().to("cpu", dtype or features.dtype).clone(),
                 p,
-                label_ids,
-                label_probs,
+                None if label_ids is None else label_ids[b, :c].clone(),
+                None if label_probs is None else label_probs[b, :c].clone(),
             )
         )
     return samples

@@ -17,19 +17,9 @@ def task_tokenizer():
 @pytest.fixture(scope="module")
 def make_policy(task_tokenizer):
     """A fresh tiny Qwen2 policy for the task tokenizer, the same weights at every call."""
-    from tailspec.testing import tiny_random_model
+    from tailspec.testing import tiny_task_policy
 
-    def make():
-        return tiny_random_model(
-            "qwen2",
-            seed=3,
-            vocab_size=len(task_tokenizer),
-            eos_token_id=task_tokenizer.eos_token_id,
-            pad_token_id=task_tokenizer.pad_token_id,
-            initializer_range=0.05,
-        )
-
-    return make
+    return lambda: tiny_task_policy(task_tokenizer)
 
 
 @pytest.fixture

@@ -10,7 +10,7 @@ import torch
 from tailspec.drafter.eagle3 import Eagle3Config, Eagle3Head
 from tailspec.rollout import SamplingParams
 from tailspec.tasks.tokenizer import build_tokenizer
-from tailspec.testing import tiny_random_model
+from tailspec.testing import tiny_task_policy
 from tailspec.trainer_hooks.spec_rollout import SpecRollout
 
 
@@ -23,14 +23,7 @@ def head_for(policy) -> Eagle3Head:
 
 def test_workers_match_the_in_process_engine_and_sync_once_per_step(ray_local):
     tokenizer = build_tokenizer()
-    policy = tiny_random_model(
-        "qwen2",
-        seed=3,
-        vocab_size=len(tokenizer),
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-        initializer_range=0.2,
-    )
+    policy = tiny_task_policy(tokenizer, initializer_range=0.2)
     prompts = [[{"role": "user", "content": f"add {i} {i + 3}"}] for i in range(4) for _ in range(2)]
     sampling = SamplingParams(temperature=0.0, max_new_tokens=16)
     metrics = {"train": defaultdict(list), "eval": defaultdict(list)}
