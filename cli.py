@@ -19,6 +19,8 @@ def _demo(args: argparse.Namespace) -> int:
         overrides["max_steps"] = args.steps
     if args.strategy is not None:
         overrides["strategy"] = args.strategy
+    if args.seed is not None:
+        overrides["seed"] = args.seed
     if args.no_wandb:
         overrides["wandb"] = False
     if args.workers is not None:
@@ -172,6 +174,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--config", help="YAML demo config (default: the shipped configs/demo_cpu.yaml)")
     demo.add_argument("--steps", type=int, help="number of GRPO steps")
     demo.add_argument("--strategy", help="speculation strategy: none | chain:K | tree:D,K,B | suffix[:...]")
+    demo.add_argument("--seed", type=int, help="seed of the GRPO runs (trainer and rollout sampling)")
     demo.add_argument("--no-wandb", action="store_true", help="do not log to wandb (offline by default)")
     demo.add_argument("--workers", type=int, help="Ray rollout workers (0: the in-process engine)")
     demo.add_argument("--ray-address", help="Ray cluster to join (default: RAY_ADDRESS, else a local Ray)")

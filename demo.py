@@ -365,6 +365,7 @@ def run_demo_with_rollout(cfg: DemoConfig) -> tuple[dict[str, Any], Any]:
             ratio = summary["rollout_tokens_per_s"] / summary["baseline_rollout_tokens_per_s"]
             summary["rollout_throughput_vs_none"] = ratio
         k = max(1, min(5, len(base_rows) // 2))
+        summary[f"baseline_reward_first_{k}"] = sum(r["reward"] for r in base_rows[:k]) / k
         summary[f"baseline_reward_last_{k}"] = sum(r["reward"] for r in base_rows[-k:]) / k
     if cfg.export and uses_head:
         from .drafter.eagle3.checkpoint import export_checkpoint
@@ -372,7 +373,16 @@ def run_demo_with_rollout(cfg: DemoConfig) -> tuple[dict[str, Any], Any]:
         summary["exported_drafter"] = str(
             export_checkpoint(rollout.drafter, out / f"drafter_{cfg.export}", format=cfg.export)
         )
+    k = max(1, min(5, len(rows) // 2))
+    first, last = summary[f"reward_first_{k}"], summary[f"reward_last_{k}"]
+    rise = f"reward, mean of the first vs last {k} steps: {first:.3f} -> {last:.3f}"
+    if f"baseline_reward_first_{k}" in summary:
+        rise += (
+            f" ({summary[f'baseline_reward_first_{k}']:.3f} -> {summary[f'baseline_reward_last_{k}']:.3f} "
+            "without speculation)"
+        )
     print("\n== tailspec demo summary ==")
+    print(rise)
     for key, value in summary.items():
         print(f"{key:>24}: {value:.3f}" if isinstance(value, float) else f"{key:>24}: {value}")
     if cfg.wandb:

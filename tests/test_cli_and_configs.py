@@ -13,6 +13,7 @@ CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 def test_cli_has_subcommands():
     parser = build_parser()
     assert parser.parse_args(["demo", "--steps", "3", "--no-wandb"]).steps == 3
+    assert parser.parse_args(["demo", "--seed", "5"]).seed == 5
     assert parser.parse_args(["bench", "--quick"]).quick
     with pytest.raises(SystemExit):
         parser.parse_args(["no-such-command"])
@@ -101,6 +102,7 @@ def test_demo_tells_the_whole_story(tmp_path, capsys):
     printed = capsys.readouterr().out
     assert "drafter warm-up: 4 rollouts" in printed
     assert "per step: chain:3 vs no speculation" in printed
+    assert "reward, mean of the first vs last 1 steps:" in printed and "without speculation)" in printed
     assert summary["drafter_version"] == 1600 + 3 + 2 * cfg.drafter_train_steps  # shipped, warm-up, online
     assert summary["baseline_rollout_time_s"] > 0 and summary["rollout_throughput_vs_none"] > 0
     exported = tmp_path / "drafter_sglang"
@@ -110,8 +112,13 @@ def test_demo_tells_the_whole_story(tmp_path, capsys):
 
 
 def test_the_default_demo_config_is_the_story():
+    from tailspec.tasks.chain_sum import ChainSumProblem
+
     cfg = DemoConfig.from_yaml(CONFIGS / "demo_cpu.yaml")
     assert cfg.workers == 2 and cfg.warmup_steps > 0 and cfg.baseline and cfg.export == "sglang"
+    # a fixed set: short problems with room to learn, and one long problem for the rollout's tail
+    terms = sorted(len(ChainSumProblem.from_question(q).terms) for q in cfg.problems)
+    assert terms[0] <= 4 and terms[-1] >= 20
 
 
 def test_a_fixed_problem_set_is_every_step_in_order():
