@@ -26,7 +26,10 @@ def main() -> int:
     cfg = DemoConfig.from_yaml(args.config)
     overrides = {}
     if args.quick:
-        overrides.update(max_steps=2, prompts_per_step=2, num_generations=2, max_completion_length=48)
+        problems = cfg.problems[:2] if cfg.problems else None
+        overrides.update(
+            max_steps=2, prompts_per_step=2, problems=problems, num_generations=2, max_completion_length=48
+        )
     if args.steps is not None:
         overrides["max_steps"] = args.steps
     if args.workers is not None:
