@@ -234,7 +234,8 @@ def oracle_bound(results: Sequence[RunResult], bounds: Sequence[int], min_steps:
         trusted = {n: runs[n][bound].goodput for n in fixed if bound in runs[n] and runs[n][bound].steps >= min_steps}
         best = max(trusted, key=trusted.get)
         none_s += none[bound].seconds
-        oracle_s += none[bound].tokens / trusted[best]
+        # min(): the best arm is at least as fast as none, but tokens / (tokens / s) may round above s
+        oracle_s += min(none[bound].seconds, none[bound].tokens / trusted[best])
         cells = []
         for n in fixed + adaptive:
             g = runs[n].get(bound)

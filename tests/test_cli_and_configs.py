@@ -139,3 +139,25 @@ def test_a_fixed_problem_set_is_every_step_in_order():
         DemoConfig(export="onnx")
     with pytest.raises(ValueError, match="deepspeed"):
         DemoConfig(deepspeed="zero4")
+
+
+def test_the_demo_problems_leave_the_shipped_policy_room_to_learn():
+    """GRPO learns only from groups whose rewards differ: the demo's short problems must be ones the
+    shipped policy sometimes, but not mostly, gets right at T = 1 (seeded, so deterministic)."""
+    from tailspec import RolloutConfig, RolloutEngine, SamplingParams
+    from tailspec.tasks.chain_sum import ChainSumProblem, chain_sum_reward
+    from tailspec.tasks.sft import load_tiny
+    from tailspec.tasks.tokenizer import chat_ids
+
+    model, tokenizer = load_tiny("policy")
+    engine = RolloutEngine(model, RolloutConfig(), eos_token_ids=[tokenizer.eos_token_id])
+    problems = [ChainSumProblem.from_question(q) for q in DemoConfig.from_yaml(CONFIGS / "demo_cpu.yaml").problems]
+    short = [p for p in problems if len(p.terms) <= 4]
+    n = 48
+    prompts = [chat_ids(tokenizer, [{"role": "user", "content": p.question}], True) for p in short for _ in range(n)]
+    params = [SamplingParams(temperature=1.0, max_new_tokens=64, seed=i) for i in range(len(prompts))]
+    outputs = engine.generate(prompts, params)
+    for k, problem in enumerate(short):
+        texts = [tokenizer.decode(o.completion_ids, skip_special_tokens=True) for o in outputs[k * n : (k + 1) * n]]
+        solved = sum(chain_sum_reward(texts, [problem.answer] * n)) / n
+        assert 0.0 < solved < 0.5, (problem.question, solved)
