@@ -142,6 +142,18 @@ def _step_printer():
     return StepPrinter()
 
 
+def _quiet_progress():
+    """TRL's progress bar without its raw dict of every metric per step: the demo prints its own
+    line per step, and wandb (or ``trainer.state.log_history``) keeps every metric."""
+    from transformers.trainer_callback import ProgressCallback
+
+    class QuietProgress(ProgressCallback):
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            pass
+
+    return QuietProgress
+
+
 def _make_rollout(cfg: DemoConfig, head=None):
     from .drafter.eagle3.train import DrafterTrainingConfig
     from .tasks.sft import load_tiny, load_tiny_eagle3
@@ -232,6 +244,7 @@ def train_dataset(cfg: DemoConfig):
 
 def _grpo_run(cfg: DemoConfig, out: Path, head=None, label: str = "tailspec"):
     """One GRPO run: (printed rows per step, the SpecRollout, wall seconds, wandb run name)."""
+    from transformers.trainer_callback import ProgressCallback
     from trl import GRPOConfig
 
     from .tasks.chain_sum import chain_sum_reward
@@ -272,6 +285,8 @@ def _grpo_run(cfg: DemoConfig, out: Path, head=None, label: str = "tailspec"):
         rollout=rollout,
         callbacks=[printer],
     )
+    if trainer.pop_callback(ProgressCallback) is not None:
+        trainer.add_callback(_quiet_progress())
     print(f"\n== GRPO ({label}): strategy {cfg.strategy}, {cfg.max_steps} steps, workers {cfg.workers} ==", flush=True)
     start = time.perf_counter()
     try:

@@ -103,6 +103,7 @@ def test_demo_tells_the_whole_story(tmp_path, capsys):
     assert "drafter warm-up: 4 rollouts" in printed
     assert "per step: chain:3 vs no speculation" in printed
     assert "reward, mean of the first vs last 1 steps:" in printed and "without speculation)" in printed
+    assert "{'loss'" not in printed  # TRL's raw per-step dicts stay out of the story (wandb keeps them)
     assert summary["drafter_version"] == 1600 + 3 + 2 * cfg.drafter_train_steps  # shipped, warm-up, online
     assert summary["baseline_rollout_time_s"] > 0 and summary["rollout_throughput_vs_none"] > 0
     exported = tmp_path / "drafter_sglang"
