@@ -398,10 +398,12 @@ def run_demo_with_rollout(cfg: DemoConfig) -> tuple[dict[str, Any], Any]:
         )
     print("\n== tailspec demo summary ==")
     print(rise)
+    width = max(len(key) for key in summary)
     for key, value in summary.items():
-        print(f"{key:>24}: {value:.3f}" if isinstance(value, float) else f"{key:>24}: {value}")
+        print(f"{key:>{width}}: {value:.3f}" if isinstance(value, float) else f"{key:>{width}}: {value}")
     if cfg.wandb:
-        print(f"{'wandb runs (offline)':>24}: {', '.join(wandb_runs)} in {out / 'wandb'}  (upload with `wandb sync`)")
+        runs = ", ".join(wandb_runs)
+        print(f"{'wandb runs (offline)':>{width}}: {runs} in {out / 'wandb'}  (upload with `wandb sync`)")
     if "exported_drafter" in summary:
-        print(f"{'exported drafter':>24}: {summary['exported_drafter']}  ({cfg.export} EAGLE-3 layout)")
+        print(f"{'exported drafter':>{width}}: {summary['exported_drafter']}  ({cfg.export} EAGLE-3 layout)")
     return summary, rollout
