@@ -485,17 +485,19 @@ class RolloutEngine:
         self.stats.prefill_tokens += len(tokens)
 
         rows, seqs = [], []
+        observed: list[tuple[Sequence, int, list[int], list[int]]] = []
         for row, seq in enumerate(batch.seqs):
             start, end = last[row] + 1 - slices[row].num_new, last[row] + 1
-            self._observe(seq, seq.num_cached, list(range(start, end)), logits, [row])
+            observed.append((seq, seq.num_cached, list(range(start, end)), [row]))
             seq.num_cached = seq.num_tokens
             rows.append(row)
             seqs.append(seq)
             for member in batch.followers.get(seq.seq_id, []):
                 self._fork_from(seq, member)
-                self._observe(member, 0, list(range(start, end)), logits, [row])
+                observed.append((member, 0, list(range(start, end)), [row]))
                 rows.append(row)
                 seqs.append(member)
+        self._observe(observed, logits)
         self.stats.forked_prefills += len(seqs) - len(batch.seqs)
         return self._sample_and_append(seqs, logits[rows] if len(rows) != len(batch.seqs) else logits)
 
@@ -561,8 +563,8 @@ class RolloutEngine:
             tokens.append(seq.token_at(seq.num_cached))
             positions.append(seq.num_cached)
         logits = self._forward(slices, tokens, positions, list(range(len(tokens))))
-        for row, seq in enumerate(batch.seqs):
-            self._observe(seq, seq.num_cached, [row], logits, [row])
+        self._observe([(seq, seq.num_cached, [row], [row]) for row, seq in enumerate(batch.seqs)], logits)
+        for seq in batch.seqs:
             seq.num_cached += 1
         self.stats.decode_steps += 1
         self.stats.batch_sizes.append(len(batch.seqs))
@@ -579,14 +581,21 @@ class RolloutEngine:
         self.stats.model_time_s += time.perf_counter() - start
         return logits
 
-    def _observe(self, seq: Sequence, start: int, rows: list[int], logits: torch.Tensor, logit_rows: list[int]) -> None:
-        """Hand a feature-reading drafter the last forward's features of ``seq``'s kept tokens
-        (packed ``rows``) and the logits after the last of them (``logit_rows`` of ``logits``).
-        Nothing is sliced for drafters that read no features."""
-        if self.feature_layers and self._features is not None:
-            index = torch.tensor(rows, device=self._features.device)
-            next_logits = logits.index_select(0, torch.tensor(logit_rows, device=logits.device))
-            self.drafter.observe(seq, start, self._features.index_select(0, index), next_logits)
+    def _observe(self, observed: list[tuple[Sequence, int, list[int], list[int]]], logits: torch.Tensor) -> None:
+        """Hand a feature-reading drafter, for each ``(seq, start, rows, logit_rows)``, the last
+        forward's features of ``seq``'s kept tokens (packed ``rows``) and the logits after the last
+        of them (``logit_rows`` of ``logits``). One gather each for the whole batch (no per-sequence
+        index tensors or device copies); nothing is gathered for drafters that read no features."""
+        if not (self.feature_layers and self._features is not None and observed):
+            return
+        rows = [r for _, _, seq_rows, _ in observed for r in seq_rows]
+        logit_rows = [r for _, _, _, seq_logit_rows in observed for r in seq_logit_rows]
+        features = self._features.index_select(0, torch.tensor(rows, device=self._features.device))
+        next_logits = logits.index_select(0, torch.tensor(logit_rows, device=logits.device))
+        feature_parts = features.split([len(r) for _, _, r, _ in observed])
+        logit_parts = next_logits.split([len(r) for _, _, _, r in observed])
+        for (seq, start, _, _), seq_features, seq_logits in zip(observed, feature_parts, logit_parts):
+            self.drafter.observe(seq, start, seq_features, seq_logits)
 
     def _sample_and_append(self, seqs: list[Sequence], logits: torch.Tensor) -> list[int]:
         st = BatchSamplingTensors.from_params([s.params for s in seqs], logits.device)
@@ -634,13 +643,18 @@ class RolloutEngine:
             uniforms = draw_uniforms([s.generator for s in seqs], self.generator, counts.tolist())
         verdicts = verify_batch(trees, logprobs, greedy, uniforms)
 
-        finished, offset = [], 0
+        # the emitted tokens' logprobs of every sequence in one gather (one device sync, not one each)
+        offsets = torch.tensor([0, *counts.tolist()]).cumsum(0).tolist()
+        emitted = [verdict.emitted(tree) for tree, verdict in zip(trees, verdicts)]
+        packed_rows = [offsets[i] + r for i, seq_emitted in enumerate(emitted) for _, r in seq_emitted]
+        packed_tokens = [t for seq_emitted in emitted for t, _ in seq_emitted]
+        packed_lps = logprobs[packed_rows, packed_tokens].tolist()
+
+        finished, observed, lp_offset = [], [], 0
         accepted_total = emitted_total = 0
-        for seq, tree, n, verdict in zip(seqs, trees, counts.tolist(), verdicts):
-            rows = logprobs[offset : offset + n]
-            offset += n
-            emitted = verdict.emitted(tree)
-            lps = rows[[r for _, r in emitted], [t for t, _ in emitted]].tolist()
+        for i, (seq, tree, verdict) in enumerate(zip(seqs, trees, verdicts)):
+            lps = packed_lps[lp_offset : lp_offset + len(emitted[i])]
+            lp_offset += len(emitted[i])
             keep_accepted_kv(self.runner.cache, seq, verdict.path)
             first_position = seq.num_cached
             seq.num_cached += 1 + len(verdict.path)
@@ -648,16 +662,17 @@ class RolloutEngine:
             seq.num_drafted += len(tree)
             seq.num_accepted += len(verdict.path)
             accepted_total += len(verdict.path)
-            kept_rows = []
-            for (tok, row), lp in zip(emitted, lps):
+            kept = []
+            for (tok, row), lp in zip(emitted[i], lps):
                 seq.append(tok, lp)
-                kept_rows.append(row)
+                kept.append(offsets[i] + row)
                 self.stats.generated_tokens += 1
                 emitted_total += 1
                 if seq.done:
                     break
-            kept = [offset - n + r for r in kept_rows]
-            self._observe(seq, first_position, kept, logits, kept)
+            observed.append((seq, first_position, kept, kept))
+        self._observe(observed, logits)  # before finishing: a recording drafter needs every feature
+        for seq, verdict in zip(seqs, verdicts):
             drafter.accepted(seq, len(verdict.path))
             if seq.done:
                 self._finish(seq)

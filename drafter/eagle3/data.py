@@ -146,7 +146,8 @@ class SequenceRecorder:
         elif start > rec.num_features:
             self._live.pop(seq_id, None)  # a gap: some tokens' features were never seen
             return
-        feats = features.detach().to("cpu", self.dtype or features.dtype)
+        # a copy: the engine hands out views of a whole batch's features, which must not stay alive
+        feats = features.detach().to("cpu", self.dtype or features.dtype, copy=True)
         rec.features.append(feats)
         rec.num_features += feats.shape[0]
         if self.label_topk:
