@@ -301,10 +301,19 @@ def _grpo_run(cfg: DemoConfig, out: Path, head=None, label: str = "tailspec"):
     return printer.rows, rollout, time.perf_counter() - start, run_name
 
 
+def _window(num_steps: int) -> int:
+    """Steps averaged at each end of a run for its first-vs-last comparisons."""
+    return max(1, min(5, num_steps // 2))
+
+
+def _first_last(values: list[float], k: int) -> tuple[float, float]:
+    """Means of the first and of the last ``k`` values."""
+    return sum(values[:k]) / len(values[:k]), sum(values[-k:]) / len(values[-k:])
+
+
 def _summarize(cfg: DemoConfig, rows: list[dict[str, Any]], rollout: Any, wall: float) -> dict[str, Any]:
-    k = max(1, min(5, len(rows) // 2))
-    first = sum(r["reward"] for r in rows[:k]) / k
-    last = sum(r["reward"] for r in rows[-k:]) / k
+    k = _window(len(rows))
+    first, last = _first_last([r["reward"] for r in rows], k)
     tokens = sum(s.completion_tokens for s in rollout.history)
     rollout_time = sum(s.time_s for s in rollout.history)
     summary: dict[str, Any] = {
@@ -321,10 +330,9 @@ def _summarize(cfg: DemoConfig, rows: list[dict[str, Any]], rollout: Any, wall: 
     drafted = sum(s.drafted_tokens for s in rollout.history)
     if drafted:
         summary["draft_acceptance_rate"] = sum(s.accepted_tokens for s in rollout.history) / drafted
-        first_al = sum(s.mean_accept_length for s in rollout.history[:k]) / k
-        last_al = sum(s.mean_accept_length for s in rollout.history[-k:]) / k
-        summary[f"accept_length_first_{k}"] = first_al
-        summary[f"accept_length_last_{k}"] = last_al
+        summary[f"accept_length_first_{k}"], summary[f"accept_length_last_{k}"] = _first_last(
+            [s.mean_accept_length for s in rollout.history], k
+        )
     if cfg.workers:
         summary["workers"] = cfg.workers
         summary["spot_train_steps"] = sum(s.spot_train_steps for s in rollout.history)
@@ -333,8 +341,7 @@ def _summarize(cfg: DemoConfig, rows: list[dict[str, Any]], rollout: Any, wall: 
     losses = [s.drafter_loss for s in rollout.history if s.drafter_loss is not None]
     if losses:
         summary["drafter_version"] = rollout.history[-1].drafter_version
-        summary[f"drafter_loss_first_{k}"] = sum(losses[:k]) / len(losses[:k])
-        summary[f"drafter_loss_last_{k}"] = sum(losses[-k:]) / len(losses[-k:])
+        summary[f"drafter_loss_first_{k}"], summary[f"drafter_loss_last_{k}"] = _first_last(losses, k)
     return summary
 
 
@@ -379,16 +386,17 @@ def run_demo_with_rollout(cfg: DemoConfig) -> tuple[dict[str, Any], Any]:
         if summary["baseline_rollout_tokens_per_s"]:
             ratio = summary["rollout_tokens_per_s"] / summary["baseline_rollout_tokens_per_s"]
             summary["rollout_throughput_vs_none"] = ratio
-        k = max(1, min(5, len(base_rows) // 2))
-        summary[f"baseline_reward_first_{k}"] = sum(r["reward"] for r in base_rows[:k]) / k
-        summary[f"baseline_reward_last_{k}"] = sum(r["reward"] for r in base_rows[-k:]) / k
+        k = _window(len(base_rows))
+        summary[f"baseline_reward_first_{k}"], summary[f"baseline_reward_last_{k}"] = _first_last(
+            [r["reward"] for r in base_rows], k
+        )
     if cfg.export and uses_head:
         from .drafter.eagle3.checkpoint import export_checkpoint
 
         summary["exported_drafter"] = str(
             export_checkpoint(rollout.drafter, out / f"drafter_{cfg.export}", format=cfg.export)
         )
-    k = max(1, min(5, len(rows) // 2))
+    k = _window(len(rows))
     first, last = summary[f"reward_first_{k}"], summary[f"reward_last_{k}"]
     rise = f"reward, mean of the first vs last {k} steps: {first:.3f} -> {last:.3f}"
     if f"baseline_reward_first_{k}" in summary:

@@ -14,6 +14,7 @@ from collections.abc import Iterable, Iterator
 from collections.abc import Sequence as Seq
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from itertools import accumulate
 
 import torch
 from tqdm.auto import tqdm
@@ -633,28 +634,29 @@ class RolloutEngine:
 
         slices, tokens, positions = pack_verify_batch(seqs, trees)
         logits = self._forward(slices, tokens, positions, list(range(len(tokens))))
-        counts = torch.tensor([s.num_new for s in slices], device=logits.device)
+        num_new = [s.num_new for s in slices]  # scored rows per sequence
+        counts = torch.tensor(num_new, device=logits.device)
         st = BatchSamplingTensors.from_params([s.params for s in seqs], logits.device).repeat_interleave(counts)
         logprobs = processed_logprobs(logits, st)
         greedy = [seq.params.greedy for seq in seqs]
         if st.all_greedy:
             uniforms = torch.zeros(len(tokens), dtype=torch.float64)
         else:  # one per scored row, aligned with the rows (greedy sequences ignore theirs)
-            uniforms = draw_uniforms([s.generator for s in seqs], self.generator, counts.tolist())
+            uniforms = draw_uniforms([s.generator for s in seqs], self.generator, num_new)
         verdicts = verify_batch(trees, logprobs, greedy, uniforms)
 
         # the emitted tokens' logprobs of every sequence in one gather (one device sync, not one each)
-        offsets = torch.tensor([0, *counts.tolist()]).cumsum(0).tolist()
+        offsets = list(accumulate(num_new, initial=0))  # each sequence's first scored row
         emitted = [verdict.emitted(tree) for tree, verdict in zip(trees, verdicts)]
         packed_rows = [offsets[i] + r for i, seq_emitted in enumerate(emitted) for _, r in seq_emitted]
         packed_tokens = [t for seq_emitted in emitted for t, _ in seq_emitted]
         packed_lps = logprobs[packed_rows, packed_tokens].tolist()
+        lp_starts = list(accumulate((len(e) for e in emitted), initial=0))
 
-        finished, observed, lp_offset = [], [], 0
+        finished, observed = [], []
         accepted_total = emitted_total = 0
         for i, (seq, tree, verdict) in enumerate(zip(seqs, trees, verdicts)):
-            lps = packed_lps[lp_offset : lp_offset + len(emitted[i])]
-            lp_offset += len(emitted[i])
+            lps = packed_lps[lp_starts[i] : lp_starts[i + 1]]
             keep_accepted_kv(self.runner.cache, seq, verdict.path)
             first_position = seq.num_cached
             seq.num_cached += 1 + len(verdict.path)
