@@ -50,6 +50,20 @@ class Strategy:
     def uses_model_drafter(self) -> bool:
         return self.kind in ("chain", "tree", "hybrid")
 
+    @property
+    def drafters(self) -> frozenset[str]:
+        """The drafters a step of this strategy runs: ``"model"`` and/or ``"suffix"``."""
+        return frozenset(
+            name
+            for name, used in (("model", self.uses_model_drafter), ("suffix", self.kind in ("suffix", "hybrid")))
+            if used
+        )
+
+    @property
+    def max_draft_nodes(self) -> int:
+        """The most draft tokens one sequence can get verified per step (0 without speculation)."""
+        return self.shape.max_nodes if self.shape is not None else 0
+
     def __str__(self) -> str:
         if self.shape is None:
             return self.kind

@@ -143,6 +143,32 @@ def test_the_prior_keeps_large_batches_off_speculation_from_the_start():
     assert all(arm == "none" for _, arm in picks[:20])
 
 
+def width_goodput(arm: str, batch: int, narrow_ratio: float) -> float:
+    """A large batch where a speculative arm's goodput falls with its draft width (verification
+    rows grow faster than accepted tokens); ``chain:2`` gets ``narrow_ratio`` of plain decoding."""
+    strategy = parse_strategy(arm)
+    base = 100.0 * batch**0.8
+    return base if not strategy.speculative else base * narrow_ratio * (1 - 0.03 * (strategy.max_draft_nodes - 2))
+
+
+@pytest.mark.parametrize("narrow_ratio", [0.45, 0.95])
+def test_a_narrow_arm_losing_clearly_spares_exploring_the_wider_ones(narrow_ratio):
+    """A cold selector on a uniform large batch (no smaller bucket to learn from): where ``chain:2``
+    loses clearly, the wider model-drafter arms are not paid for; where it is close, they are tried."""
+    selector = StrategySelector(SelectorConfig())  # the default arms
+    rng = random.Random(8)
+    picks = run(selector, 120, lambda a, n: width_goodput(a, n, narrow_ratio), rng, sizes=(64,))
+    tried = {arm for _, arm in picks}
+    wider_model_arms = {"chain:4", "tree:4,2,8", "hybrid:4,2,12"}
+    assert {"none", "chain:2", "suffix:8,2,16"} <= tried
+    if narrow_ratio < selector.config.prune_ratio:
+        assert not tried & wider_model_arms
+        assert sum(arm == "none" for _, arm in picks) >= 110
+    else:
+        assert wider_model_arms <= tried
+    assert str(selector.best(64)) == "none"
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
 def test_adaptive_engine_matches_plain_decoding(arch):
     """Switching arms between steps (including hybrid and suffix) never changes greedy output."""
@@ -152,7 +178,9 @@ def test_adaptive_engine_matches_plain_decoding(arch):
     params = [SamplingParams(max_new_tokens=8 + 6 * i, temperature=0.0) for i in range(12)]  # a long tail
     want = RolloutEngine(model, RolloutConfig()).generate(prompts, params)
     engine = RolloutEngine(
-        model, RolloutConfig(strategy="adaptive", selector={"min_trials": 1, "seed": 3}), drafter=drafter
+        model,
+        RolloutConfig(strategy="adaptive", selector={"min_trials": 1, "seed": 3, "prune_ratio": 0.0}),  # try every arm
+        drafter=drafter,
     )
     for _ in range(2):  # the second call starts from what the first learned
         got = engine.generate(prompts, params)
