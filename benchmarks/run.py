@@ -293,7 +293,9 @@ def long_tail_section(model, tokenizer, params: SamplingParams, docs: Path, quic
     body = (
         f"{len(prompts)} chain-sum prompts in one `generate` call (one GRPO rollout's worth), the shipped "
         f"tiny policy, T = 1.0, max_new_tokens = {params.max_new_tokens}; the model drafter is the shipped "
-        f"EAGLE-3 head. Completion lengths are heavy-tailed, so the batch drains into a tail of a few long "
+        f"EAGLE-3 head, attached only to the runs that can draft with it (with a head attached, every target "
+        f"forward taps its features, so `none` and `suffix` run without one). Completion lengths are "
+        f"heavy-tailed, so the batch drains into a tail of a few long "
         f"sequences (*tail s*: decode time with at most 25% of the wave's peak still active). `adaptive` "
         f"picks an arm per step (`none`, `chain:2`, `chain:4`, `tree:4,2,8`, `suffix`, `hybrid:4,2,12`) by "
         f"measured goodput per batch-size bucket; *cold* is a fresh selector, *warm* the same engine's "

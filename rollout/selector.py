@@ -3,11 +3,14 @@
 The number of active sequences picks a *bucket* (``bucket_bounds``: a bucket holds batch sizes up
 to its bound); in each bucket every *arm* (a strategy) keeps a sliding window of rewards, the
 goodput of the steps it ran there: tokens emitted per second of step time. ``choose`` first tries
-every arm ``min_trials`` times, then exploits by UCB (mean plus a bonus that shrinks as the arm is
-tried, scaled by the bucket's best mean) or epsilon-greedy. No batch-size threshold is needed:
-speculation turns itself off wherever its measured goodput is lower than plain decoding's. A
+every arm ``min_trials`` times (more on small batches, to cover ``min_sequence_steps``), then
+exploits by UCB (mean plus a bonus that shrinks as the arm is tried, scaled by the bucket's best
+mean) or epsilon-greedy. No batch-size threshold is needed: speculation turns itself off
+wherever its measured goodput is lower than plain decoding's. A
 configured ``speculate_up_to`` acts only as a prior (above it, plain decoding is tried first and
-speculative arms need to beat it on measurements).
+speculative arms need to beat it on measurements). A step's time leaves out the drafter's
+catch-up on tokens owed by earlier steps (``Drafter.catch_up_debt_s``): the first model-drafter
+step after a run of plain ones would otherwise look as slow as all the catching up it does.
 
 Exploring costs most where the batch is large, and a rollout starts there. An untried arm is
 skipped (kept at an estimate) when a measurement already says it loses clearly (below
@@ -46,6 +49,7 @@ class SelectorConfig:
     epsilon: float = 0.05
     window: int = 32  # rewards kept per (bucket, arm)
     min_trials: int = 1  # tries of every arm in a bucket before exploiting
+    min_sequence_steps: int = 8  # ... and at least this many sequence-steps (trials x batch size)
     speculate_up_to: int | None = None  # prior: above this many active sequences, try "none" first
     prune_ratio: float = 0.7  # skip exploring an arm measured (or bounded) below this x the bucket's best
     drafter_update: str = "decay"  # what a new drafter version does to model-drafter arms: decay | reset
@@ -74,6 +78,11 @@ class SelectorConfig:
             ("epsilon", 0 <= self.epsilon <= 1, "a float in [0, 1]"),
             ("window", isinstance(self.window, int) and self.window >= 1, "an int >= 1"),
             ("min_trials", isinstance(self.min_trials, int) and self.min_trials >= 1, "an int >= 1"),
+            (
+                "min_sequence_steps",
+                isinstance(self.min_sequence_steps, int) and self.min_sequence_steps >= 0,
+                "an int >= 0",
+            ),
             ("speculate_up_to", self.speculate_up_to is None or self.speculate_up_to >= 0, "None or an int >= 0"),
             ("drafter_update", self.drafter_update in ("decay", "reset"), "'decay' or 'reset'"),
             ("decay_keep", isinstance(self.decay_keep, int) and self.decay_keep >= 0, "an int >= 0"),
@@ -115,6 +124,14 @@ class StrategySelector:
         """Index of the bucket holding ``num_active`` sequences (the last bucket holds all larger)."""
         return min(bisect_left(self.config.bucket_bounds, num_active), len(self.config.bucket_bounds) - 1)
 
+    def _trials_needed(self, b: int) -> int:
+        """Tries of an arm in bucket ``b`` before its mean is trusted: ``min_trials``, and enough
+        for ``min_sequence_steps`` at the bucket's smallest batch. One step of one sequence is a
+        noisy sample (a suffix draft hits or misses; the first model-drafter step after plain
+        ones also pays the drafter's catch-up), one step of 64 sequences averages 64 of them."""
+        smallest = self.config.bucket_bounds[b - 1] + 1 if b else 1
+        return max(self.config.min_trials, math.ceil(self.config.min_sequence_steps / smallest))
+
     def _order(self, b: int) -> list[Strategy]:
         """Arms in the order untried ones are explored: plain decoding first (the baseline the
         others are compared with); with the ``speculate_up_to`` prior, above it only plain
@@ -141,7 +158,7 @@ class StrategySelector:
         if not measured:
             return None
         for nb in range(b - 1, -1, -1):
-            if len(self._stats[nb][arm].rewards) >= self.config.min_trials:
+            if len(self._stats[nb][arm].rewards) >= self._trials_needed(nb):
                 return self._relative(nb, arm) * max(measured)
         return None
 
@@ -164,7 +181,7 @@ class StrategySelector:
         stats = self._stats[b]
         estimates: dict[Strategy, float] = {}
         for arm in self._order(b):
-            if len(stats[arm].rewards) >= self.config.min_trials:
+            if len(stats[arm].rewards) >= self._trials_needed(b):
                 continue
             guesses = [g for g in (self._neighbour_estimate(b, arm), self._narrower_estimate(b, arm)) if g is not None]
             guess = min(guesses) if guesses else None

@@ -18,6 +18,7 @@ cannot hold this step simply gets no draft; its features wait for the next step.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 
@@ -27,7 +28,7 @@ from ...rollout.attention import METADATA_KWARG, SequenceSlice, build_metadata, 
 from ...rollout.kv_cache import KVLayout, PagedKVCache, blocks_for
 from ...rollout.model_runner import model_device_dtype
 from ...rollout.request import Sequence
-from ..base import Drafter, DraftRequest, DraftShape, DraftTree
+from ..base import Drafter, DraftRequest, DraftShape, DraftTree, owed_seconds
 from ..draft_sampling import ChainDrafts, draft_generator
 from ..tree_search import LevelInput, grow_trees
 from .data import FeatureBuffer, SequenceRecorder
@@ -96,7 +97,9 @@ class Eagle3Drafter(Drafter):
     def observe(self, seq: Sequence, start: int, features: torch.Tensor, next_logits: torch.Tensor) -> None:
         if self.recorder is not None:
             self.recorder.observe(seq.seq_id, len(seq.prompt_ids), start, features, next_logits)
-        state = self._states.setdefault(seq.seq_id, _HeadState())
+        state = self._states.get(seq.seq_id)
+        if state is None:  # not setdefault: that would build a state per call, and this runs per token
+            state = self._states[seq.seq_id] = _HeadState()
         if start < state.feature_end:  # recomputed (after a preemption): restart from there
             keep = max(0, start - state.num_cached)
             state.num_cached = min(state.num_cached, start)
@@ -186,12 +189,18 @@ class Eagle3Drafter(Drafter):
             ):
                 live.append(r)
         trees = {id(r): DraftTree() for r in requests}
+        self.catch_up_debt_s = 0.0
         if live:
             was_training = self.head.training
             self.head.eval()
             try:
                 with torch.no_grad():
+                    rows = [
+                        self._states[r.seq.seq_id].feature_end - self._states[r.seq.seq_id].num_cached for r in live
+                    ]
+                    start = time.perf_counter()
                     hidden, logits = self._catch_up([r.seq for r in live])
+                    self.catch_up_debt_s = owed_seconds(time.perf_counter() - start, rows, shape.depth + 1)
                     drafted = (
                         self._chain(live, hidden, logits) if shape.is_chain else self._tree(live, hidden, logits, shape)
                     )
