@@ -34,6 +34,8 @@ from ..tree_search import LevelInput, grow_trees
 from .data import FeatureBuffer, SequenceRecorder
 from .model import Eagle3Head
 
+_MERGE_PENDING = 16  # pending feature views merged into one tensor at this many
+
 
 @dataclass
 class _HeadState:
@@ -111,6 +113,10 @@ class Eagle3Drafter(Drafter):
             return
         state.pending.append(features)
         state.feature_end = start + features.shape[0]
+        if len(state.pending) >= _MERGE_PENDING:
+            # each entry is a view that keeps a whole forward's feature tensor alive; while plain
+            # steps run, hundreds of them slowed every later forward by several percent on CPU
+            state.pending = [torch.cat(state.pending)]
 
     def finished(self, seq: Sequence) -> None:
         if self.recorder is not None:

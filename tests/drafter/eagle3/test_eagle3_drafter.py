@@ -9,6 +9,7 @@ import torch
 from eagle3_helpers import random_head, random_prompts, target, trained_head
 
 from tailspec.drafter.eagle3 import Eagle3Config, Eagle3Drafter, Eagle3Head, Eagle3Sample
+from tailspec.drafter.eagle3 import drafter as eagle3_drafter_module
 from tailspec.drafter.eagle3.model import vocab_from_counts
 from tailspec.drafter.eagle3.train import collate, unroll
 from tailspec.rollout import RolloutConfig, RolloutEngine, SamplingParams
@@ -78,6 +79,38 @@ def test_switching_strategies_mid_generation_needs_no_reprefill():
     assert_same(got, plain(model, prompts, params))
     assert engine.stats.prefill_steps <= 2  # prefills only: switching never re-prefilled
     assert engine.stats.accepted_tokens > 0
+
+
+def test_a_long_run_of_plain_steps_keeps_few_pending_tensors_and_catches_up_exactly(monkeypatch):
+    """While plain steps run, the head's pending features are merged (few live tensors); the
+    catch-up after them reads exactly what it would have read unmerged: same drafts, same output."""
+    model = target("llama")
+    head = trained_head("llama")
+    prompts = random_prompts(3, seed=41)
+    params = SamplingParams(max_new_tokens=60, temperature=0.0)
+
+    def run() -> tuple[list, list[tuple[int, int]], int]:
+        drafter = Eagle3Drafter(head, model)
+        engine = RolloutEngine(model, RolloutConfig(strategy="none"), drafter=drafter)
+        ids = [engine.add_request(p, params) for p in prompts]
+        for _ in range(31):  # the prefill, then 30 plain steps: features pile up for the head
+            engine.step()
+        most_pending = max(len(state.pending) for state in drafter._states.values())
+        assert all(state.feature_end - state.num_cached >= 30 for state in drafter._states.values())
+        engine.set_strategy("chain:3")
+        while engine.has_unfinished():
+            engine.step()
+        drafts = [(r.drafted, r.accepted) for r in engine.stats.spec_log]
+        return [engine.pop_output(i) for i in ids], drafts, most_pending
+
+    outputs, drafts, most_pending = run()
+    assert most_pending < 16
+    assert_same(outputs, plain(model, prompts, params))
+    assert sum(d for d, _ in drafts) > 0 and sum(a for _, a in drafts) > 0
+    monkeypatch.setattr(eagle3_drafter_module, "_MERGE_PENDING", 10**6)
+    unmerged_outputs, unmerged_drafts, unmerged_pending = run()
+    assert unmerged_pending > 30 and unmerged_drafts == drafts
+    assert [o.completion_ids for o in unmerged_outputs] == [o.completion_ids for o in outputs]
 
 
 def test_a_tiny_head_pool_gives_no_drafts_but_correct_output():
