@@ -254,6 +254,25 @@ def oracle_bound(results: Sequence[RunResult], bounds: Sequence[int], min_steps:
     return OracleBound("\n".join(lines), none_s, oracle_s)
 
 
+def bucket_weighted(results: Sequence[RunResult], bounds: Sequence[int]) -> dict[str, float]:
+    """Each engine run's decode seconds for the no-speculation run's tokens of every bucket at the
+    run's own goodput there (a bucket the run never reached counts at ``none``'s time).
+
+    At T > 0 speculative sampling draws other completions than plain decoding (equally likely,
+    not the same), so each run gets its own long tail; a pass's total time leans on how long its
+    longest completions happened to be. Weighting every run by the same tokens per bucket removes
+    that luck from the comparison."""
+    runs = {r.name: goodput_by_bucket(r.all_steps, bounds) for r in results if r.all_steps}
+    none = runs["none"]
+    out = {}
+    for name, buckets in runs.items():
+        out[name] = sum(
+            nb.tokens / buckets[b].goodput if b in buckets and buckets[b].goodput else nb.seconds
+            for b, nb in none.items()
+        )
+    return out
+
+
 def plot_adaptive(result: RunResult, path: Path) -> None:
     """Active sequences per decode step, coloured by the strategy the selector chose."""
     plt = pyplot()

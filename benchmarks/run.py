@@ -13,7 +13,14 @@ from ..rollout.selector import SelectorConfig
 from ..tasks.chain_sum import ChainSumConfig, sample_problems
 from ..tasks.sft import load_tiny, load_tiny_eagle3
 from ..trainer_hooks.spec_rollout import SpecRollout
-from .adaptive import long_tail_table, measure_long_tail, measure_uniform, oracle_bound, plot_adaptive
+from .adaptive import (
+    bucket_weighted,
+    long_tail_table,
+    measure_long_tail,
+    measure_uniform,
+    oracle_bound,
+    plot_adaptive,
+)
 from .atts import ATTS_TITLE, ATTSBenchConfig, atts_section, atts_table, measure_atts, plot_atts
 from .e2e import e2e_section, e2e_table, measure_e2e, plot_e2e
 from .eagle3 import eagle3_table, measure_eagle3, measure_head_cost, plot_eagle3
@@ -289,6 +296,11 @@ def long_tail_section(model, tokenizer, params: SamplingParams, docs: Path, quic
     table = long_tail_table(results)
     uniform_table = long_tail_table(uniform)
     oracle = oracle_bound(results, SelectorConfig().bucket_bounds)
+    weighted = bucket_weighted(results, SelectorConfig().bucket_bounds)
+    weighted_table = "\n".join(
+        ["| run | decode s, `none`'s tokens per bucket | vs none |", "|---|---:|---:|"]
+        + [f"| {name} | {s:.2f} | {weighted['none'] / s:.2f}x |" for name, s in weighted.items()]
+    )
     lengths = sorted(len(p) for p in prompts)
     body = (
         f"{len(prompts)} chain-sum prompts in one `generate` call (one GRPO rollout's worth), the shipped "
@@ -309,6 +321,10 @@ def long_tail_section(model, tokenizer, params: SamplingParams, docs: Path, quic
         f"goodput takes {oracle.oracle_decode_s:.2f} s against its {oracle.none_decode_s:.2f} s, a bound of "
         f"**{oracle.speedup:.2f}x** over no speculation for any per-bucket choice on this machine with these "
         f"drafters (prefill, the same for all, left out).\n\n{oracle.table}\n\n"
+        f"**Weighted by the same tokens per bucket.** At T = 1 speculative sampling draws other completions "
+        f"than plain decoding (as likely, not the same), so every run has its own long tail, and a pass's "
+        f"total leans on how long its longest completions happened to be. Decoding the no-speculation run's "
+        f"tokens of every bucket at each run's own goodput there takes:\n\n{weighted_table}\n\n"
         f"**Uniform lengths, full batch** ({len(prompts)} sequences, every one exactly "
         f"{64 if quick else 128} tokens, EOS ignored): where speculation cannot pay, adaptive should cost "
         f"nothing.\n\n{uniform_table}"

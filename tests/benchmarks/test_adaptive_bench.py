@@ -1,5 +1,8 @@
+import pytest
+
 from tailspec.benchmarks.adaptive import (
     RunResult,
+    bucket_weighted,
     goodput_by_bucket,
     long_tail_table,
     measure_long_tail,
@@ -28,6 +31,9 @@ def test_measure_and_report_long_tail(tmp_path):
     oracle = oracle_bound(results, (1, 2, 4, 1024), min_steps=1)
     assert oracle.oracle_decode_s <= oracle.none_decode_s and oracle.speedup >= 1.0
     assert "`none` tok/s" in oracle.table and "`adaptive (warm)` tok/s" in oracle.table
+    weighted = bucket_weighted(results, (1, 2, 4, 1024))
+    assert set(weighted) == set(names) - {"HF generate"}
+    assert weighted["none"] == pytest.approx(sum(s.seconds for s in results[1].all_steps))
     plot_adaptive(adaptive, tmp_path / "a.png")
     assert (tmp_path / "a.png").stat().st_size > 0
     uniform = measure_uniform(model, drafter, prompts, params, [1], repeats=2)
@@ -52,3 +58,7 @@ def test_goodput_buckets_and_the_oracle_bound():
     assert oracle.speedup == 10.0 / 7.5
     assert "| 1 | 5.00 | 10 | 20 | 100 | `chain:2` |" in oracle.table
     assert "| >4 | 5.00 | 80 | 40 | - | `none` |" in oracle.table
+    # weighted by none's tokens per bucket: chain:2 takes 2.5 s in bucket 1 and 400 / 40 = 10 s in
+    # the last; "tree" never reached the last bucket, which counts at none's 5 s there
+    weighted = bucket_weighted([none, chain, few], bounds)
+    assert weighted == {"none": 10.0, "chain:2": 12.5, "tree": 0.5 + 5.0}
