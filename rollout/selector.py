@@ -13,12 +13,12 @@ catch-up on tokens owed by earlier steps (``Drafter.catch_up_debt_s``): the firs
 step after a run of plain ones would otherwise look as slow as all the catching up it does.
 
 Exploring costs most where the batch is large, and a rollout starts there. An untried arm is
-skipped (kept at an estimate) when a measurement already says it loses clearly (below
-``prune_ratio`` x the bucket's best): the same arm on a smaller batch (speculation returns less
-the more sequences share a step), or, in the same bucket, every *narrower* arm of its drafters
-(fewer draft nodes per sequence) -- a wider draft adds verification rows for tokens accepted ever
-less often, so where ``chain:2`` loses clearly, ``tree:4,2,8`` does not win. Narrow arms are
-therefore explored first.
+skipped (kept at an estimate) when a measurement already says it loses: the same arm on a
+smaller batch, below ``prune_ratio`` x the bucket's best (speculation returns less the more
+sequences share a step), or, in the same bucket, every *narrower* arm of its drafters (fewer
+draft nodes per sequence), below ``width_prune_ratio`` x the best -- a wider draft adds
+verification rows for tokens accepted ever less often, so where ``chain:2`` loses,
+``tree:4,2,8`` does not win. Narrow arms are therefore explored first.
 
 When the model drafter's weights change (``on_drafter_version``), the estimates of the arms that
 use it are decayed (only the newest ``decay_keep`` rewards stay) or reset; state persists across
@@ -51,7 +51,8 @@ class SelectorConfig:
     min_trials: int = 1  # tries of every arm in a bucket before exploiting
     min_sequence_steps: int = 8  # ... and at least this many sequence-steps (trials x batch size)
     speculate_up_to: int | None = None  # prior: above this many active sequences, try "none" first
-    prune_ratio: float = 0.7  # skip exploring an arm measured (or bounded) below this x the bucket's best
+    prune_ratio: float = 0.7  # skip exploring an arm a smaller batch measured below this x the bucket's best
+    width_prune_ratio: float = 0.9  # ... or whose every narrower arm measured below this x the best here
     drafter_update: str = "decay"  # what a new drafter version does to model-drafter arms: decay | reset
     decay_keep: int = 4
     seed: int = 0
@@ -87,6 +88,7 @@ class SelectorConfig:
             ("drafter_update", self.drafter_update in ("decay", "reset"), "'decay' or 'reset'"),
             ("decay_keep", isinstance(self.decay_keep, int) and self.decay_keep >= 0, "an int >= 0"),
             ("prune_ratio", 0 <= self.prune_ratio <= 1, "a float in [0, 1]"),
+            ("width_prune_ratio", 0 <= self.width_prune_ratio <= 1, "a float in [0, 1]"),
         ]
         for name, ok, allowed in checks:
             if not ok:
@@ -183,14 +185,21 @@ class StrategySelector:
         for arm in self._order(b):
             if len(stats[arm].rewards) >= self._trials_needed(b):
                 continue
-            guesses = [g for g in (self._neighbour_estimate(b, arm), self._narrower_estimate(b, arm)) if g is not None]
-            guess = min(guesses) if guesses else None
             measured = [s.mean for s in stats.values() if s.rewards]
-            prior = self.config.speculate_up_to
-            if guess is None and measured and prior is not None and self.config.bucket_bounds[b] > prior:
-                guess = 0.5 * max(measured) if arm.speculative else None  # the prior: speculation loses here
-            if guess is not None and not stats[arm].rewards and guess < self.config.prune_ratio * max(measured):
-                estimates[arm] = guess  # a smaller batch says it loses clearly: do not pay to explore it here
+            if stats[arm].rewards or not measured:
+                return arm
+            best, cfg = max(measured), self.config
+            neighbour, narrower = self._neighbour_estimate(b, arm), self._narrower_estimate(b, arm)
+            losses = [
+                g
+                for g, ratio in ((neighbour, cfg.prune_ratio), (narrower, cfg.width_prune_ratio))
+                if g is not None and g < ratio * best
+            ]
+            if not losses and arm.speculative and cfg.speculate_up_to is not None:
+                if neighbour is None and cfg.bucket_bounds[b] > cfg.speculate_up_to:
+                    losses = [0.5 * best]  # the prior: speculation loses here
+            if losses:
+                estimates[arm] = min(losses)  # a measurement says it loses clearly: do not pay to explore it
                 continue
             return arm
         means = {a: (s.mean if s.rewards else estimates.get(a, 0.0)) for a, s in stats.items()}

@@ -161,7 +161,7 @@ def test_a_narrow_arm_losing_clearly_spares_exploring_the_wider_ones(narrow_rati
     tried = {arm for _, arm in picks}
     wider_model_arms = {"chain:4", "tree:4,2,8", "hybrid:4,2,12"}
     assert {"none", "chain:2", "suffix:8,2,16"} <= tried
-    if narrow_ratio < selector.config.prune_ratio:
+    if narrow_ratio < selector.config.width_prune_ratio:
         assert not tried & wider_model_arms
         assert sum(arm == "none" for _, arm in picks) >= 110
     else:
@@ -219,7 +219,9 @@ def test_adaptive_engine_matches_plain_decoding(arch):
     want = RolloutEngine(model, RolloutConfig()).generate(prompts, params)
     engine = RolloutEngine(
         model,
-        RolloutConfig(strategy="adaptive", selector={"min_trials": 1, "seed": 3, "prune_ratio": 0.0}),  # try every arm
+        RolloutConfig(
+            strategy="adaptive", selector={"seed": 3, "prune_ratio": 0.0, "width_prune_ratio": 0.0}
+        ),  # try every arm
         drafter=drafter,
     )
     for _ in range(2):  # the second call starts from what the first learned
