@@ -141,9 +141,6 @@ class Drafter(ABC):
     #: target layers whose *inputs* this drafter reads (EAGLE-style heads); ``None`` = none. When
     #: set, the engine taps them in every target forward and calls :meth:`observe`.
     feature_layers: tuple[int, ...] | None = None
-    #: seconds of the last :meth:`propose` spent catching up on work owed by other steps (tokens
-    #: emitted while this drafter did not run, a new sequence's prompt); see :func:`owed_seconds`
-    catch_up_debt_s: float = 0.0
 
     def bind(self, vocab_size: int, tokenizer=None) -> None:  # noqa: B027 - optional hook
         """Check that the drafter can serve a target with this vocabulary; raise ValueError if not."""
@@ -168,14 +165,3 @@ class Drafter(ABC):
 
     def finished(self, seq: EngineSequence) -> None:  # noqa: B027 - optional hook
         """``seq`` finished normally (its completion may be remembered); ``release`` follows."""
-
-
-def owed_seconds(seconds: float, rows_per_seq: Sequence[int], steady_rows: int) -> float:
-    """The share of a catch-up forward's ``seconds`` spent on rows beyond ``steady_rows`` per
-    sequence (what one step of the drafter leaves to catch up on: the tokens it emitted), split by
-    rows. That work is owed by the steps that ran without the drafter (and by new prompts): the
-    same whichever arm pays it, so the adaptive selector leaves it out of the paying step's goodput.
-    Host time: on CUDA the forward is asynchronous and this reads low (no synchronisation added)."""
-    total = sum(rows_per_seq)
-    owed = sum(max(0, rows - steady_rows) for rows in rows_per_seq)
-    return seconds * owed / total if total else 0.0

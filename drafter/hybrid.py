@@ -58,10 +58,6 @@ class HybridDrafter(Drafter):
         self.suffix_drafter = suffix_drafter
         self._model_chain: dict[int, list[int]] = {}  # seq -> the model's chain, when it proposed one
 
-    @property
-    def catch_up_debt_s(self) -> float:  # the suffix drafter never catches up
-        return self.model_drafter.catch_up_debt_s
-
     def propose(self, requests: Seq[DraftRequest], shape: DraftShape) -> list[DraftTree]:
         model_trees = self.model_drafter.propose(requests, shape)
         suffix_trees = self.suffix_drafter.propose(requests, shape)

@@ -21,7 +21,6 @@ not fit evicts the least recently used drafter state, or gets no draft this step
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Iterator
 from collections.abc import Sequence as Seq
 from contextlib import contextmanager
@@ -33,7 +32,7 @@ from ..rollout.attention import SequenceSlice, paged_attention_enabled
 from ..rollout.kv_cache import blocks_for
 from ..rollout.model_runner import ModelRunner
 from ..rollout.request import Sequence
-from .base import Drafter, DraftRequest, DraftShape, DraftTree, owed_seconds
+from .base import Drafter, DraftRequest, DraftShape, DraftTree
 from .draft_sampling import ChainDrafts, draft_generator
 from .tree_search import LevelInput, grow_trees
 
@@ -177,7 +176,6 @@ class SmallLMDrafter(Drafter):
             if self._can_read(r.seq) and self._ensure_room(r.seq.seq_id, r.seq.num_tokens + extra, busy)
         ]
         trees = {id(r): DraftTree() for r in requests}
-        self.catch_up_debt_s = 0.0
         if live:
             with self._inference():
                 seqs = [r.seq for r in live]
@@ -185,10 +183,7 @@ class SmallLMDrafter(Drafter):
                 for seq in seqs:
                     st = self._states[seq.seq_id]
                     st.num_cached = min(st.num_cached, seq.num_tokens - 1)
-                rows = [seq.num_tokens - self._states[seq.seq_id].num_cached for seq in seqs]
-                start = time.perf_counter()
                 root_logits = self._catch_up(seqs)
-                self.catch_up_debt_s = owed_seconds(time.perf_counter() - start, rows, shape.depth + 1)
                 for seq in seqs:
                     self._draft_base[seq.seq_id] = seq.num_tokens
                 drafted = self._chain(live, root_logits) if shape.is_chain else self._tree(live, root_logits, shape)

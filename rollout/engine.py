@@ -542,9 +542,7 @@ class RolloutEngine:
         seconds = time.perf_counter() - start
         emitted = self.stats.generated_tokens - before
         if self.selector is not None and self.strategy.adaptive:
-            # catch-up work owed by earlier steps is not this arm's cost (it is inside ``seconds``)
-            owed = self._drafter_for(strategy).catch_up_debt_s if strategy.speculative else 0.0
-            self.selector.observe(n, strategy, emitted, seconds - owed)
+            self.selector.observe(n, strategy, emitted, seconds)
         self._peak_active = max(self._peak_active, n)
         in_tail = n <= self.config.tail_fraction * self._peak_active
         st = self.stats

@@ -8,9 +8,9 @@ exploits by UCB (mean plus a bonus that shrinks as the arm is tried, scaled by t
 mean) or epsilon-greedy. No batch-size threshold is needed: speculation turns itself off
 wherever its measured goodput is lower than plain decoding's. A
 configured ``speculate_up_to`` acts only as a prior (above it, plain decoding is tried first and
-speculative arms need to beat it on measurements). A step's time leaves out the drafter's
-catch-up on tokens owed by earlier steps (``Drafter.catch_up_debt_s``): the first model-drafter
-step after a run of plain ones would otherwise look as slow as all the catching up it does.
+speculative arms need to beat it on measurements). A model-drafter arm's first step after plain
+ones includes the drafter's catch-up on their tokens: a real cost of switching to it, which
+``min_sequence_steps`` spreads over several trials on small batches.
 
 Exploring costs most where the batch is large, and a rollout starts there. An untried arm is
 skipped (kept at an estimate) when a measurement already says it loses: the same arm on a

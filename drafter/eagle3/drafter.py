@@ -18,7 +18,6 @@ cannot hold this step simply gets no draft; its features wait for the next step.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 
@@ -28,7 +27,7 @@ from ...rollout.attention import METADATA_KWARG, SequenceSlice, build_metadata, 
 from ...rollout.kv_cache import KVLayout, PagedKVCache, blocks_for
 from ...rollout.model_runner import model_device_dtype
 from ...rollout.request import Sequence
-from ..base import Drafter, DraftRequest, DraftShape, DraftTree, owed_seconds
+from ..base import Drafter, DraftRequest, DraftShape, DraftTree
 from ..draft_sampling import ChainDrafts, draft_generator
 from ..tree_search import LevelInput, grow_trees
 from .data import FeatureBuffer, SequenceRecorder
@@ -195,18 +194,12 @@ class Eagle3Drafter(Drafter):
             ):
                 live.append(r)
         trees = {id(r): DraftTree() for r in requests}
-        self.catch_up_debt_s = 0.0
         if live:
             was_training = self.head.training
             self.head.eval()
             try:
                 with torch.no_grad():
-                    rows = [
-                        self._states[r.seq.seq_id].feature_end - self._states[r.seq.seq_id].num_cached for r in live
-                    ]
-                    start = time.perf_counter()
                     hidden, logits = self._catch_up([r.seq for r in live])
-                    self.catch_up_debt_s = owed_seconds(time.perf_counter() - start, rows, shape.depth + 1)
                     drafted = (
                         self._chain(live, hidden, logits) if shape.is_chain else self._tree(live, hidden, logits, shape)
                     )

@@ -1,10 +1,7 @@
 import pytest
 import torch
 
-from tailspec.drafter.base import DraftShape, DraftTree, owed_seconds
-from tailspec.drafter.eagle3 import Eagle3Config, Eagle3Drafter, Eagle3Head
-from tailspec.rollout import RolloutConfig, RolloutEngine, SamplingParams
-from tailspec.testing import perturbed_copy, tiny_random_model
+from tailspec.drafter.base import DraftShape, DraftTree
 
 
 def test_tree_structure_helpers():
@@ -47,33 +44,3 @@ def test_shape_node_count():
     assert DraftShape(4).max_nodes == 4 and DraftShape(4).is_chain
     assert DraftShape(3, 2).max_nodes == 6
     assert DraftShape(3, 2, 5).max_nodes == 5
-
-
-def test_owed_seconds_splits_a_catch_up_by_rows():
-    # rows beyond what one step leaves (3): 7 of the first sequence's 10, none of the others'
-    assert owed_seconds(1.4, [10, 3, 1], steady_rows=3) == pytest.approx(1.4 * 7 / 14)
-    assert owed_seconds(1.0, [3, 2], steady_rows=3) == 0.0
-    assert owed_seconds(1.0, [], steady_rows=3) == 0.0
-
-
-@pytest.mark.parametrize("kind", ["small_lm", "eagle3"])
-def test_a_catch_up_after_plain_steps_is_reported_as_owed(kind):
-    """The first model-drafter step after plain ones catches up on their tokens: that work is
-    reported as owed (the adaptive selector leaves it out of the arm's goodput); the next step of
-    the same drafter only catches up on its own emitted tokens and owes nothing."""
-    model = tiny_random_model("llama", seed=1)
-    if kind == "small_lm":
-        drafter = perturbed_copy(model, noise=0.1, seed=2)
-    else:
-        torch.manual_seed(0)
-        drafter = Eagle3Drafter(Eagle3Head(Eagle3Config.for_target(model.config)), model)
-    engine = RolloutEngine(model, RolloutConfig(strategy="none"), drafter=drafter)
-    engine.add_request([5, 6, 7, 8], SamplingParams(max_new_tokens=40, temperature=0.0, ignore_eos=True))
-    for _ in range(12):  # the prefill and 11 plain steps
-        engine.step()
-    engine.set_strategy("chain:2")
-    engine.step()
-    wrapped = engine.drafter
-    assert wrapped.catch_up_debt_s > 0
-    engine.step()
-    assert wrapped.catch_up_debt_s == 0.0
