@@ -295,8 +295,9 @@ def long_tail_section(model, tokenizer, params: SamplingParams, docs: Path, quic
     uniform = measure_uniform(model, head, prompts, params.with_updates(max_new_tokens=64 if quick else 128), eos)
     table = long_tail_table(results)
     uniform_table = long_tail_table(uniform)
-    oracle = oracle_bound(results, SelectorConfig().bucket_bounds)
-    weighted = bucket_weighted(results, SelectorConfig().bucket_bounds)
+    bounds = SelectorConfig().bucket_bounds
+    oracle = oracle_bound(results, bounds)
+    weighted = bucket_weighted(results, bounds)
     weighted_table = "\n".join(
         ["| run | decode s, `none`'s tokens per bucket | vs none |", "|---|---:|---:|"]
         + [f"| {name} | {s:.2f} | {weighted['none'] / s:.2f}x |" for name, s in weighted.items()]

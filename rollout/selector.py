@@ -115,6 +115,19 @@ class StrategySelector:
         if not self.arms:
             raise ValueError("no selector arm can run without a model drafter; add 'none' or 'suffix' arms")
         self._none = next((a for a in self.arms if a.kind == "none"), None)
+        # the order untried arms are explored in: plain decoding first (the baseline the others are
+        # compared with), then the speculative arms, narrowest draft first
+        speculative = sorted((a for a in self.arms if a is not self._none), key=lambda a: a.max_draft_nodes)
+        self._explore_order = speculative if self._none is None else [self._none, *speculative]
+        # per arm, the speculative arms it contains: a subset of its drafters, at most as many draft nodes
+        self._narrower = {
+            arm: [
+                a
+                for a in speculative
+                if a is not arm and a.drafters <= arm.drafters and a.max_draft_nodes <= arm.max_draft_nodes
+            ]
+            for arm in self.arms
+        }
         w = self.config.window
         self._stats: list[dict[Strategy, ArmStats]] = [
             {a: ArmStats(deque(maxlen=w)) for a in self.arms} for _ in self.config.bucket_bounds
@@ -133,13 +146,6 @@ class StrategySelector:
         ones also pays the drafter's catch-up), one step of 64 sequences averages 64 of them."""
         smallest = self.config.bucket_bounds[b - 1] + 1 if b else 1
         return max(self.config.min_trials, math.ceil(self.config.min_sequence_steps / smallest))
-
-    def _order(self, b: int) -> list[Strategy]:
-        """Arms in the order untried ones are explored: plain decoding first (the baseline the
-        others are compared with); with the ``speculate_up_to`` prior, above it only plain
-        decoding until it has ``min_trials`` rewards, then the rest, narrowest draft first."""
-        speculative = sorted((a for a in self.arms if a is not self._none), key=lambda a: a.max_draft_nodes)
-        return speculative if self._none is None else [self._none, *speculative]
 
     def _relative(self, b: int, arm: Strategy) -> float | None:
         """``arm``'s goodput relative to the best arm of bucket ``b`` (None if not measured there)."""
@@ -165,30 +171,22 @@ class StrategySelector:
         return None
 
     def _narrower_estimate(self, b: int, arm: Strategy) -> float | None:
-        """The best goodput measured in bucket ``b`` by an arm that ``arm`` contains: speculative,
-        running a subset of ``arm``'s drafters, with at most as many draft nodes per sequence."""
-        narrower = [
-            s.mean
-            for a, s in self._stats[b].items()
-            if a is not arm
-            and a.speculative
-            and s.rewards
-            and a.drafters <= arm.drafters
-            and a.max_draft_nodes <= arm.max_draft_nodes
-        ]
+        """The best goodput measured in bucket ``b`` by an arm that ``arm`` contains."""
+        stats = self._stats[b]
+        narrower = [stats[a].mean for a in self._narrower[arm] if stats[a].rewards]
         return max(narrower) if narrower else None
 
     def choose(self, num_active: int) -> Strategy:
         b = self.bucket(num_active)
         stats = self._stats[b]
         estimates: dict[Strategy, float] = {}
-        for arm in self._order(b):
-            if len(stats[arm].rewards) >= self._trials_needed(b):
+        best = max((s.mean for s in stats.values() if s.rewards), default=None)
+        cfg, needed = self.config, self._trials_needed(b)
+        for arm in self._explore_order:
+            if len(stats[arm].rewards) >= needed:
                 continue
-            measured = [s.mean for s in stats.values() if s.rewards]
-            if stats[arm].rewards or not measured:
+            if stats[arm].rewards or best is None:
                 return arm
-            best, cfg = max(measured), self.config
             neighbour, narrower = self._neighbour_estimate(b, arm), self._narrower_estimate(b, arm)
             losses = [
                 g

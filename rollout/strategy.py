@@ -31,6 +31,14 @@ GRAMMAR = (
 )
 DEFAULT_SUFFIX_SHAPE = DraftShape(depth=8, topk=2, budget=16)
 DEFAULT_HYBRID_SHAPE = DraftShape(depth=4, topk=2, budget=12)
+_DRAFTERS = {
+    "none": frozenset(),
+    "adaptive": frozenset(),
+    "chain": frozenset({"model"}),
+    "tree": frozenset({"model"}),
+    "suffix": frozenset({"suffix"}),
+    "hybrid": frozenset({"model", "suffix"}),
+}
 
 
 @dataclass(frozen=True)
@@ -47,17 +55,13 @@ class Strategy:
         return self.kind == "adaptive"
 
     @property
-    def uses_model_drafter(self) -> bool:
-        return self.kind in ("chain", "tree", "hybrid")
-
-    @property
     def drafters(self) -> frozenset[str]:
         """The drafters a step of this strategy runs: ``"model"`` and/or ``"suffix"``."""
-        return frozenset(
-            name
-            for name, used in (("model", self.uses_model_drafter), ("suffix", self.kind in ("suffix", "hybrid")))
-            if used
-        )
+        return _DRAFTERS[self.kind]
+
+    @property
+    def uses_model_drafter(self) -> bool:
+        return "model" in self.drafters
 
     @property
     def max_draft_nodes(self) -> int:
