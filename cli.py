@@ -1,4 +1,5 @@
-"""The ``tailspec`` command line: ``demo``, ``bench``, ``atts``, ``drafter warmup|export``, ``train-tiny``."""
+"""The ``tailspec`` command line: ``demo``, ``bench``, ``atts``, ``drafter warmup|export``, ``train-tiny``,
+``train-deep``."""
 
 from __future__ import annotations
 
@@ -42,10 +43,13 @@ def _bench(args: argparse.Namespace) -> int:
         run_bench,
         run_e2e_section,
         run_spot_training_section,
+        run_sweep_section,
     )
 
     if args.section == "adaptive":
-        print(run_adaptive_section(Path(args.out), quick=args.quick))
+        print(run_adaptive_section(Path(args.out), quick=args.quick, policy=args.policy, threads=args.threads))
+    elif args.section == "sweep":
+        print(run_sweep_section(Path(args.out), quick=args.quick, policy=args.policy, threads=args.threads))
     elif args.section == "atts":
         print(run_atts_section(Path(args.out), quick=args.quick))
     elif args.section == "spot_training":
@@ -98,12 +102,18 @@ def _train_tiny(args: argparse.Namespace) -> int:
     return sft_main(args.rest) or 0
 
 
-def _load_policy(spec: str, tokenizer_path: str | None):
-    """``tiny`` (the shipped policy) or a local Hugging Face model directory."""
-    if spec == "tiny":
-        from .tasks.sft import load_tiny
+def _train_deep(args: argparse.Namespace) -> int:
+    from .tasks.deep import main as deep_main
 
-        return load_tiny("policy")
+    return deep_main(args.rest) or 0
+
+
+def _load_policy(spec: str, tokenizer_path: str | None):
+    """``tiny`` / ``deep`` (a shipped policy) or a local Hugging Face model directory."""
+    from .tasks.sft import SHIPPED_POLICIES, load_shipped
+
+    if spec in SHIPPED_POLICIES:
+        return load_shipped(spec, "policy")
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     model = AutoModelForCausalLM.from_pretrained(spec, dtype="auto").eval()
@@ -187,10 +197,17 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--quick", action="store_true", help="fewer prompts (for a smoke run)")
     bench.add_argument(
         "--section",
-        choices=["all", "adaptive", "spot_training", "e2e", "atts"],
+        choices=["all", "sweep", "adaptive", "spot_training", "e2e", "atts"],
         default="all",
-        help="all: rewrite the whole report; adaptive / spot_training / e2e / atts: only that section, in place",
+        help="all: rewrite the whole report; sweep / adaptive / spot_training / e2e / atts: only that section",
     )
+    bench.add_argument(
+        "--policy",
+        choices=["tiny", "deep"],
+        default="deep",
+        help="shipped policy for the sweep and adaptive sections (default: deep, the realistic shape)",
+    )
+    bench.add_argument("--threads", type=int, default=1, help="torch threads for the sweep and adaptive sections")
     bench.set_defaults(func=_bench)
 
     atts = sub.add_parser(
@@ -213,7 +230,9 @@ def build_parser() -> argparse.ArgumentParser:
     drafter = sub.add_parser("drafter", help="EAGLE-3 drafter heads: warm-up training and export")
     dsub = drafter.add_subparsers(dest="drafter_command", required=True)
     warm = dsub.add_parser("warmup", help="train a head offline from a policy's rollouts before RL starts")
-    warm.add_argument("--policy", default="tiny", help="'tiny' (the shipped policy) or a local HF model directory")
+    warm.add_argument(
+        "--policy", default="tiny", help="'tiny' / 'deep' (a shipped policy) or a local HF model directory"
+    )
     warm.add_argument("--tokenizer", help="tokenizer directory (default: the policy's)")
     warm.add_argument("--prompts", default="chain-sum", help="'chain-sum' or a JSONL file of {\"prompt\": ...}")
     warm.add_argument("--num-prompts", type=int, default=192)
@@ -239,6 +258,13 @@ def build_parser() -> argparse.ArgumentParser:
         add_help=False,
     )
     tiny.set_defaults(func=_train_tiny)
+    deep = sub.add_parser(
+        "train-deep",
+        help="recipe for the shipped deep policy: grow the tiny one to 24 layers, fine-tune, distill a drafter LM, "
+        "warm an EAGLE-3 head (options: tailspec train-deep --help)",
+        add_help=False,
+    )
+    deep.set_defaults(func=_train_deep)
     return parser
 
 
@@ -246,7 +272,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args, rest = parser.parse_known_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)
-    if args.func is _train_tiny:
+    if args.func in (_train_tiny, _train_deep):
         args.rest = rest
     elif rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")

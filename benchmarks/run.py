@@ -4,14 +4,17 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from ..rollout.params import RolloutConfig, SamplingParams
 from ..rollout.selector import SelectorConfig
 from ..tasks.chain_sum import ChainSumConfig, sample_problems
-from ..tasks.sft import load_tiny, load_tiny_eagle3
+from ..tasks.sft import load_shipped, load_shipped_eagle3, load_tiny, load_tiny_eagle3
 from ..trainer_hooks.spec_rollout import SpecRollout
 from .adaptive import (
     bucket_weighted,
@@ -34,6 +37,7 @@ from .speculative import (
     speculative_table,
 )
 from .spot_training import measure_spot_training, plot_spot, spot_section, spot_table
+from .sweep import Arm, best_ratio, measure_sweep, plot_sweep, sweep_table
 from .throughput import measure_throughput
 
 logger = logging.getLogger(__name__)
@@ -43,6 +47,39 @@ def task_prompts(tokenizer, num: int, seed: int) -> list[list[int]]:
     problems = sample_problems(num, seed=seed, cfg=ChainSumConfig())
     conversations = [[{"role": "user", "content": p.question}] for p in problems]
     return SpecRollout.tokenize_prompts(conversations, tokenizer)
+
+
+@dataclass
+class BenchPolicy:
+    """A shipped policy with its drafters: ``tiny`` (4 x 256, for tests) or ``deep`` (24 x 256)."""
+
+    name: str
+    model: Any
+    tokenizer: Any
+    head: Any  # its EAGLE-3 head
+    drafter_lm: Any
+
+    @classmethod
+    def load(cls, name: str) -> BenchPolicy:
+        model, tokenizer = load_shipped(name, "policy")
+        return cls(name, model, tokenizer, load_shipped_eagle3(name), load_shipped(name, "drafter")[0])
+
+    def describe(self) -> str:
+        c = self.model.config
+        params = sum(p.numel() for p in self.model.parameters())
+        shape = f"{c.num_hidden_layers} layers x hidden {c.hidden_size}, {params / 1e6:.1f}M parameters"
+        return f"the shipped {self.name} policy ({shape})"
+
+
+@contextmanager
+def torch_threads(n: int):
+    """Measure with ``n`` intra-op threads (one per process gives the steadiest ratios on a shared CPU)."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
 
 
 SPOT_TITLE = "Spot drafter training on Ray workers"
@@ -65,13 +102,75 @@ def run_e2e_section(out: Path, quick: bool = False, seed: int = 0) -> str:
     return _rewrite_section(out, quick, E2E_TITLE, "e2e", runs, plot_e2e, e2e_section, e2e_table)
 
 
-def run_adaptive_section(out: Path, quick: bool = False, seed: int = 1234) -> str:
-    """Only the long-tail adaptive comparison, written into ``out`` in place."""
+def adaptive_title(policy: str) -> str:
+    return ADAPTIVE_TITLE if policy == "tiny" else f"{ADAPTIVE_TITLE}: {policy} policy"
+
+
+def run_adaptive_section(
+    out: Path, quick: bool = False, seed: int = 1234, policy: str = "tiny", threads: int = 1
+) -> str:
+    """Only the long-tail adaptive comparison on ``policy``, written into ``out`` in place."""
     torch.manual_seed(seed)
-    model, tokenizer = load_tiny("policy")
+    bench = BenchPolicy.load(policy)
     params = SamplingParams(temperature=1.0, max_new_tokens=384)
-    body, table = long_tail_section(model, tokenizer, params, out.parent, quick, seed)
-    replace_section(out, ADAPTIVE_TITLE, body, "tailspec bench --section adaptive" + (" --quick" if quick else ""))
+    with torch_threads(threads):
+        body, table = long_tail_section(bench, params, out.parent, quick, seed)
+    command = f"tailspec bench --section adaptive --policy {policy}" + (" --quick" if quick else "")
+    replace_section(out, adaptive_title(policy), body, command)
+    return table
+
+
+SWEEP_TITLE = "Batch-size sweep: every drafter against plain decoding"
+SWEEP_ARMS = (
+    Arm("none", "none"),
+    Arm("chain:2, EAGLE-3", "chain:2", "eagle3"),
+    Arm("chain:4, EAGLE-3", "chain:4", "eagle3"),
+    Arm("tree:4,2,8, EAGLE-3", "tree:4,2,8", "eagle3"),
+    Arm("chain:3, drafter LM", "chain:3", "lm"),
+    Arm("chain:4, drafter LM", "chain:4", "lm"),
+    Arm("tree:4,2,8, drafter LM", "tree:4,2,8", "lm"),
+)
+
+
+def run_sweep_section(out: Path, quick: bool = False, seed: int = 1234, policy: str = "deep", threads: int = 1) -> str:
+    """Every arm against ``none`` at batch 1, 4 and 16 on ``policy`` (interleaved passes), in place."""
+    bench = BenchPolicy.load(policy)
+    params = SamplingParams(temperature=1.0, max_new_tokens=384)
+    prompts = task_prompts(bench.tokenizer, 64, seed + 5)
+    warmup = task_prompts(bench.tokenizer, 2, seed + 1)
+    per_size = {1: 3, 4: 4, 16: 16} if quick else {1: 12, 4: 16, 16: 32}
+    drafters = {"eagle3": bench.head, "lm": bench.drafter_lm}
+    with torch_threads(threads):
+        cells = measure_sweep(
+            bench.model,
+            drafters,
+            SWEEP_ARMS,
+            prompts,
+            warmup,
+            params,
+            (1, 4, 16),
+            per_size,
+            [bench.tokenizer.eos_token_id],
+            passes=2 if quick else 3,
+        )
+    plot_name = f"bench_sweep_{policy}.png"
+    plot_sweep(cells, out.parent / plot_name)
+    table = sweep_table(cells)
+    best = [(name, best_ratio(cells, 1, key)) for name, key in (("EAGLE-3 head", "eagle3"), ("drafter LM", "lm"))]
+    best_line = "; ".join(f"{name}: `{c.arm.strategy}` {c.ratio:.2f}x" for name, c in best if c is not None)
+    body = (
+        f"Target: {bench.describe()}; drafters: its EAGLE-3 head and its drafter LM ("
+        f"{sum(p.numel() for p in bench.drafter_lm.parameters()) / 1e6:.1f}M parameters). Chain-sum prompts "
+        f"at T = 1.0, at most {params.max_new_tokens} new tokens, {threads} torch thread(s). Each arm is one "
+        f"engine per batch size making {2 if quick else 3} passes over the same prompts ({per_size[1]}, {per_size[4]} and "
+        f"{per_size[16]} prompts at batch 1, 4 and 16), interleaved with the others pass by pass; *vs none* is "
+        f"the median of the same-pass ratios of tokens/s, with their smallest and largest. *step ms* splits a "
+        f"decode step into drafting, the target's forward (for speculative arms: the verification forward) "
+        f"and the rest (sampling, acceptance, KV bookkeeping). Best at batch 1: {best_line}.\n\n"
+        f"{table}\n\n![sweep]({plot_name})"
+    )
+    command = f"tailspec bench --section sweep --policy {policy}" + (" --quick" if quick else "")
+    replace_section(out, f"{SWEEP_TITLE}: {policy} policy", body, command)
     return table
 
 
@@ -127,7 +226,7 @@ def run_bench(out: Path, quick: bool = False, seed: int = 1234) -> str:
     )
     spec_section, spec_table = speculative_section(model, tokenizer, prompts, params, docs, quick, seed)
     eagle_section, eagle_tab = eagle3_section(model, tokenizer, params, docs, quick, seed)
-    adaptive_section, adaptive_tab = long_tail_section(model, tokenizer, params, docs, quick, seed)
+    adaptive_section, adaptive_tab = long_tail_section(BenchPolicy.load("tiny"), params, docs, quick, seed)
     kernel_section = kernels_section_for_this_machine(model, tokenizer, quick)
     spot_runs = measure_spot_training(3 if quick else 8, workers=2, seed=0, quick=quick)
     plot_spot(spot_runs, docs / "bench_spot_training.png")
@@ -284,14 +383,17 @@ def eagle3_section(model, tokenizer, params: SamplingParams, docs: Path, quick: 
     return body, table
 
 
-def long_tail_section(model, tokenizer, params: SamplingParams, docs: Path, quick: bool, seed: int) -> tuple[str, str]:
+def long_tail_section(
+    bench: BenchPolicy, params: SamplingParams, docs: Path, quick: bool, seed: int
+) -> tuple[str, str]:
     """One GRPO-sized rollout with a long tail: adaptive vs every fixed strategy vs none vs HF generate."""
-    head = load_tiny_eagle3()
+    model, tokenizer, head = bench.model, bench.tokenizer, bench.head
     eos = [tokenizer.eos_token_id]
     prompts = task_prompts(tokenizer, 16 if quick else 64, seed + 4)
     results = measure_long_tail(model, head, prompts, params, eos, tokenizer.pad_token_id)
     adaptive = [r for r in results if r.name.startswith("adaptive")]
-    plot_adaptive(adaptive[-1], docs / "bench_adaptive.png")
+    plot_name = "bench_adaptive.png" if bench.name == "tiny" else f"bench_adaptive_{bench.name}.png"
+    plot_adaptive(adaptive[-1], docs / plot_name)
     uniform = measure_uniform(model, head, prompts, params.with_updates(max_new_tokens=64 if quick else 128), eos)
     table = long_tail_table(results)
     uniform_table = long_tail_table(uniform)
@@ -304,9 +406,9 @@ def long_tail_section(model, tokenizer, params: SamplingParams, docs: Path, quic
     )
     lengths = sorted(len(p) for p in prompts)
     body = (
-        f"{len(prompts)} chain-sum prompts in one `generate` call (one GRPO rollout's worth), the shipped "
-        f"tiny policy, T = 1.0, max_new_tokens = {params.max_new_tokens}; the model drafter is the shipped "
-        f"EAGLE-3 head, attached only to the runs that can draft with it (with a head attached, every target "
+        f"{len(prompts)} chain-sum prompts in one `generate` call (one GRPO rollout's worth), "
+        f"{bench.describe()}, {torch.get_num_threads()} torch thread(s), T = 1.0, "
+        f"max_new_tokens = {params.max_new_tokens}; the model drafter is the shipped EAGLE-3 head, attached only to the runs that can draft with it (with a head attached, every target "
         f"forward taps its features, so `none` and `suffix` run without one). Completion lengths are "
         f"heavy-tailed, so the batch drains into a tail of a few long "
         f"sequences (*tail s*: decode time with at most 25% of the wave's peak still active). `adaptive` "
@@ -315,7 +417,7 @@ def long_tail_section(model, tokenizer, params: SamplingParams, docs: Path, quic
         f"second call, as the next RL step finds it. Every contender makes 3 passes (adaptive 4), interleaved "
         f"(pass 1 of each, then pass 2 of each, ...) so that the machine's speed drift hits them alike. "
         f"Prompt lengths {lengths[0]}-{lengths[-1]} tokens.\n\n"
-        f"{table}\n\n![adaptive](bench_adaptive.png)\n\n"
+        f"{table}\n\n![adaptive]({plot_name})\n\n"
         f"**Per batch-size bucket** (the selector's buckets; decode steps of every pass): goodput of each "
         f"run, and the fixed arm that was best there. No selector over these arms can beat the best fixed "
         f"arm of every bucket: decoding the no-speculation run's tokens of each bucket at that bucket's best "

@@ -76,6 +76,7 @@ class EngineStats:
     tail_steps: int = 0
     tail_time_s: float = 0.0
     decode_time_s: float = 0.0
+    decode_model_time_s: float = 0.0  # target forwards inside decode steps (the rest: drafting and bookkeeping)
     batch_sizes: list[int] = field(default_factory=list)
     spec_log: deque[SpecStepRecord] = field(default_factory=lambda: deque(maxlen=4096))
     step_log: deque[StepRecord] = field(default_factory=lambda: deque(maxlen=65536))
@@ -537,9 +538,10 @@ class RolloutEngine:
             if self.drafter is not None:
                 self.selector.on_drafter_version(int(getattr(self.drafter, "version", 0)))
             strategy = self.selector.choose(n)
-        before, start = self.stats.generated_tokens, time.perf_counter()
+        before, model_before, start = self.stats.generated_tokens, self.stats.model_time_s, time.perf_counter()
         finished = self._spec_decode(batch, strategy) if strategy.speculative else self._decode(batch)
         seconds = time.perf_counter() - start
+        self.stats.decode_model_time_s += self.stats.model_time_s - model_before
         emitted = self.stats.generated_tokens - before
         if self.selector is not None and self.strategy.adaptive:
             self.selector.observe(n, strategy, emitted, seconds)

@@ -206,14 +206,48 @@ def train_model(
     out_dir: str | Path | None,
     progress: bool = True,
 ) -> dict[str, Any]:
-    """Train a fresh ``spec`` model with ``sft_cfg``; save it to ``out_dir`` (safetensors) and return metrics.
-
-    Metrics: parameters, steps, first/final loss, a loss curve (mean per ``log_every`` steps),
-    trained (assistant) and processed tokens, wall time and tokens/s.
-    """
+    """Train a fresh ``spec`` model with ``sft_cfg``; save it to ``out_dir`` (safetensors) and return metrics."""
     torch.set_num_threads(sft_cfg.threads)
     torch.manual_seed(sft_cfg.seed)
     model = spec.build(tokenizer)
+    metrics = fit_model(model, sft_cfg, tokenizer, out_dir, progress=progress, desc=f"sft hidden={spec.hidden_size}")
+    if out_dir is not None:
+        _write_metrics(out_dir, {**metrics, "spec": asdict(spec), "config": sft_cfg.to_dict()})
+    return metrics
+
+
+def _write_metrics(out_dir: str | Path, record: dict[str, Any]) -> None:
+    (Path(out_dir) / "sft_metrics.json").write_text(json.dumps(record, indent=2) + "\n")
+
+
+def distillation_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Mean KL(teacher || student) of the next-token distributions at the positions ``labels`` trains
+    on (the same shift as the LM loss): what a drafter must match for its drafts to be accepted."""
+    mask = labels[:, 1:] != -100
+    s = torch.log_softmax(student_logits[:, :-1][mask].float(), dim=-1)
+    t = torch.log_softmax(teacher_logits[:, :-1][mask].float(), dim=-1)
+    return torch.sum(t.exp() * (t - s), dim=-1).mean()
+
+
+def fit_model(
+    model: torch.nn.Module,
+    sft_cfg: SFTConfig,
+    tokenizer: PreTrainedTokenizerBase,
+    out_dir: str | Path | None,
+    progress: bool = True,
+    desc: str = "sft",
+    teacher: torch.nn.Module | None = None,
+) -> dict[str, Any]:
+    """Train ``model`` in place for ``sft_cfg.steps`` steps on the task's solutions; save it to
+    ``out_dir`` (safetensors) and return metrics.
+
+    Without a ``teacher`` the loss is cross-entropy on the response tokens; with one it is
+    :func:`distillation_loss` against the teacher's logits on the same batches (the teacher runs
+    without gradients). Metrics: parameters, steps, first/final loss, a loss curve (mean per
+    ``log_every`` steps), trained (assistant) and processed tokens, wall time and tokens/s.
+    """
+    torch.set_num_threads(sft_cfg.threads)
+    torch.manual_seed(sft_cfg.seed)
     model.train()
     decay = [p for p in model.parameters() if p.ndim >= 2]
     no_decay = [p for p in model.parameters() if p.ndim < 2]
@@ -227,13 +261,19 @@ def train_model(
     curve: list[dict[str, float]] = []
     seq_tokens = loss_tokens = 0
     start = time.perf_counter()
-    bar = tqdm(range(sft_cfg.steps), desc=f"sft hidden={spec.hidden_size}", disable=not progress, mininterval=5)
+    bar = tqdm(range(sft_cfg.steps), desc=desc, disable=not progress, mininterval=5)
     for step in bar:
         input_ids, attention_mask, labels = next(batches)
         for group in optimizer.param_groups:
             group["lr"] = sft_cfg.lr_at(step)
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=sft_cfg.bf16):
-            loss = model(input_ids=input_ids, attention_mask=attention_mask, labels=labels).loss
+            if teacher is None:
+                loss = model(input_ids=input_ids, attention_mask=attention_mask, labels=labels).loss
+            else:
+                with torch.no_grad():
+                    teacher_logits = teacher(input_ids=input_ids, attention_mask=attention_mask).logits
+                logits = model(input_ids=input_ids, attention_mask=attention_mask).logits
+                loss = distillation_loss(logits, teacher_logits, labels)
         if not torch.isfinite(loss):
             raise FloatingPointError(f"non-finite loss {loss.item()} at step {step}")
         optimizer.zero_grad(set_to_none=True)
@@ -272,12 +312,41 @@ def train_model(
         "tokens_per_s": seq_tokens / wall,
     }
     if out_dir is not None:
-        out = Path(out_dir)
-        out.mkdir(parents=True, exist_ok=True)
-        model.save_pretrained(out, safe_serialization=True)
-        record = {**metrics, "spec": asdict(spec), "config": sft_cfg.to_dict()}
-        (out / "sft_metrics.json").write_text(json.dumps(record, indent=2) + "\n")
+        Path(out_dir).mkdir(parents=True, exist_ok=True)
+        model.save_pretrained(out_dir, safe_serialization=True)
     return metrics
+
+
+@torch.no_grad()
+def _greedy_hf(model, tokenizer, prompts: list[list[int]], max_new_tokens: int, batch_size: int, progress: bool):
+    """Greedy completions (EOS kept, nothing after it) with HF ``generate`` on left-padded batches."""
+    pad, eos = tokenizer.pad_token_id, tokenizer.eos_token_id
+    out_rows: list[list[int]] = []
+    for start in tqdm(range(0, len(prompts), batch_size), desc="eval", disable=not progress):
+        batch = prompts[start : start + batch_size]
+        width = max(len(p) for p in batch)
+        input_ids = torch.tensor([[pad] * (width - len(p)) + p for p in batch])
+        attention_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
+        out = model.generate(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            do_sample=False,
+            max_new_tokens=max_new_tokens,
+            eos_token_id=eos,
+            pad_token_id=pad,
+        )
+        out_rows += [row[: row.index(eos) + 1] if eos in row else row for row in out[:, width:].tolist()]
+    return out_rows
+
+
+def _greedy_engine(model, tokenizer, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    """Greedy completions with tailspec's engine (token-identical to HF greedy in fp32, and faster)."""
+    from ..rollout.engine import RolloutEngine
+    from ..rollout.params import RolloutConfig, SamplingParams
+
+    engine = RolloutEngine(model, RolloutConfig(), eos_token_ids=[tokenizer.eos_token_id])
+    outs = engine.generate(prompts, SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens))
+    return [list(o.completion_ids) for o in outs]
 
 
 @torch.no_grad()
@@ -289,8 +358,10 @@ def evaluate_accuracy(
     batch_size: int = 32,
     progress: bool = False,
     return_completions: bool = False,
+    backend: str = "hf",
 ) -> dict[str, Any]:
-    """Greedy accuracy with HF ``generate`` (left-padded batches), overall and split by length.
+    """Greedy accuracy, overall and split by length, generated with HF ``generate`` (``backend="hf"``,
+    left-padded batches of ``batch_size``) or tailspec's engine (``"engine"``, all at once).
 
     Returns ``accuracy`` (final answer correct), ``exact_match`` (the whole response equals the
     reference solution), ``accuracy_short`` (n <= 5), ``accuracy_long`` (n >= 15; NaN when there
@@ -299,29 +370,19 @@ def evaluate_accuracy(
     """
     if not problems:
         raise ValueError("problems must not be empty")
+    if backend not in ("hf", "engine"):
+        raise ValueError(f"backend must be 'hf' or 'engine', got {backend!r}")
     was_training = model.training
     model.eval()
-    pad, eos = tokenizer.pad_token_id, tokenizer.eos_token_id
+    eos = tokenizer.eos_token_id
     # Similar lengths in a batch: the batch runs until its longest response ends.
     order = sorted(range(len(problems)), key=lambda i: len(problems[i].terms))
-    completions: dict[int, list[int]] = {}
-    starts = range(0, len(order), batch_size)
-    for start in tqdm(starts, desc="eval", disable=not progress):
-        idx = order[start : start + batch_size]
-        prompts = [chat_ids(tokenizer, [{"role": "user", "content": problems[i].question}], True) for i in idx]
-        width = max(len(p) for p in prompts)
-        input_ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
-        attention_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
-        out = model.generate(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            do_sample=False,
-            max_new_tokens=max_new_tokens,
-            eos_token_id=eos,
-            pad_token_id=pad,
-        )
-        for i, row in zip(idx, out[:, width:].tolist()):
-            completions[i] = row[: row.index(eos) + 1] if eos in row else row
+    prompts = [chat_ids(tokenizer, [{"role": "user", "content": problems[i].question}], True) for i in order]
+    if backend == "hf":
+        rows = _greedy_hf(model, tokenizer, prompts, max_new_tokens, batch_size, progress)
+    else:
+        rows = _greedy_engine(model, tokenizer, prompts, max_new_tokens)
+    completions = dict(zip(order, rows))
     if was_training:
         model.train()
 
@@ -364,37 +425,56 @@ def long_problems(num: int, seed: int, task: ChainSumConfig) -> list[ChainSumPro
     return [sample_problem(rng, task, num_terms=rng.randint(low, task.max_terms)) for _ in range(num)]
 
 
+SHIPPED_POLICIES = ("tiny", "deep")  # assets/<name>/: tiny = 4 x 256 (tests), deep = 24 x 256 (benchmarks, demo)
+
+
+def assets_dir(name: str = "tiny") -> Path:
+    """``assets/<name>`` in the installed package (the repository root is the package root)."""
+    if name not in SHIPPED_POLICIES:
+        raise ValueError(f"name must be one of {SHIPPED_POLICIES}, got {name!r}")
+    return Path(__file__).resolve().parent.parent / "assets" / name
+
+
 def tiny_assets_dir() -> Path:
-    """``assets/tiny`` in the installed package (the repository root is the package root)."""
-    return Path(__file__).resolve().parent.parent / "assets" / "tiny"
+    return assets_dir("tiny")
 
 
-def load_tiny(kind: str = "policy", dtype: torch.dtype = torch.float32):
-    """The shipped tiny model (``"policy"`` or ``"drafter"``, in eval mode) and its tokenizer."""
+_RECIPES = {"tiny": "tailspec train-tiny", "deep": "tailspec train-deep"}
+
+
+def load_shipped(name: str = "tiny", kind: str = "policy", dtype: torch.dtype = torch.float32):
+    """A shipped model (``kind`` ``"policy"`` or ``"drafter"``, in eval mode, as ``dtype`` whatever
+    it is stored in) and its tokenizer."""
     from transformers import AutoTokenizer
 
     if kind not in ("policy", "drafter"):
         raise ValueError(f"kind must be 'policy' or 'drafter', got {kind!r}")
-    root = tiny_assets_dir()
+    root = assets_dir(name)
     if not (root / kind / "config.json").exists():
-        raise FileNotFoundError(
-            f"no shipped {kind} at {root / kind}; make it with `python -m tailspec.tasks.sft --out {root}`"
-        )
+        raise FileNotFoundError(f"no shipped {kind} at {root / kind}; make it with `{_RECIPES[name]}`")
     tokenizer = AutoTokenizer.from_pretrained(root / "tokenizer")
     model = AutoModelForCausalLM.from_pretrained(root / kind, dtype=dtype)
     return model.eval(), tokenizer
 
 
-def load_tiny_eagle3():
-    """The shipped EAGLE-3 head for the tiny policy (warmed up on its rollouts; see the model card)."""
+def load_shipped_eagle3(name: str = "tiny"):
+    """The shipped EAGLE-3 head for policy ``name`` (warmed up on its rollouts; see the model card), fp32."""
     from ..drafter.eagle3.checkpoint import load_checkpoint
 
-    path = tiny_assets_dir() / "eagle3"
+    path = assets_dir(name) / "eagle3"
     if not (path / "config.json").exists():
-        raise FileNotFoundError(
-            f"no shipped EAGLE-3 head at {path}; make it with `tailspec drafter warmup --out {path}`"
-        )
-    return load_checkpoint(path).head.eval()
+        raise FileNotFoundError(f"no shipped EAGLE-3 head at {path}; make it with `{_RECIPES[name]}`")
+    return load_checkpoint(path).head.float().eval()
+
+
+def load_tiny(kind: str = "policy", dtype: torch.dtype = torch.float32):
+    """The shipped tiny model (``"policy"`` or ``"drafter"``, in eval mode) and its tokenizer."""
+    return load_shipped("tiny", kind, dtype)
+
+
+def load_tiny_eagle3():
+    """The shipped EAGLE-3 head for the tiny policy (warmed up on its rollouts; see the model card)."""
+    return load_shipped_eagle3("tiny")
 
 
 MODEL_CARD = """# Tiny chain-sum models: policy and drafter

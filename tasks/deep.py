@@ -1,0 +1,423 @@
+"""Recipe for the shipped policy of realistic shape (``assets/deep``): depth where speculation pays.
+
+The tiny policy (4 layers) has cost ratios unlike a real model's: one decoder layer is ~25% of
+a forward, so a one-layer EAGLE-3 head costs a third of a target step. The deep policy is the
+tiny one grown to 24 layers by *block expansion* (as LLaMA Pro does): every layer is followed
+by copies of itself whose output projections (``o_proj``, ``down_proj``) start at zero, so the
+grown model computes exactly the tiny one's function; a short SFT run then makes the new blocks
+carry signal. Its drafter LM is the tiny policy distilled onto it (KL to the deep policy's
+next-token distributions), and an EAGLE-3 head is warmed up on its rollouts. Run it with::
+
+    tailspec train-deep --out assets/deep
+
+Weights are stored in fp16 (the repository stays small) and load as fp32.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import logging
+import shlex
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import transformers
+from transformers import AutoModelForCausalLM, DynamicCache
+
+from .chain_sum import ChainSumConfig, sample_problems
+from .sft import (
+    SFTConfig,
+    _eval_row,
+    _machine,
+    _write_metrics,
+    count_parameters,
+    evaluate_accuracy,
+    fit_model,
+    load_shipped,
+    long_problems,
+)
+from .tokenizer import build_tokenizer, chat_ids
+
+logger = logging.getLogger(__name__)
+
+OUTPUT_PROJECTIONS = ("self_attn.o_proj", "mlp.down_proj")  # what a decoder layer writes to the residual with
+
+
+def grow_depth(model: torch.nn.Module, num_layers: int, noise: float = 0.01, seed: int = 0) -> torch.nn.Module:
+    """A copy of ``model`` with ``num_layers`` decoder layers that computes the same function.
+
+    Layer ``i`` of the original becomes layer ``i * f`` (``f = num_layers / old layers``), followed by
+    ``f - 1`` copies of it whose output projections are zero: a zero-output block adds nothing to
+    the residual stream. The copies' other weights get Gaussian noise of relative size ``noise`` so
+    that they do not all learn the same update (the function is unchanged by it).
+    """
+    layers = model.model.layers
+    old = len(layers)
+    if num_layers < old or num_layers % old:
+        raise ValueError(f"num_layers must be a multiple of the model's {old} layers, got {num_layers}")
+    factor = num_layers // old
+    config = copy.deepcopy(model.config)
+    config.num_hidden_layers = num_layers
+    if getattr(config, "layer_types", None) is not None:
+        config.layer_types = [config.layer_types[i // factor] for i in range(num_layers)]
+    grown = type(model)(config).to(next(model.parameters()).dtype)
+    state = {k: v for k, v in model.state_dict().items() if ".layers." not in k}
+    g = torch.Generator().manual_seed(seed)
+    for i in range(num_layers):
+        source = layers[i // factor].state_dict()
+        for name, tensor in source.items():
+            value = tensor.clone()
+            if i % factor:
+                if name.removesuffix(".weight").removesuffix(".bias") in OUTPUT_PROJECTIONS:
+                    value.zero_()
+                elif value.ndim >= 2:
+                    value += noise * value.std() * torch.randn(value.shape, generator=g, dtype=value.dtype)
+            state[f"model.layers.{i}.{name}"] = value
+    missing, unexpected = grown.load_state_dict(state, strict=False)
+    tied = {"lm_head.weight"} if config.tie_word_embeddings else set()
+    if set(missing) - tied or unexpected:
+        raise ValueError(f"cannot grow this architecture: missing {missing}, unexpected {unexpected}")
+    for i in range(num_layers):
+        if i % factor:
+            for proj in OUTPUT_PROJECTIONS:
+                if grown.get_submodule(f"model.layers.{i}.{proj}").weight.abs().sum() != 0:
+                    raise ValueError(f"layer {i}: {proj} did not start at zero")
+    grown.generation_config = copy.deepcopy(model.generation_config)
+    return grown.eval()
+
+
+@dataclass
+class ShapeCosts:
+    """Cost ratios of one model on this machine (HF forward, batch 1, over ``context`` cached tokens)."""
+
+    one_token_ms: float
+    five_tokens_ms: float
+    layer_ms: float  # one decoder layer called on its own, inside a one-token forward
+    batch16_one_token_ms: float
+    batch16_five_tokens_ms: float
+    threads: int
+    context: int
+
+    @property
+    def verify5_ratio(self) -> float:
+        return self.five_tokens_ms / self.one_token_ms
+
+    @property
+    def layer_share(self) -> float:
+        return self.layer_ms / self.one_token_ms
+
+    @property
+    def batch16_verify5_ratio(self) -> float:
+        return self.batch16_five_tokens_ms / self.batch16_one_token_ms
+
+
+@torch.no_grad()
+def measure_shape_costs(model: torch.nn.Module, threads: int = 1, context: int = 128, repeats: int = 40) -> ShapeCosts:
+    """Median forward times of ``model`` for 1 and 5 new tokens at batch 1 and 16, and of one
+    decoder layer (timed by hooks on the middle layer during the one-token forwards)."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    vocab = model.config.vocab_size
+    layer = model.model.layers[len(model.model.layers) // 2]
+    layer_times: list[float] = []
+    started: list[float] = []
+    pre = layer.register_forward_pre_hook(lambda *_: started.append(time.perf_counter()))
+    post = layer.register_forward_hook(lambda *_: layer_times.append(time.perf_counter() - started[-1]))
+
+    def median_ms(batch: int, tokens: int) -> float:
+        gen = torch.Generator().manual_seed(batch * 100 + tokens)
+        cache = DynamicCache(config=model.config)
+        model(torch.randint(0, vocab, (batch, context), generator=gen), past_key_values=cache)
+        new = torch.randint(0, vocab, (batch, tokens), generator=gen)
+        times = []
+        for _ in range(repeats + 3):
+            start = time.perf_counter()
+            model(new, past_key_values=cache)
+            times.append(time.perf_counter() - start)
+            cache.crop(-tokens)
+        return statistics.median(times[3:]) * 1000
+
+    try:
+        one = median_ms(1, 1)
+        layer_ms = statistics.median(layer_times[4:]) * 1000
+        costs = ShapeCosts(one, median_ms(1, 5), layer_ms, median_ms(16, 1), median_ms(16, 5), threads, context)
+    finally:
+        pre.remove()
+        post.remove()
+        torch.set_num_threads(previous)
+    return costs
+
+
+@dataclass
+class DeepRecipe:
+    """How ``tailspec train-deep`` grows, fine-tunes and accompanies the deep policy."""
+
+    num_layers: int = 24
+    finetune_steps: int = 400
+    finetune_lr: float = 1e-3
+    distill_steps: int = 250
+    distill_lr: float = 5e-4
+    batch_size: int = 16
+    warmup_prompts: int = 192
+    warmup_rounds: int = 3
+    warmup_steps: int = 150
+    warmup_max_new_tokens: int = 384
+    eval_problems: int = 200
+    long_eval_problems: int = 100
+    max_new_tokens: int = 512
+    threads: int = 2
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("num_layers", "batch_size", "warmup_prompts", "warmup_rounds", "eval_problems", "threads"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)!r}")
+        for name in ("finetune_steps", "distill_steps", "warmup_steps", "long_eval_problems"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)!r}")
+        for name in ("finetune_lr", "distill_lr"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
+
+    def sft(self, steps: int, lr: float) -> SFTConfig:
+        return SFTConfig(
+            steps=max(1, steps),
+            batch_size=self.batch_size,
+            lr=lr,
+            warmup_steps=min(50, max(1, steps // 10)),
+            seed=self.seed,
+            threads=self.threads,
+            bf16=False,  # fp32: bf16 autocast is ~10x slower on CPUs without native bf16
+        )
+
+
+def _save_fp16(model: torch.nn.Module, out: Path) -> None:
+    """Weights on disk in fp16 (half the bytes); :func:`load_shipped` loads them as fp32."""
+    copy.deepcopy(model).to(torch.float16).save_pretrained(out, safe_serialization=True)
+
+
+def _finetune(model, recipe: DeepRecipe, steps: int, lr: float, tokenizer, out: Path, desc: str, teacher=None):
+    metrics: dict[str, Any] = {"steps": 0}
+    if steps:
+        metrics = fit_model(model, recipe.sft(steps, lr), tokenizer, None, desc=desc, teacher=teacher)
+    _save_fp16(model, out)
+    _write_metrics(out, {**metrics, "recipe": asdict(recipe)})
+    return AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval(), metrics  # what ships
+
+
+def _warm_head(policy, tokenizer, recipe: DeepRecipe, out: Path):
+    from ..drafter.eagle3.train import DrafterTrainingConfig
+    from ..drafter.eagle3.warmup import WarmupConfig, warmup_head
+
+    problems = sample_problems(recipe.warmup_prompts, seed=30_000 + recipe.seed, cfg=ChainSumConfig())
+    prompts = [chat_ids(tokenizer, [{"role": "user", "content": p.question}], True) for p in problems]
+    cfg = WarmupConfig(
+        rounds=recipe.warmup_rounds,
+        steps_per_round=recipe.warmup_steps,
+        max_new_tokens=recipe.warmup_max_new_tokens,
+        training=DrafterTrainingConfig(batch_size=8, learning_rate=1e-3, seed=recipe.seed),
+        seed=recipe.seed,
+    )
+    _, trainer, rounds = warmup_head(policy, prompts, cfg, eos_token_ids=[tokenizer.eos_token_id])
+    trainer.save(
+        out,
+        metadata={"policy": "deep", "prompts": "chain-sum", "rounds": [asdict(r) for r in rounds]},
+        include_optimizer=False,
+    )
+    return rounds
+
+
+def run_recipe(recipe: DeepRecipe, out: Path, command: str, progress: bool = True) -> dict[str, Any]:
+    """Grow, fine-tune, distill the drafter, warm the head, evaluate, measure costs, write the card."""
+    torch.set_num_threads(recipe.threads)
+    start = time.perf_counter()
+    tiny, tokenizer = load_shipped("tiny", "policy")
+    build_tokenizer().save_pretrained(out / "tokenizer")
+    grown = grow_depth(tiny, recipe.num_layers, seed=recipe.seed)
+    policy, ft = _finetune(
+        grown, recipe, recipe.finetune_steps, recipe.finetune_lr, tokenizer, out / "policy", desc="fine-tune deep"
+    )
+    drafter, dist = _finetune(
+        load_shipped("tiny", "policy")[0],
+        recipe,
+        recipe.distill_steps,
+        recipe.distill_lr,
+        tokenizer,
+        out / "drafter",
+        desc="distill drafter",
+        teacher=policy,
+    )
+    rounds = _warm_head(policy, tokenizer, recipe, out / "eagle3")
+
+    task = ChainSumConfig()
+    problems = sample_problems(recipe.eval_problems, seed=10_000 + recipe.seed, cfg=task)  # the tiny card's sets
+    long_set = (
+        long_problems(recipe.long_eval_problems, seed=20_000 + recipe.seed, task=task)
+        if recipe.long_eval_problems
+        else []
+    )
+    evals: dict[str, dict[str, Any]] = {}
+    for name, model in (("deep policy", policy), ("drafter LM", drafter), ("tiny policy", tiny)):
+        evals[name] = {"task": evaluate_accuracy(model, tokenizer, problems, recipe.max_new_tokens, backend="engine")}
+        if long_set:
+            evals[name]["long set"] = evaluate_accuracy(
+                model, tokenizer, long_set, recipe.max_new_tokens, backend="engine"
+            )
+        logger.info("%s: %s", name, evals[name])
+    for kind, model in (("policy", policy), ("drafter", drafter)):
+        key = "deep policy" if kind == "policy" else "drafter LM"
+        (out / kind / "eval.json").write_text(json.dumps(evals[key], indent=2) + "\n")
+    costs = {name: measure_shape_costs(m, threads=1) for name, m in (("deep policy", policy), ("tiny policy", tiny))}
+    (out / "costs.json").write_text(json.dumps({k: asdict(v) for k, v in costs.items()}, indent=2) + "\n")
+    wall = time.perf_counter() - start
+    (out / "MODEL_CARD.md").write_text(
+        _card(recipe, command, policy, drafter, ft, dist, rounds, evals, costs, wall, len(problems), len(long_set))
+    )
+    return {"evals": evals, "costs": costs, "wall_s": wall}
+
+
+def _card(recipe, command, policy, drafter, ft, dist, rounds, evals, costs, wall, n_task, n_long) -> str:
+    cfg = policy.config
+    eval_rows = [_eval_row(name, set_name, ev) for name, sets in evals.items() for set_name, ev in sets.items()]
+    cost_rows = [
+        f"| {name} | {c.one_token_ms:.2f} | {c.five_tokens_ms:.2f} ({c.verify5_ratio:.2f}x) | "
+        f"{c.layer_ms:.3f} ({c.layer_share:.1%}) | {c.batch16_one_token_ms:.2f} | "
+        f"{c.batch16_five_tokens_ms:.2f} ({c.batch16_verify5_ratio:.2f}x) |"
+        for name, c in costs.items()
+    ]
+    round_rows = [
+        f"| {r.round} | {r.completions} | {r.tokens:,} | {r.accept_length:.2f} | {r.loss_first:.3f} -> {r.loss_last:.3f} |"
+        for r in rounds
+    ]
+
+    def loss(m):
+        return f"{m['first_loss']:.4f} -> {m['final_loss']:.4f}" if m.get("steps") else "n/a"
+
+    return f"""# Deep chain-sum policy: a target of realistic shape
+
+A {cfg.num_hidden_layers}-layer Qwen2 policy (hidden {cfg.hidden_size}, {cfg.num_attention_heads} heads /
+{cfg.num_key_value_heads} KV heads, MLP {cfg.intermediate_size}, {count_parameters(policy):,} parameters) for the
+chain-sum task, with a drafter LM and an EAGLE-3 head. It exists for its cost ratios: one decoder layer is a
+small share of a forward and verifying a few tokens costs little more than one, as for a real model on a
+GPU, so speculation can pay (the tiny 4-layer policy, where a one-layer head costs a third of a forward,
+stays for tests). Made on a CPU with no model hub and no external data by:
+
+    {command}
+
+({wall / 60:.0f} min on {_machine()}, {recipe.threads} threads; torch {torch.__version__}, transformers
+{transformers.__version__}). Files: `tokenizer/` (the tiny task's), `policy/`, `drafter/` (fp16 safetensors,
+loaded as fp32 by `tailspec.tasks.sft.load_shipped("deep", "policy" | "drafter")`), `eagle3/` (tailspec EAGLE-3
+checkpoint, `load_shipped_eagle3("deep")`), `costs.json`, and per model `eval.json` and `sft_metrics.json`.
+
+## How it was made
+
+1. **Grown from the tiny policy** (`assets/tiny/policy`) by block expansion: tiny layer i became layer
+   {cfg.num_hidden_layers // 4}i, followed by {cfg.num_hidden_layers // 4 - 1} copies of it whose `o_proj` and
+   `down_proj` start at zero (a block that writes nothing to the residual stream), their other weights
+   perturbed by 1% noise; the grown model computes exactly the tiny policy's function.
+2. **Fine-tuned** {ft.get("steps", 0)} steps on the tiny recipe's training stream (batches of {recipe.batch_size},
+   AdamW, peak lr {recipe.finetune_lr:g}, warmup then cosine decay to 0.1x, fp32): loss {loss(ft)}.
+3. **Drafter LM**: a copy of the tiny policy distilled {dist.get("steps", 0)} steps onto the deep policy
+   (KL(deep || drafter) of the next-token distributions on the same stream, peak lr {recipe.distill_lr:g}):
+   KL {loss(dist)}. It shares the tokenizer.
+4. **EAGLE-3 head** (one decoder layer, taps the SGLang/vLLM default layers (2, L/2, L-3)), warmed up from
+   random init: {recipe.warmup_rounds} rounds, each rolling the policy out on {recipe.warmup_prompts // recipe.warmup_rounds}
+   chain-sum prompts (T = 1, at most {recipe.warmup_max_new_tokens} tokens; from round 2 on `chain:4` with the head)
+   and taking {recipe.warmup_steps} training steps on what it recorded.
+
+| round | completions | tokens | rollout accept length | head loss first -> last |
+|---:|---:|---:|---:|---|
+{chr(10).join(round_rows)}
+
+## Greedy accuracy
+
+tailspec's engine, greedy (token-identical to HF `generate` in fp32), at most {recipe.max_new_tokens} new
+tokens, on the tiny model card's sets: "task" = {n_task} held-out problems from the task distribution (seed
+{10_000 + recipe.seed}), "long set" = {n_long} problems with 15-40 terms (seed {20_000 + recipe.seed}).
+
+| model | eval set | accuracy | n <= 5 | n >= 15 | exact response | mean completion tokens (reference) | max |
+|---|---|---:|---:|---:|---:|---:|---:|
+{chr(10).join(eval_rows)}
+
+## Cost ratios on this machine
+
+HF forward over {costs["deep policy"].context} cached tokens, median of 40, {costs["deep policy"].threads} torch
+thread; *one layer* is the middle decoder layer timed by hooks inside the one-token forward.
+
+| model | batch 1, 1 token ms | batch 1, 5 tokens ms | one layer ms (share) | batch 16, 1 token ms | batch 16, 5 tokens ms |
+|---|---:|---:|---:|---:|---:|
+{chr(10).join(cost_rows)}
+"""
+
+
+def _command(args: argparse.Namespace) -> str:
+    parts = ["tailspec", "train-deep", "--out", str(args.out)]
+    for name in ("finetune_steps", "distill_steps", "warmup_rounds", "warmup_steps", "threads", "seed"):
+        parts += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
+    return shlex.join(parts + (["--quick"] if args.quick else []))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    d = DeepRecipe()
+    parser = argparse.ArgumentParser(
+        prog="tailspec train-deep",
+        description="Grow the tiny policy to a deep one, fine-tune it, distill a drafter LM, warm an EAGLE-3 head.",
+    )
+    parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent.parent / "assets" / "deep")
+    parser.add_argument("--finetune-steps", type=int, default=d.finetune_steps)
+    parser.add_argument("--distill-steps", type=int, default=d.distill_steps)
+    parser.add_argument("--warmup-rounds", type=int, default=d.warmup_rounds)
+    parser.add_argument("--warmup-steps", type=int, default=d.warmup_steps, help="head training steps per round")
+    parser.add_argument("--threads", type=int, default=d.threads, help="torch CPU threads")
+    parser.add_argument("--seed", type=int, default=d.seed)
+    parser.add_argument("--quick", action="store_true", help="a few steps and problems (smoke test)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    recipe = DeepRecipe(
+        finetune_steps=args.finetune_steps,
+        distill_steps=args.distill_steps,
+        warmup_rounds=args.warmup_rounds,
+        warmup_steps=args.warmup_steps,
+        threads=args.threads,
+        seed=args.seed,
+    )
+    if args.quick:
+        recipe = DeepRecipe(
+            num_layers=8,
+            finetune_steps=2,
+            distill_steps=2,
+            batch_size=4,
+            warmup_prompts=4,
+            warmup_rounds=2,
+            warmup_steps=2,
+            warmup_max_new_tokens=16,
+            eval_problems=4,
+            long_eval_problems=0,
+            max_new_tokens=24,
+            threads=args.threads,
+            seed=args.seed,
+        )
+    if not logging.getLogger().handlers:
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    result = run_recipe(recipe, args.out, _command(args))
+    c = result["costs"]["deep policy"]
+    print(
+        f"wrote {args.out} in {result['wall_s'] / 60:.1f} min; deep policy greedy accuracy "
+        f"{result['evals']['deep policy']['task']['accuracy']:.1%} (tiny "
+        f"{result['evals']['tiny policy']['task']['accuracy']:.1%}); one layer {c.layer_share:.1%} of a forward, "
+        f"5 tokens {c.verify5_ratio:.2f}x one"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

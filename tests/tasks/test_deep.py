@@ -1,0 +1,99 @@
+"""The deep-policy recipe: function-preserving growth, distillation loss, cost measurement, the quick run."""
+
+import json
+
+import pytest
+import torch
+
+from tailspec.tasks.chain_sum import ChainSumConfig, sample_problems
+from tailspec.tasks.deep import OUTPUT_PROJECTIONS, DeepRecipe, grow_depth, main, measure_shape_costs
+from tailspec.tasks.sft import distillation_loss, evaluate_accuracy, load_shipped
+from tailspec.testing import ARCHITECTURES, tiny_random_model
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_grow_depth_keeps_the_function(arch):
+    model = tiny_random_model(arch, num_layers=2, initializer_range=0.05)
+    grown = grow_depth(model, 6)
+    assert grown.config.num_hidden_layers == 6 and len(grown.model.layers) == 6
+    ids = torch.randint(2, model.config.vocab_size, (2, 17))
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, grown(ids).logits)
+    for i in (1, 2, 4, 5):  # the copies write nothing to the residual stream ...
+        for proj in OUTPUT_PROJECTIONS:
+            assert not grown.get_submodule(f"model.layers.{i}.{proj}").weight.any()
+    # ... but their other weights are perturbed copies of their source, not exact clones
+    q0, q1, q2 = (grown.get_submodule(f"model.layers.{i}.self_attn.q_proj").weight for i in (0, 1, 2))
+    assert torch.equal(q0, model.get_submodule("model.layers.0.self_attn.q_proj").weight)
+    assert not torch.equal(q1, q0) and not torch.equal(q1, q2)
+    assert torch.allclose(q1, q0, atol=0.1 * q0.abs().max().item())
+
+
+def test_grown_copies_learn():
+    """Zero output projections still get gradients, so the new blocks start carrying signal."""
+    grown = grow_depth(tiny_random_model("qwen2", num_layers=1), 3).train()
+    ids = torch.randint(2, 96, (2, 9))
+    grown(input_ids=ids, labels=ids).loss.backward()
+    assert grown.get_submodule("model.layers.1.mlp.down_proj").weight.grad.abs().sum() > 0
+
+
+def test_grow_depth_refuses_a_depth_it_cannot_reach():
+    model = tiny_random_model("llama", num_layers=2)
+    with pytest.raises(ValueError, match="multiple of the model's 2 layers"):
+        grow_depth(model, 5)
+    with pytest.raises(ValueError, match="multiple"):
+        grow_depth(model, 1)
+
+
+def test_distillation_loss():
+    labels = torch.tensor([[-100, -100, 3, 4, -100]])
+    teacher = torch.randn(1, 5, 11)
+    assert distillation_loss(teacher, teacher, labels).abs() < 1e-6
+    student = torch.randn(1, 5, 11)
+    loss = distillation_loss(student, teacher, labels)
+    assert loss > 0
+    # only the positions that predict a trained label count (1 and 2 here: labels are shifted by one)
+    changed = student.clone()
+    changed[0, 0] += 5
+    changed[0, 4] += 5
+    assert torch.allclose(distillation_loss(changed, teacher, labels), loss)
+
+
+def test_measure_shape_costs_is_sane():
+    costs = measure_shape_costs(tiny_random_model("qwen2", num_layers=4), context=16, repeats=3)
+    assert costs.one_token_ms > 0 and costs.five_tokens_ms > 0
+    assert 0 < costs.layer_share < 1
+    assert costs.verify5_ratio == pytest.approx(costs.five_tokens_ms / costs.one_token_ms)
+
+
+def test_engine_and_hf_greedy_evaluations_agree():
+    model, tokenizer = load_shipped("tiny")
+    problems = sample_problems(6, seed=3, cfg=ChainSumConfig())
+    hf = evaluate_accuracy(model, tokenizer, problems, max_new_tokens=40, return_completions=True)
+    engine = evaluate_accuracy(model, tokenizer, problems, max_new_tokens=40, return_completions=True, backend="engine")
+    assert hf["completions"] == engine["completions"]
+    assert {k: v for k, v in hf.items() if v == v} == {k: v for k, v in engine.items() if v == v}  # NaN != NaN
+    with pytest.raises(ValueError, match="backend"):
+        evaluate_accuracy(model, tokenizer, problems, backend="vllm")
+
+
+def test_recipe_validates_its_fields():
+    with pytest.raises(ValueError, match="finetune_lr"):
+        DeepRecipe(finetune_lr=0)
+    with pytest.raises(ValueError, match="warmup_rounds"):
+        DeepRecipe(warmup_rounds=0)
+
+
+def test_quick_recipe_writes_every_asset(tmp_path):
+    assert main(["--out", str(tmp_path), "--quick", "--threads", "1"]) == 0
+    for kind in ("policy", "drafter"):
+        config = json.loads((tmp_path / kind / "config.json").read_text())
+        assert config["dtype"] == "float16"
+        assert "task" in json.loads((tmp_path / kind / "eval.json").read_text())
+    assert json.loads((tmp_path / "policy" / "config.json").read_text())["num_hidden_layers"] == 8
+    assert (tmp_path / "eagle3" / "model.safetensors").exists()
+    assert (tmp_path / "tokenizer" / "tokenizer.json").exists()
+    costs = json.loads((tmp_path / "costs.json").read_text())
+    assert set(costs) == {"deep policy", "tiny policy"}
+    card = (tmp_path / "MODEL_CARD.md").read_text()
+    assert "tailspec train-deep" in card and "block expansion" in card
