@@ -270,8 +270,7 @@ def run_recipe(recipe: DeepRecipe, out: Path, command: str, progress: bool = Tru
                 model, tokenizer, long_set, recipe.max_new_tokens, backend="engine"
             )
         logger.info("%s: %s", name, evals[name])
-    for kind, model in (("policy", policy), ("drafter", drafter)):
-        key = "deep policy" if kind == "policy" else "drafter LM"
+    for kind, key in (("policy", "deep policy"), ("drafter", "drafter LM")):
         (out / kind / "eval.json").write_text(json.dumps(evals[key], indent=2) + "\n")
     costs = {name: measure_shape_costs(m, threads=1) for name, m in (("deep policy", policy), ("tiny policy", tiny))}
     (out / "costs.json").write_text(json.dumps({k: asdict(v) for k, v in costs.items()}, indent=2) + "\n")
@@ -292,7 +291,8 @@ def _card(recipe, command, policy, drafter, ft, dist, rounds, evals, costs, wall
         for name, c in costs.items()
     ]
     round_rows = [
-        f"| {r.round} | {r.completions} | {r.tokens:,} | {r.accept_length:.2f} | {r.loss_first:.3f} -> {r.loss_last:.3f} |"
+        f"| {r.round} | {r.completions} | {r.tokens:,} | {r.accept_length:.2f} | "
+        f"{r.loss_first:.3f} -> {r.loss_last:.3f} |"
         for r in rounds
     ]
 
@@ -327,8 +327,9 @@ checkpoint, `load_shipped_eagle3("deep")`), `costs.json`, and per model `eval.js
    (KL(deep || drafter) of the next-token distributions on the same stream, peak lr {recipe.distill_lr:g}):
    KL {loss(dist)}. It shares the tokenizer.
 4. **EAGLE-3 head** (one decoder layer, taps the SGLang/vLLM default layers (2, L/2, L-3)), warmed up from
-   random init: {recipe.warmup_rounds} rounds, each rolling the policy out on {recipe.warmup_prompts // recipe.warmup_rounds}
-   chain-sum prompts (T = 1, at most {recipe.warmup_max_new_tokens} tokens; from round 2 on `chain:4` with the head)
+   random init: {recipe.warmup_rounds} rounds, each rolling the policy out on
+   {recipe.warmup_prompts // recipe.warmup_rounds} chain-sum prompts (T = 1, at most {recipe.warmup_max_new_tokens}
+   tokens; from round 2 on `chain:4` with the head)
    and taking {recipe.warmup_steps} training steps on what it recorded.
 
 | round | completions | tokens | rollout accept length | head loss first -> last |
@@ -350,7 +351,7 @@ tokens, on the tiny model card's sets: "task" = {n_task} held-out problems from 
 HF forward over {costs["deep policy"].context} cached tokens, median of 40, {costs["deep policy"].threads} torch
 thread; *one layer* is the middle decoder layer timed by hooks inside the one-token forward.
 
-| model | batch 1, 1 token ms | batch 1, 5 tokens ms | one layer ms (share) | batch 16, 1 token ms | batch 16, 5 tokens ms |
+| model | batch 1, 1 token ms | batch 1, 5 tokens ms | one layer ms (share) | batch 16, 1 tok. ms | 16, 5 tok. ms |
 |---|---:|---:|---:|---:|---:|
 {chr(10).join(cost_rows)}
 """
