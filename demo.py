@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import os
+import statistics
 import time
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
@@ -22,6 +23,7 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class DemoConfig:
+    policy: str = "tiny"  # a shipped policy with its drafters: tiny (4 x 256, quick) | deep (24 x 256, realistic)
     max_steps: int = 20
     num_generations: int = 8
     prompts_per_step: int = 4
@@ -54,6 +56,10 @@ class DemoConfig:
     deepspeed: str | None = None  # "zero2" | "zero3" | a DeepSpeed JSON path (needs tailspec[deepspeed])
 
     def __post_init__(self) -> None:
+        from .tasks.sft import SHIPPED_POLICIES
+
+        if self.policy not in SHIPPED_POLICIES:
+            raise ValueError(f"policy must be one of {list(SHIPPED_POLICIES)}, got {self.policy!r}")
         if self.max_steps < 1:
             raise ValueError(f"max_steps must be an int >= 1, got {self.max_steps}")
         if self.num_generations < 2:
@@ -156,7 +162,7 @@ def _quiet_progress():
 
 def _make_rollout(cfg: DemoConfig, head=None):
     from .drafter.eagle3.train import DrafterTrainingConfig
-    from .tasks.sft import load_tiny, load_tiny_eagle3
+    from .tasks.sft import load_shipped, load_shipped_eagle3
     from .trainer_hooks.spec_rollout import SpecRollout
 
     placement: dict[str, Any] = {}
@@ -169,7 +175,7 @@ def _make_rollout(cfg: DemoConfig, head=None):
     if not parse_strategy(cfg.strategy).uses_model_drafter:
         return SpecRollout(strategy=cfg.strategy, **placement)
     if cfg.drafter == "small_lm":
-        return SpecRollout(strategy=cfg.strategy, drafter=load_tiny("drafter")[0], **placement)
+        return SpecRollout(strategy=cfg.strategy, drafter=load_shipped(cfg.policy, "drafter")[0], **placement)
     # Spot training is stopped between steps when the rollout ends, so one step is the longest it
     # can hold a worker up: smaller steps there (~0.3 s on a 2-core CPU instead of ~0.8 s), and a
     # lower learning rate, as they continue from an already warmed-up head.
@@ -180,7 +186,7 @@ def _make_rollout(cfg: DemoConfig, head=None):
     )
     return SpecRollout(
         strategy=cfg.strategy,
-        drafter=head if head is not None else load_tiny_eagle3(),
+        drafter=head if head is not None else load_shipped_eagle3(cfg.policy),
         drafter_train_steps=0 if cfg.workers else cfg.drafter_train_steps,
         drafter_training=training,
         **placement,
@@ -209,10 +215,10 @@ def _warm_up(cfg: DemoConfig):
     from .drafter.eagle3.train import DrafterTrainingConfig
     from .drafter.eagle3.warmup import WarmupConfig, warmup_head
     from .tasks.chain_sum import ChainSumConfig, make_grpo_dataset
-    from .tasks.sft import load_tiny, load_tiny_eagle3
+    from .tasks.sft import load_shipped, load_shipped_eagle3
     from .trainer_hooks.spec_rollout import SpecRollout
 
-    model, tokenizer = load_tiny("policy")
+    model, tokenizer = load_shipped(cfg.policy, "policy")
     rows = make_grpo_dataset(cfg.warmup_prompts, seed=cfg.seed + 7919, cfg=ChainSumConfig())
     prompts = SpecRollout.tokenize_prompts([r["prompt"] for r in rows], tokenizer)
     warm = WarmupConfig(
@@ -222,7 +228,7 @@ def _warm_up(cfg: DemoConfig):
         training=DrafterTrainingConfig(batch_size=8, max_tokens=512, learning_rate=1e-4, seed=cfg.seed),
         seed=cfg.seed,
     )
-    head, _, rounds = warmup_head(model, prompts, warm, head=load_tiny_eagle3(), progress=True)
+    head, _, rounds = warmup_head(model, prompts, warm, head=load_shipped_eagle3(cfg.policy), progress=True)
     r = rounds[-1]
     print(
         f"drafter warm-up: {r.completions} rollouts ({r.tokens} tokens) of the policy, {cfg.warmup_steps} steps, "
@@ -248,11 +254,11 @@ def _grpo_run(cfg: DemoConfig, out: Path, head=None, label: str = "tailspec"):
     from trl import GRPOConfig
 
     from .tasks.chain_sum import chain_sum_reward
-    from .tasks.sft import load_tiny
+    from .tasks.sft import load_shipped
     from .trainer_hooks.deepspeed import deepspeed_training_args
     from .trainer_hooks.grpo_trainer import GRPOTrainer
 
-    model, tokenizer = load_tiny("policy")
+    model, tokenizer = load_shipped(cfg.policy, "policy")
     dataset = train_dataset(cfg)
     run_name = f"demo-{label.replace(' ', '-')}-{int(time.time())}"
     args = GRPOConfig(
@@ -345,20 +351,24 @@ def _summarize(cfg: DemoConfig, rows: list[dict[str, Any]], rollout: Any, wall: 
     return summary
 
 
-def _print_comparison(rows: list[dict[str, Any]], base_rows: list[dict[str, Any]], strategy: str) -> None:
-    """Per step, both runs. Sampling is lossless in distribution, not sample for sample, so the two
-    runs draw different completions (lengths differ): compare tokens/s, not seconds."""
+def _print_comparison(rows: list[dict[str, Any]], base_rows: list[dict[str, Any]], strategy: str) -> list[float]:
+    """Per step, both runs; returns the per-step rollout throughput ratios. Sampling is lossless in
+    distribution, not sample for sample, so the two runs draw different completions (lengths
+    differ): compare tokens/s, not seconds."""
     print(f"\n== per step: {strategy} vs no speculation (same GRPO config and seeds) ==")
     print(
         f"{'step':>4}  {'reward':>7} {'(none)':>7}  {'rollout s':>9} {'(none)':>7}  "
         f"{'tok/s':>6} {'(none)':>6}  {'ratio':>6}"
     )
+    ratios = []
     for r, b in zip(rows, base_rows):
         ratio = r["rollout_tok_s"] / b["rollout_tok_s"] if b["rollout_tok_s"] else float("nan")
+        ratios.append(ratio)
         print(
             f"{r['step']:>4}  {r['reward']:>7.3f} {b['reward']:>7.3f}  {r['rollout_s']:>9.2f} {b['rollout_s']:>7.2f}  "
             f"{r['rollout_tok_s']:>6.0f} {b['rollout_tok_s']:>6.0f}  {ratio:>5.2f}x"
         )
+    return ratios
 
 
 def run_demo_with_rollout(cfg: DemoConfig) -> tuple[dict[str, Any], Any]:
@@ -377,7 +387,9 @@ def run_demo_with_rollout(cfg: DemoConfig) -> tuple[dict[str, Any], Any]:
             replace(cfg, strategy="none"), out, label="no speculation"
         )
         wandb_runs.append(base_name)
-        _print_comparison(rows, base_rows, cfg.strategy)
+        ratios = [r for r in _print_comparison(rows, base_rows, cfg.strategy) if r == r]
+        if ratios:
+            summary["rollout_ratio_median_per_step"] = statistics.median(ratios)
         base_time = sum(s.time_s for s in base_rollout.history)
         base_tokens = sum(s.completion_tokens for s in base_rollout.history)
         summary["baseline_rollout_time_s"] = base_time

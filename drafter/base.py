@@ -163,5 +163,24 @@ class Drafter(ABC):
         of them (the distributions their next tokens were drawn from). Called only for drafters
         with ``feature_layers``, after every target forward, for tokens the sequence keeps."""
 
+    def observe_batch(
+        self,
+        observed: Sequence[tuple[EngineSequence, int, list[int], list[int]]],
+        features: torch.Tensor,
+        logits: torch.Tensor,
+    ) -> None:
+        """One target forward's observations: per sequence ``(seq, start, rows, logit_rows)``, its
+        kept tokens' packed rows of ``features`` and the rows of ``logits`` after them. By default
+        one gather of each for the whole batch, split into per-sequence :meth:`observe` calls (a
+        drafter may keep references instead and gather only when it drafts)."""
+        rows = [r for _, _, seq_rows, _ in observed for r in seq_rows]
+        logit_rows = [r for _, _, _, seq_logit_rows in observed for r in seq_logit_rows]
+        gathered = features.index_select(0, torch.tensor(rows, device=features.device))
+        next_logits = logits.index_select(0, torch.tensor(logit_rows, device=logits.device))
+        feature_parts = gathered.split([len(r) for _, _, r, _ in observed])
+        logit_parts = next_logits.split([len(r) for _, _, _, r in observed])
+        for (seq, start, _, _), seq_features, seq_logits in zip(observed, feature_parts, logit_parts):
+            self.observe(seq, start, seq_features, seq_logits)
+
     def finished(self, seq: EngineSequence) -> None:  # noqa: B027 - optional hook
         """``seq`` finished normally (its completion may be remembered); ``release`` follows."""

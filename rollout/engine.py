@@ -591,14 +591,7 @@ class RolloutEngine:
         index tensors or device copies); nothing is gathered for drafters that read no features."""
         if not (self.feature_layers and self._features is not None and observed):
             return
-        rows = [r for _, _, seq_rows, _ in observed for r in seq_rows]
-        logit_rows = [r for _, _, _, seq_logit_rows in observed for r in seq_logit_rows]
-        features = self._features.index_select(0, torch.tensor(rows, device=self._features.device))
-        next_logits = logits.index_select(0, torch.tensor(logit_rows, device=logits.device))
-        feature_parts = features.split([len(r) for _, _, r, _ in observed])
-        logit_parts = next_logits.split([len(r) for _, _, _, r in observed])
-        for (seq, start, _, _), seq_features, seq_logits in zip(observed, feature_parts, logit_parts):
-            self.drafter.observe(seq, start, seq_features, seq_logits)
+        self.drafter.observe_batch(observed, self._features, logits)
 
     def _sample_and_append(self, seqs: list[Sequence], logits: torch.Tensor) -> list[int]:
         st = BatchSamplingTensors.from_params([s.params for s in seqs], logits.device)

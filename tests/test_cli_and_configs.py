@@ -147,12 +147,13 @@ def test_the_demo_problems_leave_the_shipped_policy_room_to_learn():
     shipped policy sometimes, but not mostly, gets right at T = 1 (seeded, so deterministic)."""
     from tailspec import RolloutConfig, RolloutEngine, SamplingParams
     from tailspec.tasks.chain_sum import ChainSumProblem, chain_sum_reward
-    from tailspec.tasks.sft import load_tiny
+    from tailspec.tasks.sft import load_shipped
     from tailspec.tasks.tokenizer import chat_ids
 
-    model, tokenizer = load_tiny("policy")
+    cfg = DemoConfig.from_yaml(CONFIGS / "demo_cpu.yaml")
+    model, tokenizer = load_shipped(cfg.policy, "policy")
     engine = RolloutEngine(model, RolloutConfig(), eos_token_ids=[tokenizer.eos_token_id])
-    problems = [ChainSumProblem.from_question(q) for q in DemoConfig.from_yaml(CONFIGS / "demo_cpu.yaml").problems]
+    problems = [ChainSumProblem.from_question(q) for q in cfg.problems]
     short = [p for p in problems if len(p.terms) <= 4]
     n = 48
     prompts = [chat_ids(tokenizer, [{"role": "user", "content": p.question}], True) for p in short for _ in range(n)]

@@ -33,14 +33,32 @@ from ..tree_search import LevelInput, grow_trees
 from .data import FeatureBuffer, SequenceRecorder
 from .model import Eagle3Head
 
-_MERGE_PENDING = 16  # pending feature views merged into one tensor at this many
+_MERGE_PENDING = 16  # pending feature entries merged into one tensor at this many
+
+# A pending entry: a sequence's own feature rows, or (a whole forward's features, the sequence's rows in it)
+PendingFeatures = torch.Tensor | tuple[torch.Tensor, list[int]]
+
+
+def gather_pending(pending: list[PendingFeatures]) -> torch.Tensor:
+    """The pending entries' feature rows, in order, as one tensor."""
+    parts = []
+    for entry in pending:
+        if isinstance(entry, torch.Tensor):
+            parts.append(entry)
+            continue
+        source, rows = entry
+        if rows[-1] - rows[0] + 1 == len(rows):  # contiguous (always for plain decoding): a slice
+            parts.append(source[rows[0] : rows[-1] + 1])
+        else:
+            parts.append(source.index_select(0, torch.tensor(rows, device=source.device)))
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
 @dataclass
 class _HeadState:
     block_table: list[int] = field(default_factory=list)
     num_cached: int = 0
-    pending: list[torch.Tensor] = field(default_factory=list)  # features of positions num_cached .. feature_end-1
+    pending: list[PendingFeatures] = field(default_factory=list)  # features of positions num_cached .. feature_end-1
     feature_end: int = 0
     blind: bool = False  # missed some features (cannot catch up): no drafts for this sequence
 
@@ -98,24 +116,36 @@ class Eagle3Drafter(Drafter):
     def observe(self, seq: Sequence, start: int, features: torch.Tensor, next_logits: torch.Tensor) -> None:
         if self.recorder is not None:
             self.recorder.observe(seq.seq_id, len(seq.prompt_ids), start, features, next_logits)
-        state = self._states.get(seq.seq_id)
+        self._add_pending(seq.seq_id, start, features.shape[0], features)
+
+    def observe_batch(self, observed, features: torch.Tensor, logits: torch.Tensor) -> None:
+        """Without a recorder, keep a reference to the forward's features and each sequence's rows
+        (no per-sequence tensors or gathers on plain steps); rows are gathered at the catch-up."""
+        if self.recorder is not None:  # recording needs every sequence's rows and logits now
+            super().observe_batch(observed, features, logits)
+            return
+        for seq, start, rows, _ in observed:
+            self._add_pending(seq.seq_id, start, len(rows), (features, rows))
+
+    def _add_pending(self, seq_id: int, start: int, count: int, entry: PendingFeatures) -> None:
+        state = self._states.get(seq_id)
         if state is None:  # not setdefault: that would build a state per call, and this runs per token
-            state = self._states[seq.seq_id] = _HeadState()
+            state = self._states[seq_id] = _HeadState()
         if start < state.feature_end:  # recomputed (after a preemption): restart from there
             keep = max(0, start - state.num_cached)
             state.num_cached = min(state.num_cached, start)
-            state.pending = [torch.cat(state.pending)[:keep]] if keep and state.pending else []
+            state.pending = [gather_pending(state.pending)[:keep]] if keep and state.pending else []
             state.feature_end = start
         if start > state.feature_end:
             state.blind = True
             state.pending = []
             return
-        state.pending.append(features)
-        state.feature_end = start + features.shape[0]
+        state.pending.append(entry)
+        state.feature_end = start + count
         if len(state.pending) >= _MERGE_PENDING:
-            # each entry is a view that keeps a whole forward's feature tensor alive; while plain
-            # steps run, hundreds of them slowed every later forward by several percent on CPU
-            state.pending = [torch.cat(state.pending)]
+            # each entry keeps a whole forward's feature tensor alive; while plain steps run,
+            # hundreds of them slowed every later forward by several percent on CPU
+            state.pending = [gather_pending(state.pending)]
 
     def finished(self, seq: Sequence) -> None:
         if self.recorder is not None:
@@ -170,7 +200,7 @@ class Eagle3Drafter(Drafter):
             state = self._states[seq.seq_id]
             n_new = state.feature_end - state.num_cached
             slices.append(SequenceSlice(state.block_table, state.num_cached, n_new))
-            feats.extend(state.pending)
+            feats.append(gather_pending(state.pending))
             tokens.extend(seq.token_at(t + 1) for t in range(state.num_cached, state.feature_end))
             positions.extend(range(state.num_cached, state.feature_end))
             last.append(len(tokens) - 1)
