@@ -51,7 +51,7 @@ def _bench(args: argparse.Namespace) -> int:
     elif args.section == "sweep":
         print(run_sweep_section(Path(args.out), quick=args.quick, policy=args.policy, threads=args.threads))
     elif args.section == "atts":
-        print(run_atts_section(Path(args.out), quick=args.quick))
+        print(run_atts_section(Path(args.out), quick=args.quick, policy=args.policy))
     elif args.section == "spot_training":
         print(run_spot_training_section(Path(args.out), quick=args.quick))
     elif args.section == "e2e":
@@ -87,6 +87,7 @@ def _atts(args: argparse.Namespace) -> int:
         atts=atts,
         ray=args.ray,
         seed=args.seed,
+        policy=args.policy,
     )
     rows, calibration = measure_atts(cfg, progress=True)
     print(atts_table(rows))
@@ -205,13 +206,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--policy",
         choices=["tiny", "deep"],
         default="deep",
-        help="shipped policy for the sweep and adaptive sections (default: deep, the realistic shape)",
+        help="shipped policy for the sweep, adaptive and atts sections (default: deep, the realistic shape)",
     )
     bench.add_argument("--threads", type=int, default=1, help="torch threads for the sweep and adaptive sections")
     bench.set_defaults(func=_bench)
 
     atts = sub.add_parser(
-        "atts", help="ATTS on the tiny task: draft chunks, conformal takeover by the target, vs target-only and sync"
+        "atts",
+        help="ATTS on the chain-sum task: draft chunks, conformal takeover by the target, vs target-only and sync",
     )
     atts.add_argument("--alpha", type=float, default=0.2, help="takeover rate to ask for, in (0, 1)")
     atts.add_argument("--alphas", type=float, nargs="*", default=[0.1, 0.4], help="more alphas to sweep (split)")
@@ -224,6 +226,9 @@ def build_parser() -> argparse.ArgumentParser:
     atts.add_argument("--temperature", type=float, default=1.0)
     atts.add_argument("--seed", type=int, default=0)
     atts.add_argument("--ray", action="store_true", help="draft and target engines as Ray actors (local Ray)")
+    atts.add_argument(
+        "--policy", choices=["tiny", "deep"], default="tiny", help="target: a shipped policy (draft: its LM)"
+    )
     atts.add_argument("--out", help="also write the ATTS section of this report (e.g. docs/BENCHMARKS.md)")
     atts.set_defaults(func=_atts)
 

@@ -1,6 +1,6 @@
-"""ATTS on the tiny chain-sum task: accuracy, realized takeover rate and wall time, side by side.
+"""ATTS on the chain-sum task: accuracy, realized takeover rate and wall time, side by side.
 
-Draft = the shipped tiny drafter LM, target = the shipped tiny policy (same tokenizer). One run
+Target = a shipped policy (``tiny`` or ``deep``), draft = its shipped drafter LM (same tokenizer). One run
 measures, on the same questions and sampling settings: target-only sampling, draft-only sampling,
 asynchronous ATTS (split conformal) at several alphas, the online (ACI) variant and the
 synchronous per-turn-barrier baseline at the main alpha. Calibration uses separate held-out
@@ -28,7 +28,7 @@ from ..atts import (
 from ..atts.evaluate import Accuracy
 from ..rollout import RolloutConfig, RolloutEngine
 from ..tasks.chain_sum import ChainSumConfig, extract_answer, sample_problems
-from ..tasks.sft import load_tiny
+from ..tasks.sft import SHIPPED_POLICIES, load_shipped
 from ..trainer_hooks.spec_rollout import SpecRollout
 from .report import pyplot, save_figure
 
@@ -48,8 +48,11 @@ class ATTSBenchConfig:
     )
     ray: bool = False  # draft and target engines as Ray actors
     seed: int = 0
+    policy: str = "tiny"  # the target: a shipped policy; the draft: its drafter LM
 
     def __post_init__(self) -> None:
+        if self.policy not in SHIPPED_POLICIES:
+            raise ValueError(f"policy must be one of {list(SHIPPED_POLICIES)}, got {self.policy!r}")
         if self.questions < 1 or self.calibration_questions < 1:
             raise ValueError("questions and calibration_questions must be >= 1")
         if self.main_alpha not in self.alphas:
@@ -86,8 +89,8 @@ def _prompts(tokenizer, problems) -> list[list[int]]:
 
 
 def measure_atts(cfg: ATTSBenchConfig, progress: bool = False) -> tuple[list[ATTSRow], ConformalCalibration]:
-    target_model, tokenizer = load_tiny("policy")
-    draft_model, draft_tokenizer = load_tiny("drafter")
+    target_model, tokenizer = load_shipped(cfg.policy, "policy")
+    draft_model, draft_tokenizer = load_shipped(cfg.policy, "drafter")
     task = ChainSumConfig()
     calibration_problems = sample_problems(cfg.calibration_questions, seed=cfg.seed + 50_000, cfg=task)
     problems = sample_problems(cfg.questions, seed=cfg.seed + 60_000, cfg=task)
@@ -207,13 +210,31 @@ def plot_atts(rows: list[ATTSRow], path: Path) -> None:
     save_figure(fig, path)
 
 
+def _models_line(policy: str) -> str:
+    target, _ = load_shipped(policy, "policy")
+    draft, _ = load_shipped(policy, "drafter")
+
+    def size(m) -> str:
+        return (
+            f"{m.config.num_hidden_layers} layers x {m.config.hidden_size}, {count_parameters(m) / 1e6:.1f}M parameters"
+        )
+
+    return (
+        f"Draft: the shipped {policy} drafter LM ({size(draft)}); target: the shipped {policy} policy ({size(target)})"
+    )
+
+
+def count_parameters(model) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
 def atts_section(rows: list[ATTSRow], calibration: ConformalCalibration, cfg: ATTSBenchConfig, plot_name: str) -> str:
     c = cfg.atts
     chunking = f"chunks of at most {c.chunk_tokens} tokens" + (
         f", ending at delimiter ids {list(c.delimiter_ids)}" if c.delimiter_ids else ""
     )
     return (
-        f"Draft: the shipped tiny drafter LM (0.4M parameters); target: the shipped tiny policy (3.2M); "
+        f"{_models_line(cfg.policy)}; "
         f"{cfg.questions} chain-sum questions x {c.num_samples} samples at T = {c.temperature}, {chunking}, "
         f"at most {c.max_new_tokens} tokens per sample; score = mean NLL of the chunk under the target (one "
         f"prefill); engines with `mixed_batches` and `prefix_caching` on. Calibration: {calibration.n} chunk "
@@ -225,9 +246,17 @@ def atts_section(rows: list[ATTSRow], calibration: ConformalCalibration, cfg: AT
         f"independent decisions (chunks of one sample are dependent and the calibration set is finite, so "
         f"a wider spread is expected). *Synchronous baseline*: a barrier every turn and the round(alpha * m) "
         f"worst chunks of each turn taken over (no calibration). pass@k is the unbiased estimator.\n\n"
-        f"{atts_table(rows)}\n\n![atts]({plot_name})\n\n{READING}"
+        f"{atts_table(rows)}\n\n![atts]({plot_name})\n\n{READING if cfg.policy == 'tiny' else READING_DEEP}"
     )
 
+
+READING_DEEP = (
+    "**Reading it.** Async vs synchronous isolates the barrier: same engines, same takeover budget. The "
+    "draft is the 4-layer drafter LM of a 24-layer target, so a draft token costs a fraction of a target "
+    "token and ATTS can pay for its scoring prefills. Calibration chunks come from draft-only trajectories; "
+    "at test time taken-over chunks put target-written text in the history, which lowers later scores, so "
+    "the realized split-conformal rate can fall below alpha (the online variant corrects for that)."
+)
 
 READING = (
     "**Reading it.** Async vs synchronous isolates the barrier: same engines, same takeover budget. "

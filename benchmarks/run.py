@@ -182,20 +182,26 @@ def run_spot_training_section(out: Path, quick: bool = False, seed: int = 0) -> 
 
 
 def write_atts_section(out: Path, rows, calibration, cfg: ATTSBenchConfig, command: str) -> None:
-    plot_atts(rows, out.parent / "bench_atts.png")
-    replace_section(out, ATTS_TITLE, atts_section(rows, calibration, cfg, "bench_atts.png"), command)
+    plot_name = "bench_atts.png" if cfg.policy == "tiny" else f"bench_atts_{cfg.policy}.png"
+    plot_atts(rows, out.parent / plot_name)
+    replace_section(out, atts_title(cfg.policy), atts_section(rows, calibration, cfg, plot_name), command)
 
 
-def run_atts_section(out: Path, quick: bool = False) -> str:
-    """Only the ATTS comparison (engines as Ray actors), written into ``out`` in place."""
-    cfg = _atts_bench_config(quick)
+def atts_title(policy: str) -> str:
+    return ATTS_TITLE if policy == "tiny" else f"{ATTS_TITLE}: {policy} policy"
+
+
+def run_atts_section(out: Path, quick: bool = False, policy: str = "tiny") -> str:
+    """Only the ATTS comparison (engines as Ray actors) on ``policy``, written into ``out`` in place."""
+    cfg = _atts_bench_config(quick, policy)
     rows, calibration = measure_atts(cfg)
-    write_atts_section(out, rows, calibration, cfg, "tailspec bench --section atts" + (" --quick" if quick else ""))
+    command = f"tailspec bench --section atts --policy {policy}" + (" --quick" if quick else "")
+    write_atts_section(out, rows, calibration, cfg, command)
     return atts_table(rows)
 
 
-def _atts_bench_config(quick: bool) -> ATTSBenchConfig:
-    return dataclasses.replace(ATTSBenchConfig.quick() if quick else ATTSBenchConfig(), ray=True)
+def _atts_bench_config(quick: bool, policy: str = "tiny") -> ATTSBenchConfig:
+    return dataclasses.replace(ATTSBenchConfig.quick() if quick else ATTSBenchConfig(), ray=True, policy=policy)
 
 
 def run_bench(out: Path, quick: bool = False, seed: int = 1234) -> str:
