@@ -15,6 +15,12 @@ def test_cli_has_subcommands():
     assert parser.parse_args(["demo", "--steps", "3", "--no-wandb"]).steps == 3
     assert parser.parse_args(["demo", "--seed", "5"]).seed == 5
     assert parser.parse_args(["bench", "--quick"]).quick
+    bench = parser.parse_args(["bench", "--section", "sweep", "--policy", "tiny", "--threads", "2"])
+    assert (bench.section, bench.policy, bench.threads) == ("sweep", "tiny", 2)
+    assert parser.parse_args(["bench"]).policy == "deep"
+    assert parser.parse_args(["atts", "--policy", "deep"]).policy == "deep"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["bench", "--policy", "huge"])
     with pytest.raises(SystemExit):
         parser.parse_args(["no-such-command"])
 
@@ -117,6 +123,7 @@ def test_the_default_demo_config_is_the_story():
 
     cfg = DemoConfig.from_yaml(CONFIGS / "demo_cpu.yaml")
     assert cfg.workers == 2 and cfg.warmup_steps > 0 and cfg.baseline and cfg.export == "sglang"
+    assert cfg.policy == "deep"  # the shape where speculation pays; the tiny policy is for tests
     # a fixed set: short problems with room to learn, and one long problem for the rollout's tail
     terms = sorted(len(ChainSumProblem.from_question(q).terms) for q in cfg.problems)
     assert terms[0] <= 4 and terms[-1] >= 20
@@ -138,6 +145,8 @@ def test_a_fixed_problem_set_is_every_step_in_order():
         DemoConfig(problems=[])
     with pytest.raises(ValueError, match="export"):
         DemoConfig(export="onnx")
+    with pytest.raises(ValueError, match="policy must be one of"):
+        DemoConfig(policy="huge")
     with pytest.raises(ValueError, match="deepspeed"):
         DemoConfig(deepspeed="zero4")
 
