@@ -134,6 +134,18 @@ SWEEP_ARMS = (
 
 def run_sweep_section(out: Path, quick: bool = False, seed: int = 1234, policy: str = "deep", threads: int = 1) -> str:
     """Every arm against ``none`` at batch 1, 4 and 16 on ``policy`` (interleaved passes), in place."""
+    body, table = sweep_section(policy, out.parent, quick, seed, threads)
+    command = f"tailspec bench --section sweep --policy {policy}" + (" --quick" if quick else "")
+    replace_section(out, sweep_title(policy), body, command)
+    return table
+
+
+def sweep_title(policy: str) -> str:
+    return f"{SWEEP_TITLE}: {policy} policy"
+
+
+def sweep_section(policy: str, docs: Path, quick: bool, seed: int, threads: int = 1) -> tuple[str, str]:
+    """The sweep's report section (body, table) on ``policy``."""
     bench = BenchPolicy.load(policy)
     params = SamplingParams(temperature=1.0, max_new_tokens=384)
     prompts = task_prompts(bench.tokenizer, 64, seed + 5)
@@ -154,7 +166,7 @@ def run_sweep_section(out: Path, quick: bool = False, seed: int = 1234, policy: 
             passes=2 if quick else 3,
         )
     plot_name = f"bench_sweep_{policy}.png"
-    plot_sweep(cells, out.parent / plot_name)
+    plot_sweep(cells, docs / plot_name)
     table = sweep_table(cells)
     best = [(name, best_ratio(cells, 1, key)) for name, key in (("EAGLE-3 head", "eagle3"), ("drafter LM", "lm"))]
     best_line = "; ".join(f"{name}: `{c.arm.strategy}` {c.ratio:.2f}x" for name, c in best if c is not None)
@@ -170,9 +182,7 @@ def run_sweep_section(out: Path, quick: bool = False, seed: int = 1234, policy: 
         f"and the rest (sampling, acceptance, KV bookkeeping). Best at batch 1: {best_line}.\n\n"
         f"{table}\n\n![sweep]({plot_name})"
     )
-    command = f"tailspec bench --section sweep --policy {policy}" + (" --quick" if quick else "")
-    replace_section(out, f"{SWEEP_TITLE}: {policy} policy", body, command)
-    return table
+    return body, table
 
 
 def run_spot_training_section(out: Path, quick: bool = False, seed: int = 0) -> str:
@@ -234,6 +244,12 @@ def run_bench(out: Path, quick: bool = False, seed: int = 1234) -> str:
     spec_section, spec_table = speculative_section(model, tokenizer, prompts, params, docs, quick, seed)
     eagle_section, eagle_tab = eagle3_section(model, tokenizer, params, docs, quick, seed)
     adaptive_section, adaptive_tab = long_tail_section(BenchPolicy.load("tiny"), params, docs, quick, seed)
+    sweeps = {name: sweep_section(name, docs, quick, seed) for name in ("deep", "tiny")}
+    with torch_threads(1):
+        deep_adaptive, deep_adaptive_tab = long_tail_section(BenchPolicy.load("deep"), params, docs, quick, seed)
+    deep_atts_cfg = _atts_bench_config(quick, "deep")
+    deep_atts_rows, deep_atts_calibration = measure_atts(deep_atts_cfg)
+    plot_atts(deep_atts_rows, docs / "bench_atts_deep.png")
     kernel_section = kernels_section_for_this_machine(model, tokenizer, quick)
     spot_runs = measure_spot_training(3 if quick else 8, workers=2, seed=0, quick=quick)
     plot_spot(spot_runs, docs / "bench_spot_training.png")
@@ -242,17 +258,27 @@ def run_bench(out: Path, quick: bool = False, seed: int = 1234) -> str:
     atts_cfg = _atts_bench_config(quick)
     atts_rows, atts_calibration = measure_atts(atts_cfg)
     plot_atts(atts_rows, docs / "bench_atts.png")
-    tables = [table, spec_table, eagle_tab, adaptive_tab, spot_table(spot_runs), e2e_table(e2e_runs)]
+    tables = [sweeps["deep"][1], deep_adaptive_tab, atts_table(deep_atts_rows), sweeps["tiny"][1]]
+    tables += [table, spec_table, eagle_tab, adaptive_tab, spot_table(spot_runs), e2e_table(e2e_runs)]
     tables.append(atts_table(atts_rows))
     table = "\n\n".join(tables)
     workload = (
-        f"the shipped tiny chain-sum policy (Qwen2 architecture, fp32), chain-sum prompts with "
+        "the shipped deep chain-sum policy (24 layers, the shape where speculation pays) in the first three "
+        "sections, the shipped tiny one (4 layers, where it cannot) in the rest (Qwen2 architecture, fp32), "
+        f"chain-sum prompts with "
         f"heavy-tailed answer lengths, T = 1.0, max_new_tokens = {params.max_new_tokens}, "
         f"seed {seed}{' (quick mode)' if quick else ''}."
     )
     write_report(
         out,
         [
+            (sweep_title("deep"), sweeps["deep"][0]),
+            (adaptive_title("deep"), deep_adaptive),
+            (
+                atts_title("deep"),
+                atts_section(deep_atts_rows, deep_atts_calibration, deep_atts_cfg, "bench_atts_deep.png"),
+            ),
+            (sweep_title("tiny"), sweeps["tiny"][0]),
             ("Rollout throughput: tailspec engine vs HF generate", section),
             ("Speculative decoding: strategies vs no speculation", spec_section),
             ("EAGLE-3 head: before and after online training", eagle_section),

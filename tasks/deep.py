@@ -211,49 +211,96 @@ def _finetune(model, recipe: DeepRecipe, steps: int, lr: float, tokenizer, out: 
     return AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval(), metrics  # what ships
 
 
-def _warm_head(policy, tokenizer, recipe: DeepRecipe, out: Path):
+STAGES = ("policy", "drafter", "head", "eval")
+
+
+def _warm_head(policy, tokenizer, recipe: DeepRecipe, out: Path, continue_head: bool) -> list[dict[str, Any]]:
+    """Warm a fresh head (or, with ``continue_head``, the one at ``out``) on ``policy``'s rollouts;
+    returns every warm-up round the saved head has been through."""
+    from ..drafter.eagle3.checkpoint import load_checkpoint
     from ..drafter.eagle3.train import DrafterTrainingConfig
     from ..drafter.eagle3.warmup import WarmupConfig, warmup_head
 
-    problems = sample_problems(recipe.warmup_prompts, seed=30_000 + recipe.seed, cfg=ChainSumConfig())
+    head, earlier, seed = None, [], recipe.seed
+    if continue_head and (out / "config.json").exists():
+        ckpt = load_checkpoint(out)
+        head, earlier = ckpt.head.float(), list(ckpt.metadata.get("rounds", []))
+        seed += len(earlier)  # fresh prompts and draws for the new rounds
+    problems = sample_problems(recipe.warmup_prompts, seed=30_000 + seed, cfg=ChainSumConfig())
     prompts = [chat_ids(tokenizer, [{"role": "user", "content": p.question}], True) for p in problems]
     cfg = WarmupConfig(
         rounds=recipe.warmup_rounds,
         steps_per_round=recipe.warmup_steps,
         max_new_tokens=recipe.warmup_max_new_tokens,
-        training=DrafterTrainingConfig(batch_size=8, learning_rate=1e-3, seed=recipe.seed),
-        seed=recipe.seed,
+        training=DrafterTrainingConfig(batch_size=8, learning_rate=1e-3 if head is None else 5e-4, seed=seed),
+        seed=seed,
     )
-    _, trainer, rounds = warmup_head(policy, prompts, cfg, eos_token_ids=[tokenizer.eos_token_id])
-    trainer.save(
-        out,
-        metadata={"policy": "deep", "prompts": "chain-sum", "rounds": [asdict(r) for r in rounds]},
-        include_optimizer=False,
-    )
-    return rounds
+    _, trainer, rounds = warmup_head(policy, prompts, cfg, head=head, eos_token_ids=[tokenizer.eos_token_id])
+    history = earlier + [{**asdict(r), "round": len(earlier) + r.round} for r in rounds]
+    trainer.save(out, metadata={"policy": "deep", "prompts": "chain-sum", "rounds": history}, include_optimizer=False)
+    return history
 
 
-def run_recipe(recipe: DeepRecipe, out: Path, command: str, progress: bool = True) -> dict[str, Any]:
-    """Grow, fine-tune, distill the drafter, warm the head, evaluate, measure costs, write the card."""
+def _log_command(out: Path, command: str, stages: tuple[str, ...]) -> list[dict[str, Any]]:
+    """Append this run to ``out/recipe_log.json`` (the card lists every command that made the assets)."""
+    path = out / "recipe_log.json"
+    log = json.loads(path.read_text()) if path.exists() else []
+    log.append({"command": command, "stages": list(stages)})
+    out.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(log, indent=2) + "\n")
+    return log
+
+
+def _load_fp32(path: Path):
+    if not (path / "config.json").exists():
+        raise FileNotFoundError(f"{path} is missing: run the stage that makes it first (--stages)")
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def run_recipe(
+    recipe: DeepRecipe,
+    out: Path,
+    command: str,
+    stages: tuple[str, ...] = STAGES,
+    continue_head: bool = False,
+) -> dict[str, Any]:
+    """Run ``stages`` in order: grow and fine-tune the policy, distill the drafter LM, warm the
+    head, then evaluate, measure costs and write the card. A stage left out reuses what an earlier
+    run saved in ``out``."""
+    unknown = set(stages) - set(STAGES)
+    if unknown or not stages:
+        raise ValueError(f"stages must be a non-empty subset of {STAGES}, got {list(stages)}")
     torch.set_num_threads(recipe.threads)
     start = time.perf_counter()
+    log = _log_command(out, command, stages)
     tiny, tokenizer = load_shipped("tiny", "policy")
     build_tokenizer().save_pretrained(out / "tokenizer")
-    grown = grow_depth(tiny, recipe.num_layers, seed=recipe.seed)
-    policy, ft = _finetune(
-        grown, recipe, recipe.finetune_steps, recipe.finetune_lr, tokenizer, out / "policy", desc="fine-tune deep"
-    )
-    drafter, dist = _finetune(
-        load_shipped("tiny", "policy")[0],
-        recipe,
-        recipe.distill_steps,
-        recipe.distill_lr,
-        tokenizer,
-        out / "drafter",
-        desc="distill drafter",
-        teacher=policy,
-    )
-    rounds = _warm_head(policy, tokenizer, recipe, out / "eagle3")
+    if "policy" in stages:
+        grown = grow_depth(tiny, recipe.num_layers, seed=recipe.seed)
+        _finetune(grown, recipe, recipe.finetune_steps, recipe.finetune_lr, tokenizer, out / "policy", "fine-tune deep")
+    policy = _load_fp32(out / "policy")
+    if "drafter" in stages:
+        student = load_shipped("tiny", "policy")[0]
+        _finetune(
+            student,
+            recipe,
+            recipe.distill_steps,
+            recipe.distill_lr,
+            tokenizer,
+            out / "drafter",
+            "distill drafter",
+            teacher=policy,
+        )
+    if "head" in stages:
+        _warm_head(policy, tokenizer, recipe, out / "eagle3", continue_head)
+    if "eval" not in stages:
+        return {"wall_s": time.perf_counter() - start}
+    drafter = _load_fp32(out / "drafter")
+    from ..drafter.eagle3.checkpoint import load_checkpoint
+
+    rounds = load_checkpoint(out / "eagle3").metadata.get("rounds", [])
+    ft = json.loads((out / "policy" / "sft_metrics.json").read_text())
+    dist = json.loads((out / "drafter" / "sft_metrics.json").read_text())
 
     task = ChainSumConfig()
     problems = sample_problems(recipe.eval_problems, seed=10_000 + recipe.seed, cfg=task)  # the tiny card's sets
@@ -276,12 +323,12 @@ def run_recipe(recipe: DeepRecipe, out: Path, command: str, progress: bool = Tru
     (out / "costs.json").write_text(json.dumps({k: asdict(v) for k, v in costs.items()}, indent=2) + "\n")
     wall = time.perf_counter() - start
     (out / "MODEL_CARD.md").write_text(
-        _card(recipe, command, policy, drafter, ft, dist, rounds, evals, costs, wall, len(problems), len(long_set))
+        _card(recipe, log, policy, ft, dist, rounds, evals, costs, len(problems), len(long_set))
     )
     return {"evals": evals, "costs": costs, "wall_s": wall}
 
 
-def _card(recipe, command, policy, drafter, ft, dist, rounds, evals, costs, wall, n_task, n_long) -> str:
+def _card(recipe, log, policy, ft, dist, rounds, evals, costs, n_task, n_long) -> str:
     cfg = policy.config
     eval_rows = [_eval_row(name, set_name, ev) for name, sets in evals.items() for set_name, ev in sets.items()]
     cost_rows = [
@@ -291,10 +338,12 @@ def _card(recipe, command, policy, drafter, ft, dist, rounds, evals, costs, wall
         for name, c in costs.items()
     ]
     round_rows = [
-        f"| {r.round} | {r.completions} | {r.tokens:,} | {r.accept_length:.2f} | "
-        f"{r.loss_first:.3f} -> {r.loss_last:.3f} |"
+        f"| {r['round']} | {r['completions']} | {r['tokens']:,} | {r['accept_length']:.2f} | "
+        f"{r['loss_first']:.3f} -> {r['loss_last']:.3f} | {r['train_s'] / 60:.1f} |"
         for r in rounds
     ]
+    commands = "\n".join(f"    {entry['command']}" for entry in log)
+    ft_recipe, dist_recipe = ft.get("recipe", {}), dist.get("recipe", {})
 
     def loss(m):
         return f"{m['first_loss']:.4f} -> {m['final_loss']:.4f}" if m.get("steps") else "n/a"
@@ -306,14 +355,16 @@ A {cfg.num_hidden_layers}-layer Qwen2 policy (hidden {cfg.hidden_size}, {cfg.num
 chain-sum task, with a drafter LM and an EAGLE-3 head. It exists for its cost ratios: one decoder layer is a
 small share of a forward and verifying a few tokens costs little more than one, as for a real model on a
 GPU, so speculation can pay (the tiny 4-layer policy, where a one-layer head costs a third of a forward,
-stays for tests). Made on a CPU with no model hub and no external data by:
+stays for tests). Made on a CPU with no model hub and no external data by (in order):
 
-    {command}
+{commands}
 
-({wall / 60:.0f} min on {_machine()}, {recipe.threads} threads; torch {torch.__version__}, transformers
-{transformers.__version__}). Files: `tokenizer/` (the tiny task's), `policy/`, `drafter/` (fp16 safetensors,
-loaded as fp32 by `tailspec.tasks.sft.load_shipped("deep", "policy" | "drafter")`), `eagle3/` (tailspec EAGLE-3
-checkpoint, `load_shipped_eagle3("deep")`), `costs.json`, and per model `eval.json` and `sft_metrics.json`.
+(on {_machine()}; torch {torch.__version__}, transformers {transformers.__version__}; fine-tuning
+{ft.get("wall_s", 0) / 60:.0f} min, distillation {dist.get("wall_s", 0) / 60:.0f} min, head warm-up
+{sum(r["rollout_s"] + r["train_s"] for r in rounds) / 60:.0f} min). Files: `tokenizer/` (the tiny task's), `policy/`,
+`drafter/` (fp16 safetensors, loaded as fp32 by `tailspec.tasks.sft.load_shipped("deep", "policy" | "drafter")`),
+`eagle3/` (tailspec EAGLE-3 checkpoint, `load_shipped_eagle3("deep")`), `costs.json`, `recipe_log.json`, and per
+model `eval.json` and `sft_metrics.json` (loss curve and recipe).
 
 ## How it was made
 
@@ -321,19 +372,19 @@ checkpoint, `load_shipped_eagle3("deep")`), `costs.json`, and per model `eval.js
    {cfg.num_hidden_layers // 4}i, followed by {cfg.num_hidden_layers // 4 - 1} copies of it whose `o_proj` and
    `down_proj` start at zero (a block that writes nothing to the residual stream), their other weights
    perturbed by 1% noise; the grown model computes exactly the tiny policy's function.
-2. **Fine-tuned** {ft.get("steps", 0)} steps on the tiny recipe's training stream (batches of {recipe.batch_size},
-   AdamW, peak lr {recipe.finetune_lr:g}, warmup then cosine decay to 0.1x, fp32): loss {loss(ft)}.
+2. **Fine-tuned** {ft.get("steps", 0)} steps on the tiny recipe's training stream (batches of
+   {ft_recipe.get("batch_size")}, AdamW, peak lr {ft_recipe.get("finetune_lr")}, warmup then cosine decay to 0.1x,
+   fp32): loss {loss(ft)}.
 3. **Drafter LM**: a copy of the tiny policy distilled {dist.get("steps", 0)} steps onto the deep policy
-   (KL(deep || drafter) of the next-token distributions on the same stream, peak lr {recipe.distill_lr:g}):
-   KL {loss(dist)}. It shares the tokenizer.
+   (KL(deep || drafter) of the next-token distributions on the same stream, peak lr
+   {dist_recipe.get("distill_lr")}): KL {loss(dist)}. It shares the tokenizer.
 4. **EAGLE-3 head** (one decoder layer, taps the SGLang/vLLM default layers (2, L/2, L-3)), warmed up from
-   random init: {recipe.warmup_rounds} rounds, each rolling the policy out on
-   {recipe.warmup_prompts // recipe.warmup_rounds} chain-sum prompts (T = 1, at most {recipe.warmup_max_new_tokens}
-   tokens; from round 2 on `chain:4` with the head)
-   and taking {recipe.warmup_steps} training steps on what it recorded.
+   random init in rounds: each rolls the policy out on fresh chain-sum prompts (T = 1, at most
+   {recipe.warmup_max_new_tokens} tokens; once the head has trained, with `chain:4` drafts from it) and then
+   trains it on what the rollouts recorded (features and top-8 soft labels, no extra target pass).
 
-| round | completions | tokens | rollout accept length | head loss first -> last |
-|---:|---:|---:|---:|---|
+| round | completions | tokens | rollout accept length | head loss first -> last | train min |
+|---:|---:|---:|---:|---|---:|
 {chr(10).join(round_rows)}
 
 ## Greedy accuracy
@@ -361,6 +412,8 @@ def _command(args: argparse.Namespace) -> str:
     parts = ["tailspec", "train-deep", "--out", str(args.out)]
     for name in ("finetune_steps", "distill_steps", "warmup_rounds", "warmup_steps", "threads", "seed"):
         parts += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
+    parts += ["--stages", args.stages] if args.stages != ",".join(STAGES) else []
+    parts += ["--continue-head"] if args.continue_head else []
     return shlex.join(parts + (["--quick"] if args.quick else []))
 
 
@@ -378,6 +431,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--threads", type=int, default=d.threads, help="torch CPU threads")
     parser.add_argument("--seed", type=int, default=d.seed)
     parser.add_argument("--quick", action="store_true", help="a few steps and problems (smoke test)")
+    parser.add_argument(
+        "--stages",
+        default=",".join(STAGES),
+        help=f"comma-separated subset of {','.join(STAGES)}; a stage left out reuses what --out holds",
+    )
+    parser.add_argument("--continue-head", action="store_true", help="head stage: train the head in --out further")
     return parser
 
 
@@ -409,7 +468,11 @@ def main(argv: list[str] | None = None) -> int:
         )
     if not logging.getLogger().handlers:
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    result = run_recipe(recipe, args.out, _command(args))
+    stages = tuple(s.strip() for s in args.stages.split(",") if s.strip())
+    result = run_recipe(recipe, args.out, _command(args), stages, continue_head=args.continue_head)
+    if "costs" not in result:
+        print(f"wrote stages {', '.join(stages)} to {args.out} in {result['wall_s'] / 60:.1f} min")
+        return 0
     c = result["costs"]["deep policy"]
     print(
         f"wrote {args.out} in {result['wall_s'] / 60:.1f} min; deep policy greedy accuracy "

@@ -97,3 +97,23 @@ def test_quick_recipe_writes_every_asset(tmp_path):
     assert set(costs) == {"deep policy", "tiny policy"}
     card = (tmp_path / "MODEL_CARD.md").read_text()
     assert "tailspec train-deep" in card and "block expansion" in card
+
+
+def test_stages_reuse_what_an_earlier_run_saved(tmp_path):
+    from tailspec.drafter.eagle3.checkpoint import load_checkpoint
+    from tailspec.tasks.deep import run_recipe
+
+    assert main(["--out", str(tmp_path), "--quick", "--threads", "1"]) == 0
+    before = load_checkpoint(tmp_path / "eagle3").metadata["rounds"]
+    policy_bytes = (tmp_path / "policy" / "model.safetensors").read_bytes()
+    assert main(["--out", str(tmp_path), "--quick", "--threads", "1", "--stages", "head,eval", "--continue-head"]) == 0
+    after = load_checkpoint(tmp_path / "eagle3").metadata["rounds"]
+    assert len(after) == 2 * len(before) and [r["round"] for r in after] == list(range(len(after)))
+    assert (tmp_path / "policy" / "model.safetensors").read_bytes() == policy_bytes  # not retrained
+    log = json.loads((tmp_path / "recipe_log.json").read_text())
+    assert [entry["stages"] for entry in log] == [["policy", "drafter", "head", "eval"], ["head", "eval"]]
+    assert "--continue-head" in (tmp_path / "MODEL_CARD.md").read_text()
+    with pytest.raises(ValueError, match="stages must be"):
+        run_recipe(DeepRecipe(), tmp_path, "x", stages=("grow",))
+    with pytest.raises(FileNotFoundError, match="run the stage"):
+        run_recipe(DeepRecipe(), tmp_path / "empty", "x", stages=("eval",))
