@@ -51,7 +51,7 @@ class WarmupRound:
     completions: int
     tokens: int
     rollout_s: float
-    accept_length: float  # of this round's rollouts (1.0 in the first round: no trained head yet)
+    accept_length: float  # of this round's rollouts (1.0 in a fresh head's first round: not trained yet)
     loss_first: float
     loss_last: float
     train_s: float
@@ -71,6 +71,7 @@ def warmup_head(
     if not prompts:
         raise ValueError("prompts is empty")
     buffer = FeatureBuffer(cfg.buffer_bytes, cfg.buffer_policy, seed=cfg.seed)
+    trained = head is not None  # a given head is continued: its rollouts speculate from the first round
     if head is None:
         torch.manual_seed(cfg.seed)
         head_cfg = Eagle3Config.for_target(model.config, aux_layer_ids=cfg.aux_layer_ids)
@@ -81,7 +82,7 @@ def warmup_head(
     rounds: list[WarmupRound] = []
     chunks = [prompts[i :: cfg.rounds] for i in range(cfg.rounds)]
     for r, chunk in enumerate(tqdm(chunks, desc="warm-up", unit="round", disable=not progress)):
-        strategy = cfg.strategy if trainer is not None else "none"
+        strategy = cfg.strategy if trainer is not None or trained else "none"
         drafter = Eagle3Drafter(head, model, buffer=buffer, seed=cfg.seed + r)
         engine = RolloutEngine(
             model, RolloutConfig(strategy=strategy, seed=cfg.seed + r), drafter=drafter, eos_token_ids=eos_token_ids
