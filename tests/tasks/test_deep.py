@@ -117,3 +117,31 @@ def test_stages_reuse_what_an_earlier_run_saved(tmp_path):
         run_recipe(DeepRecipe(), tmp_path, "x", stages=("grow",))
     with pytest.raises(FileNotFoundError, match="run the stage"):
         run_recipe(DeepRecipe(), tmp_path / "empty", "x", stages=("eval",))
+
+
+def test_shipped_deep_assets_have_the_shape_and_agree():
+    """The shipped deep policy has the realistic shape (24 layers), loads as fp32 from fp16, solves
+    easy problems, and its drafter LM and EAGLE-3 head are fitted to it (the drafter's greedy
+    choices agree with the policy's on nearly every position of the policy's own solutions)."""
+    from tailspec.tasks.sft import count_parameters, load_shipped_eagle3
+    from tailspec.tasks.tokenizer import chat_ids
+
+    policy, tokenizer = load_shipped("deep", "policy")
+    drafter, _ = load_shipped("deep", "drafter")
+    assert policy.config.num_hidden_layers >= 24 and next(policy.parameters()).dtype == torch.float32
+    assert 5 * count_parameters(drafter) <= count_parameters(policy)
+    head = load_shipped_eagle3("deep")
+    head.config.check_target(policy.config)
+    problems = sample_problems(12, seed=4, cfg=ChainSumConfig(max_terms=4, long_fraction=0.0))
+    result = evaluate_accuracy(
+        policy, tokenizer, problems, max_new_tokens=40, backend="engine", return_completions=True
+    )
+    assert result["accuracy"] > 0.4
+    agreements = []
+    for problem, completion in zip(problems[:4], result["completions"][:4]):
+        prompt = chat_ids(tokenizer, [{"role": "user", "content": problem.question}], True)
+        ids = torch.tensor([prompt + tokenizer.encode(completion)])
+        with torch.no_grad():
+            same = policy(ids).logits.argmax(-1) == drafter(ids).logits.argmax(-1)
+        agreements.append(same[0, len(prompt) - 1 :].float().mean().item())  # the response positions
+    assert sum(agreements) / len(agreements) > 0.9
