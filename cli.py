@@ -47,7 +47,11 @@ def _bench(args: argparse.Namespace) -> int:
     )
 
     if args.section == "adaptive":
-        print(run_adaptive_section(Path(args.out), quick=args.quick, policy=args.policy, threads=args.threads))
+        print(
+            run_adaptive_section(
+                Path(args.out), quick=args.quick, policy=args.policy, threads=args.threads, drafter=args.drafter
+            )
+        )
     elif args.section == "sweep":
         print(run_sweep_section(Path(args.out), quick=args.quick, policy=args.policy, threads=args.threads))
     elif args.section == "atts":
@@ -209,6 +213,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="shipped policy for the sweep, adaptive and atts sections (default: deep, the realistic shape)",
     )
     bench.add_argument("--threads", type=int, default=1, help="torch threads for the sweep and adaptive sections")
+    bench.add_argument(
+        "--drafter", choices=["eagle3", "lm"], default="eagle3", help="model drafter of the adaptive section"
+    )
     bench.set_defaults(func=_bench)
 
     atts = sub.add_parser(

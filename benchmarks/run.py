@@ -102,21 +102,22 @@ def run_e2e_section(out: Path, quick: bool = False, seed: int = 0) -> str:
     return _rewrite_section(out, quick, E2E_TITLE, "e2e", runs, plot_e2e, e2e_section, e2e_table)
 
 
-def adaptive_title(policy: str) -> str:
-    return ADAPTIVE_TITLE if policy == "tiny" else f"{ADAPTIVE_TITLE}: {policy} policy"
+def adaptive_title(policy: str, drafter: str = "eagle3") -> str:
+    title = ADAPTIVE_TITLE if policy == "tiny" else f"{ADAPTIVE_TITLE}: {policy} policy"
+    return title if drafter == "eagle3" else f"{title}, drafter LM"
 
 
 def run_adaptive_section(
-    out: Path, quick: bool = False, seed: int = 1234, policy: str = "tiny", threads: int = 1
+    out: Path, quick: bool = False, seed: int = 1234, policy: str = "tiny", threads: int = 1, drafter: str = "eagle3"
 ) -> str:
-    """Only the long-tail adaptive comparison on ``policy``, written into ``out`` in place."""
+    """Only the long-tail adaptive comparison on ``policy`` with ``drafter``, written into ``out`` in place."""
     torch.manual_seed(seed)
     bench = BenchPolicy.load(policy)
     params = SamplingParams(temperature=1.0, max_new_tokens=384)
     with torch_threads(threads):
-        body, table = long_tail_section(bench, params, out.parent, quick, seed)
-    command = f"tailspec bench --section adaptive --policy {policy}" + (" --quick" if quick else "")
-    replace_section(out, adaptive_title(policy), body, command)
+        body, table = long_tail_section(bench, params, out.parent, quick, seed, drafter)
+    command = f"tailspec bench --section adaptive --policy {policy} --drafter {drafter}" + (" --quick" if quick else "")
+    replace_section(out, adaptive_title(policy, drafter), body, command)
     return table
 
 
@@ -416,16 +417,22 @@ def eagle3_section(model, tokenizer, params: SamplingParams, docs: Path, quick: 
     return body, table
 
 
+DRAFTER_NAMES = {"eagle3": "the shipped EAGLE-3 head", "lm": "the shipped drafter LM"}
+
+
 def long_tail_section(
-    bench: BenchPolicy, params: SamplingParams, docs: Path, quick: bool, seed: int
+    bench: BenchPolicy, params: SamplingParams, docs: Path, quick: bool, seed: int, drafter: str = "eagle3"
 ) -> tuple[str, str]:
-    """One GRPO-sized rollout with a long tail: adaptive vs every fixed strategy vs none vs HF generate."""
-    model, tokenizer, head = bench.model, bench.tokenizer, bench.head
+    """One GRPO-sized rollout with a long tail: adaptive vs every fixed strategy vs none vs HF generate,
+    with ``drafter`` (``eagle3`` or ``lm``) as the model drafter."""
+    model, tokenizer = bench.model, bench.tokenizer
+    head = bench.head if drafter == "eagle3" else bench.drafter_lm
     eos = [tokenizer.eos_token_id]
     prompts = task_prompts(tokenizer, 16 if quick else 64, seed + 4)
     results = measure_long_tail(model, head, prompts, params, eos, tokenizer.pad_token_id)
     adaptive = [r for r in results if r.name.startswith("adaptive")]
     plot_name = "bench_adaptive.png" if bench.name == "tiny" else f"bench_adaptive_{bench.name}.png"
+    plot_name = plot_name if drafter == "eagle3" else plot_name.replace(".png", f"_{drafter}.png")
     plot_adaptive(adaptive[-1], docs / plot_name)
     uniform = measure_uniform(model, head, prompts, params.with_updates(max_new_tokens=64 if quick else 128), eos)
     table = long_tail_table(results)
@@ -441,7 +448,7 @@ def long_tail_section(
     body = (
         f"{len(prompts)} chain-sum prompts in one `generate` call (one GRPO rollout's worth), "
         f"{bench.describe()}, {torch.get_num_threads()} torch thread(s), T = 1.0, "
-        f"max_new_tokens = {params.max_new_tokens}; the model drafter is the shipped EAGLE-3 head, attached "
+        f"max_new_tokens = {params.max_new_tokens}; the model drafter is {DRAFTER_NAMES[drafter]}, attached "
         f"only to the runs that can draft with it (with a head attached, every target "
         f"forward taps its features, so `none` and `suffix` run without one). Completion lengths are "
         f"heavy-tailed, so the batch drains into a tail of a few long "
