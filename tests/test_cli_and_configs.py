@@ -6,6 +6,7 @@ import yaml
 from tailspec.cli import build_parser
 from tailspec.demo import DemoConfig
 from tailspec.rollout.params import RolloutConfig
+from tailspec.rollout.strategy import parse_strategy
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 
@@ -124,6 +125,7 @@ def test_the_default_demo_config_is_the_story():
     cfg = DemoConfig.from_yaml(CONFIGS / "demo_cpu.yaml")
     assert cfg.workers == 2 and cfg.warmup_steps > 0 and cfg.baseline and cfg.export == "sglang"
     assert cfg.policy == "deep"  # the shape where speculation pays; the tiny policy is for tests
+    assert parse_strategy(cfg.strategy).uses_model_drafter and cfg.drafter in ("small_lm", "eagle3")
     # a fixed set: short problems with room to learn, and one long problem for the rollout's tail
     terms = sorted(len(ChainSumProblem.from_question(q).terms) for q in cfg.problems)
     assert terms[0] <= 4 and terms[-1] >= 20
