@@ -28,7 +28,7 @@ from ..atts import (
 from ..atts.evaluate import Accuracy
 from ..rollout import RolloutConfig, RolloutEngine
 from ..tasks.chain_sum import ChainSumConfig, extract_answer, sample_problems
-from ..tasks.sft import SHIPPED_POLICIES, load_shipped
+from ..tasks.sft import SHIPPED_POLICIES, count_parameters, load_shipped
 from ..trainer_hooks.spec_rollout import SpecRollout
 from .report import pyplot, save_figure
 
@@ -222,10 +222,6 @@ def _models_line(policy: str) -> str:
     return (
         f"Draft: the shipped {policy} drafter LM ({size(draft)}); target: the shipped {policy} policy ({size(target)})"
     )
-
-
-def count_parameters(model) -> int:
-    return sum(p.numel() for p in model.parameters())
 
 
 def atts_section(rows: list[ATTSRow], calibration: ConformalCalibration, cfg: ATTSBenchConfig, plot_name: str) -> str:

@@ -14,7 +14,7 @@ import torch
 from ..rollout.params import RolloutConfig, SamplingParams
 from ..rollout.selector import SelectorConfig
 from ..tasks.chain_sum import ChainSumConfig, sample_problems
-from ..tasks.sft import load_shipped, load_shipped_eagle3, load_tiny, load_tiny_eagle3
+from ..tasks.sft import count_parameters, load_shipped, load_shipped_eagle3, load_tiny, load_tiny_eagle3
 from ..trainer_hooks.spec_rollout import SpecRollout
 from .adaptive import (
     bucket_weighted,
@@ -66,8 +66,8 @@ class BenchPolicy:
 
     def describe(self) -> str:
         c = self.model.config
-        params = sum(p.numel() for p in self.model.parameters())
-        shape = f"{c.num_hidden_layers} layers x hidden {c.hidden_size}, {params / 1e6:.1f}M parameters"
+        params = count_parameters(self.model) / 1e6
+        shape = f"{c.num_hidden_layers} layers x hidden {c.hidden_size}, {params:.1f}M parameters"
         return f"the shipped {self.name} policy ({shape})"
 
 
@@ -173,7 +173,7 @@ def sweep_section(policy: str, docs: Path, quick: bool, seed: int, threads: int 
     best_line = "; ".join(f"{name}: `{c.arm.strategy}` {c.ratio:.2f}x" for name, c in best if c is not None)
     body = (
         f"Target: {bench.describe()}; drafters: its EAGLE-3 head and its drafter LM ("
-        f"{sum(p.numel() for p in bench.drafter_lm.parameters()) / 1e6:.1f}M parameters). Chain-sum prompts "
+        f"{count_parameters(bench.drafter_lm) / 1e6:.1f}M parameters). Chain-sum prompts "
         f"at T = 1.0, at most {params.max_new_tokens} new tokens, {threads} torch thread(s). Each arm is one "
         f"engine per batch size making {2 if quick else 3} passes over the same prompts ({per_size[1]}, "
         f"{per_size[4]} and {per_size[16]} prompts at batch 1, 4 and 16), interleaved with the others pass by "
@@ -244,7 +244,8 @@ def run_bench(out: Path, quick: bool = False, seed: int = 1234) -> str:
     )
     spec_section, spec_table = speculative_section(model, tokenizer, prompts, params, docs, quick, seed)
     eagle_section, eagle_tab = eagle3_section(model, tokenizer, params, docs, quick, seed)
-    adaptive_section, adaptive_tab = long_tail_section(BenchPolicy.load("tiny"), params, docs, quick, seed)
+    with torch_threads(1):  # as `tailspec bench --section adaptive` measures it
+        adaptive_section, adaptive_tab = long_tail_section(BenchPolicy.load("tiny"), params, docs, quick, seed)
     sweeps = {name: sweep_section(name, docs, quick, seed) for name in ("deep", "tiny")}
     with torch_threads(1):
         deep_adaptive, deep_adaptive_tab = long_tail_section(BenchPolicy.load("deep"), params, docs, quick, seed)

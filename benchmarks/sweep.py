@@ -138,10 +138,8 @@ def measure_sweep(
             engines.append(engine)
         row = [SweepCell(arm, bs) for arm in arms]
         for p in tqdm(range(passes), desc=f"sweep batch {bs}", unit="pass"):
-            seeded = [
-                [params.with_updates(seed=10_000 * p + i + j) for j in range(len(b))]
-                for i, b in zip(range(0, n, bs), batches)
-            ]
+            request_params = [params.with_updates(seed=10_000 * p + i) for i in range(n)]  # one seed per prompt
+            seeded = [request_params[i : i + bs] for i in range(0, n, bs)]
             order = list(range(len(arms)))
             order = order[p % len(order) :] + order[: p % len(order)]
             for i in order:

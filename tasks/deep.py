@@ -202,13 +202,14 @@ def _save_fp16(model: torch.nn.Module, out: Path) -> None:
     copy.deepcopy(model).to(torch.float16).save_pretrained(out, safe_serialization=True)
 
 
-def _finetune(model, recipe: DeepRecipe, steps: int, lr: float, tokenizer, out: Path, desc: str, teacher=None):
+def _finetune(model, recipe: DeepRecipe, steps: int, lr: float, tokenizer, out: Path, desc: str, teacher=None) -> None:
+    """Train ``model`` (distill it from ``teacher`` if given) and save it in fp16 with its metrics;
+    later stages load what was saved (:func:`_load_fp32`), so they see exactly what ships."""
     metrics: dict[str, Any] = {"steps": 0}
     if steps:
         metrics = fit_model(model, recipe.sft(steps, lr), tokenizer, None, desc=desc, teacher=teacher)
     _save_fp16(model, out)
     _write_metrics(out, {**metrics, "recipe": asdict(recipe)})
-    return AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval(), metrics  # what ships
 
 
 STAGES = ("policy", "drafter", "head", "eval")
