@@ -21,9 +21,13 @@ if not torch.cuda.is_available():
 
 @pytest.fixture(scope="module")
 def ray_local():
-    """A local Ray instance for the module's tests (2 CPUs, no dashboard), stopped afterwards."""
+    """A new local Ray instance for the module's tests (2 CPUs, no dashboard), stopped afterwards.
+
+    ``address="local"`` starts one even when another Ray cluster runs on this machine (another
+    test run, a user's head): joining that one would share its state and refuse ``num_cpus``.
+    """
     ray = pytest.importorskip("ray")
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, ignore_reinit_error=True)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False, ignore_reinit_error=True)
     try:
         yield ray
     finally:

@@ -138,7 +138,11 @@ class _Shard:
 
 
 def ensure_ray(address: str | None = None, num_cpus: float | None = None) -> None:
-    """Join the cluster at ``address`` (or ``RAY_ADDRESS``), else start a local Ray instance."""
+    """Join the cluster at ``address`` (or ``RAY_ADDRESS``), else start a new local Ray instance.
+
+    Without an address a new instance is started even when some other Ray cluster runs on this
+    machine (Ray's default would join the latest one started here, and refuse ``num_cpus``).
+    """
     import ray
 
     if ray.is_initialized():
@@ -150,7 +154,7 @@ def ensure_ray(address: str | None = None, num_cpus: float | None = None) -> Non
         logger.info("starting a local Ray instance (%s CPUs)", num_cpus)
     else:
         logger.info("joining the Ray cluster at %s", address)
-    ray.init(address=address, **kwargs)
+    ray.init(address=address or "local", **kwargs)
 
 
 def shard_requests(prompts: Sequence[Sequence[int]], num_shards: int) -> list[list[int]]:
