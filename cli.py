@@ -6,15 +6,84 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+import os
+import re
 import sys
 from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+
+class UserError(Exception):
+    """A mistake in what the user asked for (a path, a file, a value): one line, exit status 2."""
+
+
+# what a user's mistake surfaces as below the CLI: config and parameter validation (ValueError),
+# files that are missing or unreadable (OSError), YAML that does not parse
+def _user_error_types() -> tuple[type[BaseException], ...]:
+    import yaml
+
+    return (UserError, ValueError, OSError, yaml.YAMLError)
+
+
+def _existing_file(value: str, what: str) -> Path:
+    path = Path(value).expanduser()
+    if not path.exists():
+        raise UserError(f"{what}: no such file: {value}")
+    if not path.is_file():
+        raise UserError(f"{what}: {value} is a directory, not a file")
+    return path
+
+
+def _writable_parent(value: str, what: str) -> Path:
+    """An output path whose folder exists (checked before long work, not after it)."""
+    path = Path(value).expanduser()
+    if not path.parent.is_dir():
+        raise UserError(f"{what}: the folder {path.parent} of {value} does not exist")
+    return path
+
+
+# a Hugging Face hub repo id: ``namespace/name`` (anything else that is not on disk is a bad path)
+_HUB_REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
+def _model_location(value: str, what: str) -> str:
+    """A local model/tokenizer directory, or a hub repo id; a local path that does not exist is
+    reported as such rather than handed to the hub loader."""
+    path = Path(value).expanduser()
+    if path.exists():
+        if not path.is_dir():
+            raise UserError(f"{what}: {value} is a file; give a Hugging Face model directory")
+        return str(path)
+    if _HUB_REPO_ID.match(value) and not value.startswith((".", "~")):
+        return value
+    raise UserError(f"{what}: no such directory: {value}")
+
+
+def _int_at_least(low: int):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be an integer >= {low}, got {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be an integer >= {low}, got {value}")
+        return value
+
+    parse.__name__ = f"integer >= {low}"
+    return parse
+
+
+POSITIVE = _int_at_least(1)
+NON_NEGATIVE = _int_at_least(0)
 
 
 def _demo(args: argparse.Namespace) -> int:
     from .demo import DemoConfig, run_demo
     from .trainer_hooks.deepspeed import configs_dir
 
-    cfg = DemoConfig.from_yaml(args.config or configs_dir() / "demo_cpu.yaml")
+    config = _existing_file(args.config, "--config") if args.config else configs_dir() / "demo_cpu.yaml"
+    cfg = DemoConfig.from_yaml(config)
     overrides: dict[str, object] = {}
     if args.steps is not None:
         overrides["max_steps"] = args.steps
@@ -46,6 +115,7 @@ def _bench(args: argparse.Namespace) -> int:
         run_sweep_section,
     )
 
+    _writable_parent(args.out, "--out")
     if args.section == "adaptive":
         print(
             run_adaptive_section(
@@ -72,6 +142,8 @@ def _atts(args: argparse.Namespace) -> int:
     from .benchmarks.run import write_atts_section
     from .tasks.tokenizer import build_tokenizer
 
+    if args.out:
+        _writable_parent(args.out, "--out")
     alphas = tuple(sorted({*args.alphas, args.alpha}))
     delimiters = tuple(build_tokenizer().encode(args.delimiter)) if args.delimiter else ()
     atts = ATTSConfig(
@@ -114,15 +186,18 @@ def _train_deep(args: argparse.Namespace) -> int:
 
 
 def _load_policy(spec: str, tokenizer_path: str | None):
-    """``tiny`` / ``deep`` (a shipped policy) or a local Hugging Face model directory."""
-    from .tasks.sft import SHIPPED_POLICIES, load_shipped
-
-    if spec in SHIPPED_POLICIES:
-        return load_shipped(spec, "policy")
+    """``tiny`` / ``deep`` (a shipped policy), a local Hugging Face model directory or a hub id."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    model = AutoModelForCausalLM.from_pretrained(spec, dtype="auto").eval()
-    return model, AutoTokenizer.from_pretrained(tokenizer_path or spec)
+    from .tasks.sft import SHIPPED_POLICIES, load_shipped
+
+    tokenizer = _model_location(tokenizer_path, "--tokenizer") if tokenizer_path else None
+    if spec in SHIPPED_POLICIES:
+        model, shipped_tokenizer = load_shipped(spec, "policy")
+        return model, AutoTokenizer.from_pretrained(tokenizer) if tokenizer else shipped_tokenizer
+    policy = _model_location(spec, f"--policy (a shipped policy {', '.join(SHIPPED_POLICIES)} or a model directory)")
+    model = AutoModelForCausalLM.from_pretrained(policy, dtype="auto").eval()
+    return model, AutoTokenizer.from_pretrained(tokenizer or policy)
 
 
 def _load_prompts(spec: str, tokenizer, num: int, seed: int) -> list[list[int]]:
@@ -135,10 +210,19 @@ def _load_prompts(spec: str, tokenizer, num: int, seed: int) -> list[list[int]]:
 
         rows = [r["prompt"] for r in make_grpo_dataset(num, seed=seed, cfg=ChainSumConfig())]
     else:
-        lines = [line for line in Path(spec).read_text().splitlines() if line.strip()]
-        rows = [json.loads(line)["prompt"] for line in lines[:num]]
+        path = _existing_file(spec, "--prompts ('chain-sum' or a JSONL file)")
+        rows = []
+        for number, line in enumerate(path.read_text().splitlines(), start=1):
+            if len(rows) == num:
+                break
+            if not line.strip():
+                continue
+            try:
+                rows.append(json.loads(line)["prompt"])
+            except (json.JSONDecodeError, TypeError, KeyError):
+                raise UserError(f'--prompts: line {number} of {spec} is not a JSON object with a "prompt"') from None
     if not rows:
-        raise ValueError(f"no prompts in {spec}")
+        raise UserError(f"--prompts: no prompts in {spec}")
     from .trainer_hooks.spec_rollout import SpecRollout
 
     return SpecRollout.tokenize_prompts(rows, tokenizer)  # exactly as the rollouts in training will
@@ -150,6 +234,9 @@ def _drafter_warmup(args: argparse.Namespace) -> int:
     from .drafter.eagle3.train import DrafterTrainingConfig
     from .drafter.eagle3.warmup import WarmupConfig, warmup_head
 
+    if args.prompts != "chain-sum":  # every path is checked before the policy loads
+        _existing_file(args.prompts, "--prompts ('chain-sum' or a JSONL file)")
+    _writable_parent(args.out, "--out")
     model, tokenizer = _load_policy(args.policy, args.tokenizer)
     prompts = _load_prompts(args.prompts, tokenizer, args.num_prompts, args.seed)
     cfg = WarmupConfig(
@@ -175,6 +262,7 @@ def _drafter_warmup(args: argparse.Namespace) -> int:
 def _drafter_export(args: argparse.Namespace) -> int:
     from .drafter.eagle3.checkpoint import export_checkpoint, load_checkpoint
 
+    _writable_parent(args.out, "--out")
     ckpt = load_checkpoint(args.checkpoint)
     print(f"wrote {export_checkpoint(ckpt.head, args.out, format=args.format)}")
     return 0
@@ -187,11 +275,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     demo = sub.add_parser("demo", help="a short GRPO run with tailspec rollouts on the tiny task (CPU)")
     demo.add_argument("--config", help="YAML demo config (default: the shipped configs/demo_cpu.yaml)")
-    demo.add_argument("--steps", type=int, help="number of GRPO steps")
+    demo.add_argument("--steps", type=POSITIVE, help="number of GRPO steps")
     demo.add_argument("--strategy", help="speculation strategy: none | chain:K | tree:D,K,B | suffix[:...]")
     demo.add_argument("--seed", type=int, help="seed of the GRPO runs (trainer and rollout sampling)")
     demo.add_argument("--no-wandb", action="store_true", help="do not log to wandb (offline by default)")
-    demo.add_argument("--workers", type=int, help="Ray rollout workers (0: the in-process engine)")
+    demo.add_argument("--workers", type=NON_NEGATIVE, help="Ray rollout workers (0: the in-process engine)")
     demo.add_argument("--ray-address", help="Ray cluster to join (default: RAY_ADDRESS, else a local Ray)")
     demo.add_argument("--deepspeed", help="train under DeepSpeed: zero2 | zero3 | a DeepSpeed JSON path")
     demo.add_argument("--no-baseline", action="store_true", help="skip the no-speculation comparison run")
@@ -212,7 +300,7 @@ def build_parser() -> argparse.ArgumentParser:
         default="deep",
         help="shipped policy for the sweep, adaptive and atts sections (default: deep, the realistic shape)",
     )
-    bench.add_argument("--threads", type=int, default=1, help="torch threads for the sweep and adaptive sections")
+    bench.add_argument("--threads", type=POSITIVE, default=1, help="torch threads for the sweep and adaptive sections")
     bench.add_argument(
         "--drafter", choices=["eagle3", "lm"], default="eagle3", help="model drafter of the adaptive section"
     )
@@ -224,12 +312,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     atts.add_argument("--alpha", type=float, default=0.2, help="takeover rate to ask for, in (0, 1)")
     atts.add_argument("--alphas", type=float, nargs="*", default=[0.1, 0.4], help="more alphas to sweep (split)")
-    atts.add_argument("--questions", type=int, default=32)
-    atts.add_argument("--calibration-questions", type=int, default=32, help="held-out questions for calibration")
-    atts.add_argument("--samples", type=int, default=8, help="samples per question")
-    atts.add_argument("--chunk-tokens", type=int, default=32)
+    atts.add_argument("--questions", type=POSITIVE, default=32)
+    atts.add_argument("--calibration-questions", type=POSITIVE, default=32, help="held-out questions for calibration")
+    atts.add_argument("--samples", type=POSITIVE, default=8, help="samples per question")
+    atts.add_argument("--chunk-tokens", type=POSITIVE, default=32)
     atts.add_argument("--delimiter", default="", help="text whose tokens end a chunk early (e.g. ' ' = one step)")
-    atts.add_argument("--max-new-tokens", type=int, default=384)
+    atts.add_argument("--max-new-tokens", type=POSITIVE, default=384)
     atts.add_argument("--temperature", type=float, default=1.0)
     atts.add_argument("--seed", type=int, default=0)
     atts.add_argument("--ray", action="store_true", help="draft and target engines as Ray actors (local Ray)")
@@ -247,12 +335,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     warm.add_argument("--tokenizer", help="tokenizer directory (default: the policy's)")
     warm.add_argument("--prompts", default="chain-sum", help="'chain-sum' or a JSONL file of {\"prompt\": ...}")
-    warm.add_argument("--num-prompts", type=int, default=192)
-    warm.add_argument("--rounds", type=int, default=3)
-    warm.add_argument("--steps", type=int, default=200, help="training steps per round")
-    warm.add_argument("--max-new-tokens", type=int, default=384)
-    warm.add_argument("--draft-vocab-size", type=int, help="reduced draft vocabulary (most frequent tokens)")
-    warm.add_argument("--batch-size", type=int, default=8)
+    warm.add_argument("--num-prompts", type=POSITIVE, default=192)
+    warm.add_argument("--rounds", type=POSITIVE, default=3)
+    warm.add_argument("--steps", type=POSITIVE, default=200, help="training steps per round")
+    warm.add_argument("--max-new-tokens", type=POSITIVE, default=384)
+    warm.add_argument("--draft-vocab-size", type=POSITIVE, help="reduced draft vocabulary (most frequent tokens)")
+    warm.add_argument("--batch-size", type=POSITIVE, default=8)
     warm.add_argument("--lr", type=float, default=1e-3)
     warm.add_argument("--seed", type=int, default=0)
     warm.add_argument("--out", required=True, help="checkpoint directory to write")
@@ -281,6 +369,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run one subcommand. A user's mistake prints ``tailspec: error: ...`` on one line and returns
+    2 (``TAILSPEC_DEBUG=1`` raises it with its traceback instead); Ctrl-C returns 130."""
     parser = build_parser()
     args, rest = parser.parse_known_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)
@@ -292,7 +382,20 @@ def main(argv: list[str] | None = None) -> int:
         level=logging.DEBUG if args.verbose else logging.INFO,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
-    return args.func(args)
+    debug = os.environ.get("TAILSPEC_DEBUG", "") not in ("", "0")
+    try:
+        return args.func(args)
+    except KeyboardInterrupt:
+        if debug:
+            raise
+        print("tailspec: interrupted", file=sys.stderr)
+        return 130
+    except _user_error_types() as e:
+        if debug:
+            raise
+        message = " ".join(str(e).split()) or type(e).__name__
+        print(f"tailspec: error: {message}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -37,6 +37,7 @@ from .speculative import (
     release_unused_blocks,
 )
 from .strategy import Strategy, parse_strategy
+from .token_ids import token_id_list
 from .verify import verify_batch
 
 logger = logging.getLogger(__name__)
@@ -125,12 +126,11 @@ class RequestLimits:
         """Raise ``ValueError`` naming the problem if the request cannot be served."""
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
-        if isinstance(prompt_ids, torch.Tensor):
-            prompt_ids = prompt_ids.tolist()
+        prompt_ids = token_id_list(prompt_ids)
         if len(prompt_ids) == 0:
             raise ValueError("prompt_ids is empty; a prompt needs at least one token")
         for i, tok in enumerate(prompt_ids):
-            if not isinstance(tok, int) or isinstance(tok, bool) or not 0 <= tok < self.vocab_size:
+            if not 0 <= tok < self.vocab_size:
                 raise ValueError(
                     f"prompt_ids[{i}] = {tok!r} is not a token id in the vocabulary [0, {self.vocab_size})"
                 )
@@ -161,7 +161,9 @@ def prepare_requests(
 ) -> tuple[list[list[int]], list[SamplingParams]]:
     """Prompts as lists and one ``SamplingParams`` per prompt, every request checked first: one
     bad request raises ``ValueError`` naming its index (and all the others that are bad)."""
-    prompts = [p.tolist() if isinstance(p, torch.Tensor) else list(p) for p in prompts]
+    if isinstance(prompts, (str, bytes)):
+        raise ValueError("prompts is text; pass a list of token-id sequences (tokenize first)")
+    prompts = list(prompts)
     if params is None or isinstance(params, SamplingParams):
         per_request = [params or SamplingParams()] * len(prompts)
     else:
@@ -171,7 +173,8 @@ def prepare_requests(
     errors = []
     for i, (p, sp) in enumerate(zip(prompts, per_request)):
         try:
-            limits.check(p, sp)
+            prompts[i] = token_id_list(p)
+            limits.check(prompts[i], sp)
         except ValueError as e:
             errors.append(f"request {i}: {e}")
     if errors:
@@ -323,8 +326,7 @@ class RolloutEngine:
         self, prompt_ids: Seq[int], params: SamplingParams | None = None, *, group: int | None = None
     ) -> int:
         params = params or SamplingParams()
-        if isinstance(prompt_ids, torch.Tensor):
-            prompt_ids = prompt_ids.tolist()
+        prompt_ids = token_id_list(prompt_ids)
         self.validate(prompt_ids, params)
         stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_ids)
         seq = Sequence(self._next_id, list(prompt_ids), params, stop_ids, group=group)

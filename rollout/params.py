@@ -13,6 +13,7 @@ from typing import Any
 from ..kernels.dispatch import BACKEND_CHOICES
 from .selector import SelectorConfig
 from .strategy import parse_strategy
+from .token_ids import token_id_list
 
 
 def _require(ok: bool, name: str, allowed: str, value: Any) -> None:
@@ -82,13 +83,13 @@ class SamplingParams:
             self.max_new_tokens,
         )
         try:
-            stops = tuple(self.stop_token_ids)
-        except TypeError:  # not iterable (e.g. a bare int): refuse it below as a ValueError
+            stops = tuple(token_id_list(self.stop_token_ids, "stop_token_ids"))
+        except ValueError:  # not integer ids (or not a sequence): refused below, naming the field
             stops = None
         _require(
-            stops is not None and all(_is_int(s) and s >= 0 for s in stops),
+            stops is not None and all(s >= 0 for s in stops),
             "stop_token_ids",
-            "a sequence of ints >= 0",
+            "a sequence of integer token ids >= 0",
             self.stop_token_ids,
         )
         object.__setattr__(self, "stop_token_ids", stops)

@@ -258,6 +258,18 @@ def _load_fp32(path: Path):
     return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
 
 
+def _check_inputs(out: Path, stages: tuple[str, ...], continue_head: bool) -> None:
+    """Refuse, before anything is written, a run whose stages need what no earlier run saved."""
+    needs = {
+        "policy": "policy" not in stages,
+        "drafter": "eval" in stages and "drafter" not in stages,
+        "eagle3": ("eval" in stages and "head" not in stages) or ("head" in stages and continue_head),
+    }
+    for name, needed in needs.items():
+        if needed and not (out / name / "config.json").exists():
+            raise FileNotFoundError(f"{out / name} is missing: run the stage that makes it first (--stages)")
+
+
 def run_recipe(
     recipe: DeepRecipe,
     out: Path,
@@ -271,6 +283,7 @@ def run_recipe(
     unknown = set(stages) - set(STAGES)
     if unknown or not stages:
         raise ValueError(f"stages must be a non-empty subset of {STAGES}, got {list(stages)}")
+    _check_inputs(out, stages, continue_head)
     torch.set_num_threads(recipe.threads)
     start = time.perf_counter()
     log = _log_command(out, command, stages)

@@ -1,0 +1,101 @@
+"""Every subcommand answers a user's mistake with one line ``tailspec: error: ...`` and exit status
+2, no traceback (``TAILSPEC_DEBUG=1`` raises it instead); a local path that does not exist is
+reported as such, never handed to the hub loader."""
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tailspec.cli import main
+
+ROOT = Path(__file__).resolve().parent.parent
+TINY_HEAD = ROOT / "assets" / "tiny" / "eagle3"
+
+
+@pytest.fixture
+def files(tmp_path):
+    truncated = tmp_path / "truncated_head"
+    shutil.copytree(TINY_HEAD, truncated)
+    weights = truncated / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:5000])
+    (tmp_path / "bad_key.yaml").write_text("max_stepz: 3\n")
+    (tmp_path / "bad_value.yaml").write_text("max_steps: 3\nnum_generations: 1\n")
+    (tmp_path / "not_yaml.yaml").write_text("max_steps: [3\n")
+    (tmp_path / "prompts.jsonl").write_text('{"prompt": "1 + 2 ="}\n{"question": "no prompt key"}\n')
+    (tmp_path / "a_file").write_text("x")
+    return tmp_path
+
+
+CASES = [
+    # (argv with {tmp} for the fixture's folder, words the message must hold)
+    (["demo", "--config", "/no/such.yaml"], "--config: no such file: /no/such.yaml"),
+    (["demo", "--config", "{tmp}"], "is a directory, not a file"),
+    (["demo", "--config", "{tmp}/bad_key.yaml"], "unknown demo config key(s) ['max_stepz']"),
+    (["demo", "--config", "{tmp}/bad_value.yaml"], "num_generations"),
+    (["demo", "--config", "{tmp}/not_yaml.yaml"], "while parsing"),
+    (["demo", "--no-wandb", "--strategy", "chian:4"], "unknown strategy 'chian:4'"),
+    (["demo", "--no-wandb", "--deepspeed", "/no/ds.json"], "no file at '/no/ds.json'"),
+    (["bench", "--out", "/no/dir/BENCHMARKS.md", "--section", "sweep"], "the folder /no/dir"),
+    (["atts", "--alpha", "1.5"], "alpha"),
+    (["atts", "--out", "/no/dir/B.md"], "the folder /no/dir"),
+    (["drafter", "warmup", "--policy", "/no/such/dir", "--out", "{tmp}/w"], "no such directory: /no/such/dir"),
+    (["drafter", "warmup", "--policy", "./relative/dir", "--out", "{tmp}/w"], "no such directory: ./relative/dir"),
+    (["drafter", "warmup", "--policy", "{tmp}/a_file", "--out", "{tmp}/w"], "is a file"),
+    (["drafter", "warmup", "--policy", "tiny", "--tokenizer", "/no/tok", "--out", "{tmp}/w"], "--tokenizer: no such"),
+    (["drafter", "warmup", "--prompts", "/no/p.jsonl", "--out", "{tmp}/w"], "no such file: /no/p.jsonl"),
+    (["drafter", "warmup", "--prompts", "{tmp}/prompts.jsonl", "--out", "/no/dir/w"], "the folder /no/dir"),
+    (["drafter", "warmup", "--prompts", "{tmp}/prompts.jsonl", "--out", "{tmp}/w"], "line 2 of"),
+    (["drafter", "export", "--checkpoint", "/no/such", "--format", "sglang", "--out", "{tmp}/o"], "does not exist"),
+    (["drafter", "export", "--checkpoint", "{tmp}/truncated_head", "--format", "vllm", "--out", "{tmp}/o"], "corrupt"),
+    (["drafter", "export", "--checkpoint", "{tmp}", "--format", "vllm", "--out", "{tmp}/o"], "config.json"),
+    (["train-deep", "--threads", "0", "--stages", "eval"], "threads must be >= 1"),
+    (["train-deep", "--out", "/no/such", "--stages", "head", "--continue-head"], "/no/such/policy is missing"),
+]
+
+
+@pytest.mark.parametrize("argv, message", CASES, ids=[" ".join(a[:3]) for a, _ in CASES])
+def test_a_mistake_is_one_line_and_status_2(argv, message, files, capsys, monkeypatch):
+    monkeypatch.delenv("TAILSPEC_DEBUG", raising=False)
+    argv = [a.replace("{tmp}", str(files)) for a in argv]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("tailspec: error: ") and message in err[-1], err
+    assert not any("Traceback" in line for line in err)
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["demo", "--steps", "0"], "argument --steps: must be an integer >= 1, got 0"),
+        (["demo", "--workers", "-1"], "argument --workers: must be an integer >= 0, got -1"),
+        (["bench", "--threads", "two"], "argument --threads: must be an integer >= 1, got 'two'"),
+        (["atts", "--samples", "0"], "argument --samples"),
+        (["drafter", "warmup", "--rounds", "0", "--out", "x"], "argument --rounds"),
+    ],
+)
+def test_bad_numbers_are_refused_by_the_parser(argv, message, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    assert exit_.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_debug_shows_the_traceback(monkeypatch):
+    monkeypatch.setenv("TAILSPEC_DEBUG", "1")
+    with pytest.raises(ValueError, match="does not exist"):
+        main(["drafter", "export", "--checkpoint", "/no/such", "--format", "sglang", "--out", "/tmp/x"])
+
+
+def test_the_installed_command_exits_2_without_a_traceback():
+    run = subprocess.run(
+        [str(Path(sys.executable).parent / "tailspec"), "demo", "--config", "/no/such.yaml"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={"PATH": "/usr/bin:/bin"},
+    )
+    assert run.returncode == 2
+    assert run.stderr.strip() == "tailspec: error: --config: no such file: /no/such.yaml"
