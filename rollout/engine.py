@@ -401,36 +401,54 @@ class RolloutEngine:
         Every request is validated before any is submitted: one bad request raises
         ``ValueError`` (naming its index) and nothing of the call runs.
         """
-        prompts, per_request = prepare_requests(prompts, params, self.limits)
+        outputs: list[RequestOutput | None] = [None] * len(prompts)
+        for finished in self.generate_stream(prompts, params, progress=progress):
+            for index, output in finished:
+                outputs[index] = output
+        return outputs  # type: ignore[return-value]
 
-        groups: dict[tuple[int, ...], int] = {}
+    def generate_stream(
+        self,
+        prompts: Seq[Seq[int]],
+        params: SamplingParams | Seq[SamplingParams] | None = None,
+        *,
+        progress: bool | None = None,
+    ) -> Iterator[list[tuple[int, RequestOutput]]]:
+        """:meth:`generate` that hands over each step's finished requests as ``(prompt index,
+        output)`` pairs the moment they finish (a Ray worker streams them on, so a worker that
+        dies loses only what had not finished). Requests are validated and submitted by this call;
+        those left when the caller stops iterating are aborted."""
+        prompts, per_request = prepare_requests(prompts, params, self.limits)
         counts: dict[tuple[int, ...], int] = {}
         for p in prompts:
             counts[tuple(p)] = counts.get(tuple(p), 0) + 1
-        ids = []
-        for p, sp in zip(prompts, per_request):
+        groups: dict[tuple[int, ...], int] = {}
+        index_of: dict[int, int] = {}  # request id -> prompt index
+        for i, (p, sp) in enumerate(zip(prompts, per_request)):
             key = tuple(p)
-            group = None
-            if counts[key] > 1:
-                group = groups.setdefault(key, self.new_group())
-            ids.append(self.add_request(p, sp, group=group))
+            group = groups.setdefault(key, self.new_group()) if counts[key] > 1 else None
+            index_of[self.add_request(p, sp, group=group)] = i
+        return self._stream_finished(index_of, self.config.progress if progress is None else progress)
 
-        pending = set(ids)
-        show = self.config.progress if progress is None else progress
-        bar = tqdm(total=len(ids), desc="rollout", unit="seq", disable=not show, leave=False)
+    def _stream_finished(self, index_of: dict[int, int], show: bool) -> Iterator[list[tuple[int, RequestOutput]]]:
+        bar = tqdm(total=len(index_of), desc="rollout", unit="seq", disable=not show, leave=False)
         start = time.perf_counter()
         try:
-            with self._inference():
-                while pending:
-                    if not self.has_unfinished():
-                        raise RuntimeError("engine idle with unfinished requests (scheduler bug)")
-                    done = [i for i in self.step() if i in pending]
-                    pending.difference_update(done)
-                    bar.update(len(done))
+            while index_of:
+                done: list[int] = []
+                with self._inference():  # left while suspended: the caller may use the model meanwhile
+                    while not done:
+                        if not self.has_unfinished():
+                            raise RuntimeError("engine idle with unfinished requests (scheduler bug)")
+                        done = [r for r in self.step() if r in index_of]
+                bar.update(len(done))
+                yield [(index_of.pop(r), self.pop_output(r)) for r in done]
         finally:
+            for request_id in index_of:
+                self.abort(request_id)
+                self._seqs.pop(request_id, None)
             bar.close()
             self.stats.wall_time_s += time.perf_counter() - start
-        return [self.pop_output(i) for i in ids]
 
     # -- internals -----------------------------------------------------------------------
     def _drop_stale_prefixes(self) -> None:
@@ -447,7 +465,7 @@ class RolloutEngine:
     def _inference(self) -> Iterator[None]:
         """no_grad + eval mode + paged attention for the model, restored afterwards.
 
-        Re-entrant: ``generate`` enters it once around its loop, so ``step`` pays nothing inside.
+        Re-entrant: ``generate_stream`` enters it around its steps, so ``step`` pays nothing inside.
         """
         if self._in_inference:
             yield

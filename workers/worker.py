@@ -15,6 +15,7 @@ import copy
 import logging
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -73,12 +74,37 @@ class WorkerEvent:
 
 
 @dataclass
+class FinishedRequests:
+    """Requests of a shard that finished in one engine step, streamed as they finish."""
+
+    worker: int
+    indices: list[int]  # the coordinator's request indices
+    outputs: list[RequestOutput]
+
+
+@dataclass
+class ShardEnd:
+    """The last item of a shard's stream: what the worker recorded and counted while generating."""
+
+    worker: int
+    requests: int
+    samples: list[Eagle3Sample]  # EAGLE-3 training data recorded while generating
+    stats: dict[str, float]  # engine counters for this call (deltas)
+    strategy_steps: dict[str, int]
+    seconds: float
+    policy_version: int
+    drafter_version: int | None
+
+
+@dataclass
 class GenerateResult:
+    """A whole shard at once (:meth:`RolloutWorker.generate`)."""
+
     worker: int
     indices: list[int]
     outputs: list[RequestOutput]
-    samples: list[Eagle3Sample]  # EAGLE-3 training data recorded while generating
-    stats: dict[str, float]  # engine counters for this call (deltas)
+    samples: list[Eagle3Sample]
+    stats: dict[str, float]
     strategy_steps: dict[str, int]
     seconds: float
     policy_version: int
@@ -158,23 +184,37 @@ class RolloutWorker:
         return self.policy_version, (int(self.head.version) if self.head is not None else None)
 
     # -- rollout work ------------------------------------------------------------------------
-    def generate(self, indices: list[int], prompts: list[list[int]], params: list[SamplingParams]) -> GenerateResult:
+    def generate_stream(
+        self,
+        indices: list[int],
+        prompts: list[list[int]],
+        params: list[SamplingParams],
+        policy_state: dict[str, torch.Tensor] | None = None,
+        policy_version: int | None = None,
+        drafter_state: DrafterState | None = None,
+    ) -> Iterator[FinishedRequests | ShardEnd]:
+        """Generate a shard, streaming :class:`FinishedRequests` as requests finish, then one
+        :class:`ShardEnd`. Policy weights or a drafter version this worker lacks come with the
+        call (the coordinator sends them only when stale) and are loaded first."""
+        if policy_state is not None:
+            self.set_policy(policy_state, policy_version if policy_version is not None else self.policy_version)
+        if drafter_state is not None:
+            self.set_drafter(drafter_state)
         self._event("generate_start", requests=len(prompts), policy=self.policy_version)
         start = time.perf_counter()
         before = self.engine.stats.as_dict()
         before_steps = dict(self.engine.stats.strategy_steps)
-        outputs = self.engine.generate(prompts, params)
+        for finished in self.engine.generate_stream(prompts, params):
+            yield FinishedRequests(self.index, [indices[i] for i, _ in finished], [o for _, o in finished])
         after = self.engine.stats.as_dict()
         samples: list[Eagle3Sample] = []
         if self.eagle_drafter is not None:  # hand the recorded data over and start a fresh buffer
             samples = self.eagle_drafter.buffer.samples()
             self.eagle_drafter.buffer = FeatureBuffer(self.sample_buffer_bytes)
-        seconds = time.perf_counter() - start
         self._event("generate_end", requests=len(prompts), samples=len(samples))
-        return GenerateResult(
+        yield ShardEnd(
             worker=self.index,
-            indices=list(indices),
-            outputs=outputs,
+            requests=len(prompts),
             samples=samples,
             stats={k: after[k] - before[k] for k in STAT_KEYS},
             strategy_steps={
@@ -182,9 +222,27 @@ class RolloutWorker:
                 for k, v in self.engine.stats.strategy_steps.items()
                 if v > before_steps.get(k, 0)
             },
-            seconds=seconds,
+            seconds=time.perf_counter() - start,
             policy_version=self.policy_version,
             drafter_version=int(self.head.version) if self.head is not None else None,
+        )
+
+    def generate(self, indices: list[int], prompts: list[list[int]], params: list[SamplingParams]) -> GenerateResult:
+        """A whole shard at once: :meth:`generate_stream` collected, outputs in ``indices`` order."""
+        by_index: dict[int, RequestOutput] = {}
+        for item in self.generate_stream(indices, prompts, params):
+            if isinstance(item, FinishedRequests):
+                by_index.update(zip(item.indices, item.outputs))
+            else:
+                end = item
+        fields = {k: getattr(end, k) for k in ("samples", "stats", "strategy_steps", "seconds")}
+        return GenerateResult(
+            self.index,
+            list(indices),
+            [by_index[i] for i in indices],
+            policy_version=end.policy_version,
+            drafter_version=end.drafter_version,
+            **fields,
         )
 
     def set_policy(self, state_dict: dict[str, torch.Tensor], version: int) -> int:
@@ -197,9 +255,7 @@ class RolloutWorker:
     def set_drafter(self, state: DrafterState) -> int:
         if self.head is None:
             raise RuntimeError(f"worker {self.index} has no EAGLE-3 head to load a drafter state into")
-        state.load_into(self.head)
-        if self.trainer is not None and int(self.train_head.version) != state.version:
-            self.trainer = None  # the optimizer state of this version lives with the worker that trained it
+        state.load_into(self.head)  # the drafting head; spot training's copy and optimizer stay as they are
         self._event("drafter", version=state.version)
         return state.version
 

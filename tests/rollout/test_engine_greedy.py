@@ -208,3 +208,16 @@ def test_max_new_tokens_and_stop_ids_are_respected():
     ignoring = engine.generate([prompt], GREEDY.with_updates(ignore_eos=True, max_new_tokens=30))[0]
     assert len(ignoring.completion_ids) == 30 and ignoring.finish_reason == "length"
     assert ignoring.completion_ids == hf_reference(model, prompt, 30, eos_id=-1)
+
+
+def test_generate_stream_hands_over_requests_as_they_finish_and_aborts_the_rest():
+    model = cached_model("qwen2")
+    engine = RolloutEngine(model, RolloutConfig(block_size=4, num_blocks=64))
+    short, long_ = SamplingParams(temperature=0.0, max_new_tokens=2), SamplingParams(temperature=0.0, max_new_tokens=12)
+    prompts = random_prompts(3, seed=31, max_len=8)
+    stream = engine.generate_stream(prompts, [long_, short, long_])
+    first = next(stream)
+    assert [i for i, _ in first] == [1] and first[0][1].completion_ids == hf_greedy(model, prompts[1], 2)
+    stream.close()  # the caller stops listening: what was left is aborted, nothing stays behind
+    assert not engine.has_unfinished()
+    assert [o.completion_ids for o in engine.generate(prompts, long_)] == [hf_greedy(model, p, 12) for p in prompts]

@@ -3,69 +3,13 @@ training only while a worker idles in the tail, versions equal everywhere afterw
 request lost when a worker is killed mid-rollout or mid-training. Ordering is asserted from
 recorded events, never from timing."""
 
-import functools
-
 import pytest
 import torch
+from rollout_cases import coordinator, fresh_head, kinds, long_tail_batch, policy, single_engine
 
-from tailspec.drafter.eagle3 import Eagle3Config, Eagle3Head
-from tailspec.drafter.eagle3.train import DrafterTrainingConfig
-from tailspec.rollout import RolloutConfig, RolloutEngine, SamplingParams
-from tailspec.testing import perturbed_copy, tiny_random_model
-from tailspec.workers import RolloutCoordinator, WorkersConfig, shard_requests
-
-EOS = 1
-CONFIG = RolloutConfig(strategy="chain:3", kv_cache_tokens=8192)
-TRAINING = DrafterTrainingConfig(batch_size=4, max_tokens=128, seed=0)
-
-
-@functools.cache
-def policy():
-    return tiny_random_model("qwen2", seed=1)
-
-
-def fresh_head() -> Eagle3Head:
-    torch.manual_seed(0)
-    head = Eagle3Head(Eagle3Config.for_target(policy().config))
-    head.reset_parameters(std=0.05)
-    return head
-
-
-def long_tail_batch():
-    """Four GRPO-style groups; one is much longer, so its worker is still busy in the tail."""
-    groups = [([5, 6, 7, 8], 96), ([9, 10, 11], 6), ([3, 4], 6), ([20, 21, 22, 23, 24], 6)]
-    prompts, params = [], []
-    for prompt, length in groups:
-        for _ in range(3):
-            prompts.append(prompt)
-            params.append(SamplingParams(temperature=0.0, max_new_tokens=length, ignore_eos=True))
-    return prompts, params
-
-
-def single_engine(prompts, params, model=None):
-    return RolloutEngine(model or policy(), CONFIG, drafter=fresh_head()).generate(prompts, params)
-
-
-def coordinator(**overrides) -> RolloutCoordinator:
-    on_event = overrides.pop("on_event", None)
-    config = WorkersConfig(num_workers=2, spot_steps_per_call=2, **overrides)
-    return RolloutCoordinator(
-        policy(), CONFIG, [EOS], drafter=fresh_head(), config=config, training=TRAINING, on_event=on_event
-    )
-
-
-def kinds(events, kind):
-    return [e for e in events if e.kind == kind]
-
-
-def test_shards_keep_groups_together_and_balance():
-    prompts = [[1]] * 4 + [[2]] * 2 + [[3]] * 2 + [[4]] * 3 + [[5]]
-    shards = shard_requests(prompts, 2)
-    assert sorted(i for s in shards for i in s) == list(range(len(prompts)))
-    for s in shards:  # a group never straddles shards
-        assert all(prompts[i] != prompts[j] for i in s for t in shards if t is not s for j in t)
-    assert sorted(len(s) for s in shards) == [6, 6]
-    assert shard_requests([[1], [2]], 5) == [[0], [1]]  # no empty shards
+from tailspec.rollout import SamplingParams
+from tailspec.testing import perturbed_copy
+from tailspec.workers import WorkersConfig
 
 
 def test_workers_config_is_validated():

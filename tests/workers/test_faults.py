@@ -1,0 +1,100 @@
+"""Faults cost only what they must (local Ray, 2 workers): a worker killed before, during or after
+its last request has only its unfinished requests re-run, every request is counted once and the
+results come back in order; the next rollout does not wait for a training chunk still running."""
+
+import time
+
+import pytest
+from rollout_cases import coordinator, kinds, long_tail_batch, policy, single_engine
+
+from tailspec.testing import perturbed_copy
+from tailspec.workers import DrafterState
+from tailspec.workers.spot import Chunk
+from tailspec.workers.worker import TrainResult
+
+
+def finished_once(coord, start, n):
+    """Every request of the rollout that began at event ``start`` was received exactly once."""
+    return sum(e.detail["requests"] for e in kinds(coord.events[start:], "finished")) == n
+
+
+def kill_when(ray, box, predicate):
+    """An on_event hook that kills the event's worker the first time ``predicate(event)`` holds."""
+
+    def hook(event):
+        if not box["killed"] and predicate(event):
+            box["killed"].append(event.worker)
+            box["left"] = event.detail.get("left")
+            ray.kill(box["coord"].workers[event.worker])
+
+    return hook
+
+
+@pytest.mark.parametrize(
+    "point, predicate",
+    [
+        ("before its first request", lambda e: e.kind == "shard"),
+        ("during its requests", lambda e: e.kind == "finished" and e.detail["left"] > 0),
+        ("after its last request", lambda e: e.kind == "finished" and e.detail["left"] == 0),
+    ],
+)
+def test_a_killed_worker_costs_only_its_unfinished_requests(ray_local, point, predicate):
+    prompts, params = long_tail_batch()
+    want = [o.completion_ids for o in single_engine(prompts, params)]
+    box = {"killed": []}
+    coord = box["coord"] = coordinator(spot_training=False, on_event=kill_when(ray_local, box, predicate))
+    report = coord.generate(prompts, params)
+    assert [o.completion_ids for o in report.outputs] == want, point
+    assert [o.prompt_ids for o in report.outputs] == prompts
+    assert finished_once(coord, 0, len(prompts))
+    reruns = kinds(coord.events, "rerun")
+    assert report.requests_rerun == sum(e.detail["requests"] for e in reruns)
+    if point == "before its first request":
+        assert report.requests_rerun == kinds(coord.events, "shard")[0].detail["requests"]
+    elif point == "during its requests":  # at most what was left when it was killed
+        assert 0 < report.requests_rerun <= box["left"]
+    else:  # nothing of it is generated again (its death may only be noticed next rollout)
+        assert report.requests_rerun == 0
+    coord.on_event = None
+    start = len(coord.events)
+    again = coord.generate(prompts, params)  # the dead worker is replaced (before or during this rollout)
+    assert [o.completion_ids for o in again.outputs] == want
+    assert finished_once(coord, start, len(prompts))
+    assert len(kinds(coord.events, "spawn")) == 3 and len(coord.workers) == 2
+    coord.shutdown()
+
+
+def test_neither_a_policy_sync_nor_the_next_rollout_waits_for_a_training_chunk(ray_local, tmp_path):
+    """A chunk still running (it returns only when the test lets it): the sync and the rollout go
+    on with the other worker; once the chunk is in, its state is kept and the trainer catches up on
+    the weights it missed with its next shard."""
+    prompts, params = long_tail_batch()
+    new_policy = perturbed_copy(policy(), noise=0.5, seed=3)
+    want = [o.completion_ids for o in single_engine(prompts, params, model=new_policy)]
+    coord = coordinator(spot_training=False)
+    trainer = min(coord.workers)
+    newer = DrafterState(coord.drafter_state.head, coord.drafter_state.version + 5)
+    gate = tmp_path / "chunk_may_return"
+
+    @ray_local.remote(num_cpus=0)  # the workers hold every CPU of the local instance
+    def gated_chunk():
+        while not gate.exists():
+            time.sleep(0.05)
+        return TrainResult(trainer, newer, [0.1] * 5, stopped=True)
+
+    chunk = Chunk(gated_chunk.remote(), trainer, stop_sent=True)
+    coord.spot.running = chunk
+    assert coord.sync_policy(new_policy, version=1)
+    report = coord.generate(prompts, params)
+    assert [o.completion_ids for o in report.outputs] == want
+    assert {e.worker for e in kinds(coord.events, "shard")} == {max(coord.workers)}
+    assert not kinds(coord.events, "spot_done") and coord.spot.running is chunk
+    gate.touch()
+    ray_local.wait([chunk.ref])
+    again = coord.generate(prompts, params)  # collects the chunk first; the trainer gets weights with its shard
+    assert [o.completion_ids for o in again.outputs] == want
+    assert kinds(coord.events, "spot_done")[0].seq < kinds(coord.events, "rollout_end")[-1].seq
+    assert trainer in {e.worker for e in kinds(coord.events, "shard")}
+    assert again.spot_steps == 5 and coord.drafter_state.version == newer.version
+    assert set(coord.worker_versions().values()) == {(1, newer.version)}
+    coord.shutdown()

@@ -1,0 +1,130 @@
+"""Spot-training decisions alone (fake actors, no Ray): when a chunk starts and where, what it is
+sent, and what each outcome does to the newest drafter state."""
+
+from dataclasses import dataclass, field
+
+import torch
+
+from tailspec.drafter.eagle3.data import Eagle3Sample
+from tailspec.workers import DrafterState
+from tailspec.workers.spot import SampleBuffer, SpotTraining
+from tailspec.workers.worker import TrainResult
+
+
+@dataclass
+class FakeMethod:
+    calls: list = field(default_factory=list)
+
+    def remote(self, *args):
+        self.calls.append(args)
+        return f"ref{len(self.calls)}"
+
+
+@dataclass
+class FakeActor:
+    train_drafter: FakeMethod = field(default_factory=FakeMethod)
+    stop_training: FakeMethod = field(default_factory=FakeMethod)
+
+
+def sample(n=4, width=8):
+    return Eagle3Sample(torch.arange(n), torch.zeros(n - 1, width), prompt_len=1)
+
+
+def state(version):
+    return DrafterState(head={}, version=version)
+
+
+def spot(**overrides):
+    events = []
+    kwargs = dict(enabled=True, steps_per_chunk=4, max_steps_per_rollout=10, buffer_bytes=1 << 20)
+    kwargs.update(overrides)
+    s = SpotTraining(state(0), event=lambda kind, worker=None, **d: events.append((kind, worker, d)), **kwargs)
+    s.start_rollout()
+    return s, events
+
+
+def test_a_chunk_starts_only_in_the_tail_with_data():
+    s, _ = spot()
+    assert not s.should_start(others_generating=True, work_waiting=False)  # no data yet
+    s.buffer.add([sample()])
+    assert s.should_start(others_generating=True, work_waiting=False)
+    assert not s.should_start(others_generating=False, work_waiting=False)  # nobody in the tail
+    assert not s.should_start(others_generating=True, work_waiting=True)  # work waits for the worker
+    no_head = SpotTraining(None, enabled=True, steps_per_chunk=1, max_steps_per_rollout=1, buffer_bytes=1, event=print)
+    assert not no_head.enabled
+
+
+def test_samples_travel_once_and_state_only_when_the_trainer_lacks_it():
+    s, events = spot()
+    s.buffer.add([sample(), sample()])
+    actor = FakeActor()
+    s.start(1, actor, busy=[0])
+    sent_state, new, steps, _ = actor.train_drafter.calls[0]
+    assert sent_state.version == 0 and len(new) == 2 and steps == 4
+    assert events[-1] == ("spot_start", 1, {"version": 0, "busy": [0]})
+    s.finished(TrainResult(1, state(4), [0.5] * 4, stopped=False))
+    assert s.state.version == 4 and s.running is None
+    s.buffer.add([sample()])
+    assert s.pick_worker({0, 1}) == 1  # it holds the optimizer state
+    s.start(1, actor, busy=[0])
+    sent_state, new, steps, _ = actor.train_drafter.calls[1]
+    assert sent_state is None and len(new) == 1  # continues its own trainer; only the new sample
+    state_for_other, new_other, _ = s.chunk_args(0)
+    assert state_for_other.version == 4 and len(new_other) == 3
+
+
+def test_the_rollout_step_budget_caps_chunks():
+    s, _ = spot(max_steps_per_rollout=6)
+    s.buffer.add([sample()])
+    s.start(0, FakeActor(), busy=[1])
+    s.finished(TrainResult(0, state(4), [0.1] * 4, stopped=False))
+    assert s.chunk_args(0)[2] == 2
+    s.finished(TrainResult(0, state(6), [0.1] * 2, stopped=False))
+    assert not s.should_start(others_generating=True, work_waiting=False)
+    s.start_rollout()
+    assert s.should_start(others_generating=True, work_waiting=False)
+    assert s.take_tally().steps == 6 and s.take_tally().steps == 0
+
+
+def test_stop_is_sent_once():
+    s, events = spot()
+    s.buffer.add([sample()])
+    actor = FakeActor()
+    s.start(0, actor, busy=[1])
+    s.stop(actor, rollout_over=False)
+    s.stop(actor, rollout_over=True)
+    assert len(actor.stop_training.calls) == 1
+    assert [e for e in events if e[0] == "spot_stop"] == [("spot_stop", 0, {"rollout_over": False})]
+
+
+def test_a_lost_chunk_leaves_no_trace_and_a_failed_one_ends_training_for_the_rollout():
+    s, _ = spot()
+    s.buffer.add([sample()])
+    s.start(0, FakeActor(), busy=[1])
+    s.lost()
+    assert s.state.version == 0 and s.running is None and s.tally.died == 1
+    assert s.chunk_args(0)[1]  # the replacement is sent every sample again
+    s.start(1, FakeActor(), busy=[0])
+    s.failed(RuntimeError("boom"))
+    assert not s.should_start(others_generating=True, work_waiting=False)
+    s.start_rollout()
+    assert s.should_start(others_generating=True, work_waiting=False)
+
+
+def test_a_published_head_resets_what_trainers_hold():
+    s, _ = spot()
+    s.buffer.add([sample()])
+    s.start(0, FakeActor(), busy=[1])
+    s.finished(TrainResult(0, state(3), [0.1] * 3, stopped=False))
+    s.publish(state(9))
+    assert s.chunk_args(0)[0].version == 9
+
+
+def test_the_sample_buffer_keeps_the_newest_under_its_cap():
+    one = sample().nbytes
+    buffer = SampleBuffer(max_bytes=2 * one)
+    buffer.add([sample(), sample(), sample()])
+    assert len(buffer) == 2 and [i for i, _ in buffer.items] == [1, 2]
+    assert len(buffer.newer_than(1)) == 1
+    buffer.add([sample(n=64, width=4096)])  # larger than the whole cap: skipped
+    assert len(buffer) == 2

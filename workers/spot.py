@@ -1,0 +1,191 @@
+"""TLT-style spot training: the EAGLE-3 head trains on workers the long tail leaves idle.
+
+:class:`SpotTraining` decides when a chunk of training steps starts (a worker is idle while
+another still generates, nothing waits to be generated, data is there, the rollout's step budget
+is not spent), where (the worker whose trainer already holds the newest state, so only new samples
+travel), on what (each recorded sample goes to a worker once), and what a chunk's outcome does
+to the newest drafter state: a finished chunk replaces it (optimizer state included), a chunk lost
+with its worker leaves no trace (training resumes from the last state), a chunk that raised turns
+spot training off for the rest of the rollout. A chunk is told to stop when work arrives for its
+worker or the rollout ends; it yields before its next step and is collected whenever it returns,
+so no rollout waits for it.
+
+Actors are passed in (anything with ``train_drafter.remote`` / ``stop_training.remote``), so
+the decisions are tested without Ray.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..drafter.eagle3.data import Eagle3Sample
+from .worker import DrafterState, TrainResult
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class SpotTally:
+    """Training done since the last :meth:`SpotTraining.take_tally` (reported per rollout)."""
+
+    steps: int = 0
+    losses: list[float] = field(default_factory=list)
+    died: int = 0  # workers lost while training
+
+
+@dataclass
+class Chunk:
+    ref: Any  # the running ``train_drafter`` call
+    worker: int
+    stop_sent: bool = False
+
+
+class SampleBuffer:
+    """Recorded training data, newest kept under a byte cap; every sample has a rising id."""
+
+    def __init__(self, max_bytes: int) -> None:
+        self.max_bytes = max_bytes
+        self.items: deque[tuple[int, Eagle3Sample]] = deque()  # (id, sample), oldest first
+        self.nbytes = 0
+        self.next_id = 0
+
+    def add(self, samples: list[Eagle3Sample]) -> None:
+        for s in samples:
+            if s.nbytes > self.max_bytes:
+                continue
+            self.items.append((self.next_id, s))
+            self.next_id += 1
+            self.nbytes += s.nbytes
+            while self.nbytes > self.max_bytes:
+                self.nbytes -= self.items.popleft()[1].nbytes
+
+    def newer_than(self, sample_id: int) -> list[Eagle3Sample]:
+        return [s for i, s in self.items if i > sample_id]
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+
+class SpotTraining:
+    def __init__(
+        self,
+        state: DrafterState | None,
+        *,
+        enabled: bool,
+        steps_per_chunk: int,
+        max_steps_per_rollout: int,
+        buffer_bytes: int,
+        event: Callable[..., None],
+    ) -> None:
+        self.state = state  # the newest drafter state (None: no EAGLE-3 head, nothing to train)
+        self.enabled = enabled and state is not None
+        self.steps_per_chunk = steps_per_chunk
+        self.max_steps_per_rollout = max_steps_per_rollout
+        self.buffer = SampleBuffer(buffer_bytes)
+        self.running: Chunk | None = None
+        self.tally = SpotTally()
+        self._event = event
+        self._sent_upto: dict[int, int] = {}  # worker -> highest sample id it has been sent
+        self._trainer_holds: dict[int, int] = {}  # worker -> drafter version its own trainer holds
+        self._last_trainer: int | None = None
+        self._failed = False  # a chunk raised this rollout: no more chunks until the next one
+        self._rollout_steps = 0
+
+    # -- per rollout ---------------------------------------------------------------------------
+    def start_rollout(self) -> None:
+        self._failed = False
+        self._rollout_steps = 0
+
+    def take_tally(self) -> SpotTally:
+        tally, self.tally = self.tally, SpotTally()
+        return tally
+
+    @property
+    def training_worker(self) -> int | None:
+        return self.running.worker if self.running is not None else None
+
+    # -- when and where --------------------------------------------------------------------------
+    def should_start(self, *, others_generating: bool, work_waiting: bool) -> bool:
+        return (
+            self.enabled
+            and self.running is None
+            and not self._failed
+            and self._rollout_steps < self.max_steps_per_rollout
+            and len(self.buffer) > 0
+            and others_generating  # someone is still in the tail
+            and not work_waiting
+        )
+
+    def pick_worker(self, idle: set[int]) -> int:
+        """The last trainer if idle (it holds the optimizer state), else the lowest index."""
+        return self._last_trainer if self._last_trainer in idle else min(idle)
+
+    def chunk_args(self, worker: int) -> tuple[DrafterState | None, list[Eagle3Sample], int]:
+        """(state to start from, or None when the worker's trainer holds the newest; the samples
+        it has not been sent; the step count) for a chunk on ``worker``; marks the samples sent."""
+        assert self.state is not None
+        new = self.buffer.newer_than(self._sent_upto.get(worker, -1))
+        self._sent_upto[worker] = self.buffer.next_id - 1
+        holds = self._trainer_holds.get(worker) == self.state.version
+        steps = min(self.steps_per_chunk, self.max_steps_per_rollout - self._rollout_steps)
+        return (None if holds else self.state), new, steps
+
+    def start(self, worker: int, actor: Any, busy: list[int]) -> Chunk:
+        state, new, steps = self.chunk_args(worker)
+        ref = actor.train_drafter.remote(state, new, steps, self.buffer.max_bytes)
+        self.running = Chunk(ref, worker)
+        self._last_trainer = worker
+        self._event("spot_start", worker, version=self.state.version, busy=busy)
+        return self.running
+
+    def stop(self, actor: Any, *, rollout_over: bool) -> None:
+        """Tell the running chunk to yield before its next step (once)."""
+        if self.running is not None and not self.running.stop_sent:
+            actor.stop_training.remote()
+            self.running.stop_sent = True
+            self._event("spot_stop", self.running.worker, rollout_over=rollout_over)
+
+    # -- outcomes ------------------------------------------------------------------------------
+    def finished(self, result: TrainResult) -> None:
+        """A chunk returned: its state is the newest; only its worker's trainer holds it."""
+        worker = self.running.worker if self.running is not None else result.worker
+        self.running = None
+        self.state = result.state
+        self._trainer_holds = {worker: result.state.version}
+        self.tally.steps += len(result.losses)
+        self.tally.losses += result.losses
+        self._rollout_steps += len(result.losses)
+        self._event("spot_done", worker, version=result.state.version, steps=len(result.losses))
+
+    def lost(self) -> None:
+        """The training worker died: the chunk leaves no trace."""
+        worker = self.running.worker
+        self.running = None
+        self.tally.died += 1
+        self.forget_worker(worker)
+        logger.warning(
+            "drafter training on worker %d was lost with it; training resumes from version %d",
+            worker,
+            self.state.version,
+        )
+
+    def failed(self, error: BaseException) -> None:
+        worker = self.running.worker
+        self.running = None
+        self._failed = True
+        self._trainer_holds.pop(worker, None)  # its trainer may have moved past our last state
+        logger.error("drafter training failed on worker %d (no more this rollout): %s", worker, error)
+        self._event("spot_failed", worker, error=str(error)[:200])
+
+    def forget_worker(self, worker: int) -> None:
+        self._sent_upto.pop(worker, None)
+        self._trainer_holds.pop(worker, None)
+
+    def publish(self, state: DrafterState) -> None:
+        """A head trained elsewhere becomes the newest; no worker's optimizer state belongs to it."""
+        self.state = state
+        self._trainer_holds = {}
