@@ -382,6 +382,9 @@ def main(argv: list[str] | None = None) -> int:
         level=logging.DEBUG if args.verbose else logging.INFO,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+    from .progress import quiet_library_bars
+
+    quiet_library_bars()
     debug = os.environ.get("TAILSPEC_DEBUG", "") not in ("", "0")
     try:
         return args.func(args)

@@ -9,13 +9,16 @@ from __future__ import annotations
 import logging
 import os
 import statistics
+import sys
 import time
+import warnings
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
 import yaml
 
+from .progress import is_terminal, quiet_library_bars
 from .rollout.strategy import parse_strategy
 
 logger = logging.getLogger(__name__)
@@ -200,6 +203,9 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
 
 def _prepare_environment(cfg: DemoConfig) -> Path:
     os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+    # TRL 1.16 calls the gradient-checkpointing API transformers 5 renamed: a warning every step
+    warnings.filterwarnings("ignore", message=r".*gradient_checkpointing.* is deprecated", category=FutureWarning)
+    quiet_library_bars()
     out = Path(cfg.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     if cfg.wandb:
@@ -291,19 +297,23 @@ def _grpo_run(cfg: DemoConfig, out: Path, head=None, label: str = "tailspec"):
         rollout=rollout,
         callbacks=[printer],
     )
-    if trainer.pop_callback(ProgressCallback) is not None:
-        trainer.add_callback(_quiet_progress())
+    if trainer.pop_callback(ProgressCallback) is not None and is_terminal(sys.stderr):
+        trainer.add_callback(_quiet_progress())  # in a log file the step lines are the progress
     print(f"\n== GRPO ({label}): strategy {cfg.strategy}, {cfg.max_steps} steps, workers {cfg.workers} ==", flush=True)
     start = time.perf_counter()
+    exit_code = 1  # an exception (or Ctrl-C: 130) marks the wandb run failed
     try:
         trainer.train()
+        exit_code = 0
+    except KeyboardInterrupt:
+        exit_code = 130
+        raise
     finally:
-        if rollout.coordinator is not None:
-            rollout.coordinator.shutdown()
-    if cfg.wandb:
-        import wandb
+        rollout.close(wait=exit_code == 0)
+        if cfg.wandb:
+            import wandb
 
-        wandb.finish()
+            wandb.finish(exit_code=exit_code)
     return printer.rows, rollout, time.perf_counter() - start, run_name
 
 
@@ -342,7 +352,7 @@ def _summarize(cfg: DemoConfig, rows: list[dict[str, Any]], rollout: Any, wall: 
     if cfg.workers:
         summary["workers"] = cfg.workers
         summary["spot_train_steps"] = sum(s.spot_train_steps for s in rollout.history)
-        summary["policy_syncs"] = sum(e.kind == "policy_sync" for e in rollout.coordinator.events)
+        summary["policy_syncs"] = rollout.policy_syncs
         summary["workers_died"] = sum(s.workers_died for s in rollout.history)
     losses = [s.drafter_loss for s in rollout.history if s.drafter_loss is not None]
     if losses:

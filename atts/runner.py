@@ -15,8 +15,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from tqdm.auto import tqdm
-
+from ..progress import progress_bar
 from ..rollout.engine import RolloutEngine
 from ..rollout.params import SamplingParams
 from .clients import EngineClient, as_client, wait_all
@@ -223,7 +222,7 @@ class ATTSRunner:
             log.add(state, "submit_draft")
             send(self.draft, state, *state.draft_request())
 
-        bar = tqdm(total=len(states), desc="atts", unit="sample", disable=not self.progress, leave=False)
+        bar = progress_bar(total=len(states), desc="atts", unit="sample", disable=not self.progress, leave=False)
         with self.sessions(), bar:
             for state in states:
                 next_draft(state)

@@ -14,8 +14,8 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
 import torch
-from tqdm.auto import tqdm
 
+from ..progress import progress_bar
 from ..rollout.engine import RolloutEngine
 from ..rollout.params import RolloutConfig, SamplingParams
 from .report import pyplot, save_figure
@@ -63,7 +63,7 @@ def measure_speculative(
     base = asdict(base_config or RolloutConfig())
     results = []
     cells = [(bs, s) for bs in batch_sizes for s in strategies]
-    for bs, strategy in tqdm(cells, desc=f"speculative ({workload})", unit="run"):
+    for bs, strategy in progress_bar(cells, desc=f"speculative ({workload})", unit="run"):
         n = prompts_per_size.get(bs, bs)
         distinct = max(1, n // group_size)
         chosen = [list(prompts[i % len(prompts)]) for i in range(distinct) for _ in range(group_size)]

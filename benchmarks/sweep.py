@@ -17,8 +17,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
-from tqdm.auto import tqdm
 
+from ..progress import progress_bar
 from ..rollout.engine import RolloutEngine
 from ..rollout.params import RolloutConfig, SamplingParams
 from .report import pyplot, save_figure
@@ -137,7 +137,7 @@ def measure_sweep(
             engine.generate([list(p) for p in warmup_prompts], params.with_updates(max_new_tokens=16))
             engines.append(engine)
         row = [SweepCell(arm, bs) for arm in arms]
-        for p in tqdm(range(passes), desc=f"sweep batch {bs}", unit="pass"):
+        for p in progress_bar(range(passes), desc=f"sweep batch {bs}", unit="pass"):
             request_params = [params.with_updates(seed=10_000 * p + i) for i in range(n)]  # one seed per prompt
             seeded = [request_params[i : i + bs] for i in range(0, n, bs)]
             order = list(range(len(arms)))

@@ -12,8 +12,8 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 import torch
-from tqdm.auto import tqdm
 
+from ..progress import progress_bar
 from ..rollout.engine import RolloutEngine
 from ..rollout.params import RolloutConfig, SamplingParams
 from .hf_baseline import hf_generate
@@ -64,7 +64,7 @@ def measure_throughput(
     engine.generate(prompts[:2], params.with_updates(max_new_tokens=8))  # warm-up
     hf_generate(model, prompts[:2], params.with_updates(max_new_tokens=8), eos_token_ids, pad_token_id)
     results = []
-    for bs in tqdm(batch_sizes, desc="throughput", unit="batch size"):
+    for bs in progress_bar(batch_sizes, desc="throughput", unit="batch size"):
         n = prompts_per_size.get(bs, bs)
         chosen = [prompts[i % len(prompts)] for i in range(n)]
         batches = [chosen[i : i + bs] for i in range(0, n, bs)]

@@ -231,8 +231,7 @@ def main(argv: list[str] | None = None) -> dict:
         tailspec.DrafterFromTrainer(head, trainer, train_steps=cfg.drafter_train_steps)
     print(f"GRPO on {cfg.model} / {cfg.dataset}: {asdict(cfg)}", flush=True)
     trainer.train()
-    if rollout.coordinator is not None:
-        rollout.coordinator.shutdown()
+    rollout.close()
     if head is not None and cfg.export:
         from tailspec.drafter.eagle3.checkpoint import export_checkpoint
 

@@ -9,6 +9,7 @@ it starts a local Ray. Prints a one-line JSON summary prefixed with ``tailspec-j
 import argparse
 import dataclasses
 import json
+import logging
 import sys
 
 from tailspec.demo import DemoConfig, run_demo
@@ -23,6 +24,7 @@ def main() -> int:
     parser.add_argument("--output-dir", help="override output_dir")
     parser.add_argument("--quick", action="store_true", help="tiny settings (2 steps, short completions)")
     args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     cfg = DemoConfig.from_yaml(args.config)
     overrides = {}
     if args.quick:

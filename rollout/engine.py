@@ -17,10 +17,10 @@ from dataclasses import dataclass, field
 from itertools import accumulate
 
 import torch
-from tqdm.auto import tqdm
 
 from ..drafter.base import EMPTY_DRAFT, Drafter, DraftRequest, DraftTree
 from ..kernels.dispatch import kernel_backend
+from ..progress import progress_bar
 from .attention import SequenceSlice, paged_attention_enabled
 from .kv_cache import blocks_for
 from .model_runner import ModelRunner
@@ -431,7 +431,7 @@ class RolloutEngine:
         return self._stream_finished(index_of, self.config.progress if progress is None else progress)
 
     def _stream_finished(self, index_of: dict[int, int], show: bool) -> Iterator[list[tuple[int, RequestOutput]]]:
-        bar = tqdm(total=len(index_of), desc="rollout", unit="seq", disable=not show, leave=False)
+        bar = progress_bar(total=len(index_of), desc="rollout", unit="seq", disable=not show, leave=False)
         start = time.perf_counter()
         try:
             while index_of:

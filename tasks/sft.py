@@ -28,9 +28,9 @@ from typing import Any
 
 import torch
 import transformers
-from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerBase, Qwen2Config, Qwen2ForCausalLM
 
+from ..progress import progress_bar
 from .chain_sum import ChainSumConfig, ChainSumProblem, extract_answer, sample_problem, sample_problems
 from .tokenizer import build_tokenizer, chat_ids
 
@@ -261,7 +261,7 @@ def fit_model(
     curve: list[dict[str, float]] = []
     seq_tokens = loss_tokens = 0
     start = time.perf_counter()
-    bar = tqdm(range(sft_cfg.steps), desc=desc, disable=not progress, mininterval=5)
+    bar = progress_bar(range(sft_cfg.steps), desc=desc, disable=not progress, mininterval=5)
     for step in bar:
         input_ids, attention_mask, labels = next(batches)
         for group in optimizer.param_groups:
@@ -322,7 +322,7 @@ def _greedy_hf(model, tokenizer, prompts: list[list[int]], max_new_tokens: int, 
     """Greedy completions (EOS kept, nothing after it) with HF ``generate`` on left-padded batches."""
     pad, eos = tokenizer.pad_token_id, tokenizer.eos_token_id
     out_rows: list[list[int]] = []
-    for start in tqdm(range(0, len(prompts), batch_size), desc="eval", disable=not progress):
+    for start in progress_bar(range(0, len(prompts), batch_size), desc="eval", disable=not progress):
         batch = prompts[start : start + batch_size]
         width = max(len(p) for p in batch)
         input_ids = torch.tensor([[pad] * (width - len(p)) + p for p in batch])

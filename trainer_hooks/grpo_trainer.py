@@ -106,6 +106,17 @@ class GRPOTrainer(trl.GRPOTrainer):
         self.length_grouped_forward = length_grouped_forward
         self.length_group_overhead_tokens = length_group_overhead_tokens
 
+    def train(self, *args: Any, **kwargs: Any):
+        """``trl.GRPOTrainer.train``; on Ctrl-C the rollout's Ray workers (and the local Ray
+        instance it started) are stopped at once before the interrupt goes on."""
+        try:
+            return super().train(*args, **kwargs)
+        except KeyboardInterrupt:
+            close = getattr(self.rollout, "close", None)
+            if close is not None:
+                close(wait=False)
+            raise
+
     # -- importance sampling from the loss forward ------------------------------------------
     def _generate_and_score_completions(self, inputs):
         if not self.fused_importance_forward:

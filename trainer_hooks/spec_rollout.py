@@ -161,6 +161,7 @@ class SpecRollout:
         self._engine: RolloutEngine | None = None
         self._engine_model_id: int | None = None
         self._coordinator: RolloutCoordinator | None = None
+        self.policy_syncs = 0  # times new policy weights went to the Ray workers
         self._strategies_seen: set[str] = set()
         self.last_stats: RolloutStats | None = None
         self.history: list[RolloutStats] = []
@@ -214,7 +215,7 @@ class SpecRollout:
                     policy_version=step,
                 )
             else:
-                self._coordinator.sync_policy(model, step)
+                self.policy_syncs += self._coordinator.sync_policy(model, step)
         report = self._coordinator.generate(prompt_ids, params)
         elapsed = time.perf_counter() - start
         completion_ids = [o.completion_ids for o in report.outputs]
@@ -229,7 +230,7 @@ class SpecRollout:
             return
         step = int(getattr(getattr(trainer, "state", None), "global_step", 0) or 0)
         with self._policy(trainer) as model:
-            self._coordinator.sync_policy(model, step)
+            self.policy_syncs += self._coordinator.sync_policy(model, step)
 
     def publish_drafter(self, head: Any) -> bool:
         """``head`` was trained outside this rollout (``DrafterFromTrainer``): Ray workers draft
@@ -243,6 +244,20 @@ class SpecRollout:
     @property
     def coordinator(self) -> RolloutCoordinator | None:
         return self._coordinator
+
+    def close(self, *, wait: bool = True) -> None:
+        """Stop the Ray workers (if any). ``wait=False``, on an interrupt, kills them at once and
+        stops the local Ray instance the rollout started; ``tailspec.GRPOTrainer`` does this
+        when training is interrupted. The next call starts new workers."""
+        if self._coordinator is not None:
+            coordinator, self._coordinator = self._coordinator, None
+            coordinator.shutdown(wait=wait, stop_ray=not wait)
+
+    def __enter__(self) -> SpecRollout:
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, *_: Any) -> None:
+        self.close(wait=kind is None)
 
     # -- pieces ----------------------------------------------------------------------------
     @staticmethod

@@ -127,8 +127,9 @@ class RolloutReport:
     requests_rerun: int = 0  # unfinished requests of dead workers, generated again
 
 
-def ensure_ray(address: str | None = None, num_cpus: float | None = None) -> None:
-    """Join the cluster at ``address`` (or ``RAY_ADDRESS``), else start a new local Ray instance.
+def ensure_ray(address: str | None = None, num_cpus: float | None = None) -> bool:
+    """Join the cluster at ``address`` (or ``RAY_ADDRESS``), else start a new local Ray instance;
+    True when this call started one (nothing happens when Ray is already initialized here).
 
     Without an address a new instance is started even when some other Ray cluster runs on this
     machine (Ray's default would join the latest one started here, and refuse ``num_cpus``).
@@ -136,7 +137,7 @@ def ensure_ray(address: str | None = None, num_cpus: float | None = None) -> Non
     import ray
 
     if ray.is_initialized():
-        return
+        return False
     address = address or os.environ.get("RAY_ADDRESS") or None
     kwargs: dict[str, Any] = {"ignore_reinit_error": True, "log_to_driver": True}
     if address is None:
@@ -145,6 +146,7 @@ def ensure_ray(address: str | None = None, num_cpus: float | None = None) -> Non
     else:
         logger.info("joining the Ray cluster at %s", address)
     ray.init(address=address or "local", **kwargs)
+    return address is None
 
 
 class RolloutCoordinator:
@@ -165,7 +167,8 @@ class RolloutCoordinator:
         self.config = c = config or WorkersConfig()
         gpus = c.num_gpus_per_worker
         self.num_gpus = gpus if gpus is not None else (1.0 if torch.cuda.is_available() else 0.0)
-        ensure_ray(c.address, num_cpus=max(os.cpu_count() or 1, c.num_workers * c.num_cpus_per_worker))
+        cpus = max(os.cpu_count() or 1, c.num_workers * c.num_cpus_per_worker)
+        self.started_ray = ensure_ray(c.address, num_cpus=cpus)  # stopped on an interrupt (shutdown)
         self.rollout_config = rollout_config
         self.eos_token_ids = list(eos_token_ids)
         self.limits = RequestLimits.of(model, rollout_config)
@@ -248,12 +251,17 @@ class RolloutCoordinator:
         self.settle()
         return {i: ray.get(w.events.remote()) for i, w in self.workers.items()}
 
-    def shutdown(self, *, wait: bool = True) -> None:
+    def shutdown(self, *, wait: bool = True, stop_ray: bool = False) -> None:
         """Stop the workers. ``wait``: first collect a training chunk still stopping (so no trained
-        state is lost); ``wait=False`` (an interrupt) kills them at once."""
+        state is lost); ``wait=False`` (an interrupt) kills them at once. ``stop_ray``: also stop
+        the local Ray instance if this coordinator started it."""
+        import ray
+
         if wait:
             self.settle()
         self.pool.kill_all()
+        if stop_ray and self.started_ray and ray.is_initialized():
+            ray.shutdown()
 
     # -- policy weights ------------------------------------------------------------------------
     def sync_policy(self, model: torch.nn.Module, version: int) -> bool:

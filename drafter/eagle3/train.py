@@ -26,8 +26,8 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from tqdm.auto import tqdm
 
+from ...progress import progress_bar
 from .data import Eagle3Sample, FeatureBuffer
 from .model import Eagle3Head
 
@@ -325,7 +325,7 @@ class DrafterTrainer:
         if not (isinstance(num_steps, int) and num_steps >= 0):
             raise ValueError(f"num_steps must be an int >= 0, got {num_steps!r}")
         results = []
-        bar = tqdm(total=num_steps, desc="drafter", unit="step", disable=not progress, leave=False)
+        bar = progress_bar(total=num_steps, desc="drafter", unit="step", disable=not progress, leave=False)
         try:
             for _ in range(num_steps):
                 if should_stop is not None and should_stop():

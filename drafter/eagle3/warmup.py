@@ -12,8 +12,8 @@ import time
 from dataclasses import dataclass, field
 
 import torch
-from tqdm.auto import tqdm
 
+from ...progress import progress_bar
 from ...rollout.engine import RolloutEngine
 from ...rollout.params import RolloutConfig, SamplingParams
 from .data import FeatureBuffer
@@ -81,7 +81,7 @@ def warmup_head(
     trainer: DrafterTrainer | None = None
     rounds: list[WarmupRound] = []
     chunks = [prompts[i :: cfg.rounds] for i in range(cfg.rounds)]
-    for r, chunk in enumerate(tqdm(chunks, desc="warm-up", unit="round", disable=not progress)):
+    for r, chunk in enumerate(progress_bar(chunks, desc="warm-up", unit="round", disable=not progress)):
         strategy = cfg.strategy if trainer is not None or trained else "none"
         drafter = Eagle3Drafter(head, model, buffer=buffer, seed=cfg.seed + r)
         engine = RolloutEngine(

@@ -1,9 +1,12 @@
 """A throwaway Ray head on loopback for the tests that need a running cluster, stopped afterwards."""
 
 import os
+import signal
 import socket
 import subprocess
 import sys
+import time
+import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,8 +35,23 @@ class RayHead:
         return f"http://127.0.0.1:{self.dashboard_port}"
 
 
+def _wait_for_dashboard(head: "RayHead", process: subprocess.Popen, timeout: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"ray start exited with {process.returncode}: {process.stdout.read()[-3000:]}")
+        try:
+            with urllib.request.urlopen(f"{head.dashboard}/api/version", timeout=2):
+                return
+        except OSError:
+            time.sleep(0.5)
+    raise RuntimeError("the Ray head's dashboard did not come up")
+
+
 @pytest.fixture
 def ray_head():
+    """``ray start --head --block`` in its own process group, stopped by signalling that group:
+    only this head's processes end (``ray stop`` would end every Ray instance on the machine)."""
     pytest.importorskip("ray")
     ray = str(Path(sys.executable).parent / "ray")
     env = {k: v for k, v in os.environ.items() if not k.startswith(_INHERITED)} | {"RAY_AUTH_MODE": "disabled"}
@@ -42,6 +60,7 @@ def ray_head():
         ray,
         "start",
         "--head",
+        "--block",
         "--node-ip-address=127.0.0.1",
         f"--port={head.gcs_port}",
         "--dashboard-host=127.0.0.1",
@@ -50,9 +69,19 @@ def ray_head():
         "--include-dashboard=true",
         "--disable-usage-stats",
     ]
-    started = subprocess.run(start, env=env, capture_output=True, text=True, timeout=300)
+    process = subprocess.Popen(
+        start, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    )
     try:
-        assert started.returncode == 0, started.stderr[-3000:]
+        _wait_for_dashboard(head, process)
         yield head
     finally:
-        subprocess.run([ray, "stop", "--force"], env=env, capture_output=True, timeout=300)
+        for sig, grace in ((signal.SIGINT, 15), (signal.SIGKILL, 10)):
+            try:
+                os.killpg(process.pid, sig)
+                process.wait(timeout=grace)
+                break
+            except ProcessLookupError:
+                break
+            except subprocess.TimeoutExpired:
+                continue

@@ -1,0 +1,117 @@
+"""Ctrl-C during a GRPO run with Ray rollout workers (``tailspec demo``, and a training script run
+directly): the process exits within 10 s, no Ray or worker process is left behind, and the demo
+closes its wandb run with the interrupt's exit code."""
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+pytest.importorskip("ray")
+
+ROOT = Path(__file__).resolve().parent.parent
+RAY_NAMES = ("raylet", "gcs_server", "ray::", "ray/_private", "ray.dashboard", "dashboard/agent")
+
+
+def live_processes() -> dict[int, tuple[int, str]]:
+    """pid -> (session id, command line) of every process that is not a zombie."""
+    out = subprocess.run(["ps", "-eo", "pid=,sid=,stat=,args="], capture_output=True, text=True).stdout
+    procs = {}
+    for line in out.splitlines():
+        pid, sid, stat, args = (line.split(None, 3) + [""])[:4]
+        if not stat.startswith("Z"):
+            procs[int(pid)] = (int(sid), args)
+    return procs
+
+
+def interrupt_when_workers_run(cmd: list[str], env: dict[str, str], cwd: Path) -> tuple[int, str, float, list[str]]:
+    """Run ``cmd`` in its own session; once both Ray workers are up and the first rollout is on its
+    way, send SIGINT to the session's process group as a terminal's Ctrl-C does. Returns (exit
+    status, output, seconds from the signal to the exit, processes of the run still alive 10 s
+    after the signal)."""
+    before = set(live_processes())
+    proc = subprocess.Popen(
+        cmd, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    )
+    lines: list[str] = []
+    workers_up = threading.Event()
+
+    def read() -> None:
+        for line in proc.stdout:
+            lines.append(line)
+            if "started rollout worker 1" in line:
+                workers_up.set()
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    assert workers_up.wait(timeout=300), "".join(lines)[-3000:]
+    time.sleep(3)  # the first rollout is running on the workers
+    sent = time.monotonic()
+    os.killpg(proc.pid, signal.SIGINT)
+    try:
+        status = proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        status = proc.wait()
+    took = time.monotonic() - sent
+    reader.join(timeout=10)
+    left: list[str] = []
+    while time.monotonic() - sent < 10:
+        left = [
+            args
+            for pid, (sid, args) in live_processes().items()
+            if pid not in before and (sid == proc.pid or any(name in args for name in RAY_NAMES))
+        ]
+        if not left:
+            break
+        time.sleep(0.5)
+    for pid, (sid, _) in live_processes().items():  # never leave anything to later tests
+        if sid == proc.pid:
+            os.kill(pid, signal.SIGKILL)
+    return status, "".join(lines), took, left
+
+
+@pytest.fixture
+def env(tmp_path):
+    inherited = ("RAY_", "WANDB_")
+    return {k: v for k, v in os.environ.items() if not k.startswith(inherited)} | {
+        "RAY_AUTH_MODE": "disabled",
+        "WANDB_DIR": str(tmp_path),
+        "WANDB_MODE": "offline",
+        "PYTHONUNBUFFERED": "1",
+    }
+
+
+def test_ctrl_c_during_the_demo(tmp_path, env):
+    config = yaml.safe_load((ROOT / "configs" / "ray_job_cpu.yaml").read_text())
+    config.update(max_steps=20, baseline=False, output_dir=str(tmp_path / "out"))
+    (tmp_path / "demo.yaml").write_text(yaml.safe_dump(config))
+    tailspec = str(Path(sys.executable).parent / "tailspec")
+    status, log, took, left = interrupt_when_workers_run(
+        [tailspec, "demo", "--config", str(tmp_path / "demo.yaml")], env, tmp_path
+    )
+    assert status == 130, log[-3000:]
+    assert took < 10 and not left, (took, left)
+    assert "tailspec: interrupted" in log and "Traceback" not in log
+    (debug_log,) = tmp_path.glob("wandb/offline-run-*/logs/debug.log")
+    assert "got exitcode: 130" in debug_log.read_text()
+
+
+def test_ctrl_c_during_a_training_script_with_ray_workers(tmp_path, env):
+    script = [
+        sys.executable,
+        str(ROOT / "examples" / "ray_job.py"),
+        "--config",
+        str(ROOT / "configs" / "ray_job_cpu.yaml"),
+    ]
+    status, log, took, left = interrupt_when_workers_run(
+        [*script, "--steps", "20", "--no-wandb", "--output-dir", str(tmp_path / "out")], env, tmp_path
+    )
+    assert status != 0 and "KeyboardInterrupt" in log, log[-3000:]  # the interrupt ends a plain script
+    assert took < 10 and not left, (took, left)
