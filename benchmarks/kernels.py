@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..drafter.base import DraftTree
+from ..draft_contract import DraftTree
 from ..kernels.paged_attention import PagedAttentionPlan, paged_attention_reference
 from ..rollout.attention import SequenceSlice, build_metadata, paged_attention_forward
 from ..rollout.engine import RolloutEngine

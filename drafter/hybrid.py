@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence as Seq
 
-from ..rollout.request import Sequence
+from ..draft_contract import SequenceView
 from .base import Drafter, DraftRequest, DraftShape, DraftTree
 
 
@@ -68,7 +68,7 @@ class HybridDrafter(Drafter):
             out.append(merge_trees(a, b, shape.max_nodes))
         return out
 
-    def accepted(self, seq: Sequence, num_accepted: int) -> None:
+    def accepted(self, seq: SequenceView, num_accepted: int) -> None:
         """The model drafter keeps its chain's K/V only for the part verification took, which here
         may have followed a suffix branch: hand it the length of the common prefix."""
         chain = self._model_chain.pop(seq.seq_id, None)

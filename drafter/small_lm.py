@@ -28,10 +28,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..draft_contract import SequenceView
 from ..rollout.attention import SequenceSlice, paged_attention_enabled
 from ..rollout.kv_cache import blocks_for
 from ..rollout.model_runner import ModelRunner
-from ..rollout.request import Sequence
 from .base import Drafter, DraftRequest, DraftShape, DraftTree
 from .draft_sampling import ChainDrafts, draft_generator
 from .tree_search import LevelInput, grow_trees
@@ -118,7 +118,7 @@ class SmallLMDrafter(Drafter):
         state.block_table += self.allocator.allocate(missing)
         return True
 
-    def _can_read(self, seq: Sequence) -> bool:
+    def _can_read(self, seq: SequenceView) -> bool:
         """False if the sequence holds a token past the drafter's embedding table (a target with a
         larger, padded vocabulary sampled a padding id): such a sequence gets no drafts."""
         state = self._states.get(seq.seq_id)
@@ -126,7 +126,7 @@ class SmallLMDrafter(Drafter):
         vocab = self.runner.vocab_size
         return all(seq.token_at(i) < vocab for i in range(start, seq.num_tokens))
 
-    def accepted(self, seq: Sequence, num_accepted: int) -> None:
+    def accepted(self, seq: SequenceView, num_accepted: int) -> None:
         state, base = self._states.get(seq.seq_id), self._draft_base.pop(seq.seq_id, None)
         if state is not None and base is not None:
             state.num_cached = min(state.num_cached, base + num_accepted)
@@ -152,7 +152,7 @@ class SmallLMDrafter(Drafter):
             logits = torch.cat([logits, pad], dim=-1)
         return logits
 
-    def _catch_up(self, seqs: list[Sequence]) -> torch.Tensor:
+    def _catch_up(self, seqs: list[SequenceView]) -> torch.Tensor:
         """Feed every sequence's unseen tokens; return the logits after each one's last token."""
         slices, tokens, positions, last = [], [], [], []
         for seq in seqs:

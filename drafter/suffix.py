@@ -23,7 +23,7 @@ from collections import deque
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
-from ..rollout.request import Sequence
+from ..draft_contract import SequenceView
 from .base import Drafter, DraftRequest, DraftShape, DraftTree
 
 
@@ -89,10 +89,10 @@ class SuffixDrafter(Drafter):
         self._group_of: dict[int, object] = {}
 
     # -- indexing ------------------------------------------------------------------------
-    def _group_key(self, seq: Sequence) -> object:
+    def _group_key(self, seq: SequenceView) -> object:
         return ("group", seq.group) if seq.group is not None else ("seq", seq.seq_id)
 
-    def _sync(self, seq: Sequence) -> NgramIndex:
+    def _sync(self, seq: SequenceView) -> NgramIndex:
         """Bring ``seq``'s group index up to date with its tokens; return the index."""
         key = self._group_key(seq)
         group = self._groups.get(key)
@@ -123,7 +123,7 @@ class SuffixDrafter(Drafter):
             self.history.add(old, sign=-1)
             self._history_size -= len(old)
 
-    def finished(self, seq: Sequence) -> None:
+    def finished(self, seq: SequenceView) -> None:
         self.remember(seq.output_ids)
 
     def release(self, seq_id: int) -> None:

@@ -94,16 +94,7 @@ def build_metadata(
     new_slots = table.gather(1, write_blocks) * bs + new_cache_index % bs
     slot_mapping = new_slots[valid_q] if not uniform else new_slots.reshape(-1)
 
-    rel = keys.view(1, 1, -1) - cached.view(-1, 1, 1)  # key index relative to first new token
-    in_prefix = rel < 0
-    in_new = (rel >= 0) & (rel < q_len_t.view(-1, 1, 1))
-    mask = in_prefix | (in_new & (rel <= rows.view(1, -1, 1)))  # causal among new tokens
-    for i, s in enumerate(seqs):
-        if s.new_token_mask is not None:
-            c0, q = s.num_cached, s.num_new
-            mask[i, :q, c0 : c0 + q] = s.new_token_mask.to(device)
-    mask &= valid_q.unsqueeze(-1)
-    mask[..., 0] |= ~valid_q  # padded query rows see one key, so softmax stays finite
+    mask = _dense_mask(seqs, keys, cached, q_len_t, rows, valid_q)
 
     if uniform:
         query_index = valid_flat = None
@@ -125,6 +116,29 @@ def build_metadata(
         query_index=query_index,
         valid_queries=valid_flat,
     )
+
+
+def _dense_mask(
+    seqs: Sequence[SequenceSlice],
+    keys: torch.Tensor,
+    cached: torch.Tensor,
+    q_lens: torch.Tensor,
+    rows: torch.Tensor,
+    valid_q: torch.Tensor,
+) -> torch.Tensor:
+    """``[B, Q, K]``: a new token sees the cached prefix and the new tokens before it (or its
+    slice's ``new_token_mask``, for draft trees); padded query rows see one key."""
+    rel = keys.view(1, 1, -1) - cached.view(-1, 1, 1)  # key index relative to first new token
+    in_prefix = rel < 0
+    in_new = (rel >= 0) & (rel < q_lens.view(-1, 1, 1))
+    mask = in_prefix | (in_new & (rel <= rows.view(1, -1, 1)))  # causal among new tokens
+    for i, s in enumerate(seqs):
+        if s.new_token_mask is not None:
+            c0, q = s.num_cached, s.num_new
+            mask[i, :q, c0 : c0 + q] = s.new_token_mask.to(keys.device)
+    mask &= valid_q.unsqueeze(-1)
+    mask[..., 0] |= ~valid_q  # padded query rows see one key, so softmax stays finite
+    return mask
 
 
 def _kernel_metadata(cache: PagedKVCache, seqs: Sequence[SequenceSlice], positions: torch.Tensor) -> AttentionMetadata:
@@ -301,20 +315,7 @@ def build_padded_metadata(
         mask[i, : s.num_new, : s.num_cached] = True
         new = rows.view(-1, 1) >= rows.view(1, -1) if s.new_token_mask is None else s.new_token_mask.bool().cpu()
         mask[i, : s.num_new, s.num_cached : n_ctx] = new
-    plan = None
-    if use_plan:
-        width, scratch_block, pad = -(-context // bs), scratch_slot // bs, batch - len(seqs)
-        plan = PagedAttentionPlan.build(
-            [(s.block_table + [scratch_block] * width)[:width] for s in seqs] + [[scratch_block] * width] * pad,
-            [s.num_cached for s in seqs] + [0] * pad,
-            [s.num_new for s in seqs] + [0] * pad,
-            [i * tokens for i in range(batch)],
-            query_positions.reshape(-1),
-            [s.new_token_mask for s in seqs] + [None] * pad,
-            bs,
-            device,
-            mask_size=tokens,
-        )
+    plan = _padded_plan(seqs, batch, tokens, context, scratch_slot, query_positions, bs, device) if use_plan else None
     return AttentionMetadata(
         cache=cache,
         slot_mapping=slot_mapping.reshape(-1).to(device),
@@ -326,4 +327,29 @@ def build_padded_metadata(
         query_index=None,
         valid_queries=None,
         plan=plan,
+    )
+
+
+def _padded_plan(
+    seqs: Sequence[SequenceSlice],
+    batch: int,
+    tokens: int,
+    context: int,
+    scratch_slot: int,
+    query_positions: torch.Tensor,
+    block_size: int,
+    device: torch.device,
+) -> PagedAttentionPlan:
+    """The kernel's plan for a captured bucket: padding sequences read only the scratch block."""
+    width, scratch_block, pad = -(-context // block_size), scratch_slot // block_size, batch - len(seqs)
+    return PagedAttentionPlan.build(
+        [(s.block_table + [scratch_block] * width)[:width] for s in seqs] + [[scratch_block] * width] * pad,
+        [s.num_cached for s in seqs] + [0] * pad,
+        [s.num_new for s in seqs] + [0] * pad,
+        [i * tokens for i in range(batch)],
+        query_positions.reshape(-1),
+        [s.new_token_mask for s in seqs] + [None] * pad,
+        block_size,
+        device,
+        mask_size=tokens,
     )

@@ -9,177 +9,32 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import deque
 from collections.abc import Iterable, Iterator
 from collections.abc import Sequence as Seq
 from contextlib import contextmanager
-from dataclasses import dataclass, field
-from itertools import accumulate
 
 import torch
 
-from ..drafter.base import EMPTY_DRAFT, Drafter, DraftRequest, DraftTree
+from ..draft_contract import Drafter, drafter_factory
 from ..kernels.dispatch import kernel_backend
 from ..progress import progress_bar
+from .admission import RequestLimits, eos_ids_of, prepare_requests
 from .attention import SequenceSlice, paged_attention_enabled
-from .kv_cache import blocks_for
+from .graph_pool import graph_pool_for
 from .model_runner import ModelRunner
 from .params import RolloutConfig, SamplingParams
 from .request import FinishReason, RequestOutput, SeqStatus, Sequence
-from .sampling import BatchSamplingTensors, choose_tokens, draw_uniforms, processed_logprobs
+from .sampling import BatchSamplingTensors, choose_tokens, draw_uniforms, processed_logprobs, store_prompt_logprobs
 from .scheduler import ScheduledBatch, Scheduler, StepKind
-from .speculative import (
-    SpecStepRecord,
-    fit_draft,
-    keep_accepted_kv,
-    max_draft_depth,
-    pack_verify_batch,
-    release_unused_blocks,
-)
+from .spec_step import accept, commit, propose, verify
+from .speculative import pack_verify_batch, release_unused_blocks
+from .stats import EngineStats, StepRecord
 from .strategy import Strategy, parse_strategy
 from .token_ids import token_id_list
-from .verify import verify_batch
+
+__all__ = ["EngineStats", "RequestLimits", "RolloutEngine", "StepRecord", "eos_ids_of", "prepare_requests"]
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class StepRecord:
-    """One decode step: how many sequences ran, with which strategy, what it emitted and cost."""
-
-    num_active: int
-    strategy: str
-    emitted: int
-    seconds: float
-    in_tail: bool
-
-
-@dataclass
-class EngineStats:
-    steps: int = 0
-    prefill_steps: int = 0
-    decode_steps: int = 0
-    prefill_tokens: int = 0
-    generated_tokens: int = 0
-    preemptions: int = 0
-    forked_prefills: int = 0  # group members that reused a leader's prefill
-    prefix_hit_tokens: int = 0  # prompt tokens served from the prefix cache (RolloutConfig.prefix_caching)
-    mixed_steps: int = 0  # prefills that also advanced the running sequences (RolloutConfig.mixed_batches)
-    model_time_s: float = 0.0
-    wall_time_s: float = 0.0
-    spec_steps: int = 0
-    drafted_tokens: int = 0
-    accepted_tokens: int = 0
-    spec_emitted_tokens: int = 0  # tokens emitted by speculative steps (accepted + one per sequence)
-    spec_seq_steps: int = 0  # sequence-steps inside speculative steps
-    draft_time_s: float = 0.0
-    verify_time_s: float = 0.0
-    tail_steps: int = 0
-    tail_time_s: float = 0.0
-    decode_time_s: float = 0.0
-    decode_model_time_s: float = 0.0  # target forwards inside decode steps (the rest: drafting and bookkeeping)
-    batch_sizes: list[int] = field(default_factory=list)
-    spec_log: deque[SpecStepRecord] = field(default_factory=lambda: deque(maxlen=4096))
-    step_log: deque[StepRecord] = field(default_factory=lambda: deque(maxlen=65536))
-    strategy_steps: dict[str, int] = field(default_factory=dict)
-
-    def as_dict(self) -> dict[str, float]:
-        skip = ("batch_sizes", "spec_log", "step_log", "strategy_steps")
-        d = {k: v for k, v in self.__dict__.items() if k not in skip}
-        d["mean_decode_batch"] = sum(self.batch_sizes) / len(self.batch_sizes) if self.batch_sizes else 0.0
-        d["tokens_per_s"] = self.generated_tokens / self.wall_time_s if self.wall_time_s else 0.0
-        d["acceptance_rate"] = self.accepted_tokens / self.drafted_tokens if self.drafted_tokens else 0.0
-        d["mean_accept_length"] = self.spec_emitted_tokens / self.spec_seq_steps if self.spec_seq_steps else 1.0
-        return d
-
-
-def eos_ids_of(model: torch.nn.Module, tokenizer=None) -> frozenset[int]:
-    """EOS ids from the model's generation config, falling back to its config / the tokenizer."""
-    ids: set[int] = set()
-    for source in (getattr(model, "generation_config", None), getattr(model, "config", None), tokenizer):
-        value = getattr(source, "eos_token_id", None) if source is not None else None
-        if value is None:
-            continue
-        ids.update([value] if isinstance(value, int) else list(value))
-        if ids:
-            break
-    return frozenset(ids)
-
-
-@dataclass(frozen=True)
-class RequestLimits:
-    """What a request must fit: the vocabulary, the context length and the KV pool."""
-
-    vocab_size: int
-    max_model_len: int
-    block_size: int
-    total_blocks: int
-
-    @classmethod
-    def of(cls, model: torch.nn.Module, config: RolloutConfig) -> RequestLimits:
-        from .model_runner import model_vocab_size
-
-        max_len = config.max_model_len or int(getattr(model.config, "max_position_embeddings", 1 << 30))
-        return cls(model_vocab_size(model), max_len, config.block_size, config.total_blocks)
-
-    def check(self, prompt_ids: Seq[int], params: SamplingParams) -> None:
-        """Raise ``ValueError`` naming the problem if the request cannot be served."""
-        if not isinstance(params, SamplingParams):
-            raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
-        prompt_ids = token_id_list(prompt_ids)
-        if len(prompt_ids) == 0:
-            raise ValueError("prompt_ids is empty; a prompt needs at least one token")
-        for i, tok in enumerate(prompt_ids):
-            if not 0 <= tok < self.vocab_size:
-                raise ValueError(
-                    f"prompt_ids[{i}] = {tok!r} is not a token id in the vocabulary [0, {self.vocab_size})"
-                )
-        if params.prompt_logprobs >= len(prompt_ids):
-            raise ValueError(
-                f"prompt_logprobs = {params.prompt_logprobs} must be smaller than the prompt length "
-                f"{len(prompt_ids)} (the first prompt token has no prediction)"
-            )
-        bad_stops = [s for s in params.stop_token_ids if s >= self.vocab_size]
-        if bad_stops:
-            raise ValueError(f"stop_token_ids {bad_stops} are outside the vocabulary [0, {self.vocab_size})")
-        total = len(prompt_ids) + params.max_new_tokens
-        if total > self.max_model_len:
-            raise ValueError(
-                f"prompt length {len(prompt_ids)} + max_new_tokens {params.max_new_tokens} = {total} "
-                f"exceeds the context length max_model_len = {self.max_model_len}"
-            )
-        need = blocks_for(total, self.block_size)
-        if need > self.total_blocks:
-            raise ValueError(
-                f"a request of {total} tokens needs {need} KV blocks but the pool has "
-                f"{self.total_blocks}; raise RolloutConfig.num_blocks or kv_cache_tokens"
-            )
-
-
-def prepare_requests(
-    prompts: Seq[Seq[int]], params: SamplingParams | Seq[SamplingParams] | None, limits: RequestLimits
-) -> tuple[list[list[int]], list[SamplingParams]]:
-    """Prompts as lists and one ``SamplingParams`` per prompt, every request checked first: one
-    bad request raises ``ValueError`` naming its index (and all the others that are bad)."""
-    if isinstance(prompts, (str, bytes)):
-        raise ValueError("prompts is text; pass a list of token-id sequences (tokenize first)")
-    prompts = list(prompts)
-    if params is None or isinstance(params, SamplingParams):
-        per_request = [params or SamplingParams()] * len(prompts)
-    else:
-        per_request = list(params)
-        if len(per_request) != len(prompts):
-            raise ValueError(f"got {len(per_request)} SamplingParams for {len(prompts)} prompts")
-    errors = []
-    for i, (p, sp) in enumerate(zip(prompts, per_request)):
-        try:
-            prompts[i] = token_id_list(p)
-            limits.check(prompts[i], sp)
-        except ValueError as e:
-            errors.append(f"request {i}: {e}")
-    if errors:
-        raise ValueError("invalid request(s): " + "; ".join(errors))
-    return prompts, per_request
 
 
 class RolloutEngine:
@@ -206,7 +61,7 @@ class RolloutEngine:
             model,
             self.config.total_blocks,
             self.config.block_size,
-            graph_pool=self._make_graph_pool(model),
+            graph_pool=graph_pool_for(model, self.config),
             cache_prefixes=self.config.prefix_caching,
         )
         self.vocab_size = self.runner.vocab_size
@@ -228,75 +83,24 @@ class RolloutEngine:
         self._next_group = 0
         self._seqs: dict[int, Sequence] = {}
         self._in_inference = False
-        self.drafter = self._make_drafter(drafter, tokenizer)
+        drafters = drafter_factory()(drafter, model, self.config, self.vocab_size, tokenizer)
+        self.drafter, self.suffix_drafter, self.hybrid_drafter = drafters.model, drafters.suffix, drafters.hybrid
         if self.config.prefix_caching and self.drafter is not None:
             raise ValueError(
                 "prefix_caching does not work with a model drafter yet (the drafter would miss the cached "
                 "prefix); use prefix_caching=False or a model-free strategy (suffix)"
             )
         self._weights_fingerprint: int | None = None
-        self.suffix_drafter = self._make_suffix_drafter()
         # an EAGLE-style drafter reads target features: tap them in every forward (whatever the
         # strategy), so switching to it never needs a re-prefill
         self.feature_layers = self.drafter.feature_layers if self.drafter is not None else None
         self._features: torch.Tensor | None = None  # the last forward's taps, [T, feature_size]
-        self.hybrid_drafter = None
-        if self.drafter is not None:
-            from ..drafter.hybrid import HybridDrafter
-
-            self.hybrid_drafter = HybridDrafter(self.drafter, self.suffix_drafter)
         self.selector = None  # made when the strategy is "adaptive"; kept across calls (learned state)
         self._peak_active = 0
         self.strategy = Strategy("none")
         self.set_strategy(self.config.strategy)
 
-    def _make_graph_pool(self, model: torch.nn.Module):
-        from .graph_pool import CudaGraphBackend, EagerBackend, GraphPool
-
-        backend = self.config.graph_backend
-        on_cuda = next(model.parameters()).device.type == "cuda"
-        if backend == "none" or (backend == "auto" and not on_cuda):
-            return None
-        if backend == "cuda_graph" and not on_cuda:
-            raise ValueError("RolloutConfig.graph_backend='cuda_graph' needs the model on a CUDA device")
-        chosen = CudaGraphBackend() if backend in ("auto", "cuda_graph") else EagerBackend()
-        return GraphPool(chosen, memory_budget=self.config.graph_memory_mb << 20)
-
     # -- speculation set-up --------------------------------------------------------------
-    def _make_drafter(self, drafter: Drafter | torch.nn.Module | None, tokenizer) -> Drafter | None:
-        if drafter is None:
-            return None
-        from ..drafter.eagle3 import Eagle3Drafter, Eagle3Head
-
-        if isinstance(drafter, Eagle3Head):
-            drafter = Eagle3Drafter(
-                drafter,
-                self.model,
-                kv_cache_tokens=self.config.draft_kv_cache_tokens or self.config.kv_cache_tokens,
-                block_size=self.config.block_size,
-                seed=self.config.seed,
-            )
-        elif isinstance(drafter, torch.nn.Module):
-            from ..drafter.small_lm import SmallLMDrafter
-
-            drafter = SmallLMDrafter(
-                drafter,
-                kv_cache_tokens=self.config.draft_kv_cache_tokens or self.config.kv_cache_tokens,
-                block_size=self.config.block_size,
-                seed=self.config.seed,
-            )
-        if not isinstance(drafter, Drafter):
-            raise ValueError(f"drafter must be a tailspec Drafter or a torch.nn.Module, got {type(drafter).__name__}")
-        drafter.bind(self.vocab_size, tokenizer)
-        return drafter
-
-    def _make_suffix_drafter(self) -> Drafter:
-        from ..drafter.suffix import SuffixDrafter
-
-        drafter = SuffixDrafter(history_tokens=self.config.suffix_history_tokens)
-        drafter.bind(self.vocab_size)
-        return drafter
-
     def set_strategy(self, strategy: str | Strategy) -> None:
         """Switch the speculation strategy; takes effect at the next decode step."""
         parsed = parse_strategy(strategy)
@@ -501,7 +305,7 @@ class RolloutEngine:
                 score_rows.extend(range(first, first + n))
         logits = self._forward(slices, tokens, positions, last + score_rows)
         if scored:
-            self._store_prompt_logprobs(scored, logits[len(last) :], batch)
+            store_prompt_logprobs(scored, logits[len(last) :], batch.followers)
             logits = logits[: len(last)]
         self.stats.prefill_steps += 1
         self.stats.prefill_tokens += len(tokens)
@@ -522,22 +326,6 @@ class RolloutEngine:
         self._observe(observed, logits)
         self.stats.forked_prefills += len(seqs) - len(batch.seqs)
         return self._sample_and_append(seqs, logits[rows] if len(rows) != len(batch.seqs) else logits)
-
-    @staticmethod
-    def _store_prompt_logprobs(scored: list[tuple[Sequence, int]], span_logits: torch.Tensor, batch) -> None:
-        """Unprocessed log-probabilities of each scored prompt span; a group's followers (same
-        prompt) take the suffix of their leader's span that they asked for."""
-        targets = [tok for seq, n in scored for tok in seq.prompt_ids[len(seq.prompt_ids) - n :]]
-        target = torch.tensor(targets, device=span_logits.device).unsqueeze(-1)
-        picked = torch.log_softmax(span_logits.float(), dim=-1).gather(-1, target).squeeze(-1).tolist()
-        offset = 0
-        for leader, n in scored:
-            span = picked[offset : offset + n]
-            offset += n
-            for seq in [leader, *batch.followers.get(leader.seq_id, [])]:
-                k = seq.params.prompt_logprobs
-                if k and seq.prompt_logprobs is None:
-                    seq.prompt_logprobs = span[n - k :]
 
     def _fork_from(self, leader: Sequence, member: Sequence) -> None:
         """Member shares the leader's full blocks; copy the leader's partial last block."""
@@ -567,14 +355,7 @@ class RolloutEngine:
             self.selector.observe(n, strategy, emitted, seconds)
         self._peak_active = max(self._peak_active, n)
         in_tail = n <= self.config.tail_fraction * self._peak_active
-        st = self.stats
-        st.decode_time_s += seconds
-        if in_tail:
-            st.tail_steps += 1
-            st.tail_time_s += seconds
-        name = str(strategy)
-        st.strategy_steps[name] = st.strategy_steps.get(name, 0) + 1
-        st.step_log.append(StepRecord(n, name, emitted, seconds, in_tail))
+        self.stats.record_decode_step(StepRecord(n, str(strategy), emitted, seconds, in_tail))
         if not self.scheduler.has_work():
             self._peak_active = 0  # the wave is over; the next one measures its own peak
         return finished
@@ -631,93 +412,34 @@ class RolloutEngine:
         return finished
 
     def _spec_decode(self, batch: ScheduledBatch, strategy: Strategy) -> list[int]:
-        """Draft, verify every sequence's draft in one target forward, advance each by its own
-        accepted length (see ``rollout/verify.py`` for why the output is exactly the target's)."""
-        seqs, shape = batch.seqs, strategy.shape
-        assert shape is not None
-        start = time.perf_counter()
-        requests = [DraftRequest(seq, max_draft_depth(seq, shape)) for seq in seqs]
-        asked = [r for r in requests if r.max_depth > 0]
-        drafter = self._drafter_for(strategy)
-        proposed = iter(drafter.propose(asked, shape) if asked else [])
-        trees: list[DraftTree] = []
+        """propose -> target forward -> verify -> accept -> commit (``rollout/spec_step.py``), then
+        finish the sequences that are done; each advances by its own accepted length."""
+        seqs, drafter = batch.seqs, self._drafter_for(strategy)
         allocator, bs = self.runner.cache.allocator, self.config.block_size
-        for r in requests:
-            tree = next(proposed) if r.max_depth > 0 else EMPTY_DRAFT
-            trees.append(fit_draft(r.seq, tree, allocator, bs))
+        start = time.perf_counter()
+        trees = propose(drafter, seqs, strategy.shape, allocator, bs)
         drafted_at = time.perf_counter()
-
         slices, tokens, positions = pack_verify_batch(seqs, trees)
         logits = self._forward(slices, tokens, positions, list(range(len(tokens))))
-        num_new = [s.num_new for s in slices]  # scored rows per sequence
-        counts = torch.tensor(num_new, device=logits.device)
-        st = BatchSamplingTensors.from_params([s.params for s in seqs], logits.device).repeat_interleave(counts)
-        logprobs = processed_logprobs(logits, st)
-        greedy = [seq.params.greedy for seq in seqs]
-        if st.all_greedy:
-            uniforms = torch.zeros(len(tokens), dtype=torch.float64)
-        else:  # one per scored row, aligned with the rows (greedy sequences ignore theirs)
-            uniforms = draw_uniforms([s.generator for s in seqs], self.generator, num_new)
-        verdicts = verify_batch(trees, logprobs, greedy, uniforms)
-
-        # the emitted tokens' logprobs of every sequence in one gather (one device sync, not one each)
-        offsets = list(accumulate(num_new, initial=0))  # each sequence's first scored row
-        emitted = [verdict.emitted(tree) for tree, verdict in zip(trees, verdicts)]
-        packed_rows = [offsets[i] + r for i, seq_emitted in enumerate(emitted) for _, r in seq_emitted]
-        packed_tokens = [t for seq_emitted in emitted for t, _ in seq_emitted]
-        packed_lps = logprobs[packed_rows, packed_tokens].tolist()
-        lp_starts = list(accumulate((len(e) for e in emitted), initial=0))
-
-        finished, observed = [], []
-        accepted_total = emitted_total = 0
-        for i, (seq, tree, verdict) in enumerate(zip(seqs, trees, verdicts)):
-            lps = packed_lps[lp_starts[i] : lp_starts[i + 1]]
-            keep_accepted_kv(self.runner.cache, seq, verdict.path)
-            first_position = seq.num_cached
-            seq.num_cached += 1 + len(verdict.path)
-            seq.num_spec_steps += 1
-            seq.num_drafted += len(tree)
-            seq.num_accepted += len(verdict.path)
-            accepted_total += len(verdict.path)
-            kept = []
-            for (tok, row), lp in zip(emitted[i], lps):
-                seq.append(tok, lp)
-                kept.append(offsets[i] + row)
-                self.stats.generated_tokens += 1
-                emitted_total += 1
-                if seq.done:
-                    break
-            observed.append((seq, first_position, kept, kept))
-        self._observe(observed, logits)  # before finishing: a recording drafter needs every feature
-        for seq, verdict in zip(seqs, verdicts):
+        verified = verify(seqs, trees, logits, [s.num_new for s in slices], self.generator)
+        committed = commit(seqs, trees, verified, accept(trees, verified), self.runner.cache)
+        self.stats.generated_tokens += committed.emitted
+        self._observe(committed.observed, logits)  # before finishing: a recording drafter needs every feature
+        finished = []
+        for seq, verdict in zip(seqs, verified.verdicts):
             drafter.accepted(seq, len(verdict.path))
             if seq.done:
                 self._finish(seq)
                 finished.append(seq.seq_id)
             else:
                 release_unused_blocks(seq, allocator, bs)
-        end = time.perf_counter()
-
-        drafted_total = sum(len(t) for t in trees)
-        st_ = self.stats
-        st_.decode_steps += 1
-        st_.spec_steps += 1
-        st_.batch_sizes.append(len(seqs))
-        st_.drafted_tokens += drafted_total
-        st_.accepted_tokens += accepted_total
-        st_.spec_emitted_tokens += emitted_total
-        st_.spec_seq_steps += len(seqs)
-        st_.draft_time_s += drafted_at - start
-        st_.verify_time_s += end - drafted_at
-        st_.spec_log.append(
-            SpecStepRecord(
-                str(strategy),
-                len(seqs),
-                drafted_total,
-                accepted_total,
-                emitted_total,
-                drafted_at - start,
-                end - drafted_at,
-            )
+        self.stats.record_spec_step(
+            str(strategy),
+            len(seqs),
+            committed.drafted,
+            committed.accepted,
+            committed.emitted,
+            drafted_at - start,
+            time.perf_counter() - drafted_at,
         )
         return finished

@@ -17,6 +17,7 @@ from bisect import bisect_left
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -187,3 +188,16 @@ class GraphPool:
         """Drop every entry (e.g. after the model's weights were replaced by new tensors)."""
         self._entries.clear()
         self.stats.bytes = 0
+
+
+def graph_pool_for(model: torch.nn.Module, config: Any) -> GraphPool | None:
+    """The pool ``config.graph_backend`` asks for (a ``RolloutConfig``): captured CUDA graphs on
+    CUDA by default, none on CPU; eager buckets on request."""
+    backend = config.graph_backend
+    on_cuda = next(model.parameters()).device.type == "cuda"
+    if backend == "none" or (backend == "auto" and not on_cuda):
+        return None
+    if backend == "cuda_graph" and not on_cuda:
+        raise ValueError("RolloutConfig.graph_backend='cuda_graph' needs the model on a CUDA device")
+    chosen = CudaGraphBackend() if backend in ("auto", "cuda_graph") else EagerBackend()
+    return GraphPool(chosen, memory_budget=config.graph_memory_mb << 20)

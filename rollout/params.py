@@ -143,6 +143,10 @@ class RolloutConfig:
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        self._check_sizes()
+        self._check_behaviour()
+
+    def _check_sizes(self) -> None:
         _require(isinstance(self.mixed_batches, bool), "mixed_batches", "a bool", self.mixed_batches)
         _require(isinstance(self.prefix_caching, bool), "prefix_caching", "a bool", self.prefix_caching)
         _require(
@@ -178,6 +182,8 @@ class RolloutConfig:
             "None or an int >= 2",
             self.max_model_len,
         )
+
+    def _check_behaviour(self) -> None:
         try:
             parse_strategy(self.strategy)
         except ValueError as e:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -165,3 +166,20 @@ def draw_uniforms(
         if g is not None and n > 0:
             out[end - n : end] = torch.rand(n, generator=g, dtype=torch.float64)
     return out
+
+
+def store_prompt_logprobs(scored: list[tuple[Any, int]], span_logits: torch.Tensor, followers: dict[int, list]) -> None:
+    """Unprocessed log-probabilities of each scored prompt span (``(leader, n)``: the last ``n``
+    prompt tokens of ``leader``); a group's followers (same prompt) take the suffix of their
+    leader's span that they asked for."""
+    targets = [tok for seq, n in scored for tok in seq.prompt_ids[len(seq.prompt_ids) - n :]]
+    target = torch.tensor(targets, device=span_logits.device).unsqueeze(-1)
+    picked = torch.log_softmax(span_logits.float(), dim=-1).gather(-1, target).squeeze(-1).tolist()
+    offset = 0
+    for leader, n in scored:
+        span = picked[offset : offset + n]
+        offset += n
+        for seq in [leader, *followers.get(leader.seq_id, [])]:
+            k = seq.params.prompt_logprobs
+            if k and seq.prompt_logprobs is None:
+                seq.prompt_logprobs = span[n - k :]

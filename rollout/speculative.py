@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..drafter.base import DraftShape, DraftTree
+from ..draft_contract import DraftShape, DraftTree
 from .attention import SequenceSlice
 from .kv_cache import BlockAllocator, PagedKVCache, blocks_for, slot_of
 from .request import Sequence

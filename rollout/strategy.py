@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..drafter.base import DraftShape
+from ..draft_contract import DraftShape
 
 KINDS = ("none", "chain", "tree", "suffix", "hybrid", "adaptive")
 GRAMMAR = (

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..drafter.base import DraftTree
+from ..draft_contract import DraftTree
 from ..kernels.dispatch import resolve_backend
 from .sampling import sample_from_probs
 

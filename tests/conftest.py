@@ -32,3 +32,18 @@ def ray_local():
         yield ray
     finally:
         ray.shutdown()
+
+
+# what a child process must not inherit from this test process: another Ray cluster's address or
+# token settings, wandb settings, and the torch.distributed rendezvous that DeepSpeed tests leave
+_NOT_INHERITED = (
+    *("RAY_", "WANDB_"),
+    *("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"),
+)
+
+
+@pytest.fixture
+def child_env() -> dict[str, str]:
+    """The environment for a child process (a Ray head, a CLI run): this one's, minus what would
+    tie the child to this process's clusters or distributed group; Ray token authentication off."""
+    return {k: v for k, v in os.environ.items() if not k.startswith(_NOT_INHERITED)} | {"RAY_AUTH_MODE": "disabled"}

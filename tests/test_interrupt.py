@@ -78,14 +78,8 @@ def interrupt_when_workers_run(cmd: list[str], env: dict[str, str], cwd: Path) -
 
 
 @pytest.fixture
-def env(tmp_path):
-    inherited = ("RAY_", "WANDB_")
-    return {k: v for k, v in os.environ.items() if not k.startswith(inherited)} | {
-        "RAY_AUTH_MODE": "disabled",
-        "WANDB_DIR": str(tmp_path),
-        "WANDB_MODE": "offline",
-        "PYTHONUNBUFFERED": "1",
-    }
+def env(tmp_path, child_env):
+    return child_env | {"WANDB_DIR": str(tmp_path), "WANDB_MODE": "offline", "PYTHONUNBUFFERED": "1"}
 
 
 def test_ctrl_c_during_the_demo(tmp_path, env):

@@ -10,9 +10,9 @@ distributed environment; a plain ``python`` run gets a one-process group from
 
 from __future__ import annotations
 
-import os
-import socket
 from pathlib import Path
+
+from ..distributed import single_process_environment
 
 SHIPPED = {"zero2": "deepspeed_zero2.json", "zero3": "deepspeed_zero3.json"}
 
@@ -40,29 +40,6 @@ def require_deepspeed() -> None:
         raise ValueError(
             "a DeepSpeed config was given but DeepSpeed is not installed: pip install 'tailspec[deepspeed]'"
         ) from e
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def single_process_environment() -> dict[str, str]:
-    """Set the torch.distributed variables for a one-process run where no launcher set them;
-    returns what was set (empty under a launcher)."""
-    if "RANK" in os.environ or "LOCAL_RANK" in os.environ:
-        return {}
-    values = {
-        "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(_free_port()),
-        "RANK": "0",
-        "LOCAL_RANK": "0",
-        "WORLD_SIZE": "1",
-    }
-    for key, value in values.items():
-        os.environ.setdefault(key, value)
-    return values
 
 
 def deepspeed_training_args(spec: str | None) -> dict[str, str]:

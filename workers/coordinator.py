@@ -40,7 +40,7 @@ import torch
 
 from ..drafter.eagle3 import Eagle3Head
 from ..drafter.eagle3.train import DrafterTrainingConfig
-from ..rollout.engine import RequestLimits, prepare_requests
+from ..rollout.admission import RequestLimits, prepare_requests
 from ..rollout.params import RolloutConfig, SamplingParams
 from ..rollout.request import RequestOutput
 from .pool import WorkerPool

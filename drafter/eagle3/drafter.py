@@ -23,10 +23,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ...draft_contract import SequenceView
 from ...rollout.attention import METADATA_KWARG, SequenceSlice, build_metadata, paged_attention_forward
 from ...rollout.kv_cache import KVLayout, PagedKVCache, blocks_for
 from ...rollout.model_runner import model_device_dtype
-from ...rollout.request import Sequence
 from ..base import Drafter, DraftRequest, DraftShape, DraftTree
 from ..draft_sampling import ChainDrafts, draft_generator
 from ..tree_search import LevelInput, grow_trees
@@ -113,7 +113,7 @@ class Eagle3Drafter(Drafter):
         self.target_vocab = vocab_size
 
     # -- observations from the engine ----------------------------------------------------
-    def observe(self, seq: Sequence, start: int, features: torch.Tensor, next_logits: torch.Tensor) -> None:
+    def observe(self, seq: SequenceView, start: int, features: torch.Tensor, next_logits: torch.Tensor) -> None:
         if self.recorder is not None:
             self.recorder.observe(seq.seq_id, len(seq.prompt_ids), start, features, next_logits)
         self._add_pending(seq.seq_id, start, features.shape[0], features)
@@ -147,7 +147,7 @@ class Eagle3Drafter(Drafter):
             # hundreds of them slowed every later forward by several percent on CPU
             state.pending = [gather_pending(state.pending)]
 
-    def finished(self, seq: Sequence) -> None:
+    def finished(self, seq: SequenceView) -> None:
         if self.recorder is not None:
             sample = self.recorder.finish(seq.seq_id, seq.prompt_ids + seq.output_ids)
             if sample is not None:
@@ -192,7 +192,7 @@ class Eagle3Drafter(Drafter):
             logits = torch.cat([logits, pad], dim=-1)
         return out[0], logits
 
-    def _catch_up(self, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor]:
+    def _catch_up(self, seqs: list[SequenceView]) -> tuple[torch.Tensor, torch.Tensor]:
         """Rows from each sequence's ``num_cached`` to its last observed feature; returns each
         sequence's last row (hidden out, logits)."""
         slices, feats, tokens, positions, last = [], [], [], [], []

@@ -17,7 +17,6 @@ head's ``version`` after every optimizer step, and saves/restores weights and op
 from __future__ import annotations
 
 import logging
-import os
 import random
 import time
 from collections.abc import Callable
@@ -27,6 +26,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from ...distributed import single_process_environment
 from ...progress import progress_bar
 from .data import Eagle3Sample, FeatureBuffer
 from .model import Eagle3Head
@@ -252,14 +252,7 @@ class _DeepSpeedStepper:
         ds.setdefault("gradient_accumulation_steps", 1)
         ds.setdefault("gradient_clipping", c.max_grad_norm)
         if not torch.distributed.is_initialized():
-            for key, value in (
-                ("MASTER_ADDR", "127.0.0.1"),
-                ("MASTER_PORT", "29511"),
-                ("RANK", "0"),
-                ("LOCAL_RANK", "0"),
-                ("WORLD_SIZE", "1"),
-            ):
-                os.environ.setdefault(key, value)
+            single_process_environment()
         self.engine, self.optimizer, _, _ = deepspeed.initialize(model=head, optimizer=_adamw(head, c), config=ds)
 
     def backward_and_step(self, loss: torch.Tensor) -> None:

@@ -12,10 +12,6 @@ from pathlib import Path
 
 import pytest
 
-# nothing inherited from outside: no token authentication, no address of another cluster, and no
-# torch.distributed rendezvous left in this process's environment by earlier tests
-_INHERITED = ("RAY_", "MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
-
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -49,13 +45,12 @@ def _wait_for_dashboard(head: "RayHead", process: subprocess.Popen, timeout: flo
 
 
 @pytest.fixture
-def ray_head():
+def ray_head(child_env):
     """``ray start --head --block`` in its own process group, stopped by signalling that group:
     only this head's processes end (``ray stop`` would end every Ray instance on the machine)."""
     pytest.importorskip("ray")
     ray = str(Path(sys.executable).parent / "ray")
-    env = {k: v for k, v in os.environ.items() if not k.startswith(_INHERITED)} | {"RAY_AUTH_MODE": "disabled"}
-    head = RayHead(ray, env, free_port(), free_port())
+    head = RayHead(ray, child_env, free_port(), free_port())
     start = [
         ray,
         "start",
@@ -70,7 +65,7 @@ def ray_head():
         "--disable-usage-stats",
     ]
     process = subprocess.Popen(
-        start, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+        start, env=child_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
     )
     try:
         _wait_for_dashboard(head, process)

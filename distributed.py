@@ -1,0 +1,30 @@
+"""A one-process torch.distributed group for runs that no launcher started (DeepSpeed needs one)."""
+
+from __future__ import annotations
+
+import os
+import socket
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def single_process_environment() -> dict[str, str]:
+    """Set the torch.distributed variables for a one-process run where no launcher set them (a
+    free port, so concurrent runs on one machine do not collide); returns what was set (empty
+    under a launcher)."""
+    if "RANK" in os.environ or "LOCAL_RANK" in os.environ:
+        return {}
+    values = {
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(free_port()),
+        "RANK": "0",
+        "LOCAL_RANK": "0",
+        "WORLD_SIZE": "1",
+    }
+    for key, value in values.items():
+        os.environ.setdefault(key, value)
+    return values

@@ -1,0 +1,229 @@
+"""The contract between the engine and its drafters, at the bottom of the package.
+
+A drafter proposes, for each running sequence, a :class:`DraftTree` rooted at the sequence's
+last emitted token (not yet in the target's KV cache). A chain is a tree in which every node has
+one child. Node ``i`` was drawn from ``draft_probs[i]`` (the drafter's processed distribution at
+its parent) when the drafter samples, or chosen deterministically (``draft_probs is None``: the
+verifier treats each node as a one-hot draft, which is exact for any deterministic rule, e.g.
+top-k children or n-gram lookups). Verification (``tailspec.rollout.verify``) makes the output
+distribution exactly the target's whatever the drafter proposes; drafters only affect speed.
+
+``rollout/`` depends on this module and on nothing in ``drafter/``: the engine gets its drafters
+(a user's HF model or EAGLE-3 head made into one, the built-in suffix drafter, their hybrid) from
+a :data:`DrafterFactory`, by default ``tailspec.drafter.factory.build_drafters``, which is looked
+up by name the first time an engine needs it.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from functools import cache, cached_property
+from importlib import import_module
+from typing import Any, Protocol
+
+import torch
+
+
+@dataclass
+class DraftTree:
+    """Draft tokens for one sequence, in topological order (a parent precedes its children).
+
+    ``parents[i]`` is the index of node ``i``'s parent, or -1 for a child of the root (the
+    sequence's last emitted token). Siblings are tried in index order, so a drafter lists the
+    more likely branch first.
+    """
+
+    tokens: list[int] = field(default_factory=list)
+    parents: list[int] = field(default_factory=list)
+    draft_probs: torch.Tensor | None = None  # [num_nodes, vocab] or None = deterministic
+
+    def __post_init__(self) -> None:
+        if len(self.tokens) != len(self.parents):
+            raise ValueError(f"draft tree has {len(self.tokens)} tokens but {len(self.parents)} parents")
+        for i, p in enumerate(self.parents):
+            if not -1 <= p < i:
+                raise ValueError(f"draft tree node {i} has parent {p}; parents must precede children (or be -1)")
+        if self.draft_probs is not None and self.draft_probs.shape[0] != len(self.tokens):
+            raise ValueError(
+                f"draft_probs has {self.draft_probs.shape[0]} rows for a draft tree of {len(self.tokens)} nodes"
+            )
+
+    @classmethod
+    def chain(cls, tokens: Sequence[int], draft_probs: torch.Tensor | None = None) -> DraftTree:
+        return cls(list(tokens), list(range(-1, len(tokens) - 1)), draft_probs)
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    @cached_property
+    def depths(self) -> list[int]:
+        """Depth of each node; children of the root have depth 1."""
+        out: list[int] = []
+        for p in self.parents:
+            out.append(1 if p < 0 else out[p] + 1)
+        return out
+
+    @cached_property
+    def children(self) -> list[list[int]]:
+        """``children[0]`` are the root's children, ``children[i + 1]`` node ``i``'s, in sibling order."""
+        out: list[list[int]] = [[] for _ in range(len(self.tokens) + 1)]
+        for i, p in enumerate(self.parents):
+            out[p + 1].append(i)
+        return out
+
+    @property
+    def is_chain(self) -> bool:
+        return all(p == i - 1 for i, p in enumerate(self.parents))
+
+    def ancestor_mask(self) -> torch.Tensor:
+        """``[n + 1, n + 1]`` bool mask over the root and the nodes: True where the row may attend."""
+        n = len(self.tokens)
+        mask = torch.zeros(n + 1, n + 1, dtype=torch.bool)
+        mask[:, 0] = True
+        for i, p in enumerate(self.parents):
+            mask[i + 1] = mask[p + 1]
+            mask[i + 1, i + 1] = True
+        return mask
+
+    def truncated(self, num_nodes: int) -> DraftTree:
+        """The first ``num_nodes`` nodes (still a valid tree, since parents precede children)."""
+        if num_nodes >= len(self.tokens):
+            return self
+        probs = self.draft_probs[:num_nodes] if self.draft_probs is not None else None
+        return DraftTree(self.tokens[:num_nodes], self.parents[:num_nodes], probs)
+
+
+EMPTY_DRAFT = DraftTree()
+
+
+@dataclass(frozen=True)
+class DraftShape:
+    """How many tokens to propose: ``depth`` levels, up to ``topk`` children per node, ``budget`` nodes.
+
+    A chain is ``topk == 1`` and ``budget == depth``.
+    """
+
+    depth: int
+    topk: int = 1
+    budget: int | None = None
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.depth, int) and 1 <= self.depth <= 64):
+            raise ValueError(f"draft depth must be an int in [1, 64], got {self.depth!r}")
+        if not (isinstance(self.topk, int) and 1 <= self.topk <= 16):
+            raise ValueError(f"draft topk must be an int in [1, 16], got {self.topk!r}")
+        if self.budget is not None and not (isinstance(self.budget, int) and self.depth <= self.budget <= 512):
+            raise ValueError(f"draft budget must be an int in [depth={self.depth}, 512], got {self.budget!r}")
+
+    @property
+    def max_nodes(self) -> int:
+        return self.budget if self.budget is not None else self.depth * self.topk
+
+    @property
+    def is_chain(self) -> bool:
+        return self.topk == 1
+
+
+class SequenceView(Protocol):
+    """What a drafter may read of a running sequence (the engine's ``Sequence`` satisfies it).
+    Drafters never change a sequence; the engine appends the tokens verification keeps."""
+
+    seq_id: int
+    prompt_ids: list[int]
+    output_ids: list[int]
+    group: int | None
+    stop_ids: frozenset[int]
+    params: Any  # the request's SamplingParams
+
+    @property
+    def num_tokens(self) -> int: ...
+
+    def token_at(self, position: int) -> int: ...
+
+
+@dataclass
+class DraftRequest:
+    """One sequence to draft for this step, with its limit: no node deeper than ``max_depth``."""
+
+    seq: SequenceView
+    max_depth: int
+
+
+class Drafter(ABC):
+    """Base class of drafters. The engine calls :meth:`bind` once, then per speculative step
+    :meth:`propose`, then :meth:`accepted` after verification, and :meth:`release` when a sequence
+    finishes or is aborted. Drafters may keep per-sequence state keyed by ``seq.seq_id``.
+    """
+
+    name: str = "drafter"
+    #: target layers whose *inputs* this drafter reads (EAGLE-style heads); ``None`` = none. When
+    #: set, the engine taps them in every target forward and calls :meth:`observe`.
+    feature_layers: tuple[int, ...] | None = None
+
+    def bind(self, vocab_size: int, tokenizer=None) -> None:  # noqa: B027 - optional hook
+        """Check that the drafter can serve a target with this vocabulary; raise ValueError if not."""
+
+    @abstractmethod
+    def propose(self, requests: Sequence[DraftRequest], shape: DraftShape) -> list[DraftTree]:
+        """One draft tree per request (possibly empty), each within ``shape`` and ``max_depth``."""
+
+    def accepted(self, seq: SequenceView, num_accepted: int) -> None:  # noqa: B027 - optional hook
+        """Verification kept the first ``num_accepted`` nodes of the path just proposed for ``seq``."""
+
+    def release(self, seq_id: int) -> None:  # noqa: B027 - optional hook
+        """Forget per-sequence state (the sequence finished or was aborted)."""
+
+    def observe(  # noqa: B027 - optional hook
+        self, seq: SequenceView, start: int, features: torch.Tensor, next_logits: torch.Tensor
+    ) -> None:
+        """Target features of ``seq``'s committed tokens at positions ``start, start + 1, ...``
+        (``[n, feature_size]``), and the target's logits after the last ``next_logits.shape[0]``
+        of them (the distributions their next tokens were drawn from). Called only for drafters
+        with ``feature_layers``, after every target forward, for tokens the sequence keeps."""
+
+    def observe_batch(
+        self,
+        observed: Sequence[tuple[SequenceView, int, list[int], list[int]]],
+        features: torch.Tensor,
+        logits: torch.Tensor,
+    ) -> None:
+        """One target forward's observations: per sequence ``(seq, start, rows, logit_rows)``, its
+        kept tokens' packed rows of ``features`` and the rows of ``logits`` after them. By default
+        one gather of each for the whole batch, split into per-sequence :meth:`observe` calls (a
+        drafter may keep references instead and gather only when it drafts)."""
+        rows = [r for _, _, seq_rows, _ in observed for r in seq_rows]
+        logit_rows = [r for _, _, _, seq_logit_rows in observed for r in seq_logit_rows]
+        gathered = features.index_select(0, torch.tensor(rows, device=features.device))
+        next_logits = logits.index_select(0, torch.tensor(logit_rows, device=logits.device))
+        feature_parts = gathered.split([len(r) for _, _, r, _ in observed])
+        logit_parts = next_logits.split([len(r) for _, _, _, r in observed])
+        for (seq, start, _, _), seq_features, seq_logits in zip(observed, feature_parts, logit_parts):
+            self.observe(seq, start, seq_features, seq_logits)
+
+    def finished(self, seq: SequenceView) -> None:  # noqa: B027 - optional hook
+        """``seq`` finished normally (its completion may be remembered); ``release`` follows."""
+
+
+@dataclass
+class DrafterSet:
+    """The drafters one engine speculates with: the model drafter (None without one), the
+    model-free suffix drafter, and their hybrid (None without a model drafter)."""
+
+    model: Drafter | None
+    suffix: Drafter
+    hybrid: Drafter | None
+
+
+#: ``(user_drafter, target_model, rollout_config, vocab_size, tokenizer) -> DrafterSet``
+DrafterFactory = Callable[[Any, torch.nn.Module, Any, int, Any], DrafterSet]
+
+DEFAULT_DRAFTER_FACTORY = "tailspec.drafter.factory:build_drafters"
+
+
+@cache
+def drafter_factory(path: str = DEFAULT_DRAFTER_FACTORY) -> DrafterFactory:
+    """The factory named ``module:function`` (imported on first use)."""
+    module, _, name = path.partition(":")
+    return getattr(import_module(module), name)

@@ -1,0 +1,44 @@
+"""The default :data:`tailspec.draft_contract.DrafterFactory`: what a user hands the engine as
+``drafter=`` (a tailspec ``Drafter``, an EAGLE-3 head for the target, or a smaller Hugging Face
+causal LM sharing the tokenizer) made into drafters, plus the built-in suffix drafter and the
+hybrid of both. Each is bound to the target's vocabulary here."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..draft_contract import Drafter, DrafterSet
+
+
+def as_drafter(drafter: Any, target: torch.nn.Module, config: Any) -> Drafter:
+    """``drafter`` as a :class:`Drafter`: an ``Eagle3Head`` drafts from ``target``'s features, any
+    other ``torch.nn.Module`` is a small LM with its own paged KV cache."""
+    kv_tokens = config.draft_kv_cache_tokens or config.kv_cache_tokens
+    if isinstance(drafter, Drafter):
+        return drafter
+    from .eagle3 import Eagle3Drafter, Eagle3Head
+
+    if isinstance(drafter, Eagle3Head):
+        return Eagle3Drafter(drafter, target, kv_cache_tokens=kv_tokens, block_size=config.block_size, seed=config.seed)
+    if isinstance(drafter, torch.nn.Module):
+        from .small_lm import SmallLMDrafter
+
+        return SmallLMDrafter(drafter, kv_cache_tokens=kv_tokens, block_size=config.block_size, seed=config.seed)
+    raise ValueError(f"drafter must be a tailspec Drafter or a torch.nn.Module, got {type(drafter).__name__}")
+
+
+def build_drafters(
+    drafter: Any, target: torch.nn.Module, config: Any, vocab_size: int, tokenizer: Any = None
+) -> DrafterSet:
+    from .hybrid import HybridDrafter
+    from .suffix import SuffixDrafter
+
+    model = None
+    if drafter is not None:
+        model = as_drafter(drafter, target, config)
+        model.bind(vocab_size, tokenizer)
+    suffix = SuffixDrafter(history_tokens=config.suffix_history_tokens)
+    suffix.bind(vocab_size)
+    return DrafterSet(model, suffix, HybridDrafter(model, suffix) if model is not None else None)

@@ -1,0 +1,108 @@
+"""One speculative decode step as four functions, each with a clear input and output:
+
+    propose  drafters' trees, fitted to each sequence's limits and KV blocks
+    verify   the target's processed distribution at every scored row, and a verdict per sequence
+    accept   the tokens each verdict emits, with their logprobs (one gather for the batch)
+    commit   the kept K/V and tokens appended to each sequence, and what a feature-reading drafter
+             must observe
+
+The engine runs the target forward between ``propose`` and ``verify`` and finishes sequences
+after ``commit``. Why the output is exactly the target's: ``rollout/verify.py``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass
+from itertools import accumulate
+
+import torch
+
+from ..draft_contract import EMPTY_DRAFT, Drafter, DraftRequest, DraftShape, DraftTree
+from .kv_cache import BlockAllocator, PagedKVCache
+from .request import Sequence
+from .sampling import BatchSamplingTensors, draw_uniforms, processed_logprobs
+from .speculative import fit_draft, keep_accepted_kv, max_draft_depth
+from .verify import Verdict, verify_batch
+
+
+def propose(
+    drafter: Drafter, seqs: Seq[Sequence], shape: DraftShape, allocator: BlockAllocator, block_size: int
+) -> list[DraftTree]:
+    """One tree per sequence (empty where it may not draft), within its depth limit and KV blocks."""
+    requests = [DraftRequest(seq, max_draft_depth(seq, shape)) for seq in seqs]
+    asked = [r for r in requests if r.max_depth > 0]
+    proposed = iter(drafter.propose(asked, shape) if asked else [])
+    trees = [next(proposed) if r.max_depth > 0 else EMPTY_DRAFT for r in requests]
+    return [fit_draft(r.seq, tree, allocator, block_size) for r, tree in zip(requests, trees)]
+
+
+@dataclass
+class Verified:
+    verdicts: list[Verdict]
+    logprobs: torch.Tensor  # [scored rows, vocab]: the processed distribution at every scored row
+    first_rows: list[int]  # each sequence's first scored row
+
+
+def verify(
+    seqs: Seq[Sequence], trees: Seq[DraftTree], logits: torch.Tensor, num_new: Seq[int], generator: torch.Generator
+) -> Verified:
+    """Verdicts for every sequence's tree from one forward's logits (``num_new`` rows each)."""
+    counts = torch.tensor(num_new, device=logits.device)
+    st = BatchSamplingTensors.from_params([s.params for s in seqs], logits.device).repeat_interleave(counts)
+    logprobs = processed_logprobs(logits, st)
+    if st.all_greedy:
+        uniforms = torch.zeros(logits.shape[0], dtype=torch.float64)
+    else:  # one per scored row, aligned with the rows (greedy sequences ignore theirs)
+        uniforms = draw_uniforms([s.generator for s in seqs], generator, list(num_new))
+    verdicts = verify_batch(trees, logprobs, [seq.params.greedy for seq in seqs], uniforms)
+    return Verified(verdicts, logprobs, list(accumulate(num_new, initial=0))[:-1])
+
+
+@dataclass
+class Accepted:
+    tokens: list[list[tuple[int, int]]]  # per sequence: (token, scored row within the sequence)
+    logprobs: list[list[float]]  # per sequence: each emitted token's processed logprob
+
+
+def accept(trees: Seq[DraftTree], verified: Verified) -> Accepted:
+    """The tokens every verdict emits and their logprobs, in one gather for the whole batch."""
+    emitted = [verdict.emitted(tree) for tree, verdict in zip(trees, verified.verdicts)]
+    rows = [verified.first_rows[i] + r for i, seq_emitted in enumerate(emitted) for _, r in seq_emitted]
+    tokens = [t for seq_emitted in emitted for t, _ in seq_emitted]
+    packed = verified.logprobs[rows, tokens].tolist()
+    starts = list(accumulate((len(e) for e in emitted), initial=0))
+    return Accepted(emitted, [packed[starts[i] : starts[i + 1]] for i in range(len(emitted))])
+
+
+@dataclass
+class Committed:
+    observed: list[tuple[Sequence, int, list[int], list[int]]]  # (seq, first position, rows, logit rows)
+    drafted: int
+    accepted: int
+    emitted: int
+
+
+def commit(
+    seqs: Seq[Sequence], trees: Seq[DraftTree], verified: Verified, accepted: Accepted, cache: PagedKVCache
+) -> Committed:
+    """Keep each sequence's accepted K/V, append its emitted tokens (up to where it is done) and
+    count them; no sequence is finished here."""
+    out = Committed([], sum(len(t) for t in trees), 0, 0)
+    for i, (seq, tree, verdict) in enumerate(zip(seqs, trees, verified.verdicts)):
+        keep_accepted_kv(cache, seq, verdict.path)
+        first_position = seq.num_cached
+        seq.num_cached += 1 + len(verdict.path)
+        seq.num_spec_steps += 1
+        seq.num_drafted += len(tree)
+        seq.num_accepted += len(verdict.path)
+        out.accepted += len(verdict.path)
+        kept = []
+        for (token, row), logprob in zip(accepted.tokens[i], accepted.logprobs[i]):
+            seq.append(token, logprob)
+            kept.append(verified.first_rows[i] + row)
+            out.emitted += 1
+            if seq.done:
+                break
+        out.observed.append((seq, first_position, kept, kept))
+    return out

@@ -1,0 +1,80 @@
+"""What an engine counts: per-step records and the running totals behind ``RolloutEngine.stats``."""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from .speculative import SpecStepRecord
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """One decode step: how many sequences ran, with which strategy, what it emitted and cost."""
+
+    num_active: int
+    strategy: str
+    emitted: int
+    seconds: float
+    in_tail: bool
+
+
+@dataclass
+class EngineStats:
+    steps: int = 0
+    prefill_steps: int = 0
+    decode_steps: int = 0
+    prefill_tokens: int = 0
+    generated_tokens: int = 0
+    preemptions: int = 0
+    forked_prefills: int = 0  # group members that reused a leader's prefill
+    prefix_hit_tokens: int = 0  # prompt tokens served from the prefix cache (RolloutConfig.prefix_caching)
+    mixed_steps: int = 0  # prefills that also advanced the running sequences (RolloutConfig.mixed_batches)
+    model_time_s: float = 0.0
+    wall_time_s: float = 0.0
+    spec_steps: int = 0
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0
+    spec_emitted_tokens: int = 0  # tokens emitted by speculative steps (accepted + one per sequence)
+    spec_seq_steps: int = 0  # sequence-steps inside speculative steps
+    draft_time_s: float = 0.0
+    verify_time_s: float = 0.0
+    tail_steps: int = 0
+    tail_time_s: float = 0.0
+    decode_time_s: float = 0.0
+    decode_model_time_s: float = 0.0  # target forwards inside decode steps (the rest: drafting and bookkeeping)
+    batch_sizes: list[int] = field(default_factory=list)
+    spec_log: deque[SpecStepRecord] = field(default_factory=lambda: deque(maxlen=4096))
+    step_log: deque[StepRecord] = field(default_factory=lambda: deque(maxlen=65536))
+    strategy_steps: dict[str, int] = field(default_factory=dict)
+
+    def as_dict(self) -> dict[str, float]:
+        skip = ("batch_sizes", "spec_log", "step_log", "strategy_steps")
+        d = {k: v for k, v in self.__dict__.items() if k not in skip}
+        d["mean_decode_batch"] = sum(self.batch_sizes) / len(self.batch_sizes) if self.batch_sizes else 0.0
+        d["tokens_per_s"] = self.generated_tokens / self.wall_time_s if self.wall_time_s else 0.0
+        d["acceptance_rate"] = self.accepted_tokens / self.drafted_tokens if self.drafted_tokens else 0.0
+        d["mean_accept_length"] = self.spec_emitted_tokens / self.spec_seq_steps if self.spec_seq_steps else 1.0
+        return d
+
+    def record_spec_step(
+        self, strategy: str, num_seqs: int, drafted: int, accepted: int, emitted: int, draft_s: float, verify_s: float
+    ) -> None:
+        self.decode_steps += 1
+        self.spec_steps += 1
+        self.batch_sizes.append(num_seqs)
+        self.drafted_tokens += drafted
+        self.accepted_tokens += accepted
+        self.spec_emitted_tokens += emitted
+        self.spec_seq_steps += num_seqs
+        self.draft_time_s += draft_s
+        self.verify_time_s += verify_s
+        self.spec_log.append(SpecStepRecord(strategy, num_seqs, drafted, accepted, emitted, draft_s, verify_s))
+
+    def record_decode_step(self, record: StepRecord) -> None:
+        self.decode_time_s += record.seconds
+        if record.in_tail:
+            self.tail_steps += 1
+            self.tail_time_s += record.seconds
+        self.strategy_steps[record.strategy] = self.strategy_steps.get(record.strategy, 0) + 1
+        self.step_log.append(record)
