@@ -36,8 +36,19 @@ def interrupt_when_workers_run(cmd: list[str], env: dict[str, str], cwd: Path) -
     status, output, seconds from the signal to the exit, processes of the run still alive 10 s
     after the signal)."""
     before = set(live_processes())
+    # a shell starts background jobs with SIGINT ignored, and children inherit that (CI may run us
+    # so): restore the default disposition, as a terminal's foreground job has it, then exec
+    trampoline = (
+        "import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); os.execv(sys.argv[1], sys.argv[1:])"
+    )
     proc = subprocess.Popen(
-        cmd, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+        [sys.executable, "-c", trampoline, *cmd],
+        env=env,
+        cwd=cwd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
     )
     lines: list[str] = []
     workers_up = threading.Event()
