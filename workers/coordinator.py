@@ -320,17 +320,22 @@ class RolloutCoordinator:
 
     def _versions(self) -> Versions:
         """The versions this rollout generates with: the newest policy and drafter state."""
-        import ray
 
         state = self.drafter_state
-        if state is not None and (self._drafter_state_ref is None or self._drafter_state_ref[0] != state.version):
-            self._drafter_state_ref = (state.version, ray.put(state))
         return Versions(
             policy=self.policy_version,
             policy_ref=self._policy_state_ref,
             drafter=state.version if state is not None else None,
-            drafter_ref=self._drafter_state_ref[1] if state is not None else None,
+            drafter_ref=self._drafter_ref_of(state) if state is not None else None,
         )
+
+    def _drafter_ref_of(self, state: DrafterState) -> Any:
+        """``state`` in the object store, put once per version (the broadcast and every shard share it)."""
+        import ray
+
+        if self._drafter_state_ref is None or self._drafter_state_ref[0] != state.version:
+            self._drafter_state_ref = (state.version, ray.put(state))
+        return self._drafter_state_ref[1]
 
     def settle(self, *, wait: bool = True) -> None:
         """Finish what a rollout left: collect the training chunk told to stop when the rollout
@@ -363,10 +368,9 @@ class RolloutCoordinator:
     def _broadcast_drafter(self) -> None:
         """Every worker not training drafts with the newest version from the next rollout on; the
         driver's head object follows too (for checkpoints and export)."""
-        import ray
 
         state = self.drafter_state
-        state_ref = ray.put(state)
+        state_ref = self._drafter_ref_of(state)
         for index in self.pool.call_all("set_drafter", state_ref, skip=self.spot.training_worker):
             self.pool.set_held(index, drafter=state.version)
         state.load_into(self.head)
