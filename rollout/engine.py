@@ -21,6 +21,7 @@ from ..progress import progress_bar
 from .admission import RequestLimits, eos_ids_of, prepare_requests
 from .attention import SequenceSlice, paged_attention_enabled
 from .graph_pool import graph_pool_for
+from .handoff import InboxItem, PartialRequest, RequestInbox, ServeUpdate
 from .model_runner import ModelRunner
 from .params import RolloutConfig, SamplingParams
 from .request import FinishReason, RequestOutput, SeqStatus, Sequence
@@ -127,13 +128,23 @@ class RolloutEngine:
 
     # -- step-wise API -------------------------------------------------------------------
     def add_request(
-        self, prompt_ids: Seq[int], params: SamplingParams | None = None, *, group: int | None = None
+        self,
+        prompt_ids: Seq[int],
+        params: SamplingParams | None = None,
+        *,
+        group: int | None = None,
+        resume: PartialRequest | None = None,
     ) -> int:
+        """Queue a request; ``resume`` continues one released by another engine (:meth:`release`)."""
         params = params or SamplingParams()
         prompt_ids = token_id_list(prompt_ids)
         self.validate(prompt_ids, params)
         stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_ids)
-        seq = Sequence(self._next_id, list(prompt_ids), params, stop_ids, group=group)
+        seq = Sequence(self._next_id, list(prompt_ids), params, stop_ids, group=None if resume else group)
+        if resume is not None:
+            if list(resume.prompt_ids) != seq.prompt_ids or resume.params != params:
+                raise ValueError("resume: the partial request belongs to another prompt or other sampling params")
+            seq.resume_from(resume)
         self._next_id += 1
         self._seqs[seq.seq_id] = seq
         self.scheduler.add(seq)
@@ -152,6 +163,17 @@ class RolloutEngine:
             self.scheduler.abort(seq)
             seq.finish_reason = seq.finish_reason or FinishReason.ABORT
             self._forget(seq)
+
+    def release(self, request_id: int) -> PartialRequest:
+        """Stop an unfinished request and hand over its state, to be continued elsewhere."""
+        seq = self._seqs.get(request_id)
+        if seq is None or seq.status is SeqStatus.FINISHED:
+            raise ValueError(f"request {request_id} is not running here")
+        partial = seq.to_partial()
+        self.scheduler.abort(seq)
+        self._forget(seq)
+        del self._seqs[request_id]
+        return partial
 
     def _finish(self, seq: Sequence) -> None:
         self.scheduler.finish(seq)
@@ -253,6 +275,50 @@ class RolloutEngine:
                 self._seqs.pop(request_id, None)
             bar.close()
             self.stats.wall_time_s += time.perf_counter() - start
+
+    def serve(self, inbox: RequestInbox, *, idle_wait_s: float = 0.5) -> Iterator[ServeUpdate]:
+        """Serve what arrives in ``inbox`` until it is closed and everything taken has finished or
+        been given back: requests join the running batch at the next step (continuous batching
+        across submissions); a step's finished and released requests are yielded together, under
+        their inbox keys. Fresh requests taken together with the same prompt are prefilled once."""
+        key_of: dict[int, int] = {}  # request id -> inbox key
+        start = time.perf_counter()
+        try:
+            while True:
+                take = inbox.take()
+                update = ServeUpdate(released=[(item.key, item.resume) for item in take.released_waiting])
+                self._admit(take.items, key_of)
+                held = {key: rid for rid, key in key_of.items()}
+                for key in take.release:
+                    if key in held:
+                        update.released.append((key, self.release(held[key])))
+                        del key_of[held[key]]
+                if key_of and not update.released:
+                    with self._inference():
+                        while not update.finished and not inbox.has_news():
+                            update.finished = [(key_of.pop(r), self.pop_output(r)) for r in self.step() if r in key_of]
+                if update:
+                    yield update
+                elif not key_of:
+                    if take.may_end:
+                        return
+                    inbox.wait(idle_wait_s)
+        finally:
+            for request_id in key_of:
+                self.abort(request_id)
+                self._seqs.pop(request_id, None)
+            self.stats.wall_time_s += time.perf_counter() - start
+
+    def _admit(self, items: list[InboxItem], key_of: dict[int, int]) -> None:
+        counts: dict[tuple[int, ...], int] = {}
+        for item in items:
+            if item.resume is None:
+                counts[tuple(item.prompt_ids)] = counts.get(tuple(item.prompt_ids), 0) + 1
+        groups: dict[tuple[int, ...], int] = {}
+        for item in items:
+            key = tuple(item.prompt_ids)
+            group = groups.setdefault(key, self.new_group()) if counts.get(key, 0) > 1 and item.resume is None else None
+            key_of[self.add_request(item.prompt_ids, item.params, group=group, resume=item.resume)] = item.key
 
     # -- internals -----------------------------------------------------------------------
     def _drop_stale_prefixes(self) -> None:

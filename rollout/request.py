@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .handoff import PartialRequest
 from .params import SamplingParams
 
 
@@ -76,6 +77,32 @@ class Sequence:
     @property
     def done(self) -> bool:
         return self.finish_reason is not None
+
+    def to_partial(self) -> PartialRequest:
+        """This request's state, to continue it on another engine (:mod:`tailspec.rollout.handoff`)."""
+        return PartialRequest(
+            prompt_ids=list(self.prompt_ids),
+            params=self.params,
+            output_ids=list(self.output_ids),
+            logprobs=list(self.logprobs),
+            prompt_logprobs=None if self.prompt_logprobs is None else list(self.prompt_logprobs),
+            generator_state=self.generator.get_state() if self.generator is not None else None,
+            num_preemptions=self.num_preemptions,
+            num_spec_steps=self.num_spec_steps,
+            num_drafted=self.num_drafted,
+            num_accepted=self.num_accepted,
+        )
+
+    def resume_from(self, partial: PartialRequest) -> None:
+        """Continue ``partial`` here: its tokens wait to be recomputed, its draws go on where they stopped."""
+        self.output_ids, self.logprobs = list(partial.output_ids), list(partial.logprobs)
+        self.prompt_logprobs = None if partial.prompt_logprobs is None else list(partial.prompt_logprobs)
+        if partial.generator_state is not None:
+            self.generator = torch.Generator()
+            self.generator.set_state(partial.generator_state)
+        self.num_preemptions = partial.num_preemptions
+        self.num_spec_steps, self.num_drafted = partial.num_spec_steps, partial.num_drafted
+        self.num_accepted = partial.num_accepted
 
     def to_output(self) -> RequestOutput:
         return RequestOutput(
