@@ -1,13 +1,14 @@
 """Ray rollout workers: engines in actors, a coordinator that shards rollouts over them and
 trains the EAGLE-3 drafter on workers the long tail leaves idle (``coordinator.py``)."""
 
-from .coordinator import CoordinatorEvent, RolloutCoordinator, RolloutReport, WorkersConfig, ensure_ray
+from .coordinator import CoordinatorEvent, PlacementError, RolloutCoordinator, RolloutReport, WorkersConfig, ensure_ray
 from .sharding import shard_requests
 from .worker import DrafterState, RolloutWorker, WorkerEvent
 
 __all__ = [
     "CoordinatorEvent",
     "DrafterState",
+    "PlacementError",
     "RolloutCoordinator",
     "RolloutReport",
     "RolloutWorker",

@@ -43,13 +43,23 @@ from ..drafter.eagle3.train import DrafterTrainingConfig
 from ..rollout.admission import RequestLimits, prepare_requests
 from ..rollout.params import RolloutConfig, SamplingParams
 from ..rollout.request import RequestOutput
-from .pool import WorkerPool
-from .rollout_round import RolloutRound, Versions, collect_chunk
+from .length_predictor import LengthPredictor
+from .pool import PlacementError, WorkerPool
+from .rollout_round import RolloutRound, SchedulePlan, Versions, collect_chunk
 from .sharding import shard_requests
+from .work_queue import ORDERS, SCHEDULES
 from .spot import SpotTraining
 from .worker import DrafterState, RolloutWorker
 
-__all__ = ["CoordinatorEvent", "RolloutCoordinator", "RolloutReport", "WorkersConfig", "ensure_ray", "shard_requests"]
+__all__ = [
+    "CoordinatorEvent",
+    "PlacementError",
+    "RolloutCoordinator",
+    "RolloutReport",
+    "WorkersConfig",
+    "ensure_ray",
+    "shard_requests",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -68,7 +78,17 @@ class WorkersConfig:
     max_spot_steps: int = 256  # per rollout
     sample_buffer_mb: int = 256  # the coordinator's buffer of recorded training data
     respawn_dead_workers: bool = True
-    max_shard_attempts: int = 3  # a shard whose workers keep dying fails the rollout after this many tries
+    max_shard_attempts: int = 3  # a request whose workers keep dying fails the rollout after this many tries
+    # how a rollout is dealt (tailspec.workers.work_queue): "divided" (a global queue that workers
+    # pull chunks from as they have room) or "static" (one fixed shard per worker, groups together)
+    schedule: str = "divided"
+    order: str = "predicted"  # "predicted": longest-predicted first (after one probe per new prompt) | "fifo"
+    chunk_size: int = 4  # requests per pull
+    inflight_per_worker: int | None = None  # requests a worker holds at once; None: its engine's max_num_seqs
+    rebalance: bool = True  # move requests from a busy worker to one that ran dry (tail rebalancing)
+    rebalance_min_tokens: int = 32  # only requests predicted at least this long are moved
+    length_history: int = 4  # rollouts of per-prompt completion lengths kept for length prediction
+    placement_timeout_s: float | None = 120.0  # fail (naming asked vs free resources) if workers cannot start
 
     def __post_init__(self) -> None:
         checks = [
@@ -98,6 +118,28 @@ class WorkersConfig:
                 "an int >= 1",
             ),
         ]
+        checks += [
+            ("schedule", self.schedule in SCHEDULES, f"one of {SCHEDULES}"),
+            ("order", self.order in ORDERS, f"one of {ORDERS}"),
+            ("chunk_size", isinstance(self.chunk_size, int) and self.chunk_size >= 1, "an int >= 1"),
+            (
+                "inflight_per_worker",
+                self.inflight_per_worker is None
+                or (isinstance(self.inflight_per_worker, int) and self.inflight_per_worker >= 1),
+                "None or an int >= 1",
+            ),
+            (
+                "rebalance_min_tokens",
+                isinstance(self.rebalance_min_tokens, int) and self.rebalance_min_tokens >= 0,
+                "an int >= 0",
+            ),
+            ("length_history", isinstance(self.length_history, int) and self.length_history >= 0, "an int >= 0"),
+            (
+                "placement_timeout_s",
+                self.placement_timeout_s is None or self.placement_timeout_s > 0,
+                "None or a number > 0",
+            ),
+        ]
         for name, ok, allowed in checks:
             if not ok:
                 raise ValueError(f"WorkersConfig.{name} must be {allowed}, got {getattr(self, name)!r}")
@@ -106,9 +148,10 @@ class WorkersConfig:
 @dataclass
 class CoordinatorEvent:
     seq: int
-    kind: str  # shard | shard_done | worker_died | rerun | spot_start | spot_done | spot_stop | rollout_end | ...
+    kind: str  # shard | submit | finished | move_asked | released | shard_done | worker_died | rerun | spot_* | ...
     worker: int | None = None
     detail: dict[str, Any] = field(default_factory=dict)
+    time: float = field(default_factory=time.perf_counter)
 
 
 @dataclass
@@ -125,6 +168,8 @@ class RolloutReport:
     policy_version: int
     workers_died: int
     requests_rerun: int = 0  # unfinished requests of dead workers, generated again
+    requests_moved: int = 0  # requests continued on another worker (tail rebalancing)
+    length_error: float = float("nan")  # mean |predicted - actual| / actual of predicted lengths
 
 
 def ensure_ray(address: str | None = None, num_cpus: float | None = None) -> bool:
@@ -190,12 +235,18 @@ class RolloutCoordinator:
         self._policy_state_ref = None  # the newest weights once sync_policy ran
         self._drafter_state_ref: tuple[int, Any] | None = None  # (version, ref) of the last state put
         self._needs_broadcast = False
-        self._actor_cls = ray.remote(num_cpus=c.num_cpus_per_worker, num_gpus=self.num_gpus, max_concurrency=2)(
+        self._actor_cls = ray.remote(num_cpus=c.num_cpus_per_worker, num_gpus=self.num_gpus, max_concurrency=4)(
             RolloutWorker
         )
-        self.pool = WorkerPool(self._start_actor, self._event)
+        self.pool = WorkerPool(
+            self._create_actor,
+            self._ready_actor,
+            self._event,
+            placement_timeout_s=c.placement_timeout_s,
+            describe_request=lambda n: f"CPU {n * c.num_cpus_per_worker:g}, GPU {n * self.num_gpus:g}",
+        )
+        self.predictor = LengthPredictor(window=c.length_history)
         self.pool.fill(c.num_workers)
-        ray.get([w.ping.remote() for w in self.workers.values()])
 
     @property
     def workers(self) -> dict[int, Any]:
@@ -208,27 +259,30 @@ class RolloutCoordinator:
         return self.spot.state
 
     # -- workers -------------------------------------------------------------------------------
-    def _start_actor(self, index: int) -> tuple[Any, int, int | None]:
-        import ray
-
+    def _create_actor(self, index: int) -> Any:
         cfg = RolloutConfig.from_dict({**self.rollout_config.__dict__, "seed": self.rollout_config.seed + 1000 * index})
-        state = self.drafter_state
-        actor = self._actor_cls.remote(
+        return self._actor_cls.remote(
             index,
             self._model_ref,
             cfg,
             self.eos_token_ids,
             self._drafter_ref,
-            state,
+            self.drafter_state,
             self.training,
             self._model_version,
             self.config.threads_per_worker,
         )
+
+    def _ready_actor(self, index: int, actor: Any) -> tuple[int, int | None]:
+        """Bring a started actor up to date: the newest policy weights (it was built from the first)."""
+        import ray
+
         policy = self._model_version
         if self._policy_state_ref is not None and policy != self.policy_version:
             ray.get(actor.set_policy.remote(self._policy_state_ref, self.policy_version))
             policy = self.policy_version
-        return actor, policy, state.version if state is not None else None
+        state = self.drafter_state  # what it was built with
+        return policy, state.version if state is not None else None
 
     def _event(self, kind: str, worker: int | None = None, **detail: Any) -> None:
         event = CoordinatorEvent(len(self.events), kind, worker, detail)
@@ -291,13 +345,15 @@ class RolloutCoordinator:
         if not self.workers:
             raise RuntimeError("no live rollout workers (respawn_dead_workers is off)")
         start = time.perf_counter()
+        self.predictor.begin_rollout()
         round_ = RolloutRound(
             prompts,
             per_request,
-            shard_requests(prompts, len(self.workers)),
             pool=self.pool,
             spot=self.spot,
             versions=self._versions(),
+            plan=self.schedule_plan(),
+            predictor=self.predictor,
             max_attempts=self.config.max_shard_attempts,
             respawn=self.config.respawn_dead_workers,
             event=self._event,
@@ -316,6 +372,19 @@ class RolloutCoordinator:
             policy_version=self.policy_version,
             workers_died=result.died + tally.died,
             requests_rerun=result.rerun,
+            requests_moved=result.moved,
+            length_error=self.predictor.log.mean_rel_error,
+        )
+
+    def schedule_plan(self) -> SchedulePlan:
+        c = self.config
+        return SchedulePlan(
+            schedule=c.schedule,
+            order=c.order,
+            chunk_size=c.chunk_size,
+            inflight_per_worker=c.inflight_per_worker or self.rollout_config.max_num_seqs,
+            rebalance=c.rebalance,
+            rebalance_min_tokens=c.rebalance_min_tokens,
         )
 
     def _versions(self) -> Versions:

@@ -10,29 +10,68 @@ from typing import Any
 logger = logging.getLogger(__name__)
 
 
+class PlacementError(RuntimeError):
+    """Rollout workers could not be placed on the cluster in time."""
+
+
 class WorkerPool:
-    def __init__(self, spawn_actor: Callable[[int], tuple[Any, int, int | None]], event: Callable[..., None]) -> None:
-        """``spawn_actor(index)`` starts an actor and returns it with the (policy, drafter) versions
-        it holds once started."""
-        self._spawn_actor = spawn_actor
+    def __init__(
+        self,
+        create_actor: Callable[[int], Any],
+        ready_actor: Callable[[int, Any], tuple[int, int | None]],
+        event: Callable[..., None],
+        *,
+        placement_timeout_s: float | None = None,
+        describe_request: Callable[[int], str] = lambda n: f"{n} workers",
+    ) -> None:
+        """``create_actor(index)`` starts an actor (without waiting for it); once it answers,
+        ``ready_actor(index, actor)`` brings it up to date and returns the (policy, drafter)
+        versions it holds. Actors that do not answer within ``placement_timeout_s`` (None: wait
+        forever) are killed and :class:`PlacementError` says what was asked and what is free."""
+        self._create_actor, self._ready_actor = create_actor, ready_actor
         self._event = event
+        self.placement_timeout_s = placement_timeout_s
+        self._describe_request = describe_request
         self._next_index = 0
         self.workers: dict[int, Any] = {}
         self.held: dict[int, tuple[int, int | None]] = {}  # worker -> (policy version, drafter version)
 
     def spawn(self) -> int:
-        index = self._next_index
-        self._next_index += 1
-        actor, policy_version, drafter_version = self._spawn_actor(index)
-        self.workers[index] = actor
-        self.held[index] = (policy_version, drafter_version)
-        self._event("spawn", index)
+        (index,) = self._spawn_many(1)
         return index
 
     def fill(self, num_workers: int) -> None:
-        while len(self.workers) < num_workers:
-            index = self.spawn()
-            logger.info("started rollout worker %d (%d wanted)", index, num_workers)
+        missing = num_workers - len(self.workers)
+        if missing > 0:
+            for index in self._spawn_many(missing):
+                logger.info("started rollout worker %d (%d wanted)", index, num_workers)
+
+    def _spawn_many(self, count: int) -> list[int]:
+        import ray
+
+        actors = {}
+        for _ in range(count):
+            index = self._next_index
+            self._next_index += 1
+            actors[index] = self._create_actor(index)
+        pings = [a.ping.remote() for a in actors.values()]
+        ready, _ = ray.wait(pings, num_returns=len(pings), timeout=self.placement_timeout_s)
+        if len(ready) < len(pings):
+            for actor in actors.values():
+                ray.kill(actor)
+            raise PlacementError(
+                f"{len(pings) - len(ready)} of {len(pings)} rollout workers could not be placed within "
+                f"placement_timeout_s={self.placement_timeout_s}: asked for {self._describe_request(len(pings))}; "
+                f"the cluster has {_resources(ray.available_resources())} free of "
+                f"{_resources(ray.cluster_resources())} (another job or coordinator may hold them)"
+            )
+        ray.get(ready)  # a constructor that raised raises here
+        for index, actor in actors.items():
+            policy_version, drafter_version = self._ready_actor(index, actor)
+            self.workers[index] = actor
+            self.held[index] = (policy_version, drafter_version)
+            self._event("spawn", index)
+        return list(actors)
 
     def mark_dead(self, index: int, error: BaseException) -> None:
         logger.warning("rollout worker %d died: %s", index, error)
@@ -66,3 +105,7 @@ class WorkerPool:
             ray.kill(actor)
         self.workers.clear()
         self.held.clear()
+
+
+def _resources(resources: dict[str, float]) -> str:
+    return f"CPU {resources.get('CPU', 0):g}, GPU {resources.get('GPU', 0):g}"

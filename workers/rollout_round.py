@@ -1,6 +1,7 @@
-"""One rollout over the worker pool: dispatch shards, collect the outputs each worker streams as
-its requests finish, re-run only what a dead worker had not finished, and let spot training use
-the workers the tail leaves idle."""
+"""One rollout over the worker pool: deal requests to workers as they have room (or in fixed shards),
+collect the outputs each worker streams as its requests finish, move requests from a busy worker to
+one that ran dry, re-run only what a dead worker had not finished, and let spot training use the
+workers the tail leaves idle."""
 
 from __future__ import annotations
 
@@ -11,10 +12,14 @@ from typing import Any
 
 from ..rollout.params import SamplingParams
 from ..rollout.request import RequestOutput
-from .ledger import RequestLedger, Shard
+from ..rollout.handoff import InboxItem
+from .ledger import RequestLedger
+from .length_predictor import LengthPredictor
 from .pool import WorkerPool
+from .sharding import shard_requests
 from .spot import SpotTraining
-from .worker import STAT_KEYS, FinishedRequests, ShardEnd
+from .work_queue import Task, WorkQueue
+from .worker import STAT_KEYS, FinishedRequests, ReleasedRequests, ShardEnd
 
 logger = logging.getLogger(__name__)
 
@@ -30,6 +35,18 @@ class Versions:
     drafter_ref: Any
 
 
+@dataclass(frozen=True)
+class SchedulePlan:
+    """How a rollout's requests are dealt (see :mod:`tailspec.workers.work_queue`)."""
+
+    schedule: str = "divided"
+    order: str = "predicted"
+    chunk_size: int = 4  # requests per pull: the granularity with which work is dealt
+    inflight_per_worker: int = 256  # requests a worker holds at once (divided); more wait in the queue
+    rebalance: bool = True  # move requests from a busy worker to one that ran dry
+    rebalance_min_tokens: int = 32  # move only requests predicted at least this long (None: unknown, moved)
+
+
 @dataclass
 class RoundResult:
     outputs: list[RequestOutput]
@@ -37,6 +54,17 @@ class RoundResult:
     strategy_steps: dict[str, int] = field(default_factory=dict)
     died: int = 0
     rerun: int = 0  # requests generated again because their worker died before finishing them
+    moved: int = 0  # requests continued on another worker (tail rebalancing)
+
+
+@dataclass
+class Session:
+    """A worker's open serving call: ``submitted`` items so far; once ``closing`` it takes no more."""
+
+    worker: int
+    stream: Any
+    submitted: int = 0
+    closing: bool = False
 
 
 class RolloutRound:
@@ -44,21 +72,36 @@ class RolloutRound:
         self,
         prompts: list[list[int]],
         params: list[SamplingParams],
-        shards: list[list[int]],
         *,
         pool: WorkerPool,
         spot: SpotTraining,
         versions: Versions,
+        plan: SchedulePlan,
+        predictor: LengthPredictor,
         max_attempts: int,
         respawn: bool,
         event: Callable[..., None],
     ) -> None:
         self.prompts, self.params = prompts, params
-        self.ledger: RequestLedger[RequestOutput] = RequestLedger(len(prompts), shards, max_attempts)
+        self.ledger: RequestLedger[RequestOutput] = RequestLedger(len(prompts), max_attempts)
         self.pool, self.spot, self.versions = pool, spot, versions
+        self.plan, self.predictor = plan, predictor
         self.respawn = respawn
         self._event = event
-        self.streams: dict[Any, tuple[int, Shard]] = {}  # stream -> (worker, shard)
+        shards = shard_requests(prompts, len(pool.workers)) if plan.schedule == "static" else None
+        self.queue = WorkQueue(
+            prompts,
+            schedule=plan.schedule,
+            order=plan.order,
+            shards=shards,
+            predict=lambda i: predictor.predict(prompts[i]),
+        )
+        self.inflight = len(prompts) if plan.schedule == "static" else plan.inflight_per_worker
+        self.sessions: dict[int, Session] = {}  # worker -> its open session
+        self.moving: dict[int, int] = {}  # request -> worker it is being moved to (release asked)
+        self.moved: set[int] = set()  # requests moved once this rollout (never twice)
+        self.predicted: dict[int, float | None] = {}  # at dispatch
+        self.dealt: dict[int, int] = {}  # request -> order in which it was first dealt
         self.idle = set(pool.workers) - {spot.training_worker}
         self.result = RoundResult(outputs=[])
 
@@ -67,67 +110,143 @@ class RolloutRound:
         import ray
 
         self.spot.start_rollout()
-        while self.streams or self.ledger.waiting:
-            self._dispatch()
+        while not self.ledger.done or self.sessions:
+            self._deal()
+            self._close_dry_sessions()
             self._schedule_training()
             chunk = self.spot.running
-            refs = list(self.streams) + ([chunk.ref] if chunk is not None else [])
+            by_ref = {s.stream: s for s in self.sessions.values()}
+            refs = list(by_ref) + ([chunk.ref] if chunk is not None else [])
             if not refs:
                 raise RuntimeError("requests wait but no rollout worker is alive")
             (ready,), _ = ray.wait(refs, num_returns=1)
             if chunk is not None and ready is chunk.ref:
                 self._chunk_returned()
             else:
-                self._stream_ready(ready)
+                self._stream_ready(by_ref[ready])
         self._event("rollout_end")
         if self.spot.running is not None:  # it yields before its next step; collected whenever it returns
             self.spot.stop(self.pool.workers[self.spot.running.worker], rollout_over=True)
         self.result.outputs = list(self.ledger.results)  # type: ignore[arg-type]
         self.result.rerun = self.ledger.rerun_count
+        self.result.moved = self.ledger.moved_count
         return self.result
 
-    def _dispatch(self) -> None:
-        while self.ledger.waiting and self.idle:
-            index = min(self.idle)
-            self.idle.discard(index)
-            shard = self.ledger.next_shard(index)
-            self.streams[self._generate_on(index, shard)] = (index, shard)
-            self._event("shard", index, requests=len(shard.indices), attempt=shard.attempt)
+    # -- dealing -------------------------------------------------------------------------------
+    def _room(self, worker: int) -> int:
+        session = self.sessions.get(worker)
+        if session is not None and session.closing:
+            return 0
+        if session is None and worker not in self.idle:
+            return 0  # training (or dead)
+        pending = sum(1 for w in self.moving.values() if w == worker)
+        return max(0, self.inflight - len(self.ledger.on(worker)) - pending)
 
-    def _generate_on(self, index: int, shard: Shard) -> Any:
+    def _deal(self) -> None:
+        """Chunks round-robin to the workers with room, the least loaded first, so the first
+        (longest-predicted) chunks spread over the workers."""
+        dealt = True
+        while dealt and len(self.queue):
+            dealt = False
+            for worker in sorted(self.pool.workers, key=lambda w: (len(self.ledger.on(w)), w)):
+                room = self._room(worker)
+                tasks = self.queue.pull(worker, min(room, self.plan.chunk_size)) if room else []
+                if tasks:
+                    self._give(worker, tasks)
+                    dealt = True
+
+    def _give(self, worker: int, tasks: list[Task]) -> None:
+        indices = [t.index for t in tasks]
+        self.ledger.assign(worker, indices)
+        for i in indices:
+            self.predicted.setdefault(i, self.predictor.predict(self.prompts[i]))
+            self.dealt.setdefault(i, len(self.dealt))
+        items = [InboxItem(t.index, self.prompts[t.index], self.params[t.index], t.resume) for t in tasks]
+        session = self.sessions.get(worker)
+        kind = "submit"
+        if session is None:
+            self.idle.discard(worker)
+            session = self.sessions[worker] = Session(worker, self._open_session(worker, items))
+            session.closing = self.plan.schedule == "static"  # a whole shard, closed at once
+            kind = "shard"
+        else:
+            self.pool.workers[worker].submit.remote(items)
+        session.submitted += len(items)
+        self._event(
+            kind,
+            worker,
+            requests=len(items),
+            attempt=max(t.attempt for t in tasks),
+            moved=sum(t.resume is not None for t in tasks),
+            held=len(self.ledger.on(worker)),
+        )
+
+    def _open_session(self, worker: int, items: list[InboxItem]) -> Any:
         v = self.versions
-        held_policy, held_drafter = self.pool.held[index]
+        held_policy, held_drafter = self.pool.held[worker]
         policy_ref = v.policy_ref if held_policy != v.policy and v.policy_ref is not None else None
         drafter_ref = v.drafter_ref if held_drafter != v.drafter and v.drafter_ref is not None else None
+        total = len(items) if self.plan.schedule == "static" else None  # static: all of it at once
         stream = (
-            self.pool.workers[index]
-            .generate_stream.options(num_returns="streaming")
-            .remote(
-                shard.indices,
-                [self.prompts[i] for i in shard.indices],
-                [self.params[i] for i in shard.indices],
-                policy_ref,
-                v.policy if policy_ref is not None else None,
-                drafter_ref,
-            )
+            self.pool.workers[worker]
+            .serve_stream.options(num_returns="streaming")
+            .remote(items, total, policy_ref, v.policy if policy_ref is not None else None, drafter_ref)
         )
         self.pool.set_held(
-            index,
+            worker,
             policy=v.policy if policy_ref is not None else None,
             drafter=v.drafter if drafter_ref is not None else None,
         )
         return stream
 
+    def _close_dry_sessions(self) -> None:
+        """A session holding nothing, with nothing to pull, takes work moved off a busy worker if
+        that pays, or is closed (its worker may then train the drafter)."""
+        for worker, session in self.sessions.items():
+            if session.closing or self.ledger.on(worker) or worker in self.moving.values():
+                continue
+            if self.queue.waiting_for(worker):
+                continue
+            if self.plan.rebalance and self._ask_move(worker):
+                continue
+            session.closing = True
+            self.pool.workers[worker].close_session.remote(session.submitted)
+
+    def _ask_move(self, recipient: int) -> bool:
+        """Ask the busiest worker holding two or more requests to give every second of its movable
+        ones, ranked longest-predicted first (unknown first, then the earliest dealt), to
+        ``recipient``: both then hold a like share of the long work."""
+        held = {w: self.ledger.on(w) for w, s in self.sessions.items() if w != recipient and not s.closing}
+        donors = [w for w, on in held.items() if len(on) >= 2]
+        if not donors:
+            return False
+        donor = max(donors, key=lambda w: (len(held[w]), -w))
+        floor = self.plan.rebalance_min_tokens
+        ranked = sorted(held[donor], key=lambda i: (-(self.predicted.get(i) or float("inf")), self.dealt[i]))
+        take = [
+            i
+            for i in ranked[1::2]
+            if i not in self.moving and i not in self.moved and (self.predicted.get(i) or floor) >= floor
+        ]
+        if not take:
+            return False
+        for i in take:
+            self.moving[i] = recipient
+        self.pool.workers[donor].release.remote(take)
+        self._event("move_asked", donor, to=recipient, requests=len(take))
+        return True
+
     # -- spot training -------------------------------------------------------------------------
     def _schedule_training(self) -> None:
         spot = self.spot
-        waiting = bool(self.ledger.waiting)
-        if self.idle and spot.should_start(others_generating=bool(self.streams), work_waiting=waiting):
+        waiting = len(self.queue) > 0
+        generating = [w for w in self.sessions if self.ledger.on(w)]
+        if self.idle and spot.should_start(others_generating=bool(generating), work_waiting=waiting):
             index = spot.pick_worker(self.idle)
             self.idle.discard(index)
-            spot.start(index, self.pool.workers[index], busy=sorted(w for w, _ in self.streams.values()))
-        if spot.running is not None and waiting:  # work arrived for it
-            spot.stop(self.pool.workers[spot.running.worker], rollout_over=False)
+            spot.start(index, self.pool.workers[index], busy=sorted(generating))
+        if spot.running is not None and waiting and self.queue.waiting_for(spot.running.worker):
+            spot.stop(self.pool.workers[spot.running.worker], rollout_over=False)  # work arrived for it
 
     def _chunk_returned(self) -> None:
         index = self.spot.running.worker
@@ -135,38 +254,56 @@ class RolloutRound:
             self.idle.add(index)
         else:
             self.result.died += 1
-            self._replace_if_none_left()
+            self._worker_gone(index)
 
     # -- streams -------------------------------------------------------------------------------
-    def _stream_ready(self, stream: Any) -> None:
+    def _stream_ready(self, session: Session) -> None:
         import ray
 
-        index, shard = self.streams[stream]
+        worker = session.worker
         try:
-            item = ray.get(next(stream))
+            item = ray.get(next(session.stream))
         except StopIteration:  # ended without its ShardEnd (it cannot, but never spin on it)
-            del self.streams[stream]
-            raise RuntimeError(f"worker {index} ended a shard's stream early") from None
+            del self.sessions[worker]
+            raise RuntimeError(f"worker {worker} ended a session's stream early") from None
         except ray.exceptions.RayActorError as e:
-            del self.streams[stream]
-            self._worker_died(index, e)
+            self._worker_died(worker, e)
             return
         if isinstance(item, FinishedRequests):
-            self.ledger.finished(index, item.indices, item.outputs)
-            self._event("finished", index, requests=len(item.indices), left=len(self.ledger.unfinished(shard)))
-            return
-        assert isinstance(item, ShardEnd)
-        del self.streams[stream]
-        self.ledger.shard_done(index, shard)
-        self._add_counts(item)
-        self.idle.add(index)
-        self._event(
-            "shard_done",
-            index,
-            requests=item.requests,
-            samples=len(item.samples),
-            drafter_version=item.drafter_version,
-        )
+            self._finished(worker, item)
+        elif isinstance(item, ReleasedRequests):
+            self._released(worker, item)
+        else:
+            assert isinstance(item, ShardEnd)
+            del self.sessions[worker]
+            self._add_counts(item)
+            self.idle.add(worker)
+            self._event(
+                "shard_done",
+                worker,
+                requests=item.requests,
+                samples=len(item.samples),
+                drafter_version=item.drafter_version,
+            )
+
+    def _finished(self, worker: int, item: FinishedRequests) -> None:
+        self.ledger.finished(worker, item.indices, item.outputs)
+        for i, output in zip(item.indices, item.outputs):
+            self.moving.pop(i, None)
+            self.predictor.observe(self.prompts[i], len(output.completion_ids), self.predicted.get(i))
+        held = len(self.ledger.on(worker))
+        self._event("finished", worker, requests=len(item.indices), left=held, held=held)
+
+    def _released(self, worker: int, item: ReleasedRequests) -> None:
+        self.ledger.released(worker, item.indices)
+        tasks = []
+        for i, partial in zip(item.indices, item.partials):
+            self.moved.add(i)
+            recipient = self.moving.pop(i, None)
+            tasks.append(Task(i, partial, self.ledger.attempts[i], recipient if recipient in self.pool.workers else None))
+        self.queue.push_front(tasks)
+        generated = sum(p.num_generated for p in item.partials if p is not None)
+        self._event("released", worker, requests=len(tasks), generated=generated, held=len(self.ledger.on(worker)))
 
     def _add_counts(self, end: ShardEnd) -> None:
         for k in STAT_KEYS:
@@ -177,17 +314,27 @@ class RolloutRound:
             self.spot.buffer.add(end.samples)
 
     # -- faults --------------------------------------------------------------------------------
-    def _worker_died(self, index: int, error: BaseException) -> None:
-        self.pool.mark_dead(index, error)
-        self.spot.forget_worker(index)
+    def _worker_died(self, worker: int, error: BaseException) -> None:
+        self.sessions.pop(worker, None)
+        self.pool.mark_dead(worker, error)
+        self.spot.forget_worker(worker)
         self.result.died += 1
-        for shard in self.ledger.worker_lost(index):
-            self._event("rerun", index, requests=len(shard.indices), attempt=shard.attempt)
-            logger.warning("re-running %d unfinished requests of dead worker %d", len(shard.indices), index)
-        self._replace_if_none_left()
+        lost = self.ledger.worker_lost(worker)
+        if lost:
+            for i, _ in lost:
+                self.moving.pop(i, None)
+            self.queue.push_front([Task(i, attempt=a) for i, a in lost])
+            self._event("rerun", worker, requests=len(lost), attempt=max(a for _, a in lost))
+            logger.warning("re-running %d unfinished requests of dead worker %d", len(lost), worker)
+        self._worker_gone(worker)
 
-    def _replace_if_none_left(self) -> None:
-        if self.pool.workers or not self.ledger.waiting:
+    def _worker_gone(self, worker: int) -> None:
+        """Work promised to a dead worker goes to the others."""
+        self.idle.discard(worker)
+        for i in [i for i, w in self.moving.items() if w == worker]:
+            del self.moving[i]  # its release may still arrive: then anyone takes it
+        self.queue.release_moved_for(worker)
+        if self.pool.workers or not len(self.queue):
             return
         if not self.respawn:
             raise RuntimeError("every rollout worker died (respawn_dead_workers is off)")

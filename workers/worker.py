@@ -25,6 +25,7 @@ from ..drafter.eagle3 import Eagle3Drafter, Eagle3Head, FeatureBuffer
 from ..drafter.eagle3.data import Eagle3Sample
 from ..drafter.eagle3.train import DrafterTrainer, DrafterTrainingConfig
 from ..rollout.engine import RolloutEngine
+from ..rollout.handoff import InboxItem, PartialRequest, RequestInbox
 from ..rollout.params import RolloutConfig, SamplingParams
 from ..rollout.request import RequestOutput
 
@@ -83,8 +84,18 @@ class FinishedRequests:
 
 
 @dataclass
+class ReleasedRequests:
+    """Requests given back at the coordinator's request (to move them to another worker):
+    ``partials[i]`` continues ``indices[i]`` elsewhere (None: it had not started)."""
+
+    worker: int
+    indices: list[int]
+    partials: list[PartialRequest | None]
+
+
+@dataclass
 class ShardEnd:
-    """The last item of a shard's stream: what the worker recorded and counted while generating."""
+    """The last item of a shard's (or a serving session's) stream: what the worker recorded and counted while generating."""
 
     worker: int
     requests: int
@@ -148,6 +159,8 @@ class RolloutWorker:
         self._events: list[WorkerEvent] = []
         self._stop = threading.Event()
         self._lock = threading.Lock()
+        self._inbox: RequestInbox | None = None  # the running serving session's
+        self._early = RequestInbox()  # calls for the next session that arrive before it starts
         self.head: Eagle3Head | None = drafter if isinstance(drafter, Eagle3Head) else None
         self.trainer: DrafterTrainer | None = None
         self.train_buffer: FeatureBuffer | None = None  # samples sent for spot training, kept between chunks
@@ -194,27 +207,78 @@ class RolloutWorker:
         drafter_state: DrafterState | None = None,
     ) -> Iterator[FinishedRequests | ShardEnd]:
         """Generate a shard, streaming :class:`FinishedRequests` as requests finish, then one
+        :class:`ShardEnd`: a serving session that is handed all its work at once."""
+        items = [InboxItem(i, p, sp) for i, p, sp in zip(indices, prompts, params)]
+        yield from self.serve_stream(items, len(items), policy_state, policy_version, drafter_state)
+
+    def serve_stream(
+        self,
+        items: list[InboxItem],
+        total: int | None = None,
+        policy_state: dict[str, torch.Tensor] | None = None,
+        policy_version: int | None = None,
+        drafter_state: DrafterState | None = None,
+    ) -> Iterator[FinishedRequests | ReleasedRequests | ShardEnd]:
+        """A serving session: starts with ``items``; more arrive by :meth:`submit` (they join the
+        running batch), :meth:`release` gives requests back, and :meth:`close_session` (or
+        ``total``, the session's item count if known up front) ends it once everything is done.
+        Streams :class:`FinishedRequests` / :class:`ReleasedRequests` as they happen, then one
         :class:`ShardEnd`. Policy weights or a drafter version this worker lacks come with the
         call (the coordinator sends them only when stale) and are loaded first."""
         if policy_state is not None:
             self.set_policy(policy_state, policy_version if policy_version is not None else self.policy_version)
         if drafter_state is not None:
             self.set_drafter(drafter_state)
-        self._event("generate_start", requests=len(prompts), policy=self.policy_version)
+        with self._lock:  # calls that overtook this one (a threaded actor runs calls on several threads)
+            inbox, self._inbox = self._early, None
+            self._early = RequestInbox()
+            inbox.put(items)
+            if total is not None:
+                inbox.close(total)
+            self._inbox = inbox
+        self._event("generate_start", requests=len(items), policy=self.policy_version)
         start = time.perf_counter()
         before = self.engine.stats.as_dict()
         before_steps = dict(self.engine.stats.strategy_steps)
-        for finished in self.engine.generate_stream(prompts, params):
-            yield FinishedRequests(self.index, [indices[i] for i, _ in finished], [o for _, o in finished])
+        served = 0
+        try:
+            for update in self.engine.serve(inbox):
+                if update.finished:
+                    served += len(update.finished)
+                    yield FinishedRequests(self.index, [k for k, _ in update.finished], [o for _, o in update.finished])
+                if update.released:
+                    yield ReleasedRequests(self.index, [k for k, _ in update.released], [p for _, p in update.released])
+        finally:
+            with self._lock:
+                self._inbox = None
+        yield self._session_end(served, before, before_steps, time.perf_counter() - start)
+
+    def submit(self, items: list[InboxItem]) -> int:
+        """More requests for the running session (they start at its next step)."""
+        with self._lock:
+            (self._inbox or self._early).put(items)
+        return len(items)
+
+    def release(self, keys: list[int]) -> None:
+        """Ask the running session to give ``keys`` back (answered by a :class:`ReleasedRequests`)."""
+        with self._lock:
+            (self._inbox or self._early).release(keys)
+
+    def close_session(self, total: int) -> None:
+        """The session gets ``total`` items in all; it ends once they are all done or given back."""
+        with self._lock:
+            (self._inbox or self._early).close(total)
+
+    def _session_end(self, served: int, before: dict, before_steps: dict, seconds: float) -> ShardEnd:
         after = self.engine.stats.as_dict()
         samples: list[Eagle3Sample] = []
         if self.eagle_drafter is not None:  # hand the recorded data over and start a fresh buffer
             samples = self.eagle_drafter.buffer.samples()
             self.eagle_drafter.buffer = FeatureBuffer(self.sample_buffer_bytes)
-        self._event("generate_end", requests=len(prompts), samples=len(samples))
-        yield ShardEnd(
+        self._event("generate_end", requests=served, samples=len(samples))
+        return ShardEnd(
             worker=self.index,
-            requests=len(prompts),
+            requests=served,
             samples=samples,
             stats={k: after[k] - before[k] for k in STAT_KEYS},
             strategy_steps={
@@ -222,7 +286,7 @@ class RolloutWorker:
                 for k, v in self.engine.stats.strategy_steps.items()
                 if v > before_steps.get(k, 0)
             },
-            seconds=time.perf_counter() - start,
+            seconds=seconds,
             policy_version=self.policy_version,
             drafter_version=int(self.head.version) if self.head is not None else None,
         )

@@ -22,7 +22,7 @@ def test_workers_config_is_validated():
 def test_results_equal_one_engine_and_spot_training_fills_the_tail(ray_local):
     prompts, params = long_tail_batch()
     want = single_engine(prompts, params)
-    coord = coordinator()
+    coord = coordinator(schedule="static")  # the long group on one worker: the other idles in the tail
     for _ in range(2):
         start = len(coord.events)
         report = coord.generate(prompts, params)
@@ -101,7 +101,7 @@ def test_training_lost_with_its_worker_resumes_from_the_last_version(ray_local):
             if state["seen"] == state["kill_at"]:
                 ray_local.kill(coord.workers[event.worker])
 
-    coord = coordinator(on_event=kill_trainer_at_second_chunk)
+    coord = coordinator(on_event=kill_trainer_at_second_chunk, schedule="static")
     report = coord.generate(prompts, params)
     assert [o.completion_ids for o in report.outputs] == [o.completion_ids for o in want]
     coord.settle()
@@ -128,7 +128,9 @@ def test_a_rerun_waits_for_the_training_worker_when_no_other_is_left(ray_local):
             killed.append(event.detail["busy"][0])
             ray_local.kill(coord.workers[killed[0]])
 
-    coord = coordinator(on_event=kill_the_busy_worker_once_training_starts, respawn_dead_workers=False)
+    coord = coordinator(
+        on_event=kill_the_busy_worker_once_training_starts, respawn_dead_workers=False, schedule="static"
+    )
     report = coord.generate(prompts, params)
     assert [o.completion_ids for o in report.outputs] == [o.completion_ids for o in want]
     (stop,) = [e for e in kinds(coord.events, "spot_stop") if not e.detail["rollout_over"]]

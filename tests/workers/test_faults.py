@@ -30,6 +30,7 @@ def kill_when(ray, box, predicate):
     return hook
 
 
+@pytest.mark.parametrize("schedule", ["divided", "static"])
 @pytest.mark.parametrize(
     "point, predicate",
     [
@@ -38,19 +39,22 @@ def kill_when(ray, box, predicate):
         ("after its last request", lambda e: e.kind == "finished" and e.detail["left"] == 0),
     ],
 )
-def test_a_killed_worker_costs_only_its_unfinished_requests(ray_local, point, predicate):
+def test_a_killed_worker_costs_only_its_unfinished_requests(ray_local, point, predicate, schedule):
     prompts, params = long_tail_batch()
     want = [o.completion_ids for o in single_engine(prompts, params)]
     box = {"killed": []}
-    coord = box["coord"] = coordinator(spot_training=False, on_event=kill_when(ray_local, box, predicate))
+    coord = box["coord"] = coordinator(
+        spot_training=False, schedule=schedule, on_event=kill_when(ray_local, box, predicate)
+    )
     report = coord.generate(prompts, params)
     assert [o.completion_ids for o in report.outputs] == want, point
     assert [o.prompt_ids for o in report.outputs] == prompts
     assert finished_once(coord, 0, len(prompts))
     reruns = kinds(coord.events, "rerun")
     assert report.requests_rerun == sum(e.detail["requests"] for e in reruns)
-    if point == "before its first request":
-        assert report.requests_rerun == kinds(coord.events, "shard")[0].detail["requests"]
+    if point == "before its first request":  # everything it had been dealt (divided: it may have had more)
+        dealt = [e for e in coord.events if e.kind in ("shard", "submit") and e.worker == box["killed"][0]]
+        assert report.requests_rerun == sum(e.detail["requests"] for e in dealt if e.seq < kinds(coord.events, "rerun")[0].seq)
     elif point == "during its requests":  # at most what was left when it was killed
         assert 0 < report.requests_rerun <= box["left"]
     else:  # nothing of it is generated again (its death may only be noticed next rollout)
