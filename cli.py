@@ -111,6 +111,7 @@ def _bench(args: argparse.Namespace) -> int:
         run_atts_section,
         run_bench,
         run_e2e_section,
+        run_schedule_section,
         run_spot_training_section,
         run_sweep_section,
     )
@@ -130,6 +131,8 @@ def _bench(args: argparse.Namespace) -> int:
         print(run_spot_training_section(Path(args.out), quick=args.quick))
     elif args.section == "e2e":
         print(run_e2e_section(Path(args.out), quick=args.quick))
+    elif args.section == "schedule":
+        print(run_schedule_section(Path(args.out), quick=args.quick, policy=args.policy))
     else:
         print(run_bench(Path(args.out), quick=args.quick))
     print(f"wrote {args.out}")
@@ -290,15 +293,15 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--quick", action="store_true", help="fewer prompts (for a smoke run)")
     bench.add_argument(
         "--section",
-        choices=["all", "sweep", "adaptive", "spot_training", "e2e", "atts"],
+        choices=["all", "sweep", "adaptive", "spot_training", "e2e", "atts", "schedule"],
         default="all",
-        help="all: rewrite the whole report; sweep / adaptive / spot_training / e2e / atts: only that section",
+        help="all: rewrite the whole report; sweep / adaptive / spot_training / e2e / atts / schedule: only that section",
     )
     bench.add_argument(
         "--policy",
         choices=["tiny", "deep"],
         default="deep",
-        help="shipped policy for the sweep, adaptive and atts sections (default: deep, the realistic shape)",
+        help="shipped policy for the sweep, adaptive, atts and schedule sections (default: deep, the realistic shape)",
     )
     bench.add_argument("--threads", type=POSITIVE, default=1, help="torch threads for the sweep and adaptive sections")
     bench.add_argument(

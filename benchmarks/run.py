@@ -192,6 +192,22 @@ def run_spot_training_section(out: Path, quick: bool = False, seed: int = 0) -> 
     return _rewrite_section(out, quick, SPOT_TITLE, "spot_training", runs, plot_spot, spot_section, spot_table)
 
 
+SCHEDULE_TITLE = "The long tail across workers: divided rollout, predicted order, rebalancing"
+
+
+def run_schedule_section(out: Path, quick: bool = False, policy: str = "deep") -> str:
+    """Only the schedule comparison (2 Ray workers and the simulation), written into ``out`` in place."""
+    from .schedule import ScheduleBenchConfig, measure_schedule, plot_schedule, schedule_section, schedule_table
+
+    cfg = dataclasses.replace(ScheduleBenchConfig.quick() if quick else ScheduleBenchConfig(), policy=policy)
+    result = measure_schedule(cfg)
+    plot_name = f"bench_schedule_{policy}.png"
+    plot_schedule(result, out.parent / plot_name)
+    command = f"tailspec bench --section schedule --policy {policy}" + (" --quick" if quick else "")
+    replace_section(out, SCHEDULE_TITLE + ("" if policy == "deep" else f": {policy} policy"), schedule_section(result, plot_name), command)
+    return schedule_table(result)
+
+
 def write_atts_section(out: Path, rows, calibration, cfg: ATTSBenchConfig, command: str) -> None:
     plot_name = "bench_atts.png" if cfg.policy == "tiny" else f"bench_atts_{cfg.policy}.png"
     plot_atts(rows, out.parent / plot_name)
