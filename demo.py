@@ -51,6 +51,7 @@ class DemoConfig:
     ray_address: str | None = None
     spot_training: bool = True
     max_spot_steps: int = 64  # drafter steps per rollout on idle workers
+    schedule: str = "divided"  # divided: workers pull chunks of a global queue | static: one shard per worker
     # the rest of the story around the GRPO run
     warmup_steps: int = 0  # EAGLE-3 warm-up steps on the policy's rollouts before RL (0 = use the shipped head as is)
     warmup_prompts: int = 48
@@ -91,6 +92,8 @@ class DemoConfig:
             raise ValueError(f"drafter_train_steps must be an int >= 0, got {self.drafter_train_steps!r}")
         if not (isinstance(self.workers, int) and self.workers >= 0):
             raise ValueError(f"workers must be an int >= 0, got {self.workers!r}")
+        if self.schedule not in ("divided", "static"):
+            raise ValueError(f"schedule must be 'divided' or 'static', got {self.schedule!r}")
         if not (isinstance(self.max_spot_steps, int) and self.max_spot_steps >= 0):
             raise ValueError(f"max_spot_steps must be an int >= 0, got {self.max_spot_steps!r}")
         if not (isinstance(self.warmup_steps, int) and self.warmup_steps >= 0):
@@ -173,7 +176,11 @@ def _make_rollout(cfg: DemoConfig, head=None):
         placement = {
             "workers": cfg.workers,
             "ray_address": cfg.ray_address,
-            "workers_config": {"spot_training": cfg.spot_training, "max_spot_steps": cfg.max_spot_steps},
+            "workers_config": {
+                "spot_training": cfg.spot_training,
+                "max_spot_steps": cfg.max_spot_steps,
+                "schedule": cfg.schedule,
+            },
         }
     if not parse_strategy(cfg.strategy).uses_model_drafter:
         return SpecRollout(strategy=cfg.strategy, **placement)

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from ..rollout.params import RolloutConfig, SamplingParams
+from .schedule import ScheduleBenchConfig, measure_schedule, plot_schedule, schedule_section, schedule_table
 from ..rollout.selector import SelectorConfig
 from ..tasks.chain_sum import ChainSumConfig, sample_problems
 from ..tasks.sft import count_parameters, load_shipped, load_shipped_eagle3, load_tiny, load_tiny_eagle3
@@ -197,14 +198,13 @@ SCHEDULE_TITLE = "The long tail across workers: divided rollout, predicted order
 
 def run_schedule_section(out: Path, quick: bool = False, policy: str = "deep") -> str:
     """Only the schedule comparison (2 Ray workers and the simulation), written into ``out`` in place."""
-    from .schedule import ScheduleBenchConfig, measure_schedule, plot_schedule, schedule_section, schedule_table
-
     cfg = dataclasses.replace(ScheduleBenchConfig.quick() if quick else ScheduleBenchConfig(), policy=policy)
     result = measure_schedule(cfg)
     plot_name = f"bench_schedule_{policy}.png"
     plot_schedule(result, out.parent / plot_name)
     command = f"tailspec bench --section schedule --policy {policy}" + (" --quick" if quick else "")
-    replace_section(out, SCHEDULE_TITLE + ("" if policy == "deep" else f": {policy} policy"), schedule_section(result, plot_name), command)
+    title = SCHEDULE_TITLE + ("" if policy == "deep" else f": {policy} policy")
+    replace_section(out, title, schedule_section(result, plot_name), command)
     return schedule_table(result)
 
 
@@ -269,6 +269,8 @@ def run_bench(out: Path, quick: bool = False, seed: int = 1234) -> str:
     deep_atts_rows, deep_atts_calibration = measure_atts(deep_atts_cfg)
     plot_atts(deep_atts_rows, docs / "bench_atts_deep.png")
     kernel_section = kernels_section_for_this_machine(model, tokenizer, quick)
+    schedule_result = measure_schedule(ScheduleBenchConfig.quick() if quick else ScheduleBenchConfig())
+    plot_schedule(schedule_result, docs / "bench_schedule_deep.png")
     spot_runs = measure_spot_training(3 if quick else 8, workers=2, seed=0, quick=quick)
     plot_spot(spot_runs, docs / "bench_spot_training.png")
     e2e_runs = measure_e2e(3 if quick else 10, seed=0, quick=quick)
@@ -276,7 +278,8 @@ def run_bench(out: Path, quick: bool = False, seed: int = 1234) -> str:
     atts_cfg = _atts_bench_config(quick)
     atts_rows, atts_calibration = measure_atts(atts_cfg)
     plot_atts(atts_rows, docs / "bench_atts.png")
-    tables = [sweeps["deep"][1], deep_adaptive_tab, atts_table(deep_atts_rows), sweeps["tiny"][1]]
+    tables = [sweeps["deep"][1], deep_adaptive_tab, atts_table(deep_atts_rows), schedule_table(schedule_result)]
+    tables.append(sweeps["tiny"][1])
     tables += [table, spec_table, eagle_tab, adaptive_tab, spot_table(spot_runs), e2e_table(e2e_runs)]
     tables.append(atts_table(atts_rows))
     table = "\n\n".join(tables)
@@ -296,6 +299,7 @@ def run_bench(out: Path, quick: bool = False, seed: int = 1234) -> str:
                 atts_title("deep"),
                 atts_section(deep_atts_rows, deep_atts_calibration, deep_atts_cfg, "bench_atts_deep.png"),
             ),
+            (SCHEDULE_TITLE, schedule_section(schedule_result, "bench_schedule_deep.png")),
             (sweep_title("tiny"), sweeps["tiny"][0]),
             ("Rollout throughput: tailspec engine vs HF generate", section),
             ("Speculative decoding: strategies vs no speculation", spec_section),

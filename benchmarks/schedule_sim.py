@@ -104,20 +104,15 @@ def simulate(
     inflight = len(reqs) if arm == "static" else max_num_seqs
     moved: set[int] = set()
     left = len(reqs)
-    heap = [(0.0, 0, w.index) for w in workers]  # (clock, 1 if waiting for news, worker)
+    heap = [(0.0, w.index) for w in workers]
+    idle: set[int] = set()  # ran dry with nothing to pull: woken only by a donor worth moving from
     while left:
-        clock, _, wi = heapq.heappop(heap)
+        clock, wi = heapq.heappop(heap)
         w = workers[wi]
         w.clock = max(w.clock, clock)
         _deal(queue, workers, inflight, chunk_size)
-        if not w.held and arm.endswith("rebalance"):
-            _rebalance(w, workers, predicted, moved, rebalance_min_tokens)
         if not w.held:
-            others = [x.clock for x in workers if x.held and x is not w]
-            if not others:
-                continue  # nothing left for anyone: this worker is done
-            later = [c for c in others if c > w.clock]
-            heapq.heappush(heap, (min(later) if later else w.clock, 1, wi))  # wait for the next news
+            idle.add(wi)  # nothing to pull (no work comes back in this model: no deaths)
             continue
         seconds, done = _step(w, cost, max_num_seqs)
         w.clock += seconds
@@ -125,7 +120,13 @@ def simulate(
         for r in done:
             r.finished_at = w.clock
         left -= len(done)
-        heapq.heappush(heap, (w.clock, 0, wi))
+        if idle and arm.endswith("rebalance") and len(w.running) >= 2:
+            taker = workers[min(idle)]
+            taker.clock = max(taker.clock, w.clock)  # the release arrives after the donor's step
+            if _rebalance(taker, w, predicted, moved, rebalance_min_tokens):
+                idle.discard(taker.index)
+                heapq.heappush(heap, (taker.clock, taker.index))
+        heapq.heappush(heap, (w.clock, wi))
     makespan = max(r.finished_at for r in reqs)
     return SimResult(
         arm,
@@ -184,18 +185,16 @@ def _step(w: _Worker, cost: CostModel, max_num_seqs: int) -> tuple[float, list[S
     return seconds, done
 
 
-def _rebalance(w: _Worker, workers: list[_Worker], predicted: dict[int, float], moved: set[int], floor: int) -> None:
-    donors = [x for x in workers if x is not w and len(x.running) >= 2 and x.clock >= w.clock]
-    if not donors:
-        return
-    donor = max(donors, key=lambda x: len(x.running))
+def _rebalance(taker: _Worker, donor: _Worker, predicted: dict[int, float], moved: set[int], floor: int) -> bool:
+    """As the coordinator: every second of the donor's requests, longest-predicted first, moves to
+    the dry worker, which re-prefills prompt and generated tokens."""
     ranked = sorted(donor.running, key=lambda r: (-predicted.get(r.group, float("inf")), r.index))
     take = [r for r in ranked[1::2] if r.index not in moved and predicted.get(r.group, floor) >= floor]
     for r in take:
         donor.running.remove(r)
         moved.add(r.index)
-        w.waiting.append((r, True))
-    w.clock = max(w.clock, donor.clock)  # the release arrives after the donor's current step
+        taker.waiting.append((r, True))
+    return bool(take)
 
 
 def scaled_workload(groups: Sequence[Sequence[int]], prompt_lens: Sequence[int], num_groups: int, seed: int = 0):
