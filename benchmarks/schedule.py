@@ -115,16 +115,29 @@ def _run_arm(coord, arm: str, prompts, params):
     ), report
 
 
-def calibrate(model, eos: list[int], max_num_seqs: int, prompts: list[list[int]]) -> CostModel:
-    """Decode-step seconds by batch size (median of a run at each size) and prefill seconds by
-    tokens (one prompt vs eight, fit to a line), measured on ``prompts``."""
+def _line(xs: list[float], ys: list[float]) -> tuple[float, float]:
+    """Least-squares (intercept, slope)."""
+    mx, my = statistics.fmean(xs), statistics.fmean(ys)
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+    return my - slope * mx, slope
+
+
+def calibrate(model, eos: list[int], max_num_seqs: int, prompts: list[list[int]], context: int = 320) -> CostModel:
+    """Decode-step seconds by batch size and context (a line over ``context`` steps at each batch
+    size; every sequence has the same prompt length, so a step's context is known), and prefill
+    seconds by tokens (one prompt vs eight, fit to a line), measured on ``prompts``."""
     sizes = sorted({1, 2, 4, 8, max_num_seqs} & set(range(1, max_num_seqs + 1)))
-    decode = []
+    prompt = min(prompts, key=len)
+    decode, slopes = [], []
     for b in sizes:
         engine = RolloutEngine(model, RolloutConfig(kv_cache_tokens=1 << 15, max_num_seqs=b), eos_token_ids=eos)
-        batch = [prompts[i % len(prompts)] for i in range(b)]
-        engine.generate(batch, SamplingParams(max_new_tokens=48, ignore_eos=True, temperature=1.0))
-        decode.append(statistics.median(r.seconds for r in engine.stats.step_log if r.num_active == b))
+        engine.generate([prompt] * b, SamplingParams(max_new_tokens=context, ignore_eos=True, temperature=1.0))
+        steps = [r.seconds for r in engine.stats.step_log if r.num_active == b]
+        ctx = [len(prompt) + 1 + i for i in range(len(steps))]
+        keep = [i for i in range(len(steps)) if steps[i] < 3 * statistics.median(steps)]  # drop hiccups
+        intercept, slope = _line([ctx[i] for i in keep], [steps[i] for i in keep])
+        decode.append(intercept + slope * len(prompt))
+        slopes.append(max(slope, 0.0))
     prefill, tokens = [], []
     for n in (1, 8):
         engine = RolloutEngine(model, RolloutConfig(kv_cache_tokens=1 << 15), eos_token_ids=eos)
@@ -140,7 +153,8 @@ def calibrate(model, eos: list[int], max_num_seqs: int, prompts: list[list[int]]
         prefill.append(statistics.median(times))
         tokens.append(sum(len(p) for p in batch))
     per_token = max(0.0, (prefill[1] - prefill[0]) / max(1, tokens[1] - tokens[0]))
-    return CostModel(tuple(sizes), tuple(decode), max(0.0, prefill[0] - per_token * tokens[0]), per_token)
+    fixed = max(0.0, prefill[0] - per_token * tokens[0])
+    return CostModel(tuple(sizes), tuple(decode), fixed, per_token, tuple(slopes), len(prompt))
 
 
 def measure_schedule(cfg: ScheduleBenchConfig) -> ScheduleResult:

@@ -17,23 +17,32 @@ from dataclasses import dataclass, field
 ARMS = ("static", "divided", "divided+order", "divided+order+rebalance")
 
 
+def _interp(xs: Sequence[int], ys: Sequence[float], x: float) -> float:
+    """Linear between the points, extrapolated from the last two (constant below the first)."""
+    if x <= xs[0] or len(xs) == 1:
+        return ys[0]
+    i = min(bisect.bisect_left(xs, x), len(xs) - 1)
+    x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
+    return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+
+
 @dataclass(frozen=True)
 class CostModel:
-    """Seconds per engine step, measured: a decode step by batch size (linear between the measured
-    sizes, extrapolated from the last two), a prefill step by tokens."""
+    """Seconds per engine step, measured: a decode step by batch size at a reference context length
+    plus a slope per token of mean context (attention grows with it), a prefill step by tokens."""
 
     decode_batch: tuple[int, ...]
-    decode_s: tuple[float, ...]
+    decode_s: tuple[float, ...]  # at context ``reference_context``
     prefill_fixed_s: float
     prefill_per_token_s: float
+    decode_slope_s: tuple[float, ...] = ()  # seconds per token of mean context, per batch size
+    reference_context: int = 0
 
-    def decode(self, batch: int) -> float:
-        xs, ys = self.decode_batch, self.decode_s
-        if batch <= xs[0]:
-            return ys[0]
-        i = min(bisect.bisect_left(xs, batch), len(xs) - 1)
-        x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
-        return y0 + (y1 - y0) * (batch - x0) / (x1 - x0)
+    def decode(self, batch: int, context: float | None = None) -> float:
+        base = _interp(self.decode_batch, self.decode_s, batch)
+        if context is None or not self.decode_slope_s:
+            return base
+        return base + _interp(self.decode_batch, self.decode_slope_s, batch) * (context - self.reference_context)
 
     def prefill(self, tokens: int) -> float:
         return self.prefill_fixed_s + self.prefill_per_token_s * tokens
@@ -174,7 +183,8 @@ def _step(w: _Worker, cost: CostModel, max_num_seqs: int) -> tuple[float, list[S
         stepped = admitted
         w.running.extend(admitted)
     else:
-        seconds = cost.decode(len(w.running))
+        context = sum(r.prompt_len + r.generated for r in w.running) / len(w.running)
+        seconds = cost.decode(len(w.running), context)
         stepped = list(w.running)
     done = []
     for r in stepped:

@@ -22,6 +22,7 @@ from .admission import RequestLimits, eos_ids_of, prepare_requests
 from .attention import SequenceSlice, paged_attention_enabled
 from .graph_pool import graph_pool_for
 from .handoff import InboxItem, PartialRequest, RequestInbox, ServeUpdate
+from .length_budget import drafting_mask
 from .model_runner import ModelRunner
 from .params import RolloutConfig, SamplingParams
 from .request import FinishReason, RequestOutput, SeqStatus, Sequence
@@ -134,13 +135,17 @@ class RolloutEngine:
         *,
         group: int | None = None,
         resume: PartialRequest | None = None,
+        expected_length: float | None = None,
     ) -> int:
-        """Queue a request; ``resume`` continues one released by another engine (:meth:`release`)."""
+        """Queue a request; ``resume`` continues one released by another engine (:meth:`release`);
+        ``expected_length`` (a predicted completion length) steers the length-aware draft budget
+        (``RolloutConfig.length_budget``), never the output."""
         params = params or SamplingParams()
         prompt_ids = token_id_list(prompt_ids)
         self.validate(prompt_ids, params)
         stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_ids)
         seq = Sequence(self._next_id, list(prompt_ids), params, stop_ids, group=None if resume else group)
+        seq.expected_length = expected_length
         if resume is not None:
             if list(resume.prompt_ids) != seq.prompt_ids or resume.params != params:
                 raise ValueError("resume: the partial request belongs to another prompt or other sampling params")
@@ -318,7 +323,10 @@ class RolloutEngine:
         for item in items:
             key = tuple(item.prompt_ids)
             group = groups.setdefault(key, self.new_group()) if counts.get(key, 0) > 1 and item.resume is None else None
-            key_of[self.add_request(item.prompt_ids, item.params, group=group, resume=item.resume)] = item.key
+            rid = self.add_request(
+                item.prompt_ids, item.params, group=group, resume=item.resume, expected_length=item.expected_length
+            )
+            key_of[rid] = item.key
 
     # -- internals -----------------------------------------------------------------------
     def _drop_stale_prefixes(self) -> None:
@@ -483,7 +491,8 @@ class RolloutEngine:
         seqs, drafter = batch.seqs, self._drafter_for(strategy)
         allocator, bs = self.runner.cache.allocator, self.config.block_size
         start = time.perf_counter()
-        trees = propose(drafter, seqs, strategy.shape, allocator, bs)
+        drafting = drafting_mask(seqs, self.config.length_budget)
+        trees = propose(drafter, seqs, strategy.shape, allocator, bs, drafting)
         drafted_at = time.perf_counter()
         slices, tokens, positions = pack_verify_batch(seqs, trees)
         logits = self._forward(slices, tokens, positions, list(range(len(tokens))))

@@ -46,6 +46,7 @@ class InboxItem:
     prompt_ids: list[int]
     params: SamplingParams
     resume: PartialRequest | None = None
+    expected_length: float | None = None  # predicted completion length (the length-aware draft budget)
 
 
 @dataclass

@@ -135,6 +135,10 @@ class RolloutConfig:
     # the same tokens (multi-turn, ATTS); dropped whenever the model's parameters change
     prefix_caching: bool = False
     tail_fraction: float = 0.25  # a step is "in the tail" when active sequences <= this x the wave's peak
+    # length-aware draft budget (rollout/length_budget.py): in a speculative step only sequences whose
+    # expected remaining length is >= this x the batch's longest draft (0 = every sequence drafts);
+    # needs predicted lengths (the Ray coordinator sends its length predictor's with every request)
+    length_budget: float = 0.0
     graph_backend: str = "auto"  # auto: CUDA graphs on CUDA, none on CPU | cuda_graph | eager | none
     graph_memory_mb: int = 2048  # budget of the graph pool
     kernels: str = "auto"  # auto: Triton kernels on CUDA, torch elsewhere | triton | torch (tailspec.kernels)
@@ -203,6 +207,12 @@ class RolloutConfig:
         )
         _require(_valid_seed(self.seed), "seed", _SEED_RANGE, self.seed)
         _require(0 < self.tail_fraction <= 1, "tail_fraction", "a float in (0, 1]", self.tail_fraction)
+        _require(
+            isinstance(self.length_budget, (int, float)) and 0 <= self.length_budget <= 1,
+            "length_budget",
+            "a number in [0, 1] (0 = off)",
+            self.length_budget,
+        )
         _require(
             self.graph_backend in ("auto", "cuda_graph", "eager", "none"),
             "graph_backend",

@@ -45,6 +45,7 @@ class Sequence:
     num_spec_steps: int = 0  # speculative steps this sequence took part in
     num_drafted: int = 0  # draft tokens verified for it
     num_accepted: int = 0  # of those, accepted
+    expected_length: float | None = None  # predicted completion length (a scheduling hint, never a limit)
 
     def __post_init__(self) -> None:
         if self.params.seed is not None and self.generator is None:

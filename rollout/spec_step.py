@@ -27,10 +27,17 @@ from .verify import Verdict, verify_batch
 
 
 def propose(
-    drafter: Drafter, seqs: Seq[Sequence], shape: DraftShape, allocator: BlockAllocator, block_size: int
+    drafter: Drafter,
+    seqs: Seq[Sequence],
+    shape: DraftShape,
+    allocator: BlockAllocator,
+    block_size: int,
+    drafting: Seq[bool] | None = None,
 ) -> list[DraftTree]:
-    """One tree per sequence (empty where it may not draft), within its depth limit and KV blocks."""
-    requests = [DraftRequest(seq, max_draft_depth(seq, shape)) for seq in seqs]
+    """One tree per sequence (empty where it may not draft, or where ``drafting`` says it does not),
+    within its depth limit and KV blocks."""
+    drafting = drafting if drafting is not None else [True] * len(seqs)
+    requests = [DraftRequest(seq, max_draft_depth(seq, shape) if d else 0) for seq, d in zip(seqs, drafting)]
     asked = [r for r in requests if r.max_depth > 0]
     proposed = iter(drafter.propose(asked, shape) if asked else [])
     trees = [next(proposed) if r.max_depth > 0 else EMPTY_DRAFT for r in requests]

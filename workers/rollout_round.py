@@ -161,7 +161,10 @@ class RolloutRound:
         for i in indices:
             self.predicted.setdefault(i, self.predictor.predict(self.prompts[i]))
             self.dealt.setdefault(i, len(self.dealt))
-        items = [InboxItem(t.index, self.prompts[t.index], self.params[t.index], t.resume) for t in tasks]
+        items = [
+            InboxItem(t.index, self.prompts[t.index], self.params[t.index], t.resume, self.predicted[t.index])
+            for t in tasks
+        ]
         session = self.sessions.get(worker)
         kind = "submit"
         if session is None:
