@@ -309,6 +309,12 @@ class RolloutWorker:
             **fields,
         )
 
+    def set_length_budget(self, ratio: float) -> None:
+        """Turn the engine's length-aware draft budget on (``ratio`` in (0, 1]) or off (0)."""
+        if not (isinstance(ratio, (int, float)) and 0 <= ratio <= 1):
+            raise ValueError(f"length_budget must be a number in [0, 1] (0 = off), got {ratio!r}")
+        self.engine.config.length_budget = float(ratio)
+
     def set_policy(self, state_dict: dict[str, torch.Tensor], version: int) -> int:
         """Load new policy weights in place (the engine keeps its caches; nothing is mid-flight)."""
         self.model.load_state_dict(state_dict)
