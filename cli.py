@@ -295,7 +295,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--section",
         choices=["all", "sweep", "adaptive", "spot_training", "e2e", "atts", "schedule"],
         default="all",
-        help="all: rewrite the whole report; sweep / adaptive / spot_training / e2e / atts / schedule: only that section",
+        help="all: rewrite the whole report; sweep / adaptive / spot_training / e2e / atts / schedule: that section",
     )
     bench.add_argument(
         "--policy",

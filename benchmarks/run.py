@@ -4,19 +4,13 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 
 from ..rollout.params import RolloutConfig, SamplingParams
-from .schedule import ScheduleBenchConfig, measure_schedule, plot_schedule, schedule_section, schedule_table
 from ..rollout.selector import SelectorConfig
-from ..tasks.chain_sum import ChainSumConfig, sample_problems
-from ..tasks.sft import count_parameters, load_shipped, load_shipped_eagle3, load_tiny, load_tiny_eagle3
-from ..trainer_hooks.spec_rollout import SpecRollout
+from ..tasks.sft import count_parameters, load_tiny, load_tiny_eagle3
 from .adaptive import (
     bucket_weighted,
     long_tail_table,
@@ -29,7 +23,9 @@ from .atts import ATTS_TITLE, ATTSBenchConfig, atts_section, atts_table, measure
 from .e2e import e2e_section, e2e_table, measure_e2e, plot_e2e
 from .eagle3 import eagle3_table, measure_eagle3, measure_head_cost, plot_eagle3
 from .kernels import NO_CUDA_SECTION, kernels_section, run_kernel_bench
+from .policies import BenchPolicy, task_prompts, torch_threads
 from .report import plot_throughput, replace_section, throughput_table, write_report
+from .schedule import ScheduleBenchConfig, measure_schedule, plot_schedule, schedule_section, schedule_table
 from .speculative import (
     forward_cost_table,
     measure_forward_cost,
@@ -42,45 +38,6 @@ from .sweep import Arm, best_ratio, measure_sweep, plot_sweep, sweep_table
 from .throughput import measure_throughput
 
 logger = logging.getLogger(__name__)
-
-
-def task_prompts(tokenizer, num: int, seed: int) -> list[list[int]]:
-    problems = sample_problems(num, seed=seed, cfg=ChainSumConfig())
-    conversations = [[{"role": "user", "content": p.question}] for p in problems]
-    return SpecRollout.tokenize_prompts(conversations, tokenizer)
-
-
-@dataclass
-class BenchPolicy:
-    """A shipped policy with its drafters: ``tiny`` (4 x 256, for tests) or ``deep`` (24 x 256)."""
-
-    name: str
-    model: Any
-    tokenizer: Any
-    head: Any  # its EAGLE-3 head
-    drafter_lm: Any
-
-    @classmethod
-    def load(cls, name: str) -> BenchPolicy:
-        model, tokenizer = load_shipped(name, "policy")
-        return cls(name, model, tokenizer, load_shipped_eagle3(name), load_shipped(name, "drafter")[0])
-
-    def describe(self) -> str:
-        c = self.model.config
-        params = count_parameters(self.model) / 1e6
-        shape = f"{c.num_hidden_layers} layers x hidden {c.hidden_size}, {params:.1f}M parameters"
-        return f"the shipped {self.name} policy ({shape})"
-
-
-@contextmanager
-def torch_threads(n: int):
-    """Measure with ``n`` intra-op threads (one per process gives the steadiest ratios on a shared CPU)."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(previous)
 
 
 SPOT_TITLE = "Spot drafter training on Ray workers"

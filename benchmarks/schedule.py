@@ -15,10 +15,9 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import torch
-
 from ..rollout import RolloutConfig, RolloutEngine, SamplingParams
 from ..rollout.admission import eos_ids_of
+from .policies import BenchPolicy, task_prompts, torch_threads
 from .report import pyplot, save_figure
 from .schedule_sim import ARMS, CostModel, SimRequest, scaled_workload, simulate
 
@@ -164,7 +163,6 @@ def calibrate(model, eos: list[int], max_num_seqs: int, prompts: list[list[int]]
 def measure_schedule(cfg: ScheduleBenchConfig) -> ScheduleResult:
     from ..tasks.sft import load_shipped
     from ..workers import RolloutCoordinator, WorkersConfig
-    from .run import BenchPolicy, task_prompts, torch_threads
 
     model, tokenizer = load_shipped(cfg.policy, "policy")
     describe = BenchPolicy(cfg.policy, model, tokenizer, None, None).describe()
@@ -281,7 +279,10 @@ def schedule_table(result: ScheduleResult) -> str:
 
 
 def simulation_table(result: ScheduleResult) -> str:
-    lines = ["| workers | requests | " + " | ".join(ARMS) + " | best vs static |", "|---:|---:|" + "---:|" * (len(ARMS) + 1)]
+    lines = [
+        "| workers | requests | " + " | ".join(ARMS) + " | best vs static |",
+        "|---:|---:|" + "---:|" * (len(ARMS) + 1),
+    ]
     for n, by_arm in result.simulated.items():
         static = by_arm["static"]
         best = min(by_arm.values())

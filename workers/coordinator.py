@@ -1,12 +1,15 @@
 """``RolloutCoordinator``: rollouts over Ray workers, with TLT-style spot drafter training on
 workers that the long tail leaves idle. The pieces, each in its own module:
 
-- **Sharding** (``sharding.py``): requests grouped by identical prompt (a GRPO group stays on one
-  worker, so it is prefilled once and its suffix drafter sees the siblings), groups dealt largest
-  first to the least loaded shard, one shard per live worker.
-- **The rollout round** (``rollout_round.py``): shards go to idle workers; each worker streams its
-  outputs as its requests finish; the coordinator waits for whichever stream (or training chunk)
-  is ready next.
+- **Dealing** (``work_queue.py``, ``length_predictor.py``): ``divided`` (default) keeps one global
+  queue that workers pull 4-request chunks from whenever their engine has room, longest-predicted
+  first (a prompt's siblings finished so far and its lengths in recent rollouts); ``static`` cuts
+  one shard per worker, prompt groups together (``sharding.py``).
+- **The rollout round** (``rollout_round.py``): each worker runs a serving session that new chunks
+  join (continuous batching across chunks) and streams its outputs as its requests finish; a
+  worker that runs dry takes every second request of the busiest one (released mid-way and
+  continued, tokens not K/V); the coordinator waits for whichever stream (or training chunk) is
+  ready next.
 - **Faults** (``ledger.py``, ``pool.py``): a worker that dies mid-rollout costs only the requests
   it had not finished: they are re-run on the others (the dead worker is replaced when none is
   left), finished ones are kept, every request is counted once and results come back in order.
@@ -18,7 +21,9 @@ workers that the long tail leaves idle. The pieces, each in its own module:
   is told to stop when work arrives for its worker or the rollout ends; it yields at its next
   step boundary and is collected whenever it returns: neither the rollout's results nor the
   next rollout wait for it (the next rollout starts on the other workers and gives the trainer
-  its shard when the chunk is in).
+  work when the chunk is in).
+- **Placement** (``pool.py``): workers that do not start within ``placement_timeout_s`` raise
+  ``PlacementError`` naming the CPUs/GPUs asked for and what the cluster has free.
 
 Versions. Policy weights are pushed with :meth:`RolloutCoordinator.sync_policy` once per version
 (one ``ray.put`` every worker reads); after a rollout the newest drafter state goes to every
@@ -47,8 +52,8 @@ from .length_predictor import LengthPredictor
 from .pool import PlacementError, WorkerPool
 from .rollout_round import RolloutRound, SchedulePlan, Versions, collect_chunk
 from .sharding import shard_requests
-from .work_queue import ORDERS, SCHEDULES
 from .spot import SpotTraining
+from .work_queue import ORDERS, SCHEDULES
 from .worker import DrafterState, RolloutWorker
 
 __all__ = [

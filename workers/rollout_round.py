@@ -10,9 +10,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..rollout.handoff import InboxItem
 from ..rollout.params import SamplingParams
 from ..rollout.request import RequestOutput
-from ..rollout.handoff import InboxItem
 from .ledger import RequestLedger
 from .length_predictor import LengthPredictor
 from .pool import WorkerPool
@@ -303,7 +303,9 @@ class RolloutRound:
         for i, partial in zip(item.indices, item.partials):
             self.moved.add(i)
             recipient = self.moving.pop(i, None)
-            tasks.append(Task(i, partial, self.ledger.attempts[i], recipient if recipient in self.pool.workers else None))
+            tasks.append(
+                Task(i, partial, self.ledger.attempts[i], recipient if recipient in self.pool.workers else None)
+            )
         self.queue.push_front(tasks)
         generated = sum(p.num_generated for p in item.partials if p is not None)
         self._event("released", worker, requests=len(tasks), generated=generated, held=len(self.ledger.on(worker)))

@@ -1,10 +1,11 @@
 """The rollout's work waiting to be dealt to workers (Ray-free, tested alone).
 
 ``static``: the requests are cut into one fixed shard per worker (prompt groups kept together,
-today's behaviour, kept as the baseline) and a worker takes a whole shard at a time. ``divided``: one global queue; any worker with room pulls the next chunk, so a
-worker that runs dry takes work that would otherwise wait behind a busy one (Seer's divided
-rollout). Work that comes back (a dead worker's unfinished requests, requests moved off a busy
-worker) goes first, to whichever worker pulls next, or to the worker it was moved for.
+the old behaviour, kept as the baseline) and a worker takes a whole shard at a time.
+``divided``: one global queue; any worker with room pulls the next chunk, so a worker that runs
+dry takes work that would otherwise wait behind a busy one (Seer's divided rollout). Work that
+comes back (a dead worker's unfinished requests, requests moved off a busy worker) goes first,
+to whichever worker pulls next, or to the worker it was moved for.
 
 Order ``fifo`` deals requests in request order; ``predicted`` deals the longest-predicted first,
 after one probe sample of every prompt whose length nobody can predict yet, so the siblings'

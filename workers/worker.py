@@ -95,7 +95,7 @@ class ReleasedRequests:
 
 @dataclass
 class ShardEnd:
-    """The last item of a shard's (or a serving session's) stream: what the worker recorded and counted while generating."""
+    """The last item of a serving session's stream: what the worker recorded and counted meanwhile."""
 
     worker: int
     requests: int

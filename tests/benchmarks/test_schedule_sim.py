@@ -10,7 +10,9 @@ LINEAR = CostModel((1, 2, 8), (1.0, 1.5, 4.5), prefill_fixed_s=0.5, prefill_per_
 
 
 def test_cost_model_interpolates_and_extrapolates():
-    assert LINEAR.decode(1) == 1.0 and LINEAR.decode(4) == pytest.approx(2.5) and LINEAR.decode(16) == pytest.approx(8.5)
+    assert (
+        LINEAR.decode(1) == 1.0 and LINEAR.decode(4) == pytest.approx(2.5) and LINEAR.decode(16) == pytest.approx(8.5)
+    )
     assert LINEAR.prefill(100) == pytest.approx(1.5)
 
 

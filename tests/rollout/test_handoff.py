@@ -53,8 +53,12 @@ def test_release_and_resume_elsewhere_is_invisible(strategy):
     params = SamplingParams(temperature=0.0, max_new_tokens=40, ignore_eos=True)
     reference = RolloutEngine(model, RolloutConfig(kv_cache_tokens=4096), eos_token_ids=[EOS]).generate(prompts, params)
 
-    donor = RolloutEngine(model, RolloutConfig(kv_cache_tokens=4096, strategy=strategy), eos_token_ids=[EOS], drafter=drafter)
-    receiver = RolloutEngine(model, RolloutConfig(kv_cache_tokens=4096, strategy=strategy), eos_token_ids=[EOS], drafter=drafter)
+    donor = RolloutEngine(
+        model, RolloutConfig(kv_cache_tokens=4096, strategy=strategy), eos_token_ids=[EOS], drafter=drafter
+    )
+    receiver = RolloutEngine(
+        model, RolloutConfig(kv_cache_tokens=4096, strategy=strategy), eos_token_ids=[EOS], drafter=drafter
+    )
     ids = [donor.add_request(p, params) for p in prompts]
     for _ in range(6):
         donor.step()

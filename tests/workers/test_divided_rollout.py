@@ -18,10 +18,14 @@ def one_long_chunk_batch(temperature=0.0, seed=None):
     prompts, params = [], []
     for i in range(4):
         prompts.append([5, 6, 7, 8])
-        params.append(SamplingParams(temperature=temperature, max_new_tokens=120, ignore_eos=True, seed=seed and seed + i))
+        params.append(
+            SamplingParams(temperature=temperature, max_new_tokens=120, ignore_eos=True, seed=seed and seed + i)
+        )
     for i in range(8):
         prompts.append([9 + i, 3])
-        params.append(SamplingParams(temperature=temperature, max_new_tokens=4, ignore_eos=True, seed=seed and seed + 10 + i))
+        params.append(
+            SamplingParams(temperature=temperature, max_new_tokens=4, ignore_eos=True, seed=seed and seed + 10 + i)
+        )
     return prompts, params
 
 
@@ -49,7 +53,12 @@ def test_seeded_samples_are_the_same_whatever_the_schedule(ray_local):
     want = [o.completion_ids for o in RolloutEngine(policy(), plain, eos_token_ids=[EOS]).generate(prompts, params)]
     for schedule, rebalance in (("static", False), ("divided", True)):
         config = WorkersConfig(
-            num_workers=2, spot_training=False, schedule=schedule, order="fifo", rebalance=rebalance, rebalance_min_tokens=0
+            num_workers=2,
+            spot_training=False,
+            schedule=schedule,
+            order="fifo",
+            rebalance=rebalance,
+            rebalance_min_tokens=0,
         )
         coord = RolloutCoordinator(policy(), plain, [EOS], config=config)
         report = coord.generate(prompts, params)
@@ -75,7 +84,9 @@ def test_predicted_order_learns_lengths_across_rollouts(ray_local):
 def test_workers_that_cannot_be_placed_fail_in_bounded_time(ray_local):
     holder = coordinator(spot_training=False)  # holds both CPUs of the local instance
     start = time.perf_counter()
-    with pytest.raises(PlacementError, match=r"asked for CPU 2, GPU 0; the cluster has CPU 0, GPU 0 free of CPU 2, GPU 0"):
+    with pytest.raises(
+        PlacementError, match=r"asked for CPU 2, GPU 0; the cluster has CPU 0, GPU 0 free of CPU 2, GPU 0"
+    ):
         RolloutCoordinator(
             policy(), CONFIG, [EOS], drafter=fresh_head(), config=WorkersConfig(num_workers=2, placement_timeout_s=2)
         )

@@ -54,7 +54,9 @@ def test_a_killed_worker_costs_only_its_unfinished_requests(ray_local, point, pr
     assert report.requests_rerun == sum(e.detail["requests"] for e in reruns)
     if point == "before its first request":  # everything it had been dealt (divided: it may have had more)
         dealt = [e for e in coord.events if e.kind in ("shard", "submit") and e.worker == box["killed"][0]]
-        assert report.requests_rerun == sum(e.detail["requests"] for e in dealt if e.seq < kinds(coord.events, "rerun")[0].seq)
+        assert report.requests_rerun == sum(
+            e.detail["requests"] for e in dealt if e.seq < kinds(coord.events, "rerun")[0].seq
+        )
     elif point == "during its requests":  # at most what was left when it was killed
         assert 0 < report.requests_rerun <= box["left"]
     else:  # nothing of it is generated again (its death may only be noticed next rollout)
