@@ -126,6 +126,17 @@ class SuffixDrafter(Drafter):
     def finished(self, seq: SequenceView) -> None:
         self.remember(seq.output_ids)
 
+    def state_dict(self) -> dict:
+        """The remembered completions, oldest first (the index is rebuilt from them on load)."""
+        return {"history": [list(doc) for doc in self._history_docs]}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.history = NgramIndex(self.max_order)
+        self._history_docs = deque()
+        self._history_size = 0
+        for doc in state["history"]:
+            self.remember(doc)
+
     def release(self, seq_id: int) -> None:
         self._indexed.pop(seq_id, None)
         key = self._group_of.pop(seq_id, None)

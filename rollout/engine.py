@@ -111,11 +111,31 @@ class RolloutEngine:
                 f"strategy {str(parsed)!r} needs a drafter model; pass drafter=... to the engine "
                 "(or use 'none' or 'suffix')"
             )
-        if parsed.adaptive and self.selector is None:
+        if parsed.adaptive:
+            self._ensure_selector()
+        self.strategy = parsed
+
+    def _ensure_selector(self):
+        if self.selector is None:
             from .selector import StrategySelector
 
             self.selector = StrategySelector(self.config.selector, has_model_drafter=self.drafter is not None)
-        self.strategy = parsed
+        return self.selector
+
+    def state_dict(self) -> dict:
+        """What the engine learned across calls (JSON-serializable): the adaptive selector's
+        measurements and the suffix drafter's remembered completions. Model and drafter weights
+        are saved by their owners."""
+        return {
+            "selector": self.selector.state_dict() if self.selector is not None else None,
+            "suffix": self.suffix_drafter.state_dict() if hasattr(self.suffix_drafter, "state_dict") else None,
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        if state.get("selector") is not None:
+            self._ensure_selector().load_state_dict(state["selector"])
+        if state.get("suffix") is not None and hasattr(self.suffix_drafter, "load_state_dict"):
+            self.suffix_drafter.load_state_dict(state["suffix"])
 
     def _drafter_for(self, strategy: Strategy) -> Drafter:
         if strategy.kind == "suffix":

@@ -243,16 +243,26 @@ class StrategySelector:
         return out
 
     def state_dict(self) -> dict[str, Any]:
+        """Everything it learned (JSON-serializable): goodput windows, trials, the drafter version
+        they belong to and its exploration RNG, so a resumed run chooses as this one would."""
+        version, internal, gauss = self._rng.getstate()
         return {
             "arms": [str(a) for a in self.arms],
             "drafter_version": self.drafter_version,
             "rewards": [{str(a): list(s.rewards) for a, s in stats.items()} for stats in self._stats],
+            "trials": [{str(a): s.trials for a, s in stats.items()} for stats in self._stats],
+            "rng": [version, list(internal), gauss],
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if state["arms"] != [str(a) for a in self.arms] or len(state["rewards"]) != len(self._stats):
             raise ValueError("selector state was saved with other arms or buckets")
         self.drafter_version = state["drafter_version"]
-        for stats, saved in zip(self._stats, state["rewards"]):
+        trials = state.get("trials") or [{} for _ in self._stats]
+        for stats, saved, tried in zip(self._stats, state["rewards"], trials):
             for arm, s in stats.items():
                 s.rewards = deque(saved[str(arm)], maxlen=self.config.window)
+                s.trials = tried.get(str(arm), len(s.rewards))
+        if "rng" in state:
+            version, internal, gauss = state["rng"]
+            self._rng.setstate((version, tuple(internal), gauss))

@@ -2,15 +2,21 @@
 
 from __future__ import annotations
 
+import logging
 import warnings
+from pathlib import Path
 from typing import Any
 
 import torch
 import trl
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
 
 from .importance import ImportanceStats, importance_sampling_ratio
 from .length_groups import forward_by_length
+from .rollout_state import load_rollout_state, save_rollout_state
 from .spec_rollout import SpecRollout
+
+logger = logging.getLogger(__name__)
 
 
 class RolloutWeightSync:
@@ -106,16 +112,43 @@ class GRPOTrainer(trl.GRPOTrainer):
         self.length_grouped_forward = length_grouped_forward
         self.length_group_overhead_tokens = length_group_overhead_tokens
 
-    def train(self, *args: Any, **kwargs: Any):
-        """``trl.GRPOTrainer.train``; on Ctrl-C the rollout's Ray workers (and the local Ray
-        instance it started) are stopped at once before the interrupt goes on."""
+    def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any):
+        """``trl.GRPOTrainer.train``. Resuming from a checkpoint also restores the rollout's learned
+        state saved with it (drafter, selector, suffix history, length predictor), so the run
+        continues warm. On Ctrl-C the rollout's Ray workers (and the local Ray instance it started)
+        are stopped at once before the interrupt goes on."""
+        self._load_rollout_state(resume_from_checkpoint)
         try:
-            return super().train(*args, **kwargs)
+            return super().train(resume_from_checkpoint, *args, **kwargs)
         except KeyboardInterrupt:
             close = getattr(self.rollout, "close", None)
             if close is not None:
                 close(wait=False)
             raise
+
+    # -- the rollout's state beside the trainer's checkpoints ---------------------------------
+    def _save_checkpoint(self, model, trial) -> None:
+        super()._save_checkpoint(model, trial)
+        state_dict = getattr(self.rollout, "state_dict", None)
+        if state_dict is None or not self.args.should_save:
+            return
+        folder = Path(self._get_output_dir(trial=trial)) / f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
+        save_rollout_state(state_dict(), folder)
+
+    def _load_rollout_state(self, resume_from_checkpoint: str | bool | None) -> None:
+        if not resume_from_checkpoint or not hasattr(self.rollout, "load_state_dict"):
+            return
+        folder = resume_from_checkpoint
+        if folder is True:
+            folder = get_last_checkpoint(self.args.output_dir)
+            if folder is None:
+                return  # the base class raises its own error for this
+        state = load_rollout_state(folder)
+        if state is None:
+            logger.warning("checkpoint %s has no tailspec rollout state; the rollout starts cold", folder)
+            return
+        self.rollout.load_state_dict(state)
+        logger.info("restored the rollout's learned state from %s", folder)
 
     # -- importance sampling from the loss forward ------------------------------------------
     def _generate_and_score_completions(self, inputs):

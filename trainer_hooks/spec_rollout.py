@@ -22,6 +22,7 @@ from ..rollout.engine import RolloutEngine, eos_ids_of
 from ..rollout.params import RolloutConfig, SamplingParams
 from ..rollout.strategy import parse_strategy
 from ..workers.coordinator import RolloutCoordinator, RolloutReport, WorkersConfig
+from ..workers.worker import DrafterState
 from .sampling_from_trl import sampling_params_from_trl
 
 logger = logging.getLogger(__name__)
@@ -165,6 +166,7 @@ class SpecRollout:
         self._strategies_seen: set[str] = set()
         self.last_stats: RolloutStats | None = None
         self.history: list[RolloutStats] = []
+        self._pending_state: dict[str, Any] | None = None  # loaded from a checkpoint, applied at start
 
     # -- TRL entry point -------------------------------------------------------------------
     def __call__(self, prompts: list, trainer: Any) -> dict[str, list]:
@@ -214,6 +216,9 @@ class SpecRollout:
                     training=self.drafter_training,
                     policy_version=step,
                 )
+                if self._pending_state is not None:
+                    self._coordinator.load_state_dict(self._pending_state)
+                    self._pending_state = None
             else:
                 self.policy_syncs += self._coordinator.sync_policy(model, step)
         report = self._coordinator.generate(prompt_ids, params)
@@ -244,6 +249,52 @@ class SpecRollout:
     @property
     def coordinator(self) -> RolloutCoordinator | None:
         return self._coordinator
+
+    # -- checkpoints -----------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """What this rollout learned, for a checkpoint (``tailspec.GRPOTrainer`` saves it with every
+        trainer checkpoint; see :mod:`tailspec.trainer_hooks.rollout_state`): the drafter state
+        (an EAGLE-3 head's weights, optimizer, step, version), each engine's selector measurements
+        and suffix history, and the workers' length predictor. Before the first rollout: what was
+        loaded, if anything."""
+        if self._coordinator is not None:
+            return self._coordinator.state_dict()
+        if self._engine is None and self._pending_state is not None:
+            return self._pending_state
+        from ..drafter.eagle3 import Eagle3Head
+
+        drafter = DrafterState.of(self.drafter, self.drafter_trainer) if isinstance(self.drafter, Eagle3Head) else None
+        engines = [self._engine.state_dict()] if self._engine is not None else []
+        return {"engines": engines, "predictor": None, "drafter": drafter}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from :meth:`state_dict`. The head's weights and version load at once (into the
+        ``drafter`` object); the rest when the engine or the workers start, or now if they run."""
+        drafter = state.get("drafter")
+        if drafter is not None:
+            from ..drafter.eagle3 import Eagle3Head
+
+            if not isinstance(self.drafter, Eagle3Head):
+                raise ValueError("the saved rollout state has an EAGLE-3 drafter state; this rollout drafts with none")
+            drafter.load_into(self.drafter)
+        self._pending_state = state
+        if self._coordinator is not None:
+            self._coordinator.load_state_dict(state)
+            self._pending_state = None
+        elif self._engine is not None:
+            self._apply_pending(self._engine)
+
+    def _apply_pending(self, engine: RolloutEngine) -> None:
+        state, self._pending_state = self._pending_state, None
+        if state is None:
+            return
+        if state.get("engines"):
+            engine.load_state_dict(state["engines"][0])
+        drafter = state.get("drafter")
+        if drafter is not None and self.drafter_trainer is not None:
+            if drafter.optimizer is not None:
+                self.drafter_trainer.optimizer.load_state_dict(drafter.optimizer)
+            self.drafter_trainer.step_count = drafter.step
 
     def close(self, *, wait: bool = True) -> None:
         """Stop the Ray workers (if any). ``wait=False``, on an interrupt, kills them at once and
@@ -313,6 +364,7 @@ class SpecRollout:
                     self.drafter_trainer.embed = model.get_input_embeddings()
             self._engine = RolloutEngine(model, cfg, eos_token_ids=eos, tokenizer=tokenizer, drafter=drafter)
             self._engine_model_id = id(model)
+            self._apply_pending(self._engine)
         return self._engine
 
     @staticmethod

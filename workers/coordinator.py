@@ -428,6 +428,42 @@ class RolloutCoordinator:
             self._needs_broadcast = self.spot.running is not None  # the trainer still needs it
             self._broadcast_drafter()
 
+    def state_dict(self) -> dict[str, Any]:
+        """What the workers and the coordinator learned, for a checkpoint: each worker's engine
+        state (selector, suffix history), the length predictor, and the newest drafter state
+        (weights, optimizer, step, version; None without an EAGLE-3 head). Waits for a training
+        chunk still stopping, so no trained state is left out."""
+        import ray
+
+        self.settle()
+        engines = {i: ray.get(w.engine_state.remote()) for i, w in sorted(self.workers.items())}
+        return {
+            "engines": list(engines.values()),
+            "predictor": self.predictor.state_dict(),
+            "drafter": self.drafter_state,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from :meth:`state_dict`: worker ``k`` gets engine state ``k`` (cycled when the
+        worker count changed), the drafter state becomes the newest (optimizer included) and goes
+        to every worker."""
+        import ray
+
+        engines = state.get("engines") or []
+        if engines:
+            workers = list(self.pool.workers.values())
+            ray.get([w.load_engine_state.remote(engines[k % len(engines)]) for k, w in enumerate(workers)])
+        if state.get("predictor") is not None:
+            self.predictor.load_state_dict(state["predictor"])
+        drafter = state.get("drafter")
+        if drafter is not None:
+            if self.head is None:
+                raise ValueError("the saved rollout state has a drafter state but this coordinator drafts with no head")
+            self.settle()
+            self.spot.publish(drafter)
+            self._needs_broadcast = True
+            self.settle()
+
     def publish_drafter(self, head: Eagle3Head) -> None:
         """Make ``head`` (trained outside the workers, e.g. by ``DrafterFromTrainer`` in the
         trainer process) the drafter every worker uses from the next rollout on. Spot training, if

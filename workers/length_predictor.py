@@ -94,8 +94,9 @@ class LengthPredictor:
         return len(self._current.get(prompt_key(prompt), []))
 
     def state_dict(self) -> dict:
-        return {"window": self.window, "history": {k: [list(r) for r in v] for k, v in self._history.items()}}
+        """JSON-serializable: the window and, per prompt (least recently seen first), its rollouts' lengths."""
+        return {"window": self.window, "history": [[list(k), [list(r) for r in v]] for k, v in self._history.items()]}
 
     def load_state_dict(self, state: dict) -> None:
         self.window = int(state["window"])
-        self._history = OrderedDict((tuple(k), deque(v, maxlen=self.window)) for k, v in state["history"].items())
+        self._history = OrderedDict((tuple(k), deque(v, maxlen=self.window)) for k, v in state["history"])

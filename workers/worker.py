@@ -309,6 +309,13 @@ class RolloutWorker:
             **fields,
         )
 
+    def engine_state(self) -> dict:
+        """The engine's learned state (selector, suffix history) for a checkpoint."""
+        return self.engine.state_dict()
+
+    def load_engine_state(self, state: dict) -> None:
+        self.engine.load_state_dict(state)
+
     def set_length_budget(self, ratio: float) -> None:
         """Turn the engine's length-aware draft budget on (``ratio`` in (0, 1]) or off (0)."""
         if not (isinstance(ratio, (int, float)) and 0 <= ratio <= 1):
