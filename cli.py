@@ -110,6 +110,7 @@ def _bench(args: argparse.Namespace) -> int:
         run_adaptive_section,
         run_atts_section,
         run_bench,
+        run_drift_section,
         run_e2e_section,
         run_schedule_section,
         run_spot_training_section,
@@ -131,6 +132,8 @@ def _bench(args: argparse.Namespace) -> int:
         print(run_spot_training_section(Path(args.out), quick=args.quick))
     elif args.section == "e2e":
         print(run_e2e_section(Path(args.out), quick=args.quick))
+    elif args.section == "drift":
+        print(run_drift_section(Path(args.out), quick=args.quick, policy=args.policy))
     elif args.section == "schedule":
         print(run_schedule_section(Path(args.out), quick=args.quick, policy=args.policy))
     else:
@@ -293,15 +296,15 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--quick", action="store_true", help="fewer prompts (for a smoke run)")
     bench.add_argument(
         "--section",
-        choices=["all", "sweep", "adaptive", "spot_training", "e2e", "atts", "schedule"],
+        choices=["all", "sweep", "adaptive", "spot_training", "e2e", "atts", "schedule", "drift"],
         default="all",
-        help="all: rewrite the whole report; sweep / adaptive / spot_training / e2e / atts / schedule: that section",
+        help="all: rewrite the whole report; any other: only that section, in place",
     )
     bench.add_argument(
         "--policy",
         choices=["tiny", "deep"],
         default="deep",
-        help="shipped policy for the sweep, adaptive, atts and schedule sections (default: deep, the realistic shape)",
+        help="shipped policy for the sweep, adaptive, atts, schedule and drift sections (default: deep)",
     )
     bench.add_argument("--threads", type=POSITIVE, default=1, help="torch threads for the sweep and adaptive sections")
     bench.add_argument(

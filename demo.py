@@ -52,6 +52,8 @@ class DemoConfig:
     spot_training: bool = True
     max_spot_steps: int = 64  # drafter steps per rollout on idle workers
     schedule: str = "divided"  # divided: workers pull chunks of a global queue | static: one shard per worker
+    # DrafterFromTrainer: EAGLE-3 steps on the trainer's own loss forwards after every optimizer step (0 = off)
+    drafter_from_trainer: int = 0
     # the rest of the story around the GRPO run
     warmup_steps: int = 0  # EAGLE-3 warm-up steps on the policy's rollouts before RL (0 = use the shipped head as is)
     warmup_prompts: int = 48
@@ -92,6 +94,8 @@ class DemoConfig:
             raise ValueError(f"drafter_train_steps must be an int >= 0, got {self.drafter_train_steps!r}")
         if not (isinstance(self.workers, int) and self.workers >= 0):
             raise ValueError(f"workers must be an int >= 0, got {self.workers!r}")
+        if not (isinstance(self.drafter_from_trainer, int) and self.drafter_from_trainer >= 0):
+            raise ValueError(f"drafter_from_trainer must be an int >= 0, got {self.drafter_from_trainer!r}")
         if self.schedule not in ("divided", "static"):
             raise ValueError(f"schedule must be 'divided' or 'static', got {self.schedule!r}")
         if not (isinstance(self.max_spot_steps, int) and self.max_spot_steps >= 0):
@@ -261,8 +265,9 @@ def train_dataset(cfg: DemoConfig):
     return make_grpo_dataset(cfg.num_train_prompts, seed=cfg.seed, cfg=ChainSumConfig())
 
 
-def _grpo_run(cfg: DemoConfig, out: Path, head=None, label: str = "tailspec"):
-    """One GRPO run: (printed rows per step, the SpecRollout, wall seconds, wandb run name)."""
+def _grpo_run(cfg: DemoConfig, out: Path, head=None, label: str = "tailspec", callbacks: list | None = None):
+    """One GRPO run: (printed rows per step, the SpecRollout, wall seconds, wandb run name);
+    ``callbacks`` join the trainer's (benchmarks measure through them)."""
     from transformers.trainer_callback import ProgressCallback
     from trl import GRPOConfig
 
@@ -306,6 +311,10 @@ def _grpo_run(cfg: DemoConfig, out: Path, head=None, label: str = "tailspec"):
     )
     if trainer.pop_callback(ProgressCallback) is not None and is_terminal(sys.stderr):
         trainer.add_callback(_quiet_progress())  # in a log file the step lines are the progress
+    for callback in callbacks or []:
+        trainer.add_callback(callback)
+    if cfg.drafter_from_trainer:
+        _attach_drafter_from_trainer(cfg, trainer, rollout)
     print(f"\n== GRPO ({label}): strategy {cfg.strategy}, {cfg.max_steps} steps, workers {cfg.workers} ==", flush=True)
     start = time.perf_counter()
     exit_code = 1  # an exception (or Ctrl-C: 130) marks the wandb run failed
@@ -322,6 +331,17 @@ def _grpo_run(cfg: DemoConfig, out: Path, head=None, label: str = "tailspec"):
 
             wandb.finish(exit_code=exit_code)
     return printer.rows, rollout, time.perf_counter() - start, run_name
+
+
+def _attach_drafter_from_trainer(cfg: DemoConfig, trainer, rollout) -> None:
+    from .drafter.eagle3 import Eagle3Head
+    from .drafter.eagle3.train import DrafterTrainingConfig
+    from .trainer_hooks.drafter_from_trainer import DrafterFromTrainer
+
+    if not isinstance(rollout.drafter, Eagle3Head):
+        raise ValueError("drafter_from_trainer needs the EAGLE-3 head as the drafter (drafter: eagle3)")
+    training = DrafterTrainingConfig(batch_size=4, max_tokens=256, learning_rate=1e-4, seed=cfg.seed)
+    DrafterFromTrainer(rollout.drafter, trainer, train_steps=cfg.drafter_from_trainer, training=training)
 
 
 def _window(num_steps: int) -> int:
@@ -388,7 +408,7 @@ def _print_comparison(rows: list[dict[str, Any]], base_rows: list[dict[str, Any]
     return ratios
 
 
-def run_demo_with_rollout(cfg: DemoConfig) -> tuple[dict[str, Any], Any]:
+def run_demo_with_rollout(cfg: DemoConfig, callbacks: list | None = None) -> tuple[dict[str, Any], Any]:
     """:func:`run_demo`, also returning the ``SpecRollout`` of the main run (its per-call
     ``history``, coordinator). With ``warmup_steps``, ``baseline`` and ``export`` it is the whole
     story: warm the drafter up, train, compare with no speculation, export the drafter."""
@@ -396,7 +416,7 @@ def run_demo_with_rollout(cfg: DemoConfig) -> tuple[dict[str, Any], Any]:
     print(f"tailspec demo: GRPO on the chain-sum task, config {asdict(cfg)}", flush=True)
     uses_head = parse_strategy(cfg.strategy).uses_model_drafter and cfg.drafter == "eagle3"
     head = _warm_up(cfg) if uses_head and cfg.warmup_steps else None
-    rows, rollout, wall, run_name = _grpo_run(cfg, out, head)
+    rows, rollout, wall, run_name = _grpo_run(cfg, out, head, callbacks=callbacks)
     summary = _summarize(cfg, rows, rollout, wall)
     wandb_runs = [run_name]
     if cfg.baseline:

@@ -20,6 +20,7 @@ from .adaptive import (
     plot_adaptive,
 )
 from .atts import ATTS_TITLE, ATTSBenchConfig, atts_section, atts_table, measure_atts, plot_atts
+from .drift import DriftBenchConfig, drift_section, drift_table, measure_drift, plot_drift
 from .e2e import e2e_section, e2e_table, measure_e2e, plot_e2e
 from .eagle3 import eagle3_table, measure_eagle3, measure_head_cost, plot_eagle3
 from .kernels import NO_CUDA_SECTION, kernels_section, run_kernel_bench
@@ -150,6 +151,25 @@ def run_spot_training_section(out: Path, quick: bool = False, seed: int = 0) -> 
     return _rewrite_section(out, quick, SPOT_TITLE, "spot_training", runs, plot_spot, spot_section, spot_table)
 
 
+DRIFT_TITLE = "The drafter and a moving policy: frozen vs online heads"
+
+
+def run_drift_section(out: Path, quick: bool = False, policy: str = "deep") -> str:
+    """Only the drift comparison (four GRPO runs), written into ``out`` in place."""
+    cfg = dataclasses.replace(DriftBenchConfig.quick() if quick else DriftBenchConfig(), policy=policy)
+    runs = measure_drift(cfg)
+    plot_name = f"bench_drift_{policy}.png"
+    plot_drift(runs, out.parent / plot_name)
+    command = f"tailspec bench --section drift --policy {policy}" + (" --quick" if quick else "")
+    replace_section(
+        out,
+        DRIFT_TITLE + ("" if policy == "deep" else f": {policy} policy"),
+        drift_section(runs, cfg, plot_name),
+        command,
+    )
+    return drift_table(runs)
+
+
 SCHEDULE_TITLE = "The long tail across workers: divided rollout, predicted order, rebalancing"
 
 
@@ -228,6 +248,9 @@ def run_bench(out: Path, quick: bool = False, seed: int = 1234) -> str:
     kernel_section = kernels_section_for_this_machine(model, tokenizer, quick)
     schedule_result = measure_schedule(ScheduleBenchConfig.quick() if quick else ScheduleBenchConfig())
     plot_schedule(schedule_result, docs / "bench_schedule_deep.png")
+    drift_cfg = DriftBenchConfig.quick() if quick else DriftBenchConfig()
+    drift_runs = measure_drift(drift_cfg)
+    plot_drift(drift_runs, docs / f"bench_drift_{drift_cfg.policy}.png")
     spot_runs = measure_spot_training(3 if quick else 8, workers=2, seed=0, quick=quick)
     plot_spot(spot_runs, docs / "bench_spot_training.png")
     e2e_runs = measure_e2e(3 if quick else 10, seed=0, quick=quick)
@@ -236,6 +259,7 @@ def run_bench(out: Path, quick: bool = False, seed: int = 1234) -> str:
     atts_rows, atts_calibration = measure_atts(atts_cfg)
     plot_atts(atts_rows, docs / "bench_atts.png")
     tables = [sweeps["deep"][1], deep_adaptive_tab, atts_table(deep_atts_rows), schedule_table(schedule_result)]
+    tables.append(drift_table(drift_runs))
     tables.append(sweeps["tiny"][1])
     tables += [table, spec_table, eagle_tab, adaptive_tab, spot_table(spot_runs), e2e_table(e2e_runs)]
     tables.append(atts_table(atts_rows))
@@ -257,6 +281,7 @@ def run_bench(out: Path, quick: bool = False, seed: int = 1234) -> str:
                 atts_section(deep_atts_rows, deep_atts_calibration, deep_atts_cfg, "bench_atts_deep.png"),
             ),
             (SCHEDULE_TITLE, schedule_section(schedule_result, "bench_schedule_deep.png")),
+            (DRIFT_TITLE, drift_section(drift_runs, drift_cfg, f"bench_drift_{drift_cfg.policy}.png")),
             (sweep_title("tiny"), sweeps["tiny"][0]),
             ("Rollout throughput: tailspec engine vs HF generate", section),
             ("Speculative decoding: strategies vs no speculation", spec_section),

@@ -1,0 +1,35 @@
+"""The drift benchmark's pieces: the policy-movement probe sees a moved policy and not an unmoved
+one, the table compares arms, and the demo refuses DrafterFromTrainer without an EAGLE-3 head."""
+
+import pytest
+
+from tailspec.benchmarks.drift import DriftRun, PolicyDrift, drift_table, plot_drift
+from tailspec.demo import DemoConfig
+from tailspec.testing import perturbed_copy, tiny_random_model
+
+
+def test_policy_drift_sees_only_a_moved_policy():
+    model = tiny_random_model("llama", seed=3, initializer_range=0.2)
+    drift = PolicyDrift([[5, 6, 7], [8, 9]], eos=[1], max_new_tokens=12)
+    drift.on_train_begin(None, None, None, model=model)
+    drift.on_step_end(None, None, None, model=model)
+    assert drift.greedy_changed == [0.0] and drift.tokens_changed == [0.0]
+    drift.on_step_end(None, None, None, model=perturbed_copy(model, noise=2.0, seed=1))
+    assert drift.greedy_changed[-1] > 0 and 0 < drift.tokens_changed[-1] <= 1
+
+
+def test_table_and_plot(tmp_path):
+    runs = [
+        DriftRun("frozen", [3.0, 2.8, 2.6, 2.4], [1.0, 1.0, 1.0, 1.0], [100] * 4, [0] * 4, [0.0, 0.5], [0.0, 0.2]),
+        DriftRun("spot training", [3.0, 3.0, 3.1, 3.0], [1.0, 1.1, 1.0, 1.0], [100] * 4, [0, 4, 4, 4], [0.5], [0.2]),
+    ]
+    table = drift_table(runs)
+    assert "| frozen | 2.80 | 2.60 | 0.93 | 10.00 (1.00x) | 0 | 50% | 20% |" in table
+    assert "(1.03x)" in table and "| 12 |" in table
+    plot_drift(runs, tmp_path / "drift.png")
+    assert (tmp_path / "drift.png").stat().st_size > 0
+
+
+def test_demo_config_checks_drafter_from_trainer():
+    with pytest.raises(ValueError, match="drafter_from_trainer"):
+        DemoConfig(drafter_from_trainer=-1)
