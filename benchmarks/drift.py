@@ -37,7 +37,7 @@ ARMS = {
 class DriftBenchConfig:
     policy: str = "deep"
     steps: int = 30
-    learning_rate: float = 1e-4  # 5x the demo's, so that the policy moves within the run
+    learning_rate: float = 5e-4  # 25x the demo's, so that the policy moves within the run (1e-4 moved it little)
     prompts_per_step: int = 4
     num_generations: int = 8
     max_completion_length: int = 256
