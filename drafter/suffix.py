@@ -7,7 +7,10 @@ predicts the next tokens from what followed the same context elsewhere:
 * a **group index** per prompt group: the prompt plus every completion generated so far for it
   (a request without a group has its own);
 * a **history index** over completions of earlier calls, bounded to ``history_tokens`` tokens
-  (oldest forgotten first).
+  (oldest forgotten first);
+* a **per-prompt history** (DAS-style): the last ``prompt_history`` completions of each prompt,
+  over earlier calls (RL revisits a prompt every epoch). A new group of a prompt seen before
+  starts with them in its group index, so they count with the group's weight.
 
 For a context it uses the longest suffix of up to ``max_order`` tokens seen in either index;
 counts from the group index weigh ``group_weight`` times more. Drafts are trees built best-first
@@ -19,7 +22,7 @@ Python dicts; drafts are deterministic (verified as one-hot).
 from __future__ import annotations
 
 import heapq
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
@@ -71,19 +74,32 @@ class _Group:
 class SuffixDrafter(Drafter):
     name = "suffix"
 
-    def __init__(self, *, max_order: int = 8, history_tokens: int = 1 << 20, group_weight: int = 4) -> None:
+    def __init__(
+        self,
+        *,
+        max_order: int = 8,
+        history_tokens: int = 1 << 20,
+        group_weight: int = 4,
+        prompt_history: int = 32,
+        max_prompts: int = 4096,
+    ) -> None:
         if not (isinstance(max_order, int) and 1 <= max_order <= 32):
             raise ValueError(f"max_order must be an int in [1, 32], got {max_order!r}")
         if not (isinstance(history_tokens, int) and history_tokens >= 0):
             raise ValueError(f"history_tokens must be an int >= 0, got {history_tokens!r}")
         if not (isinstance(group_weight, int) and group_weight >= 1):
             raise ValueError(f"group_weight must be an int >= 1, got {group_weight!r}")
+        if not (isinstance(prompt_history, int) and prompt_history >= 0):
+            raise ValueError(f"prompt_history must be an int >= 0, got {prompt_history!r}")
         self.max_order = max_order
         self.history_tokens = history_tokens
         self.group_weight = group_weight
         self.history = NgramIndex(max_order)
         self._history_docs: deque[list[int]] = deque()
         self._history_size = 0
+        self.prompt_history = prompt_history
+        self.max_prompts = max_prompts
+        self._by_prompt: OrderedDict[tuple[int, ...], deque[list[int]]] = OrderedDict()  # least recent first
         self._groups: dict[object, _Group] = {}
         self._indexed: dict[int, int] = {}  # seq_id -> output tokens already in its group index
         self._group_of: dict[int, object] = {}
@@ -99,6 +115,9 @@ class SuffixDrafter(Drafter):
         if group is None:
             group = self._groups[key] = _Group(NgramIndex(self.max_order), set())
             group.index.add(seq.prompt_ids)
+            tail = seq.prompt_ids[-self.max_order :]
+            for doc in self._by_prompt.get(tuple(seq.prompt_ids), ()):  # this prompt's earlier completions
+                group.index.add(tail + doc, start=len(tail))
         if seq.seq_id not in group.members:
             group.members.add(seq.seq_id)
             self._group_of[seq.seq_id] = key
@@ -125,10 +144,24 @@ class SuffixDrafter(Drafter):
 
     def finished(self, seq: SequenceView) -> None:
         self.remember(seq.output_ids)
+        self._remember_for_prompt(seq.prompt_ids, seq.output_ids)
+
+    def _remember_for_prompt(self, prompt: Seq[int], tokens: Seq[int]) -> None:
+        if self.prompt_history == 0 or not tokens:
+            return
+        key = tuple(prompt)
+        docs = self._by_prompt.setdefault(key, deque(maxlen=self.prompt_history))
+        docs.append(list(tokens))
+        self._by_prompt.move_to_end(key)
+        while len(self._by_prompt) > self.max_prompts:
+            self._by_prompt.popitem(last=False)
 
     def state_dict(self) -> dict:
-        """The remembered completions, oldest first (the index is rebuilt from them on load)."""
-        return {"history": [list(doc) for doc in self._history_docs]}
+        """The remembered completions, oldest first (the indexes are rebuilt from them on load)."""
+        return {
+            "history": [list(doc) for doc in self._history_docs],
+            "by_prompt": [[list(k), [list(d) for d in docs]] for k, docs in self._by_prompt.items()],
+        }
 
     def load_state_dict(self, state: dict) -> None:
         self.history = NgramIndex(self.max_order)
@@ -136,6 +169,10 @@ class SuffixDrafter(Drafter):
         self._history_size = 0
         for doc in state["history"]:
             self.remember(doc)
+        self._by_prompt = OrderedDict()
+        for prompt, docs in state.get("by_prompt", []):
+            for doc in docs:
+                self._remember_for_prompt(prompt, doc)
 
     def release(self, seq_id: int) -> None:
         self._indexed.pop(seq_id, None)

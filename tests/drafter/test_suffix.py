@@ -65,7 +65,31 @@ def test_group_members_share_an_index_and_history_is_bounded():
     assert drafter.history.next_counts([20], 1) is None
 
 
-@pytest.mark.parametrize("kwargs", [dict(max_order=0), dict(history_tokens=-1), dict(group_weight=0)])
+def test_a_prompt_seen_before_drafts_from_its_own_earlier_completions():
+    """Both prompts' earlier completions are in the global history with conflicting continuations
+    of "40 41"; a new group of prompt A starts with A's own in its index, so A's wins."""
+    drafter = SuffixDrafter(max_order=2, history_tokens=1000, prompt_history=2)
+    a, b = [2, 3], [4, 5]
+    for i, (prompt, follow) in enumerate([(a, 50), (b, 60), (b, 60)]):
+        done = _seq(i, prompt, output=[40, 41, follow, 9], group=10 + i)
+        drafter.propose([DraftRequest(done, 2)], DraftShape(2))
+        drafter.finished(done)
+        drafter.release(i)
+    (tree,) = drafter.propose([DraftRequest(_seq(7, a, output=[40, 41], group=20), 1)], DraftShape(1))
+    assert tree.tokens == [50]  # global history alone says 60 (twice vs once)
+    (tree,) = drafter.propose([DraftRequest(_seq(8, [6, 6], output=[40, 41], group=21), 1)], DraftShape(1))
+    assert tree.tokens == [60]  # an unseen prompt: the global history
+    state = drafter.state_dict()
+    again = SuffixDrafter(max_order=2, history_tokens=1000, prompt_history=2)
+    again.load_state_dict(state)
+    assert again.state_dict() == state
+    (tree,) = again.propose([DraftRequest(_seq(9, a, output=[40, 41], group=30), 1)], DraftShape(1))
+    assert tree.tokens == [50]
+
+
+@pytest.mark.parametrize(
+    "kwargs", [dict(max_order=0), dict(history_tokens=-1), dict(group_weight=0), dict(prompt_history=-1)]
+)
 def test_bad_settings_are_refused(kwargs):
     with pytest.raises(ValueError):
         SuffixDrafter(**kwargs)
