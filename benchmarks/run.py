@@ -158,16 +158,26 @@ def run_drift_section(out: Path, quick: bool = False, policy: str = "deep") -> s
     """Only the drift comparison (four GRPO runs), written into ``out`` in place."""
     cfg = dataclasses.replace(DriftBenchConfig.quick() if quick else DriftBenchConfig(), policy=policy)
     runs = measure_drift(cfg)
-    plot_name = f"bench_drift_{policy}.png"
-    plot_drift(runs, out.parent / plot_name)
-    command = f"tailspec bench --section drift --policy {policy}" + (" --quick" if quick else "")
-    replace_section(
+    return _write_policy_section(
         out,
-        DRIFT_TITLE + ("" if policy == "deep" else f": {policy} policy"),
-        drift_section(runs, cfg, plot_name),
-        command,
+        quick,
+        policy,
+        "drift",
+        DRIFT_TITLE,
+        lambda path: plot_drift(runs, path),
+        lambda plot: drift_section(runs, cfg, plot),
+        drift_table(runs),
     )
-    return drift_table(runs)
+
+
+def _write_policy_section(out: Path, quick: bool, policy: str, name: str, title: str, plot, section, table: str):
+    """Plot to ``bench_<name>_<policy>.png``, write the section (titled by policy unless deep) in
+    place with the command that measured it, return ``table``."""
+    plot_name = f"bench_{name}_{policy}.png"
+    plot(out.parent / plot_name)
+    command = f"tailspec bench --section {name} --policy {policy}" + (" --quick" if quick else "")
+    replace_section(out, title + ("" if policy == "deep" else f": {policy} policy"), section(plot_name), command)
+    return table
 
 
 SCHEDULE_TITLE = "The long tail across workers: divided rollout, predicted order, rebalancing"
@@ -177,12 +187,16 @@ def run_schedule_section(out: Path, quick: bool = False, policy: str = "deep") -
     """Only the schedule comparison (2 Ray workers and the simulation), written into ``out`` in place."""
     cfg = dataclasses.replace(ScheduleBenchConfig.quick() if quick else ScheduleBenchConfig(), policy=policy)
     result = measure_schedule(cfg)
-    plot_name = f"bench_schedule_{policy}.png"
-    plot_schedule(result, out.parent / plot_name)
-    command = f"tailspec bench --section schedule --policy {policy}" + (" --quick" if quick else "")
-    title = SCHEDULE_TITLE + ("" if policy == "deep" else f": {policy} policy")
-    replace_section(out, title, schedule_section(result, plot_name), command)
-    return schedule_table(result)
+    return _write_policy_section(
+        out,
+        quick,
+        policy,
+        "schedule",
+        SCHEDULE_TITLE,
+        lambda path: plot_schedule(result, path),
+        lambda plot: schedule_section(result, plot),
+        schedule_table(result),
+    )
 
 
 def write_atts_section(out: Path, rows, calibration, cfg: ATTSBenchConfig, command: str) -> None:

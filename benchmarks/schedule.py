@@ -19,7 +19,7 @@ from ..rollout import RolloutConfig, RolloutEngine, SamplingParams
 from ..rollout.admission import eos_ids_of
 from .policies import BenchPolicy, task_prompts, torch_threads
 from .report import pyplot, save_figure
-from .schedule_sim import ARMS, CostModel, SimRequest, scaled_workload, simulate
+from .schedule_sim import ARMS, CostModel, SimRequest, scaled_workload, simulate, tail_seconds
 
 logger = logging.getLogger(__name__)
 
@@ -62,8 +62,7 @@ class ArmRun:
 
     @property
     def tail_s(self) -> float:
-        times = sorted(self.finish_times)
-        return times[-1] - times[int(0.9 * (len(times) - 1))]
+        return tail_seconds(self.finish_times)
 
 
 @dataclass

@@ -48,6 +48,12 @@ class CostModel:
         return self.prefill_fixed_s + self.prefill_per_token_s * tokens
 
 
+def tail_seconds(finish_times: Sequence[float]) -> float:
+    """From the 90th-percentile finish to the last (the rollout's tail latency)."""
+    times = sorted(finish_times)
+    return times[-1] - times[int(0.9 * (len(times) - 1))]
+
+
 @dataclass
 class SimRequest:
     index: int
@@ -68,9 +74,7 @@ class SimResult:
 
     @property
     def tail_s(self) -> float:
-        """From the 90th-percentile finish to the last."""
-        times = sorted(self.finish_times)
-        return times[-1] - times[int(0.9 * (len(times) - 1))]
+        return tail_seconds(self.finish_times)
 
 
 @dataclass

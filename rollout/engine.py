@@ -270,15 +270,8 @@ class RolloutEngine:
         dies loses only what had not finished). Requests are validated and submitted by this call;
         those left when the caller stops iterating are aborted."""
         prompts, per_request = prepare_requests(prompts, params, self.limits)
-        counts: dict[tuple[int, ...], int] = {}
-        for p in prompts:
-            counts[tuple(p)] = counts.get(tuple(p), 0) + 1
-        groups: dict[tuple[int, ...], int] = {}
         index_of: dict[int, int] = {}  # request id -> prompt index
-        for i, (p, sp) in enumerate(zip(prompts, per_request)):
-            key = tuple(p)
-            group = groups.setdefault(key, self.new_group()) if counts[key] > 1 else None
-            index_of[self.add_request(p, sp, group=group)] = i
+        self._admit([InboxItem(i, p, sp) for i, (p, sp) in enumerate(zip(prompts, per_request))], index_of)
         return self._stream_finished(index_of, self.config.progress if progress is None else progress)
 
     def _stream_finished(self, index_of: dict[int, int], show: bool) -> Iterator[list[tuple[int, RequestOutput]]]:
@@ -335,6 +328,7 @@ class RolloutEngine:
             self.stats.wall_time_s += time.perf_counter() - start
 
     def _admit(self, items: list[InboxItem], key_of: dict[int, int]) -> None:
+        """Add ``items`` (recording request id -> item key); fresh requests of one prompt form a group."""
         counts: dict[tuple[int, ...], int] = {}
         for item in items:
             if item.resume is None:

@@ -95,15 +95,17 @@ class WorkQueue:
             return []
         if self.order == "fifo":
             return source[:n]
-        known = [p for p in (self.predict(i) for i in source) if p is not None]
+        predicted = {i: self.predict(i) for i in source}  # once per pull
+        known = [p for p in predicted.values() if p is not None]
         fallback = sum(known) / len(known) if known else 0.0
         chosen: list[int] = []
         for i in source:  # one probe per group whose length is unknown, in request order
             group = self.group_of(i)
-            if len(chosen) < n and group not in self.probed and self.predict(i) is None:
+            if len(chosen) < n and group not in self.probed and predicted[i] is None:
                 self.probed.add(group)
                 chosen.append(i)
-        rest = sorted((i for i in source if i not in chosen), key=lambda i: (-(self.predict(i) or fallback), i))
+        taken = set(chosen)
+        rest = sorted((i for i in source if i not in taken), key=lambda i: (-(predicted[i] or fallback), i))
         return chosen + rest[: n - len(chosen)]
 
     def release_moved_for(self, worker: int) -> None:
