@@ -143,6 +143,36 @@ class SequenceView(Protocol):
     def token_at(self, position: int) -> int: ...
 
 
+class BranchView:
+    """A sequence as it would stand if this round kept ``extra`` (drafted tokens assumed accepted,
+    then the assumed correction or bonus token): what a drafter drafts the next round from while the
+    target is still verifying this one (Mirror-SD, ``rollout/mirror.py``). Draws for its drafts come
+    from the drafter's own stream (``generator`` is None), never the request's."""
+
+    generator = None
+
+    def __init__(self, seq: SequenceView, extra: Sequence[int]) -> None:
+        self.seq = seq
+        self.extra = list(extra)
+        self.seq_id = seq.seq_id
+        self.prompt_ids = seq.prompt_ids
+        self.group = seq.group
+        self.stop_ids = seq.stop_ids
+        self.params = seq.params
+        self._base = seq.num_tokens
+
+    @property
+    def output_ids(self) -> list[int]:
+        return list(self.seq.output_ids) + self.extra
+
+    @property
+    def num_tokens(self) -> int:
+        return self._base + len(self.extra)
+
+    def token_at(self, position: int) -> int:
+        return self.seq.token_at(position) if position < self._base else self.extra[position - self._base]
+
+
 @dataclass
 class DraftRequest:
     """One sequence to draft for this step, with its limit: no node deeper than ``max_depth``."""
@@ -174,6 +204,29 @@ class Drafter(ABC):
 
     def release(self, seq_id: int) -> None:  # noqa: B027 - optional hook
         """Forget per-sequence state (the sequence finished or was aborted)."""
+
+    def truncate(self, seq_id: int, num_tokens: int) -> None:  # noqa: B027 - optional hook
+        """Only the sequence's first ``num_tokens`` tokens are what this drafter last saw (it drafted
+        from a branch that was not kept): forget any state past them."""
+
+    def propose_branches(self, requests: Sequence[DraftRequest], shape: DraftShape) -> list[DraftTree]:
+        """One draft per :class:`BranchView` request, drafted while the target verifies (Mirror-SD).
+        The default proposes one round per branch slot (a sequence appears at most once in a
+        :meth:`propose` call), the sequence's first branch last: a drafter whose state follows
+        the last proposal then holds the most likely branch. Drafters may batch all branches."""
+        rounds: list[list[int]] = []
+        seen: dict[int, int] = {}
+        for i in reversed(range(len(requests))):
+            slot = seen.get(requests[i].seq.seq_id, 0)
+            seen[requests[i].seq.seq_id] = slot + 1
+            if slot == len(rounds):
+                rounds.append([])
+            rounds[slot].append(i)
+        out: list[DraftTree] = [EMPTY_DRAFT] * len(requests)
+        for slot in rounds:
+            for i, tree in zip(slot, self.propose([requests[i] for i in slot], shape)):
+                out[i] = tree
+        return out
 
     def observe(  # noqa: B027 - optional hook
         self, seq: SequenceView, start: int, features: torch.Tensor, next_logits: torch.Tensor

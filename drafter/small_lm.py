@@ -20,7 +20,10 @@ not fit evicts the least recently used drafter state, or gets no draft this step
 
 from __future__ import annotations
 
+import io
 import logging
+from collections.abc import Callable
+from functools import partial
 from collections.abc import Iterator
 from collections.abc import Sequence as Seq
 from contextlib import contextmanager
@@ -86,6 +89,7 @@ class SmallLMDrafter(Drafter):
         self.block_size = block_size
         self.runner = ModelRunner(model, kv_cache_tokens // block_size, block_size)
         self.allocator = self.runner.cache.allocator
+        self.seed = seed
         self.generator = draft_generator(seed)
         self.target_vocab = self.runner.vocab_size
         self._states: dict[int, _DraftState] = {}
@@ -125,6 +129,24 @@ class SmallLMDrafter(Drafter):
         start = min(state.num_cached, seq.num_tokens - 1) if state is not None else 0
         vocab = self.runner.vocab_size
         return all(seq.token_at(i) < vocab for i in range(start, seq.num_tokens))
+
+    def truncate(self, seq_id: int, num_tokens: int) -> None:
+        state = self._states.get(seq_id)
+        self._draft_base.pop(seq_id, None)
+        if state is not None:
+            state.num_cached = min(state.num_cached, num_tokens)
+
+    def rebuild(self) -> Callable[[], SmallLMDrafter]:
+        """A picklable builder of a fresh drafter over a copy of this one's model (its class, config
+        and weights; no state): what a draft executor in another process runs
+        (``rollout/draft_executor.py``, which sends later weight changes with ``load_weights``)."""
+        kv_tokens = self.runner.cache.allocator.num_blocks * self.block_size
+        model = (type(self.model), self.model.config, weights_bytes(self.model), self.runner.dtype)
+        return partial(_rebuilt, model, kv_tokens, self.block_size, self.seed, self.target_vocab)
+
+    def load_weights(self, data: bytes) -> None:
+        """Replace the model's weights with :func:`weights_bytes` of another copy."""
+        self.model.load_state_dict(torch.load(io.BytesIO(data), map_location=self.runner.device))
 
     def accepted(self, seq: SequenceView, num_accepted: int) -> None:
         state, base = self._states.get(seq.seq_id), self._draft_base.pop(seq.seq_id, None)
@@ -221,3 +243,18 @@ class SmallLMDrafter(Drafter):
 
         trees, _ = grow_trees(requests, torch.log_softmax(root_logits, dim=-1), shape, score_level)
         return trees
+
+
+def weights_bytes(model: torch.nn.Module) -> bytes:
+    buffer = io.BytesIO()
+    torch.save({k: v.detach().cpu() for k, v in model.state_dict().items()}, buffer)
+    return buffer.getvalue()
+
+
+def _rebuilt(model_spec, kv_cache_tokens: int, block_size: int, seed: int, target_vocab: int) -> SmallLMDrafter:
+    cls, config, data, dtype = model_spec
+    model = cls(config).to(dtype).eval()
+    model.load_state_dict(torch.load(io.BytesIO(data)))
+    drafter = SmallLMDrafter(model, kv_cache_tokens=kv_cache_tokens, block_size=block_size, seed=seed)
+    drafter.target_vocab = target_vocab
+    return drafter

@@ -11,7 +11,7 @@ import logging
 import time
 from collections.abc import Iterable, Iterator
 from collections.abc import Sequence as Seq
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 
 import torch
 
@@ -23,8 +23,9 @@ from .attention import SequenceSlice, paged_attention_enabled
 from .graph_pool import graph_pool_for
 from .handoff import InboxItem, PartialRequest, RequestInbox, ServeUpdate
 from .length_budget import drafting_mask
+from .mirror import MirrorPipeline
 from .model_runner import ModelRunner
-from .params import RolloutConfig, SamplingParams
+from .params import MirrorConfig, RolloutConfig, SamplingParams
 from .request import FinishReason, RequestOutput, SeqStatus, Sequence
 from .sampling import BatchSamplingTensors, choose_tokens, draw_uniforms, processed_logprobs, store_prompt_logprobs
 from .scheduler import ScheduledBatch, Scheduler, StepKind
@@ -98,6 +99,7 @@ class RolloutEngine:
         self.feature_layers = self.drafter.feature_layers if self.drafter is not None else None
         self._features: torch.Tensor | None = None  # the last forward's taps, [T, feature_size]
         self.selector = None  # made when the strategy is "adaptive"; kept across calls (learned state)
+        self.mirror: MirrorPipeline | None = None  # made on the first mirror step (starts its executor)
         self._peak_active = 0
         self.strategy = Strategy("none")
         self.set_strategy(self.config.strategy)
@@ -113,7 +115,50 @@ class RolloutEngine:
             )
         if parsed.adaptive:
             self._ensure_selector()
+        if parsed.mirror or (parsed.adaptive and any(a.mirror for a in self.selector.arms)):
+            self._check_mirror()
+            self._ensure_mirror()  # start the executor now, not inside a measured step
         self.strategy = parsed
+
+    def _check_mirror(self) -> None:
+        """Refuse a mirror strategy this engine cannot run, before any step does."""
+        from .early_exit import check_exit_layer
+
+        check_exit_layer(self.model, self._mirror_config.exit_layer or self._num_layers // 2)
+
+    @property
+    def _mirror_config(self) -> MirrorConfig:
+        return self.config.mirror or MirrorConfig()
+
+    @property
+    def _num_layers(self) -> int:
+        from .model_runner import decoder_layers
+
+        return len(decoder_layers(self.model))
+
+    def _ensure_mirror(self) -> MirrorPipeline:
+        if self.mirror is None:
+            from .draft_executor import make_executor
+            from .model_runner import model_device_dtype
+
+            cfg = self._mirror_config
+            draft_device = getattr(getattr(self.drafter, "model", None), "device", None)
+            executor = make_executor(
+                cfg.executor,
+                self.drafter,
+                getattr(self.drafter, "rebuild", None),
+                model_device_dtype(self.model)[0],
+                draft_device,
+                cfg.draft_threads,
+            )
+            self.mirror = MirrorPipeline(self.model, executor, cfg.exit_layer or self._num_layers // 2)
+        return self.mirror
+
+    def close(self) -> None:
+        """Stop the mirror draft executor's thread or process, if one was started."""
+        if self.mirror is not None:
+            self.mirror.close()
+            self.mirror = None
 
     def _ensure_selector(self):
         if self.selector is None:
@@ -211,6 +256,10 @@ class RolloutEngine:
         for drafter in (self.drafter, self.suffix_drafter):
             if drafter is not None:
                 drafter.release(seq.seq_id)
+        if self.mirror is not None:
+            self.mirror.release(seq.seq_id)
+            if self.mirror.drafter is not self.drafter and not self.mirror.failed:
+                self.mirror.drafter.release(seq.seq_id)
 
     def pop_output(self, request_id: int) -> RequestOutput:
         seq = self._seqs[request_id]
@@ -434,6 +483,9 @@ class RolloutEngine:
             if self.drafter is not None:
                 self.selector.on_drafter_version(int(getattr(self.drafter, "version", 0)))
             strategy = self.selector.choose(n)
+        if self._mirror_config.threads is not None:
+            spare = self._mirror_config.draft_threads if strategy.mirror else 0
+            torch.set_num_threads(self._mirror_config.threads - spare)
         before, model_before, start = self.stats.generated_tokens, self.stats.model_time_s, time.perf_counter()
         finished = self._spec_decode(batch, strategy) if strategy.speculative else self._decode(batch)
         seconds = time.perf_counter() - start
@@ -461,6 +513,9 @@ class RolloutEngine:
         self.stats.decode_steps += 1
         self.stats.batch_sizes.append(len(batch.seqs))
         return self._sample_and_append(batch.seqs, logits)
+
+    def _eager(self, mirror: MirrorPipeline | None):
+        return self.runner.eager() if mirror is not None else nullcontext()
 
     def _forward(self, slices, tokens, positions, logits_index) -> torch.Tensor:
         start = time.perf_counter()
@@ -501,22 +556,36 @@ class RolloutEngine:
 
     def _spec_decode(self, batch: ScheduledBatch, strategy: Strategy) -> list[int]:
         """propose -> target forward -> verify -> accept -> commit (``rollout/spec_step.py``), then
-        finish the sequences that are done; each advances by its own accepted length."""
-        seqs, drafter = batch.seqs, self._drafter_for(strategy)
+        finish the sequences that are done; each advances by its own accepted length. A mirror
+        strategy takes its drafts from the mirror pipeline and drafts the next round's during the
+        forward (``rollout/mirror.py``)."""
+        seqs = batch.seqs
+        mirror = self._ensure_mirror() if strategy.mirror else None
+        if mirror is not None and mirror.failed:
+            strategy, mirror = Strategy("chain" if strategy.shape.is_chain else "tree", strategy.shape), None
+        drafter = self._drafter_for(strategy) if mirror is None else mirror.drafter
         allocator, bs = self.runner.cache.allocator, self.config.block_size
         start = time.perf_counter()
         drafting = drafting_mask(seqs, self.config.length_budget)
-        trees = propose(drafter, seqs, strategy.shape, allocator, bs, drafting)
+        if mirror is None:
+            trees = propose(drafter, seqs, strategy.shape, allocator, bs, drafting)
+        else:
+            trees = mirror.drafts(seqs, strategy, allocator, bs, drafting)
         drafted_at = time.perf_counter()
         slices, tokens, positions = pack_verify_batch(seqs, trees)
-        logits = self._forward(slices, tokens, positions, list(range(len(tokens))))
+        bases = [seq.num_tokens for seq in seqs]
+        with mirror.overlap(seqs, trees, strategy) if mirror is not None else nullcontext(), self._eager(mirror):
+            logits = self._forward(slices, tokens, positions, list(range(len(tokens))))
         verified = verify(seqs, trees, logits, [s.num_new for s in slices], self.generator)
         committed = commit(seqs, trees, verified, accept(trees, verified), self.runner.cache)
         self.stats.generated_tokens += committed.emitted
+        if mirror is not None:
+            mirror.settle(seqs, trees, verified.verdicts, strategy, bases)
         self._observe(committed.observed, logits)  # before finishing: a recording drafter needs every feature
         finished = []
         for seq, verdict in zip(seqs, verified.verdicts):
-            drafter.accepted(seq, len(verdict.path))
+            if mirror is None:
+                drafter.accepted(seq, len(verdict.path))
             if seq.done:
                 self._finish(seq)
                 finished.append(seq.seq_id)

@@ -169,6 +169,15 @@ class ModelRunner:
         rows = torch.tensor([row_of[i] for i in logits_index], dtype=torch.long, device=logits.device)
         return logits.index_select(0, rows)
 
+    @contextmanager
+    def eager(self) -> Iterator[None]:
+        """Within the block, forwards run eagerly (hooks only fire in eager forwards)."""
+        pool, self.graph_pool = self.graph_pool, None
+        try:
+            yield
+        finally:
+            self.graph_pool = pool
+
     def forward_with_features(
         self,
         seqs: Sequence[SequenceSlice],
@@ -179,10 +188,6 @@ class ModelRunner:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """:meth:`forward`, plus the hidden states entering ``feature_layers`` for every packed
         token, concatenated in the given order: ``[T, len(feature_layers) * hidden]``."""
-        pool, self.graph_pool = self.graph_pool, None  # hooks only fire in eager forwards
-        try:
-            with capture_layer_inputs(self.model, feature_layers) as captured:
-                logits = self.forward(seqs, tokens, positions, logits_index)
-        finally:
-            self.graph_pool = pool
+        with self.eager(), capture_layer_inputs(self.model, feature_layers) as captured:
+            logits = self.forward(seqs, tokens, positions, logits_index)
         return logits, torch.cat([captured[i][0] for i in feature_layers], dim=-1)

@@ -12,6 +12,7 @@ from typing import Any
 
 from ..kernels.dispatch import BACKEND_CHOICES
 from .selector import SelectorConfig
+from .draft_executor import EXECUTORS
 from .strategy import parse_strategy
 from .token_ids import token_id_list
 
@@ -110,6 +111,43 @@ class SamplingParams:
 
 
 @dataclass
+class MirrorConfig:
+    """How mirror strategies (``mirror:S,k=N``, ``rollout/mirror.py``) draft beside the target.
+
+    ``exit_layer``: decoder layers the target runs before its early exit (None = half of them).
+    ``executor``: where the drafter runs beside it (``rollout/draft_executor.py``): ``auto``
+    (``stream``/``device`` on CUDA, ``process`` on CPU), ``inline``, ``thread``, ``stream``,
+    ``device`` or ``process``. ``draft_threads``: torch threads of the ``process`` executor.
+    ``threads``: CPU threads the engine owns; when set, a step that runs a mirror strategy gives
+    the target ``threads - draft_threads`` of them and any other step gives it all (the spare
+    core goes to the draft in the tail and to the target in the bulk). None leaves torch's setting.
+    """
+
+    exit_layer: int | None = None
+    executor: str = "auto"
+    draft_threads: int = 1
+    threads: int | None = None
+
+    def __post_init__(self) -> None:
+        _require(
+            self.exit_layer is None or (_is_int(self.exit_layer) and self.exit_layer >= 1),
+            "mirror.exit_layer",
+            "None or an int >= 1 (below the target's layer count)",
+            self.exit_layer,
+        )
+        _require(self.executor in EXECUTORS, "mirror.executor", f"one of {EXECUTORS}", self.executor)
+        _require(
+            _is_int(self.draft_threads) and self.draft_threads >= 1, "mirror.draft_threads", "an int >= 1", self.draft_threads
+        )
+        _require(
+            self.threads is None or (_is_int(self.threads) and self.threads > self.draft_threads),
+            "mirror.threads",
+            f"None or an int > draft_threads ({self.draft_threads})",
+            self.threads,
+        )
+
+
+@dataclass
 class RolloutConfig:
     """Sizing and behaviour of a :class:`tailspec.rollout.RolloutEngine`.
 
@@ -128,6 +166,7 @@ class RolloutConfig:
     draft_kv_cache_tokens: int | None = None  # the model drafter's own KV pool; None = kv_cache_tokens
     suffix_history_tokens: int = 1 << 20  # completions of earlier calls the suffix drafter remembers
     selector: Any = None  # strategy="adaptive": a SelectorConfig (or its dict); None = defaults
+    mirror: Any = None  # mirror strategies: a MirrorConfig (or its dict); None = defaults
     # waiting prompts join the running sequences' decode forward (one forward, no decode stall);
     # applies to non-speculative strategies (speculative steps keep prefill and verify apart)
     mixed_batches: bool = False
@@ -225,6 +264,14 @@ class RolloutConfig:
             "graph_memory_mb",
             "an int >= 1",
             self.graph_memory_mb,
+        )
+        if isinstance(self.mirror, dict):
+            self.mirror = MirrorConfig(**self.mirror)
+        _require(
+            self.mirror is None or isinstance(self.mirror, MirrorConfig),
+            "mirror",
+            "None, a MirrorConfig or a dict of its fields",
+            self.mirror,
         )
         if isinstance(self.selector, dict):
             self.selector = SelectorConfig(**self.selector)

@@ -11,6 +11,10 @@
 ``hybrid``               the model drafter's tree and the suffix drafter's tree fused
                          into one verification tree, default ``hybrid:4,2,12``
 ``hybrid:D,K,B``         the same with depth D, K children per node, budget B nodes
+``mirror:S,k=N``          Mirror-SD: the model drafter's ``S`` (``chain:K`` or ``tree:D,K,B``)
+                         drafted serially when needed, and meanwhile the next round's draft
+                         expanded from the target's early-exit top-N candidates, beside the
+                         verification forward (``rollout/mirror.py``; N in [1, 4])
 ``adaptive``             a per-step choice among arms (``RolloutConfig.adaptive_arms``)
                          by measured goodput (:mod:`tailspec.rollout.selector`)
 =======================  ===========================================================
@@ -25,10 +29,12 @@ from dataclasses import dataclass
 
 from ..draft_contract import DraftShape
 
-KINDS = ("none", "chain", "tree", "suffix", "hybrid", "adaptive")
+KINDS = ("none", "chain", "tree", "suffix", "hybrid", "mirror", "adaptive")
 GRAMMAR = (
-    "'none', 'chain:K', 'tree:D,K,B', 'suffix', 'suffix:K', 'suffix:D,K,B', 'hybrid', 'hybrid:D,K,B' or 'adaptive'"
+    "'none', 'chain:K', 'tree:D,K,B', 'suffix', 'suffix:K', 'suffix:D,K,B', 'hybrid', 'hybrid:D,K,B', "
+    "'mirror:chain:K,k=N', 'mirror:tree:D,K,B,k=N' or 'adaptive'"
 )
+MAX_MIRROR_BRANCHES = 4
 DEFAULT_SUFFIX_SHAPE = DraftShape(depth=8, topk=2, budget=16)
 DEFAULT_HYBRID_SHAPE = DraftShape(depth=4, topk=2, budget=12)
 _DRAFTERS = {
@@ -38,6 +44,7 @@ _DRAFTERS = {
     "tree": frozenset({"model"}),
     "suffix": frozenset({"suffix"}),
     "hybrid": frozenset({"model", "suffix"}),
+    "mirror": frozenset({"model"}),
 }
 
 
@@ -45,6 +52,11 @@ _DRAFTERS = {
 class Strategy:
     kind: str
     shape: DraftShape | None = None
+    branches: int = 0  # mirror: early-exit candidates expanded into next-round drafts
+
+    @property
+    def mirror(self) -> bool:
+        return self.kind == "mirror"
 
     @property
     def speculative(self) -> bool:
@@ -72,6 +84,9 @@ class Strategy:
         if self.shape is None:
             return self.kind
         s = self.shape
+        if self.kind == "mirror":
+            base = f"chain:{s.depth}" if s.is_chain and s.max_nodes == s.depth else f"tree:{s.depth},{s.topk},{s.max_nodes}"
+            return f"mirror:{base},k={self.branches}"
         if self.kind == "chain" or (self.kind == "suffix" and s.is_chain and s.max_nodes == s.depth):
             return f"{self.kind}:{s.depth}"
         return f"{self.kind}:{s.depth},{s.topk},{s.max_nodes}"
@@ -96,6 +111,8 @@ def parse_strategy(spec: str | Strategy) -> Strategy:
     if not isinstance(spec, str):
         raise ValueError(f"strategy must be a string ({GRAMMAR}), got {spec!r}")
     kind, _, params = spec.strip().partition(":")
+    if kind == "mirror":
+        return _parse_mirror(params, spec)
     if kind not in KINDS:
         raise ValueError(f"unknown strategy {spec!r}; expected {GRAMMAR}")
     if kind in ("none", "adaptive"):
@@ -117,3 +134,17 @@ def parse_strategy(spec: str | Strategy) -> Strategy:
         _check("node budget B", budget, depth, 128, spec)
         return Strategy(kind, DraftShape(depth=depth, topk=topk, budget=budget))
     raise ValueError(f"strategy {spec!r} has the wrong number of parameters; expected {GRAMMAR}")
+
+
+def _parse_mirror(params: str, spec: str) -> Strategy:
+    base, sep, branches = params.rpartition(",k=")
+    if not sep:
+        raise ValueError(f"strategy {spec!r}: mirror needs its candidates as ',k=N'; expected {GRAMMAR}")
+    k = _ints(branches, spec)
+    if len(k) != 1:
+        raise ValueError(f"strategy {spec!r}: k must be one integer; expected {GRAMMAR}")
+    _check("candidates k", k[0], 1, MAX_MIRROR_BRANCHES, spec)
+    inner = parse_strategy(base) if base.split(":")[0] in ("chain", "tree") else None
+    if inner is None or not inner.uses_model_drafter:
+        raise ValueError(f"strategy {spec!r}: mirror drafts with 'chain:K' or 'tree:D,K,B'; expected {GRAMMAR}")
+    return Strategy("mirror", inner.shape, k[0])

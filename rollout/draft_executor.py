@@ -1,0 +1,341 @@
+"""Where a model drafter runs when it drafts beside the target (Mirror-SD, ``rollout/mirror.py``).
+
+An executor offers the drafter for the engine's ordinary synchronous calls (``drafter``), and
+``start`` / ``finish`` to draft a set of branches while the caller goes on with the target's
+forward. Only tokens, sampling parameters and the drafted trees cross; never KV.
+
+===========  =================================================================================
+``inline``   no overlap: ``start`` drafts at once on the caller's thread (the reference, and the
+             cost of a mirror step with no spare compute)
+``thread``   a worker thread of this process (CPU: contends with the target for the GIL, so it
+             pays only where the forwards are long next to Python's share of them)
+``stream``   a worker thread issuing the drafter's kernels on a second CUDA stream of the
+             target's GPU
+``device``   a worker thread driving a drafter that lives on another device (e.g. the GPU of a
+             Ray worker that has finished its rollout), on that device's own stream
+``process``  a child process with its own torch threads, holding its own copy of the drafter's
+             state (weights shared through shared memory): on CPU the draft really runs on a
+             spare core
+===========  =================================================================================
+"""
+
+from __future__ import annotations
+
+import logging
+import traceback
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+
+import torch
+
+from ..draft_contract import Drafter, DraftRequest, DraftShape, DraftTree, SequenceView
+
+logger = logging.getLogger(__name__)
+
+EXECUTORS = ("auto", "inline", "thread", "stream", "device", "process")
+
+
+class ExecutorError(RuntimeError):
+    """The draft executor failed (its process died, or drafting raised); the engine drafts serially."""
+
+
+class DraftExecutor(ABC):
+    name: str = "executor"
+    overlaps: bool = True  # whether branch drafting runs beside the caller
+
+    def __init__(self, drafter: Drafter) -> None:
+        self.drafter = drafter
+
+    @abstractmethod
+    def start(self, requests: Sequence[DraftRequest], shape: DraftShape) -> None:
+        """Begin drafting ``requests`` (branch views) with ``shape``; returns at once when it overlaps."""
+
+    @abstractmethod
+    def finish(self) -> list[DraftTree]:
+        """The drafts of the last :meth:`start`, one per request (waits for them)."""
+
+    def refresh(self) -> None:  # noqa: B027 - optional hook
+        """Bring the drafter's weights up to date (only an executor holding a copy has work here)."""
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        """Stop any worker thread or process."""
+
+
+class InlineExecutor(DraftExecutor):
+    name = "inline"
+    overlaps = False
+
+    def __init__(self, drafter: Drafter) -> None:
+        super().__init__(drafter)
+        self._result: list[DraftTree] = []
+
+    def start(self, requests: Sequence[DraftRequest], shape: DraftShape) -> None:
+        self._result = self.drafter.propose_branches(requests, shape)
+
+    def finish(self) -> list[DraftTree]:
+        out, self._result = self._result, []
+        return out
+
+
+class ThreadExecutor(DraftExecutor):
+    """A worker thread; with ``device`` a CUDA device, its work goes on a side stream of that
+    device, ordered after the caller's stream at ``start`` and before it at ``finish``."""
+
+    def __init__(self, drafter: Drafter, device: torch.device | None = None, name: str = "thread") -> None:
+        super().__init__(drafter)
+        self.name = name
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"tailspec-draft-{name}")
+        self._future: Future | None = None
+        cuda = device is not None and device.type == "cuda"
+        self._device = device if cuda else None
+        self._stream = torch.cuda.Stream(device=device) if cuda else None
+        self._done = None
+
+    def start(self, requests: Sequence[DraftRequest], shape: DraftShape) -> None:
+        if self._stream is None:
+            self._future = self._pool.submit(self.drafter.propose_branches, list(requests), shape)
+            return
+        ready = torch.cuda.current_stream().record_event()
+
+        def run() -> list[DraftTree]:
+            with torch.cuda.device(self._device), torch.cuda.stream(self._stream):
+                self._stream.wait_event(ready)
+                trees = self.drafter.propose_branches(list(requests), shape)
+                self._done = self._stream.record_event()
+            return trees
+
+        self._future = self._pool.submit(run)
+
+    def finish(self) -> list[DraftTree]:
+        future, self._future = self._future, None
+        if future is None:
+            return []
+        try:
+            trees = future.result()
+        except Exception as e:
+            raise ExecutorError(f"drafting on the {self.name} executor failed: {e}") from e
+        if self._done is not None:
+            torch.cuda.current_stream().wait_event(self._done)
+            self._done = None
+        return trees
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+
+
+@dataclass
+class SeqSnapshot:
+    """What crosses to a drafter in another process for one sequence (satisfies ``SequenceView``)."""
+
+    seq_id: int
+    prompt_ids: list[int]
+    output_ids: list[int]
+    group: int | None
+    stop_ids: frozenset[int]
+    params: object
+    generator = None
+
+    @classmethod
+    def of(cls, seq: SequenceView) -> SeqSnapshot:
+        return cls(seq.seq_id, list(seq.prompt_ids), list(seq.output_ids), seq.group, seq.stop_ids, seq.params)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    def token_at(self, position: int) -> int:
+        n = len(self.prompt_ids)
+        return self.prompt_ids[position] if position < n else self.output_ids[position - n]
+
+
+def _snapshots(requests: Sequence[DraftRequest]) -> list[tuple[SeqSnapshot, int]]:
+    return [(SeqSnapshot.of(r.seq), r.max_depth) for r in requests]
+
+
+def _serve(build: Callable[[], Drafter], threads: int, conn) -> None:
+    """The child's loop: build the drafter, then answer the parent's commands in order."""
+    torch.set_num_threads(threads)
+    try:
+        drafter = build()
+    except Exception:
+        conn.send(("error", traceback.format_exc()))
+        return
+    conn.send(("ready", None))
+    while True:
+        try:
+            command, args = conn.recv()
+        except EOFError:
+            return
+        if command == "close":
+            return
+        try:
+            if command in ("propose", "branches"):
+                snaps, shape = args
+                requests = [DraftRequest(s, depth) for s, depth in snaps]
+                method = drafter.propose if command == "propose" else drafter.propose_branches
+                result = method(requests, shape)
+                conn.send(("ok", [DraftTree(t.tokens, t.parents, t.draft_probs) for t in result]))
+            elif command == "accepted":
+                drafter.accepted(*args)
+            elif command == "truncate":
+                drafter.truncate(*args)
+            elif command == "weights":
+                drafter.load_weights(*args)
+            elif command == "release":
+                drafter.release(*args)
+            elif command == "finished":
+                drafter.finished(*args)
+        except Exception:
+            conn.send(("error", traceback.format_exc()))
+
+
+class _RemoteDrafter(Drafter):
+    """The engine's handle on the drafter in the child process: propose waits for the answer,
+    the other calls are sent in order and not waited for."""
+
+    name = "remote"
+
+    def __init__(self, executor: ProcessExecutor) -> None:
+        self._executor = executor
+
+    def propose(self, requests: Sequence[DraftRequest], shape: DraftShape) -> list[DraftTree]:
+        self._executor.send("propose", (_snapshots(requests), shape))
+        return self._executor.receive()
+
+    def accepted(self, seq: SequenceView, num_accepted: int) -> None:
+        self._executor.send("accepted", (SeqSnapshot.of(seq), num_accepted))
+
+    def truncate(self, seq_id: int, num_tokens: int) -> None:
+        self._executor.send("truncate", (seq_id, num_tokens))
+
+    def release(self, seq_id: int) -> None:
+        self._executor.send("release", (seq_id,))
+
+    def finished(self, seq: SequenceView) -> None:
+        self._executor.send("finished", (SeqSnapshot.of(seq),))
+
+
+class ProcessExecutor(DraftExecutor):
+    """A child process (spawned) running ``build()``'s drafter with ``threads`` torch threads."""
+
+    name = "process"
+
+    def __init__(
+        self,
+        build: Callable[[], Drafter],
+        threads: int = 1,
+        source: Drafter | None = None,
+        start_timeout_s: float = 300.0,
+    ) -> None:
+        import torch.multiprocessing as mp
+
+        super().__init__(_RemoteDrafter(self))
+        self._source = source  # the in-process drafter whose weight changes are sent on (``refresh``)
+        self._fingerprint = _fingerprint(source)
+        ctx = mp.get_context("spawn")
+        self._conn, child = ctx.Pipe()
+        self._process = ctx.Process(target=_serve, args=(build, threads, child), daemon=True, name="tailspec-draft")
+        self._process.start()
+        child.close()
+        self._pending = False
+        if not self._conn.poll(start_timeout_s):
+            self.close()
+            raise ExecutorError(f"the draft process did not start within {start_timeout_s:.0f} s")
+        self.receive()
+
+    def send(self, command: str, args: tuple) -> None:
+        if self._pending:
+            raise RuntimeError(f"draft executor: {command!r} while branches are being drafted (call finish first)")
+        try:
+            self._conn.send((command, args))
+        except (BrokenPipeError, OSError) as e:
+            raise ExecutorError(f"the draft process is gone ({e})") from e
+
+    def receive(self):
+        try:
+            status, payload = self._conn.recv()
+        except (EOFError, OSError) as e:
+            raise ExecutorError(f"the draft process died (exit code {self._process.exitcode})") from e
+        if status == "error":
+            raise ExecutorError(f"the draft process failed:\n{payload}")
+        return payload
+
+    def refresh(self) -> None:
+        """Send the source drafter's weights if they changed since the last time (a training step,
+        ``load_state_dict``): the child drafts with the parent's current weights."""
+        fingerprint = _fingerprint(self._source)
+        if fingerprint != self._fingerprint:
+            from ..drafter.small_lm import weights_bytes
+
+            self.send("weights", (weights_bytes(self._source.model),))
+            self._fingerprint = fingerprint
+
+    def start(self, requests: Sequence[DraftRequest], shape: DraftShape) -> None:
+        self.send("branches", (_snapshots(requests), shape))
+        self._pending = True
+
+    def finish(self) -> list[DraftTree]:
+        if not self._pending:
+            return []
+        self._pending = False
+        return self.receive()
+
+    def close(self) -> None:
+        if self._process.is_alive():
+            try:
+                self._conn.send(("close", ()))
+            except (BrokenPipeError, OSError):
+                pass
+            self._process.join(timeout=5)
+            if self._process.is_alive():
+                self._process.kill()
+        self._conn.close()
+
+
+def _fingerprint(drafter: Drafter | None) -> int | None:
+    model = getattr(drafter, "model", None)
+    if model is None:
+        return None
+    return hash(tuple((p.data_ptr(), p._version) for p in model.parameters()))
+
+
+def make_executor(
+    kind: str,
+    drafter: Drafter,
+    rebuild: Callable[[], Callable[[], Drafter]] | None,
+    target_device: torch.device,
+    draft_device: torch.device | None,
+    threads: int,
+) -> DraftExecutor:
+    """The executor ``kind`` names (``auto``: ``stream`` or ``device`` on CUDA, ``process`` on CPU
+    where the drafter can be rebuilt in a child, else ``thread``)."""
+    if kind not in EXECUTORS:
+        raise ValueError(f"mirror executor must be one of {EXECUTORS}, got {kind!r}")
+    elsewhere = draft_device is not None and draft_device != target_device
+    if kind == "auto":
+        if target_device.type == "cuda":
+            kind = "device" if elsewhere else "stream"
+        else:
+            kind = "process" if rebuild is not None else "thread"
+    if kind == "inline":
+        return InlineExecutor(drafter)
+    if kind == "thread":
+        return ThreadExecutor(drafter)
+    if kind == "stream":
+        if target_device.type != "cuda":
+            raise ValueError("mirror executor 'stream' needs the target on a CUDA device")
+        return ThreadExecutor(drafter, target_device, name="stream")
+    if kind == "device":
+        if not elsewhere:
+            raise ValueError(
+                f"mirror executor 'device' needs the drafter on another device than the target's {target_device}"
+            )
+        return ThreadExecutor(drafter, draft_device, name="device")
+    if rebuild is None:
+        raise ValueError(
+            f"mirror executor 'process' cannot run the {drafter.name} drafter in another process "
+            "(it reads the target's features); use 'thread' or 'inline'"
+        )
+    return ProcessExecutor(rebuild(), threads, source=drafter)

@@ -1,0 +1,264 @@
+"""Mirror speculative decoding: the next round's draft is made while the target verifies this one.
+
+A mirror step (strategy ``mirror:S,k=N``) runs like any speculative step, with two additions:
+
+1. **overlap**: in the verification forward, after ``exit_layer`` layers, the early exit
+   (``rollout/early_exit.py``) gives the target's top candidates at every draft row. From them
+   :func:`plan_branch` predicts, per sequence, how much of its draft will be accepted (follow the
+   draft while it agrees with the early exit's first choice) and the ``N`` likeliest tokens after
+   that (the correction, or the bonus token when the whole draft is predicted to pass). The draft
+   executor (``rollout/draft_executor.py``) expands each candidate into a branch, a whole draft of
+   shape ``S`` for the sequence as it would then stand, while the target runs its remaining layers.
+2. **settle**: after verification, a branch whose assumed tokens are exactly the tokens the round
+   emitted is the sequence's draft for the next round (no drafting on the critical path then);
+   other sequences are drafted serially at the next step, as in a plain ``S`` step.
+
+Lossless: a ready draft was drawn from the drafter given exactly the tokens the sequence now has,
+with the drafter's own random stream, independent of the verification's draws; the verifier sees
+it as any other draft (with its draft distribution). Which branch is kept depends only on the
+emitted tokens, so the kept draft is a draft from ``q`` for that prefix.
+
+The drafter's state may hold K/V of branch tokens that were not emitted: after each step the
+pipeline compares what the drafter last drafted from with the sequence's real tokens and
+truncates the drafter's state to where they agree (``Drafter.truncate``); before a mirror step it
+does the same against whatever happened in between.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterator
+from collections.abc import Sequence as Seq
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+from ..draft_contract import BranchView, Drafter, DraftRequest, DraftTree
+from .draft_executor import DraftExecutor, ExecutorError
+from .early_exit import EarlyExit
+from .kv_cache import BlockAllocator
+from .request import Sequence
+from .spec_step import propose
+from .speculative import fit_draft, max_draft_depth
+from .strategy import Strategy
+
+logger = logging.getLogger(__name__)
+
+
+def plan_branch(tree: DraftTree, exit_topk: Seq[Seq[int]], k: int) -> tuple[list[int], list[int]]:
+    """``(tokens predicted to be accepted, up to k candidates for the token after them)`` from the
+    early exit's candidates at each of the tree's rows (0 = the root, ``i + 1`` = node ``i``): walk
+    into the child whose token is the early exit's first choice; where none is, the candidates are
+    the early exit's choices there that are not a child (a child's token would be accepted, not
+    emitted after the walk)."""
+    accepted: list[int] = []
+    row = 0
+    while True:
+        first = exit_topk[row][0]
+        child = next((c for c in tree.children[row] if tree.tokens[c] == first), None)
+        if child is None:
+            break
+        accepted.append(first)
+        row = child + 1
+    siblings = {tree.tokens[c] for c in tree.children[row]}
+    return accepted, [t for t in exit_topk[row] if t not in siblings][:k]
+
+
+def agreeing_prefix(a: Seq[int], b: Seq[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+@dataclass
+class MirrorStats:
+    steps: int = 0
+    rounds: int = 0  # sequence-rounds run by mirror steps
+    ready: int = 0  # ... whose draft was ready (a branch matched)
+    branches: int = 0  # branches drafted beside the target
+    early_exits: int = 0  # verification forwards whose early exit fired
+    serial_draft_s: float = 0.0  # drafting left on the critical path (sequences with no ready draft)
+    wait_s: float = 0.0  # time settle waited for the executor after verification
+    executor_failures: int = 0
+
+    @property
+    def reuse_rate(self) -> float:
+        return self.ready / self.rounds if self.rounds else 0.0
+
+    def as_dict(self) -> dict[str, float]:
+        return {**self.__dict__, "reuse_rate": self.reuse_rate}
+
+
+@dataclass
+class _Held:
+    """Tokens from position ``start`` that the drafter's state may hold K/V for (what it last drafted from)."""
+
+    start: int
+    tokens: list[int] = field(default_factory=list)
+
+
+class MirrorPipeline:
+    """The mirror step's drafting: ready drafts, the early-exit launch and the settling after verify."""
+
+    def __init__(self, target, executor: DraftExecutor, exit_layer: int) -> None:
+        self.executor = executor
+        self.exit_layer = exit_layer
+        self._target = target
+        self._exits: dict[int, EarlyExit] = {}
+        self._ready: dict[int, tuple[list[int], DraftTree, Strategy]] = {}  # seq_id -> (tokens it roots after, tree)
+        self._held: dict[int, _Held] = {}
+        self._branches: list[tuple[int, list[int]]] = []  # (batch index, assumed tokens) of the running launch
+        self.stats = MirrorStats()
+        self.failed = False
+
+    @property
+    def drafter(self) -> Drafter:
+        return self.executor.drafter
+
+    # -- before the forward --------------------------------------------------------------
+    def drafts(
+        self,
+        seqs: Seq[Sequence],
+        strategy: Strategy,
+        allocator: BlockAllocator,
+        block_size: int,
+        drafting: Seq[bool],
+    ) -> list[DraftTree]:
+        """Each sequence's draft: the branch kept for it last step if it is still valid, else one
+        drafted now (serially)."""
+        self.stats.steps += 1
+        self.stats.rounds += len(seqs)
+        try:
+            self.executor.refresh()
+        except ExecutorError as e:
+            self._fail(e)
+        self._reconcile(seqs)
+        trees: list[DraftTree | None] = []
+        for seq, d in zip(seqs, drafting):
+            ready = self._ready.pop(seq.seq_id, None)
+            tokens = [seq.token_at(i) for i in range(seq.num_tokens)] if ready is not None else None
+            if ready is not None and d and ready[2] == strategy and ready[0] == tokens:
+                self.stats.ready += 1
+                trees.append(fit_draft(seq, ready[1], allocator, block_size))
+            else:
+                trees.append(None)
+        missing = [i for i, t in enumerate(trees) if t is None]
+        if missing:
+            start = time.perf_counter()
+            serial = propose(
+                self.drafter,
+                [seqs[i] for i in missing],
+                strategy.shape,
+                allocator,
+                block_size,
+                [drafting[i] for i in missing],
+            )
+            self.stats.serial_draft_s += time.perf_counter() - start
+            for i, tree in zip(missing, serial):
+                trees[i] = tree
+                self._held[seqs[i].seq_id] = _Held(seqs[i].num_tokens, _kept_tokens(tree))
+        return trees  # type: ignore[return-value]
+
+    def _reconcile(self, seqs: Seq[Sequence]) -> None:
+        """Truncate the drafter's state to where what it last drafted from agrees with the sequence."""
+        for seq in seqs:
+            held = self._held.get(seq.seq_id)
+            if held is None:
+                continue
+            real = [seq.token_at(i) for i in range(held.start, seq.num_tokens)]
+            agree = agreeing_prefix(held.tokens, real)
+            if agree < min(len(held.tokens), len(real)):  # held tokens past the sequence's end wait
+                self.drafter.truncate(seq.seq_id, held.start + agree)
+                held.tokens = held.tokens[:agree]
+
+    # -- beside the forward --------------------------------------------------------------
+    @contextmanager
+    def overlap(self, seqs: Seq[Sequence], trees: Seq[DraftTree], strategy: Strategy) -> Iterator[None]:
+        """Within the block, the next forward (the verification of ``trees``, packed as
+        ``pack_verify_batch`` lays them out) launches the branches at its early exit."""
+        self._branches = []
+        if self.failed:
+            yield
+            return
+        rows, owners, offset = [], [], 0
+        for i, tree in enumerate(trees):
+            rows.extend(range(offset, offset + len(tree) + 1))
+            owners.append(offset)
+            offset += len(tree) + 1
+        k = strategy.branches
+        early_exit = self._exits.get(k)
+        if early_exit is None:
+            early_exit = self._exits[k] = EarlyExit(self._target, self.exit_layer, k + 1)
+
+        def launch(topk: list[list[int]]) -> None:
+            self.stats.early_exits += 1
+            requests = []
+            for i, (seq, tree) in enumerate(zip(seqs, trees)):
+                accepted, candidates = plan_branch(tree, topk[owners[i] : owners[i] + len(tree) + 1], k)
+                for token in candidates:
+                    view = BranchView(seq, [*accepted, token])
+                    depth = max_draft_depth(view, strategy.shape)
+                    if depth > 0 and token not in seq.stop_ids:
+                        requests.append(DraftRequest(view, depth))
+                        self._branches.append((i, [*accepted, token]))
+            if requests:
+                self.stats.branches += len(requests)
+                self._start(requests, strategy)
+
+        with early_exit.tap(rows, launch):
+            yield
+
+    def _start(self, requests: list[DraftRequest], strategy: Strategy) -> None:
+        try:
+            self.executor.start(requests, strategy.shape)
+        except ExecutorError as e:
+            self._fail(e)
+
+    # -- after verification --------------------------------------------------------------
+    def settle(self, seqs: Seq[Sequence], trees: Seq[DraftTree], verdicts: Seq, strategy: Strategy, bases) -> None:
+        """Collect the branches, keep the ones whose assumed tokens the round emitted, and truncate
+        the drafter's state to what is real. ``bases`` are the sequences' lengths before the round."""
+        start = time.perf_counter()
+        drafted: list[DraftTree] = []
+        if self._branches:
+            try:
+                drafted = self.executor.finish()
+            except ExecutorError as e:
+                self._fail(e)
+        self.stats.wait_s += time.perf_counter() - start
+        for (i, assumed), tree in zip(self._branches, drafted):
+            seq = seqs[i]
+            emitted = [seq.token_at(p) for p in range(bases[i], seq.num_tokens)]
+            if assumed == emitted and not seq.done and len(tree):
+                self._ready[seq.seq_id] = ([seq.token_at(p) for p in range(seq.num_tokens)], tree, strategy)
+        firsts: dict[int, tuple[list[int], DraftTree]] = {}
+        for (i, assumed), tree in zip(self._branches, drafted):
+            firsts.setdefault(i, (assumed, tree))
+        for i, seq in enumerate(seqs):
+            if i in firsts:  # the drafter now holds the first-listed branch (drafted last)
+                assumed, tree = firsts[i]
+                self._held[seq.seq_id] = _Held(bases[i], assumed + _kept_tokens(tree))
+        self._branches = []
+        self._reconcile([s for s in seqs if not s.done])
+
+    def _fail(self, error: Exception) -> None:
+        logger.warning("mirror drafting stopped (%s); drafting serially from now on", error)
+        self.stats.executor_failures += 1
+        self.failed = True
+        self._branches = []
+        self._ready.clear()
+
+    def release(self, seq_id: int) -> None:
+        self._ready.pop(seq_id, None)
+        self._held.pop(seq_id, None)
+
+    def close(self) -> None:
+        self.executor.close()
+
+
+def _kept_tokens(tree: DraftTree) -> list[int]:
+    """Draft tokens whose K/V a chain drafter keeps (all but the last; a tree keeps none)."""
+    return list(tree.tokens[:-1]) if len(tree) and tree.is_chain else []
