@@ -212,8 +212,10 @@ class Drafter(ABC):
     def propose_branches(self, requests: Sequence[DraftRequest], shape: DraftShape) -> list[DraftTree]:
         """One draft per :class:`BranchView` request, drafted while the target verifies (Mirror-SD).
         The default proposes one round per branch slot (a sequence appears at most once in a
-        :meth:`propose` call), the sequence's first branch last: a drafter whose state follows
-        the last proposal then holds the most likely branch. Drafters may batch all branches."""
+        :meth:`propose` call), the sequence's first-listed branch last, so that a drafter whose
+        state follows its last proposal then holds the likeliest branch; between a sequence's
+        rounds it truncates the state to what the two branches share. Drafters may batch all
+        branches instead."""
         rounds: list[list[int]] = []
         seen: dict[int, int] = {}
         for i in reversed(range(len(requests))):
@@ -223,10 +225,20 @@ class Drafter(ABC):
                 rounds.append([])
             rounds[slot].append(i)
         out: list[DraftTree] = [EMPTY_DRAFT] * len(requests)
+        previous: dict[int, list[int]] = {}  # seq_id -> the tokens past the sequence its last round drafted from
         for slot in rounds:
+            for i in slot:
+                view = requests[i].seq
+                before = previous.get(view.seq_id)
+                if before is not None:
+                    shared = next((n for n, (a, b) in enumerate(zip(before, view.extra)) if a != b), None)
+                    common = min(len(before), len(view.extra)) if shared is None else shared
+                    self.truncate(view.seq_id, view.seq.num_tokens + common)
             for i, tree in zip(slot, self.propose([requests[i] for i in slot], shape)):
                 out[i] = tree
+                previous[requests[i].seq.seq_id] = requests[i].seq.extra + list(tree.tokens)
         return out
+
 
     def observe(  # noqa: B027 - optional hook
         self, seq: SequenceView, start: int, features: torch.Tensor, next_logits: torch.Tensor

@@ -22,12 +22,11 @@ from __future__ import annotations
 
 import io
 import logging
-from collections.abc import Callable
-from functools import partial
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from collections.abc import Sequence as Seq
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 
@@ -95,6 +94,7 @@ class SmallLMDrafter(Drafter):
         self._states: dict[int, _DraftState] = {}
         self._clock = 0
         self._draft_base: dict[int, int] = {}  # seq_id -> num_tokens when the last draft was made
+        self._next_fork = 0  # forks of a sequence's state (extra branches) get negative ids
 
     def bind(self, vocab_size: int, tokenizer=None) -> None:
         check_same_vocabulary(vocab_size, self.runner.vocab_size, tokenizer, self.tokenizer)
@@ -135,6 +135,49 @@ class SmallLMDrafter(Drafter):
         self._draft_base.pop(seq_id, None)
         if state is not None:
             state.num_cached = min(state.num_cached, num_tokens)
+
+    def propose_branches(self, requests: Seq[DraftRequest], shape: DraftShape) -> list[DraftTree]:
+        """All branches in one batched draft: a sequence's first-listed branch drafts in its own
+        state (which then holds it), each further branch in a fork of that state that shares the
+        blocks below every branch's divergence and copies the one it diverges in; forks are
+        dropped afterwards."""
+        firsts: dict[int, DraftRequest] = {}
+        for r in requests:
+            firsts.setdefault(r.seq.seq_id, r)
+        if len(firsts) == len(requests):
+            return self.propose(requests, shape)
+        branches_of: dict[int, list[DraftRequest]] = {}
+        for r in requests:
+            branches_of.setdefault(r.seq.seq_id, []).append(r)
+        drafted: list[DraftRequest] = []
+        forks: list[tuple[int, int]] = []  # (fork id, how many leading blocks it shares with its sequence)
+        for seq_id, group in branches_of.items():
+            main = self._states.get(seq_id)
+            drafted.append(group[0])
+            if main is None or len(group) == 1:
+                continue
+            keeps = [min(main.num_cached, r.seq.num_tokens - 1) for r in group]
+            shared = min(keeps) // self.block_size
+            for r, keep in zip(group[1:], keeps[1:]):
+                copies = blocks_for(keep, self.block_size) - shared
+                if copies > self.allocator.num_free:
+                    continue  # no room: this branch is not drafted
+                private = self.allocator.allocate(copies)
+                for src, dst in zip(main.block_table[shared:], private):
+                    self.runner.cache.copy_block(src, dst)
+                self._next_fork -= 1
+                self._states[self._next_fork] = _DraftState(main.block_table[:shared] + private, keep, self._clock)
+                forks.append((self._next_fork, shared))
+                drafted.append(DraftRequest(_Fork(r.seq, self._next_fork), r.max_depth))
+        try:
+            trees = dict(zip(map(id, drafted), self.propose(drafted, shape)))
+        finally:
+            for fork_id, shared in forks:
+                state = self._states.pop(fork_id)
+                self._draft_base.pop(fork_id, None)
+                self.allocator.free(state.block_table[shared:])
+        by_view = {id(d.seq.view if isinstance(d.seq, _Fork) else d.seq): trees[id(d)] for d in drafted}
+        return [by_view.get(id(r.seq), DraftTree()) for r in requests]
 
     def rebuild(self) -> Callable[[], SmallLMDrafter]:
         """A picklable builder of a fresh drafter over a copy of this one's model (its class, config
@@ -243,6 +286,17 @@ class SmallLMDrafter(Drafter):
 
         trees, _ = grow_trees(requests, torch.log_softmax(root_logits, dim=-1), shape, score_level)
         return trees
+
+
+class _Fork:
+    """A branch view drafted in a forked state: the view under the fork's id."""
+
+    def __init__(self, view: SequenceView, fork_id: int) -> None:
+        self.view = view
+        self.seq_id = fork_id
+
+    def __getattr__(self, name: str):
+        return getattr(self.view, name)
 
 
 def weights_bytes(model: torch.nn.Module) -> bytes:

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..draft_contract import Drafter, DraftRequest, DraftShape, DraftTree, SequenceView
+from ..draft_contract import BranchView, Drafter, DraftRequest, DraftShape, DraftTree, SequenceView
 
 logger = logging.getLogger(__name__)
 
@@ -150,8 +150,14 @@ class SeqSnapshot:
         return self.prompt_ids[position] if position < n else self.output_ids[position - n]
 
 
-def _snapshots(requests: Sequence[DraftRequest]) -> list[tuple[SeqSnapshot, int]]:
-    return [(SeqSnapshot.of(r.seq), r.max_depth) for r in requests]
+def _snapshot(seq: SequenceView) -> SequenceView:
+    if isinstance(seq, BranchView):
+        return BranchView(SeqSnapshot.of(seq.seq), seq.extra)
+    return SeqSnapshot.of(seq)
+
+
+def _snapshots(requests: Sequence[DraftRequest]) -> list[tuple[SequenceView, int]]:
+    return [(_snapshot(r.seq), r.max_depth) for r in requests]
 
 
 def _serve(build: Callable[[], Drafter], threads: int, conn) -> None:
@@ -205,16 +211,23 @@ class _RemoteDrafter(Drafter):
         return self._executor.receive()
 
     def accepted(self, seq: SequenceView, num_accepted: int) -> None:
-        self._executor.send("accepted", (SeqSnapshot.of(seq), num_accepted))
+        self._tell("accepted", (SeqSnapshot.of(seq), num_accepted))
 
     def truncate(self, seq_id: int, num_tokens: int) -> None:
-        self._executor.send("truncate", (seq_id, num_tokens))
+        self._tell("truncate", (seq_id, num_tokens))
 
     def release(self, seq_id: int) -> None:
-        self._executor.send("release", (seq_id,))
+        self._tell("release", (seq_id,))
 
     def finished(self, seq: SequenceView) -> None:
-        self._executor.send("finished", (SeqSnapshot.of(seq),))
+        self._tell("finished", (SeqSnapshot.of(seq),))
+
+    def _tell(self, command: str, args: tuple) -> None:
+        """A call nothing waits for: lost with a dead process, whose failure the next proposal reports."""
+        try:
+            self._executor.send(command, args)
+        except ExecutorError:
+            logger.debug("draft process gone: %s not delivered", command)
 
 
 class ProcessExecutor(DraftExecutor):

@@ -151,7 +151,7 @@ class RolloutEngine:
                 draft_device,
                 cfg.draft_threads,
             )
-            self.mirror = MirrorPipeline(self.model, executor, cfg.exit_layer or self._num_layers // 2)
+            self.mirror = MirrorPipeline(self.model, executor, cfg.exit_layer or self._num_layers // 2, self.drafter)
         return self.mirror
 
     def close(self) -> None:

@@ -4,10 +4,9 @@ A mirror step (strategy ``mirror:S,k=N``) runs like any speculative step, with t
 
 1. **overlap**: in the verification forward, after ``exit_layer`` layers, the early exit
    (``rollout/early_exit.py``) gives the target's top candidates at every draft row. From them
-   :func:`plan_branch` predicts, per sequence, how much of its draft will be accepted (follow the
-   draft while it agrees with the early exit's first choice) and the ``N`` likeliest tokens after
-   that (the correction, or the bonus token when the whole draft is predicted to pass). The draft
-   executor (``rollout/draft_executor.py``) expands each candidate into a branch, a whole draft of
+   :func:`plan_branches` makes, per sequence, ``N`` guesses of the tokens the round will emit
+   (the whole draft and a bonus token; with ``N > 1`` also the rejection the early exit
+   predicts, with its correction). The draft executor (``rollout/draft_executor.py``) expands each guess into a branch, a whole draft of
    shape ``S`` for the sequence as it would then stand, while the target runs its remaining layers.
 2. **settle**: after verification, a branch whose assumed tokens are exactly the tokens the round
    emitted is the sequence's draft for the next round (no drafting on the critical path then);
@@ -45,23 +44,37 @@ from .strategy import Strategy
 logger = logging.getLogger(__name__)
 
 
-def plan_branch(tree: DraftTree, exit_topk: Seq[Seq[int]], k: int) -> tuple[list[int], list[int]]:
-    """``(tokens predicted to be accepted, up to k candidates for the token after them)`` from the
-    early exit's candidates at each of the tree's rows (0 = the root, ``i + 1`` = node ``i``): walk
-    into the child whose token is the early exit's first choice; where none is, the candidates are
-    the early exit's choices there that are not a child (a child's token would be accepted, not
-    emitted after the walk)."""
-    accepted: list[int] = []
-    row = 0
-    while True:
-        first = exit_topk[row][0]
-        child = next((c for c in tree.children[row] if tree.tokens[c] == first), None)
-        if child is None:
-            break
-        accepted.append(first)
+def plan_branches(tree: DraftTree, exit_topk: Seq[Seq[int]], k: int) -> list[list[int]]:
+    """Up to ``k`` guesses of the tokens this round will emit, likeliest first, from the early
+    exit's candidates at each of the tree's rows (0 = the root, ``i + 1`` = node ``i``).
+
+    A model drafter's draft is usually accepted whole, and the early exit is a far better judge of
+    the one token after it than of each of the draft's tokens (its errors compound over a
+    chain). So the first guesses trust the draft: its first-listed path (the likeliest), then
+    the early exit's candidates for the bonus token at the leaf. The last guess, when ``k > 1``,
+    is the rejection the early exit itself predicts: the first row on that path where its first
+    choice is not the draft's token, with that choice as the correction.
+    """
+    path, row = [], 0
+    while tree.children[row]:
+        child = tree.children[row][0]
+        path.append(child)
         row = child + 1
-    siblings = {tree.tokens[c] for c in tree.children[row]}
-    return accepted, [t for t in exit_topk[row] if t not in siblings][:k]
+    tokens = [tree.tokens[c] for c in path]
+    bonus = [[*tokens, t] for t in exit_topk[row][: k - 1 if k > 1 else 1]]
+    disagreement = None
+    for depth, child in enumerate(path):
+        parent_row = 0 if depth == 0 else path[depth - 1] + 1
+        choice = exit_topk[parent_row][0]
+        if choice != tree.tokens[child]:
+            siblings = {tree.tokens[c] for c in tree.children[parent_row]}
+            if choice not in siblings:
+                disagreement = [*tokens[:depth], choice]
+            break
+    guesses = bonus + ([disagreement] if disagreement is not None and k > 1 else [])
+    if k > 1 and disagreement is None:
+        guesses = [[*tokens, t] for t in exit_topk[row][:k]]
+    return guesses
 
 
 def agreeing_prefix(a: Seq[int], b: Seq[int]) -> int:
@@ -103,8 +116,9 @@ class _Held:
 class MirrorPipeline:
     """The mirror step's drafting: ready drafts, the early-exit launch and the settling after verify."""
 
-    def __init__(self, target, executor: DraftExecutor, exit_layer: int) -> None:
+    def __init__(self, target, executor: DraftExecutor, exit_layer: int, fallback: Drafter) -> None:
         self.executor = executor
+        self.fallback = fallback  # the in-process drafter, used serially once the executor has failed
         self.exit_layer = exit_layer
         self._target = target
         self._exits: dict[int, EarlyExit] = {}
@@ -116,7 +130,7 @@ class MirrorPipeline:
 
     @property
     def drafter(self) -> Drafter:
-        return self.executor.drafter
+        return self.fallback if self.failed else self.executor.drafter
 
     # -- before the forward --------------------------------------------------------------
     def drafts(
@@ -148,14 +162,12 @@ class MirrorPipeline:
         missing = [i for i, t in enumerate(trees) if t is None]
         if missing:
             start = time.perf_counter()
-            serial = propose(
-                self.drafter,
-                [seqs[i] for i in missing],
-                strategy.shape,
-                allocator,
-                block_size,
-                [drafting[i] for i in missing],
-            )
+            asked = ([seqs[i] for i in missing], strategy.shape, allocator, block_size, [drafting[i] for i in missing])
+            try:
+                serial = propose(self.drafter, *asked)
+            except ExecutorError as e:
+                self._fail(e)
+                serial = propose(self.drafter, *asked)
             self.stats.serial_draft_s += time.perf_counter() - start
             for i, tree in zip(missing, serial):
                 trees[i] = tree
@@ -191,19 +203,18 @@ class MirrorPipeline:
         k = strategy.branches
         early_exit = self._exits.get(k)
         if early_exit is None:
-            early_exit = self._exits[k] = EarlyExit(self._target, self.exit_layer, k + 1)
+            early_exit = self._exits[k] = EarlyExit(self._target, self.exit_layer, k)
 
         def launch(topk: list[list[int]]) -> None:
             self.stats.early_exits += 1
             requests = []
             for i, (seq, tree) in enumerate(zip(seqs, trees)):
-                accepted, candidates = plan_branch(tree, topk[owners[i] : owners[i] + len(tree) + 1], k)
-                for token in candidates:
-                    view = BranchView(seq, [*accepted, token])
+                for assumed in plan_branches(tree, topk[owners[i] : owners[i] + len(tree) + 1], k):
+                    view = BranchView(seq, assumed)
                     depth = max_draft_depth(view, strategy.shape)
-                    if depth > 0 and token not in seq.stop_ids:
+                    if depth > 0 and not seq.stop_ids.intersection(assumed):
                         requests.append(DraftRequest(view, depth))
-                        self._branches.append((i, [*accepted, token]))
+                        self._branches.append((i, assumed))
             if requests:
                 self.stats.branches += len(requests)
                 self._start(requests, strategy)

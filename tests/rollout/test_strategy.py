@@ -71,3 +71,25 @@ def test_hybrid_and_adaptive_forms():
     for bad in ("hybrid:3", "adaptive:2", "hybrid:0,2,4"):
         with pytest.raises(ValueError, match="strategy"):
             parse_strategy(bad)
+
+
+@pytest.mark.parametrize("spec", ["mirror:chain:4,k=2", "mirror:chain:1,k=1", "mirror:tree:4,2,8,k=4"])
+def test_mirror_strategies_round_trip(spec):
+    parsed = parse_strategy(spec)
+    assert parsed.mirror and parsed.uses_model_drafter and str(parsed) == spec
+    assert parse_strategy(str(parsed)) == parsed
+
+
+@pytest.mark.parametrize(
+    "spec,message",
+    [
+        ("mirror:chain:4", "needs its candidates as ',k=N'"),
+        ("mirror:suffix:4,k=2", "drafts with 'chain:K' or 'tree:D,K,B'"),
+        ("mirror:chain:4,k=5", r"candidates k must be in \[1, 4\]"),
+        ("mirror:chain:4,k=x", "non-integer"),
+        ("mirror:chain:17,k=1", r"K must be in \[1, 16\]"),
+    ],
+)
+def test_bad_mirror_strategies_say_what_is_wrong(spec, message):
+    with pytest.raises(ValueError, match=message):
+        parse_strategy(spec)

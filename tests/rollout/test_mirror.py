@@ -1,0 +1,288 @@
+"""Mirror speculative decoding is lossless with every executor, and its pieces do what they say."""
+
+import functools
+
+import pytest
+import torch
+from conftest import cached_model, chi_square_pvalue, random_prompts
+from test_spec_sampling import SETTINGS, V, _processed, drafter_model, target
+
+from tailspec.draft_contract import BranchView, DraftRequest, DraftShape, DraftTree
+from tailspec.drafter.small_lm import SmallLMDrafter
+from tailspec.rollout import RolloutConfig, RolloutEngine, SamplingParams
+from tailspec.rollout.draft_executor import ExecutorError, ProcessExecutor
+from tailspec.rollout.early_exit import EarlyExit, exit_agreement
+from tailspec.rollout.mirror import agreeing_prefix, plan_branches
+from tailspec.rollout.params import MirrorConfig
+from tailspec.testing import ARCHITECTURES, perturbed_copy, tiny_random_model
+
+PROMPT = [3, 7, 2, 9, 5]
+
+
+@functools.cache
+def good_drafter(arch: str):
+    return perturbed_copy(cached_model(arch), noise=0.3, seed=7)
+
+
+@functools.cache
+def bad_drafter(arch: str):
+    return tiny_random_model(arch, seed=1234, num_layers=1, hidden_size=32)
+
+
+def mirror_engine(model, strategy: str, drafter, executor: str, **cfg) -> RolloutEngine:
+    config = RolloutConfig(strategy=strategy, mirror=MirrorConfig(executor=executor), **cfg)
+    return RolloutEngine(model, config, drafter=drafter)
+
+
+# -- planning ------------------------------------------------------------------------------
+def test_plan_trusts_the_draft_then_adds_the_early_exit_rejection():
+    chain = DraftTree.chain([10, 11, 12])
+    agree = [[10, 5], [11, 5], [12, 5], [40, 41]]  # the early exit agrees with every draft token
+    assert plan_branches(chain, agree, 1) == [[10, 11, 12, 40]]
+    assert plan_branches(chain, agree, 2) == [[10, 11, 12, 40], [10, 11, 12, 41]]
+    doubt = [[10, 5], [20, 11], [12, 5], [40, 41]]  # ... but would reject node 1 and emit 20
+    assert plan_branches(chain, doubt, 1) == [[10, 11, 12, 40]]
+    assert plan_branches(chain, doubt, 2) == [[10, 11, 12, 40], [10, 20]]
+    assert plan_branches(chain, doubt, 3) == [[10, 11, 12, 40], [10, 11, 12, 41], [10, 20]]
+
+
+def test_plan_follows_a_tree_s_first_listed_path():
+    tree = DraftTree([10, 30, 11], [-1, -1, 0])  # root -> 10 -> 11, root -> 30
+    topk = [[30, 10], [11, 9], [50, 51], [60, 61]]
+    # the early exit prefers the sibling 30 at the root: a sibling is accepted, never a correction
+    assert plan_branches(tree, topk, 2) == [[10, 11, 60], [10, 11, 61]]
+    assert plan_branches(DraftTree(), [[7, 8]], 2) == [[7], [8]]
+
+
+def test_agreeing_prefix():
+    assert agreeing_prefix([1, 2, 3], [1, 2, 4, 5]) == 2
+    assert agreeing_prefix([1, 2], [1, 2, 3]) == 2
+    assert agreeing_prefix([], [1]) == 0
+
+
+def test_branch_view_reads_the_sequence_then_its_assumed_tokens():
+    engine = RolloutEngine(cached_model("llama"), RolloutConfig())
+    rid = engine.add_request([5, 6, 7], SamplingParams(max_new_tokens=3))
+    seq = engine._seqs[rid]
+    view = BranchView(seq, [8, 9])
+    assert view.num_tokens == 5 and [view.token_at(i) for i in range(5)] == [5, 6, 7, 8, 9]
+    assert view.output_ids == [8, 9] and view.seq_id == rid and view.generator is None
+
+
+# -- the early exit ---------------------------------------------------------------------------
+def test_early_exit_reads_the_same_forward_it_runs_in():
+    model = cached_model("qwen2")
+    ids = torch.tensor([[4, 9, 17, 3, 22]])
+    seen = []
+    with torch.no_grad(), EarlyExit(model, 1, 3).tap([2, 4], seen.append):
+        model(input_ids=ids)
+        model(input_ids=ids)  # fires once per tap
+    hidden = model(input_ids=ids, output_hidden_states=True).hidden_states[1][0]
+    want = model.lm_head(model.model.norm(hidden)).topk(3, dim=-1).indices[[2, 4]].tolist()
+    assert seen == [want]
+
+
+def test_exit_agreement_reports_every_layer_and_k():
+    model = cached_model("llama")
+    rates = exit_agreement(model, [[4, 9, 17, 3, 22, 8, 1]], [3], [1, 2])
+    n = model.config.num_hidden_layers
+    assert sorted(rates) == list(range(1, n)) and all(0 <= r[1] <= r[2] <= 1 for r in rates.values())
+
+
+@pytest.mark.parametrize("layer", [0, 4, "2"])
+def test_exit_layer_outside_the_model_is_refused(layer):
+    with pytest.raises(ValueError, match="mirror.exit_layer must be"):
+        RolloutEngine(
+            cached_model("llama"),
+            RolloutConfig(strategy="mirror:chain:2,k=1", mirror={"exit_layer": layer, "executor": "inline"}),
+            drafter=good_drafter("llama"),
+        )
+
+
+def test_mirror_config_errors_name_the_field():
+    with pytest.raises(ValueError, match="mirror.executor"):
+        MirrorConfig(executor="gpu")
+    with pytest.raises(ValueError, match="mirror.threads"):
+        MirrorConfig(threads=1, draft_threads=1)
+    with pytest.raises(ValueError, match="needs a drafter model"):
+        RolloutEngine(cached_model("llama"), RolloutConfig(strategy="mirror:chain:2,k=1"))
+    with pytest.raises(ValueError, match="'stream' needs the target on a CUDA device"):
+        mirror_engine(cached_model("llama"), "mirror:chain:2,k=1", good_drafter("llama"), "stream")
+
+
+# -- greedy: token for token ----------------------------------------------------------------
+def _plain(arch, prompts, params):
+    return RolloutEngine(cached_model(arch), RolloutConfig()).generate(prompts, params)
+
+
+def _assert_same(got, want):
+    for i, (a, b) in enumerate(zip(got, want)):
+        assert a.completion_ids == b.completion_ids, f"request {i} differs"
+        assert a.logprobs == pytest.approx(b.logprobs, abs=1e-4)
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+@pytest.mark.parametrize(
+    "strategy,drafter",
+    [
+        ("mirror:chain:4,k=2", "good"),
+        ("mirror:chain:2,k=1", "good"),
+        ("mirror:chain:3,k=3", "bad"),
+        ("mirror:tree:3,2,6,k=2", "good"),
+    ],
+)
+@pytest.mark.parametrize("executor", ["inline", "thread"])
+def test_greedy_mirror_matches_plain_decoding(arch, strategy, drafter, executor):
+    prompts = random_prompts(5, seed=len(strategy))
+    params = SamplingParams(max_new_tokens=24, temperature=0.0)
+    draft = (good_drafter if drafter == "good" else bad_drafter)(arch)
+    engine = mirror_engine(cached_model(arch), strategy, draft, executor)
+    _assert_same(engine.generate(prompts, params), _plain(arch, prompts, params))
+    stats = engine.mirror.stats
+    assert stats.early_exits > 0 and stats.branches > 0
+    if drafter == "good" and not strategy.endswith("k=1"):
+        assert stats.ready > 0  # some rounds ran on a draft made beside the target
+    assert engine.mirror.drafter.allocator.num_free == engine.mirror.drafter.allocator.num_blocks  # forks freed
+    engine.close()
+
+
+def test_greedy_mirror_in_a_process_matches_plain_decoding_and_follows_weight_changes():
+    arch = "qwen3"
+    prompts = random_prompts(6, seed=11)
+    params = SamplingParams(max_new_tokens=20, temperature=0.0)
+    draft = perturbed_copy(cached_model(arch), noise=0.3, seed=7)
+    engine = mirror_engine(cached_model(arch), "mirror:chain:3,k=2", draft, "process")
+    _assert_same(engine.generate(prompts, params), _plain(arch, prompts, params))
+    assert engine.mirror.stats.ready > 0
+    with torch.no_grad():  # the drafter trains in this process: the child must draft with the new weights
+        for p in draft.parameters():
+            p.add_(torch.randn_like(p) * 0.5)
+    engine.mirror.executor.refresh()
+    request = [DraftRequest(_Prompt(99, prompts[0]), 3)]
+    fresh = SmallLMDrafter(draft, kv_cache_tokens=256)
+    assert (
+        engine.mirror.drafter.propose(request, DraftShape(3))[0].tokens
+        == fresh.propose(request, DraftShape(3))[0].tokens
+    )
+    engine.close()
+
+
+class _Prompt:
+    """A bare greedy sequence view of a prompt."""
+
+    def __init__(self, seq_id, prompt):
+        self.seq_id, self.prompt_ids, self.output_ids, self.group = seq_id, list(prompt), [], None
+        self.stop_ids, self.params, self.generator = frozenset(), SamplingParams(temperature=0.0), None
+
+    @property
+    def num_tokens(self):
+        return len(self.prompt_ids)
+
+    def token_at(self, i):
+        return self.prompt_ids[i]
+
+
+def test_a_dead_draft_process_falls_back_to_serial_drafting_and_loses_nothing():
+    arch = "llama"
+    prompts = random_prompts(4, seed=5)
+    params = SamplingParams(max_new_tokens=24, temperature=0.0)
+    engine = mirror_engine(cached_model(arch), "mirror:chain:3,k=1", good_drafter(arch), "process")
+    executor = engine.mirror.executor
+    assert isinstance(executor, ProcessExecutor)
+    executor._process.kill()
+    executor._process.join()
+    _assert_same(engine.generate(prompts, params), _plain(arch, prompts, params))
+    assert engine.mirror.failed and engine.mirror.stats.executor_failures == 1
+    assert engine.stats.spec_steps > 0  # it went on speculating serially
+    engine.close()
+
+
+def test_a_process_that_cannot_start_says_why():
+    with pytest.raises(ExecutorError, match="no drafter here"):
+        ProcessExecutor(functools.partial(_raise, "no drafter here"))
+
+
+def _raise(message):
+    raise RuntimeError(message)
+
+
+# -- sampled: exactly the target's distribution ---------------------------------------------
+@functools.cache
+def exact_joint_of_tokens_3_and_4(params: SamplingParams) -> torch.Tensor:
+    """The target's processed joint of completion tokens 3 and 4, marginalised over tokens 1-2."""
+    model = target()
+    with torch.no_grad():
+        p1 = _processed(model(torch.tensor([PROMPT])).logits[:, -1], params)[0]
+        p2 = _processed(model(torch.tensor([PROMPT + [a] for a in range(V)])).logits[:, -1], params)
+        ctx3 = torch.tensor([PROMPT + [a, b] for a in range(V) for b in range(V)])
+        p3 = _processed(model(ctx3).logits[:, -1], params).view(V, V, V)
+        ctx4 = torch.tensor([PROMPT + [a, b, c] for a in range(V) for b in range(V) for c in range(V)])
+        p4 = _processed(model(ctx4).logits[:, -1], params).view(V, V, V, V)
+    joint = p1.view(V, 1, 1, 1) * p2.view(V, V, 1, 1) * p3.view(V, V, V, 1) * p4
+    return joint.sum((0, 1)).reshape(-1)
+
+
+def mirror_joint_counts(strategy: str, kind: str, params: SamplingParams, executor: str, n: int = 4000):
+    engine = RolloutEngine(
+        target(),
+        RolloutConfig(
+            strategy=strategy,
+            mirror=MirrorConfig(exit_layer=1, executor=executor),
+            max_num_seqs=n,
+            block_size=4,
+            kv_cache_tokens=n * 16,
+        ),
+        drafter=drafter_model(kind),
+    )
+    outs = engine.generate([PROMPT] * n, params.with_updates(max_new_tokens=5, ignore_eos=True))
+    assert engine.mirror.stats.ready > 0  # tokens 3-4 often came from a draft made beside the target
+    engine.close()
+    pairs = torch.tensor([o.completion_ids[2] * V + o.completion_ids[3] for o in outs])
+    return torch.bincount(pairs, minlength=V * V)
+
+
+@pytest.mark.parametrize(
+    "strategy,kind,params,executor",
+    [
+        ("mirror:chain:1,k=2", "good", SETTINGS[0], "inline"),
+        ("mirror:chain:1,k=2", "bad", SETTINGS[1], "inline"),
+        ("mirror:chain:2,k=3", "bad", SETTINGS[2], "inline"),
+        ("mirror:tree:2,2,3,k=2", "good", SETTINGS[3], "inline"),
+        ("mirror:chain:1,k=2", "bad", SETTINGS[0], "thread"),
+        ("mirror:chain:2,k=2", "bad", SETTINGS[2], "process"),
+    ],
+    ids=["chain-good-T1", "chain-bad-T0.7", "chain-bad-topk", "tree-good-minp", "thread", "process"],
+)
+def test_mirror_samples_follow_the_target(strategy, kind, params, executor):
+    counts = mirror_joint_counts(strategy, kind, params, executor)
+    assert chi_square_pvalue(counts, exact_joint_of_tokens_3_and_4(params)) > 1e-3
+
+
+def test_the_check_rejects_a_wrong_residual_on_the_mirror_path(monkeypatch):
+    """Any draft chosen independently of the verification's draws is verified exactly, so what can
+    break a mirror step is the verification it feeds; resampling from the target instead of the
+    residual after a rejection biases the output, and the check above catches it."""
+    from tailspec.rollout import verify as verify_module
+
+    monkeypatch.setattr(verify_module, "residual", lambda p, q, token: p)
+    params = SETTINGS[0]
+    counts = mirror_joint_counts("mirror:chain:1,k=2", "bad", params, "inline")
+    assert chi_square_pvalue(counts, exact_joint_of_tokens_3_and_4(params)) < 1e-6
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("executor", ["stream", "device"])
+def test_greedy_mirror_on_cuda_matches_plain_decoding(executor):
+    if executor == "device" and torch.cuda.device_count() < 2:
+        pytest.skip("needs a second GPU")
+    arch = "llama"
+    model = perturbed_copy(cached_model(arch), noise=0.0).cuda()
+    draft = perturbed_copy(cached_model(arch), noise=0.3, seed=7).to("cuda:1" if executor == "device" else "cuda")
+    prompts = random_prompts(5, seed=2)
+    params = SamplingParams(max_new_tokens=24, temperature=0.0)
+    want = RolloutEngine(model, RolloutConfig()).generate(prompts, params)
+    engine = mirror_engine(model, "mirror:chain:4,k=2", draft, executor)
+    _assert_same(engine.generate(prompts, params), want)
+    assert engine.mirror.stats.ready > 0
+    engine.close()
