@@ -239,7 +239,6 @@ class Drafter(ABC):
                 previous[requests[i].seq.seq_id] = requests[i].seq.extra + list(tree.tokens)
         return out
 
-
     def observe(  # noqa: B027 - optional hook
         self, seq: SequenceView, start: int, features: torch.Tensor, next_logits: torch.Tensor
     ) -> None:

@@ -6,8 +6,9 @@ A mirror step (strategy ``mirror:S,k=N``) runs like any speculative step, with t
    (``rollout/early_exit.py``) gives the target's top candidates at every draft row. From them
    :func:`plan_branches` makes, per sequence, ``N`` guesses of the tokens the round will emit
    (the whole draft and a bonus token; with ``N > 1`` also the rejection the early exit
-   predicts, with its correction). The draft executor (``rollout/draft_executor.py``) expands each guess into a branch, a whole draft of
-   shape ``S`` for the sequence as it would then stand, while the target runs its remaining layers.
+   predicts, with its correction). The draft executor (``rollout/draft_executor.py``) expands
+   each guess into a branch, a whole draft of shape ``S`` for the sequence as it would then
+   stand, while the target runs its remaining layers.
 2. **settle**: after verification, a branch whose assumed tokens are exactly the tokens the round
    emitted is the sequence's draft for the next round (no drafting on the critical path then);
    other sequences are drafted serially at the next step, as in a plain ``S`` step.
@@ -196,7 +197,7 @@ class MirrorPipeline:
             yield
             return
         rows, owners, offset = [], [], 0
-        for i, tree in enumerate(trees):
+        for tree in trees:
             rows.extend(range(offset, offset + len(tree) + 1))
             owners.append(offset)
             offset += len(tree) + 1

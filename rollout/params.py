@@ -11,8 +11,8 @@ from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 from ..kernels.dispatch import BACKEND_CHOICES
-from .selector import SelectorConfig
 from .draft_executor import EXECUTORS
+from .selector import SelectorConfig
 from .strategy import parse_strategy
 from .token_ids import token_id_list
 
@@ -137,7 +137,10 @@ class MirrorConfig:
         )
         _require(self.executor in EXECUTORS, "mirror.executor", f"one of {EXECUTORS}", self.executor)
         _require(
-            _is_int(self.draft_threads) and self.draft_threads >= 1, "mirror.draft_threads", "an int >= 1", self.draft_threads
+            _is_int(self.draft_threads) and self.draft_threads >= 1,
+            "mirror.draft_threads",
+            "an int >= 1",
+            self.draft_threads,
         )
         _require(
             self.threads is None or (_is_int(self.threads) and self.threads > self.draft_threads),

@@ -85,7 +85,8 @@ class Strategy:
             return self.kind
         s = self.shape
         if self.kind == "mirror":
-            base = f"chain:{s.depth}" if s.is_chain and s.max_nodes == s.depth else f"tree:{s.depth},{s.topk},{s.max_nodes}"
+            chain = s.is_chain and s.max_nodes == s.depth
+            base = f"chain:{s.depth}" if chain else f"tree:{s.depth},{s.topk},{s.max_nodes}"
             return f"mirror:{base},k={self.branches}"
         if self.kind == "chain" or (self.kind == "suffix" and s.is_chain and s.max_nodes == s.depth):
             return f"{self.kind}:{s.depth}"
