@@ -112,6 +112,7 @@ def _bench(args: argparse.Namespace) -> int:
         run_bench,
         run_drift_section,
         run_e2e_section,
+        run_mirror_section,
         run_schedule_section,
         run_spot_training_section,
         run_sweep_section,
@@ -136,6 +137,8 @@ def _bench(args: argparse.Namespace) -> int:
         print(run_drift_section(Path(args.out), quick=args.quick, policy=args.policy))
     elif args.section == "schedule":
         print(run_schedule_section(Path(args.out), quick=args.quick, policy=args.policy))
+    elif args.section == "mirror":
+        print(run_mirror_section(Path(args.out), quick=args.quick, policy=args.policy))
     else:
         print(run_bench(Path(args.out), quick=args.quick))
     print(f"wrote {args.out}")
@@ -296,7 +299,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--quick", action="store_true", help="fewer prompts (for a smoke run)")
     bench.add_argument(
         "--section",
-        choices=["all", "sweep", "adaptive", "spot_training", "e2e", "atts", "schedule", "drift"],
+        choices=["all", "sweep", "adaptive", "spot_training", "e2e", "atts", "schedule", "drift", "mirror"],
         default="all",
         help="all: rewrite the whole report; any other: only that section, in place",
     )

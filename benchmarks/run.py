@@ -24,6 +24,7 @@ from .drift import DriftBenchConfig, drift_section, drift_table, measure_drift, 
 from .e2e import e2e_section, e2e_table, measure_e2e, plot_e2e
 from .eagle3 import eagle3_table, measure_eagle3, measure_head_cost, plot_eagle3
 from .kernels import NO_CUDA_SECTION, kernels_section, run_kernel_bench
+from .mirror import MirrorBenchConfig, measure_mirror, mirror_section, mirror_table, plot_mirror
 from .policies import BenchPolicy, task_prompts, torch_threads
 from .report import plot_throughput, replace_section, throughput_table, write_report
 from .schedule import ScheduleBenchConfig, measure_schedule, plot_schedule, schedule_section, schedule_table
@@ -178,6 +179,25 @@ def _write_policy_section(out: Path, quick: bool, policy: str, name: str, title:
     command = f"tailspec bench --section {name} --policy {policy}" + (" --quick" if quick else "")
     replace_section(out, title + ("" if policy == "deep" else f": {policy} policy"), section(plot_name), command)
     return table
+
+
+MIRROR_TITLE = "Mirror speculative decoding: drafting beside the target"
+
+
+def run_mirror_section(out: Path, quick: bool = False, policy: str = "deep") -> str:
+    """Only the mirror comparison (serial vs mirror arms by batch size, and a long-tail rollout)."""
+    cfg = dataclasses.replace(MirrorBenchConfig.quick() if quick else MirrorBenchConfig(), policy=policy)
+    result = measure_mirror(cfg)
+    return _write_policy_section(
+        out,
+        quick,
+        policy,
+        "mirror",
+        MIRROR_TITLE,
+        lambda path: plot_mirror(result, path),
+        lambda plot: mirror_section(result, plot),
+        mirror_table(result),
+    )
 
 
 SCHEDULE_TITLE = "The long tail across workers: divided rollout, predicted order, rebalancing"

@@ -1,0 +1,239 @@
+"""Mirror speculative decoding vs serial drafting, at batch 1, 4 and 16 and on a long-tail rollout.
+
+Every arm runs in its own engine over the same policy (one torch thread for the target; the
+mirror arms' draft process has its own thread, on the machine's second core), passes interleaved
+arm by arm; ratios are medians of same-pass ratios. Also reported: the early exit's agreement
+with the target's own next token by layer and k, the bound (the share of a serial round spent
+drafting), the reuse rate (rounds whose draft was ready) and the drafting taken off the critical
+path.
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import time
+from dataclasses import dataclass, field
+
+from ..rollout import RolloutConfig, RolloutEngine, SamplingParams
+from ..rollout.early_exit import exit_agreement
+from ..rollout.selector import DEFAULT_ARMS, SelectorConfig
+from .policies import BenchPolicy, task_prompts, torch_threads
+from .report import pyplot, save_figure
+
+logger = logging.getLogger(__name__)
+
+SERIAL_ARMS = ("none", "chain:2", "chain:4", "tree:4,2,8", "suffix", "eagle3 chain:4")
+MIRROR_ARMS = ("mirror:chain:4,k=1", "mirror:chain:4,k=2", "mirror:chain:3,k=2")
+BASELINE = "chain:4"  # the mirror arms' own serial arm (the drafter LM, chain of 4)
+
+
+@dataclass
+class MirrorBenchConfig:
+    policy: str = "deep"
+    batch_sizes: tuple[int, ...] = (1, 4, 16)
+    prompts: int = 12  # per batch size (batch 1 runs them one by one)
+    max_new_tokens: int = 192
+    temperature: float = 1.0
+    passes: int = 3
+    exit_layer: int = 7
+    tail_prompts: int = 6  # the long-tail rollout: groups of ...
+    tail_samples: int = 4  # ... samples each
+    tail_max_new_tokens: int = 384
+    seed: int = 11
+
+    @classmethod
+    def quick(cls) -> MirrorBenchConfig:
+        return cls(
+            batch_sizes=(1, 4),
+            prompts=2,
+            max_new_tokens=48,
+            passes=1,
+            tail_prompts=2,
+            tail_samples=2,
+            tail_max_new_tokens=64,
+        )
+
+
+@dataclass
+class ArmResult:
+    arm: str
+    batch: int
+    seconds: list[float] = field(default_factory=list)
+    tokens: list[int] = field(default_factory=list)
+    ratios: list[float] = field(default_factory=list)  # same-pass tok/s over the baseline's
+    draft_share: float = 0.0  # of a speculative step's time spent drafting (serial arms)
+    mirror: dict[str, float] = field(default_factory=dict)
+    accept_length: float = 0.0
+
+    @property
+    def tok_s(self) -> float:
+        return statistics.median(t / s for t, s in zip(self.tokens, self.seconds))
+
+    @property
+    def ratio(self) -> float:
+        return statistics.median(self.ratios) if self.ratios else 1.0
+
+
+@dataclass
+class MirrorResult:
+    config: MirrorBenchConfig
+    describe: str
+    agreement: dict[int, dict[int, float]]
+    arms: list[ArmResult]
+    tail: list[ArmResult]
+
+
+def _engine(policy: BenchPolicy, arm: str, cfg: MirrorBenchConfig, max_num_seqs: int, selector=None):
+    drafter = policy.head if arm.startswith("eagle3") else policy.drafter_lm
+    config = RolloutConfig(
+        strategy="adaptive" if selector is not None else arm.removeprefix("eagle3 "),
+        selector=selector,
+        kv_cache_tokens=max(8192, max_num_seqs * (cfg.tail_max_new_tokens + 256)),
+        max_num_seqs=max_num_seqs,
+        mirror={"exit_layer": cfg.exit_layer, "executor": "process"},
+        seed=cfg.seed,
+    )
+    return RolloutEngine(policy.model, config, tokenizer=policy.tokenizer, drafter=drafter)
+
+
+def _run(engine: RolloutEngine, prompts: list[list[int]], batch: int, params: SamplingParams) -> tuple[float, int]:
+    start, tokens = time.perf_counter(), 0
+    for i in range(0, len(prompts), batch):
+        tokens += sum(len(o.completion_ids) for o in engine.generate(prompts[i : i + batch], params))
+    return time.perf_counter() - start, tokens
+
+
+def _passes(engines: dict[str, RolloutEngine], results: dict[str, ArmResult], run, passes: int, baseline: str):
+    for p in range(passes):
+        for arm, engine in engines.items():
+            seconds, tokens = run(engine)
+            results[arm].seconds.append(seconds)
+            results[arm].tokens.append(tokens)
+            logger.info("mirror bench pass %d %s: %.2f s, %d tokens", p, arm, seconds, tokens)
+        base = results[baseline]
+        for r in results.values():
+            r.ratios.append((r.tokens[-1] / r.seconds[-1]) / (base.tokens[-1] / base.seconds[-1]))
+
+
+def _finish(engine: RolloutEngine, result: ArmResult) -> None:
+    st = engine.stats
+    if st.spec_steps:
+        result.draft_share = st.draft_time_s / max(st.draft_time_s + st.verify_time_s, 1e-9)
+        result.accept_length = st.spec_emitted_tokens / max(st.spec_seq_steps, 1)
+    if engine.mirror is not None:
+        m = engine.mirror.stats
+        result.mirror = {
+            "reuse": m.reuse_rate,
+            "serial_ms": 1e3 * m.serial_draft_s / max(m.steps, 1),
+            "wait_ms": 1e3 * m.wait_s / max(m.steps, 1),
+            "branches": m.branches / max(m.rounds, 1),
+        }
+    engine.close()
+
+
+def measure_mirror(cfg: MirrorBenchConfig) -> MirrorResult:
+    policy = BenchPolicy.load(cfg.policy)
+    params = SamplingParams(temperature=cfg.temperature, max_new_tokens=cfg.max_new_tokens)
+    prompts = task_prompts(policy.tokenizer, cfg.prompts, cfg.seed)
+    with torch_threads(1):
+        plain = RolloutEngine(policy.model, RolloutConfig(kv_cache_tokens=8192), tokenizer=policy.tokenizer)
+        outs = plain.generate(prompts[:8], params.with_updates(temperature=0.0))
+        agreement = exit_agreement(
+            policy.model, [p + o.completion_ids for p, o in zip(prompts, outs)], [len(p) for p in prompts], (1, 2, 4)
+        )
+        arms: list[ArmResult] = []
+        for batch in cfg.batch_sizes:
+            names = [*SERIAL_ARMS, *MIRROR_ARMS]
+            engines = {a: _engine(policy, a, cfg, batch) for a in names}
+            results = {a: ArmResult(a, batch) for a in names}
+            _passes(engines, results, lambda e, b=batch: _run(e, prompts, b, params), cfg.passes, BASELINE)
+            for a in names:
+                _finish(engines[a], results[a])
+            arms.extend(results.values())
+        tail = _measure_tail(policy, cfg)
+    return MirrorResult(cfg, policy.describe(), agreement, arms, tail)
+
+
+def _measure_tail(policy: BenchPolicy, cfg: MirrorBenchConfig) -> list[ArmResult]:
+    """A GRPO-like rollout (groups of samples, heavy-tailed lengths) under ``adaptive``, its arms
+    with and without the mirror arms."""
+    params = SamplingParams(temperature=1.0, max_new_tokens=cfg.tail_max_new_tokens)
+    prompts = [
+        p for p in task_prompts(policy.tokenizer, cfg.tail_prompts, cfg.seed + 1) for _ in range(cfg.tail_samples)
+    ]
+    n = len(prompts)
+    arms = {"adaptive": DEFAULT_ARMS, "adaptive + mirror": (*DEFAULT_ARMS, *MIRROR_ARMS)}
+    engines = {}
+    for name, arm_list in arms.items():
+        engine = _engine(policy, name, cfg, n, selector=SelectorConfig(arms=arm_list))
+        engine.generate(prompts, params)  # warm-up: the selector's measurements, as an earlier RL step leaves them
+        engines[name] = engine
+    results = {name: ArmResult(name, n) for name in arms}
+    _passes(engines, results, lambda e: _run(e, prompts, n, params), cfg.passes, "adaptive")
+    for name in arms:
+        _finish(engines[name], results[name])
+    return list(results.values())
+
+
+def mirror_table(result: MirrorResult) -> str:
+    lines = [
+        "| batch | arm | tok/s | vs chain:4 (same pass) | draft share | reuse | serial draft ms/step | wait ms/step |",
+        "|---:|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in result.arms + result.tail:
+        spread = f" ({min(r.ratios):.2f}-{max(r.ratios):.2f})" if len(r.ratios) > 1 else ""
+        m = r.mirror
+        lines.append(
+            f"| {r.batch} | {r.arm} | {r.tok_s:.0f} | {r.ratio:.2f}x{spread} | "
+            f"{r.draft_share:.0%} | {m.get('reuse', 0):.0%} | {m.get('serial_ms', 0):.1f} | {m.get('wait_ms', 0):.1f} |"
+            if m
+            else f"| {r.batch} | {r.arm} | {r.tok_s:.0f} | {r.ratio:.2f}x{spread} | {r.draft_share:.0%} | | | |"
+        )
+    return "\n".join(lines)
+
+
+def agreement_table(result: MirrorResult) -> str:
+    layers = sorted(result.agreement)
+    shown = [layer for layer in layers if layer % 3 == 1 or layer == result.config.exit_layer or layer == layers[-1]]
+    head = "| k | " + " | ".join(f"layer {layer}" for layer in shown) + " |"
+    rule = "|---|" + "---:|" * len(shown)
+    rows = [f"| {k} | " + " | ".join(f"{result.agreement[layer][k]:.0%}" for layer in shown) + " |" for k in (1, 2, 4)]
+    return "\n".join([head, rule, *rows])
+
+
+def plot_mirror(result: MirrorResult, path) -> None:
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(8, 3.8))
+    batches = result.config.batch_sizes
+    arms = [a for a in (*SERIAL_ARMS, *MIRROR_ARMS) if a != "none"]
+    width = 0.8 / len(arms)
+    for i, arm in enumerate(arms):
+        ys = [next(r.ratio for r in result.arms if r.arm == arm and r.batch == b) for b in batches]
+        ax.bar([x + i * width for x in range(len(batches))], ys, width, label=arm)
+    ax.axhline(1.0, color="k", lw=0.8)
+    ax.set_xticks([x + 0.4 - width / 2 for x in range(len(batches))], [f"batch {b}" for b in batches])
+    ax.set_ylabel("tok/s vs serial chain:4 (same pass)")
+    ax.legend(fontsize=7, ncol=3)
+    save_figure(fig, path)
+
+
+def mirror_section(result: MirrorResult, plot_name: str) -> str:
+    c = result.config
+    base = {r.batch: r for r in result.arms if r.arm == BASELINE}
+    bound = ", ".join(f"batch {b}: {r.draft_share:.0%}" for b, r in base.items())
+    return (
+        f"On {result.describe}, chain-sum prompts, T = {c.temperature}, at most {c.max_new_tokens} new tokens, "
+        f"{c.prompts} prompts per batch size (batch 1: one by one), {c.passes} interleaved passes; every arm "
+        "its own engine, the target on one torch thread; the mirror arms' draft process (executor `process`) "
+        f"on the second core with one thread of its own. Early exit after layer {c.exit_layer}. Ratios: "
+        "medians of same-pass ratios to serial `chain:4` with the drafter LM (spread in brackets). *Draft "
+        "share*: the share of a speculative step spent drafting on the critical path; for serial `chain:4` it "
+        f"is the bound of what mirror can take off ({bound}). *Reuse*: rounds whose draft was ready (a branch "
+        "matched). *Serial draft ms/step*: drafting left on the critical path per mirror step; *wait*: time "
+        "the step waited for the draft process after verification.\n\n"
+        f"{mirror_table(result)}\n\n![mirror]({plot_name})\n\n"
+        "Early exit (the target's own final norm and LM head after layer L, no adapter): how often the "
+        "target's next token is in its top k, over greedy completions.\n\n"
+        f"{agreement_table(result)}"
+    )
