@@ -151,9 +151,10 @@ class BranchView:
 
     generator = None
 
-    def __init__(self, seq: SequenceView, extra: Sequence[int]) -> None:
+    def __init__(self, seq: SequenceView, extra: Sequence[int], fork: bool = False) -> None:
         self.seq = seq
         self.extra = list(extra)
+        self.fork = fork  # draft it in a fork, leaving the drafter's state of the sequence as it is
         self.seq_id = seq.seq_id
         self.prompt_ids = seq.prompt_ids
         self.group = seq.group
@@ -188,6 +189,9 @@ class Drafter(ABC):
     """
 
     name: str = "drafter"
+    #: whether :meth:`propose_branches` drafts further branches (and every ``BranchView.fork``) in
+    #: forks of a sequence's state, leaving the state with the sequence's first unforked branch
+    forks_branches: bool = False
     #: target layers whose *inputs* this drafter reads (EAGLE-style heads); ``None`` = none. When
     #: set, the engine taps them in every target forward and calls :meth:`observe`.
     feature_layers: tuple[int, ...] | None = None

@@ -23,8 +23,9 @@ from .report import pyplot, save_figure
 
 logger = logging.getLogger(__name__)
 
-SERIAL_ARMS = ("none", "chain:2", "chain:4", "tree:4,2,8", "suffix", "eagle3 chain:4")
-MIRROR_ARMS = ("mirror:chain:4,k=1", "mirror:chain:4,k=2", "mirror:chain:3,k=2")
+SERIAL_ARMS = ("none", "chain:2", "chain:4", "chain:6", "tree:4,2,8", "suffix", "eagle3 chain:4", "eagle3 chain:6")
+MIRROR_ARMS = ("mirror:chain:4,k=0", "mirror:chain:6,k=0", "mirror:chain:4,k=1", "mirror:chain:6,k=1")
+TAIL_MIRROR_ARMS = ("mirror:chain:4,k=0", "mirror:chain:6,k=0")
 BASELINE = "chain:4"  # the mirror arms' own serial arm (the drafter LM, chain of 4)
 
 
@@ -163,7 +164,7 @@ def _measure_tail(policy: BenchPolicy, cfg: MirrorBenchConfig) -> list[ArmResult
         p for p in task_prompts(policy.tokenizer, cfg.tail_prompts, cfg.seed + 1) for _ in range(cfg.tail_samples)
     ]
     n = len(prompts)
-    arms = {"adaptive": DEFAULT_ARMS, "adaptive + mirror": (*DEFAULT_ARMS, *MIRROR_ARMS)}
+    arms = {"adaptive": DEFAULT_ARMS, "adaptive + mirror": (*DEFAULT_ARMS, *TAIL_MIRROR_ARMS)}
     engines = {}
     for name, arm_list in arms.items():
         engine = _engine(policy, name, cfg, n, selector=SelectorConfig(arms=arm_list))

@@ -71,6 +71,7 @@ def check_same_vocabulary(target_vocab: int, draft_vocab: int, target_tok=None, 
 
 class SmallLMDrafter(Drafter):
     name = "small_lm"
+    forks_branches = True
 
     def __init__(
         self,
@@ -141,24 +142,24 @@ class SmallLMDrafter(Drafter):
         state (which then holds it), each further branch in a fork of that state that shares the
         blocks below every branch's divergence and copies the one it diverges in; forks are
         dropped afterwards."""
-        firsts: dict[int, DraftRequest] = {}
-        for r in requests:
-            firsts.setdefault(r.seq.seq_id, r)
-        if len(firsts) == len(requests):
-            return self.propose(requests, shape)
         branches_of: dict[int, list[DraftRequest]] = {}
         for r in requests:
             branches_of.setdefault(r.seq.seq_id, []).append(r)
+        if all(len(g) == 1 and not getattr(g[0].seq, "fork", False) for g in branches_of.values()):
+            return self.propose(requests, shape)
         drafted: list[DraftRequest] = []
         forks: list[tuple[int, int]] = []  # (fork id, how many leading blocks it shares with its sequence)
         for seq_id, group in branches_of.items():
             main = self._states.get(seq_id)
-            drafted.append(group[0])
-            if main is None or len(group) == 1:
+            own = next((r for r in group if not getattr(r.seq, "fork", False)), None)
+            if own is not None:
+                drafted.append(own)
+            others = [r for r in group if r is not own]
+            if main is None or not others:
                 continue
             keeps = [min(main.num_cached, r.seq.num_tokens - 1) for r in group]
             shared = min(keeps) // self.block_size
-            for r, keep in zip(group[1:], keeps[1:]):
+            for r, keep in zip(others, [k for r, k in zip(group, keeps) if r is not own]):
                 copies = blocks_for(keep, self.block_size) - shared
                 if copies > self.allocator.num_free:
                     continue  # no room: this branch is not drafted

@@ -50,11 +50,12 @@ class DraftExecutor(ABC):
 
     @abstractmethod
     def start(self, requests: Sequence[DraftRequest], shape: DraftShape) -> None:
-        """Begin drafting ``requests`` (branch views) with ``shape``; returns at once when it overlaps."""
+        """Begin drafting ``requests`` (branch views) with ``shape``, after what earlier calls
+        started; returns at once when it overlaps."""
 
     @abstractmethod
     def finish(self) -> list[DraftTree]:
-        """The drafts of the last :meth:`start`, one per request (waits for them)."""
+        """The drafts of every :meth:`start` since the last finish, in order (waits for them)."""
 
     def refresh(self) -> None:  # noqa: B027 - optional hook
         """Bring the drafter's weights up to date (only an executor holding a copy has work here)."""
@@ -72,7 +73,7 @@ class InlineExecutor(DraftExecutor):
         self._result: list[DraftTree] = []
 
     def start(self, requests: Sequence[DraftRequest], shape: DraftShape) -> None:
-        self._result = self.drafter.propose_branches(requests, shape)
+        self._result += self.drafter.propose_branches(requests, shape)
 
     def finish(self) -> list[DraftTree]:
         out, self._result = self._result, []
@@ -87,7 +88,7 @@ class ThreadExecutor(DraftExecutor):
         super().__init__(drafter)
         self.name = name
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"tailspec-draft-{name}")
-        self._future: Future | None = None
+        self._futures: list[Future] = []
         cuda = device is not None and device.type == "cuda"
         self._device = device if cuda else None
         self._stream = torch.cuda.Stream(device=device) if cuda else None
@@ -95,7 +96,7 @@ class ThreadExecutor(DraftExecutor):
 
     def start(self, requests: Sequence[DraftRequest], shape: DraftShape) -> None:
         if self._stream is None:
-            self._future = self._pool.submit(self.drafter.propose_branches, list(requests), shape)
+            self._futures.append(self._pool.submit(self.drafter.propose_branches, list(requests), shape))
             return
         ready = torch.cuda.current_stream().record_event()
 
@@ -106,16 +107,16 @@ class ThreadExecutor(DraftExecutor):
                 self._done = self._stream.record_event()
             return trees
 
-        self._future = self._pool.submit(run)
+        self._futures.append(self._pool.submit(run))
 
     def finish(self) -> list[DraftTree]:
-        future, self._future = self._future, None
-        if future is None:
-            return []
-        try:
-            trees = future.result()
-        except Exception as e:
-            raise ExecutorError(f"drafting on the {self.name} executor failed: {e}") from e
+        futures, self._futures = self._futures, []
+        trees: list[DraftTree] = []
+        for future in futures:
+            try:
+                trees += future.result()
+            except Exception as e:
+                raise ExecutorError(f"drafting on the {self.name} executor failed: {e}") from e
         if self._done is not None:
             torch.cuda.current_stream().wait_event(self._done)
             self._done = None
@@ -152,7 +153,7 @@ class SeqSnapshot:
 
 def _snapshot(seq: SequenceView) -> SequenceView:
     if isinstance(seq, BranchView):
-        return BranchView(SeqSnapshot.of(seq.seq), seq.extra)
+        return BranchView(SeqSnapshot.of(seq.seq), seq.extra, seq.fork)
     return SeqSnapshot.of(seq)
 
 
@@ -203,8 +204,9 @@ class _RemoteDrafter(Drafter):
 
     name = "remote"
 
-    def __init__(self, executor: ProcessExecutor) -> None:
+    def __init__(self, executor: ProcessExecutor, forks_branches: bool) -> None:
         self._executor = executor
+        self.forks_branches = forks_branches
 
     def propose(self, requests: Sequence[DraftRequest], shape: DraftShape) -> list[DraftTree]:
         self._executor.send("propose", (_snapshots(requests), shape))
@@ -244,7 +246,7 @@ class ProcessExecutor(DraftExecutor):
     ) -> None:
         import torch.multiprocessing as mp
 
-        super().__init__(_RemoteDrafter(self))
+        super().__init__(_RemoteDrafter(self, getattr(source, "forks_branches", False)))
         self._source = source  # the in-process drafter whose weight changes are sent on (``refresh``)
         self._fingerprint = _fingerprint(source)
         ctx = mp.get_context("spawn")
@@ -252,14 +254,14 @@ class ProcessExecutor(DraftExecutor):
         self._process = ctx.Process(target=_serve, args=(build, threads, child), daemon=True, name="tailspec-draft")
         self._process.start()
         child.close()
-        self._pending = False
+        self._pending = 0  # branch calls sent and not yet answered
         if not self._conn.poll(start_timeout_s):
             self.close()
             raise ExecutorError(f"the draft process did not start within {start_timeout_s:.0f} s")
         self.receive()
 
     def send(self, command: str, args: tuple) -> None:
-        if self._pending:
+        if self._pending and command != "branches":
             raise RuntimeError(f"draft executor: {command!r} while branches are being drafted (call finish first)")
         try:
             self._conn.send((command, args))
@@ -287,13 +289,14 @@ class ProcessExecutor(DraftExecutor):
 
     def start(self, requests: Sequence[DraftRequest], shape: DraftShape) -> None:
         self.send("branches", (_snapshots(requests), shape))
-        self._pending = True
+        self._pending += 1
 
     def finish(self) -> list[DraftTree]:
-        if not self._pending:
-            return []
-        self._pending = False
-        return self.receive()
+        trees: list[DraftTree] = []
+        while self._pending:
+            self._pending -= 1
+            trees += self.receive()
+        return trees
 
     def close(self) -> None:
         if self._process.is_alive():

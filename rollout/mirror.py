@@ -33,7 +33,7 @@ from collections.abc import Sequence as Seq
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
-from ..draft_contract import BranchView, Drafter, DraftRequest, DraftTree
+from ..draft_contract import BranchView, Drafter, DraftRequest, DraftShape, DraftTree
 from .draft_executor import DraftExecutor, ExecutorError
 from .early_exit import EarlyExit
 from .kv_cache import BlockAllocator
@@ -92,6 +92,7 @@ class MirrorStats:
     steps: int = 0
     rounds: int = 0  # sequence-rounds run by mirror steps
     ready: int = 0  # ... whose draft was ready (a branch matched)
+    ready_continued: int = 0  # ... of them from the drafter's own continuation
     branches: int = 0  # branches drafted beside the target
     early_exits: int = 0  # verification forwards whose early exit fired
     serial_draft_s: float = 0.0  # drafting left on the critical path (sequences with no ready draft)
@@ -104,6 +105,22 @@ class MirrorStats:
 
     def as_dict(self) -> dict[str, float]:
         return {**self.__dict__, "reuse_rate": self.reuse_rate}
+
+
+@dataclass
+class _Branch:
+    """A branch drafting beside the forward: sequence ``index`` of the batch, the tokens assumed
+    emitted (None for a continuation until its first drafted token is known), and whether the
+    drafter's own state (not a fork) drafts it."""
+
+    index: int
+    assumed: list[int] | None
+    held: bool
+    call: int = 0  # which executor call drafts it
+    continued: bool = False
+
+    def __post_init__(self) -> None:
+        self.continued = self.assumed is None
 
 
 @dataclass
@@ -125,7 +142,7 @@ class MirrorPipeline:
         self._exits: dict[int, EarlyExit] = {}
         self._ready: dict[int, tuple[list[int], DraftTree, Strategy]] = {}  # seq_id -> (tokens it roots after, tree)
         self._held: dict[int, _Held] = {}
-        self._branches: list[tuple[int, list[int]]] = []  # (batch index, assumed tokens) of the running launch
+        self._branches: list[_Branch] = []  # what the executor is drafting, in the order it returns them
         self.stats = MirrorStats()
         self.failed = False
 
@@ -191,9 +208,16 @@ class MirrorPipeline:
     @contextmanager
     def overlap(self, seqs: Seq[Sequence], trees: Seq[DraftTree], strategy: Strategy) -> Iterator[None]:
         """Within the block, the next forward (the verification of ``trees``, packed as
-        ``pack_verify_batch`` lays them out) launches the branches at its early exit."""
+        ``pack_verify_batch`` lays them out) runs beside the drafting of the next round: the
+        drafter's own continuation of each chain starts before it, the early exit's guesses
+        (``k`` of them) at its early exit."""
         self._branches = []
         if self.failed:
+            yield
+            return
+        continued = self._launch_continuations(seqs, trees, strategy) if strategy.shape.is_chain else set()
+        k = strategy.branches
+        if k == 0:
             yield
             return
         rows, owners, offset = [], [], 0
@@ -201,31 +225,48 @@ class MirrorPipeline:
             rows.extend(range(offset, offset + len(tree) + 1))
             owners.append(offset)
             offset += len(tree) + 1
-        k = strategy.branches
         early_exit = self._exits.get(k)
         if early_exit is None:
             early_exit = self._exits[k] = EarlyExit(self._target, self.exit_layer, k)
+        fork = getattr(self.drafter, "forks_branches", False)
 
         def launch(topk: list[list[int]]) -> None:
             self.stats.early_exits += 1
             requests = []
             for i, (seq, tree) in enumerate(zip(seqs, trees)):
                 for assumed in plan_branches(tree, topk[owners[i] : owners[i] + len(tree) + 1], k):
-                    view = BranchView(seq, assumed)
+                    view = BranchView(seq, assumed, fork=fork and i in continued)
                     depth = max_draft_depth(view, strategy.shape)
                     if depth > 0 and not seq.stop_ids.intersection(assumed):
                         requests.append(DraftRequest(view, depth))
-                        self._branches.append((i, assumed))
-            if requests:
-                self.stats.branches += len(requests)
-                self._start(requests, strategy)
+                        self._branches.append(_Branch(i, assumed, held=not view.fork, call=1))
+            self._start(requests, strategy.shape)
 
         with early_exit.tap(rows, launch):
             yield
 
-    def _start(self, requests: list[DraftRequest], strategy: Strategy) -> None:
+    def _launch_continuations(self, seqs: Seq[Sequence], trees: Seq[DraftTree], strategy: Strategy) -> set[int]:
+        """PEARL-style post-verify: assume each chain is accepted whole and let the drafter go on
+        drafting past it, its own next token standing for the bonus token; a branch of its own."""
+        requests, continued = [], set()
+        for i, (seq, tree) in enumerate(zip(seqs, trees)):
+            if not len(tree) or seq.stop_ids.intersection(tree.tokens):
+                continue
+            view = BranchView(seq, tree.tokens)
+            depth = 1 + max_draft_depth(BranchView(seq, [*tree.tokens, 0]), strategy.shape)
+            if depth > 1:
+                requests.append(DraftRequest(view, depth))
+                self._branches.append(_Branch(i, None, held=True))
+                continued.add(i)
+        self._start(requests, DraftShape(strategy.shape.depth + 1))
+        return continued
+
+    def _start(self, requests: list[DraftRequest], shape: DraftShape) -> None:
+        if not requests:
+            return
+        self.stats.branches += len(requests)
         try:
-            self.executor.start(requests, strategy.shape)
+            self.executor.start(requests, shape)
         except ExecutorError as e:
             self._fail(e)
 
@@ -241,18 +282,25 @@ class MirrorPipeline:
             except ExecutorError as e:
                 self._fail(e)
         self.stats.wait_s += time.perf_counter() - start
-        for (i, assumed), tree in zip(self._branches, drafted):
-            seq = seqs[i]
+        forks = getattr(self.drafter, "forks_branches", False)
+        held: dict[int, tuple[int, list[int], DraftTree]] = {}
+        for branch, tree in zip(self._branches, drafted):
+            i, seq = branch.index, seqs[branch.index]
+            if branch.assumed is None:  # a continuation: its first token stands for the bonus token
+                if not len(tree):
+                    continue
+                branch.assumed, tree = [*trees[i].tokens, tree.tokens[0]], _without_first(tree)
             emitted = [seq.token_at(p) for p in range(bases[i], seq.num_tokens)]
-            if assumed == emitted and not seq.done and len(tree):
+            if branch.assumed == emitted and not seq.done and len(tree):
                 self._ready[seq.seq_id] = ([seq.token_at(p) for p in range(seq.num_tokens)], tree, strategy)
-        firsts: dict[int, tuple[list[int], DraftTree]] = {}
-        for (i, assumed), tree in zip(self._branches, drafted):
-            firsts.setdefault(i, (assumed, tree))
-        for i, seq in enumerate(seqs):
-            if i in firsts:  # the drafter now holds the first-listed branch (drafted last)
-                assumed, tree = firsts[i]
-                self._held[seq.seq_id] = _Held(bases[i], assumed + _kept_tokens(tree))
+                if branch.continued:
+                    self.stats.ready_continued += 1
+            # what the drafter's state holds: a forking drafter's first unforked branch of the sequence,
+            # another drafter's first-listed branch (drafted last) of its last call
+            if branch.held and (i not in held or (not forks and held[i][0] < branch.call)):
+                held[i] = (branch.call, branch.assumed, tree)
+        for i, (_, assumed, tree) in held.items():
+            self._held[seqs[i].seq_id] = _Held(bases[i], assumed + _kept_tokens(tree))
         self._branches = []
         self._reconcile([s for s in seqs if not s.done])
 
@@ -269,6 +317,11 @@ class MirrorPipeline:
 
     def close(self) -> None:
         self.executor.close()
+
+
+def _without_first(chain: DraftTree) -> DraftTree:
+    probs = chain.draft_probs[1:] if chain.draft_probs is not None else None
+    return DraftTree.chain(chain.tokens[1:], probs)
 
 
 def _kept_tokens(tree: DraftTree) -> list[int]:

@@ -13,8 +13,9 @@
 ``hybrid:D,K,B``         the same with depth D, K children per node, budget B nodes
 ``mirror:S,k=N``          Mirror-SD: the model drafter's ``S`` (``chain:K`` or ``tree:D,K,B``)
                          drafted serially when needed, and meanwhile the next round's draft
-                         expanded from the target's early-exit top-N candidates, beside the
-                         verification forward (``rollout/mirror.py``; N in [1, 4])
+                         made beside the verification forward: the drafter's own continuation
+                         of a chain, and N guesses from the target's early exit
+                         (``rollout/mirror.py``; N in [0, 4])
 ``adaptive``             a per-step choice among arms (``RolloutConfig.adaptive_arms``)
                          by measured goodput (:mod:`tailspec.rollout.selector`)
 =======================  ===========================================================
@@ -144,7 +145,7 @@ def _parse_mirror(params: str, spec: str) -> Strategy:
     k = _ints(branches, spec)
     if len(k) != 1:
         raise ValueError(f"strategy {spec!r}: k must be one integer; expected {GRAMMAR}")
-    _check("candidates k", k[0], 1, MAX_MIRROR_BRANCHES, spec)
+    _check("candidates k", k[0], 0, MAX_MIRROR_BRANCHES, spec)
     inner = parse_strategy(base) if base.split(":")[0] in ("chain", "tree") else None
     if inner is None or not inner.uses_model_drafter:
         raise ValueError(f"strategy {spec!r}: mirror drafts with 'chain:K' or 'tree:D,K,B'; expected {GRAMMAR}")

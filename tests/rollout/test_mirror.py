@@ -135,13 +135,15 @@ def _assert_same(got, want):
 def test_greedy_mirror_matches_plain_decoding(arch, strategy, drafter, executor):
     prompts = random_prompts(5, seed=len(strategy))
     params = SamplingParams(max_new_tokens=24, temperature=0.0)
-    draft = (good_drafter if drafter == "good" else bad_drafter)(arch)
+    draft = {"good": good_drafter, "bad": bad_drafter, "self": cached_model}[drafter](arch)
     engine = mirror_engine(cached_model(arch), strategy, draft, executor)
     _assert_same(engine.generate(prompts, params), _plain(arch, prompts, params))
     stats = engine.mirror.stats
     assert stats.early_exits > 0 and stats.branches > 0
-    if drafter == "good" and not strategy.endswith("k=1"):
+    if drafter != "bad" and not strategy.endswith("k=1"):
         assert stats.ready > 0  # some rounds ran on a draft made beside the target
+    if drafter == "self":  # the target as its own drafter: every continuation is right
+        assert stats.ready_continued == stats.ready > 0 and stats.early_exits == 0
     assert engine.mirror.drafter.allocator.num_free == engine.mirror.drafter.allocator.num_blocks  # forks freed
     engine.close()
 
@@ -232,7 +234,7 @@ def mirror_joint_counts(strategy: str, kind: str, params: SamplingParams, execut
             block_size=4,
             kv_cache_tokens=n * 16,
         ),
-        drafter=drafter_model(kind),
+        drafter=target() if kind == "target" else drafter_model(kind),
     )
     outs = engine.generate([PROMPT] * n, params.with_updates(max_new_tokens=5, ignore_eos=True))
     assert engine.mirror.stats.ready > 0  # tokens 3-4 often came from a draft made beside the target
@@ -250,8 +252,21 @@ def mirror_joint_counts(strategy: str, kind: str, params: SamplingParams, execut
         ("mirror:tree:2,2,3,k=2", "good", SETTINGS[3], "inline"),
         ("mirror:chain:1,k=2", "bad", SETTINGS[0], "thread"),
         ("mirror:chain:2,k=2", "bad", SETTINGS[2], "process"),
+        ("mirror:chain:1,k=0", "target", SETTINGS[0], "inline"),
+        ("mirror:chain:1,k=0", "good", SETTINGS[3], "inline"),
+        ("mirror:chain:1,k=0", "target", SETTINGS[1], "process"),
     ],
-    ids=["chain-good-T1", "chain-bad-T0.7", "chain-bad-topk", "tree-good-minp", "thread", "process"],
+    ids=[
+        "chain-good-T1",
+        "chain-bad-T0.7",
+        "chain-bad-topk",
+        "tree-good-minp",
+        "thread",
+        "process",
+        "continuation-self-T1",
+        "continuation-good-minp",
+        "continuation-process",
+    ],
 )
 def test_mirror_samples_follow_the_target(strategy, kind, params, executor):
     counts = mirror_joint_counts(strategy, kind, params, executor)

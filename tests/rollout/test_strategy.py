@@ -73,7 +73,7 @@ def test_hybrid_and_adaptive_forms():
             parse_strategy(bad)
 
 
-@pytest.mark.parametrize("spec", ["mirror:chain:4,k=2", "mirror:chain:1,k=1", "mirror:tree:4,2,8,k=4"])
+@pytest.mark.parametrize("spec", ["mirror:chain:4,k=2", "mirror:chain:1,k=0", "mirror:tree:4,2,8,k=4"])
 def test_mirror_strategies_round_trip(spec):
     parsed = parse_strategy(spec)
     assert parsed.mirror and parsed.uses_model_drafter and str(parsed) == spec
@@ -85,7 +85,7 @@ def test_mirror_strategies_round_trip(spec):
     [
         ("mirror:chain:4", "needs its candidates as ',k=N'"),
         ("mirror:suffix:4,k=2", "drafts with 'chain:K' or 'tree:D,K,B'"),
-        ("mirror:chain:4,k=5", r"candidates k must be in \[1, 4\]"),
+        ("mirror:chain:4,k=5", r"candidates k must be in \[0, 4\]"),
         ("mirror:chain:4,k=x", "non-integer"),
         ("mirror:chain:17,k=1", r"K must be in \[1, 16\]"),
     ],
