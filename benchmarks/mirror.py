@@ -24,7 +24,13 @@ from .report import pyplot, save_figure
 logger = logging.getLogger(__name__)
 
 SERIAL_ARMS = ("none", "chain:2", "chain:4", "chain:6", "tree:4,2,8", "suffix", "eagle3 chain:4", "eagle3 chain:6")
-MIRROR_ARMS = ("mirror:chain:4,k=0", "mirror:chain:6,k=0", "mirror:chain:4,k=1", "mirror:chain:6,k=1")
+MIRROR_ARMS = (
+    "mirror:chain:4,k=0",
+    "mirror:chain:6,k=0",
+    "mirror:chain:6,k=1",
+    "eagle3 mirror:chain:4,k=0",
+    "eagle3 mirror:chain:6,k=0",
+)
 TAIL_MIRROR_ARMS = ("mirror:chain:4,k=0", "mirror:chain:6,k=0")
 BASELINE = "chain:4"  # the mirror arms' own serial arm (the drafter LM, chain of 4)
 
@@ -92,7 +98,7 @@ def _engine(policy: BenchPolicy, arm: str, cfg: MirrorBenchConfig, max_num_seqs:
         selector=selector,
         kv_cache_tokens=max(8192, max_num_seqs * (cfg.tail_max_new_tokens + 256)),
         max_num_seqs=max_num_seqs,
-        mirror={"exit_layer": cfg.exit_layer, "executor": "process"},
+        mirror={"exit_layer": cfg.exit_layer},  # auto: the drafter LM in a process, the head in a thread
         seed=cfg.seed,
     )
     return RolloutEngine(policy.model, config, tokenizer=policy.tokenizer, drafter=drafter)
@@ -226,8 +232,9 @@ def mirror_section(result: MirrorResult, plot_name: str) -> str:
     return (
         f"On {result.describe}, chain-sum prompts, T = {c.temperature}, at most {c.max_new_tokens} new tokens, "
         f"{c.prompts} prompts per batch size (batch 1: one by one), {c.passes} interleaved passes; every arm "
-        "its own engine, the target on one torch thread; the mirror arms' draft process (executor `process`) "
-        f"on the second core with one thread of its own. Early exit after layer {c.exit_layer}. Ratios: "
+        "its own engine, the target on one torch thread; the drafter LM's mirror arms draft in a process "
+        "(executor `process`) on the second core with one thread of its own, the EAGLE-3 head's in a thread "
+        "(executor `thread`: it reads the target's features and embeddings in this process). Early exit after layer {c.exit_layer}. Ratios: "
         "medians of same-pass ratios to serial `chain:4` with the drafter LM (spread in brackets). *Draft "
         "share*: the share of a speculative step spent drafting on the critical path; for serial `chain:4` it "
         f"is the bound of what mirror can take off ({bound}). *Reuse*: rounds whose draft was ready (a branch "

@@ -2,13 +2,16 @@
 
 A mirror step (strategy ``mirror:S,k=N``) runs like any speculative step, with two additions:
 
-1. **overlap**: in the verification forward, after ``exit_layer`` layers, the early exit
-   (``rollout/early_exit.py``) gives the target's top candidates at every draft row. From them
-   :func:`plan_branches` makes, per sequence, ``N`` guesses of the tokens the round will emit
-   (the whole draft and a bonus token; with ``N > 1`` also the rejection the early exit
-   predicts, with its correction). The draft executor (``rollout/draft_executor.py``) expands
-   each guess into a branch, a whole draft of shape ``S`` for the sequence as it would then
-   stand, while the target runs its remaining layers.
+1. **overlap**: beside the verification forward the draft executor
+   (``rollout/draft_executor.py``) drafts *branches*, each a whole draft of shape ``S`` for the
+   sequence as it would stand if the round emitted some guessed tokens:
+
+   * from the start of the forward, the drafter's own **continuation** of each chain
+     (PEARL-style post-verify): assume the chain is accepted whole and let the drafter go on, its
+     own next token standing for the target's bonus token;
+   * at the forward's **early exit** (after ``exit_layer`` layers, ``rollout/early_exit.py``)
+     ``N`` more guesses from the target's own top candidates (:func:`plan_branches`: the whole
+     draft plus a bonus candidate, and with ``N > 1`` the rejection the early exit predicts).
 2. **settle**: after verification, a branch whose assumed tokens are exactly the tokens the round
    emitted is the sequence's draft for the next round (no drafting on the critical path then);
    other sequences are drafted serially at the next step, as in a plain ``S`` step.

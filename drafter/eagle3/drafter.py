@@ -61,6 +61,7 @@ class _HeadState:
     pending: list[PendingFeatures] = field(default_factory=list)  # features of positions num_cached .. feature_end-1
     feature_end: int = 0
     blind: bool = False  # missed some features (cannot catch up): no drafts for this sequence
+    last: tuple[torch.Tensor, torch.Tensor] | None = None  # the last catch-up row's (hidden out, logits)
 
 
 class Eagle3Drafter(Drafter):
@@ -134,6 +135,7 @@ class Eagle3Drafter(Drafter):
         if start < state.feature_end:  # recomputed (after a preemption): restart from there
             keep = max(0, start - state.num_cached)
             state.num_cached = min(state.num_cached, start)
+            state.last = None
             state.pending = [gather_pending(state.pending)[:keep]] if keep and state.pending else []
             state.feature_end = start
         if start > state.feature_end:
@@ -207,7 +209,10 @@ class Eagle3Drafter(Drafter):
             state.num_cached, state.pending = state.feature_end, []
         hidden = self.head.project(torch.cat(feats))
         out, logits = self._run(slices, hidden, tokens, positions)
-        return out[last], logits[last]
+        out, logits = out[last], logits[last]
+        for row, seq in enumerate(seqs):
+            self._states[seq.seq_id].last = (out[row], logits[row])
+        return out, logits
 
     # -- drafting ------------------------------------------------------------------------
     def propose(self, requests: Seq[DraftRequest], shape: DraftShape) -> list[DraftTree]:
@@ -238,14 +243,70 @@ class Eagle3Drafter(Drafter):
             trees.update({id(r): t for r, t in zip(live, drafted)})
         return [trees[id(r)] for r in requests]
 
-    def _chain(self, requests: list[DraftRequest], hidden: torch.Tensor, logits: torch.Tensor) -> list[DraftTree]:
+    def propose_branches(self, requests: Seq[DraftRequest], shape: DraftShape) -> list[DraftTree]:
+        """Chains for branch views (Mirror-SD): the sequence plus tokens the target is still
+        verifying. The head has no target features for those, so it runs them as it runs its own
+        drafts (each fed with its own hidden output), then drafts on; what it keeps is unchanged
+        (rows past ``num_cached`` are overwritten at the next catch-up). A sequence appears once
+        per batch (its branches would share the rows); tree shapes get no branch drafts."""
+        out = [DraftTree() for _ in requests]
+        if not shape.is_chain:
+            return out
+        batches: dict[tuple[int, int], list[int]] = {}
+        slot: dict[int, int] = {}
+        for i, r in enumerate(requests):
+            n = slot.get(r.seq.seq_id, 0)
+            slot[r.seq.seq_id] = n + 1
+            batches.setdefault((n, len(r.seq.extra)), []).append(i)
+        was_training = self.head.training
+        self.head.eval()
+        try:
+            with torch.no_grad():
+                for (_, n_extra), index in sorted(batches.items()):
+                    live = [i for i in index if self._can_branch(requests[i], n_extra)]
+                    if live:
+                        for i, tree in zip(live, self._branch_chains([requests[i] for i in live], n_extra)):
+                            out[i] = tree
+        finally:
+            self.head.train(was_training)
+        return out
+
+    def _can_branch(self, request: DraftRequest, n_extra: int) -> bool:
+        state = self._states.get(request.seq.seq_id)
+        base = request.seq.num_tokens - n_extra
+        return (
+            state is not None
+            and not state.blind
+            and state.feature_end == base - 1
+            and (state.feature_end > state.num_cached or state.last is not None)
+            and self._ensure_room(state, request.seq.num_tokens + request.max_depth + 1)
+        )
+
+    def _branch_chains(self, requests: list[DraftRequest], n_extra: int) -> list[DraftTree]:
+        behind = [
+            r.seq for r in requests if self._states[r.seq.seq_id].feature_end > self._states[r.seq.seq_id].num_cached
+        ]
+        if behind:
+            self._catch_up(behind)
+        states = [self._states[r.seq.seq_id] for r in requests]
+        hidden = torch.stack([st.last[0] for st in states])
+        logits = torch.stack([st.last[1] for st in states])
+        for j in range(n_extra):
+            slices = [SequenceSlice(st.block_table, st.num_cached + j, 1) for st in states]
+            feed = [r.seq.extra[j] for r in requests]
+            hidden, logits = self._run(slices, hidden, feed, [st.num_cached + j for st in states])
+        return self._chain(requests, hidden, logits, offset=n_extra)
+
+    def _chain(
+        self, requests: list[DraftRequest], hidden: torch.Tensor, logits: torch.Tensor, offset: int = 0
+    ) -> list[DraftTree]:
         chains = ChainDrafts(requests, self.generator)
         while keep := chains.extend(logits):
             hidden = hidden[keep]
             slices, feed, positions = [], [], []
             for i in chains.active:
                 state = self._states[requests[i].seq.seq_id]
-                position = state.num_cached + len(chains.tokens[i]) - 1
+                position = state.num_cached + offset + len(chains.tokens[i]) - 1
                 slices.append(SequenceSlice(state.block_table, position, 1))
                 feed.append(chains.tokens[i][-1])
                 positions.append(position)

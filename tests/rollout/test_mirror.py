@@ -6,6 +6,7 @@ import pytest
 import torch
 from conftest import cached_model, chi_square_pvalue, random_prompts
 from test_spec_sampling import SETTINGS, V, _processed, drafter_model, target
+from test_spec_sampling import drafter as eagle3_or_model
 
 from tailspec.draft_contract import BranchView, DraftRequest, DraftShape, DraftTree
 from tailspec.drafter.small_lm import SmallLMDrafter
@@ -224,6 +225,10 @@ def exact_joint_of_tokens_3_and_4(params: SamplingParams) -> torch.Tensor:
     return joint.sum((0, 1)).reshape(-1)
 
 
+def eagle3_drafter():
+    return eagle3_or_model("eagle3")
+
+
 def mirror_joint_counts(strategy: str, kind: str, params: SamplingParams, executor: str, n: int = 4000):
     engine = RolloutEngine(
         target(),
@@ -234,7 +239,7 @@ def mirror_joint_counts(strategy: str, kind: str, params: SamplingParams, execut
             block_size=4,
             kv_cache_tokens=n * 16,
         ),
-        drafter=target() if kind == "target" else drafter_model(kind),
+        drafter={"target": target, "eagle3": eagle3_drafter}.get(kind, functools.partial(drafter_model, kind))(),
     )
     outs = engine.generate([PROMPT] * n, params.with_updates(max_new_tokens=5, ignore_eos=True))
     assert engine.mirror.stats.ready > 0  # tokens 3-4 often came from a draft made beside the target
@@ -255,6 +260,8 @@ def mirror_joint_counts(strategy: str, kind: str, params: SamplingParams, execut
         ("mirror:chain:1,k=0", "target", SETTINGS[0], "inline"),
         ("mirror:chain:1,k=0", "good", SETTINGS[3], "inline"),
         ("mirror:chain:1,k=0", "target", SETTINGS[1], "process"),
+        ("mirror:chain:1,k=1", "eagle3", SETTINGS[0], "thread"),
+        ("mirror:chain:1,k=0", "eagle3", SETTINGS[2], "inline"),
     ],
     ids=[
         "chain-good-T1",
@@ -266,6 +273,8 @@ def mirror_joint_counts(strategy: str, kind: str, params: SamplingParams, execut
         "continuation-self-T1",
         "continuation-good-minp",
         "continuation-process",
+        "eagle3-thread",
+        "eagle3-continuation",
     ],
 )
 def test_mirror_samples_follow_the_target(strategy, kind, params, executor):

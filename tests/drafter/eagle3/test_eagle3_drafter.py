@@ -183,3 +183,30 @@ def test_greedy_matches_plain_decoding_through_the_triton_kernels(strategy):
     engine, got = spec(model, trained_head("llama"), strategy, prompts, params, kernels="triton")
     assert_same(got, plain(model, prompts, params))
     assert engine.stats.accepted_tokens > 0
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("strategy", ["mirror:chain:3,k=0", "mirror:chain:4,k=2"])
+@pytest.mark.parametrize("executor", ["inline", "thread"])
+def test_greedy_mirror_with_the_head_matches_plain_decoding(arch, strategy, executor):
+    """The head drafts branches over tokens the target has not verified from its own hidden
+    states; what it keeps is only what real features computed."""
+    model = target(arch)
+    prompts = random_prompts(6, seed=3)
+    params = SamplingParams(max_new_tokens=28, temperature=0.0)
+    drafter = Eagle3Drafter(trained_head(arch), model)
+    config = RolloutConfig(strategy=strategy, mirror={"executor": executor})
+    engine = RolloutEngine(model, config, drafter=drafter)
+    assert_same(engine.generate(prompts, params), plain(model, prompts, params))
+    assert engine.mirror.stats.branches > 0 and engine.mirror.stats.ready > 0
+    engine.close()
+
+
+def test_the_head_cannot_draft_in_another_process():
+    model = target("llama")
+    with pytest.raises(ValueError, match="executor 'process' cannot run the eagle3 drafter"):
+        RolloutEngine(
+            model,
+            RolloutConfig(strategy="mirror:chain:2,k=0", mirror={"executor": "process"}),
+            drafter=Eagle3Drafter(random_head(model), model),
+        )
