@@ -198,8 +198,26 @@ def test_greedy_mirror_with_the_head_matches_plain_decoding(arch, strategy, exec
     config = RolloutConfig(strategy=strategy, mirror={"executor": executor})
     engine = RolloutEngine(model, config, drafter=drafter)
     assert_same(engine.generate(prompts, params), plain(model, prompts, params))
-    assert engine.mirror.stats.branches > 0 and engine.mirror.stats.ready > 0
+    assert engine.mirror.stats.branches > 0
     engine.close()
+
+
+def test_a_branch_over_the_head_s_own_draft_continues_that_draft():
+    """Over tokens with no target features the head feeds its own hidden outputs, exactly as it
+    drafts: a branch assuming its first 3 drafted tokens continues the same greedy chain."""
+    from tailspec.draft_contract import BranchView, DraftRequest, DraftShape
+
+    model = target("qwen2")
+    drafter = Eagle3Drafter(random_head(model), model)
+    engine = RolloutEngine(model, RolloutConfig(), drafter=drafter)
+    rid = engine.add_request(random_prompts(1, seed=4)[0], SamplingParams(max_new_tokens=20, temperature=0.0))
+    engine.step()  # the prefill: the drafter observes the prompt's features
+    engine.step()  # one decode step: more features, one more token
+    seq = engine._seqs[rid]
+    with torch.no_grad():
+        whole = drafter.propose([DraftRequest(seq, 7)], DraftShape(7))[0].tokens
+        branch = drafter.propose_branches([DraftRequest(BranchView(seq, whole[:3]), 4)], DraftShape(4))[0].tokens
+    assert len(whole) == 7 and branch == whole[3:]
 
 
 def test_the_head_cannot_draft_in_another_process():
