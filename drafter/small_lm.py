@@ -185,8 +185,12 @@ class SmallLMDrafter(Drafter):
         and weights; no state): what a draft executor in another process runs
         (``rollout/draft_executor.py``, which sends later weight changes with ``load_weights``)."""
         kv_tokens = self.runner.cache.allocator.num_blocks * self.block_size
-        model = (type(self.model), self.model.config, weights_bytes(self.model), self.runner.dtype)
-        return partial(_rebuilt, model, kv_tokens, self.block_size, self.seed, self.target_vocab)
+        structure, weights = self.model_structure(), weights_bytes(self.model)
+        return partial(_rebuilt, structure, weights, kv_tokens, self.block_size, self.seed, self.target_vocab)
+
+    def model_structure(self) -> Callable[[], torch.nn.Module]:
+        """A picklable builder of an untrained model shaped like this drafter's (its weights load into it)."""
+        return partial(_model_of, type(self.model), self.model.config, self.runner.dtype)
 
     def load_weights(self, data: bytes) -> None:
         """Replace the model's weights with :func:`weights_bytes` of another copy."""
@@ -306,10 +310,20 @@ def weights_bytes(model: torch.nn.Module) -> bytes:
     return buffer.getvalue()
 
 
-def _rebuilt(model_spec, kv_cache_tokens: int, block_size: int, seed: int, target_vocab: int) -> SmallLMDrafter:
-    cls, config, data, dtype = model_spec
-    model = cls(config).to(dtype).eval()
-    model.load_state_dict(torch.load(io.BytesIO(data)))
+def _model_of(cls: type, config, dtype: torch.dtype) -> torch.nn.Module:
+    return cls(config).to(dtype)
+
+
+def _rebuilt(
+    structure: Callable[[], torch.nn.Module],
+    weights: bytes,
+    kv_cache_tokens: int,
+    block_size: int,
+    seed: int,
+    target_vocab: int,
+) -> SmallLMDrafter:
+    model = structure().eval()
+    model.load_state_dict(torch.load(io.BytesIO(weights)))
     drafter = SmallLMDrafter(model, kv_cache_tokens=kv_cache_tokens, block_size=block_size, seed=seed)
     drafter.target_vocab = target_vocab
     return drafter

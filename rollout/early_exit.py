@@ -26,11 +26,11 @@ def final_norm(model: torch.nn.Module) -> torch.nn.Module:
     return norm
 
 
-def check_exit_layer(model: torch.nn.Module, layer: int) -> int:
+def check_exit_layer(model: torch.nn.Module, layer: int, name: str = "mirror exit_layer") -> int:
     """``layer`` (the number of decoder layers run before the exit) if it is in ``[1, N - 1]``."""
     n = len(decoder_layers(model))
-    if not (isinstance(layer, int) and 1 <= layer <= n - 1):
-        raise ValueError(f"mirror exit_layer must be an int in [1, {n - 1}] for this {n}-layer model, got {layer!r}")
+    if not (isinstance(layer, int) and not isinstance(layer, bool) and 1 <= layer <= n - 1):
+        raise ValueError(f"{name} must be an int in [1, {n - 1}] for this {n}-layer model, got {layer!r}")
     return layer
 
 

@@ -1,0 +1,152 @@
+"""A self-speculative drafter (Kangaroo / LayerSkip style): the policy's own first ``L`` decoder
+layers, its final norm and LM head, and optionally a small adapter in front of the norm, drafting
+with a paged KV cache of its own (``L`` layers deep).
+
+Its weights *are* the policy's (the same tensors, not copies): as RL moves the policy the drafter
+moves with it, so it cannot go stale the way a separately trained head does. What it can lose is
+the agreement between its early exit and the full model, which :class:`ExitAdapter` (trained by
+:func:`fit_adapter` on the target's own outputs) is there to recover.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from collections.abc import Sequence
+from functools import partial
+
+import torch
+from torch import nn
+
+from ..rollout.early_exit import check_exit_layer, final_norm
+from ..rollout.model_runner import capture_layer_inputs
+from .small_lm import SmallLMDrafter
+
+logger = logging.getLogger(__name__)
+
+
+class ExitAdapter(nn.Module):
+    """A residual bottleneck MLP on the hidden state after layer ``L``; zero-initialised, so an
+    untrained adapter is the identity."""
+
+    def __init__(self, hidden_size: int, rank: int = 64) -> None:
+        super().__init__()
+        if not (isinstance(rank, int) and 1 <= rank <= hidden_size):
+            raise ValueError(f"adapter rank must be an int in [1, {hidden_size}], got {rank!r}")
+        self.down = nn.Linear(hidden_size, rank, bias=False)
+        self.up = nn.Linear(rank, hidden_size, bias=False)
+        nn.init.zeros_(self.up.weight)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return hidden + self.up(nn.functional.silu(self.down(hidden)))
+
+
+class _AdaptedNorm(nn.Module):
+    """The adapter, then the target's final norm (what the shallow model applies after layer ``L``)."""
+
+    def __init__(self, adapter: ExitAdapter, norm: nn.Module) -> None:
+        super().__init__()
+        self.adapter = adapter
+        self.norm = norm
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.norm(self.adapter(hidden))
+
+
+def shallow_model(target: nn.Module, num_layers: int, adapter: ExitAdapter | None = None) -> nn.Module:
+    """A causal LM of ``target``'s class whose embeddings, first ``num_layers`` decoder layers,
+    final norm and LM head are ``target``'s own modules (shared, not copied)."""
+    check_exit_layer(target, num_layers, "self-speculative num_layers")
+    config = copy.deepcopy(target.config)
+    config.num_hidden_layers = num_layers
+    if getattr(config, "layer_types", None) is not None:
+        config.layer_types = list(config.layer_types[:num_layers])
+    with torch.device("meta"):
+        shallow = type(target)(config)
+    source, decoder = target.get_decoder(), shallow.get_decoder()
+    decoder.embed_tokens = source.embed_tokens
+    decoder.layers = nn.ModuleList(list(source.layers[:num_layers]))
+    decoder.norm = final_norm(target) if adapter is None else _AdaptedNorm(adapter, final_norm(target))
+    if hasattr(source, "rotary_emb"):
+        decoder.rotary_emb = source.rotary_emb
+    shallow.lm_head = target.get_output_embeddings()
+    left = [n for n, t in [*shallow.named_parameters(), *shallow.named_buffers()] if t.is_meta]
+    if left:
+        raise ValueError(f"cannot build a shallow {type(target).__name__}: {left[:3]} not shared with the target")
+    return shallow.train(target.training)
+
+
+class SelfSpecDrafter(SmallLMDrafter):
+    """Drafts with ``target``'s first ``num_layers`` layers (plus ``adapter`` when given)."""
+
+    name = "self_spec"
+
+    def __init__(self, target: nn.Module, num_layers: int, *, adapter: ExitAdapter | None = None, **kwargs) -> None:
+        self.num_layers = num_layers
+        self.adapter = adapter
+        super().__init__(shallow_model(target, num_layers, adapter), **kwargs)
+
+    def model_structure(self):
+        rank = self.adapter.down.out_features if self.adapter is not None else None
+        return partial(_shallow_structure, type(self.model), self.model.config, self.runner.dtype, rank)
+
+
+def _shallow_structure(cls: type, config, dtype: torch.dtype, adapter_rank: int | None) -> nn.Module:
+    """An untrained model shaped like a shallow model (and its adapter): a draft process's copy."""
+    model = cls(config)
+    if adapter_rank is not None:
+        model.get_decoder().norm = _AdaptedNorm(ExitAdapter(config.hidden_size, adapter_rank), model.get_decoder().norm)
+    return model.to(dtype)
+
+
+def fit_adapter(
+    target: nn.Module,
+    adapter: ExitAdapter,
+    sequences: Sequence[Sequence[int]],
+    num_layers: int,
+    *,
+    steps: int = 100,
+    lr: float = 1e-3,
+    batch_size: int = 8,
+    seed: int = 0,
+) -> list[float]:
+    """Train ``adapter`` so that the early exit after ``num_layers`` layers matches the target's
+    own next-token distribution over ``sequences`` (KL to the full model's softmax, every
+    position); the target is not changed. Returns the loss per step."""
+    if not sequences:
+        raise ValueError("fit_adapter needs at least one sequence")
+    check_exit_layer(target, num_layers)
+    norm, head = final_norm(target), target.get_output_embeddings()
+    device = next(target.parameters()).device
+    hiddens, teachers = [], []
+    was_training = target.training
+    target.eval()
+    try:
+        with torch.no_grad(), capture_layer_inputs(target, [num_layers]) as captured:
+            for tokens in sequences:
+                ids = torch.tensor([list(tokens)], dtype=torch.long, device=device)
+                teachers.append(torch.log_softmax(target(input_ids=ids).logits[0].float(), dim=-1))
+                hiddens.append(captured[num_layers][0].detach())
+    finally:
+        target.train(was_training)
+    hidden, teacher = torch.cat(hiddens), torch.cat(teachers)
+    optimizer = torch.optim.AdamW(adapter.parameters(), lr=lr)
+    generator = torch.Generator().manual_seed(seed)
+    rows = batch_size * 32
+    losses = []
+    frozen = [(p, p.requires_grad) for p in [*norm.parameters(), *head.parameters()]]
+    for p, _ in frozen:  # gradients flow through the target's norm and head, never into them
+        p.requires_grad_(False)
+    try:
+        for _ in range(steps):
+            pick = torch.randint(0, hidden.shape[0], (min(rows, hidden.shape[0]),), generator=generator)
+            student = torch.log_softmax(head(norm(adapter(hidden[pick].to(device)))).float(), dim=-1)
+            loss = nn.functional.kl_div(student, teacher[pick], log_target=True, reduction="batchmean")
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            losses.append(float(loss.detach()))
+    finally:
+        for p, flag in frozen:
+            p.requires_grad_(flag)
+    return losses
