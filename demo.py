@@ -43,7 +43,9 @@ class DemoConfig:
     wandb: bool = True
     wandb_project: str = "tailspec-demo"
     strategy: str = "chain:4"  # none | chain:K | tree:D,K,B | suffix[:...]; chain/tree use `drafter`
-    drafter: str = "eagle3"  # eagle3: the shipped EAGLE-3 head, trained online | small_lm: the shipped drafter LM
+    # eagle3: the shipped EAGLE-3 head, trained online | small_lm: the shipped drafter LM |
+    # self:L: the policy's own first L layers (self-speculative: moves with the policy, never trained)
+    drafter: str = "eagle3"
     drafter_train_steps: int = 8  # in-process EAGLE-3 training steps after every rollout (workers = 0)
     # Ray rollout workers: 0 = the in-process engine; N = N engines in Ray actors (a local Ray unless
     # ray_address / RAY_ADDRESS names a cluster), the EAGLE-3 head trained on workers idle in the tail
@@ -88,8 +90,8 @@ class DemoConfig:
                     f"is set, got {self.prompts_per_step}"
                 )
         parse_strategy(self.strategy)  # raises ValueError naming the field
-        if self.drafter not in ("eagle3", "small_lm"):
-            raise ValueError(f"drafter must be 'eagle3' or 'small_lm', got {self.drafter!r}")
+        if self.drafter not in ("eagle3", "small_lm") and not _is_self_drafter(self.drafter):
+            raise ValueError(f"drafter must be 'eagle3', 'small_lm' or 'self:L', got {self.drafter!r}")
         if not (isinstance(self.drafter_train_steps, int) and self.drafter_train_steps >= 0):
             raise ValueError(f"drafter_train_steps must be an int >= 0, got {self.drafter_train_steps!r}")
         if not (isinstance(self.workers, int) and self.workers >= 0):
@@ -170,6 +172,11 @@ def _quiet_progress():
     return QuietProgress
 
 
+def _is_self_drafter(name: str) -> bool:
+    kind, _, layers = str(name).partition(":")
+    return kind == "self" and layers.isdigit() and int(layers) >= 1
+
+
 def _make_rollout(cfg: DemoConfig, head=None):
     from .drafter.eagle3.train import DrafterTrainingConfig
     from .tasks.sft import load_shipped, load_shipped_eagle3
@@ -190,6 +197,8 @@ def _make_rollout(cfg: DemoConfig, head=None):
         return SpecRollout(strategy=cfg.strategy, **placement)
     if cfg.drafter == "small_lm":
         return SpecRollout(strategy=cfg.strategy, drafter=load_shipped(cfg.policy, "drafter")[0], **placement)
+    if _is_self_drafter(cfg.drafter):
+        return SpecRollout(strategy=cfg.strategy, drafter=cfg.drafter, **placement)
     # Spot training is stopped between steps when the rollout ends, so one step is the longest it
     # can hold a worker up: smaller steps there (~0.3 s on a 2-core CPU instead of ~0.8 s), and a
     # lower learning rate, as they continue from an already warmed-up head.

@@ -1,6 +1,7 @@
 """Does the drafter keep up with a moving policy? GRPO on the deep policy with the EAGLE-3 head,
-four arms with the same seeds: the head frozen, trained by spot training on idle Ray workers,
-trained from the trainer's own loss forwards (``DrafterFromTrainer``), and both. Per RL step: the
+five arms with the same seeds: the head frozen, trained by spot training on idle Ray workers,
+trained from the trainer's own loss forwards (``DrafterFromTrainer``), both, and no head at all but
+the policy's own first layers (a self-speculative drafter, which moves with the policy). Per RL step: the
 mean accept length of the rollout, its time, and how far the policy has moved (the share of probe
 prompts whose greedy completion differs from the starting policy's, and the share of their
 tokens that differ).
@@ -30,6 +31,8 @@ ARMS = {
     "spot training": dict(spot_training=True, drafter_from_trainer=0),
     "DrafterFromTrainer": dict(spot_training=False, drafter_from_trainer=4),
     "both": dict(spot_training=True, drafter_from_trainer=4),
+    # the policy's own first layers (7 of the deep policy's 24: where its early exit first agrees 70%)
+    "self-speculative": dict(spot_training=False, drafter_from_trainer=0, drafter="self:{layers}"),
 }
 
 
@@ -97,6 +100,7 @@ def measure_drift(cfg: DriftBenchConfig) -> list[DriftRun]:
     model, tokenizer = load_shipped(cfg.policy, "policy")
     probes = [list(p) for p in task_prompts(tokenizer, cfg.probes, seed=cfg.seed + 4242)]
     eos = sorted(eos_ids_of(model, tokenizer))
+    self_layers = max(1, model.config.num_hidden_layers * 7 // 24)
     del model
     base = DemoConfig(
         policy=cfg.policy,
@@ -119,7 +123,8 @@ def measure_drift(cfg: DriftBenchConfig) -> list[DriftRun]:
     for arm in cfg.arms:
         drift = PolicyDrift(probes, eos, cfg.probe_tokens)
         with torch.random.fork_rng():
-            _, rollout = run_demo_with_rollout(dataclasses.replace(base, **ARMS[arm]), callbacks=[drift])
+            settings = {k: v.format(layers=self_layers) if k == "drafter" else v for k, v in ARMS[arm].items()}
+            _, rollout = run_demo_with_rollout(dataclasses.replace(base, **settings), callbacks=[drift])
         history = rollout.history
         runs.append(
             DriftRun(
@@ -186,7 +191,10 @@ def drift_section(runs: list[DriftRun], cfg: DriftBenchConfig, plot_name: str) -
         f"at most {cfg.max_completion_length} tokens), 2 Ray workers, `chain:4` drafts from the shipped "
         "EAGLE-3 head, the same seeds in every arm: the head *frozen*; trained by *spot training* on "
         "workers idle in the tail; trained by *DrafterFromTrainer* on the trainer's loss forwards (4 steps "
-        "after every optimizer step, published to the workers); *both*. The policy's move: the greedy "
+        "after every optimizer step, published to the workers); *both*; and *self-speculative*: no head, the "
+        "policy's own first layers (7 of 24 on the deep policy; its final norm and LM head, no adapter) as "
+        "the drafter, which moves with the policy and is never trained (Mirror-SD issue, item 5). "
+        "The policy's move: the greedy "
         f"completions of {cfg.probes} held-out probe prompts ({cfg.probe_tokens} tokens) after each step against "
         "the starting policy's. The format-shift part of this benchmark is not built yet.\n\n"
         f"{drift_table(runs)}\n\n![drift]({plot_name})"

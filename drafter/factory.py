@@ -14,10 +14,18 @@ from ..draft_contract import Drafter, DrafterSet
 
 def as_drafter(drafter: Any, target: torch.nn.Module, config: Any) -> Drafter:
     """``drafter`` as a :class:`Drafter`: an ``Eagle3Head`` drafts from ``target``'s features, any
-    other ``torch.nn.Module`` is a small LM with its own paged KV cache."""
+    other ``torch.nn.Module`` is a small LM with its own paged KV cache, ``"self:L"`` the target's
+    own first L layers (a self-speculative drafter)."""
     kv_tokens = config.draft_kv_cache_tokens or config.kv_cache_tokens
     if isinstance(drafter, Drafter):
         return drafter
+    if isinstance(drafter, str):
+        from .self_spec import SelfSpecDrafter
+
+        layers = parse_self_drafter(drafter)
+        return SelfSpecDrafter(
+            target, layers, kv_cache_tokens=kv_tokens, block_size=config.block_size, seed=config.seed
+        )
     from .eagle3 import Eagle3Drafter, Eagle3Head
 
     if isinstance(drafter, Eagle3Head):
@@ -27,6 +35,17 @@ def as_drafter(drafter: Any, target: torch.nn.Module, config: Any) -> Drafter:
 
         return SmallLMDrafter(drafter, kv_cache_tokens=kv_tokens, block_size=config.block_size, seed=config.seed)
     raise ValueError(f"drafter must be a tailspec Drafter or a torch.nn.Module, got {type(drafter).__name__}")
+
+
+def parse_self_drafter(spec: str) -> int:
+    """The layer count of a self-speculative drafter named ``"self:L"`` (the policy's first L layers)."""
+    kind, _, layers = spec.partition(":")
+    if kind != "self" or not layers.isdigit():
+        raise ValueError(
+            f"drafter {spec!r}: a drafter given by name must be 'self:L' (the policy's own first L layers); "
+            "otherwise pass a Drafter, an EAGLE-3 head or a smaller Hugging Face causal LM"
+        )
+    return int(layers)
 
 
 def build_drafters(
