@@ -30,6 +30,7 @@ MIRROR_ARMS = (
     "mirror:chain:6,k=1",
     "eagle3 mirror:chain:4,k=0",
     "eagle3 mirror:chain:6,k=0",
+    "mirror:chain:4,k=0 @ray",  # the draft host a Ray actor (here on this machine's spare core)
 )
 TAIL_MIRROR_ARMS = ("mirror:chain:4,k=0", "mirror:chain:6,k=0")
 BASELINE = "chain:4"  # the mirror arms' own serial arm (the drafter LM, chain of 4)
@@ -89,16 +90,19 @@ class MirrorResult:
     agreement: dict[int, dict[int, float]]
     arms: list[ArmResult]
     tail: list[ArmResult]
+    round_trip_ms: dict[str, float] = field(default_factory=dict)  # per draft host: an empty command there and back
 
 
 def _engine(policy: BenchPolicy, arm: str, cfg: MirrorBenchConfig, max_num_seqs: int, selector=None):
     drafter = policy.head if arm.startswith("eagle3") else policy.drafter_lm
+    strategy, _, host = arm.removeprefix("eagle3 ").partition(" @")
     config = RolloutConfig(
-        strategy="adaptive" if selector is not None else arm.removeprefix("eagle3 "),
+        strategy="adaptive" if selector is not None else strategy,
         selector=selector,
         kv_cache_tokens=max(8192, max_num_seqs * (cfg.tail_max_new_tokens + 256)),
         max_num_seqs=max_num_seqs,
-        mirror={"exit_layer": cfg.exit_layer},  # auto: the drafter LM in a process, the head in a thread
+        # auto: the drafter LM in a process, the head in a thread; "@ray": a Ray actor
+        mirror={"exit_layer": cfg.exit_layer, "executor": host or "auto"},
         seed=cfg.seed,
     )
     return RolloutEngine(policy.model, config, tokenizer=policy.tokenizer, drafter=drafter)
@@ -123,6 +127,17 @@ def _passes(engines: dict[str, RolloutEngine], results: dict[str, ArmResult], ru
             r.ratios.append((r.tokens[-1] / r.seconds[-1]) / (base.tokens[-1] / base.seconds[-1]))
 
 
+def _round_trips(engines: dict[str, RolloutEngine]) -> dict[str, float]:
+    from ..rollout.draft_executor import round_trip_s
+
+    out = {}
+    for engine in engines.values():
+        executor = engine.mirror.executor if engine.mirror is not None else None
+        if executor is not None and hasattr(executor, "call") and executor.name not in out:
+            out[executor.name] = 1e3 * round_trip_s(executor)
+    return out
+
+
 def _finish(engine: RolloutEngine, result: ArmResult) -> None:
     st = engine.stats
     if st.spec_steps:
@@ -143,6 +158,17 @@ def measure_mirror(cfg: MirrorBenchConfig) -> MirrorResult:
     policy = BenchPolicy.load(cfg.policy)
     params = SamplingParams(temperature=cfg.temperature, max_new_tokens=cfg.max_new_tokens)
     prompts = task_prompts(policy.tokenizer, cfg.prompts, cfg.seed)
+    import ray
+
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        return _measure(policy, cfg, params, prompts)
+    finally:
+        ray.shutdown()
+
+
+def _measure(policy: BenchPolicy, cfg: MirrorBenchConfig, params: SamplingParams, prompts) -> MirrorResult:
+    round_trips: dict[str, float] = {}
     with torch_threads(1):
         plain = RolloutEngine(policy.model, RolloutConfig(kv_cache_tokens=8192), tokenizer=policy.tokenizer)
         outs = plain.generate(prompts[:8], params.with_updates(temperature=0.0))
@@ -155,11 +181,12 @@ def measure_mirror(cfg: MirrorBenchConfig) -> MirrorResult:
             engines = {a: _engine(policy, a, cfg, batch) for a in names}
             results = {a: ArmResult(a, batch) for a in names}
             _passes(engines, results, lambda e, b=batch: _run(e, prompts, b, params), cfg.passes, BASELINE)
+            round_trips = round_trips or _round_trips(engines)
             for a in names:
                 _finish(engines[a], results[a])
             arms.extend(results.values())
         tail = _measure_tail(policy, cfg)
-    return MirrorResult(cfg, policy.describe(), agreement, arms, tail)
+    return MirrorResult(cfg, policy.describe(), agreement, arms, tail, round_trips)
 
 
 def _measure_tail(policy: BenchPolicy, cfg: MirrorBenchConfig) -> list[ArmResult]:
@@ -198,6 +225,20 @@ def mirror_table(result: MirrorResult) -> str:
             else f"| {r.batch} | {r.arm} | {r.tok_s:.0f} | {r.ratio:.2f}x{spread} | {r.draft_share:.0%} | | | |"
         )
     return "\n".join(lines)
+
+
+def channel_line(result: MirrorResult) -> str:
+    """The draft hosts' round trips against what a batch-1 round costs."""
+    none = next((r for r in result.arms if r.arm == "none" and r.batch == 1), None)
+    forward = f"{1e3 / none.tok_s:.1f} ms" if none is not None else "n/a"
+    trips = ", ".join(f"{name} {ms:.2f} ms" for name, ms in result.round_trip_ms.items()) or "n/a"
+    return (
+        f"**Draft hosts**: an empty command there and back (median of 200): {trips}; one target decode "
+        f"step at batch 1 takes {forward}. A mirror step sends one request before its forward and "
+        "collects the drafts after it, so the channel costs about one round trip per step; the `@ray` "
+        "arm above is the same continuation drafted by a Ray actor (here on this machine: a finished "
+        "worker's spare CPU or GPU elsewhere in the cluster would be reached the same way)."
+    )
 
 
 def agreement_table(result: MirrorResult) -> str:
@@ -242,6 +283,7 @@ def mirror_section(result: MirrorResult, plot_name: str) -> str:
         "matched). *Serial draft ms/step*: drafting left on the critical path per mirror step; *wait*: time "
         "the step waited for the draft process after verification.\n\n"
         f"{mirror_table(result)}\n\n![mirror]({plot_name})\n\n"
+        f"{channel_line(result)}\n\n"
         "Early exit (the target's own final norm and LM head after layer L, no adapter): how often the "
         "target's next token is in its top k, over greedy completions.\n\n"
         f"{agreement_table(result)}"

@@ -13,9 +13,11 @@ forward. Only tokens, sampling parameters and the drafted trees cross; never KV.
              target's GPU
 ``device``   a worker thread driving a drafter that lives on another device (e.g. the GPU of a
              Ray worker that has finished its rollout), on that device's own stream
-``process``  a child process with its own torch threads, holding its own copy of the drafter's
-             state (weights shared through shared memory): on CPU the draft really runs on a
-             spare core
+``process``  a child process with its own torch threads, holding its own copy of the drafter
+             (weights sent as bytes, again whenever they change): on CPU the draft really runs
+             on a spare core
+``ray``      a Ray actor anywhere on the cluster holding its own copy of the drafter: another
+             machine's idle CPU or GPU (round trips cost more: ``round_trip_s``)
 ===========  =================================================================================
 """
 
@@ -34,7 +36,7 @@ from ..draft_contract import BranchView, Drafter, DraftRequest, DraftShape, Draf
 
 logger = logging.getLogger(__name__)
 
-EXECUTORS = ("auto", "inline", "thread", "stream", "device", "process")
+EXECUTORS = ("auto", "inline", "thread", "stream", "device", "process", "ray")
 
 
 class ExecutorError(RuntimeError):
@@ -161,11 +163,40 @@ def _snapshots(requests: Sequence[DraftRequest]) -> list[tuple[SequenceView, int
     return [(_snapshot(r.seq), r.max_depth) for r in requests]
 
 
+_ANSWERED = ("propose", "branches", "ping")
+
+
+class DrafterHost:
+    """A drafter answering commands in the order they come: what runs in a draft process or in
+    a Ray actor. ``propose``/``branches`` return the drafts, ``ping`` None (a round trip of the
+    channel); the other commands are the drafter's own calls and return nothing."""
+
+    def __init__(self, build: Callable[[], Drafter], threads: int | None = None) -> None:
+        if threads:
+            torch.set_num_threads(threads)
+        self.drafter = build()
+
+    def handle(self, command: str, args: tuple):
+        if command in ("propose", "branches"):
+            snaps, shape = args
+            requests = [DraftRequest(s, depth) for s, depth in snaps]
+            method = self.drafter.propose if command == "propose" else self.drafter.propose_branches
+            return [DraftTree(t.tokens, t.parents, t.draft_probs) for t in method(requests, shape)]
+        if command == "ping":
+            return None
+        if command == "weights":
+            self.drafter.load_weights(*args)
+        elif command in ("accepted", "truncate", "release", "finished"):
+            getattr(self.drafter, command)(*args)
+        else:
+            raise ValueError(f"unknown draft command {command!r}")
+        return None
+
+
 def _serve(build: Callable[[], Drafter], threads: int, conn) -> None:
     """The child's loop: build the drafter, then answer the parent's commands in order."""
-    torch.set_num_threads(threads)
     try:
-        drafter = build()
+        host = DrafterHost(build, threads)
     except Exception:
         conn.send(("error", traceback.format_exc()))
         return
@@ -178,39 +209,25 @@ def _serve(build: Callable[[], Drafter], threads: int, conn) -> None:
         if command == "close":
             return
         try:
-            if command in ("propose", "branches"):
-                snaps, shape = args
-                requests = [DraftRequest(s, depth) for s, depth in snaps]
-                method = drafter.propose if command == "propose" else drafter.propose_branches
-                result = method(requests, shape)
-                conn.send(("ok", [DraftTree(t.tokens, t.parents, t.draft_probs) for t in result]))
-            elif command == "accepted":
-                drafter.accepted(*args)
-            elif command == "truncate":
-                drafter.truncate(*args)
-            elif command == "weights":
-                drafter.load_weights(*args)
-            elif command == "release":
-                drafter.release(*args)
-            elif command == "finished":
-                drafter.finished(*args)
+            result = host.handle(command, args)
+            if command in _ANSWERED:
+                conn.send(("ok", result))
         except Exception:
             conn.send(("error", traceback.format_exc()))
 
 
 class _RemoteDrafter(Drafter):
-    """The engine's handle on the drafter in the child process: propose waits for the answer,
-    the other calls are sent in order and not waited for."""
+    """The engine's handle on a drafter across a boundary (``executor.call`` waits for the
+    answer, ``executor.tell`` sends in order and does not wait)."""
 
     name = "remote"
 
-    def __init__(self, executor: ProcessExecutor, forks_branches: bool) -> None:
+    def __init__(self, executor, forks_branches: bool) -> None:
         self._executor = executor
         self.forks_branches = forks_branches
 
     def propose(self, requests: Sequence[DraftRequest], shape: DraftShape) -> list[DraftTree]:
-        self._executor.send("propose", (_snapshots(requests), shape))
-        return self._executor.receive()
+        return self._executor.call("propose", (_snapshots(requests), shape))
 
     def accepted(self, seq: SequenceView, num_accepted: int) -> None:
         self._tell("accepted", (SeqSnapshot.of(seq), num_accepted))
@@ -225,11 +242,24 @@ class _RemoteDrafter(Drafter):
         self._tell("finished", (SeqSnapshot.of(seq),))
 
     def _tell(self, command: str, args: tuple) -> None:
-        """A call nothing waits for: lost with a dead process, whose failure the next proposal reports."""
+        """A call nothing waits for: lost with a dead host, whose failure the next proposal reports."""
         try:
-            self._executor.send(command, args)
+            self._executor.tell(command, args)
         except ExecutorError:
-            logger.debug("draft process gone: %s not delivered", command)
+            logger.debug("draft host gone: %s not delivered", command)
+
+
+def round_trip_s(executor: DraftExecutor, repeats: int = 200) -> float:
+    """Median seconds of one empty command there and back over ``executor``'s channel."""
+    import statistics
+    import time
+
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        executor.call("ping", ())
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
 
 
 class ProcessExecutor(DraftExecutor):
@@ -260,6 +290,13 @@ class ProcessExecutor(DraftExecutor):
             raise ExecutorError(f"the draft process did not start within {start_timeout_s:.0f} s")
         self.receive()
 
+    def call(self, command: str, args: tuple):
+        self.send(command, args)
+        return self.receive()
+
+    def tell(self, command: str, args: tuple) -> None:
+        self.send(command, args)
+
     def send(self, command: str, args: tuple) -> None:
         if self._pending and command != "branches":
             raise RuntimeError(f"draft executor: {command!r} while branches are being drafted (call finish first)")
@@ -284,7 +321,7 @@ class ProcessExecutor(DraftExecutor):
         if fingerprint != self._fingerprint:
             from ..drafter.small_lm import weights_bytes
 
-            self.send("weights", (weights_bytes(self._source.model),))
+            self.tell("weights", (weights_bytes(self._source.model),))
             self._fingerprint = fingerprint
 
     def start(self, requests: Sequence[DraftRequest], shape: DraftShape) -> None:
@@ -308,6 +345,72 @@ class ProcessExecutor(DraftExecutor):
             if self._process.is_alive():
                 self._process.kill()
         self._conn.close()
+
+
+class RayExecutor(DraftExecutor):
+    """A Ray actor running ``build()``'s drafter (on any node of the cluster with ``threads`` free
+    CPUs, or ``num_gpus``): the same commands as the draft process, as actor calls (Ray keeps one
+    caller's calls to an actor in order)."""
+
+    name = "ray"
+
+    def __init__(
+        self,
+        build: Callable[[], Drafter],
+        threads: int = 1,
+        source: Drafter | None = None,
+        num_gpus: float = 0,
+        start_timeout_s: float = 300.0,
+    ) -> None:
+        import ray
+
+        if not ray.is_initialized():
+            raise ValueError("mirror executor 'ray' needs a running Ray (ray.init(...) or a cluster address)")
+        super().__init__(_RemoteDrafter(self, getattr(source, "forks_branches", False)))
+        self._ray = ray
+        self._source = source
+        self._fingerprint = _fingerprint(source)
+        host = ray.remote(num_cpus=threads, num_gpus=num_gpus, max_concurrency=1)(DrafterHost)
+        self._actor = host.remote(build, threads)
+        self._pending: list = []
+        try:
+            ray.get(self._actor.handle.remote("ping", ()), timeout=start_timeout_s)
+        except Exception as e:
+            self.close()
+            raise ExecutorError(f"the draft actor did not start: {e}") from e
+
+    def call(self, command: str, args: tuple):
+        try:
+            return self._ray.get(self._actor.handle.remote(command, args))
+        except Exception as e:
+            raise ExecutorError(f"the draft actor failed: {e}") from e
+
+    def tell(self, command: str, args: tuple) -> None:
+        self._actor.handle.remote(command, args)
+
+    def refresh(self) -> None:
+        fingerprint = _fingerprint(self._source)
+        if fingerprint != self._fingerprint:
+            from ..drafter.small_lm import weights_bytes
+
+            self.tell("weights", (weights_bytes(self._source.model),))
+            self._fingerprint = fingerprint
+
+    def start(self, requests: Sequence[DraftRequest], shape: DraftShape) -> None:
+        self._pending.append(self._actor.handle.remote("branches", (_snapshots(requests), shape)))
+
+    def finish(self) -> list[DraftTree]:
+        pending, self._pending = self._pending, []
+        try:
+            return [tree for trees in self._ray.get(pending) for tree in trees]
+        except Exception as e:
+            raise ExecutorError(f"the draft actor failed: {e}") from e
+
+    def close(self) -> None:
+        try:
+            self._ray.kill(self._actor)
+        except Exception:
+            logger.debug("draft actor already gone")
 
 
 def _fingerprint(drafter: Drafter | None) -> int | None:
@@ -351,7 +454,9 @@ def make_executor(
         return ThreadExecutor(drafter, draft_device, name="device")
     if rebuild is None:
         raise ValueError(
-            f"mirror executor 'process' cannot run the {drafter.name} drafter in another process "
+            f"mirror executor {kind!r} cannot run the {drafter.name} drafter in another process "
             "(it reads the target's features); use 'thread' or 'inline'"
         )
+    if kind == "ray":
+        return RayExecutor(rebuild(), threads, source=drafter)
     return ProcessExecutor(rebuild(), threads, source=drafter)

@@ -117,7 +117,8 @@ class MirrorConfig:
     ``exit_layer``: decoder layers the target runs before its early exit (None = half of them).
     ``executor``: where the drafter runs beside it (``rollout/draft_executor.py``): ``auto``
     (``stream``/``device`` on CUDA, ``process`` on CPU), ``inline``, ``thread``, ``stream``,
-    ``device`` or ``process``. ``draft_threads``: torch threads of the ``process`` executor.
+    ``device``, ``process`` or ``ray`` (an actor on the running Ray cluster).
+    ``draft_threads``: torch threads of the ``process`` and ``ray`` executors.
     ``threads``: CPU threads the engine owns; when set, a step that runs a mirror strategy gives
     the target ``threads - draft_threads`` of them and any other step gives it all (the spare
     core goes to the draft in the tail and to the target in the bulk). None leaves torch's setting.

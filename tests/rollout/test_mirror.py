@@ -310,3 +310,27 @@ def test_greedy_mirror_on_cuda_matches_plain_decoding(executor):
     _assert_same(engine.generate(prompts, params), want)
     assert engine.mirror.stats.ready > 0
     engine.close()
+
+
+def test_greedy_mirror_through_a_ray_actor_matches_plain_decoding(ray_local):
+    """The draft host as a Ray actor (a finished worker's CPU or GPU elsewhere in the cluster)."""
+    from tailspec.rollout.draft_executor import RayExecutor, round_trip_s
+
+    arch = "llama"
+    prompts = random_prompts(4, seed=8)
+    params = SamplingParams(max_new_tokens=20, temperature=0.0)
+    draft = perturbed_copy(cached_model(arch), noise=0.3, seed=7)
+    engine = mirror_engine(cached_model(arch), "mirror:chain:3,k=1", draft, "ray")
+    assert isinstance(engine.mirror.executor, RayExecutor)
+    _assert_same(engine.generate(prompts, params), _plain(arch, prompts, params))
+    assert engine.mirror.stats.branches > 0 and not engine.mirror.failed
+    assert 0 < round_trip_s(engine.mirror.executor, repeats=5) < 5
+    engine.close()
+
+
+def test_the_ray_executor_needs_a_running_ray(monkeypatch):
+    import ray
+
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    with pytest.raises(ValueError, match="executor 'ray' needs a running Ray"):
+        mirror_engine(cached_model("llama"), "mirror:chain:3,k=1", good_drafter("llama"), "ray")
