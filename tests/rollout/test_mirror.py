@@ -334,3 +334,20 @@ def test_the_ray_executor_needs_a_running_ray(monkeypatch):
     monkeypatch.setattr(ray, "is_initialized", lambda: False)
     with pytest.raises(ValueError, match="executor 'ray' needs a running Ray"):
         mirror_engine(cached_model("llama"), "mirror:chain:3,k=1", good_drafter("llama"), "ray")
+
+
+def test_the_spare_core_goes_to_the_draft_on_mirror_steps_and_to_the_target_otherwise(monkeypatch):
+    """``MirrorConfig.threads``: per step, mirror arms leave ``draft_threads`` to the draft host."""
+    calls = []
+    monkeypatch.setattr(torch, "set_num_threads", calls.append)
+    config = RolloutConfig(
+        strategy="adaptive",
+        selector={"arms": ["none", "mirror:chain:2,k=0"], "min_trials": 2},
+        mirror=MirrorConfig(executor="inline", threads=2, draft_threads=1),
+    )
+    engine = RolloutEngine(cached_model("llama"), config, drafter=good_drafter("llama"))
+    engine.generate(random_prompts(3, seed=4), SamplingParams(max_new_tokens=12, temperature=0.0))
+    by_strategy = {}
+    for record, threads in zip(engine.stats.step_log, calls):
+        by_strategy.setdefault(record.strategy, set()).add(threads)
+    assert by_strategy == {"none": {2}, "mirror:chain:2,k=0": {1}}
