@@ -351,3 +351,42 @@ def test_the_spare_core_goes_to_the_draft_on_mirror_steps_and_to_the_target_othe
     for record, threads in zip(engine.stats.step_log, calls):
         by_strategy.setdefault(record.strategy, set()).add(threads)
     assert by_strategy == {"none": {2}, "mirror:chain:2,k=0": {1}}
+
+
+@pytest.mark.parametrize("executor", ["inline", "thread"])
+def test_mirror_under_kv_pressure_preempts_and_stays_exact(executor):
+    """Sequences preempted and recomputed between mirror steps: their ready drafts and the
+    drafter's state are checked against the real tokens, never trusted."""
+    arch = "qwen2"
+    prompts = random_prompts(8, seed=21, min_len=10)
+    params = SamplingParams(max_new_tokens=40, temperature=0.0)
+    engine = mirror_engine(
+        cached_model(arch), "mirror:chain:3,k=1", good_drafter(arch), executor, kv_cache_tokens=160, block_size=4
+    )
+    _assert_same(engine.generate(prompts, params), _plain(arch, prompts, params))
+    assert engine.stats.preemptions > 0
+    engine.close()
+
+
+def test_aborting_and_releasing_mirror_requests_forgets_their_drafts():
+    arch = "llama"
+    engine = mirror_engine(cached_model(arch), "mirror:chain:3,k=0", cached_model(arch), "inline")
+    params = SamplingParams(max_new_tokens=30, temperature=0.0)
+    prompts = random_prompts(3, seed=2, min_len=4)
+    keep, drop, move = (engine.add_request(p, params) for p in prompts)
+    for _ in range(4):
+        engine.step()
+    assert engine.mirror._ready  # the target as its own drafter: continuations are always right
+    engine.abort(drop)
+    partial = engine.release(move)
+    assert drop not in engine.mirror._ready and move not in engine.mirror._ready
+    assert drop not in engine.mirror._held and move not in engine.mirror._held
+    while engine.has_unfinished():
+        engine.step()
+    other = mirror_engine(cached_model(arch), "mirror:chain:3,k=0", cached_model(arch), "inline")
+    rid = other.add_request(partial.prompt_ids, params, resume=partial)
+    while other.has_unfinished():
+        other.step()
+    plain = _plain(arch, [partial.prompt_ids], params)[0].completion_ids
+    assert other.pop_output(rid).completion_ids == plain
+    assert engine.pop_output(keep).completion_ids == _plain(arch, prompts[:1], params)[0].completion_ids
