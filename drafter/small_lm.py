@@ -32,6 +32,7 @@ import torch
 
 from ..draft_contract import SequenceView
 from ..rollout.attention import SequenceSlice, paged_attention_enabled
+from ..rollout.draft_executor import weights_bytes
 from ..rollout.kv_cache import blocks_for
 from ..rollout.model_runner import ModelRunner
 from .base import Drafter, DraftRequest, DraftShape, DraftTree
@@ -302,12 +303,6 @@ class _Fork:
 
     def __getattr__(self, name: str):
         return getattr(self.view, name)
-
-
-def weights_bytes(model: torch.nn.Module) -> bytes:
-    buffer = io.BytesIO()
-    torch.save({k: v.detach().cpu() for k, v in model.state_dict().items()}, buffer)
-    return buffer.getvalue()
 
 
 def _model_of(cls: type, config, dtype: torch.dtype) -> torch.nn.Module:

@@ -23,6 +23,7 @@ forward. Only tokens, sampling parameters and the drafted trees cross; never KV.
 
 from __future__ import annotations
 
+import io
 import logging
 import traceback
 from abc import ABC, abstractmethod
@@ -319,8 +320,6 @@ class ProcessExecutor(DraftExecutor):
         ``load_state_dict``): the child drafts with the parent's current weights."""
         fingerprint = _fingerprint(self._source)
         if fingerprint != self._fingerprint:
-            from ..drafter.small_lm import weights_bytes
-
             self.tell("weights", (weights_bytes(self._source.model),))
             self._fingerprint = fingerprint
 
@@ -391,8 +390,6 @@ class RayExecutor(DraftExecutor):
     def refresh(self) -> None:
         fingerprint = _fingerprint(self._source)
         if fingerprint != self._fingerprint:
-            from ..drafter.small_lm import weights_bytes
-
             self.tell("weights", (weights_bytes(self._source.model),))
             self._fingerprint = fingerprint
 
@@ -411,6 +408,13 @@ class RayExecutor(DraftExecutor):
             self._ray.kill(self._actor)
         except Exception:
             logger.debug("draft actor already gone")
+
+
+def weights_bytes(model: torch.nn.Module) -> bytes:
+    """A model's weights as bytes (what a draft host's ``load_weights`` takes)."""
+    buffer = io.BytesIO()
+    torch.save({k: v.detach().cpu() for k, v in model.state_dict().items()}, buffer)
+    return buffer.getvalue()
 
 
 def _fingerprint(drafter: Drafter | None) -> int | None:

@@ -9,6 +9,7 @@ import torch
 from tailspec.draft_contract import DraftRequest, DraftShape
 from tailspec.drafter.self_spec import ExitAdapter, SelfSpecDrafter, fit_adapter, shallow_model
 from tailspec.rollout import RolloutConfig, RolloutEngine, SamplingParams
+from tailspec.rollout.draft_executor import SeqSnapshot
 from tailspec.rollout.early_exit import exit_agreement
 from tailspec.testing import ARCHITECTURES, tiny_random_model
 
@@ -60,7 +61,7 @@ def test_the_drafter_moves_with_the_policy():
     """No copy: a change to the policy's weights (an optimizer step) is the drafter's change."""
     model = copy.deepcopy(policy("llama"))
     drafter = SelfSpecDrafter(model, 3, kv_cache_tokens=256)
-    request = [DraftRequest(_Prompt(random_prompts(1, seed=1)[0]), 4)]
+    request = [DraftRequest(greedy_view(random_prompts(1, seed=1)[0]), 4)]
     before = drafter.propose(request, DraftShape(4))[0].tokens
     with torch.no_grad():
         for p in model.model.layers[0].parameters():
@@ -83,7 +84,7 @@ def test_the_self_drafter_runs_in_a_draft_process_and_follows_policy_updates():
         for p in model.model.layers[1].parameters():
             p.mul_(1.5)
     engine.mirror.executor.refresh()  # the policy stepped: the child gets its new layers
-    request = [DraftRequest(_Prompt(prompts[0], seq_id=77), 3)]
+    request = [DraftRequest(greedy_view(prompts[0], 77), 3)]
     fresh = SelfSpecDrafter(model, 3, kv_cache_tokens=256).propose(request, DraftShape(3))[0].tokens
     assert engine.mirror.drafter.propose(request, DraftShape(3))[0].tokens == fresh
     for a, b in zip(engine.generate(prompts, params), _plain(model, prompts, params)):
@@ -130,14 +131,6 @@ def test_layers_outside_the_policy_are_refused(layers):
         SelfSpecDrafter(policy("llama"), layers)
 
 
-class _Prompt:
-    def __init__(self, prompt, seq_id=0):
-        self.seq_id, self.prompt_ids, self.output_ids, self.group = seq_id, list(prompt), [], None
-        self.stop_ids, self.params, self.generator = frozenset(), SamplingParams(temperature=0.0), None
-
-    @property
-    def num_tokens(self):
-        return len(self.prompt_ids)
-
-    def token_at(self, i):
-        return self.prompt_ids[i]
+def greedy_view(prompt, seq_id=0):
+    """A bare greedy sequence of ``prompt`` as drafters see one."""
+    return SeqSnapshot(seq_id, list(prompt), [], None, frozenset(), SamplingParams(temperature=0.0))

@@ -5,29 +5,20 @@ import functools
 import pytest
 import torch
 from conftest import cached_model, chi_square_pvalue, random_prompts
+from test_spec_greedy import bad_drafter, good_drafter
 from test_spec_sampling import SETTINGS, V, _processed, drafter_model, target
 from test_spec_sampling import drafter as eagle3_or_model
 
 from tailspec.draft_contract import BranchView, DraftRequest, DraftShape, DraftTree
 from tailspec.drafter.small_lm import SmallLMDrafter
 from tailspec.rollout import RolloutConfig, RolloutEngine, SamplingParams
-from tailspec.rollout.draft_executor import ExecutorError, ProcessExecutor
+from tailspec.rollout.draft_executor import ExecutorError, ProcessExecutor, SeqSnapshot
 from tailspec.rollout.early_exit import EarlyExit, exit_agreement
 from tailspec.rollout.mirror import agreeing_prefix, plan_branches
 from tailspec.rollout.params import MirrorConfig
-from tailspec.testing import ARCHITECTURES, perturbed_copy, tiny_random_model
+from tailspec.testing import ARCHITECTURES, perturbed_copy
 
 PROMPT = [3, 7, 2, 9, 5]
-
-
-@functools.cache
-def good_drafter(arch: str):
-    return perturbed_copy(cached_model(arch), noise=0.3, seed=7)
-
-
-@functools.cache
-def bad_drafter(arch: str):
-    return tiny_random_model(arch, seed=1234, num_layers=1, hidden_size=32)
 
 
 def mirror_engine(model, strategy: str, drafter, executor: str, **cfg) -> RolloutEngine:
@@ -161,28 +152,13 @@ def test_greedy_mirror_in_a_process_matches_plain_decoding_and_follows_weight_ch
         for p in draft.parameters():
             p.add_(torch.randn_like(p) * 0.5)
     engine.mirror.executor.refresh()
-    request = [DraftRequest(_Prompt(99, prompts[0]), 3)]
+    request = [DraftRequest(greedy_view(prompts[0], 99), 3)]
     fresh = SmallLMDrafter(draft, kv_cache_tokens=256)
     assert (
         engine.mirror.drafter.propose(request, DraftShape(3))[0].tokens
         == fresh.propose(request, DraftShape(3))[0].tokens
     )
     engine.close()
-
-
-class _Prompt:
-    """A bare greedy sequence view of a prompt."""
-
-    def __init__(self, seq_id, prompt):
-        self.seq_id, self.prompt_ids, self.output_ids, self.group = seq_id, list(prompt), [], None
-        self.stop_ids, self.params, self.generator = frozenset(), SamplingParams(temperature=0.0), None
-
-    @property
-    def num_tokens(self):
-        return len(self.prompt_ids)
-
-    def token_at(self, i):
-        return self.prompt_ids[i]
 
 
 def test_a_dead_draft_process_falls_back_to_serial_drafting_and_loses_nothing():
@@ -390,3 +366,8 @@ def test_aborting_and_releasing_mirror_requests_forgets_their_drafts():
     plain = _plain(arch, [partial.prompt_ids], params)[0].completion_ids
     assert other.pop_output(rid).completion_ids == plain
     assert engine.pop_output(keep).completion_ids == _plain(arch, prompts[:1], params)[0].completion_ids
+
+
+def greedy_view(prompt, seq_id=0):
+    """A bare greedy sequence of ``prompt`` as drafters see one."""
+    return SeqSnapshot(seq_id, list(prompt), [], None, frozenset(), SamplingParams(temperature=0.0))
