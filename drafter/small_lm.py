@@ -37,6 +37,7 @@ from ..rollout.kv_cache import blocks_for
 from ..rollout.model_runner import ModelRunner
 from .base import Drafter, DraftRequest, DraftShape, DraftTree
 from .draft_sampling import ChainDrafts, draft_generator
+from .streaming import StreamingHeads
 from .tree_search import LevelInput, grow_trees
 
 logger = logging.getLogger(__name__)
@@ -82,6 +83,7 @@ class SmallLMDrafter(Drafter):
         kv_cache_tokens: int = 65536,
         block_size: int = 16,
         seed: int = 0,
+        streaming_heads: StreamingHeads | None = None,
     ) -> None:
         if not (isinstance(kv_cache_tokens, int) and kv_cache_tokens >= block_size):
             raise ValueError(f"kv_cache_tokens must be an int >= block_size ({block_size}), got {kv_cache_tokens!r}")
@@ -97,6 +99,8 @@ class SmallLMDrafter(Drafter):
         self._clock = 0
         self._draft_base: dict[int, int] = {}  # seq_id -> num_tokens when the last draft was made
         self._next_fork = 0  # forks of a sequence's state (extra branches) get negative ids
+        self.heads = streaming_heads.to(self.runner.device, self.runner.dtype).eval() if streaming_heads else None
+        self._hidden: torch.Tensor | None = None  # with heads: the LM head's input at the last forward's kept rows
 
     def bind(self, vocab_size: int, tokenizer=None) -> None:
         check_same_vocabulary(vocab_size, self.runner.vocab_size, tokenizer, self.tokenizer)
@@ -187,7 +191,8 @@ class SmallLMDrafter(Drafter):
         (``rollout/draft_executor.py``, which sends later weight changes with ``load_weights``)."""
         kv_tokens = self.runner.cache.allocator.num_blocks * self.block_size
         structure, weights = self.model_structure(), weights_bytes(self.model)
-        return partial(_rebuilt, structure, weights, kv_tokens, self.block_size, self.seed, self.target_vocab)
+        heads = (self.heads.hidden_size, len(self.heads), self.heads.state_bytes()) if self.heads is not None else None
+        return partial(_rebuilt, structure, weights, kv_tokens, self.block_size, self.seed, self.target_vocab, heads)
 
     def model_structure(self) -> Callable[[], torch.nn.Module]:
         """A picklable builder of an untrained model shaped like this drafter's (its weights load into it)."""
@@ -214,7 +219,24 @@ class SmallLMDrafter(Drafter):
             self.model.train(was_training)
 
     def _logits(self, slices, tokens, positions, logits_index) -> torch.Tensor:
-        logits = self.runner.forward(slices, tokens, positions, logits_index).float()
+        if self.heads is None:
+            return self._target_vocab(self.runner.forward(slices, tokens, positions, logits_index).float())
+        captured = {}
+        hook = self.model.get_output_embeddings().register_forward_pre_hook(
+            lambda module, args: captured.__setitem__("hidden", args[0])
+        )
+        try:
+            logits = self.runner.forward(slices, tokens, positions, logits_index).float()
+        finally:
+            hook.remove()
+        self._hidden = captured["hidden"][0]
+        return self._target_vocab(logits)
+
+    def _head_logits(self, j: int, hidden: torch.Tensor) -> torch.Tensor:
+        """Streaming head ``j``'s logits (token ``t + 2 + j``) from the LM-head inputs ``hidden``."""
+        return self._target_vocab(self.model.get_output_embeddings()(self.heads.hidden(j, hidden)).float())
+
+    def _target_vocab(self, logits: torch.Tensor) -> torch.Tensor:
         v_draft, v_target = logits.shape[-1], self.target_vocab
         if v_draft > v_target:
             logits = logits[:, :v_target]
@@ -262,6 +284,8 @@ class SmallLMDrafter(Drafter):
         return [trees[id(r)] for r in requests]
 
     def _chain(self, requests: list[DraftRequest], logits: torch.Tensor) -> list[DraftTree]:
+        if self.heads is not None:
+            return self._streamed_chain(requests, logits)
         chains = ChainDrafts(requests, self.generator)
         while chains.extend(logits):
             slices, feed, positions = [], [], []
@@ -273,6 +297,33 @@ class SmallLMDrafter(Drafter):
                 state.num_cached += 1
             logits = self._logits(slices, feed, positions, list(range(len(feed))))
         return chains.trees()
+
+    def _streamed_chain(self, requests: list[DraftRequest], logits: torch.Tensor) -> list[DraftTree]:
+        """Speculative streaming: each forward's last row gives the next token (the LM head) and
+        the ones after it (the streaming heads); the next forward feeds them all at once."""
+        chains = ChainDrafts(requests, self.generator)
+        hidden = self._hidden
+        while True:
+            start = {i: len(chains.tokens[i]) for i in chains.active}
+            keep = chains.extend(logits)
+            for j in range(len(self.heads)):
+                if not keep:
+                    break
+                hidden = hidden[keep]
+                keep = chains.extend(self._head_logits(j, hidden))
+            if not chains.active:
+                return chains.trees()
+            slices, feed, positions, last = [], [], [], []
+            for i in chains.active:
+                state = self._states[requests[i].seq.seq_id]
+                new = chains.tokens[i][start[i] :]
+                slices.append(SequenceSlice(state.block_table, state.num_cached, len(new)))
+                feed.extend(new)
+                positions.extend(range(state.num_cached, state.num_cached + len(new)))
+                state.num_cached += len(new)
+                last.append(len(feed) - 1)
+            logits = self._logits(slices, feed, positions, last)
+            hidden = self._hidden
 
     def _tree(self, requests: list[DraftRequest], root_logits: torch.Tensor, shape: DraftShape) -> list[DraftTree]:
         """Best-first tree; each level's forward reruns the frontier's ancestors under a tree mask."""
@@ -316,9 +367,13 @@ def _rebuilt(
     block_size: int,
     seed: int,
     target_vocab: int,
+    heads: tuple[int, int, bytes] | None = None,
 ) -> SmallLMDrafter:
     model = structure().eval()
     model.load_state_dict(torch.load(io.BytesIO(weights)))
-    drafter = SmallLMDrafter(model, kv_cache_tokens=kv_cache_tokens, block_size=block_size, seed=seed)
+    streaming = StreamingHeads.from_bytes(*heads) if heads is not None else None
+    drafter = SmallLMDrafter(
+        model, kv_cache_tokens=kv_cache_tokens, block_size=block_size, seed=seed, streaming_heads=streaming
+    )
     drafter.target_vocab = target_vocab
     return drafter

@@ -44,8 +44,11 @@ def eagle3_head():
     return head.eval()
 
 
-def drafter(kind: str):
-    """A fresh drafter per engine (the EAGLE-3 drafter holds per-sequence state)."""
+def drafter(kind):
+    """A fresh drafter per engine (the EAGLE-3 drafter holds per-sequence state); a drafter
+    object passes through."""
+    if not isinstance(kind, str):
+        return kind
     if kind == "eagle3":
         return Eagle3Drafter(eagle3_head(), target())
     return drafter_model(kind)
@@ -187,3 +190,18 @@ def test_the_check_rejects_a_wrong_residual(monkeypatch):
     params = SamplingParams(temperature=1.0)
     counts = joint_counts("chain:2", "bad", params)
     assert chi_square_pvalue(counts, exact_joint_of_tokens_2_and_3(params)) < 1e-6
+
+
+def test_streamed_samples_follow_the_target():
+    """Speculative streaming: a chain's second token comes from a streaming head of the same
+    forward, drawn from that head's distribution; the output is still exactly the target's."""
+    from tailspec.drafter.small_lm import SmallLMDrafter
+    from tailspec.drafter.streaming import StreamingHeads
+
+    bad = drafter_model("bad")
+    torch.manual_seed(3)
+    heads = StreamingHeads(bad.config.hidden_size, 1)
+    torch.nn.init.normal_(heads.blocks[0].weight, std=0.3)
+    params = SamplingParams(temperature=1.0)
+    counts = joint_counts("chain:2", SmallLMDrafter(bad, streaming_heads=heads, kv_cache_tokens=N * 16), params)
+    assert chi_square_pvalue(counts, exact_joint_of_tokens_2_and_3(params)) > 1e-3

@@ -1,0 +1,128 @@
+"""Speculative streaming for a small-LM drafter: extra heads that read the drafter's last hidden
+state and guess the tokens after the next one, so one drafter forward emits several draft tokens
+(Mirror-SD's speculative streaming, Medusa-style heads).
+
+Head ``j`` (0-based) maps the hidden state the LM head reads at position ``t`` to the distribution
+of token ``t + 2 + j``, through a residual block and the drafter's own LM head. A chain of ``n``
+tokens then costs about ``n / (1 + heads)`` drafter forwards. Each streamed token is drawn from its
+head's processed distribution and handed to the verifier with it, so verification stays exact
+whatever the heads say; they only change how often drafts are accepted.
+"""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from ..rollout.model_runner import model_device_dtype
+
+
+class StreamingHeads(nn.Module):
+    """``num_heads`` residual blocks ``x + W_j silu(x)`` over the drafter's LM-head input (zero-
+    initialised: an untrained head repeats the next-token guess)."""
+
+    def __init__(self, hidden_size: int, num_heads: int) -> None:
+        super().__init__()
+        if not (isinstance(num_heads, int) and 1 <= num_heads <= 8):
+            raise ValueError(f"streaming heads must be an int in [1, 8], got {num_heads!r}")
+        self.hidden_size = hidden_size
+        self.blocks = nn.ModuleList(nn.Linear(hidden_size, hidden_size, bias=False) for _ in range(num_heads))
+        for block in self.blocks:
+            nn.init.zeros_(block.weight)
+
+    def __len__(self) -> int:
+        return len(self.blocks)
+
+    def hidden(self, j: int, x: torch.Tensor) -> torch.Tensor:
+        """The hidden state head ``j`` hands the LM head."""
+        return x + self.blocks[j](nn.functional.silu(x))
+
+    def state_bytes(self) -> bytes:
+        buffer = io.BytesIO()
+        torch.save({k: v.detach().cpu() for k, v in self.state_dict().items()}, buffer)
+        return buffer.getvalue()
+
+    @classmethod
+    def from_bytes(cls, hidden_size: int, num_heads: int, data: bytes) -> StreamingHeads:
+        heads = cls(hidden_size, num_heads)
+        heads.load_state_dict(torch.load(io.BytesIO(data)))
+        return heads
+
+
+def lm_head_inputs(model: nn.Module, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(hidden states the LM head reads, logits)`` of one plain forward over ``ids`` ``[1, T]``."""
+    captured = {}
+
+    def hook(module, args):
+        captured["hidden"] = args[0]
+
+    handle = model.get_output_embeddings().register_forward_pre_hook(hook)
+    try:
+        logits = model(input_ids=ids).logits
+    finally:
+        handle.remove()
+    return captured["hidden"][0], logits[0]
+
+
+def fit_streaming_heads(
+    model: nn.Module,
+    heads: StreamingHeads,
+    sequences: Sequence[Sequence[int]],
+    *,
+    steps: int = 200,
+    lr: float = 2e-3,
+    rows: int = 256,
+    seed: int = 0,
+) -> list[float]:
+    """Train ``heads`` on token sequences (the policy's completions): head ``j`` at position ``t``
+    learns token ``t + 2 + j`` (cross-entropy); the drafter model is not changed. Returns the
+    mean loss per step."""
+    if not sequences:
+        raise ValueError("fit_streaming_heads needs at least one sequence")
+    device, _ = model_device_dtype(model)
+    head = model.get_output_embeddings()
+    was_training = model.training
+    model.eval()
+    inputs, labels = [], [[] for _ in range(len(heads))]
+    try:
+        with torch.no_grad():
+            for tokens in sequences:
+                ids = torch.tensor([list(tokens)], dtype=torch.long, device=device)
+                hidden, _ = lm_head_inputs(model, ids)
+                n = len(tokens) - 1 - len(heads)
+                if n <= 0:
+                    continue
+                inputs.append(hidden[:n].float())
+                for j in range(len(heads)):
+                    labels[j].append(ids[0, 2 + j : 2 + j + n])
+    finally:
+        model.train(was_training)
+    if not inputs:
+        raise ValueError(f"fit_streaming_heads needs sequences longer than {len(heads) + 2} tokens")
+    x = torch.cat(inputs)
+    ys = [torch.cat(label) for label in labels]
+    heads.to(device)
+    optimizer = torch.optim.AdamW(heads.parameters(), lr=lr)
+    generator = torch.Generator().manual_seed(seed)
+    frozen = [(p, p.requires_grad) for p in head.parameters()]
+    for p, _ in frozen:  # the gradient flows through the LM head, never into it
+        p.requires_grad_(False)
+    losses = []
+    try:
+        for _ in range(steps):
+            pick = torch.randint(0, x.shape[0], (min(rows, x.shape[0]),), generator=generator).to(device)
+            loss = sum(
+                nn.functional.cross_entropy(head(heads.hidden(j, x[pick]).to(head.weight.dtype)).float(), ys[j][pick])
+                for j in range(len(heads))
+            ) / len(heads)
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            losses.append(float(loss.detach()))
+    finally:
+        for p, flag in frozen:
+            p.requires_grad_(flag)
+    return losses

@@ -1,0 +1,117 @@
+"""Speculative streaming: several draft tokens per drafter forward, still lossless."""
+
+import functools
+
+import pytest
+import torch
+
+from tailspec.draft_contract import DraftRequest, DraftShape
+from tailspec.drafter.small_lm import SmallLMDrafter
+from tailspec.drafter.streaming import StreamingHeads, fit_streaming_heads, lm_head_inputs
+from tailspec.rollout import RolloutConfig, RolloutEngine, SamplingParams
+from tailspec.rollout.draft_executor import SeqSnapshot
+from tailspec.testing import ARCHITECTURES, perturbed_copy, tiny_random_model
+
+
+def random_prompts(n: int, seed: int, min_len: int = 1, max_len: int = 25) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(min_len, max_len + 1, (n,), generator=g).tolist()
+    return [torch.randint(2, 96, (length,), generator=g).tolist() for length in lengths]
+
+
+@functools.cache
+def target(arch: str):
+    return tiny_random_model(arch, seed=1, initializer_range=0.2)
+
+
+def random_heads(model, num_heads: int, seed: int = 0) -> StreamingHeads:
+    torch.manual_seed(seed)
+    heads = StreamingHeads(model.config.hidden_size, num_heads)
+    for block in heads.blocks:
+        torch.nn.init.normal_(block.weight, std=0.2)
+    return heads
+
+
+def streaming_drafter(arch: str, num_heads: int = 2, **kwargs) -> SmallLMDrafter:
+    draft = perturbed_copy(target(arch), noise=0.3, seed=7)
+    return SmallLMDrafter(draft, streaming_heads=random_heads(draft, num_heads), **kwargs)
+
+
+def _plain(model, prompts, params):
+    return RolloutEngine(model, RolloutConfig()).generate(prompts, params)
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+@pytest.mark.parametrize("strategy", ["chain:4", "chain:7", "mirror:chain:4,k=0"])
+def test_greedy_with_streaming_heads_matches_plain_decoding(arch, strategy):
+    prompts = random_prompts(5, seed=6)
+    params = SamplingParams(max_new_tokens=24, temperature=0.0)
+    config = RolloutConfig(strategy=strategy, mirror={"executor": "inline"})
+    engine = RolloutEngine(target(arch), config, drafter=streaming_drafter(arch))
+    for a, b in zip(engine.generate(prompts, params), _plain(target(arch), prompts, params)):
+        assert a.completion_ids == b.completion_ids
+        assert a.logprobs == pytest.approx(b.logprobs, abs=1e-4)
+    assert engine.stats.drafted_tokens > 0
+    engine.close()
+
+
+def test_streaming_heads_cross_to_a_draft_process():
+    arch = "qwen2"
+    prompts = random_prompts(4, seed=2)
+    params = SamplingParams(max_new_tokens=20, temperature=0.0)
+    config = RolloutConfig(strategy="mirror:chain:4,k=0", mirror={"executor": "process"})
+    drafter = streaming_drafter(arch)
+    engine = RolloutEngine(target(arch), config, drafter=drafter)
+    for a, b in zip(engine.generate(prompts, params), _plain(target(arch), prompts, params)):
+        assert a.completion_ids == b.completion_ids
+    request = [DraftRequest(SeqSnapshot(5, prompts[0], [], None, frozenset(), params), 6)]
+    assert (
+        engine.mirror.drafter.propose(request, DraftShape(6))[0].tokens
+        == drafter.propose(request, DraftShape(6))[0].tokens
+    )
+    engine.close()
+
+
+@pytest.mark.parametrize("num_heads,forwards", [(0, 6), (1, 3), (2, 2), (5, 1)])
+def test_a_chain_costs_fewer_forwards_with_more_heads(monkeypatch, num_heads, forwards):
+    """A chain of 6 from a fresh sequence: the catch-up, then one forward per (1 + heads) tokens
+    (none after the last)."""
+    draft = perturbed_copy(target("llama"), noise=0.3, seed=7)
+    heads = random_heads(draft, num_heads) if num_heads else None
+    drafter = SmallLMDrafter(draft, kv_cache_tokens=256, streaming_heads=heads)
+    calls = []
+    real = drafter.runner.forward
+    monkeypatch.setattr(drafter.runner, "forward", lambda *a, **k: calls.append(1) or real(*a, **k))
+    view = SeqSnapshot(0, random_prompts(1, seed=3)[0], [], None, frozenset(), SamplingParams(temperature=0.0))
+    tree = drafter.propose([DraftRequest(view, 6)], DraftShape(6))[0]
+    assert len(tree) == 6 and len(calls) == forwards
+
+
+def test_fitting_the_heads_teaches_them_the_tokens_after_next():
+    model = perturbed_copy(target("qwen3"), noise=0.0)
+    g = torch.Generator().manual_seed(0)
+    # sequences with a rule to learn: a cycle of 5 tokens from a random start
+    sequences = [[(s + i) % 5 + 10 for i in range(40)] for s in torch.randint(0, 5, (24,), generator=g).tolist()]
+    heads = StreamingHeads(model.config.hidden_size, 2)
+    before = _head_accuracy(model, heads, sequences)
+    losses = fit_streaming_heads(model, heads, sequences, steps=150, lr=5e-3)
+    assert losses[-1] < losses[0] / 2
+    assert _head_accuracy(model, heads, sequences) > max(before, 0.9)
+
+
+def _head_accuracy(model, heads, sequences) -> float:
+    hits = total = 0
+    with torch.no_grad():
+        for tokens in sequences:
+            hidden, _ = lm_head_inputs(model, torch.tensor([tokens]))
+            for j in range(len(heads)):
+                n = len(tokens) - 2 - j
+                guess = model.lm_head(heads.hidden(j, hidden[:n])).argmax(-1)
+                hits += int((guess == torch.tensor(tokens[2 + j : 2 + j + n])).sum())
+                total += n
+    return hits / total
+
+
+def test_bad_head_counts_are_refused():
+    with pytest.raises(ValueError, match=r"streaming heads must be an int in \[1, 8\]"):
+        StreamingHeads(64, 0)
