@@ -15,6 +15,8 @@ import statistics
 import time
 from dataclasses import dataclass, field
 
+from ..drafter.small_lm import SmallLMDrafter
+from ..drafter.streaming import StreamingHeads, fit_streaming_heads
 from ..rollout import RolloutConfig, RolloutEngine, SamplingParams
 from ..rollout.early_exit import exit_agreement
 from ..rollout.selector import DEFAULT_ARMS, SelectorConfig
@@ -31,6 +33,8 @@ MIRROR_ARMS = (
     "eagle3 mirror:chain:4,k=0",
     "eagle3 mirror:chain:6,k=0",
     "mirror:chain:4,k=0 @ray",  # the draft host a Ray actor (here on this machine's spare core)
+    "streaming chain:6",  # the drafter LM with one streaming head (two draft tokens per forward)
+    "streaming mirror:chain:6,k=0",
 )
 TAIL_MIRROR_ARMS = ("mirror:chain:4,k=0", "mirror:chain:6,k=0")
 BASELINE = "chain:4"  # the mirror arms' own serial arm (the drafter LM, chain of 4)
@@ -91,11 +95,14 @@ class MirrorResult:
     arms: list[ArmResult]
     tail: list[ArmResult]
     round_trip_ms: dict[str, float] = field(default_factory=dict)  # per draft host: an empty command there and back
+    head_loss: tuple[float, float] = (0.0, 0.0)  # the streaming head's fit: first and last step's cross-entropy
 
 
-def _engine(policy: BenchPolicy, arm: str, cfg: MirrorBenchConfig, max_num_seqs: int, selector=None):
+def _engine(policy: BenchPolicy, arm: str, cfg: MirrorBenchConfig, max_num_seqs: int, selector=None, heads=None):
     drafter = policy.head if arm.startswith("eagle3") else policy.drafter_lm
-    strategy, _, host = arm.removeprefix("eagle3 ").partition(" @")
+    if arm.startswith("streaming"):
+        drafter = SmallLMDrafter(policy.drafter_lm, streaming_heads=heads)
+    strategy, _, host = arm.removeprefix("eagle3 ").removeprefix("streaming ").partition(" @")
     config = RolloutConfig(
         strategy="adaptive" if selector is not None else strategy,
         selector=selector,
@@ -125,6 +132,21 @@ def _passes(engines: dict[str, RolloutEngine], results: dict[str, ArmResult], ru
         base = results[baseline]
         for r in results.values():
             r.ratios.append((r.tokens[-1] / r.seconds[-1]) / (base.tokens[-1] / base.seconds[-1]))
+
+
+def _fit_heads(policy: BenchPolicy, cfg: MirrorBenchConfig) -> tuple[StreamingHeads, tuple[float, float]]:
+    """One streaming head for the drafter LM, fitted on 48 of the policy's own completions (other
+    prompts than the measured ones)."""
+    prompts = task_prompts(policy.tokenizer, 48, cfg.seed + 99)
+    engine = RolloutEngine(
+        policy.model, RolloutConfig(kv_cache_tokens=32768, max_num_seqs=48), tokenizer=policy.tokenizer
+    )
+    outs = engine.generate(prompts, SamplingParams(temperature=cfg.temperature, max_new_tokens=256))
+    heads = StreamingHeads(policy.drafter_lm.config.hidden_size, 1)
+    losses = fit_streaming_heads(
+        policy.drafter_lm, heads, [p + o.completion_ids for p, o in zip(prompts, outs)], steps=300
+    )
+    return heads, (losses[0], losses[-1])
 
 
 def _round_trips(engines: dict[str, RolloutEngine]) -> dict[str, float]:
@@ -175,10 +197,11 @@ def _measure(policy: BenchPolicy, cfg: MirrorBenchConfig, params: SamplingParams
         agreement = exit_agreement(
             policy.model, [p + o.completion_ids for p, o in zip(prompts, outs)], [len(p) for p in prompts], (1, 2, 4)
         )
+        heads, head_loss = _fit_heads(policy, cfg)
         arms: list[ArmResult] = []
         for batch in cfg.batch_sizes:
             names = [*SERIAL_ARMS, *MIRROR_ARMS]
-            engines = {a: _engine(policy, a, cfg, batch) for a in names}
+            engines = {a: _engine(policy, a, cfg, batch, heads=heads) for a in names}
             results = {a: ArmResult(a, batch) for a in names}
             _passes(engines, results, lambda e, b=batch: _run(e, prompts, b, params), cfg.passes, BASELINE)
             round_trips = round_trips or _round_trips(engines)
@@ -186,7 +209,7 @@ def _measure(policy: BenchPolicy, cfg: MirrorBenchConfig, params: SamplingParams
                 _finish(engines[a], results[a])
             arms.extend(results.values())
         tail = _measure_tail(policy, cfg)
-    return MirrorResult(cfg, policy.describe(), agreement, arms, tail, round_trips)
+    return MirrorResult(cfg, policy.describe(), agreement, arms, tail, round_trips, head_loss)
 
 
 def _measure_tail(policy: BenchPolicy, cfg: MirrorBenchConfig) -> list[ArmResult]:
@@ -284,6 +307,9 @@ def mirror_section(result: MirrorResult, plot_name: str) -> str:
         "the step waited for the draft process after verification.\n\n"
         f"{mirror_table(result)}\n\n![mirror]({plot_name})\n\n"
         f"{channel_line(result)}\n\n"
+        "**Speculative streaming** (`streaming` arms): the drafter LM with one streaming head (two draft "
+        "tokens per drafter forward), the head fitted on 48 of the policy's own completions (cross-entropy "
+        f"{result.head_loss[0]:.2f} -> {result.head_loss[1]:.2f}; the drafter LM itself is not changed).\n\n"
         "Early exit (the target's own final norm and LM head after layer L, no adapter): how often the "
         "target's next token is in its top k, over greedy completions.\n\n"
         f"{agreement_table(result)}"
