@@ -134,3 +134,16 @@ def test_layers_outside_the_policy_are_refused(layers):
 def greedy_view(prompt, seq_id=0):
     """A bare greedy sequence of ``prompt`` as drafters see one."""
     return SeqSnapshot(seq_id, list(prompt), [], None, frozenset(), SamplingParams(temperature=0.0))
+
+
+def test_the_self_drafter_by_name():
+    from tailspec.demo import DemoConfig
+
+    model = policy("llama")
+    engine = RolloutEngine(model, RolloutConfig(strategy="chain:2"), drafter="self:2")
+    assert isinstance(engine.drafter, SelfSpecDrafter) and engine.drafter.num_layers == 2
+    assert DemoConfig(drafter="self:7").drafter == "self:7"
+    with pytest.raises(ValueError, match="must be 'self:L'"):
+        RolloutEngine(model, RolloutConfig(strategy="chain:2"), drafter="selfish")
+    with pytest.raises(ValueError, match="drafter must be 'eagle3', 'small_lm' or 'self:L'"):
+        DemoConfig(drafter="self:x")
