@@ -233,19 +233,42 @@ def _measure_tail(policy: BenchPolicy, cfg: MirrorBenchConfig) -> list[ArmResult
     return list(results.values())
 
 
+def serial_arm_of(arm: str) -> str | None:
+    """The serial arm a mirror arm drafts like (its own drafter, chain and host aside), or None."""
+    if "mirror:" not in arm:
+        return None
+    return arm.split(" @")[0].replace("mirror:", "").rsplit(",k=", 1)[0]
+
+
+def _same_pass(r: ArmResult, other: ArmResult) -> tuple[float, float, float]:
+    """Median, min and max over passes of ``r``'s tok/s over ``other``'s in the same pass."""
+    ratios = [(t / s) / (ot / os) for t, s, ot, os in zip(r.tokens, r.seconds, other.tokens, other.seconds)]
+    return statistics.median(ratios), min(ratios), max(ratios)
+
+
+def _ratio_cell(ratio: tuple[float, float, float]) -> str:
+    median, low, high = ratio
+    return f"{median:.2f}x ({low:.2f}-{high:.2f})" if high > low else f"{median:.2f}x"
+
+
 def mirror_table(result: MirrorResult) -> str:
     lines = [
-        "| batch | arm | tok/s | vs chain:4 (same pass) | draft share | reuse | serial draft ms/step | wait ms/step |",
-        "|---:|---|---:|---:|---:|---:|---:|---:|",
+        "| batch | arm | tok/s | vs chain:4 (same pass) | vs its serial arm | vs the best serial arm | draft share "
+        "| reuse | serial draft ms/step | wait ms/step |",
+        "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
+    by_key = {(r.batch, r.arm): r for r in result.arms}
     for r in result.arms + result.tail:
-        spread = f" ({min(r.ratios):.2f}-{max(r.ratios):.2f})" if len(r.ratios) > 1 else ""
+        own = by_key.get((r.batch, serial_arm_of(r.arm)))
+        serial = [x for x in result.arms if x.batch == r.batch and x.arm in SERIAL_ARMS and x.arm != "none"]
+        best = max(serial, key=lambda x: x.ratio) if serial and r.mirror else None
         m = r.mirror
         lines.append(
-            f"| {r.batch} | {r.arm} | {r.tok_s:.0f} | {r.ratio:.2f}x{spread} | "
-            f"{r.draft_share:.0%} | {m.get('reuse', 0):.0%} | {m.get('serial_ms', 0):.1f} | {m.get('wait_ms', 0):.1f} |"
-            if m
-            else f"| {r.batch} | {r.arm} | {r.tok_s:.0f} | {r.ratio:.2f}x{spread} | {r.draft_share:.0%} | | | |"
+            f"| {r.batch} | {r.arm} | {r.tok_s:.0f} | {_ratio_cell((r.ratio, min(r.ratios), max(r.ratios)))} | "
+            f"{_ratio_cell(_same_pass(r, own)) if own is not None else ''} | "
+            f"{_ratio_cell(_same_pass(r, best)) + f' ({best.arm})' if best is not None else ''} | "
+            f"{r.draft_share:.0%} | "
+            + (f"{m['reuse']:.0%} | {m['serial_ms']:.1f} | {m['wait_ms']:.1f} |" if m else "| | |")
         )
     return "\n".join(lines)
 
