@@ -42,8 +42,8 @@ def parse_self_drafter(spec: str) -> int:
     kind, _, layers = spec.partition(":")
     if kind != "self" or not layers.isdigit():
         raise ValueError(
-            f"drafter {spec!r}: a drafter given by name must be 'self:L' (the policy's own first L layers); "
-            "otherwise pass a Drafter, an EAGLE-3 head or a smaller Hugging Face causal LM"
+            "drafter must be a tailspec Drafter, an EAGLE-3 head, a smaller Hugging Face causal LM or "
+            f"'self:L' (the policy's own first L layers), got {spec!r}"
         )
     return int(layers)
 

@@ -143,7 +143,7 @@ def test_the_self_drafter_by_name():
     engine = RolloutEngine(model, RolloutConfig(strategy="chain:2"), drafter="self:2")
     assert isinstance(engine.drafter, SelfSpecDrafter) and engine.drafter.num_layers == 2
     assert DemoConfig(drafter="self:7").drafter == "self:7"
-    with pytest.raises(ValueError, match="must be 'self:L'"):
+    with pytest.raises(ValueError, match="or 'self:L' \\(the policy's own first L layers\\), got 'selfish'"):
         RolloutEngine(model, RolloutConfig(strategy="chain:2"), drafter="selfish")
     with pytest.raises(ValueError, match="drafter must be 'eagle3', 'small_lm' or 'self:L'"):
         DemoConfig(drafter="self:x")
