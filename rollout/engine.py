@@ -514,8 +514,15 @@ class RolloutEngine:
         self.stats.batch_sizes.append(len(batch.seqs))
         return self._sample_and_append(batch.seqs, logits)
 
-    def _eager(self, mirror: MirrorPipeline | None):
-        return self.runner.eager() if mirror is not None else nullcontext()
+    @contextmanager
+    def _beside(self, mirror: MirrorPipeline | None, seqs, trees, strategy: Strategy) -> Iterator[None]:
+        """The verification forward with a mirror step's drafting beside it (nothing otherwise);
+        eager when an early-exit hook must fire (a graph replay skips hooks)."""
+        if mirror is None:
+            yield
+            return
+        with mirror.overlap(seqs, trees, strategy), self.runner.eager() if strategy.branches else nullcontext():
+            yield
 
     def _forward(self, slices, tokens, positions, logits_index) -> torch.Tensor:
         start = time.perf_counter()
@@ -574,7 +581,7 @@ class RolloutEngine:
         drafted_at = time.perf_counter()
         slices, tokens, positions = pack_verify_batch(seqs, trees)
         bases = [seq.num_tokens for seq in seqs]
-        with mirror.overlap(seqs, trees, strategy) if mirror is not None else nullcontext(), self._eager(mirror):
+        with self._beside(mirror, seqs, trees, strategy):
             logits = self._forward(slices, tokens, positions, list(range(len(tokens))))
         verified = verify(seqs, trees, logits, [s.num_new for s in slices], self.generator)
         committed = commit(seqs, trees, verified, accept(trees, verified), self.runner.cache)
