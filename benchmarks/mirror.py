@@ -298,17 +298,19 @@ def agreement_table(result: MirrorResult) -> str:
 
 def plot_mirror(result: MirrorResult, path) -> None:
     plt = pyplot()
-    fig, ax = plt.subplots(figsize=(8, 3.8))
+    fig, ax = plt.subplots(figsize=(11, 4.2))
     batches = result.config.batch_sizes
     arms = [a for a in (*SERIAL_ARMS, *MIRROR_ARMS) if a != "none"]
-    width = 0.8 / len(arms)
+    width = 0.85 / len(arms)
+    colors = plt.get_cmap("tab20").colors
     for i, arm in enumerate(arms):
-        ys = [next(r.ratio for r in result.arms if r.arm == arm and r.batch == b) for b in batches]
-        ax.bar([x + i * width for x in range(len(batches))], ys, width, label=arm)
+        ys = [next((r.ratio for r in result.arms if r.arm == arm and r.batch == b), 0.0) for b in batches]
+        hatch = "//" if "mirror" in arm else None
+        ax.bar([x + i * width for x in range(len(batches))], ys, width, label=arm, color=colors[i % 20], hatch=hatch)
     ax.axhline(1.0, color="k", lw=0.8)
-    ax.set_xticks([x + 0.4 - width / 2 for x in range(len(batches))], [f"batch {b}" for b in batches])
+    ax.set_xticks([x + 0.425 - width / 2 for x in range(len(batches))], [f"batch {b}" for b in batches])
     ax.set_ylabel("tok/s vs serial chain:4 (same pass)")
-    ax.legend(fontsize=7, ncol=3)
+    ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
     save_figure(fig, path)
 
 
