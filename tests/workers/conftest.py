@@ -55,6 +55,9 @@ def ray_head(child_env):
         f"--port={head.gcs_port}",
         "--dashboard-host=127.0.0.1",
         f"--dashboard-port={head.dashboard_port}",
+        # Ray's fixed defaults (52365, 10001) could be the free ports picked above: pick these too
+        f"--dashboard-agent-listen-port={free_port()}",
+        f"--ray-client-server-port={free_port()}",
         "--num-cpus=2",
         "--include-dashboard=true",
         "--disable-usage-stats",

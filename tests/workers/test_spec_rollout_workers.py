@@ -58,7 +58,10 @@ def test_workers_match_the_in_process_engine_and_sync_once_per_step(ray_local):
         assert again["completion_ids"] == want["completion_ids"]
     coord = remote.coordinator
     assert sum(e.kind == "policy_sync" for e in coord.events) == 1  # one optimizer step, one sync
-    assert {v[0] for v in coord.worker_versions().values()} == {1}
+    # every worker that served after the sync holds the new weights; one that got no work since
+    # (the divided queue may hand both chunks to the other) is synced with its next session
+    versions = {i: v[0] for i, v in coord.worker_versions().items()}
+    assert versions == {i: coord.pool.held[i][0] for i in versions} and max(versions.values()) == 1
     assert remote.last_stats.policy_version == 1 and remote.last_stats.completion_tokens > 0
     for key in ("rollout/time_s", "rollout/tokens_per_s", "rollout/accept_length", "drafter/version"):
         assert metrics["eval"][key], key  # the policy is in eval mode here
