@@ -80,3 +80,10 @@ def perturbed_copy(model: torch.nn.Module, noise: float, seed: int = 0) -> torch
         for p in clone.parameters():
             p.add_(torch.randn(p.shape, generator=g, dtype=p.dtype) * noise * p.std().clamp_min(1e-6))
     return clone.eval()
+
+
+def random_prompts(n: int, seed: int, min_len: int = 1, max_len: int = 25, vocab: int = 96) -> list[list[int]]:
+    """``n`` prompts of random lengths in ``[min_len, max_len]``, token ids in ``[2, vocab)``."""
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(min_len, max_len + 1, (n,), generator=g).tolist()
+    return [torch.randint(2, vocab, (length,), generator=g).tolist() for length in lengths]

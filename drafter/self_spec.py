@@ -20,6 +20,7 @@ from torch import nn
 
 from ..rollout.early_exit import check_exit_layer, final_norm
 from ..rollout.model_runner import capture_layer_inputs
+from .fitting import frozen
 from .small_lm import SmallLMDrafter
 
 logger = logging.getLogger(__name__)
@@ -134,10 +135,7 @@ def fit_adapter(
     generator = torch.Generator().manual_seed(seed)
     rows = batch_size * 32
     losses = []
-    frozen = [(p, p.requires_grad) for p in [*norm.parameters(), *head.parameters()]]
-    for p, _ in frozen:  # gradients flow through the target's norm and head, never into them
-        p.requires_grad_(False)
-    try:
+    with frozen(norm, head):
         for _ in range(steps):
             pick = torch.randint(0, hidden.shape[0], (min(rows, hidden.shape[0]),), generator=generator)
             student = torch.log_softmax(head(norm(adapter(hidden[pick].to(device)))).float(), dim=-1)
@@ -146,7 +144,4 @@ def fit_adapter(
             loss.backward()
             optimizer.step()
             losses.append(float(loss.detach()))
-    finally:
-        for p, flag in frozen:
-            p.requires_grad_(flag)
     return losses

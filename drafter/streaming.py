@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from ..rollout.model_runner import model_device_dtype
+from .fitting import frozen
 
 
 class StreamingHeads(nn.Module):
@@ -107,11 +108,8 @@ def fit_streaming_heads(
     heads.to(device)
     optimizer = torch.optim.AdamW(heads.parameters(), lr=lr)
     generator = torch.Generator().manual_seed(seed)
-    frozen = [(p, p.requires_grad) for p in head.parameters()]
-    for p, _ in frozen:  # the gradient flows through the LM head, never into it
-        p.requires_grad_(False)
     losses = []
-    try:
+    with frozen(head):
         for _ in range(steps):
             pick = torch.randint(0, x.shape[0], (min(rows, x.shape[0]),), generator=generator).to(device)
             loss = sum(
@@ -122,7 +120,4 @@ def fit_streaming_heads(
             loss.backward()
             optimizer.step()
             losses.append(float(loss.detach()))
-    finally:
-        for p, flag in frozen:
-            p.requires_grad_(flag)
     return losses

@@ -263,7 +263,31 @@ def round_trip_s(executor: DraftExecutor, repeats: int = 200) -> float:
     return statistics.median(times)
 
 
-class ProcessExecutor(DraftExecutor):
+class _HostExecutor(DraftExecutor):
+    """An executor whose drafter is a copy held by a host elsewhere (a process, an actor): the
+    engine's calls go over ``call``/``tell``, and the source drafter's weight changes follow."""
+
+    def __init__(self, source: Drafter | None) -> None:
+        super().__init__(_RemoteDrafter(self, getattr(source, "forks_branches", False)))
+        self._source = source  # the in-process drafter whose weight changes are sent on
+        self._fingerprint = _fingerprint(source)
+
+    @abstractmethod
+    def call(self, command: str, args: tuple): ...
+
+    @abstractmethod
+    def tell(self, command: str, args: tuple) -> None: ...
+
+    def refresh(self) -> None:
+        """Send the source drafter's weights if they changed since the last time (a training step,
+        ``load_state_dict``): the host drafts with the current weights."""
+        fingerprint = _fingerprint(self._source)
+        if fingerprint != self._fingerprint:
+            self.tell("weights", (weights_bytes(self._source.model),))
+            self._fingerprint = fingerprint
+
+
+class ProcessExecutor(_HostExecutor):
     """A child process (spawned) running ``build()``'s drafter with ``threads`` torch threads."""
 
     name = "process"
@@ -277,9 +301,7 @@ class ProcessExecutor(DraftExecutor):
     ) -> None:
         import torch.multiprocessing as mp
 
-        super().__init__(_RemoteDrafter(self, getattr(source, "forks_branches", False)))
-        self._source = source  # the in-process drafter whose weight changes are sent on (``refresh``)
-        self._fingerprint = _fingerprint(source)
+        super().__init__(source)
         ctx = mp.get_context("spawn")
         self._conn, child = ctx.Pipe()
         self._process = ctx.Process(target=_serve, args=(build, threads, child), daemon=True, name="tailspec-draft")
@@ -315,14 +337,6 @@ class ProcessExecutor(DraftExecutor):
             raise ExecutorError(f"the draft process failed:\n{payload}")
         return payload
 
-    def refresh(self) -> None:
-        """Send the source drafter's weights if they changed since the last time (a training step,
-        ``load_state_dict``): the child drafts with the parent's current weights."""
-        fingerprint = _fingerprint(self._source)
-        if fingerprint != self._fingerprint:
-            self.tell("weights", (weights_bytes(self._source.model),))
-            self._fingerprint = fingerprint
-
     def start(self, requests: Sequence[DraftRequest], shape: DraftShape) -> None:
         self.send("branches", (_snapshots(requests), shape))
         self._pending += 1
@@ -346,7 +360,7 @@ class ProcessExecutor(DraftExecutor):
         self._conn.close()
 
 
-class RayExecutor(DraftExecutor):
+class RayExecutor(_HostExecutor):
     """A Ray actor running ``build()``'s drafter (on any node of the cluster with ``threads`` free
     CPUs, or ``num_gpus``): the same commands as the draft process, as actor calls (Ray keeps one
     caller's calls to an actor in order)."""
@@ -365,10 +379,8 @@ class RayExecutor(DraftExecutor):
 
         if not ray.is_initialized():
             raise ValueError("mirror executor 'ray' needs a running Ray (ray.init(...) or a cluster address)")
-        super().__init__(_RemoteDrafter(self, getattr(source, "forks_branches", False)))
+        super().__init__(source)
         self._ray = ray
-        self._source = source
-        self._fingerprint = _fingerprint(source)
         host = ray.remote(num_cpus=threads, num_gpus=num_gpus, max_concurrency=1)(DrafterHost)
         self._actor = host.remote(build, threads)
         self._pending: list = []
@@ -386,12 +398,6 @@ class RayExecutor(DraftExecutor):
 
     def tell(self, command: str, args: tuple) -> None:
         self._actor.handle.remote(command, args)
-
-    def refresh(self) -> None:
-        fingerprint = _fingerprint(self._source)
-        if fingerprint != self._fingerprint:
-            self.tell("weights", (weights_bytes(self._source.model),))
-            self._fingerprint = fingerprint
 
     def start(self, requests: Sequence[DraftRequest], shape: DraftShape) -> None:
         self._pending.append(self._actor.handle.remote("branches", (_snapshots(requests), shape)))

@@ -14,13 +14,12 @@ from contextlib import contextmanager
 
 import torch
 
-from .model_runner import decoder_layers
+from .model_runner import decoder_layers, decoder_of
 
 
 def final_norm(model: torch.nn.Module) -> torch.nn.Module:
     """The norm a Hugging Face causal LM applies after its last decoder layer."""
-    decoder = model.get_decoder() if hasattr(model, "get_decoder") else getattr(model, "model", None)
-    norm = getattr(decoder, "norm", None)
+    norm = getattr(decoder_of(model), "norm", None)
     if not isinstance(norm, torch.nn.Module):
         raise ValueError(f"cannot find the final norm of {type(model).__name__} for an early exit")
     return norm

@@ -100,6 +100,7 @@ class RolloutEngine:
         self._features: torch.Tensor | None = None  # the last forward's taps, [T, feature_size]
         self.selector = None  # made when the strategy is "adaptive"; kept across calls (learned state)
         self.mirror: MirrorPipeline | None = None  # made on the first mirror step (starts its executor)
+        self._mirror_config = self.config.mirror or MirrorConfig()
         self._peak_active = 0
         self.strategy = Strategy("none")
         self.set_strategy(self.config.strategy)
@@ -125,10 +126,6 @@ class RolloutEngine:
         from .early_exit import check_exit_layer
 
         check_exit_layer(self.model, self._mirror_config.exit_layer or self._num_layers // 2)
-
-    @property
-    def _mirror_config(self) -> MirrorConfig:
-        return self.config.mirror or MirrorConfig()
 
     @property
     def _num_layers(self) -> int:

@@ -143,7 +143,9 @@ class MirrorPipeline:
         self.exit_layer = exit_layer
         self._target = target
         self._exits: dict[int, EarlyExit] = {}
-        self._ready: dict[int, tuple[list[int], DraftTree, Strategy]] = {}  # seq_id -> (tokens it roots after, tree)
+        # seq_id -> (the sequence's length it was kept at, the draft, its strategy); a sequence only
+        # grows by appending, so the same length means the same tokens
+        self._ready: dict[int, tuple[int, DraftTree, Strategy]] = {}
         self._held: dict[int, _Held] = {}
         self._branches: list[_Branch] = []  # what the executor is drafting, in the order it returns them
         self.stats = MirrorStats()
@@ -174,8 +176,7 @@ class MirrorPipeline:
         trees: list[DraftTree | None] = []
         for seq, d in zip(seqs, drafting):
             ready = self._ready.pop(seq.seq_id, None)
-            tokens = [seq.token_at(i) for i in range(seq.num_tokens)] if ready is not None else None
-            if ready is not None and d and ready[2] == strategy and ready[0] == tokens:
+            if ready is not None and d and ready[2] == strategy and ready[0] == seq.num_tokens:
                 self.stats.ready += 1
                 trees.append(fit_draft(seq, ready[1], allocator, block_size))
             else:
@@ -295,7 +296,7 @@ class MirrorPipeline:
                 branch.assumed, tree = [*trees[i].tokens, tree.tokens[0]], _without_first(tree)
             emitted = [seq.token_at(p) for p in range(bases[i], seq.num_tokens)]
             if branch.assumed == emitted and not seq.done and len(tree):
-                self._ready[seq.seq_id] = ([seq.token_at(p) for p in range(seq.num_tokens)], tree, strategy)
+                self._ready[seq.seq_id] = (seq.num_tokens, tree, strategy)
                 if branch.continued:
                     self.stats.ready_continued += 1
             # what the drafter's state holds: a forking drafter's first unforked branch of the sequence,

@@ -29,10 +29,14 @@ def model_vocab_size(model: torch.nn.Module) -> int:
     return int(model.config.vocab_size)
 
 
+def decoder_of(model: torch.nn.Module) -> torch.nn.Module | None:
+    """The decoder (embeddings, layers, final norm) of a Hugging Face causal LM."""
+    return model.get_decoder() if hasattr(model, "get_decoder") else getattr(model, "model", None)
+
+
 def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
     """The decoder layer stack of a Hugging Face causal LM."""
-    decoder = model.get_decoder() if hasattr(model, "get_decoder") else getattr(model, "model", None)
-    layers = getattr(decoder, "layers", None)
+    layers = getattr(decoder_of(model), "layers", None)
     if not isinstance(layers, torch.nn.ModuleList):
         raise ValueError(f"cannot find the decoder layers of {type(model).__name__} to tap hidden states from")
     return layers

@@ -11,13 +11,7 @@ from tailspec.drafter.self_spec import ExitAdapter, SelfSpecDrafter, fit_adapter
 from tailspec.rollout import RolloutConfig, RolloutEngine, SamplingParams
 from tailspec.rollout.draft_executor import SeqSnapshot
 from tailspec.rollout.early_exit import exit_agreement
-from tailspec.testing import ARCHITECTURES, tiny_random_model
-
-
-def random_prompts(n: int, seed: int, min_len: int = 1, max_len: int = 25) -> list[list[int]]:
-    g = torch.Generator().manual_seed(seed)
-    lengths = torch.randint(min_len, max_len + 1, (n,), generator=g).tolist()
-    return [torch.randint(2, 96, (length,), generator=g).tolist() for length in lengths]
+from tailspec.testing import ARCHITECTURES, random_prompts, tiny_random_model
 
 
 @functools.cache

@@ -10,13 +10,7 @@ from tailspec.drafter.small_lm import SmallLMDrafter
 from tailspec.drafter.streaming import StreamingHeads, fit_streaming_heads, lm_head_inputs
 from tailspec.rollout import RolloutConfig, RolloutEngine, SamplingParams
 from tailspec.rollout.draft_executor import SeqSnapshot
-from tailspec.testing import ARCHITECTURES, perturbed_copy, tiny_random_model
-
-
-def random_prompts(n: int, seed: int, min_len: int = 1, max_len: int = 25) -> list[list[int]]:
-    g = torch.Generator().manual_seed(seed)
-    lengths = torch.randint(min_len, max_len + 1, (n,), generator=g).tolist()
-    return [torch.randint(2, 96, (length,), generator=g).tolist() for length in lengths]
+from tailspec.testing import ARCHITECTURES, perturbed_copy, random_prompts, tiny_random_model
 
 
 @functools.cache

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from tailspec.testing import ARCHITECTURES, tiny_random_model
+from tailspec.testing import random_prompts as testing_random_prompts
 
 EOS = 1
 VOCAB = 96
@@ -36,9 +37,7 @@ def hf_greedy(model, prompt: list[int], max_new_tokens: int, eos_id: int = EOS) 
 
 
 def random_prompts(n: int, seed: int, min_len: int = 1, max_len: int = 25) -> list[list[int]]:
-    g = torch.Generator().manual_seed(seed)
-    lengths = torch.randint(min_len, max_len + 1, (n,), generator=g).tolist()
-    return [torch.randint(2, VOCAB, (length,), generator=g).tolist() for length in lengths]
+    return testing_random_prompts(n, seed, min_len, max_len, VOCAB)
 
 
 def chi_square_pvalue(counts: torch.Tensor, probs: torch.Tensor, min_expected: float = 5.0) -> float:

@@ -9,7 +9,7 @@ import torch
 from tailspec.drafter.eagle3 import Eagle3Config, Eagle3Drafter, Eagle3Head, FeatureBuffer
 from tailspec.drafter.eagle3.train import DrafterTrainer, DrafterTrainingConfig
 from tailspec.rollout import RolloutConfig, RolloutEngine, SamplingParams
-from tailspec.testing import tiny_random_model
+from tailspec.testing import random_prompts, tiny_random_model
 
 VOCAB = 96
 
@@ -17,12 +17,6 @@ VOCAB = 96
 @functools.cache
 def target(arch: str = "llama", **kwargs):
     return tiny_random_model(arch, seed=1, **kwargs)
-
-
-def random_prompts(n: int, seed: int, min_len: int = 1, max_len: int = 25, vocab: int = VOCAB) -> list[list[int]]:
-    g = torch.Generator().manual_seed(seed)
-    lengths = torch.randint(min_len, max_len + 1, (n,), generator=g).tolist()
-    return [torch.randint(2, vocab, (length,), generator=g).tolist() for length in lengths]
 
 
 def random_head(model, seed: int = 0, std: float = 0.2, **cfg) -> Eagle3Head:
