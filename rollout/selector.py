@@ -4,8 +4,11 @@ The number of active sequences picks a *bucket* (``bucket_bounds``: a bucket hol
 to its bound); in each bucket every *arm* (a strategy) keeps a sliding window of rewards, the
 goodput of the steps it ran there: tokens emitted per second of step time. ``choose`` first tries
 every arm ``min_trials`` times (more on small batches, to cover ``min_sequence_steps``), then
-exploits by UCB (mean plus a bonus that shrinks as the arm is tried, scaled by the bucket's best
-mean) or epsilon-greedy. No batch-size threshold is needed: speculation turns itself off
+exploits by UCB (mean plus a bonus that shrinks with the *sequence-steps* behind the mean, scaled
+by the bucket's best mean) or epsilon-greedy. Evidence is counted in sequence-steps because one
+step of 64 sequences averages 64 sequences' acceptance, where a step of one is one noisy draw: an
+arm that lost on a full batch is not tried there again on an uncertainty bonus, and each retry of
+a model-drafter arm after plain steps would also pay the drafter's catch-up. No batch-size threshold is needed: speculation turns itself off
 wherever its measured goodput is lower than plain decoding's. A
 configured ``speculate_up_to`` acts only as a prior (above it, plain decoding is tried first and
 speculative arms need to beat it on measurements). A model-drafter arm's first step after plain
@@ -18,7 +21,8 @@ smaller batch, below ``prune_ratio`` x the bucket's best (speculation returns le
 sequences share a step), or, in the same bucket, every *narrower* arm of its drafters (fewer
 draft nodes per sequence), below ``width_prune_ratio`` x the best -- a wider draft adds
 verification rows for tokens accepted ever less often, so where ``chain:2`` loses,
-``tree:4,2,8`` does not win. Narrow arms are therefore explored first.
+``tree:4,2,8`` does not win. Narrow arms are therefore explored first. A skipped arm is not
+exploited either (no bonus revives it) until the measurement that ruled it out changes.
 
 When the model drafter's weights change (``on_drafter_version``), the estimates of the arms that
 use it are decayed (only the newest ``decay_keep`` rewards stay) or reset; state persists across
@@ -98,11 +102,26 @@ class SelectorConfig:
 @dataclass
 class ArmStats:
     rewards: deque[float] = field(default_factory=deque)
+    sizes: deque[int] = field(default_factory=deque)  # the batch size of each reward's step
     trials: int = 0  # all-time, for reporting
 
     @property
     def mean(self) -> float:
         return sum(self.rewards) / len(self.rewards) if self.rewards else 0.0
+
+    @property
+    def sequence_steps(self) -> int:
+        """The evidence behind the mean: one step of 64 sequences averages 64 sequences' drafts."""
+        return sum(self.sizes)
+
+    def add(self, reward: float, size: int) -> None:
+        self.rewards.append(reward)
+        self.sizes.append(size)
+        self.trials += 1
+
+    def keep_newest(self, keep: int) -> None:
+        self.rewards = deque(list(self.rewards)[-keep:] if keep else [], maxlen=self.rewards.maxlen)
+        self.sizes = deque(list(self.sizes)[-keep:] if keep else [], maxlen=self.sizes.maxlen)
 
 
 class StrategySelector:
@@ -130,7 +149,7 @@ class StrategySelector:
         }
         w = self.config.window
         self._stats: list[dict[Strategy, ArmStats]] = [
-            {a: ArmStats(deque(maxlen=w)) for a in self.arms} for _ in self.config.bucket_bounds
+            {a: ArmStats(deque(maxlen=w), deque(maxlen=w)) for a in self.arms} for _ in self.config.bucket_bounds
         ]
         self._rng = random.Random(self.config.seed)
         self.drafter_version: int | None = None
@@ -144,8 +163,11 @@ class StrategySelector:
         for ``min_sequence_steps`` at the bucket's smallest batch. One step of one sequence is a
         noisy sample (a suffix draft hits or misses; the first model-drafter step after plain
         ones also pays the drafter's catch-up), one step of 64 sequences averages 64 of them."""
-        smallest = self.config.bucket_bounds[b - 1] + 1 if b else 1
-        return max(self.config.min_trials, math.ceil(self.config.min_sequence_steps / smallest))
+        return max(self.config.min_trials, math.ceil(self.config.min_sequence_steps / self._smallest(b)))
+
+    def _smallest(self, b: int) -> int:
+        """The smallest batch size bucket ``b`` holds."""
+        return self.config.bucket_bounds[b - 1] + 1 if b else 1
 
     def _relative(self, b: int, arm: Strategy) -> float | None:
         """``arm``'s goodput relative to the best arm of bucket ``b`` (None if not measured there)."""
@@ -200,22 +222,23 @@ class StrategySelector:
                 estimates[arm] = min(losses)  # a measurement says it loses clearly: do not pay to explore it
                 continue
             return arm
-        means = {a: (s.mean if s.rewards else estimates.get(a, 0.0)) for a, s in stats.items()}
-        counts = {a: max(1, len(s.rewards)) for a, s in stats.items()}
-        best = max(self.arms, key=lambda a: means[a])
+        # an arm a measurement says loses clearly (``estimates``) is neither explored nor exploited
+        # until that measurement changes; the others are judged by UCB over sequence-steps
+        candidates = [a for a in self.arms if a not in estimates]
+        means = {a: stats[a].mean for a in candidates}
+        best = max(candidates, key=lambda a: means[a])
         if self.config.policy == "epsilon":
-            return self._rng.choice(self.arms) if self._rng.random() < self.config.epsilon else best
+            return self._rng.choice(candidates) if self._rng.random() < self.config.epsilon else best
+        counts = {a: max(1, stats[a].sequence_steps) for a in candidates}
         total = sum(counts.values())
         scale = means[best] * self.config.ucb_c
-        return max(self.arms, key=lambda a: means[a] + scale * math.sqrt(math.log(total) / counts[a]))
+        return max(candidates, key=lambda a: means[a] + scale * math.sqrt(math.log(total) / counts[a]))
 
     def observe(self, num_active: int, arm: Strategy, tokens: int, seconds: float) -> None:
         """Record a step's goodput (``tokens`` emitted in ``seconds`` of step time)."""
         if arm not in self._stats[0] or seconds <= 0:
             return
-        s = self._stats[self.bucket(num_active)][arm]
-        s.rewards.append(tokens / seconds)
-        s.trials += 1
+        self._stats[self.bucket(num_active)][arm].add(tokens / seconds, num_active)
 
     def on_drafter_version(self, version: int) -> None:
         """The model drafter changed: forget (most of) what its arms measured."""
@@ -224,7 +247,7 @@ class StrategySelector:
             for stats in self._stats:
                 for arm, s in stats.items():
                     if arm.uses_model_drafter:
-                        s.rewards = deque(list(s.rewards)[-keep:] if keep else [], maxlen=self.config.window)
+                        s.keep_newest(keep)
         self.drafter_version = version
 
     def best(self, num_active: int) -> Strategy | None:
@@ -250,6 +273,7 @@ class StrategySelector:
             "arms": [str(a) for a in self.arms],
             "drafter_version": self.drafter_version,
             "rewards": [{str(a): list(s.rewards) for a, s in stats.items()} for stats in self._stats],
+            "sizes": [{str(a): list(s.sizes) for a, s in stats.items()} for stats in self._stats],
             "trials": [{str(a): s.trials for a, s in stats.items()} for stats in self._stats],
             "rng": [version, list(internal), gauss],
         }
@@ -259,9 +283,12 @@ class StrategySelector:
             raise ValueError("selector state was saved with other arms or buckets")
         self.drafter_version = state["drafter_version"]
         trials = state.get("trials") or [{} for _ in self._stats]
-        for stats, saved, tried in zip(self._stats, state["rewards"], trials):
+        sizes = state.get("sizes") or [{} for _ in self._stats]
+        for b, (stats, saved, tried, sized) in enumerate(zip(self._stats, state["rewards"], trials, sizes)):
             for arm, s in stats.items():
                 s.rewards = deque(saved[str(arm)], maxlen=self.config.window)
+                # a state saved before sizes were kept: the bucket's smallest batch, a lower bound
+                s.sizes = deque(sized.get(str(arm), [self._smallest(b)] * len(s.rewards)), maxlen=self.config.window)
                 s.trials = tried.get(str(arm), len(s.rewards))
         if "rng" in state:
             version, internal, gauss = state["rng"]

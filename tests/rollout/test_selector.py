@@ -209,6 +209,40 @@ def test_small_batches_are_sampled_enough_before_an_arm_is_judged():
         SelectorConfig(min_sequence_steps=-1)
 
 
+def test_an_arm_that_lost_on_a_full_batch_is_not_retried_on_an_uncertainty_bonus():
+    """One step of 64 sequences averages 64 sequences' drafts: after ``chain:2`` measured 0.95x
+    of plain decoding there, the bonus (counted in sequence-steps) does not send it back, where a
+    bonus counted in steps retried it 5 times in 1000 steps (each retry of a model-drafter arm
+    after plain steps also pays the drafter's catch-up)."""
+    selector = StrategySelector(SelectorConfig(arms=("none", "chain:2")))
+    rng = random.Random(9)
+    picks = run(selector, 1000, lambda a, n: 100.0 * n * (0.95 if a != "none" else 1.0), rng, sizes=(64,))
+    assert sum(arm == "chain:2" for _, arm in picks) == 1
+
+
+def test_an_arm_ruled_out_by_a_narrower_one_is_not_exploited_either():
+    """On one sequence every speculative arm loses (the tiny policy's case): ``chain:2`` and
+    ``suffix`` are sampled enough to be judged; the wider model-drafter arms, ruled out by
+    ``chain:2`` (0.85x), are never run, not even for an exploration bonus (which used to revive
+    each of them for a full set of trials)."""
+    selector = StrategySelector(SelectorConfig())  # the default arms
+    rng = random.Random(10)
+    picks = run(selector, 600, lambda a, n: 100.0 * (0.85 if a != "none" else 1.0), rng, sizes=(1,))
+    counts = {arm: sum(a == arm for _, a in picks) for arm in {a for _, a in picks}}
+    assert set(counts) == {"none", "chain:2", "suffix:8,2,16"}, counts
+    assert counts["chain:2"] + counts["suffix:8,2,16"] <= 2 * selector._trials_needed(0) + 4, counts
+
+
+def test_a_state_saved_without_batch_sizes_still_loads():
+    selector = StrategySelector(SelectorConfig(arms=ARMS))
+    run(selector, 100, simulated_goodput, random.Random(11))
+    state = selector.state_dict()
+    del state["sizes"]
+    other = StrategySelector(SelectorConfig(arms=ARMS))
+    other.load_state_dict(state)
+    assert other.estimates() == selector.estimates()
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
 def test_adaptive_engine_matches_plain_decoding(arch):
     """Switching arms between steps (including hybrid and suffix) never changes greedy output."""
