@@ -22,7 +22,7 @@ from .admission import RequestLimits, eos_ids_of, prepare_requests
 from .attention import SequenceSlice, paged_attention_enabled
 from .graph_pool import graph_pool_for
 from .handoff import InboxItem, PartialRequest, RequestInbox, ServeUpdate
-from .length_budget import drafting_mask
+from .length_budget import drafting_mask, spread_mask
 from .mirror import MirrorPipeline
 from .model_runner import ModelRunner
 from .params import MirrorConfig, RolloutConfig, SamplingParams
@@ -475,21 +475,23 @@ class RolloutEngine:
         The step's own ``.tolist()`` of the sampled tokens already waits for the device, so the
         goodput measurement adds no synchronisation of its own."""
         n = len(batch.seqs)
-        strategy = self.strategy
+        strategy, probe = self.strategy, None
         if strategy.adaptive:
             if self.drafter is not None:
                 self.selector.on_drafter_version(int(getattr(self.drafter, "version", 0)))
-            strategy = self.selector.choose(n)
+            choice = self.selector.plan(n)
+            strategy, probe = choice.strategy, choice.drafting
         if self._mirror_config.threads is not None:
             spare = self._mirror_config.draft_threads if strategy.mirror else 0
             torch.set_num_threads(self._mirror_config.threads - spare)
-        before, model_before, start = self.stats.generated_tokens, self.stats.model_time_s, time.perf_counter()
-        finished = self._spec_decode(batch, strategy) if strategy.speculative else self._decode(batch)
+        before, model_before, draft_before = self.stats.generated_tokens, self.stats.model_time_s, self.stats.draft_time_s
+        start = time.perf_counter()
+        finished = self._spec_decode(batch, strategy, probe) if strategy.speculative else self._decode(batch)
         seconds = time.perf_counter() - start
         self.stats.decode_model_time_s += self.stats.model_time_s - model_before
         emitted = self.stats.generated_tokens - before
         if self.selector is not None and self.strategy.adaptive:
-            self.selector.observe(n, strategy, emitted, seconds)
+            self.selector.observe(n, strategy, emitted, seconds, probe, self.stats.draft_time_s - draft_before)
         self._peak_active = max(self._peak_active, n)
         in_tail = n <= self.config.tail_fraction * self._peak_active
         self.stats.record_decode_step(StepRecord(n, str(strategy), emitted, seconds, in_tail))
@@ -558,11 +560,12 @@ class RolloutEngine:
                 finished.append(seq.seq_id)
         return finished
 
-    def _spec_decode(self, batch: ScheduledBatch, strategy: Strategy) -> list[int]:
+    def _spec_decode(self, batch: ScheduledBatch, strategy: Strategy, probe: int | None = None) -> list[int]:
         """propose -> target forward -> verify -> accept -> commit (``rollout/spec_step.py``), then
         finish the sequences that are done; each advances by its own accepted length. A mirror
         strategy takes its drafts from the mirror pipeline and drafts the next round's during the
-        forward (``rollout/mirror.py``)."""
+        forward (``rollout/mirror.py``). A ``probe`` step drafts for that many sequences only,
+        spread over the batch (the selector's cheap first try of an arm on a large batch)."""
         seqs = batch.seqs
         mirror = self._ensure_mirror() if strategy.mirror else None
         if mirror is not None and mirror.failed:
@@ -571,6 +574,8 @@ class RolloutEngine:
         allocator, bs = self.runner.cache.allocator, self.config.block_size
         start = time.perf_counter()
         drafting = drafting_mask(seqs, self.config.length_budget)
+        if probe is not None:
+            drafting = [d and p for d, p in zip(drafting, spread_mask(len(seqs), probe))]
         if mirror is None:
             trees = propose(drafter, seqs, strategy.shape, allocator, bs, drafting)
         else:

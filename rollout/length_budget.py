@@ -8,6 +8,9 @@ outlived its prediction expects as many more tokens as it has generated (lengths
 the longer a completion runs, the longer it is likely to run on). A sequence without a prediction
 counts as the longest. The sequences whose expected
 remaining length is at least ``ratio`` times the batch's longest draft in full.
+
+``spread_mask`` picks the few sequences that draft in the selector's probe step (an arm's first,
+cheap try on a large batch).
 """
 
 from __future__ import annotations
@@ -35,3 +38,11 @@ def drafting_mask(seqs: Seq[Sequence], ratio: float) -> list[bool]:
     if math.isinf(longest):
         return [math.isinf(r) for r in remaining]
     return [r >= ratio * longest for r in remaining]
+
+
+def spread_mask(n: int, m: int) -> list[bool]:
+    """``m`` of ``n`` sequences, evenly spread over the batch (a probe step's drafting sequences)."""
+    if m >= n:
+        return [True] * n
+    chosen = {(i * n) // m for i in range(m)}
+    return [i in chosen for i in range(n)]

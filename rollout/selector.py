@@ -1,31 +1,39 @@
 """Per-batch choice of the speculation strategy from measured goodput.
 
 The number of active sequences picks a *bucket* (``bucket_bounds``: a bucket holds batch sizes up
-to its bound); in each bucket every *arm* (a strategy) keeps a sliding window of rewards, the
-goodput of the steps it ran there: tokens emitted per second of step time. ``choose`` first tries
+to its bound); in each bucket every *arm* (a strategy) keeps a sliding window of samples, the
+goodput of the steps it ran there: tokens emitted per second of step time. ``plan`` first tries
 every arm ``min_trials`` times (more on small batches, to cover ``min_sequence_steps``), then
 exploits by UCB (mean plus a bonus that shrinks with the *sequence-steps* behind the mean, scaled
 by the bucket's best mean) or epsilon-greedy. Evidence is counted in sequence-steps because one
 step of 64 sequences averages 64 sequences' acceptance, where a step of one is one noisy draw: an
-arm that lost on a full batch is not tried there again on an uncertainty bonus, and each retry of
-a model-drafter arm after plain steps would also pay the drafter's catch-up. No batch-size threshold is needed: speculation turns itself off
-wherever its measured goodput is lower than plain decoding's. A
-configured ``speculate_up_to`` acts only as a prior (above it, plain decoding is tried first and
-speculative arms need to beat it on measurements). A model-drafter arm's first step after plain
-ones includes the drafter's catch-up on their tokens: a real cost of switching to it, which
-``min_sequence_steps`` spreads over several trials on small batches.
+arm that lost on a full batch is not tried there again on an uncertainty bonus (each retry of a
+model-drafter arm after plain steps would also pay the drafter's catch-up). No batch-size
+threshold is needed: speculation turns itself off wherever its measured goodput is lower than
+plain decoding's. A configured ``speculate_up_to`` acts only as a prior (above it, plain decoding
+is tried first and speculative arms need to beat it on measurements).
 
-Exploring costs most where the batch is large, and a rollout starts there. An untried arm is
-skipped (kept at an estimate) when a measurement already says it loses: the same arm on a
-smaller batch, below ``prune_ratio`` x the bucket's best (speculation returns less the more
-sequences share a step), or, in the same bucket, every *narrower* arm of its drafters (fewer
-draft nodes per sequence), below ``width_prune_ratio`` x the best -- a wider draft adds
-verification rows for tokens accepted ever less often, so where ``chain:2`` loses,
-``tree:4,2,8`` does not win. Narrow arms are therefore explored first. A skipped arm is not
-exploited either (no bonus revives it) until the measurement that ruled it out changes.
+Exploring costs most where the batch is large, and a rollout starts there. So:
 
-When the model drafter's weights change (``on_drafter_version``), the estimates of the arms that
-use it are decayed (only the newest ``decay_keep`` rewards stay) or reset; state persists across
+* An arm's first try on a large batch (``probe_from`` sequences or more) is a *probe*: only
+  ``probe_sequences`` of the batch draft, the others take their plain token in the same forward,
+  and the goodput the full step would have had is extrapolated (``observe``). A probe that says
+  the arm loses clearly (below ``prune_ratio`` of the bucket's best) spares the full step;
+  otherwise a full step measures the arm.
+* An untried arm is skipped when a measurement already says it loses: the same arm on a smaller
+  batch, below ``prune_ratio`` of the best there (speculation returns less the more sequences
+  share a step), or, in the same bucket, every *narrower* arm of its drafters (fewer draft nodes
+  per sequence), below ``width_prune_ratio`` of the best -- a wider draft adds verification rows
+  for tokens accepted ever less often, so where ``chain:2`` loses, ``tree:4,2,8`` does not win.
+  Narrow arms are therefore explored first. A skipped arm is not exploited either (no bonus
+  revives it) until the measurement that ruled it out changes.
+
+These standings compare arms by their goodput relative to plain decoding's *at the time* of each
+step: every step slows down as contexts grow, so goodputs measured minutes apart are not
+comparable, their ratios to plain decoding then are.
+
+When the model drafter's weights change (``on_drafter_version``), the samples of the arms that
+use it are decayed (only the newest ``decay_keep`` stay) or reset; state persists across
 ``generate`` calls (RL steps) otherwise, and can be saved with ``state_dict``.
 """
 
@@ -57,6 +65,8 @@ class SelectorConfig:
     speculate_up_to: int | None = None  # prior: above this many active sequences, try "none" first
     prune_ratio: float = 0.7  # skip exploring an arm a smaller batch measured below this x the bucket's best
     width_prune_ratio: float = 0.9  # ... or whose every narrower arm measured below this x the best here
+    probe_sequences: int = 8  # a first try on a large batch drafts for this many sequences only (0: never)
+    probe_from: int = 32  # ... on batches of at least this many
     drafter_update: str = "decay"  # what a new drafter version does to model-drafter arms: decay | reset
     decay_keep: int = 4
     seed: int = 0
@@ -93,35 +103,70 @@ class SelectorConfig:
             ("decay_keep", isinstance(self.decay_keep, int) and self.decay_keep >= 0, "an int >= 0"),
             ("prune_ratio", 0 <= self.prune_ratio <= 1, "a float in [0, 1]"),
             ("width_prune_ratio", 0 <= self.width_prune_ratio <= 1, "a float in [0, 1]"),
+            ("probe_sequences", isinstance(self.probe_sequences, int) and self.probe_sequences >= 0, "an int >= 0"),
+            ("probe_from", isinstance(self.probe_from, int) and self.probe_from >= 1, "an int >= 1"),
         ]
         for name, ok, allowed in checks:
             if not ok:
                 raise ValueError(f"SelectorConfig.{name} must be {allowed}, got {getattr(self, name)!r}")
 
 
+@dataclass(frozen=True)
+class Choice:
+    """The selector's pick for one step: the arm, and how many of the batch draft in it (None: all;
+    a number: a *probe*, the arm's first try on a large batch, paid on a few sequences only)."""
+
+    strategy: Strategy
+    drafting: int | None = None
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One step's reward: its goodput, the sequences that drafted in it (the evidence: one step
+    of 64 sequences averages 64 sequences' drafts), its goodput relative to plain decoding's in
+    the bucket at the time (None before plain decoding was measured there; plain steps slow down
+    as contexts grow, so a ratio taken at the time stays comparable where goodputs measured at
+    different times do not), and whether it is a probe's extrapolation."""
+
+    goodput: float
+    sequences: int
+    vs_plain: float | None = None
+    probe: bool = False
+
+
 @dataclass
 class ArmStats:
-    rewards: deque[float] = field(default_factory=deque)
-    sizes: deque[int] = field(default_factory=deque)  # the batch size of each reward's step
+    samples: deque[Sample] = field(default_factory=deque)
     trials: int = 0  # all-time, for reporting
 
     @property
+    def rewards(self) -> list[float]:
+        return [x.goodput for x in self.samples]
+
+    @property
     def mean(self) -> float:
-        return sum(self.rewards) / len(self.rewards) if self.rewards else 0.0
+        return sum(x.goodput for x in self.samples) / len(self.samples) if self.samples else 0.0
+
+    @property
+    def vs_plain(self) -> float | None:
+        """Mean goodput relative to plain decoding at the time of each step (None if never known)."""
+        ratios = [x.vs_plain for x in self.samples if x.vs_plain is not None]
+        return sum(ratios) / len(ratios) if ratios else None
 
     @property
     def sequence_steps(self) -> int:
-        """The evidence behind the mean: one step of 64 sequences averages 64 sequences' drafts."""
-        return sum(self.sizes)
+        return sum(x.sequences for x in self.samples)
 
-    def add(self, reward: float, size: int) -> None:
-        self.rewards.append(reward)
-        self.sizes.append(size)
+    @property
+    def probed_only(self) -> bool:
+        return bool(self.samples) and all(x.probe for x in self.samples)
+
+    def add(self, sample: Sample) -> None:
+        self.samples.append(sample)
         self.trials += 1
 
     def keep_newest(self, keep: int) -> None:
-        self.rewards = deque(list(self.rewards)[-keep:] if keep else [], maxlen=self.rewards.maxlen)
-        self.sizes = deque(list(self.sizes)[-keep:] if keep else [], maxlen=self.sizes.maxlen)
+        self.samples = deque(list(self.samples)[-keep:] if keep else [], maxlen=self.samples.maxlen)
 
 
 class StrategySelector:
@@ -149,7 +194,7 @@ class StrategySelector:
         }
         w = self.config.window
         self._stats: list[dict[Strategy, ArmStats]] = [
-            {a: ArmStats(deque(maxlen=w), deque(maxlen=w)) for a in self.arms} for _ in self.config.bucket_bounds
+            {a: ArmStats(deque(maxlen=w)) for a in self.arms} for _ in self.config.bucket_bounds
         ]
         self._rng = random.Random(self.config.seed)
         self.drafter_version: int | None = None
@@ -169,76 +214,125 @@ class StrategySelector:
         """The smallest batch size bucket ``b`` holds."""
         return self.config.bucket_bounds[b - 1] + 1 if b else 1
 
-    def _relative(self, b: int, arm: Strategy) -> float | None:
-        """``arm``'s goodput relative to the best arm of bucket ``b`` (None if not measured there)."""
+    def _standing(self, b: int, arm: Strategy) -> float | None:
+        """``arm``'s goodput relative to the best arm of bucket ``b`` (None if not measured there),
+        from ratios to plain decoding taken at the time where they exist."""
         stats = self._stats[b]
-        if not stats[arm].rewards:
+        if not stats[arm].samples:
             return None
-        return stats[arm].mean / max(s.mean for s in stats.values() if s.rewards)
+        plain = stats[self._none] if self._none is not None else None
+        if plain is None or not plain.samples:
+            return stats[arm].mean / max(s.mean for s in stats.values() if s.samples)
 
-    def _neighbour_estimate(self, b: int, arm: Strategy) -> float | None:
-        """Goodput ``arm`` would have in bucket ``b``, from the nearest *smaller-batch* bucket that
-        measured it (its ratio to that bucket's best, times bucket ``b``'s best so far).
+        def ratio(a: Strategy) -> float:
+            own = stats[a].vs_plain
+            return 1.0 if a is self._none else own if own is not None else stats[a].mean / plain.mean
+
+        return ratio(arm) / max(ratio(a) for a in self.arms if stats[a].samples)
+
+    def _neighbour_standing(self, b: int, arm: Strategy) -> float | None:
+        """``arm``'s standing in the nearest *smaller-batch* bucket that measured it enough.
 
         Only smaller batches count: speculation returns less the more sequences share a step, so
         an arm that loses on fewer sequences will lose on more, but one that loses on a large batch
         may well win in the tail. Rollouts drain from large batches to small, so larger buckets are
         measured first; letting them prune would keep speculation out of the tail for good."""
-        measured = [s.mean for s in self._stats[b].values() if s.rewards]
-        if not measured:
-            return None
         for nb in range(b - 1, -1, -1):
-            if len(self._stats[nb][arm].rewards) >= self._trials_needed(nb):
-                return self._relative(nb, arm) * max(measured)
+            if len(self._stats[nb][arm].samples) >= self._trials_needed(nb):
+                return self._standing(nb, arm)
         return None
 
-    def _narrower_estimate(self, b: int, arm: Strategy) -> float | None:
-        """The best goodput measured in bucket ``b`` by an arm that ``arm`` contains."""
-        stats = self._stats[b]
-        narrower = [stats[a].mean for a in self._narrower[arm] if stats[a].rewards]
-        return max(narrower) if narrower else None
+    def _narrower_standing(self, b: int, arm: Strategy) -> float | None:
+        """The best standing in bucket ``b`` of an arm that ``arm`` contains."""
+        standings = [self._standing(b, a) for a in self._narrower[arm] if self._stats[b][a].samples]
+        return max(standings) if standings else None
 
     def choose(self, num_active: int) -> Strategy:
+        return self.plan(num_active).strategy
+
+    def plan(self, num_active: int) -> Choice:
+        """The arm for a step of ``num_active`` sequences, and how many of them draft in it."""
         b = self.bucket(num_active)
         stats = self._stats[b]
-        estimates: dict[Strategy, float] = {}
-        best = max((s.mean for s in stats.values() if s.rewards), default=None)
+        ruled_out: set[Strategy] = set()
+        measured = any(s.samples for s in stats.values())
         cfg, needed = self.config, self._trials_needed(b)
         for arm in self._explore_order:
-            if len(stats[arm].rewards) >= needed:
+            if stats[arm].probed_only:
+                if self._standing(b, arm) < cfg.prune_ratio:
+                    continue  # its probe says it loses clearly: no full step is paid for
+                return Choice(arm)  # close or better: a full step measures it
+            if len(stats[arm].samples) >= needed:
                 continue
-            if stats[arm].rewards or best is None:
-                return arm
-            neighbour, narrower = self._neighbour_estimate(b, arm), self._narrower_estimate(b, arm)
-            losses = [
-                g
+            if stats[arm].samples or not measured:
+                return Choice(arm)
+            neighbour, narrower = self._neighbour_standing(b, arm), self._narrower_standing(b, arm)
+            loses = any(
+                g is not None and g < ratio
                 for g, ratio in ((neighbour, cfg.prune_ratio), (narrower, cfg.width_prune_ratio))
-                if g is not None and g < ratio * best
-            ]
-            if not losses and arm.speculative and cfg.speculate_up_to is not None:
-                if neighbour is None and cfg.bucket_bounds[b] > cfg.speculate_up_to:
-                    losses = [0.5 * best]  # the prior: speculation loses here
-            if losses:
-                estimates[arm] = min(losses)  # a measurement says it loses clearly: do not pay to explore it
+            )
+            if not loses and arm.speculative and cfg.speculate_up_to is not None:
+                loses = neighbour is None and cfg.bucket_bounds[b] > cfg.speculate_up_to  # the prior
+            if loses:
+                ruled_out.add(arm)  # a measurement says it loses clearly: do not pay to explore it
                 continue
-            return arm
-        # an arm a measurement says loses clearly (``estimates``) is neither explored nor exploited
-        # until that measurement changes; the others are judged by UCB over sequence-steps
-        candidates = [a for a in self.arms if a not in estimates]
+            return Choice(arm, self._probe_size(b, num_active, arm))
+        # an arm a measurement rules out is neither explored nor exploited until that measurement
+        # changes; the others are judged by UCB over sequence-steps
+        candidates = [a for a in self.arms if a not in ruled_out]
         means = {a: stats[a].mean for a in candidates}
         best = max(candidates, key=lambda a: means[a])
         if self.config.policy == "epsilon":
-            return self._rng.choice(candidates) if self._rng.random() < self.config.epsilon else best
+            return Choice(self._rng.choice(candidates) if self._rng.random() < self.config.epsilon else best)
         counts = {a: max(1, stats[a].sequence_steps) for a in candidates}
         total = sum(counts.values())
         scale = means[best] * self.config.ucb_c
-        return max(candidates, key=lambda a: means[a] + scale * math.sqrt(math.log(total) / counts[a]))
+        return Choice(max(candidates, key=lambda a: means[a] + scale * math.sqrt(math.log(total) / counts[a])))
 
-    def observe(self, num_active: int, arm: Strategy, tokens: int, seconds: float) -> None:
-        """Record a step's goodput (``tokens`` emitted in ``seconds`` of step time)."""
+    def _probe_size(self, b: int, num_active: int, arm: Strategy) -> int | None:
+        """How many sequences draft in ``arm``'s first step on this batch: ``probe_sequences`` on a
+        large batch whose plain step time is known, every one otherwise (None)."""
+        m, cfg = self.config.probe_sequences, self.config
+        plain_known = self._none is not None and bool(self._stats[b][self._none].samples)
+        if arm.speculative and plain_known and 0 < m < num_active and num_active >= cfg.probe_from:
+            return m
+        return None
+
+    def observe(
+        self,
+        num_active: int,
+        arm: Strategy,
+        tokens: int,
+        seconds: float,
+        drafting: int | None = None,
+        draft_seconds: float = 0.0,
+    ) -> None:
+        """Record a step's goodput (``tokens`` emitted in ``seconds`` of step time).
+
+        A probe step (only ``drafting`` of the sequences drafted, the others took one token each)
+        is recorded as the goodput the step would have had with all of them drafting: the plain
+        step's time for this batch (from plain decoding's goodput here), plus the drafting
+        (``draft_seconds``) as measured, plus the verification's extra time and the extra tokens
+        scaled to the whole batch. Extra verification rows cost in proportion on a CPU and less on
+        a GPU below its compute bound; drafting for more sequences costs less than in proportion
+        on either (one batched drafter forward). Where the estimate errs, it errs in the arm's
+        favour, and a full step then measures the arm: a probe only spares the full step of an
+        arm that loses clearly even so."""
         if arm not in self._stats[0] or seconds <= 0:
             return
-        self._stats[self.bucket(num_active)][arm].add(tokens / seconds, num_active)
+        stats = self._stats[self.bucket(num_active)]
+        plain = stats[self._none] if self._none is not None else None
+        plain_goodput = plain.mean if plain is not None and plain.samples else None
+        if drafting is None or drafting >= num_active or plain_goodput is None:
+            goodput = tokens / seconds
+            vs_plain = None if plain_goodput is None or arm is self._none else goodput / plain_goodput
+            stats[arm].add(Sample(goodput, num_active, vs_plain))
+            return
+        scale, plain_s = num_active / max(drafting, 1), num_active / plain_goodput
+        extra_verify_s = max(seconds - draft_seconds - plain_s, 0.0)
+        full_s = plain_s + draft_seconds + extra_verify_s * scale
+        full = (num_active + max(tokens - num_active, 0) * scale) / full_s
+        stats[arm].add(Sample(full, drafting, full / plain_goodput, probe=True))
 
     def on_drafter_version(self, version: int) -> None:
         """The model drafter changed: forget (most of) what its arms measured."""
@@ -253,14 +347,14 @@ class StrategySelector:
     def best(self, num_active: int) -> Strategy | None:
         """The arm with the highest mean goodput in the bucket (None before any observation)."""
         stats = self._stats[self.bucket(num_active)]
-        tried = [a for a in self.arms if stats[a].rewards]
+        tried = [a for a in self.arms if stats[a].samples]
         return max(tried, key=lambda a: stats[a].mean) if tried else None
 
     def estimates(self) -> dict[int, dict[str, tuple[float, int]]]:
         """Per bucket bound: arm -> (mean goodput in tokens/s, rewards in the window), for tried buckets."""
         out = {}
         for bound, stats in zip(self.config.bucket_bounds, self._stats):
-            row = {str(a): (s.mean, len(s.rewards)) for a, s in stats.items() if s.rewards}
+            row = {str(a): (s.mean, len(s.samples)) for a, s in stats.items() if s.samples}
             if row:
                 out[bound] = row
         return out
@@ -272,8 +366,11 @@ class StrategySelector:
         return {
             "arms": [str(a) for a in self.arms],
             "drafter_version": self.drafter_version,
-            "rewards": [{str(a): list(s.rewards) for a, s in stats.items()} for stats in self._stats],
-            "sizes": [{str(a): list(s.sizes) for a, s in stats.items()} for stats in self._stats],
+            "rewards": [{str(a): s.rewards for a, s in stats.items()} for stats in self._stats],
+            "samples": [
+                {str(a): [[x.sequences, x.vs_plain, x.probe] for x in s.samples] for a, s in stats.items()}
+                for stats in self._stats
+            ],
             "trials": [{str(a): s.trials for a, s in stats.items()} for stats in self._stats],
             "rng": [version, list(internal), gauss],
         }
@@ -283,13 +380,15 @@ class StrategySelector:
             raise ValueError("selector state was saved with other arms or buckets")
         self.drafter_version = state["drafter_version"]
         trials = state.get("trials") or [{} for _ in self._stats]
-        sizes = state.get("sizes") or [{} for _ in self._stats]
-        for b, (stats, saved, tried, sized) in enumerate(zip(self._stats, state["rewards"], trials, sizes)):
+        # states saved before samples kept more than goodput: the bucket's smallest batch (a lower bound)
+        extra = state.get("samples") or [{} for _ in self._stats]
+        for b, (stats, saved, tried, more) in enumerate(zip(self._stats, state["rewards"], trials, extra)):
             for arm, s in stats.items():
-                s.rewards = deque(saved[str(arm)], maxlen=self.config.window)
-                # a state saved before sizes were kept: the bucket's smallest batch, a lower bound
-                s.sizes = deque(sized.get(str(arm), [self._smallest(b)] * len(s.rewards)), maxlen=self.config.window)
-                s.trials = tried.get(str(arm), len(s.rewards))
+                rest = more.get(str(arm)) or [[self._smallest(b), None, False]] * len(saved[str(arm)])
+                s.samples = deque(
+                    (Sample(g, n, r, p) for g, (n, r, p) in zip(saved[str(arm)], rest)), maxlen=self.config.window
+                )
+                s.trials = tried.get(str(arm), len(s.samples))
         if "rng" in state:
             version, internal, gauss = state["rng"]
             self._rng.setstate((version, tuple(internal), gauss))

@@ -233,11 +233,11 @@ def test_an_arm_ruled_out_by_a_narrower_one_is_not_exploited_either():
     assert counts["chain:2"] + counts["suffix:8,2,16"] <= 2 * selector._trials_needed(0) + 4, counts
 
 
-def test_a_state_saved_without_batch_sizes_still_loads():
+def test_a_state_saved_with_goodputs_only_still_loads():
     selector = StrategySelector(SelectorConfig(arms=ARMS))
     run(selector, 100, simulated_goodput, random.Random(11))
     state = selector.state_dict()
-    del state["sizes"]
+    del state["samples"]
     other = StrategySelector(SelectorConfig(arms=ARMS))
     other.load_state_dict(state)
     assert other.estimates() == selector.estimates()
@@ -273,3 +273,100 @@ def test_adaptive_without_a_drafter_uses_model_free_arms():
     engine = RolloutEngine(cached_model("llama"), RolloutConfig(strategy="adaptive"))
     engine.generate(random_prompts(4, seed=2), SamplingParams(max_new_tokens=20, temperature=0.0))
     assert set(engine.stats.strategy_steps) <= {"none", "suffix:8,2,16"}
+
+
+def probe_run(selector, steps, arms, batch=64, seed=12):
+    """Drive ``plan``/``observe`` like the engine. ``arms``: arm -> (tokens per drafting sequence,
+    extra step time of a full step relative to a plain one, half drafting, half verification). A
+    probe step drafts for ``drafting`` sequences only: the others take one plain token each."""
+    rng, picks, plain_s = random.Random(seed), [], 0.01
+    for _ in range(steps):
+        choice = selector.plan(batch)
+        arm, m = str(choice.strategy), choice.drafting
+        tokens_per_seq, extra = arms[arm]
+        share = 1.0 if m is None else m / batch
+        draft_s = plain_s * extra / 2 * (1.0 if m is None else 0.5)  # one batched draft: less than in proportion
+        seconds = (plain_s + draft_s + plain_s * extra / 2 * share) * rng.uniform(0.98, 1.02)
+        tokens = batch + (tokens_per_seq - 1) * batch * share
+        selector.observe(batch, choice.strategy, int(tokens), seconds, m, draft_s)
+        picks.append((arm, m))
+    return picks
+
+
+def test_a_large_batch_first_tries_an_arm_on_a_few_sequences():
+    """Once plain decoding is measured on a large batch, an arm's first try is a probe: only
+    ``probe_sequences`` of the batch draft. A probe that says the arm loses clearly (here 0.6x)
+    spares the full step; an arm whose probe comes out close gets full steps that measure it."""
+    selector = StrategySelector(SelectorConfig(arms=("none", "chain:2", "suffix"), probe_sequences=8))
+    arms = {"none": (1.0, 0.0), "chain:2": (1.5, 1.5), "suffix:8,2,16": (1.8, 0.5)}  # 0.6x and 1.2x
+    picks = probe_run(selector, 60, arms)
+    assert picks[0] == ("none", None)  # plain decoding first: the probe extrapolates from its step time
+    firsts = {arm: m for arm, m in reversed(picks)}
+    assert firsts["chain:2"] == 8 and firsts["suffix:8,2,16"] == 8
+    assert ("chain:2", None) not in picks  # ruled out by its probe
+    assert ("suffix:8,2,16", None) in picks  # close or better: measured on the whole batch
+    assert str(selector.best(64)) == "suffix:8,2,16"
+    assert sum(arm == "suffix:8,2,16" for arm, _ in picks[-20:]) >= 18
+
+
+def test_a_probe_is_recorded_as_the_full_step_it_stands_for():
+    """``observe`` of a probe: the plain step time of the batch, plus the drafting as measured,
+    plus the extra verification and extra tokens scaled from ``drafting`` to all sequences."""
+    selector = StrategySelector(SelectorConfig(arms=("none", "chain:2")))
+    selector.observe(64, parse_strategy("none"), tokens=64, seconds=0.1)  # plain: 640 tok/s
+    chain = parse_strategy("chain:2")
+    # 8 of 64 drafted: 8 extra tokens, 0.02 s of drafting, 0.01 s of extra verification
+    selector.observe(64, chain, tokens=72, seconds=0.13, drafting=8, draft_seconds=0.02)
+    full_s = 0.1 + 0.02 + 0.01 * 8
+    (sample,) = selector._stats[selector.bucket(64)][chain].samples
+    assert sample.probe and sample.sequences == 8
+    assert sample.goodput == pytest.approx((64 + 8 * 8) / full_s)
+    assert sample.vs_plain == pytest.approx(sample.goodput / 640.0)
+    # no plain measurement yet, or every sequence drafted: recorded as it ran
+    fresh = StrategySelector(SelectorConfig(arms=("none", "chain:2")))
+    fresh.observe(64, chain, tokens=72, seconds=0.13, drafting=8, draft_seconds=0.02)
+    (raw,) = fresh._stats[fresh.bucket(64)][chain].samples
+    assert not raw.probe and raw.goodput == pytest.approx(72 / 0.13)
+
+
+def test_probes_are_off_on_small_batches_and_when_disabled():
+    for config, batch in ((SelectorConfig(arms=ARMS), 8), (SelectorConfig(arms=ARMS, probe_sequences=0), 64)):
+        selector = StrategySelector(config)
+        selector.observe(batch, parse_strategy("none"), tokens=batch, seconds=0.1)
+        assert all(selector.plan(batch).drafting is None for _ in range(5))
+    with pytest.raises(ValueError, match="probe_sequences"):
+        SelectorConfig(probe_sequences=-1)
+    with pytest.raises(ValueError, match="probe_from"):
+        SelectorConfig(probe_from=0)
+
+
+def test_probe_steps_in_the_engine_draft_for_a_few_sequences_and_stay_lossless():
+    """An engine whose selector probes on every batch of 4 or more: the probe steps draft for the
+    spread subset only, and greedy output equals plain decoding."""
+    model = cached_model("qwen2")
+    drafter = perturbed_copy(model, noise=0.3, seed=7)
+    prompts = random_prompts(8, seed=23)
+    params = SamplingParams(max_new_tokens=24, temperature=0.0)
+    want = RolloutEngine(model, RolloutConfig()).generate(prompts, params)
+    selector = {"probe_sequences": 2, "probe_from": 4, "prune_ratio": 0.0, "width_prune_ratio": 0.0, "seed": 1}
+    engine = RolloutEngine(model, RolloutConfig(strategy="adaptive", selector=selector), drafter=drafter)
+    drafted: list[int] = []
+    propose = engine._spec_decode
+
+    def spy(batch, strategy, probe=None):
+        drafted.append((len(batch.seqs), probe))
+        return propose(batch, strategy, probe)
+
+    engine._spec_decode = spy
+    got = engine.generate(prompts, params)
+    assert [o.completion_ids for o in got] == [o.completion_ids for o in want]
+    assert any(probe == 2 and n >= 4 for n, probe in drafted), drafted
+    samples = [s for stats in engine.selector._stats for arm in stats.values() for s in arm.samples]
+    assert any(s.probe and s.sequences == 2 for s in samples)
+
+
+def test_spread_mask_picks_evenly():
+    from tailspec.rollout.length_budget import spread_mask
+
+    assert spread_mask(8, 2) == [True, False, False, False, True, False, False, False]
+    assert sum(spread_mask(64, 8)) == 8 and spread_mask(3, 5) == [True] * 3
