@@ -173,6 +173,7 @@ def _atts(args: argparse.Namespace) -> int:
         ray=args.ray,
         seed=args.seed,
         policy=args.policy,
+        max_num_seqs=args.max_num_seqs,
     )
     rows, calibration = measure_atts(cfg, progress=True)
     print(atts_table(rows))
@@ -327,6 +328,12 @@ def build_parser() -> argparse.ArgumentParser:
     atts.add_argument("--chunk-tokens", type=POSITIVE, default=32)
     atts.add_argument("--delimiter", default="", help="text whose tokens end a chunk early (e.g. ' ' = one step)")
     atts.add_argument("--max-new-tokens", type=POSITIVE, default=384)
+    atts.add_argument(
+        "--max-num-seqs",
+        type=POSITIVE,
+        default=256,
+        help="sequences each engine batches at most (a few: the target decodes memory-bound, as on a GPU)",
+    )
     atts.add_argument("--temperature", type=float, default=1.0)
     atts.add_argument("--seed", type=int, default=0)
     atts.add_argument("--ray", action="store_true", help="draft and target engines as Ray actors (local Ray)")

@@ -49,10 +49,16 @@ class ATTSBenchConfig:
     ray: bool = False  # draft and target engines as Ray actors
     seed: int = 0
     policy: str = "tiny"  # the target: a shipped policy; the draft: its drafter LM
+    # sequences each engine batches at most: 256 puts a CPU target in its compute-bound regime (a
+    # scoring prefill then costs about what generating its tokens does); a few keep it memory-bound,
+    # where a step costs about the same for 1 or 32 tokens, as a GPU target decodes
+    max_num_seqs: int = 256
 
     def __post_init__(self) -> None:
         if self.policy not in SHIPPED_POLICIES:
             raise ValueError(f"policy must be one of {list(SHIPPED_POLICIES)}, got {self.policy!r}")
+        if not (isinstance(self.max_num_seqs, int) and self.max_num_seqs >= 1):
+            raise ValueError(f"max_num_seqs must be an int >= 1, got {self.max_num_seqs!r}")
         if self.questions < 1 or self.calibration_questions < 1:
             raise ValueError("questions and calibration_questions must be >= 1")
         if self.main_alpha not in self.alphas:
@@ -97,7 +103,9 @@ def measure_atts(cfg: ATTSBenchConfig, progress: bool = False) -> tuple[list[ATT
     calibration_prompts, prompts = _prompts(tokenizer, calibration_problems), _prompts(tokenizer, problems)
     references = [p.answer for p in problems]
     base = cfg.atts
-    rollout = RolloutConfig(kv_cache_tokens=65536, max_num_seqs=256, mixed_batches=True, prefix_caching=True)
+    rollout = RolloutConfig(
+        kv_cache_tokens=65536, max_num_seqs=cfg.max_num_seqs, mixed_batches=True, prefix_caching=True
+    )
 
     closers: list[Callable[[], None]] = []
     if cfg.ray:
@@ -233,7 +241,8 @@ def atts_section(rows: list[ATTSRow], calibration: ConformalCalibration, cfg: AT
         f"{_models_line(cfg.policy)}; "
         f"{cfg.questions} chain-sum questions x {c.num_samples} samples at T = {c.temperature}, {chunking}, "
         f"at most {c.max_new_tokens} tokens per sample; score = mean NLL of the chunk under the target (one "
-        f"prefill); engines with `mixed_batches` and `prefix_caching` on. Calibration: {calibration.n} chunk "
+        f"prefill); engines with `mixed_batches` and `prefix_caching` on, each batching at most "
+        f"{cfg.max_num_seqs} sequences. Calibration: {calibration.n} chunk "
         f"scores from {cfg.calibration_questions} held-out "
         f"questions through the same path (all turns, no takeover). Engines "
         f"{'as Ray actors' if cfg.ray else 'in-process, stepped in turn'}; every row ran in the same process "

@@ -484,7 +484,8 @@ class RolloutEngine:
         if self._mirror_config.threads is not None:
             spare = self._mirror_config.draft_threads if strategy.mirror else 0
             torch.set_num_threads(self._mirror_config.threads - spare)
-        before, model_before, draft_before = self.stats.generated_tokens, self.stats.model_time_s, self.stats.draft_time_s
+        stats = self.stats
+        before, model_before, draft_before = stats.generated_tokens, stats.model_time_s, stats.draft_time_s
         start = time.perf_counter()
         finished = self._spec_decode(batch, strategy, probe) if strategy.speculative else self._decode(batch)
         seconds = time.perf_counter() - start
