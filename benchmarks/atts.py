@@ -251,7 +251,7 @@ def atts_section(rows: list[ATTSRow], calibration: ConformalCalibration, cfg: AT
         f"independent decisions (chunks of one sample are dependent and the calibration set is finite, so "
         f"a wider spread is expected). *Synchronous baseline*: a barrier every turn and the round(alpha * m) "
         f"worst chunks of each turn taken over (no calibration). pass@k is the unbiased estimator.\n\n"
-        f"{atts_table(rows)}\n\n![atts]({plot_name})\n\n{READING if cfg.policy == 'tiny' else READING_DEEP}"
+        f"{atts_table(rows)}\n\n![atts]({plot_name})\n\n{_reading(cfg)}"
     )
 
 
@@ -262,6 +262,27 @@ READING_DEEP = (
     "at test time taken-over chunks put target-written text in the history, which lowers later scores, so "
     "the realized split-conformal rate can fall below alpha (the online variant corrects for that)."
 )
+
+COMPUTE_BOUND = (
+    " With up to {n} sequences per engine the CPU target decodes compute-bound: a step's cost grows with "
+    "the tokens in it, so scoring a chunk in one prefill costs about what generating it does, and ATTS "
+    "cannot pay for its scoring here (see the section with a few sequences per engine)."
+)
+
+MEMORY_BOUND = (
+    " With at most {n} sequences per engine the target decodes memory-bound, as a GPU target does at the "
+    "batch sizes a rollout runs: a prefill of a chunk costs a few decode steps, not one per token, so "
+    "every chunk the draft writes and the target accepts saves the target most of its cost. Target-only "
+    "sampling gets the same limit, so both sides batch alike."
+)
+
+
+def _reading(cfg: ATTSBenchConfig) -> str:
+    if cfg.policy == "tiny":
+        return READING
+    regime = MEMORY_BOUND if cfg.max_num_seqs <= 8 else COMPUTE_BOUND
+    return READING_DEEP + regime.format(n=cfg.max_num_seqs)
+
 
 READING = (
     "**Reading it.** Async vs synchronous isolates the barrier: same engines, same takeover budget. "

@@ -114,6 +114,8 @@ class RolloutStats:
     drafter_version: int | None = None
     drafter_train_s: float = 0.0
     spot_train_steps: int = 0  # with Ray workers: drafter steps run on idle workers during the rollout
+    spot_shipped: int = 0  # training chunks whose head became the drafting one (beat it on held-out samples)
+    spot_held: int = 0  # chunks kept back: no better than the drafting head on held-out samples
     policy_version: int | None = None  # with Ray workers: the weights the workers generated with
     workers_died: int = 0
 
@@ -393,6 +395,7 @@ class SpecRollout:
     def _record_spot_training(self, report: RolloutReport, trainer: Any) -> None:
         stats = self.last_stats
         stats.spot_train_steps = report.spot_steps
+        stats.spot_shipped, stats.spot_held = report.spot_shipped, report.spot_held
         stats.drafter_version = report.drafter_version
         stats.policy_version = report.policy_version
         stats.workers_died = report.workers_died
@@ -402,7 +405,11 @@ class SpecRollout:
         if self.config.log_metrics and metrics is not None and report.drafter_version is not None:
             mode = "train" if getattr(trainer.model, "training", True) else "eval"
             metrics[mode]["drafter/spot_steps"].append(float(report.spot_steps))
+            metrics[mode]["drafter/spot_shipped"].append(float(report.spot_shipped))
             metrics[mode]["drafter/version"].append(float(report.drafter_version))
+            if report.spot_held_out:
+                drafting, trained = report.spot_held_out[-1]
+                metrics[mode]["drafter/held_out_gain"].append(trained - drafting)
             if stats.drafter_loss is not None:
                 metrics[mode]["drafter/loss"].append(stats.drafter_loss)
 

@@ -81,6 +81,11 @@ class WorkersConfig:
     spot_training: bool = True  # EAGLE-3 heads only
     spot_steps_per_call: int = 4  # steps per training chunk (the coordinator can stop a chunk early)
     max_spot_steps: int = 256  # per rollout
+    # every n-th recorded sample a training worker gets is held out (0: none); a trained head is
+    # shipped to the engines only when it beats the drafting one there by more than the gain
+    # (accepted draft tokens per chain)
+    spot_holdout_every: int = 8
+    spot_ship_min_gain: float = 0.0
     sample_buffer_mb: int = 256  # the coordinator's buffer of recorded training data
     respawn_dead_workers: bool = True
     max_shard_attempts: int = 3  # a request whose workers keep dying fails the rollout after this many tries
@@ -116,6 +121,13 @@ class WorkersConfig:
                 "an int >= 1",
             ),
             ("max_spot_steps", isinstance(self.max_spot_steps, int) and self.max_spot_steps >= 0, "an int >= 0"),
+            (
+                "spot_holdout_every",
+                isinstance(self.spot_holdout_every, int)
+                and (self.spot_holdout_every == 0 or self.spot_holdout_every >= 2),
+                "0 or an int >= 2",
+            ),
+            ("spot_ship_min_gain", self.spot_ship_min_gain >= 0, "a float >= 0"),
             ("sample_buffer_mb", isinstance(self.sample_buffer_mb, int) and self.sample_buffer_mb >= 1, "an int >= 1"),
             (
                 "max_shard_attempts",
@@ -169,12 +181,15 @@ class RolloutReport:
     seconds: float
     spot_steps: int  # training steps collected since the last report (a chunk still stopping counts next call)
     spot_losses: list[float]
-    drafter_version: int | None
+    drafter_version: int | None  # the drafting head's (shipped) version
     policy_version: int
     workers_died: int
     requests_rerun: int = 0  # unfinished requests of dead workers, generated again
     requests_moved: int = 0  # requests continued on another worker (tail rebalancing)
     length_error: float = float("nan")  # mean |predicted - actual| / actual of predicted lengths
+    spot_shipped: int = 0  # training chunks whose head became the drafting one
+    spot_held: int = 0  # chunks kept back (no better than the drafting head on held-out samples)
+    spot_held_out: list[tuple[float, float]] = field(default_factory=list)  # (drafting, trained) per chunk
 
 
 def ensure_ray(address: str | None = None, num_cpus: float | None = None) -> bool:
@@ -232,6 +247,8 @@ class RolloutCoordinator:
             max_steps_per_rollout=c.max_spot_steps,
             buffer_bytes=c.sample_buffer_mb << 20,
             event=self._event,
+            holdout_every=c.spot_holdout_every,
+            ship_min_gain=c.spot_ship_min_gain,
         )
         self.policy_version = policy_version
         self._model_ref = ray.put(model)
@@ -260,8 +277,9 @@ class RolloutCoordinator:
 
     @property
     def drafter_state(self) -> DrafterState | None:
-        """The newest drafter state (what the next rollout drafts with)."""
-        return self.spot.state
+        """The drafting head's state (what the next rollout drafts with; spot training may hold a
+        newer trained one that has not earned shipping yet)."""
+        return self.spot.shipped
 
     # -- workers -------------------------------------------------------------------------------
     def _create_actor(self, index: int) -> Any:
@@ -373,6 +391,9 @@ class RolloutCoordinator:
             seconds=time.perf_counter() - start,
             spot_steps=tally.steps,
             spot_losses=tally.losses,
+            spot_shipped=tally.shipped,
+            spot_held=tally.held,
+            spot_held_out=tally.held_out,
             drafter_version=self.drafter_state.version if self.drafter_state is not None else None,
             policy_version=self.policy_version,
             workers_died=result.died + tally.died,
@@ -437,10 +458,13 @@ class RolloutCoordinator:
 
         self.settle()
         engines = {i: ray.get(w.engine_state.remote()) for i, w in sorted(self.workers.items())}
+        trained = self.spot.state
         return {
             "engines": list(engines.values()),
             "predictor": self.predictor.state_dict(),
             "drafter": self.drafter_state,
+            # spot training's newest state where it has not been shipped (optimizer included)
+            "drafter_trained": trained if trained is not self.drafter_state else None,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -461,6 +485,8 @@ class RolloutCoordinator:
                 raise ValueError("the saved rollout state has a drafter state but this coordinator drafts with no head")
             self.settle()
             self.spot.publish(drafter)
+            if state.get("drafter_trained") is not None:
+                self.spot.resume_training_from(state["drafter_trained"])
             self._needs_broadcast = True
             self.settle()
 

@@ -10,6 +10,12 @@ spot training off for the rest of the rollout. A chunk is told to stop when work
 worker or the rollout ends; it yields before its next step and is collected whenever it returns,
 so no rollout waits for it.
 
+Training and shipping are apart: ``state`` is the newest *trained* state (chunks continue from
+it), ``shipped`` the one the engines draft with. A finished chunk is shipped only when the worker
+measured it better than the shipped head on held-out samples (recorded samples it never trains
+on) by more than ``ship_min_gain`` accepted draft tokens per chain; otherwise training goes on
+from it and the engines (and their selectors' goodput for model arms) keep the version they have.
+
 Actors are passed in (anything with ``train_drafter.remote`` / ``stop_training.remote``), so
 the decisions are tested without Ray.
 """
@@ -35,6 +41,9 @@ class SpotTally:
     steps: int = 0
     losses: list[float] = field(default_factory=list)
     died: int = 0  # workers lost while training
+    shipped: int = 0  # chunks whose state became the drafting head
+    held: int = 0  # chunks kept back: no better than the shipped head on held-out samples
+    held_out: list[tuple[float, float]] = field(default_factory=list)  # (shipped, trained) per chunk
 
 
 @dataclass
@@ -80,8 +89,13 @@ class SpotTraining:
         max_steps_per_rollout: int,
         buffer_bytes: int,
         event: Callable[..., None],
+        holdout_every: int = 0,
+        ship_min_gain: float = 0.0,
     ) -> None:
-        self.state = state  # the newest drafter state (None: no EAGLE-3 head, nothing to train)
+        self.state = state  # the newest trained drafter state (None: no EAGLE-3 head, nothing to train)
+        self.shipped = state  # the state the engines draft with
+        self.holdout_every = holdout_every
+        self.ship_min_gain = ship_min_gain
         self.enabled = enabled and state is not None
         self.steps_per_chunk = steps_per_chunk
         self.max_steps_per_rollout = max_steps_per_rollout
@@ -136,7 +150,7 @@ class SpotTraining:
 
     def start(self, worker: int, actor: Any, busy: list[int]) -> Chunk:
         state, new, steps = self.chunk_args(worker)
-        ref = actor.train_drafter.remote(state, new, steps, self.buffer.max_bytes)
+        ref = actor.train_drafter.remote(state, new, steps, self.buffer.max_bytes, self.holdout_every)
         self.running = Chunk(ref, worker)
         self._last_trainer = worker
         self._event("spot_start", worker, version=self.state.version, busy=busy)
@@ -151,7 +165,8 @@ class SpotTraining:
 
     # -- outcomes ------------------------------------------------------------------------------
     def finished(self, result: TrainResult) -> None:
-        """A chunk returned: its state is the newest; only its worker's trainer holds it."""
+        """A chunk returned: its state is the newest trained one (only its worker's trainer holds
+        it), and the drafting head if it measured better on held-out samples (:meth:`worth_shipping`)."""
         worker = self.running.worker if self.running is not None else result.worker
         self.running = None
         self.state = result.state
@@ -159,7 +174,29 @@ class SpotTraining:
         self.tally.steps += len(result.losses)
         self.tally.losses += result.losses
         self._rollout_steps += len(result.losses)
-        self._event("spot_done", worker, version=result.state.version, steps=len(result.losses))
+        # a comparison against another version than the shipped one (a broadcast the training
+        # worker missed) says nothing about shipping: keep training, decide after the next chunk
+        current = result.held_out is None or result.held_out_against == self.shipped.version
+        ship = bool(result.losses) and current and self.worth_shipping(result.held_out)
+        if result.held_out is not None:
+            self.tally.held_out.append(result.held_out)
+        if ship:
+            self.shipped = result.state
+            self.tally.shipped += 1
+        elif result.losses:
+            self.tally.held += 1
+        self._event(
+            "spot_done", worker, version=result.state.version, steps=len(result.losses), shipped=ship,
+            held_out=result.held_out,
+        )  # fmt: skip
+
+    def worth_shipping(self, held_out: tuple[float, float] | None) -> bool:
+        """(shipped head's, trained head's) held-out acceptance -> ship the trained one? Without a
+        held-out measurement (none held out yet) every chunk ships."""
+        if held_out is None:
+            return True
+        shipped, trained = held_out
+        return trained > shipped + self.ship_min_gain
 
     def lost(self) -> None:
         """The training worker died: the chunk leaves no trace."""
@@ -186,6 +223,12 @@ class SpotTraining:
         self._trainer_holds.pop(worker, None)
 
     def publish(self, state: DrafterState) -> None:
-        """A head trained elsewhere becomes the newest; no worker's optimizer state belongs to it."""
+        """A head trained elsewhere becomes the newest and the drafting one; no worker's optimizer
+        state belongs to it."""
+        self.state = self.shipped = state
+        self._trainer_holds = {}
+
+    def resume_training_from(self, state: DrafterState) -> None:
+        """Continue training from ``state`` (a checkpoint's trained state, newer than the shipped one)."""
         self.state = state
         self._trainer_holds = {}

@@ -15,6 +15,7 @@ import copy
 import logging
 import threading
 import time
+from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -23,7 +24,7 @@ import torch
 
 from ..drafter.eagle3 import Eagle3Drafter, Eagle3Head, FeatureBuffer
 from ..drafter.eagle3.data import Eagle3Sample
-from ..drafter.eagle3.train import DrafterTrainer, DrafterTrainingConfig
+from ..drafter.eagle3.train import DrafterTrainer, DrafterTrainingConfig, held_out_acceptance
 from ..rollout.engine import RolloutEngine
 from ..rollout.handoff import InboxItem, PartialRequest, RequestInbox
 from ..rollout.params import RolloutConfig, SamplingParams
@@ -42,6 +43,9 @@ STAT_KEYS = (
     "tail_time_s",
     "preemptions",
 )
+
+
+HELD_OUT_SAMPLES = 64  # the newest held-out samples a worker compares heads on
 
 
 @dataclass
@@ -128,6 +132,10 @@ class TrainResult:
     state: DrafterState
     losses: list[float]
     stopped: bool  # yielded before max_steps (rollout over or work arrived)
+    # (drafting head's, trained head's) accepted draft tokens per chain on the held-out samples;
+    # None while none is held out
+    held_out: tuple[float, float] | None = None
+    held_out_against: int | None = None  # the drafting head's version in that comparison
 
 
 class RolloutWorker:
@@ -165,6 +173,8 @@ class RolloutWorker:
         self.trainer: DrafterTrainer | None = None
         self.train_buffer: FeatureBuffer | None = None  # samples sent for spot training, kept between chunks
         self.train_head: Eagle3Head | None = None  # the copy spot training updates
+        self.held_out: deque[Eagle3Sample] = deque(maxlen=HELD_OUT_SAMPLES)  # never trained on
+        self._samples_received = 0
         engine_drafter = drafter
         if self.head is not None:
             if drafter_state is not None:
@@ -338,21 +348,32 @@ class RolloutWorker:
 
     # -- spot drafter training ---------------------------------------------------------------
     def train_drafter(
-        self, state: DrafterState | None, new_samples: list[Eagle3Sample], max_steps: int, buffer_bytes: int
+        self,
+        state: DrafterState | None,
+        new_samples: list[Eagle3Sample],
+        max_steps: int,
+        buffer_bytes: int,
+        holdout_every: int = 0,
     ) -> TrainResult:
         """Up to ``max_steps`` training steps, checking for :meth:`stop_training` before every one.
 
         ``new_samples`` are added to this worker's training buffer (the coordinator sends each
-        sample once per worker; ``buffer_bytes`` caps it, newest kept, as the coordinator's own).
-        ``state`` is where to start from, or None to continue from this worker's own trainer,
-        which must then hold the coordinator's latest version. Returns the new state."""
+        sample once per worker; ``buffer_bytes`` caps it, newest kept, as the coordinator's own),
+        but every ``holdout_every``-th one (0: none) goes to a held-out set instead, on which the
+        trained head is compared with the drafting one (:func:`held_out_acceptance`). ``state``
+        is where to start from, or None to continue from this worker's own trainer, which must
+        then hold the coordinator's latest version. Returns the new state."""
         if self.head is None:
             raise RuntimeError(f"worker {self.index} has no EAGLE-3 head to train")
         self._stop.clear()
         if self.train_buffer is None or self.train_buffer.max_bytes != buffer_bytes:
             self.train_buffer = FeatureBuffer(buffer_bytes)
         for sample in new_samples:
-            self.train_buffer.add(sample)
+            self._samples_received += 1
+            if holdout_every and self._samples_received % holdout_every == 0:
+                self.held_out.append(sample)
+            else:
+                self.train_buffer.add(sample)
         self._event("train_start", from_version=None if state is None else state.version, new=len(new_samples))
         if self.train_head is None:  # trained apart from the drafting head, which changes only by broadcast
             self.train_head = copy.deepcopy(self.head)
@@ -367,13 +388,23 @@ class RolloutWorker:
         elif self.trainer is None:
             raise RuntimeError(f"worker {self.index} has no trainer to continue; send a DrafterState")
         self.trainer.buffer = self.train_buffer
-        results = self.trainer.train(max_steps, should_stop=self._stop.is_set)
+        results = self.trainer.train(max_steps, should_stop=self._stop.is_set) if len(self.train_buffer) else []
         losses = [r.loss for r in results]
         for r in results:
             self._event("train_step", step=r.step, loss=r.loss)
         stopped = len(losses) < max_steps
+        held_out = self._compare_on_held_out() if losses and holdout_every and self.held_out else None
         self._event("train_end", version=int(self.train_head.version), steps=len(losses), stopped=stopped)
-        return TrainResult(self.index, DrafterState.of(self.train_head, self.trainer), losses, stopped)
+        state = DrafterState.of(self.train_head, self.trainer)
+        return TrainResult(self.index, state, losses, stopped, held_out, int(self.head.version))
+
+    def _compare_on_held_out(self) -> tuple[float, float]:
+        """(drafting head's, trained head's) accepted draft tokens per chain on the held-out samples."""
+        embed, samples = self.model.get_input_embeddings(), list(self.held_out)
+        depth = self.trainer.config.ttt_steps
+        return held_out_acceptance(self.head, embed, samples, depth), held_out_acceptance(
+            self.train_head, embed, samples, depth
+        )
 
     def stop_training(self) -> None:
         """Make a running :meth:`train_drafter` return before its next step."""

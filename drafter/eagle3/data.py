@@ -5,7 +5,8 @@ but the last (the last token is never fed to the target), and for each completio
 target's top-k distribution it was drawn from (soft labels). :class:`SequenceRecorder` assembles
 samples from the engine's per-step observations (only tokens the sequence kept: prefill, plain
 decode, and the accepted part of every verification); :class:`FeatureBuffer` holds them under a
-byte cap, keeping the most recent ones or a uniform reservoir sample.
+byte cap, keeping the most recent ones or a uniform reservoir sample, and draws training batches
+uniformly or weighted towards the samples the head fails on (its last loss on each).
 """
 
 from __future__ import annotations
@@ -64,6 +65,7 @@ class FeatureBuffer:
         self._samples: deque[Eagle3Sample] = deque()
         self._bytes = 0
         self._rng = random.Random(seed)
+        self._losses: dict[int, float] = {}  # id(sample) -> the head's last loss on it (kept samples only)
         self.num_seen = 0
         self.num_tokens_seen = 0
 
@@ -95,11 +97,26 @@ class FeatureBuffer:
         victim = self._samples[index]
         del self._samples[index]
         self._bytes -= victim.nbytes
+        self._losses.pop(id(victim), None)
 
-    def sample(self, n: int, generator: random.Random) -> list[Eagle3Sample]:
+    def sample(self, n: int, generator: random.Random, focus: float = 0.0) -> list[Eagle3Sample]:
+        """``n`` samples drawn with replacement: uniformly (``focus`` 0), or with probability
+        proportional to ``loss ** focus``, the head's last loss on each (prioritised replay: where
+        it fails). A sample it has not been trained on counts at the highest loss seen."""
         if not self._samples:
             raise ValueError("the feature buffer is empty; run rollouts with an EAGLE-3 drafter attached first")
-        return [self._samples[generator.randrange(len(self._samples))] for _ in range(n)]
+        if focus <= 0 or not self._losses:
+            return [self._samples[generator.randrange(len(self._samples))] for _ in range(n)]
+        top = max(self._losses.values())
+        weights = [max(self._losses.get(id(s), top), 1e-6) ** focus for s in self._samples]
+        return generator.choices(list(self._samples), weights=weights, k=n)
+
+    def record_losses(self, samples: list[Eagle3Sample], losses: list[float]) -> None:
+        """The head's loss on each of ``samples`` in the step just taken (those still kept)."""
+        kept = {id(s) for s in self._samples}
+        for sample, loss in zip(samples, losses):
+            if id(sample) in kept:
+                self._losses[id(sample)] = float(loss)
 
     def samples(self) -> list[Eagle3Sample]:
         return list(self._samples)

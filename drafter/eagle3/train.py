@@ -48,6 +48,9 @@ class DrafterTrainingConfig:
     max_tokens: int = 1024  # longer sequences are cut to a random window of this many tokens
     max_grad_norm: float = 1.0
     soft_labels: bool = True
+    # where the head fails: a sample is drawn with probability ~ (its last loss) ** focus (0: uniform);
+    # a sample not trained on yet counts at the highest loss seen, so new rollouts come first
+    focus: float = 0.0
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -61,6 +64,7 @@ class DrafterTrainingConfig:
             ("step_decay", 0 < self.step_decay <= 1, "a float in (0, 1]"),
             ("max_tokens", isinstance(self.max_tokens, int) and self.max_tokens >= 3, "an int >= 3"),
             ("max_grad_norm", self.max_grad_norm > 0, "a float > 0"),
+            ("focus", 0 <= self.focus <= 4, "a float in [0, 4]"),
         ]
         for name, ok, allowed in checks:
             if not ok:
@@ -184,12 +188,14 @@ def step_targets(head: Eagle3Head, batch: _Batch, step: int) -> tuple[torch.Tens
 
 def unrolled_loss(
     head: Eagle3Head, embed: torch.nn.Module, batch: _Batch, cfg: DrafterTrainingConfig
-) -> tuple[torch.Tensor, list[float], int]:
-    """The training-time-test loss of one batch -> (loss, per-step accuracy, number of predictions)."""
+) -> tuple[torch.Tensor, list[float], int, torch.Tensor]:
+    """The training-time-test loss of one batch -> (loss, per-step accuracy, number of
+    predictions, each sequence's step-0 loss ``[B]``: where the head fails)."""
     device = head.fc.weight.device
     rows = batch.features.shape[1]
     total = torch.zeros((), device=device)
     weight_sum, accuracy, count = 0.0, [], 0
+    per_sample = torch.zeros(batch.features.shape[0])
     for k, logits in enumerate(unroll(head, embed, batch, cfg.ttt_steps)):
         target, ok = step_targets(head, batch, k)
         if not bool(ok.any()):
@@ -203,12 +209,46 @@ def unrolled_loss(
             probs = batch.soft_probs.to(device)[:, cols][ok] * (ids >= 0)
             soft = -(probs * logp.gather(-1, ids.clamp(min=0))).sum(-1)
             per_token = torch.where(soft_ok, soft, per_token)
+        if k == 0:
+            owner = torch.arange(ok.shape[0], device=device).view(-1, 1).expand_as(ok)[ok]
+            sums = torch.zeros(ok.shape[0], device=device).index_add_(0, owner, per_token.detach().float())
+            per_sample = (sums / ok.sum(1).clamp(min=1)).cpu()
         w = cfg.step_decay**k
         total = total + w * per_token.mean()
         weight_sum += w
         accuracy.append(float((logp.argmax(-1) == target[ok]).float().mean()))
         count += int(ok.sum())
-    return total / max(weight_sum, 1e-12), accuracy, count
+    return total / max(weight_sum, 1e-12), accuracy, count, per_sample
+
+
+@torch.no_grad()
+def held_out_acceptance(
+    head: Eagle3Head, embed: torch.nn.Module, samples: list[Eagle3Sample], depth: int, max_tokens: int = 1024
+) -> float:
+    """Draft tokens a chain of ``depth`` would get accepted per round on ``samples`` (greedy: the
+    head's top-1 must equal the token that was emitted, step after step, from every completion
+    position; 0..``depth``). The unroll is the training's, so it reads what the engine's drafter
+    reads; comparing two heads on the same held-out samples says which one drafts better."""
+    if not samples:
+        raise ValueError("held_out_acceptance needs at least one sample")
+    was_training = head.training
+    head.eval()
+    try:
+        accepted, positions = 0.0, 0
+        for i in range(0, len(samples), 8):
+            batch = collate(samples[i : i + 8], depth, max_tokens, random.Random(0))
+            alive: torch.Tensor | None = None
+            for k, logits in enumerate(unroll(head, embed, batch, depth)):
+                target, ok = step_targets(head, batch, k)
+                right = (logits.argmax(-1) == target) & ok
+                if alive is None:
+                    alive, positions = right, positions + int(ok.sum())
+                else:
+                    alive = alive & right
+                accepted += float(alive.sum())
+        return accepted / max(positions, 1)
+    finally:
+        head.train(was_training)
 
 
 def _adamw(head: Eagle3Head, c: DrafterTrainingConfig) -> torch.optim.AdamW:
@@ -294,12 +334,14 @@ class DrafterTrainer:
     def train_step(self) -> TrainStepResult:
         start = time.perf_counter()
         c = self.config
-        batch = collate(self.buffer.sample(c.batch_size, self.rng), c.ttt_steps, c.max_tokens, self.rng)
+        drawn = self.buffer.sample(c.batch_size, self.rng, focus=c.focus)
+        batch = collate(drawn, c.ttt_steps, c.max_tokens, self.rng)
         was_training = self.head.training
         self.head.train()
         self.stepper.zero_grad()
         try:
-            loss, accuracy, count = unrolled_loss(self.head, self.embed, batch, c)
+            loss, accuracy, count, per_sample = unrolled_loss(self.head, self.embed, batch, c)
+            self.buffer.record_losses(drawn, per_sample.tolist())
             if count:
                 self.stepper.backward_and_step(loss)
                 self.step_count += 1

@@ -27,3 +27,22 @@ def test_bad_bench_config_is_refused(capsys):
         ATTSBenchConfig(alphas=(0.1,), main_alpha=0.2)
     assert main(["atts", "--alpha", "1.5", "--questions", "1"]) == 2  # the CLI: one line, status 2
     assert "tailspec: error: alpha must be in (0, 1), got 1.5" in capsys.readouterr().err
+
+
+def test_the_deep_target_is_measured_compute_bound_and_memory_bound():
+    from tailspec.benchmarks.atts import _reading
+    from tailspec.benchmarks.run import _atts_bench_configs, atts_plot_name, atts_title
+
+    with pytest.raises(ValueError, match="max_num_seqs"):
+        ATTSBenchConfig(max_num_seqs=0)
+    (tiny,) = _atts_bench_configs(quick=True)
+    full, few = _atts_bench_configs(quick=True, policy="deep")
+    assert (tiny.max_num_seqs, full.max_num_seqs, few.max_num_seqs) == (256, 256, 4)
+    titles = [atts_title(c) for c in (tiny, full, few)]
+    assert len(set(titles)) == 3 and titles[2].endswith("deep policy, at most 4 sequences per engine")
+    assert [atts_plot_name(c) for c in (tiny, full, few)] == [
+        "bench_atts.png",
+        "bench_atts_deep.png",
+        "bench_atts_deep_4seqs.png",
+    ]
+    assert "compute-bound" in _reading(full) and "memory-bound" in _reading(few)
