@@ -38,6 +38,7 @@ from .token_ids import token_id_list
 __all__ = ["EngineStats", "RequestLimits", "RolloutEngine", "StepRecord", "eos_ids_of", "prepare_requests"]
 
 logger = logging.getLogger(__name__)
+SWITCH_GAP = 4  # a model-drafter step after this many steps without the drafter is a switch (its catch-up)
 
 
 class RolloutEngine:
@@ -102,6 +103,7 @@ class RolloutEngine:
         self.mirror: MirrorPipeline | None = None  # made on the first mirror step (starts its executor)
         self._mirror_config = self.config.mirror or MirrorConfig()
         self._peak_active = 0
+        self._model_drafter_gap = SWITCH_GAP  # decode steps since the model drafter last drafted
         self.strategy = Strategy("none")
         self.set_strategy(self.config.strategy)
 
@@ -481,6 +483,8 @@ class RolloutEngine:
                 self.selector.on_drafter_version(int(getattr(self.drafter, "version", 0)))
             choice = self.selector.plan(n)
             strategy, probe = choice.strategy, choice.drafting
+        # the model drafter's first step after several without it catches up on their tokens
+        switch = strategy.uses_model_drafter and self._model_drafter_gap >= SWITCH_GAP
         if self._mirror_config.threads is not None:
             spare = self._mirror_config.draft_threads if strategy.mirror else 0
             torch.set_num_threads(self._mirror_config.threads - spare)
@@ -492,7 +496,8 @@ class RolloutEngine:
         self.stats.decode_model_time_s += self.stats.model_time_s - model_before
         emitted = self.stats.generated_tokens - before
         if self.selector is not None and self.strategy.adaptive:
-            self.selector.observe(n, strategy, emitted, seconds, probe, self.stats.draft_time_s - draft_before)
+            self.selector.observe(n, strategy, emitted, seconds, probe, stats.draft_time_s - draft_before, switch)
+        self._model_drafter_gap = 0 if strategy.uses_model_drafter else self._model_drafter_gap + 1
         self._peak_active = max(self._peak_active, n)
         in_tail = n <= self.config.tail_fraction * self._peak_active
         self.stats.record_decode_step(StepRecord(n, str(strategy), emitted, seconds, in_tail))

@@ -126,12 +126,15 @@ class Sample:
     of 64 sequences averages 64 sequences' drafts), its goodput relative to plain decoding's in
     the bucket at the time (None before plain decoding was measured there; plain steps slow down
     as contexts grow, so a ratio taken at the time stays comparable where goodputs measured at
-    different times do not), and whether it is a probe's extrapolation."""
+    different times do not), whether it is a probe's extrapolation, and whether it is a *switch*:
+    a model-drafter arm's first step after steps of other arms, which also paid the drafter's
+    catch-up on every token those steps emitted (a cost of switching, not of the arm)."""
 
     goodput: float
     sequences: int
     vs_plain: float | None = None
     probe: bool = False
+    switch: bool = False  # a model-drafter arm's first step after others: it paid the drafter's catch-up
 
 
 @dataclass
@@ -144,22 +147,34 @@ class ArmStats:
         return [x.goodput for x in self.samples]
 
     @property
+    def judged(self) -> list[Sample]:
+        """The samples the arm is judged by: switch steps only while it has no other (a catch-up
+        after many plain steps would otherwise condemn an arm that wins once it runs)."""
+        steady = [x for x in self.samples if not x.switch]
+        return steady or list(self.samples)
+
+    @property
     def mean(self) -> float:
-        return sum(x.goodput for x in self.samples) / len(self.samples) if self.samples else 0.0
+        judged = self.judged
+        return sum(x.goodput for x in judged) / len(judged) if judged else 0.0
 
     @property
     def vs_plain(self) -> float | None:
         """Mean goodput relative to plain decoding at the time of each step (None if never known)."""
-        ratios = [x.vs_plain for x in self.samples if x.vs_plain is not None]
+        ratios = [x.vs_plain for x in self.judged if x.vs_plain is not None]
         return sum(ratios) / len(ratios) if ratios else None
 
     @property
     def sequence_steps(self) -> int:
-        return sum(x.sequences for x in self.samples)
+        return sum(x.sequences for x in self.judged)
 
     @property
     def probed_only(self) -> bool:
         return bool(self.samples) and all(x.probe for x in self.samples)
+
+    @property
+    def switched_only(self) -> bool:
+        return bool(self.samples) and all(x.switch and not x.probe for x in self.samples)
 
     def add(self, sample: Sample) -> None:
         self.samples.append(sample)
@@ -258,6 +273,8 @@ class StrategySelector:
         measured = any(s.samples for s in stats.values())
         cfg, needed = self.config, self._trials_needed(b)
         for arm in self._explore_order:
+            if stats[arm].switched_only:
+                return Choice(arm)  # its one step paid the catch-up: the next one measures the arm
             if stats[arm].probed_only:
                 if self._standing(b, arm) < cfg.prune_ratio:
                     continue  # its probe says it loses clearly: no full step is paid for
@@ -306,6 +323,7 @@ class StrategySelector:
         seconds: float,
         drafting: int | None = None,
         draft_seconds: float = 0.0,
+        switch: bool = False,
     ) -> None:
         """Record a step's goodput (``tokens`` emitted in ``seconds`` of step time).
 
@@ -317,7 +335,8 @@ class StrategySelector:
         a GPU below its compute bound; drafting for more sequences costs less than in proportion
         on either (one batched drafter forward). Where the estimate errs, it errs in the arm's
         favour, and a full step then measures the arm: a probe only spares the full step of an
-        arm that loses clearly even so."""
+        arm that loses clearly even so. ``switch``: the step is a model-drafter arm's first after
+        other arms (it paid the drafter's catch-up); it counts until a steady step replaces it."""
         if arm not in self._stats[0] or seconds <= 0:
             return
         stats = self._stats[self.bucket(num_active)]
@@ -326,13 +345,13 @@ class StrategySelector:
         if drafting is None or drafting >= num_active or plain_goodput is None:
             goodput = tokens / seconds
             vs_plain = None if plain_goodput is None or arm is self._none else goodput / plain_goodput
-            stats[arm].add(Sample(goodput, num_active, vs_plain))
+            stats[arm].add(Sample(goodput, num_active, vs_plain, switch=switch))
             return
         scale, plain_s = num_active / max(drafting, 1), num_active / plain_goodput
         extra_verify_s = max(seconds - draft_seconds - plain_s, 0.0)
         full_s = plain_s + draft_seconds + extra_verify_s * scale
         full = (num_active + max(tokens - num_active, 0) * scale) / full_s
-        stats[arm].add(Sample(full, drafting, full / plain_goodput, probe=True))
+        stats[arm].add(Sample(full, drafting, full / plain_goodput, probe=True, switch=switch))
 
     def on_drafter_version(self, version: int) -> None:
         """The model drafter changed: forget (most of) what its arms measured."""
@@ -368,7 +387,7 @@ class StrategySelector:
             "drafter_version": self.drafter_version,
             "rewards": [{str(a): s.rewards for a, s in stats.items()} for stats in self._stats],
             "samples": [
-                {str(a): [[x.sequences, x.vs_plain, x.probe] for x in s.samples] for a, s in stats.items()}
+                {str(a): [[x.sequences, x.vs_plain, x.probe, x.switch] for x in s.samples] for a, s in stats.items()}
                 for stats in self._stats
             ],
             "trials": [{str(a): s.trials for a, s in stats.items()} for stats in self._stats],
@@ -386,7 +405,7 @@ class StrategySelector:
             for arm, s in stats.items():
                 rest = more.get(str(arm)) or [[self._smallest(b), None, False]] * len(saved[str(arm)])
                 s.samples = deque(
-                    (Sample(g, n, r, p) for g, (n, r, p) in zip(saved[str(arm)], rest)), maxlen=self.config.window
+                    (Sample(g, *extra) for g, extra in zip(saved[str(arm)], rest)), maxlen=self.config.window
                 )
                 s.trials = tried.get(str(arm), len(s.samples))
         if "rng" in state:

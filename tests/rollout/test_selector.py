@@ -370,3 +370,47 @@ def test_spread_mask_picks_evenly():
 
     assert spread_mask(8, 2) == [True, False, False, False, True, False, False, False]
     assert sum(spread_mask(64, 8)) == 8 and spread_mask(3, 5) == [True] * 3
+
+
+def test_a_switch_steps_catch_up_does_not_condemn_a_model_arm():
+    """A model-drafter arm's first step after many plain ones also pays the drafter's catch-up on
+    every token they emitted (here 4x a step). Judged by that step, ``chain:2`` and with it every
+    wider model arm would be ruled out for good on a batch where ``chain:4`` wins 1.4x; flagged as
+    a switch, it is judged by the next (steady) step, and the selector settles on ``chain:4``."""
+
+    def settle(flag_switches: bool) -> dict[str, int]:
+        selector = StrategySelector(SelectorConfig(arms=("none", "chain:2", "chain:4")))
+        gain = {"none": 1.0, "chain:2": 1.2, "chain:4": 1.4}
+        gap, picks = 10, []
+        for _ in range(300):
+            arm = selector.choose(24)
+            model = arm.uses_model_drafter
+            switch = model and gap >= 4
+            seconds = 1.0 + (4.0 if switch else 0.0)
+            selector.observe(24, arm, int(2400 * gain[str(arm)]), seconds, switch=switch and flag_switches)
+            gap = 0 if model else gap + 1
+            picks.append(str(arm))
+        return {a: picks[-100:].count(a) for a in gain}
+
+    flagged, unflagged = settle(True), settle(False)
+    assert flagged["chain:4"] >= 95, flagged
+    assert unflagged["none"] >= 95, unflagged  # the failure the flag prevents
+
+
+def test_the_engine_flags_a_model_drafters_first_step_after_a_gap():
+    model = cached_model("llama")
+    engine = RolloutEngine(model, RolloutConfig(strategy="adaptive"), drafter=perturbed_copy(model, noise=0.3, seed=7))
+    seen = []
+    observe = engine.selector.observe
+
+    def spy(n, arm, tokens, seconds, drafting=None, draft_seconds=0.0, switch=False):
+        seen.append((str(arm), switch))
+        observe(n, arm, tokens, seconds, drafting, draft_seconds, switch)
+
+    engine.selector.observe = spy
+    engine.generate(random_prompts(4, seed=5), SamplingParams(max_new_tokens=40, temperature=0.0))
+    model_steps = [(i, sw) for i, (arm, sw) in enumerate(seen) if parse_strategy(arm).uses_model_drafter]
+    assert model_steps and model_steps[0][1]  # the first one catches up on the whole prompt
+    for (i, sw), (j, _) in zip(model_steps[1:], model_steps):
+        gap = i - j - 1  # steps of other arms between two model-drafter steps
+        assert sw == (gap >= 4), (i, j, sw)
