@@ -27,6 +27,9 @@ logger = logging.getLogger(__name__)
 @dataclass
 class DemoConfig:
     policy: str = "tiny"  # a shipped policy with its drafters: tiny (4 x 256, quick) | deep (24 x 256, realistic)
+    # a directory of other weights for that policy (save_pretrained, same tokenizer), e.g. fine-tuned to
+    # another response format; None: the shipped weights
+    policy_dir: str | None = None
     max_steps: int = 20
     num_generations: int = 8
     prompts_per_step: int = 4
@@ -68,6 +71,8 @@ class DemoConfig:
 
         if self.policy not in SHIPPED_POLICIES:
             raise ValueError(f"policy must be one of {list(SHIPPED_POLICIES)}, got {self.policy!r}")
+        if self.policy_dir is not None and not (Path(self.policy_dir) / "config.json").is_file():
+            raise ValueError(f"policy_dir must be a model directory with a config.json, got {self.policy_dir!r}")
         if self.max_steps < 1:
             raise ValueError(f"max_steps must be an int >= 1, got {self.max_steps}")
         if self.num_generations < 2:
@@ -236,15 +241,28 @@ def _prepare_environment(cfg: DemoConfig) -> Path:
     return out
 
 
+def _policy(cfg: DemoConfig):
+    """(policy model, tokenizer): the shipped policy, with ``policy_dir``'s weights when given."""
+    from .tasks.sft import load_shipped
+
+    model, tokenizer = load_shipped(cfg.policy, "policy")
+    if cfg.policy_dir is not None:
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(cfg.policy_dir, dtype=torch.float32)
+    return model, tokenizer
+
+
 def _warm_up(cfg: DemoConfig):
     """Continue the shipped EAGLE-3 head on the shipped policy's rollouts of fresh prompts."""
     from .drafter.eagle3.train import DrafterTrainingConfig
     from .drafter.eagle3.warmup import WarmupConfig, warmup_head
     from .tasks.chain_sum import ChainSumConfig, make_grpo_dataset
-    from .tasks.sft import load_shipped, load_shipped_eagle3
+    from .tasks.sft import load_shipped_eagle3
     from .trainer_hooks.spec_rollout import SpecRollout
 
-    model, tokenizer = load_shipped(cfg.policy, "policy")
+    model, tokenizer = _policy(cfg)
     rows = make_grpo_dataset(cfg.warmup_prompts, seed=cfg.seed + 7919, cfg=ChainSumConfig())
     prompts = SpecRollout.tokenize_prompts([r["prompt"] for r in rows], tokenizer)
     warm = WarmupConfig(
@@ -281,11 +299,10 @@ def _grpo_run(cfg: DemoConfig, out: Path, head=None, label: str = "tailspec", ca
     from trl import GRPOConfig
 
     from .tasks.chain_sum import chain_sum_reward
-    from .tasks.sft import load_shipped
     from .trainer_hooks.deepspeed import deepspeed_training_args
     from .trainer_hooks.grpo_trainer import GRPOTrainer
 
-    model, tokenizer = load_shipped(cfg.policy, "policy")
+    model, tokenizer = _policy(cfg)
     dataset = train_dataset(cfg)
     run_name = f"demo-{label.replace(' ', '-')}-{int(time.time())}"
     args = GRPOConfig(
@@ -417,14 +434,18 @@ def _print_comparison(rows: list[dict[str, Any]], base_rows: list[dict[str, Any]
     return ratios
 
 
-def run_demo_with_rollout(cfg: DemoConfig, callbacks: list | None = None) -> tuple[dict[str, Any], Any]:
+def run_demo_with_rollout(
+    cfg: DemoConfig, callbacks: list | None = None, head: Any = None
+) -> tuple[dict[str, Any], Any]:
     """:func:`run_demo`, also returning the ``SpecRollout`` of the main run (its per-call
     ``history``, coordinator). With ``warmup_steps``, ``baseline`` and ``export`` it is the whole
-    story: warm the drafter up, train, compare with no speculation, export the drafter."""
+    story: warm the drafter up, train, compare with no speculation, export the drafter. ``head``:
+    an EAGLE-3 head to start from instead of the shipped one (benchmarks carry heads across runs)."""
     out = _prepare_environment(cfg)
     print(f"tailspec demo: GRPO on the chain-sum task, config {asdict(cfg)}", flush=True)
     uses_head = parse_strategy(cfg.strategy).uses_model_drafter and cfg.drafter == "eagle3"
-    head = _warm_up(cfg) if uses_head and cfg.warmup_steps else None
+    if head is None and uses_head and cfg.warmup_steps:
+        head = _warm_up(cfg)
     rows, rollout, wall, run_name = _grpo_run(cfg, out, head, callbacks=callbacks)
     summary = _summarize(cfg, rows, rollout, wall)
     wandb_runs = [run_name]

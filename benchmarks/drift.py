@@ -5,10 +5,16 @@ the policy's own first layers (a self-speculative drafter, which moves with the 
 mean accept length of the rollout, its time, and how far the policy has moved (the share of probe
 prompts whose greedy completion differs from the starting policy's, and the share of their
 tokens that differ).
+
+Then a *format shift*: the starting policy is fine-tuned to another response layout (a step per
+line, spaced operators, ``answer:``; ``ChainSumProblem.solution_in("lines")``) and every arm runs
+a few more GRPO steps on that policy with its drafter as the main run left it. A frozen head meets
+text it has never seen; an online one must relearn it.
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import logging
 import statistics
@@ -21,7 +27,7 @@ from transformers import TrainerCallback
 from ..demo import DemoConfig, run_demo_with_rollout
 from ..rollout import RolloutConfig, RolloutEngine, SamplingParams
 from ..rollout.admission import eos_ids_of
-from .policies import task_prompts
+from .policies import prompts_of, task_problems
 from .report import plot_panels
 
 logger = logging.getLogger(__name__)
@@ -48,10 +54,20 @@ class DriftBenchConfig:
     probe_tokens: int = 48
     arms: tuple[str, ...] = tuple(ARMS)
     seed: int = 0
+    # the format shift (None: not run): fine-tune the starting policy to this layout, then this many
+    # GRPO steps per arm on it, each arm starting from its drafter as the main run left it
+    shift_layout: str | None = "lines"
+    shift_sft_steps: int = 120
+    shift_lr: float = 1e-3
+    shift_steps: int = 6
+    output_dir: str = "outputs/bench_drift"
 
     @classmethod
     def quick(cls) -> DriftBenchConfig:
-        return cls(policy="tiny", steps=2, prompts_per_step=2, num_generations=4, max_completion_length=48, probes=2)
+        return cls(
+            policy="tiny", steps=2, prompts_per_step=2, num_generations=4, max_completion_length=48, probes=2,
+            shift_sft_steps=2, shift_steps=2,
+        )  # fmt: skip
 
 
 @dataclass
@@ -63,6 +79,22 @@ class DriftRun:
     spot_steps: list[int]
     greedy_changed: list[float] = field(default_factory=list)  # share of probes, per step
     tokens_changed: list[float] = field(default_factory=list)  # share of probe tokens, per step
+    shift_accept_length: list[float] = field(default_factory=list)  # per GRPO step after the format shift
+    shift_rollout_s: list[float] = field(default_factory=list)
+    shift_tokens: list[int] = field(default_factory=list)
+
+
+@dataclass
+class FormatShift:
+    """The fine-tuning that shifts the policy's response format, and how far it took."""
+
+    layout: str
+    sft_steps: int
+    first_loss: float
+    final_loss: float
+    in_layout: float  # share of probe prompts whose greedy completion is in the new layout
+    accuracy: float  # share of probe prompts whose greedy completion has the right answer
+    policy_dir: str
 
 
 class PolicyDrift(TrainerCallback):
@@ -94,11 +126,60 @@ class PolicyDrift(TrainerCallback):
         self.tokens_changed.append(differ / max(total, 1))
 
 
-def measure_drift(cfg: DriftBenchConfig) -> list[DriftRun]:
+def _arm_config(base, arm: str, self_layers: int):
+    settings = {k: v.format(layers=self_layers) if k == "drafter" else v for k, v in ARMS[arm].items()}
+    return dataclasses.replace(base, **settings)
+
+
+def _eagle3_head(rollout):
+    """The rollout's EAGLE-3 head as the run left it (a copy), or None (a drafter without one)."""
+    from ..drafter.eagle3 import Eagle3Head
+
+    return copy.deepcopy(rollout.drafter) if isinstance(rollout.drafter, Eagle3Head) else None
+
+
+def shift_format(cfg: DriftBenchConfig, problems, tokenizer) -> FormatShift:
+    """Fine-tune the starting policy to ``cfg.shift_layout`` and save it under ``output_dir``; how
+    well it took is read off greedy completions of the probe ``problems``."""
+    from ..tasks.chain_sum import extract_answer
+    from ..tasks.sft import SFTConfig, fit_model, load_shipped
+
+    model, _ = load_shipped(cfg.policy, "policy")
+    sft = SFTConfig(
+        steps=cfg.shift_sft_steps,
+        batch_size=16,
+        lr=cfg.shift_lr,
+        warmup_steps=min(10, max(1, cfg.shift_sft_steps // 10)),
+        seed=cfg.seed,
+        threads=torch.get_num_threads(),
+        bf16=False,
+        layout=cfg.shift_layout,
+        log_every=max(1, cfg.shift_sft_steps // 4),
+    )
+    out = Path(cfg.output_dir) / f"policy_{cfg.shift_layout}"
+    metrics = fit_model(model, sft, tokenizer, out, progress=False, desc="format shift")
+    prompts = [list(p) for p in prompts_of(problems, tokenizer)]
+    engine = RolloutEngine(model, RolloutConfig(kv_cache_tokens=16384), eos_token_ids=[tokenizer.eos_token_id])
+    outs = engine.generate(prompts, SamplingParams(temperature=0.0, max_new_tokens=cfg.max_completion_length))
+    texts = [tokenizer.decode(o.completion_ids, skip_special_tokens=True) for o in outs]
+    marker = "answer:" if cfg.shift_layout == "lines" else "answer "
+    return FormatShift(
+        cfg.shift_layout,
+        cfg.shift_sft_steps,
+        metrics["first_loss"],
+        metrics["final_loss"],
+        sum(marker in t for t in texts) / len(texts),
+        sum(extract_answer(t) == p.answer for t, p in zip(texts, problems)) / len(texts),
+        str(out),
+    )
+
+
+def measure_drift(cfg: DriftBenchConfig) -> tuple[list[DriftRun], FormatShift | None]:
     from ..tasks.sft import load_shipped
 
     model, tokenizer = load_shipped(cfg.policy, "policy")
-    probes = [list(p) for p in task_prompts(tokenizer, cfg.probes, seed=cfg.seed + 4242)]
+    probe_problems = task_problems(cfg.probes, seed=cfg.seed + 4242)
+    probes = [list(p) for p in prompts_of(probe_problems, tokenizer)]
     eos = sorted(eos_ids_of(model, tokenizer))
     self_layers = max(1, model.config.num_hidden_layers * 7 // 24)
     del model
@@ -117,15 +198,15 @@ def measure_drift(cfg: DriftBenchConfig) -> list[DriftRun]:
         warmup_steps=0,
         baseline=False,
         export=None,
-        output_dir="outputs/bench_drift",
+        output_dir=cfg.output_dir,
     )
-    runs = []
+    runs, heads = [], {}
     for arm in cfg.arms:
         drift = PolicyDrift(probes, eos, cfg.probe_tokens)
         with torch.random.fork_rng():
-            settings = {k: v.format(layers=self_layers) if k == "drafter" else v for k, v in ARMS[arm].items()}
-            _, rollout = run_demo_with_rollout(dataclasses.replace(base, **settings), callbacks=[drift])
+            _, rollout = run_demo_with_rollout(_arm_config(base, arm, self_layers), callbacks=[drift])
         history = rollout.history
+        heads[arm] = _eagle3_head(rollout)
         runs.append(
             DriftRun(
                 arm,
@@ -138,7 +219,19 @@ def measure_drift(cfg: DriftBenchConfig) -> list[DriftRun]:
             )
         )
         logger.info("drift arm %s: accept %s", arm, runs[-1].accept_length)
-    return runs
+    if cfg.shift_layout is None:
+        return runs, None
+    shift = shift_format(cfg, probe_problems, tokenizer)
+    logger.info("format shift: %s", shift)
+    shifted = dataclasses.replace(base, policy_dir=shift.policy_dir, max_steps=cfg.shift_steps, seed=cfg.seed + 1)
+    for run in runs:
+        with torch.random.fork_rng():
+            _, rollout = run_demo_with_rollout(_arm_config(shifted, run.arm, self_layers), head=heads[run.arm])
+        run.shift_accept_length = [h.mean_accept_length for h in rollout.history]
+        run.shift_rollout_s = [h.time_s for h in rollout.history]
+        run.shift_tokens = [h.completion_tokens for h in rollout.history]
+        logger.info("format shift, arm %s: accept %s", run.arm, run.shift_accept_length)
+    return runs, shift
 
 
 def _mean(xs: list[float]) -> float:
@@ -169,33 +262,75 @@ def drift_table(runs: list[DriftRun]) -> str:
     return "\n".join(lines)
 
 
+def shift_table(runs: list[DriftRun], recover: float = 0.8, within: int = 5) -> str:
+    """Per arm after the format shift: the accept length before it (the main run's last 3 steps),
+    at the first shifted step and at step ``within``, and the first step back at ``recover`` of it."""
+    lines = [
+        "| arm | accept length before the shift (last 3 steps) | first step after | "
+        f"step {within} after | step {within} / before | first step at >= {recover:.0%} of before |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    for r in runs:
+        if not r.shift_accept_length:
+            continue
+        before = _mean(r.accept_length[-3:])
+        after = r.shift_accept_length
+        at = after[min(within, len(after)) - 1]
+        back = next((i + 1 for i, a in enumerate(after) if a >= recover * before), None)
+        lines.append(
+            f"| {r.arm} | {before:.2f} | {after[0]:.2f} | {at:.2f} | {at / before:.2f} | "
+            f"{back if back is not None else f'not in {len(after)}'} |"
+        )
+    return "\n".join(lines)
+
+
 def plot_drift(runs: list[DriftRun], path: Path) -> None:
-    steps = lambda r: list(range(1, len(r.accept_length) + 1))  # noqa: E731
-    plot_panels(
-        path,
-        [
-            ("Accept length per RL step", "mean accepted length", [(r.arm, steps(r), r.accept_length) for r in runs]),
+    steps = lambda xs: list(range(1, len(xs) + 1))  # noqa: E731
+    panels = [
+        (
+            "Accept length per RL step",
+            "mean accepted length",
+            [(r.arm, steps(r.accept_length), r.accept_length) for r in runs],
+        ),
+        (
+            "How far the policy moved",
+            "probe tokens changed vs step 0",
+            [(r.arm, steps(r.tokens_changed), r.tokens_changed) for r in runs],
+        ),
+    ]
+    if any(r.shift_accept_length for r in runs):
+        panels.append(
             (
-                "How far the policy moved",
-                "probe tokens changed vs step 0",
-                [(r.arm, steps(r)[: len(r.tokens_changed)], r.tokens_changed) for r in runs],
-            ),
-        ],
-    )
+                "After the format shift",
+                "mean accepted length",
+                [(r.arm, steps(r.shift_accept_length), r.shift_accept_length) for r in runs if r.shift_accept_length],
+            )
+        )
+    plot_panels(path, panels)
 
 
-def drift_section(runs: list[DriftRun], cfg: DriftBenchConfig, plot_name: str) -> str:
-    return (
+def drift_section(runs: list[DriftRun], cfg: DriftBenchConfig, plot_name: str, shift: FormatShift | None) -> str:
+    text = (
         f"GRPO on the shipped {cfg.policy} policy for {cfg.steps} RL steps ({cfg.prompts_per_step} sampled "
         f"chain-sum prompts x {cfg.num_generations} samples per step, learning rate {cfg.learning_rate:g}, "
         f"at most {cfg.max_completion_length} tokens), 2 Ray workers, `chain:4` drafts from the shipped "
         "EAGLE-3 head, the same seeds in every arm: the head *frozen*; trained by *spot training* on "
-        "workers idle in the tail; trained by *DrafterFromTrainer* on the trainer's loss forwards (4 steps "
+        "workers idle in the tail (a trained version ships only when it beats the drafting one on "
+        "held-out samples); trained by *DrafterFromTrainer* on the trainer's loss forwards (4 steps "
         "after every optimizer step, published to the workers); *both*; and *self-speculative*: no head, the "
         "policy's own first layers (7 of 24 on the deep policy; its final norm and LM head, no adapter) as "
         "the drafter, which moves with the policy and is never trained (Mirror-SD issue, item 5). "
         "The policy's move: the greedy "
         f"completions of {cfg.probes} held-out probe prompts ({cfg.probe_tokens} tokens) after each step against "
-        "the starting policy's. The format-shift part of this benchmark is not built yet.\n\n"
-        f"{drift_table(runs)}\n\n![drift]({plot_name})"
+        f"the starting policy's.\n\n{drift_table(runs)}\n\n![drift]({plot_name})"
+    )
+    if shift is None:
+        return text + "\n\nThe format shift was not run."
+    return text + (
+        f"\n\n**Format shift.** The starting policy fine-tuned for {shift.sft_steps} steps (batch 16, "
+        f"learning rate {cfg.shift_lr:g}) to the `{shift.layout}` layout (`3 + 5 = 8` a step per line, "
+        f"`answer: 17`; loss {shift.first_loss:.3f} -> {shift.final_loss:.3f}): {shift.in_layout:.0%} of the "
+        f"probe prompts' greedy completions are in the new layout, {shift.accuracy:.0%} right. Every arm then "
+        f"runs {cfg.shift_steps} GRPO steps on it with its drafter as the main run left it (other seeds than "
+        f"the main run, the same in every arm).\n\n{shift_table(runs)}"
     )

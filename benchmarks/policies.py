@@ -9,15 +9,22 @@ from typing import Any
 
 import torch
 
-from ..tasks.chain_sum import ChainSumConfig, sample_problems
+from ..tasks.chain_sum import ChainSumConfig, ChainSumProblem, sample_problems
 from ..tasks.sft import count_parameters, load_shipped, load_shipped_eagle3
 from ..trainer_hooks.spec_rollout import SpecRollout
 
 
-def task_prompts(tokenizer, num: int, seed: int) -> list[list[int]]:
-    problems = sample_problems(num, seed=seed, cfg=ChainSumConfig())
+def task_problems(num: int, seed: int) -> list[ChainSumProblem]:
+    return sample_problems(num, seed=seed, cfg=ChainSumConfig())
+
+
+def prompts_of(problems: list[ChainSumProblem], tokenizer) -> list[list[int]]:
     conversations = [[{"role": "user", "content": p.question}] for p in problems]
     return SpecRollout.tokenize_prompts(conversations, tokenizer)
+
+
+def task_prompts(tokenizer, num: int, seed: int) -> list[list[int]]:
+    return prompts_of(task_problems(num, seed), tokenizer)
 
 
 @dataclass

@@ -20,7 +20,7 @@ from .adaptive import (
     plot_adaptive,
 )
 from .atts import ATTS_TITLE, ATTSBenchConfig, atts_section, atts_table, measure_atts, plot_atts
-from .drift import DriftBenchConfig, drift_section, drift_table, measure_drift, plot_drift
+from .drift import DriftBenchConfig, drift_section, drift_table, measure_drift, plot_drift, shift_table
 from .e2e import e2e_section, e2e_table, measure_e2e, plot_e2e
 from .eagle3 import eagle3_table, measure_eagle3, measure_head_cost, plot_eagle3
 from .kernels import NO_CUDA_SECTION, kernels_section, run_kernel_bench
@@ -156,9 +156,9 @@ DRIFT_TITLE = "The drafter and a moving policy: frozen vs online heads"
 
 
 def run_drift_section(out: Path, quick: bool = False, policy: str = "deep") -> str:
-    """Only the drift comparison (four GRPO runs), written into ``out`` in place."""
+    """Only the drift comparison (a GRPO run per arm, then the format shift), written into ``out`` in place."""
     cfg = dataclasses.replace(DriftBenchConfig.quick() if quick else DriftBenchConfig(), policy=policy)
-    runs = measure_drift(cfg)
+    runs, shift = measure_drift(cfg)
     return _write_policy_section(
         out,
         quick,
@@ -166,8 +166,8 @@ def run_drift_section(out: Path, quick: bool = False, policy: str = "deep") -> s
         "drift",
         DRIFT_TITLE,
         lambda path: plot_drift(runs, path),
-        lambda plot: drift_section(runs, cfg, plot),
-        drift_table(runs),
+        lambda plot: drift_section(runs, cfg, plot, shift),
+        drift_table(runs) + ("\n\n" + shift_table(runs) if shift is not None else ""),
     )
 
 
@@ -305,7 +305,7 @@ def run_bench(out: Path, quick: bool = False, seed: int = 1234) -> str:
     schedule_result = measure_schedule(ScheduleBenchConfig.quick() if quick else ScheduleBenchConfig())
     plot_schedule(schedule_result, docs / "bench_schedule_deep.png")
     drift_cfg = DriftBenchConfig.quick() if quick else DriftBenchConfig()
-    drift_runs = measure_drift(drift_cfg)
+    drift_runs, drift_shift = measure_drift(drift_cfg)
     plot_drift(drift_runs, docs / f"bench_drift_{drift_cfg.policy}.png")
     spot_runs = measure_spot_training(3 if quick else 8, workers=2, seed=0, quick=quick)
     plot_spot(spot_runs, docs / "bench_spot_training.png")
@@ -338,7 +338,7 @@ def run_bench(out: Path, quick: bool = False, seed: int = 1234) -> str:
                 for cfg, rows, calibration in deep_atts
             ),
             (SCHEDULE_TITLE, schedule_section(schedule_result, "bench_schedule_deep.png")),
-            (DRIFT_TITLE, drift_section(drift_runs, drift_cfg, f"bench_drift_{drift_cfg.policy}.png")),
+            (DRIFT_TITLE, drift_section(drift_runs, drift_cfg, f"bench_drift_{drift_cfg.policy}.png", drift_shift)),
             (sweep_title("tiny"), sweeps["tiny"][0]),
             ("Rollout throughput: tailspec engine vs HF generate", section),
             ("Speculative decoding: strategies vs no speculation", spec_section),

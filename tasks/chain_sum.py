@@ -28,6 +28,7 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
 _MAX_TERMS_LIMIT = 200
+LAYOUTS = ("chain", "lines")  # response formats (ChainSumProblem.solution_in)
 _DIGITS = frozenset("0123456789")
 
 
@@ -115,11 +116,22 @@ class ChainSumProblem:
     @property
     def solution(self) -> str:
         """The reference response (no EOS), e.g. ``3+5=8 8+2=10 10+7=17 answer 17``."""
+        return self.solution_in("chain")
+
+    def solution_in(self, layout: str) -> str:
+        """The reference response in a :data:`LAYOUTS` layout: ``chain`` (the policies' own,
+        ``3+5=8 8+2=10 answer 10``) or ``lines`` (a step per line, spaced operators, ``answer:``:
+        ``3 + 5 = 8\n8 + 2 = 10\nanswer: 10``), the same sums in another format (a policy
+        fine-tuned to it is a format shift for its drafters)."""
+        if layout not in LAYOUTS:
+            raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
         steps, total = [], self.terms[0]
         for t in self.terms[1:]:
-            steps.append(f"{total}+{t}={total + t}")
+            steps.append(f"{total}+{t}={total + t}" if layout == "chain" else f"{total} + {t} = {total + t}")
             total += t
-        return " ".join([*steps, f"answer {total}"])
+        if layout == "chain":
+            return " ".join([*steps, f"answer {total}"])
+        return "\n".join([*steps, f"answer: {total}"])
 
 
 def sample_problem(
@@ -139,11 +151,11 @@ def sample_problems(n: int, seed: int, cfg: ChainSumConfig | None = None) -> lis
     return [sample_problem(rng, cfg) for _ in range(n)]
 
 
-_ANSWER = re.compile(r"\banswer (-?\d+)")
+_ANSWER = re.compile(r"\banswer:? (-?\d+)")
 
 
 def extract_answer(text: Any) -> int | None:
-    """The integer after the last ``answer `` in ``text``, or None (also for non-strings)."""
+    """The integer after the last ``answer `` (or ``answer: ``) in ``text``, or None (also for non-strings)."""
     if not isinstance(text, str):
         return None
     found = _ANSWER.findall(text)

@@ -31,7 +31,7 @@ import transformers
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerBase, Qwen2Config, Qwen2ForCausalLM
 
 from ..progress import progress_bar
-from .chain_sum import ChainSumConfig, ChainSumProblem, extract_answer, sample_problem, sample_problems
+from .chain_sum import LAYOUTS, ChainSumConfig, ChainSumProblem, extract_answer, sample_problem, sample_problems
 from .tokenizer import build_tokenizer, chat_ids
 
 logger = logging.getLogger(__name__)
@@ -106,6 +106,7 @@ class SFTConfig:
     bucket_batches: int = 8  # batches drawn at once, sorted by length and cut into batches
     log_every: int = 50
     task: ChainSumConfig = field(default_factory=ChainSumConfig)
+    layout: str = "chain"  # the response format trained on (chain_sum.LAYOUTS)
 
     def __post_init__(self) -> None:
         checks = {
@@ -121,6 +122,7 @@ class SFTConfig:
             "uniform_fraction": (0 <= self.uniform_fraction <= 1, "in [0, 1]"),
             "bucket_batches": (self.bucket_batches >= 1, ">= 1"),
             "log_every": (self.log_every >= 1, ">= 1"),
+            "layout": (self.layout in LAYOUTS, f"one of {LAYOUTS}"),
         }
         for name, (ok, allowed) in checks.items():
             if not ok:
@@ -138,11 +140,14 @@ class SFTConfig:
         return asdict(self)
 
 
-def encode_example(tokenizer: PreTrainedTokenizerBase, problem: ChainSumProblem) -> tuple[list[int], int]:
-    """Ids of ``<|user|>question<|assistant|>solution<|eos|>`` and the number of prompt ids (not trained on)."""
+def encode_example(
+    tokenizer: PreTrainedTokenizerBase, problem: ChainSumProblem, layout: str = "chain"
+) -> tuple[list[int], int]:
+    """Ids of ``<|user|>question<|assistant|>solution<|eos|>`` (the solution in ``layout``) and
+    the number of prompt ids (not trained on)."""
     prompt = [{"role": "user", "content": problem.question}]
     prompt_ids = chat_ids(tokenizer, prompt, add_generation_prompt=True)
-    full = chat_ids(tokenizer, [*prompt, {"role": "assistant", "content": problem.solution}])
+    full = chat_ids(tokenizer, [*prompt, {"role": "assistant", "content": problem.solution_in(layout)}])
     if full[: len(prompt_ids)] != prompt_ids:
         raise RuntimeError("the chat template does not render the prompt as a prefix of the dialogue")
     return full, len(prompt_ids)
@@ -186,7 +191,8 @@ class SFTBatches:
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
         size = self.cfg.batch_size
         while True:
-            pool = [encode_example(self.tokenizer, self.problem()) for _ in range(size * self.cfg.bucket_batches)]
+            n = size * self.cfg.bucket_batches
+            pool = [encode_example(self.tokenizer, self.problem(), self.cfg.layout) for _ in range(n)]
             pool.sort(key=lambda ex: len(ex[0]))
             batches = [pool[i : i + size] for i in range(0, len(pool), size)]
             self.rng.shuffle(batches)

@@ -84,7 +84,7 @@ class WorkersConfig:
     # every n-th recorded sample a training worker gets is held out (0: none); a trained head is
     # shipped to the engines only when it beats the drafting one there by more than the gain
     # (accepted draft tokens per chain)
-    spot_holdout_every: int = 8
+    spot_holdout_every: int = 4
     spot_ship_min_gain: float = 0.0
     sample_buffer_mb: int = 256  # the coordinator's buffer of recorded training data
     respawn_dead_workers: bool = True

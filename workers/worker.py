@@ -45,7 +45,7 @@ STAT_KEYS = (
 )
 
 
-HELD_OUT_SAMPLES = 64  # the newest held-out samples a worker compares heads on
+HELD_OUT_SAMPLES = 24  # the newest held-out samples heads are compared on: what the policy writes now
 
 
 @dataclass

@@ -3,7 +3,7 @@ one, the table compares arms, and the demo refuses DrafterFromTrainer without an
 
 import pytest
 
-from tailspec.benchmarks.drift import DriftRun, PolicyDrift, drift_table, plot_drift
+from tailspec.benchmarks.drift import DriftRun, PolicyDrift, drift_table, plot_drift, shift_table
 from tailspec.demo import DemoConfig
 from tailspec.testing import perturbed_copy, tiny_random_model
 
@@ -33,3 +33,20 @@ def test_table_and_plot(tmp_path):
 def test_demo_config_checks_drafter_from_trainer():
     with pytest.raises(ValueError, match="drafter_from_trainer"):
         DemoConfig(drafter_from_trainer=-1)
+
+
+def test_the_format_shift_table_and_panel(tmp_path):
+    frozen = DriftRun("frozen", [3.0, 3.0, 3.0], [1.0] * 3, [100] * 3, [0] * 3)
+    frozen.shift_accept_length = [1.5, 1.5, 1.6, 1.5, 1.5, 1.6]
+    online = DriftRun("spot training", [3.0, 3.0, 3.0], [1.0] * 3, [100] * 3, [0] * 3)
+    online.shift_accept_length = [1.5, 2.0, 2.5, 2.7, 2.9, 3.0]
+    table = shift_table([frozen, online])
+    assert "| frozen | 3.00 | 1.50 | 1.50 | 0.50 | not in 6 |" in table
+    assert "| spot training | 3.00 | 1.50 | 2.90 | 0.97 | 3 |" in table  # 2.5 >= 0.8 x 3.0 at step 3
+    plot_drift([frozen, online], tmp_path / "drift.png")
+    assert (tmp_path / "drift.png").stat().st_size > 0
+
+
+def test_demo_config_checks_policy_dir(tmp_path):
+    with pytest.raises(ValueError, match="policy_dir"):
+        DemoConfig(policy_dir=str(tmp_path))  # no config.json

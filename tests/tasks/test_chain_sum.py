@@ -22,6 +22,16 @@ def test_problem_format():
     assert ChainSumProblem((9, 9)).solution == "9+9=18 answer 18"
 
 
+def test_the_lines_layout_is_the_same_sums_in_another_format():
+    p = ChainSumProblem((3, 5, 2, 7))
+    assert p.solution_in("chain") == p.solution
+    assert p.solution_in("lines") == "3 + 5 = 8\n8 + 2 = 10\n10 + 7 = 17\nanswer: 17"
+    assert extract_answer(p.solution_in("lines")) == 17
+    assert chain_sum_reward([p.solution_in("lines")], [17]) == [1.0]
+    with pytest.raises(ValueError, match="layout"):
+        p.solution_in("json")
+
+
 def test_problems_from_questions():
     for p in sample_problems(50, seed=4):
         assert ChainSumProblem.from_question(p.question) == p

@@ -57,6 +57,16 @@ def test_encode_example_masks_only_the_prompt(tok):
     assert tok.decode(ids[prompt_len:]) == p.solution + "<|eos|>"
 
 
+def test_examples_and_batches_in_another_layout(tok):
+    p = sample_problem(random.Random(1), num_terms=3)
+    ids, prompt_len = encode_example(tok, p, "lines")
+    assert tok.decode(ids[prompt_len:]) == p.solution_in("lines") + "<|eos|>"
+    input_ids, _, labels = next(iter(SFTBatches(tok, SFTConfig(steps=1, batch_size=4, layout="lines"))))
+    assert all("answer:" in tok.decode(row[row != -100]) for row in labels)
+    with pytest.raises(ValueError, match="layout"):
+        SFTConfig(layout="json")
+
+
 def test_collate_pads_right_and_masks(tok):
     a, b = [5, 6, 3, 7, 1], [5, 3, 8, 9, 10, 11, 1]
     input_ids, mask, labels = collate([(a, 3), (b, 2)], tok.pad_token_id, max_len=64)
