@@ -11,10 +11,11 @@ worker or the rollout ends; it yields before its next step and is collected when
 so no rollout waits for it.
 
 Training and shipping are apart: ``state`` is the newest *trained* state (chunks continue from
-it), ``shipped`` the one the engines draft with. A finished chunk is shipped only when the worker
-measured it better than the shipped head on held-out samples (recorded samples it never trains
-on) by more than ``ship_min_gain`` accepted draft tokens per chain; otherwise training goes on
-from it and the engines (and their selectors' goodput for model arms) keep the version they have.
+it), ``shipped`` the one the engines draft with. A finished chunk is shipped only when its worker
+measured it better than the shipped head (a copy it keeps, sent when it is behind) on held-out
+samples (recorded samples it never trains on) by more than ``ship_min_gain`` accepted draft
+tokens per chain; otherwise training goes on from it and the engines (and their selectors'
+goodput for model arms) keep the version they have.
 
 Actors are passed in (anything with ``train_drafter.remote`` / ``stop_training.remote``), so
 the decisions are tested without Ray.
@@ -105,6 +106,7 @@ class SpotTraining:
         self._event = event
         self._sent_upto: dict[int, int] = {}  # worker -> highest sample id it has been sent
         self._trainer_holds: dict[int, int] = {}  # worker -> drafter version its own trainer holds
+        self._reference_holds: dict[int, int] = {}  # worker -> shipped version its copy to beat holds
         self._last_trainer: int | None = None
         self._failed = False  # a chunk raised this rollout: no more chunks until the next one
         self._rollout_steps = 0
@@ -148,9 +150,18 @@ class SpotTraining:
         steps = min(self.steps_per_chunk, self.max_steps_per_rollout - self._rollout_steps)
         return (None if holds else self.state), new, steps
 
+    def reference_for(self, worker: int) -> DrafterState | None:
+        """The shipped state, when ``worker``'s copy to beat is not it (None otherwise); marks it sent."""
+        if self._reference_holds.get(worker) == self.shipped.version:
+            return None
+        self._reference_holds[worker] = self.shipped.version
+        return self.shipped
+
     def start(self, worker: int, actor: Any, busy: list[int]) -> Chunk:
         state, new, steps = self.chunk_args(worker)
-        ref = actor.train_drafter.remote(state, new, steps, self.buffer.max_bytes, self.holdout_every)
+        ref = actor.train_drafter.remote(
+            state, new, steps, self.buffer.max_bytes, self.holdout_every, self.reference_for(worker), self.ship_min_gain
+        )
         self.running = Chunk(ref, worker)
         self._last_trainer = worker
         self._event("spot_start", worker, version=self.state.version, busy=busy)
@@ -166,7 +177,8 @@ class SpotTraining:
     # -- outcomes ------------------------------------------------------------------------------
     def finished(self, result: TrainResult) -> None:
         """A chunk returned: its state is the newest trained one (only its worker's trainer holds
-        it), and the drafting head if it measured better on held-out samples (:meth:`worth_shipping`)."""
+        it), and the drafting head if the worker measured it better than the shipped one on its
+        held-out samples (then the worker's copy to beat is that state)."""
         worker = self.running.worker if self.running is not None else result.worker
         self.running = None
         self.state = result.state
@@ -174,29 +186,24 @@ class SpotTraining:
         self.tally.steps += len(result.losses)
         self.tally.losses += result.losses
         self._rollout_steps += len(result.losses)
-        # a comparison against another version than the shipped one (a broadcast the training
-        # worker missed) says nothing about shipping: keep training, decide after the next chunk
+        # compared with another version than the shipped one (a head published meanwhile): says
+        # nothing about shipping; training goes on and the next chunk compares with the right one
         current = result.held_out is None or result.held_out_against == self.shipped.version
-        ship = bool(result.losses) and current and self.worth_shipping(result.held_out)
+        ship = bool(result.losses) and result.ship and current
         if result.held_out is not None:
             self.tally.held_out.append(result.held_out)
         if ship:
             self.shipped = result.state
+            self._reference_holds[worker] = result.state.version
             self.tally.shipped += 1
         elif result.losses:
             self.tally.held += 1
+            if result.ship:  # the worker's copy moved to a version that was not shipped
+                self._reference_holds.pop(worker, None)
         self._event(
             "spot_done", worker, version=result.state.version, steps=len(result.losses), shipped=ship,
             held_out=result.held_out,
         )  # fmt: skip
-
-    def worth_shipping(self, held_out: tuple[float, float] | None) -> bool:
-        """(shipped head's, trained head's) held-out acceptance -> ship the trained one? Without a
-        held-out measurement (none held out yet) every chunk ships."""
-        if held_out is None:
-            return True
-        shipped, trained = held_out
-        return trained > shipped + self.ship_min_gain
 
     def lost(self) -> None:
         """The training worker died: the chunk leaves no trace."""
@@ -221,12 +228,14 @@ class SpotTraining:
     def forget_worker(self, worker: int) -> None:
         self._sent_upto.pop(worker, None)
         self._trainer_holds.pop(worker, None)
+        self._reference_holds.pop(worker, None)
 
     def publish(self, state: DrafterState) -> None:
         """A head trained elsewhere becomes the newest and the drafting one; no worker's optimizer
         state belongs to it."""
         self.state = self.shipped = state
         self._trainer_holds = {}
+        self._reference_holds = {}
 
     def resume_training_from(self, state: DrafterState) -> None:
         """Continue training from ``state`` (a checkpoint's trained state, newer than the shipped one)."""

@@ -135,7 +135,8 @@ class TrainResult:
     # (drafting head's, trained head's) accepted draft tokens per chain on the held-out samples;
     # None while none is held out
     held_out: tuple[float, float] | None = None
-    held_out_against: int | None = None  # the drafting head's version in that comparison
+    held_out_against: int | None = None  # the shipped version the trained head was compared with
+    ship: bool = True  # the trained head beat it (or nothing was held out): the engines should draft with it
 
 
 class RolloutWorker:
@@ -174,6 +175,7 @@ class RolloutWorker:
         self.train_buffer: FeatureBuffer | None = None  # samples sent for spot training, kept between chunks
         self.train_head: Eagle3Head | None = None  # the copy spot training updates
         self.held_out: deque[Eagle3Sample] = deque(maxlen=HELD_OUT_SAMPLES)  # never trained on
+        self.reference: Eagle3Head | None = None  # a copy of the shipped head, what a trained one must beat
         self._samples_received = 0
         engine_drafter = drafter
         if self.head is not None:
@@ -354,15 +356,19 @@ class RolloutWorker:
         max_steps: int,
         buffer_bytes: int,
         holdout_every: int = 0,
+        shipped: DrafterState | None = None,
+        ship_min_gain: float = 0.0,
     ) -> TrainResult:
         """Up to ``max_steps`` training steps, checking for :meth:`stop_training` before every one.
 
         ``new_samples`` are added to this worker's training buffer (the coordinator sends each
         sample once per worker; ``buffer_bytes`` caps it, newest kept, as the coordinator's own),
-        but every ``holdout_every``-th one (0: none) goes to a held-out set instead, on which the
-        trained head is compared with the drafting one (:func:`held_out_acceptance`). ``state``
-        is where to start from, or None to continue from this worker's own trainer, which must
-        then hold the coordinator's latest version. Returns the new state."""
+        but every ``holdout_every``-th one (0: none) goes to a held-out set instead. ``state`` is
+        where to start from, or None to continue from this worker's own trainer, which must then
+        hold the coordinator's latest version. After the steps the trained head is compared on the
+        held-out set with the shipped one (``shipped``: its state, sent when this worker's copy is
+        not it) by :func:`held_out_acceptance`, and ships when it is better by more than
+        ``ship_min_gain`` (then it is the copy to beat from now on). Returns the new state."""
         if self.head is None:
             raise RuntimeError(f"worker {self.index} has no EAGLE-3 head to train")
         self._stop.clear()
@@ -377,6 +383,9 @@ class RolloutWorker:
         self._event("train_start", from_version=None if state is None else state.version, new=len(new_samples))
         if self.train_head is None:  # trained apart from the drafting head, which changes only by broadcast
             self.train_head = copy.deepcopy(self.head)
+            self.reference = copy.deepcopy(self.head)
+        if shipped is not None:
+            shipped.load_into(self.reference)
         if state is not None:
             state.load_into(self.train_head)
             self.trainer = DrafterTrainer(
@@ -393,16 +402,21 @@ class RolloutWorker:
         for r in results:
             self._event("train_step", step=r.step, loss=r.loss)
         stopped = len(losses) < max_steps
+        against = int(self.reference.version)
         held_out = self._compare_on_held_out() if losses and holdout_every and self.held_out else None
-        self._event("train_end", version=int(self.train_head.version), steps=len(losses), stopped=stopped)
+        ship = bool(losses) and (held_out is None or held_out[1] > held_out[0] + ship_min_gain)
+        if ship:
+            self.reference.load_state_dict(self.train_head.state_dict())
+            self.reference.version = self.train_head.version
+        self._event("train_end", version=int(self.train_head.version), steps=len(losses), stopped=stopped, ship=ship)
         state = DrafterState.of(self.train_head, self.trainer)
-        return TrainResult(self.index, state, losses, stopped, held_out, int(self.head.version))
+        return TrainResult(self.index, state, losses, stopped, held_out, against, ship)
 
     def _compare_on_held_out(self) -> tuple[float, float]:
-        """(drafting head's, trained head's) accepted draft tokens per chain on the held-out samples."""
+        """(shipped head's, trained head's) accepted draft tokens per chain on the held-out samples."""
         embed, samples = self.model.get_input_embeddings(), list(self.held_out)
         depth = self.trainer.config.ttt_steps
-        return held_out_acceptance(self.head, embed, samples, depth), held_out_acceptance(
+        return held_out_acceptance(self.reference, embed, samples, depth), held_out_acceptance(
             self.train_head, embed, samples, depth
         )
 

@@ -22,7 +22,8 @@ def test_workers_config_is_validated():
 def test_results_equal_one_engine_and_spot_training_fills_the_tail(ray_local):
     prompts, params = long_tail_batch()
     want = single_engine(prompts, params)
-    coord = coordinator(schedule="static")  # the long group on one worker: the other idles in the tail
+    # the long group on one worker: the other idles in the tail; nothing held out, so every chunk ships
+    coord = coordinator(schedule="static", spot_holdout_every=0)
     for _ in range(2):
         start = len(coord.events)
         report = coord.generate(prompts, params)
@@ -178,4 +179,23 @@ def test_a_head_trained_elsewhere_reaches_every_worker(ray_local):
     report = coord.generate(prompts, params)
     assert [o.completion_ids for o in report.outputs] == [o.completion_ids for o in single_engine(prompts, params)]
     assert report.drafter_version == 7
+    coord.shutdown()
+
+
+def test_a_trained_head_that_does_not_beat_the_drafting_one_is_not_shipped(ray_local):
+    """With a held-out set and a gain no head can make, spot training trains (its state moves on)
+    but ships nothing: every worker keeps drafting with the starting version, and a checkpoint
+    keeps both states."""
+    prompts, params = long_tail_batch()
+    coord = coordinator(schedule="static", spot_holdout_every=2, spot_ship_min_gain=100.0)
+    for _ in range(2):
+        coord.generate(prompts, params)
+    coord.settle()
+    done = kinds(coord.events, "spot_done")
+    assert done and not any(e.detail["shipped"] for e in done)
+    assert all(e.detail["held_out"] is not None for e in done if e.detail["steps"])
+    assert coord.drafter_state.version == 0 < coord.spot.state.version
+    assert {v for _, v in coord.worker_versions().values()} == {0}
+    state = coord.state_dict()
+    assert state["drafter"].version == 0 and state["drafter_trained"].version == coord.spot.state.version
     coord.shutdown()

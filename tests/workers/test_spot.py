@@ -59,7 +59,7 @@ def test_samples_travel_once_and_state_only_when_the_trainer_lacks_it():
     s.buffer.add([sample(), sample()])
     actor = FakeActor()
     s.start(1, actor, busy=[0])
-    sent_state, new, steps, _, _ = actor.train_drafter.calls[0]
+    sent_state, new, steps, *_ = actor.train_drafter.calls[0]
     assert sent_state.version == 0 and len(new) == 2 and steps == 4
     assert events[-1] == ("spot_start", 1, {"version": 0, "busy": [0]})
     s.finished(TrainResult(1, state(4), [0.5] * 4, stopped=False))
@@ -67,7 +67,7 @@ def test_samples_travel_once_and_state_only_when_the_trainer_lacks_it():
     s.buffer.add([sample()])
     assert s.pick_worker({0, 1}) == 1  # it holds the optimizer state
     s.start(1, actor, busy=[0])
-    sent_state, new, steps, _, _ = actor.train_drafter.calls[1]
+    sent_state, new, steps, *_ = actor.train_drafter.calls[1]
     assert sent_state is None and len(new) == 1  # continues its own trainer; only the new sample
     state_for_other, new_other, _ = s.chunk_args(0)
     assert state_for_other.version == 4 and len(new_other) == 3
@@ -130,37 +130,39 @@ def test_the_sample_buffer_keeps_the_newest_under_its_cap():
     assert len(buffer) == 2
 
 
-def test_a_trained_head_ships_only_when_it_beats_the_drafting_one_on_held_out_samples():
+def test_a_trained_head_ships_only_when_its_worker_measured_it_better_than_the_shipped_one():
     s, events = spot(holdout_every=8, ship_min_gain=0.05)
     s.buffer.add([sample()])
     actor = FakeActor()
     s.start(1, actor, busy=[0])
-    assert actor.train_drafter.calls[0][4] == 8  # the worker is told what to hold out
-    # better by more than the gain: shipped
-    s.finished(TrainResult(1, state(4), [0.5] * 4, stopped=False, held_out=(2.0, 2.2), held_out_against=0))
+    _, _, _, _, holdout, reference, gain = actor.train_drafter.calls[0]
+    assert (holdout, reference.version, gain) == (8, 0, 0.05)  # the copy to beat is sent once
+    s.finished(TrainResult(1, state(4), [0.5] * 4, False, held_out=(2.0, 2.2), held_out_against=0, ship=True))
     assert s.shipped.version == 4 and s.state.version == 4
     assert events[-1][0] == "spot_done" and events[-1][2]["shipped"] is True
-    # no better (within the gain): training goes on from it, the engines keep version 4
+    # the worker's copy is now version 4 (it shipped it itself): nothing is sent again
     s.buffer.add([sample()])
     s.start(1, actor, busy=[0])
-    s.finished(TrainResult(1, state(8), [0.4] * 4, stopped=False, held_out=(2.2, 2.24), held_out_against=4))
+    assert actor.train_drafter.calls[1][5] is None
+    # no better on held-out samples: training goes on from it, the engines keep version 4
+    s.finished(TrainResult(1, state(8), [0.4] * 4, False, held_out=(2.2, 2.24), held_out_against=4, ship=False))
     assert s.state.version == 8 and s.shipped.version == 4
     state_sent, _, _ = s.chunk_args(0)
-    assert state_sent.version == 8  # another worker would continue the trained state, not the shipped one
-    # compared against a version that is not the shipped one (a missed broadcast): not shipped yet
-    s.buffer.add([sample()])
-    s.start(1, actor, busy=[0])
-    s.finished(TrainResult(1, state(12), [0.3] * 4, stopped=False, held_out=(1.0, 2.9), held_out_against=0))
-    assert s.state.version == 12 and s.shipped.version == 4
-    tally = s.take_tally()
-    assert (tally.shipped, tally.held) == (1, 2) and tally.held_out[0] == (2.0, 2.2)
-    # without held-out data every chunk ships; a published head is both trained and shipped
-    s.buffer.add([sample()])
-    s.start(1, actor, busy=[0])
-    s.finished(TrainResult(1, state(16), [0.3] * 4, stopped=False))
-    assert s.shipped.version == 16
+    assert state_sent.version == 8  # another worker continues the trained state, not the shipped one
+    assert s.reference_for(0).version == 4  # and compares with the shipped one
+    # compared with a version that is no longer the shipped one (a head published meanwhile)
     s.publish(state(20))
     assert s.state.version == s.shipped.version == 20
+    s.buffer.add([sample()])
+    s.start(1, actor, busy=[0])
+    assert actor.train_drafter.calls[2][5].version == 20
+    s.finished(TrainResult(1, state(24), [0.3] * 4, False, held_out=(1.0, 2.9), held_out_against=4, ship=True))
+    assert s.state.version == 24 and s.shipped.version == 20
+    s.buffer.add([sample()])
+    s.start(1, actor, busy=[0])
+    assert actor.train_drafter.calls[3][5].version == 20  # its copy moved to 24 unshipped: sent again
+    tally = s.take_tally()
+    assert (tally.shipped, tally.held) == (1, 2) and tally.held_out[0] == (2.0, 2.2)
 
 
 def test_a_worker_holds_out_every_nth_sample_and_compares_the_heads_on_them():
@@ -177,10 +179,15 @@ def test_a_worker_holds_out_every_nth_sample_and_compares_the_heads_on_them():
     engine = RolloutEngine(model, RolloutConfig(), drafter=Eagle3Drafter(head, model, buffer=buffer))
     engine.generate(random_prompts(8, seed=4), SamplingParams(max_new_tokens=24, temperature=0.0))
     worker = RolloutWorker(0, model, RolloutConfig(), eos_token_ids=[0], drafter=head)
-    result = worker.train_drafter(DrafterState.of(head), buffer.samples(), 3, 1 << 30, holdout_every=4)
+    start = DrafterState.of(head)
+    result = worker.train_drafter(start, buffer.samples(), 3, 1 << 30, holdout_every=4, shipped=start)
     assert len(worker.held_out) == 2 and len(worker.train_buffer) == 6
-    assert len(result.losses) == 3 and result.held_out_against == head.version == 0
-    drafting, trained = result.held_out
-    assert 0.0 <= drafting <= 4.0 and 0.0 <= trained <= 4.0
-    plain = worker.train_drafter(None, [], 2, 1 << 30)  # nothing held out asked: no comparison
-    assert plain.held_out is None and len(plain.losses) == 2
+    assert len(result.losses) == 3 and result.held_out_against == 0
+    shipped_acc, trained_acc = result.held_out
+    assert 0.0 <= shipped_acc <= 4.0 and 0.0 <= trained_acc <= 4.0
+    assert result.ship == (trained_acc > shipped_acc)
+    assert worker.reference.version == (3 if result.ship else 0)
+    never = worker.train_drafter(None, [], 2, 1 << 30, holdout_every=4, ship_min_gain=5.0)  # cannot beat by 5
+    assert not never.ship and never.held_out is not None
+    plain = worker.train_drafter(None, [], 2, 1 << 30)  # nothing held out asked: no comparison, it ships
+    assert plain.held_out is None and plain.ship and len(plain.losses) == 2
