@@ -336,10 +336,15 @@ class StrategySelector:
         on either (one batched drafter forward). Where the estimate errs, it errs in the arm's
         favour, and a full step then measures the arm: a probe only spares the full step of an
         arm that loses clearly even so. ``switch``: the step is a model-drafter arm's first after
-        other arms (it paid the drafter's catch-up); it counts until a steady step replaces it."""
+        other arms (it paid the drafter's catch-up); the arm's first such step in a bucket counts
+        only until a steady step replaces it, later ones count as they ran (each re-try after
+        other arms pays a catch-up again)."""
         if arm not in self._stats[0] or seconds <= 0:
             return
         stats = self._stats[self.bucket(num_active)]
+        # only an arm's first step in a bucket is judged apart as a switch: it caught up on the whole
+        # rollout so far; later switches (re-tries after other arms) are a price of switching back
+        switch = switch and not stats[arm].samples
         plain = stats[self._none] if self._none is not None else None
         plain_goodput = plain.mean if plain is not None and plain.samples else None
         if drafting is None or drafting >= num_active or plain_goodput is None:

@@ -397,6 +397,19 @@ def test_a_switch_steps_catch_up_does_not_condemn_a_model_arm():
     assert unflagged["none"] >= 95, unflagged  # the failure the flag prevents
 
 
+def test_only_an_arms_first_switch_in_a_bucket_is_judged_apart():
+    """Later switches (back to a model arm after plain steps) count as they ran: each pays a
+    catch-up again, which is what re-trying a barely-winning arm costs."""
+    selector = StrategySelector(SelectorConfig(arms=("none", "chain:2")))
+    chain, b = parse_strategy("chain:2"), selector.bucket(24)
+    selector.observe(24, chain, 24, 4.0, switch=True)
+    selector.observe(24, chain, 48, 1.0)
+    selector.observe(24, chain, 24, 4.0, switch=True)
+    samples = selector._stats[b][chain].samples
+    assert [x.switch for x in samples] == [True, False, False]
+    assert selector._stats[b][chain].mean == pytest.approx((48 + 6) / 2)
+
+
 def test_the_engine_flags_a_model_drafters_first_step_after_a_gap():
     model = cached_model("llama")
     engine = RolloutEngine(model, RolloutConfig(strategy="adaptive"), drafter=perturbed_copy(model, noise=0.3, seed=7))
