@@ -80,8 +80,6 @@ class DriftRun:
     greedy_changed: list[float] = field(default_factory=list)  # share of probes, per step
     tokens_changed: list[float] = field(default_factory=list)  # share of probe tokens, per step
     shift_accept_length: list[float] = field(default_factory=list)  # per GRPO step after the format shift
-    shift_rollout_s: list[float] = field(default_factory=list)
-    shift_tokens: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -228,8 +226,6 @@ def measure_drift(cfg: DriftBenchConfig) -> tuple[list[DriftRun], FormatShift | 
         with torch.random.fork_rng():
             _, rollout = run_demo_with_rollout(_arm_config(shifted, run.arm, self_layers), head=heads[run.arm])
         run.shift_accept_length = [h.mean_accept_length for h in rollout.history]
-        run.shift_rollout_s = [h.time_s for h in rollout.history]
-        run.shift_tokens = [h.completion_tokens for h in rollout.history]
         logger.info("format shift, arm %s: accept %s", run.arm, run.shift_accept_length)
     return runs, shift
 

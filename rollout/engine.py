@@ -493,8 +493,8 @@ class RolloutEngine:
         start = time.perf_counter()
         finished = self._spec_decode(batch, strategy, probe) if strategy.speculative else self._decode(batch)
         seconds = time.perf_counter() - start
-        self.stats.decode_model_time_s += self.stats.model_time_s - model_before
-        emitted = self.stats.generated_tokens - before
+        stats.decode_model_time_s += stats.model_time_s - model_before
+        emitted = stats.generated_tokens - before
         if self.selector is not None and self.strategy.adaptive:
             self.selector.observe(n, strategy, emitted, seconds, probe, stats.draft_time_s - draft_before, switch)
         self._model_drafter_gap = 0 if strategy.uses_model_drafter else self._model_drafter_gap + 1

@@ -176,6 +176,8 @@ class RolloutWorker:
         self.train_head: Eagle3Head | None = None  # the copy spot training updates
         self.held_out: deque[Eagle3Sample] = deque(maxlen=HELD_OUT_SAMPLES)  # never trained on
         self.reference: Eagle3Head | None = None  # a copy of the shipped head, what a trained one must beat
+        self._held_out_added = 0
+        self._reference_score: tuple[tuple[int, int], float] | None = None  # ((version, held-out adds), score)
         self._samples_received = 0
         engine_drafter = drafter
         if self.head is not None:
@@ -378,6 +380,7 @@ class RolloutWorker:
             self._samples_received += 1
             if holdout_every and self._samples_received % holdout_every == 0:
                 self.held_out.append(sample)
+                self._held_out_added += 1
             else:
                 self.train_buffer.add(sample)
         self._event("train_start", from_version=None if state is None else state.version, new=len(new_samples))
@@ -413,12 +416,14 @@ class RolloutWorker:
         return TrainResult(self.index, state, losses, stopped, held_out, against, ship)
 
     def _compare_on_held_out(self) -> tuple[float, float]:
-        """(shipped head's, trained head's) accepted draft tokens per chain on the held-out samples."""
+        """(shipped head's, trained head's) accepted draft tokens per chain on the held-out samples;
+        the shipped head's score is reused while neither it nor the held-out set changed."""
         embed, samples = self.model.get_input_embeddings(), list(self.held_out)
         depth = self.trainer.config.ttt_steps
-        return held_out_acceptance(self.reference, embed, samples, depth), held_out_acceptance(
-            self.train_head, embed, samples, depth
-        )
+        key = (int(self.reference.version), self._held_out_added)
+        if self._reference_score is None or self._reference_score[0] != key:
+            self._reference_score = (key, held_out_acceptance(self.reference, embed, samples, depth))
+        return self._reference_score[1], held_out_acceptance(self.train_head, embed, samples, depth)
 
     def stop_training(self) -> None:
         """Make a running :meth:`train_drafter` return before its next step."""
