@@ -36,6 +36,9 @@ class DemoConfig:
     max_completion_length: int = 384
     learning_rate: float = 2e-5
     temperature: float = 1.0
+    # position-keyed sampling (SpecRolloutConfig.position_noise): completions that do not depend on the
+    # strategy or drafter, so runs that differ only in those follow one policy trajectory
+    position_noise: bool = False
     beta: float = 0.0
     seed: int = 0
     num_train_prompts: int = 2000
@@ -56,6 +59,7 @@ class DemoConfig:
     ray_address: str | None = None
     spot_training: bool = True
     max_spot_steps: int = 64  # drafter steps per rollout on idle workers
+    spot_ship_min_gain: float = 0.0  # a trained head ships when it beats the drafting one by more (inf: never)
     schedule: str = "divided"  # divided: workers pull chunks of a global queue | static: one shard per worker
     # DrafterFromTrainer: EAGLE-3 steps on the trainer's own loss forwards after every optimizer step (0 = off)
     drafter_from_trainer: int = 0
@@ -187,14 +191,15 @@ def _make_rollout(cfg: DemoConfig, head=None):
     from .tasks.sft import load_shipped, load_shipped_eagle3
     from .trainer_hooks.spec_rollout import SpecRollout
 
-    placement: dict[str, Any] = {}
+    placement: dict[str, Any] = {"position_noise": cfg.position_noise}
     if cfg.workers:
-        placement = {
+        placement |= {
             "workers": cfg.workers,
             "ray_address": cfg.ray_address,
             "workers_config": {
                 "spot_training": cfg.spot_training,
                 "max_spot_steps": cfg.max_spot_steps,
+                "spot_ship_min_gain": cfg.spot_ship_min_gain,
                 "schedule": cfg.schedule,
             },
         }
@@ -395,6 +400,7 @@ def _summarize(cfg: DemoConfig, rows: list[dict[str, Any]], rollout: Any, wall: 
         "rollout_time_s": rollout_time,
         "rollout_tokens_per_s": tokens / rollout_time if rollout_time else 0.0,
         "strategy": cfg.strategy,
+        "reward_per_step": [r["reward"] for r in rows],
     }
     drafted = sum(s.drafted_tokens for s in rollout.history)
     if drafted:
@@ -487,6 +493,8 @@ def run_demo_with_rollout(
     print(rise)
     width = max(len(key) for key in summary)
     for key, value in summary.items():
+        if isinstance(value, list):
+            value = " ".join(f"{v:.2f}" for v in value)
         print(f"{key:>{width}}: {value:.3f}" if isinstance(value, float) else f"{key:>{width}}: {value}")
     if cfg.wandb:
         runs = ", ".join(wandb_runs)

@@ -35,18 +35,25 @@ logger = logging.getLogger(__name__)
 ARMS = {
     "frozen": dict(spot_training=False, drafter_from_trainer=0),
     "spot training": dict(spot_training=True, drafter_from_trainer=0),
+    # the same training, never shipped: the drafter stays the frozen one, so against the frozen arm
+    # (same rollouts, same drafter) its rollout time is exactly what training on idle workers adds
+    "spot, never shipped": dict(spot_training=True, drafter_from_trainer=0, spot_ship_min_gain=float("inf")),
     "DrafterFromTrainer": dict(spot_training=False, drafter_from_trainer=4),
     "both": dict(spot_training=True, drafter_from_trainer=4),
     # the policy's own first layers (7 of the deep policy's 24: where its early exit first agrees 70%)
     "self-speculative": dict(spot_training=False, drafter_from_trainer=0, drafter="self:{layers}"),
 }
 
+NOT_SHIFTED = {"spot, never shipped"}  # its drafter is the frozen arm's: the shift would repeat that arm
+
 
 @dataclass
 class DriftBenchConfig:
     policy: str = "deep"
-    steps: int = 30
-    learning_rate: float = 5e-4  # 25x the demo's, so that the policy moves within the run (1e-4 moved it little)
+    steps: int = 40
+    # 35x the demo's, so that the policy moves within the run (1e-4 moved it little; 5e-4 for 30 steps
+    # moved one trajectory 8% of probe tokens and cost a frozen head 10%)
+    learning_rate: float = 7e-4
     prompts_per_step: int = 4
     num_generations: int = 8
     max_completion_length: int = 256
@@ -54,6 +61,9 @@ class DriftBenchConfig:
     probe_tokens: int = 48
     arms: tuple[str, ...] = tuple(ARMS)
     seed: int = 0
+    # position-keyed sampling: every arm's rollouts, and so its policy trajectory, are the same
+    # (checked per step by a digest of the completions); False: each arm samples its own trajectory
+    position_noise: bool = True
     # the format shift (None: not run): fine-tune the starting policy to this layout, then this many
     # GRPO steps per arm on it, each arm starting from its drafter as the main run left it
     shift_layout: str | None = "lines"
@@ -80,6 +90,10 @@ class DriftRun:
     greedy_changed: list[float] = field(default_factory=list)  # share of probes, per step
     tokens_changed: list[float] = field(default_factory=list)  # share of probe tokens, per step
     shift_accept_length: list[float] = field(default_factory=list)  # per GRPO step after the format shift
+    digests: list[str] = field(default_factory=list)  # of each step's completions
+    idle_worker_s: list[float] = field(default_factory=list)  # per step: worker-seconds idle in the tail
+    spot_busy_s: list[float] = field(default_factory=list)  # per step: of those, seconds spot training ran
+    reward: list[float] = field(default_factory=list)  # per step: the mean reward of the rollout
 
 
 @dataclass
@@ -189,6 +203,7 @@ def measure_drift(cfg: DriftBenchConfig) -> tuple[list[DriftRun], FormatShift | 
         max_completion_length=cfg.max_completion_length,
         learning_rate=cfg.learning_rate,
         seed=cfg.seed,
+        position_noise=cfg.position_noise,
         strategy="chain:4",
         drafter="eagle3",
         workers=2,
@@ -202,7 +217,7 @@ def measure_drift(cfg: DriftBenchConfig) -> tuple[list[DriftRun], FormatShift | 
     for arm in cfg.arms:
         drift = PolicyDrift(probes, eos, cfg.probe_tokens)
         with torch.random.fork_rng():
-            _, rollout = run_demo_with_rollout(_arm_config(base, arm, self_layers), callbacks=[drift])
+            summary, rollout = run_demo_with_rollout(_arm_config(base, arm, self_layers), callbacks=[drift])
         history = rollout.history
         heads[arm] = _eagle3_head(rollout)
         runs.append(
@@ -214,6 +229,10 @@ def measure_drift(cfg: DriftBenchConfig) -> tuple[list[DriftRun], FormatShift | 
                 [h.spot_train_steps for h in history],
                 drift.greedy_changed,
                 drift.tokens_changed,
+                digests=[h.completions_digest for h in history],
+                idle_worker_s=[h.idle_worker_s for h in history],
+                spot_busy_s=[h.spot_busy_s for h in history],
+                reward=list(summary["reward_per_step"]),
             )
         )
         logger.info("drift arm %s: accept %s", arm, runs[-1].accept_length)
@@ -223,6 +242,8 @@ def measure_drift(cfg: DriftBenchConfig) -> tuple[list[DriftRun], FormatShift | 
     logger.info("format shift: %s", shift)
     shifted = dataclasses.replace(base, policy_dir=shift.policy_dir, max_steps=cfg.shift_steps, seed=cfg.seed + 1)
     for run in runs:
+        if run.arm in NOT_SHIFTED:
+            continue
         with torch.random.fork_rng():
             _, rollout = run_demo_with_rollout(_arm_config(shifted, run.arm, self_layers), head=heads[run.arm])
         run.shift_accept_length = [h.mean_accept_length for h in rollout.history]
@@ -240,8 +261,9 @@ def drift_table(runs: list[DriftRun]) -> str:
     frozen = next((r for r in runs if r.arm == "frozen"), None)
     lines = [
         "| arm | accept length, steps 1-3 | last 3 steps | end / start | rollout s per 1k tokens (vs frozen) | "
-        "drafter steps in the tail | probes with other greedy output at the end | probe tokens changed |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|",
+        "drafter steps in the tail | probes with other greedy output at the end | probe tokens changed | "
+        "steps with the frozen arm's rollouts |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
 
     def per_k(run: DriftRun) -> float:
@@ -253,7 +275,45 @@ def drift_table(runs: list[DriftRun]) -> str:
         lines.append(
             f"| {r.arm} | {start:.2f} | {end:.2f} | {end / start:.2f} | {per_k(r):.2f}{vs} | {sum(r.spot_steps)} | "
             f"{r.greedy_changed[-1] if r.greedy_changed else float('nan'):.0%} | "
-            f"{r.tokens_changed[-1] if r.tokens_changed else float('nan'):.0%} |"
+            f"{r.tokens_changed[-1] if r.tokens_changed else float('nan'):.0%} | "
+            f"{same_rollouts(r, frozen)} |"
+        )
+    return "\n".join(lines)
+
+
+def same_rollouts(run: DriftRun, reference: DriftRun | None) -> str:
+    """How many of ``run``'s steps emitted exactly the completions of ``reference``'s same step."""
+    if reference is None or not run.digests:
+        return "-"
+    same = sum(a == b for a, b in zip(run.digests, reference.digests))
+    return f"{same} of {len(run.digests)}"
+
+
+def spot_cost_table(runs: list[DriftRun]) -> str:
+    """What spot training costs and uses, per arm that runs it, against the frozen arm on the steps
+    whose rollouts are the same (from step 2: step 1 starts the workers): rollout time per step
+    (median of the per-step ratios, and the ratio of the sums), the worker-seconds a step leaves
+    idle in the tail, and the share of them spot training filled."""
+    frozen = next((r for r in runs if r.arm == "frozen"), None)
+    lines = [
+        "| arm | steps compared | rollout time vs frozen, median per step | sum vs sum | idle worker-s per step "
+        "| filled by spot training |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    for r in runs:
+        if frozen is None or r is frozen or not any(r.spot_busy_s):
+            continue
+        steps = [i for i in range(1, len(r.rollout_s)) if i < len(frozen.digests) and r.digests[i] == frozen.digests[i]]
+        if not steps:
+            lines.append(f"| {r.arm} | 0 | - | - | - | - |")
+            continue
+        ratios = [r.rollout_s[i] / frozen.rollout_s[i] for i in steps]
+        total = sum(r.rollout_s[i] for i in steps) / sum(frozen.rollout_s[i] for i in steps)
+        idle = sum(r.idle_worker_s[i] for i in steps)
+        busy = sum(r.spot_busy_s[i] for i in steps)
+        lines.append(
+            f"| {r.arm} | {len(steps)} | {statistics.median(ratios):.3f}x | {total:.3f}x | "
+            f"{idle / len(steps):.2f} | {busy / idle if idle else float('nan'):.0%} |"
         )
     return "\n".join(lines)
 
@@ -306,19 +366,42 @@ def plot_drift(runs: list[DriftRun], path: Path) -> None:
 
 
 def drift_section(runs: list[DriftRun], cfg: DriftBenchConfig, plot_name: str, shift: FormatShift | None) -> str:
+    trajectory = (
+        "Sampling is position-keyed (`SpecRolloutConfig.position_noise`): a completion is a function of "
+        "the policy, the prompt and its seed, whatever drafts it, so every arm generates the same "
+        "rollouts, takes the same GRPO steps and follows one policy trajectory (the last column counts "
+        "the steps whose completions hash equal to the frozen arm's); the heads are compared on the "
+        "same text. Acceptance is that of Gumbel-coupled drafts, a little below rejection sampling's."
+        if cfg.position_noise
+        else "Each arm samples its own RL trajectory (rejection-sampled drafts draw other, equally likely "
+        "completions), so the arms' policies move apart."
+    )
+    frozen = next((r for r in runs if r.arm == "frozen"), None)
+    rewards = (
+        f" The trajectory's mean reward: {_mean(frozen.reward[:3]):.3f} over steps 1-3, "
+        f"{_mean(frozen.reward[-3:]):.3f} over the last 3."
+        if frozen is not None and frozen.reward
+        else ""
+    )
     text = (
         f"GRPO on the shipped {cfg.policy} policy for {cfg.steps} RL steps ({cfg.prompts_per_step} sampled "
         f"chain-sum prompts x {cfg.num_generations} samples per step, learning rate {cfg.learning_rate:g}, "
         f"at most {cfg.max_completion_length} tokens), 2 Ray workers, `chain:4` drafts from the shipped "
         "EAGLE-3 head, the same seeds in every arm: the head *frozen*; trained by *spot training* on "
         "workers idle in the tail (a trained version ships only when it beats the drafting one on "
-        "held-out samples); trained by *DrafterFromTrainer* on the trainer's loss forwards (4 steps "
+        "held-out samples); *spot, never shipped*: the same training with nothing shipped, so its "
+        "drafter and rollouts are the frozen arm's and its extra rollout time is what training adds; "
+        "trained by *DrafterFromTrainer* on the trainer's loss forwards (4 steps "
         "after every optimizer step, published to the workers); *both*; and *self-speculative*: no head, the "
         "policy's own first layers (7 of 24 on the deep policy; its final norm and LM head, no adapter) as "
         "the drafter, which moves with the policy and is never trained (Mirror-SD issue, item 5). "
-        "The policy's move: the greedy "
+        f"{trajectory}{rewards} The policy's move: the greedy "
         f"completions of {cfg.probes} held-out probe prompts ({cfg.probe_tokens} tokens) after each step against "
-        f"the starting policy's.\n\n{drift_table(runs)}\n\n![drift]({plot_name})"
+        f"the starting policy's.\n\n{drift_table(runs)}\n\n![drift]({plot_name})\n\n"
+        "**What spot training costs and uses.** Against the frozen arm, on the steps with the same rollouts "
+        "(from step 2). *Idle worker-s*: per rollout, the seconds a worker held no request while the other "
+        "still generated (the tail); *filled*: the share of them a training chunk ran in.\n\n"
+        f"{spot_cost_table(runs)}"
     )
     if shift is None:
         return text + "\n\nThe format shift was not run."

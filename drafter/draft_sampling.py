@@ -7,6 +7,7 @@ from collections.abc import Sequence
 
 import torch
 
+from ..rollout.position_noise import keyed_scores
 from ..rollout.request import Sequence as EngineSequence
 from ..rollout.sampling import BatchSamplingTensors, draw_uniforms, processed_logprobs, sample_from_logprobs
 from .base import DraftRequest, DraftTree
@@ -21,10 +22,17 @@ def draft_generator(seed: int) -> torch.Generator:
 
 
 def choose_draft_tokens(
-    seqs: Sequence[EngineSequence], logits: torch.Tensor, generator: torch.Generator
+    seqs: Sequence[EngineSequence], logits: torch.Tensor, generator: torch.Generator, depths: Sequence[int] = ()
 ) -> tuple[list[int], torch.Tensor | None]:
     """Next draft token per row (argmax for greedy requests, a sample from the processed
-    distribution otherwise) and, when any row sampled, every row's processed draft distribution."""
+    distribution otherwise) and, when any row sampled, every row's processed draft distribution.
+
+    A position-keyed request's row (``rollout/position_noise.py``) takes the argmax of its draft
+    logprobs perturbed by the noise the target will use at that completion index (its
+    ``len(output_ids)`` plus the row's chain ``depths`` entry, tokens drafted so far): the draft
+    then agrees with the target's draw wherever the two distributions are close. That shared noise
+    cannot bias the output: a keyed row's emitted token is the target's perturbed argmax whatever
+    was drafted."""
     st = BatchSamplingTensors.from_params([s.params for s in seqs], logits.device)
     logprobs = processed_logprobs(logits, st)
     chosen = logprobs.argmax(dim=-1)
@@ -33,6 +41,10 @@ def choose_draft_tokens(
     uniforms = draw_uniforms([s.generator for s in seqs], generator).to(logits.device)
     sampled = sample_from_logprobs(logprobs, uniforms)
     chosen = torch.where(st.temperature > 0, sampled, chosen)
+    depths = list(depths) or [0] * len(seqs)
+    keyed = keyed_scores(logprobs, [s.params for s in seqs], [len(s.output_ids) + d for s, d in zip(seqs, depths)])
+    if keyed is not None:
+        chosen = torch.where(keyed[1], keyed[0].argmax(dim=-1), chosen)
     return chosen.tolist(), logprobs.exp()
 
 
@@ -51,7 +63,8 @@ class ChainDrafts:
     def extend(self, logits: torch.Tensor) -> list[int]:
         """Append a token to every active chain; return the rows (of the old ``active``) still going."""
         seqs = [self.requests[i].seq for i in self.active]
-        chosen, q = choose_draft_tokens(seqs, logits, self.generator)
+        depths = [len(self.tokens[i]) for i in self.active]
+        chosen, q = choose_draft_tokens(seqs, logits, self.generator, depths)
         for row, i in enumerate(self.active):
             self.tokens[i].append(chosen[row])
             if q is not None:

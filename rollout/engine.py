@@ -26,6 +26,7 @@ from .length_budget import drafting_mask, spread_mask
 from .mirror import MirrorPipeline
 from .model_runner import ModelRunner
 from .params import MirrorConfig, RolloutConfig, SamplingParams
+from .position_noise import keyed_scores
 from .request import FinishReason, RequestOutput, SeqStatus, Sequence
 from .sampling import BatchSamplingTensors, choose_tokens, draw_uniforms, processed_logprobs, store_prompt_logprobs
 from .scheduler import ScheduledBatch, Scheduler, StepKind
@@ -555,7 +556,8 @@ class RolloutEngine:
         uniforms = None
         if not st.all_greedy:
             uniforms = draw_uniforms([s.generator for s in seqs], self.generator).to(logits.device)
-        chosen = choose_tokens(logprobs, st, uniforms)
+        keyed = keyed_scores(logprobs, [s.params for s in seqs], [len(s.output_ids) for s in seqs])
+        chosen = choose_tokens(logprobs, st, uniforms, keyed)
         chosen_lp = logprobs.gather(-1, chosen.unsqueeze(-1)).squeeze(-1)
         finished = []
         for seq, tok, lp in zip(seqs, chosen.tolist(), chosen_lp.tolist()):

@@ -34,6 +34,9 @@ def _valid_seed(value: Any) -> bool:
     return _is_int(value) and -(2**63) <= value < 2**64
 
 
+NOISE_SOURCES = ("stream", "position")
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How one request is sampled.
@@ -63,6 +66,7 @@ class SamplingParams:
     seed: int | None = None
     ignore_eos: bool = False
     prompt_logprobs: int = 0
+    noise: str = "stream"
 
     def __post_init__(self) -> None:
         t = self.temperature
@@ -95,6 +99,13 @@ class SamplingParams:
         )
         object.__setattr__(self, "stop_token_ids", stops)
         _require(self.seed is None or _valid_seed(self.seed), "seed", f"None or {_SEED_RANGE}", self.seed)
+        _require(self.noise in NOISE_SOURCES, "noise", f"one of {NOISE_SOURCES}", self.noise)
+        _require(
+            self.noise != "position" or self.seed is not None or self.temperature == 0,
+            "seed",
+            'set (an int) when noise="position" samples (temperature > 0)',
+            self.seed,
+        )
         _require(
             _is_int(self.prompt_logprobs) and self.prompt_logprobs >= 0,
             "prompt_logprobs",
@@ -105,6 +116,11 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def position_keyed(self) -> bool:
+        """Sampled with position-keyed noise: its tokens are the argmax of perturbed logprobs."""
+        return self.noise == "position" and self.temperature > 0
 
     def with_updates(self, **changes: Any) -> SamplingParams:
         return replace(self, **changes)

@@ -137,16 +137,26 @@ def sample_from_logprobs(logprobs: torch.Tensor, uniforms: torch.Tensor) -> torc
     return sample_from_probs(logprobs.double().exp(), uniforms)
 
 
-def choose_tokens(logprobs: torch.Tensor, st: BatchSamplingTensors, uniforms: torch.Tensor | None) -> torch.Tensor:
-    """Greedy rows take the argmax, the others sample with their uniform."""
+def choose_tokens(
+    logprobs: torch.Tensor,
+    st: BatchSamplingTensors,
+    uniforms: torch.Tensor | None,
+    keyed: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> torch.Tensor:
+    """Greedy rows take the argmax, the others sample with their uniform; position-keyed rows
+    (``keyed``: perturbed scores and their row mask, ``rollout/position_noise.py``) take the
+    argmax of their scores."""
     greedy_tokens = logprobs.argmax(dim=-1)
     if st.all_greedy:
         return greedy_tokens
     assert uniforms is not None, "sampled rows need uniforms"
-    sampled = sample_from_logprobs(logprobs, uniforms)
+    chosen = sample_from_logprobs(logprobs, uniforms)
     if st.any_greedy:
-        return torch.where(st.temperature == 0, greedy_tokens, sampled)
-    return sampled
+        chosen = torch.where(st.temperature == 0, greedy_tokens, chosen)
+    if keyed is not None:
+        scores, rows = keyed
+        chosen = torch.where(rows, scores.argmax(dim=-1), chosen)
+    return chosen
 
 
 def draw_uniforms(

@@ -20,6 +20,7 @@ import torch
 
 from ..draft_contract import EMPTY_DRAFT, Drafter, DraftRequest, DraftShape, DraftTree
 from .kv_cache import BlockAllocator, PagedKVCache
+from .position_noise import keyed_scores
 from .request import Sequence
 from .sampling import BatchSamplingTensors, draw_uniforms, processed_logprobs
 from .speculative import fit_draft, keep_accepted_kv, max_draft_depth
@@ -62,7 +63,14 @@ def verify(
         uniforms = torch.zeros(logits.shape[0], dtype=torch.float64)
     else:  # one per scored row, aligned with the rows (greedy sequences ignore theirs)
         uniforms = draw_uniforms([s.generator for s in seqs], generator, list(num_new))
-    verdicts = verify_batch(trees, logprobs, [seq.params.greedy for seq in seqs], uniforms)
+    params = [s.params for s, n in zip(seqs, num_new) for _ in range(n)]
+    indices = [len(s.output_ids) + d for s, t in zip(seqs, trees) for d in (0, *t.depths)]
+    keyed = keyed_scores(logprobs, params, indices)
+    # position-keyed sequences: the target's token at each row is the argmax of its perturbed
+    # scores, fixed before any draft is looked at, so they verify as greedy ones on those scores
+    scores = logprobs if keyed is None else keyed[0]
+    greedy = [seq.params.greedy or seq.params.position_keyed for seq in seqs]
+    verdicts = verify_batch(trees, scores, greedy, uniforms)
     return Verified(verdicts, logprobs, list(accumulate(num_new, initial=0))[:-1])
 
 

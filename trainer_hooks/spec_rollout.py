@@ -9,6 +9,7 @@ copy); the KV cache is kept between calls.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import time
 from collections.abc import Iterator
@@ -20,6 +21,7 @@ import torch
 
 from ..rollout.engine import RolloutEngine, eos_ids_of
 from ..rollout.params import RolloutConfig, SamplingParams
+from ..rollout.position_noise import derived_seed
 from ..rollout.strategy import parse_strategy
 from ..workers.coordinator import RolloutCoordinator, RolloutReport, WorkersConfig
 from ..workers.worker import DrafterState
@@ -43,6 +45,11 @@ class SpecRolloutConfig:
     graph_backend: str = "auto"
     graph_memory_mb: int = 2048
     seed: int | None = None  # None: the trainer's seed + process index
+    # sample with position-keyed noise (rollout/position_noise.py): each request gets a seed derived
+    # from (seed, global step, call, index), and its completion is then the same under every
+    # strategy, drafter and worker layout (a run reproducible with speculation off; drafters compared
+    # on one policy trajectory), at some cost in accepted draft tokens
+    position_noise: bool = False
     progress: bool = False
     log_metrics: bool = True
     # EAGLE-3 head only: training steps after every rollout call on the features it recorded, so
@@ -118,10 +125,21 @@ class RolloutStats:
     spot_held: int = 0  # chunks kept back: no better than the drafting head on held-out samples
     policy_version: int | None = None  # with Ray workers: the weights the workers generated with
     workers_died: int = 0
+    idle_worker_s: float = 0.0  # with Ray workers: worker-seconds idle while another still generated
+    spot_busy_s: float = 0.0  # of the rollout's worker-seconds, those a spot training chunk ran in
+    completions_digest: str = ""  # a hash of the call's completions, in request order (same digest: same rollout)
 
     @property
     def acceptance_rate(self) -> float:
         return self.accepted_tokens / self.drafted_tokens if self.drafted_tokens else 0.0
+
+
+def completions_digest(completion_ids: list[list[int]]) -> str:
+    """A short hash of the completions in order: two calls with equal digests emitted the same tokens."""
+    h = hashlib.blake2b(digest_size=8)
+    for ids in completion_ids:
+        h.update(",".join(map(str, ids)).encode() + b";")
+    return h.hexdigest()
 
 
 class SpecRollout:
@@ -169,12 +187,13 @@ class SpecRollout:
         self.last_stats: RolloutStats | None = None
         self.history: list[RolloutStats] = []
         self._pending_state: dict[str, Any] | None = None  # loaded from a checkpoint, applied at start
+        self._calls_at_step = (-1, 0)  # (global step, rollout calls made at it - 1): position-noise seeds
 
     # -- TRL entry point -------------------------------------------------------------------
     def __call__(self, prompts: list, trainer: Any) -> dict[str, list]:
         tokenizer = self.tokenizer or trainer.processing_class
         prompt_ids = self.tokenize_prompts(prompts, tokenizer, trainer)
-        params = self.sampling or sampling_params_from_trl(trainer.args)
+        params = self._request_params(self.sampling or sampling_params_from_trl(trainer.args), len(prompt_ids), trainer)
         if self.config.workers:
             return self._call_workers(prompt_ids, params, tokenizer, trainer)
         start = time.perf_counter()
@@ -194,6 +213,18 @@ class SpecRollout:
         if self._online_head:
             self._train_drafter(trainer)
         return self._trl_outputs(outputs)
+
+    def _request_params(self, params: SamplingParams, n: int, trainer: Any) -> SamplingParams | list[SamplingParams]:
+        """``params`` for every request, or with ``position_noise`` one copy per request with its
+        own derived seed (the call's place in the run: the trainer's global step, then the calls
+        made at that step)."""
+        if not self.config.position_noise:
+            return params
+        step = int(getattr(getattr(trainer, "state", None), "global_step", 0) or 0)
+        call = self._calls_at_step[1] + 1 if self._calls_at_step[0] == step else 0
+        self._calls_at_step = (step, call)
+        base = self._seed(trainer) if params.seed is None else params.seed
+        return [params.with_updates(noise="position", seed=derived_seed(base, step, call, i)) for i in range(n)]
 
     @staticmethod
     def _trl_outputs(outputs: list) -> dict[str, list]:
@@ -399,6 +430,7 @@ class SpecRollout:
         stats.drafter_version = report.drafter_version
         stats.policy_version = report.policy_version
         stats.workers_died = report.workers_died
+        stats.idle_worker_s, stats.spot_busy_s = report.idle_worker_s, report.spot_busy_s
         if report.spot_losses:
             stats.drafter_loss = sum(report.spot_losses) / len(report.spot_losses)
         metrics = getattr(trainer, "_metrics", None)
@@ -473,6 +505,7 @@ class SpecRollout:
             verify_time_s=counters.get("verify_time_s", 0.0),
             tail_time_s=counters.get("tail_time_s", 0.0),
             strategy_steps=dict(strategy_steps),
+            completions_digest=completions_digest(completion_ids),
         )
         self.last_stats = stats
         self.history.append(stats)

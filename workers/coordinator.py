@@ -190,6 +190,8 @@ class RolloutReport:
     spot_shipped: int = 0  # training chunks whose head became the drafting one
     spot_held: int = 0  # chunks kept back (no better than the drafting head on held-out samples)
     spot_held_out: list[tuple[float, float]] = field(default_factory=list)  # (drafting, trained) per chunk
+    idle_worker_s: float = 0.0  # worker-seconds without requests while another worker generated
+    spot_busy_s: float = 0.0  # of those, the seconds a spot training chunk ran
 
 
 def ensure_ray(address: str | None = None, num_cpus: float | None = None) -> bool:
@@ -399,6 +401,8 @@ class RolloutCoordinator:
             workers_died=result.died + tally.died,
             requests_rerun=result.rerun,
             requests_moved=result.moved,
+            idle_worker_s=result.idle_worker_s,
+            spot_busy_s=result.spot_busy_s,
             length_error=self.predictor.log.mean_rel_error,
         )
 

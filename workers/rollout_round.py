@@ -6,6 +6,7 @@ workers the tail leaves idle."""
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -55,6 +56,8 @@ class RoundResult:
     died: int = 0
     rerun: int = 0  # requests generated again because their worker died before finishing them
     moved: int = 0  # requests continued on another worker (tail rebalancing)
+    idle_worker_s: float = 0.0  # worker-seconds without requests while another worker generated
+    spot_busy_s: float = 0.0  # of those, the seconds a spot training chunk ran
 
 
 @dataclass
@@ -119,7 +122,9 @@ class RolloutRound:
             refs = list(by_ref) + ([chunk.ref] if chunk is not None else [])
             if not refs:
                 raise RuntimeError("requests wait but no rollout worker is alive")
+            waited = time.perf_counter()
             (ready,), _ = ray.wait(refs, num_returns=1)
+            self._clock_idle(time.perf_counter() - waited, training=chunk is not None)
             if chunk is not None and ready is chunk.ref:
                 self._chunk_returned()
             else:
@@ -131,6 +136,14 @@ class RolloutRound:
         self.result.rerun = self.ledger.rerun_count
         self.result.moved = self.ledger.moved_count
         return self.result
+
+    def _clock_idle(self, seconds: float, training: bool) -> None:
+        """Charge a wait (nothing changes state during one) to the workers that held no request
+        while some other worker generated, and to spot training if a chunk ran in it."""
+        holding = sum(1 for w in self.pool.workers if self.ledger.on(w))
+        if holding:
+            self.result.idle_worker_s += seconds * (len(self.pool.workers) - holding)
+            self.result.spot_busy_s += seconds if training else 0.0
 
     # -- dealing -------------------------------------------------------------------------------
     def _room(self, worker: int) -> int:

@@ -3,7 +3,7 @@ one, the table compares arms, and the demo refuses DrafterFromTrainer without an
 
 import pytest
 
-from tailspec.benchmarks.drift import DriftRun, PolicyDrift, drift_table, plot_drift, shift_table
+from tailspec.benchmarks.drift import DriftRun, PolicyDrift, drift_table, plot_drift, shift_table, spot_cost_table
 from tailspec.demo import DemoConfig
 from tailspec.testing import perturbed_copy, tiny_random_model
 
@@ -24,7 +24,7 @@ def test_table_and_plot(tmp_path):
         DriftRun("spot training", [3.0, 3.0, 3.1, 3.0], [1.0, 1.1, 1.0, 1.0], [100] * 4, [0, 4, 4, 4], [0.5], [0.2]),
     ]
     table = drift_table(runs)
-    assert "| frozen | 2.80 | 2.60 | 0.93 | 10.00 (1.00x) | 0 | 50% | 20% |" in table
+    assert "| frozen | 2.80 | 2.60 | 0.93 | 10.00 (1.00x) | 0 | 50% | 20% | - |" in table
     assert "(1.03x)" in table and "| 12 |" in table
     plot_drift(runs, tmp_path / "drift.png")
     assert (tmp_path / "drift.png").stat().st_size > 0
@@ -50,3 +50,16 @@ def test_the_format_shift_table_and_panel(tmp_path):
 def test_demo_config_checks_policy_dir(tmp_path):
     with pytest.raises(ValueError, match="policy_dir"):
         DemoConfig(policy_dir=str(tmp_path))  # no config.json
+
+
+def test_spot_cost_compares_only_steps_with_the_same_rollouts():
+    frozen = DriftRun("frozen", [3.0] * 4, [9.0, 2.0, 2.0, 4.0], [100] * 4, [0] * 4, digests=["a", "b", "c", "d"])
+    frozen.idle_worker_s = frozen.spot_busy_s = [0.0] * 4
+    spot = DriftRun("spot training", [3.0] * 4, [9.0, 2.2, 2.0, 9.0], [100] * 4, [0, 4, 4, 4])
+    spot.digests = ["a", "b", "c", "x"]  # step 4 generated other completions: not compared
+    spot.idle_worker_s, spot.spot_busy_s = [0.0, 1.0, 3.0, 5.0], [0.0, 0.5, 1.5, 5.0]
+    table = spot_cost_table([frozen, spot])
+    assert "| spot training | 2 | 1.050x | 1.050x | 2.00 | 50% |" in table
+    assert "| frozen |" not in table  # the reference, and it trains nothing
+    assert "| spot training | 2 of 4 |" not in drift_table([frozen, spot])
+    assert "| 3 of 4 |" in drift_table([frozen, spot])

@@ -180,3 +180,36 @@ def test_adaptive_rollout_is_lossless_and_reports_its_strategy_mix(task_tokenize
     mix = {k: v[-1] for k, v in metrics["eval"].items() if k.startswith("rollout/strategy_fraction/")}
     assert set(mix) == {f"rollout/strategy_fraction/{k}" for k in stats.strategy_steps}
     assert sum(mix.values()) == pytest.approx(1.0)
+
+
+def test_position_noise_makes_sampled_rollouts_independent_of_the_strategy(task_tokenizer, tiny_policy):
+    """With position-keyed sampling each request gets its own derived seed: a GRPO group's samples
+    differ, a speculative rollout emits the plain one's completions (same digest), and the next
+    step draws new ones."""
+    from tailspec.testing import perturbed_copy
+
+    convs = [[{"role": "user", "content": f"add {i} {i + 3} {i + 1}"}] for i in range(2)]
+    prompts = [c for c in convs for _ in range(4)]
+    metrics = {"train": defaultdict(list), "eval": defaultdict(list)}
+    trainer = SimpleNamespace(
+        args=_args(max_completion_length=24, seed=5),
+        processing_class=task_tokenizer,
+        model=tiny_policy,
+        _metrics=metrics,
+        state=SimpleNamespace(global_step=3),
+    )
+    plain = SpecRollout(model=tiny_policy, position_noise=True)
+    spec = SpecRollout(
+        model=tiny_policy,
+        strategy="chain:3",
+        drafter=perturbed_copy(tiny_policy, noise=0.2, seed=1),
+        position_noise=True,
+    )
+    want, got = plain(prompts, trainer), spec(prompts, trainer)
+    assert got["completion_ids"] == want["completion_ids"]
+    assert spec.last_stats.completions_digest == plain.last_stats.completions_digest
+    assert spec.last_stats.drafted_tokens > 0
+    assert len({tuple(c) for c in want["completion_ids"][:4]}) > 1  # a group's samples are not copies
+    trainer.state.global_step = 4
+    assert plain(prompts, trainer)["completion_ids"] != want["completion_ids"]
+    assert plain.last_stats.completions_digest != spec.last_stats.completions_digest

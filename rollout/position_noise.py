@@ -1,0 +1,101 @@
+"""Position-keyed sampling: a completion that is a function of the model, the prompt and the seed alone.
+
+A request with ``SamplingParams(noise="position", seed=s)`` draws the token at completion index
+``i`` as ``argmax(logprobs + g)``, where ``g`` is Gumbel noise computed from ``(s, i, token id)``
+by a counter-based hash (Gumbel-max: the argmax is an exact sample of ``softmax(logprobs)``).
+The noise does not come from a stream that drafts, rejections or batch neighbours consume, so
+
+- plain decoding, every speculative strategy and every drafter emit the same tokens: a
+  verification step is greedy verification on the perturbed scores (the target's token at each
+  row is fixed before any draft is looked at), and a model drafter that perturbs its own
+  logprobs with the same noise proposes the target's token whenever the two agree closely;
+- a request continued on another worker, or recomputed after preemption, draws what it would
+  have drawn.
+
+The cost is acceptance: the chance that a drafter's perturbed argmax equals the target's is at
+most the ``a = sum(min(p, q))`` that rejection sampling reaches, and at least ``a / (2 - a)``
+(the Gumbel-max coupling bound), more than half of it.
+RL runs use it where the trajectory itself must not depend on the drafter (comparing drafters on
+one shared policy trajectory, reproducing a run with speculation switched off).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from .params import SamplingParams
+
+_MASK32 = 0xFFFFFFFF
+_MIX = 0x45D9F3B  # < 2**31: every product below fits in int64, so the hash is exact on any device
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer finalizer on int64 tensors holding values in [0, 2**32)."""
+    x = ((x >> 16) ^ x) * _MIX & _MASK32
+    x = ((x >> 16) ^ x) * _MIX & _MASK32
+    return (x >> 16) ^ x
+
+
+def _key_words(seed: int) -> tuple[int, int]:
+    s = seed % 2**64  # a negative seed and its two's complement are the same key
+    return s & _MASK32, s >> 32
+
+
+def position_uniforms(seeds: Sequence[int], indices: Sequence[int], vocab: int, device: torch.device) -> torch.Tensor:
+    """``[R, vocab]`` float64 uniforms in (0, 1): row ``r`` keyed on ``(seeds[r], indices[r])``,
+    column ``j`` on the token id. Two 32-bit hashes give 53 random bits per entry."""
+    words = [_key_words(s) for s in seeds]
+    lo = torch.tensor([w[0] for w in words], dtype=torch.int64, device=device)
+    hi = torch.tensor([w[1] for w in words], dtype=torch.int64, device=device)
+    index = torch.tensor(list(indices), dtype=torch.int64, device=device) & _MASK32
+    row = _mix32(_mix32(_mix32(lo ^ 0x68E31DA4) ^ hi) ^ index)  # [R]
+    token = torch.arange(vocab, dtype=torch.int64, device=device)
+    h1 = _mix32(row.unsqueeze(-1) ^ _mix32(token ^ 0x1B56C4E9))  # [R, V]
+    h2 = _mix32(h1 ^ 0x5BD1E995)
+    bits = (h1 << 21) | (h2 >> 11)  # 53 bits
+    return (bits.double() + 0.5) / float(2**53)
+
+
+def position_gumbel(seeds: Sequence[int], indices: Sequence[int], vocab: int, device: torch.device) -> torch.Tensor:
+    """Standard Gumbel noise ``-log(-log(u))``, ``[R, vocab]`` float32, keyed as :func:`position_uniforms`."""
+    u = position_uniforms(seeds, indices, vocab, device)
+    return (-torch.log(-torch.log(u))).float()
+
+
+def perturbed(
+    logprobs: torch.Tensor, rows: Sequence[int], seeds: Sequence[int], indices: Sequence[int]
+) -> torch.Tensor:
+    """``logprobs`` with Gumbel noise added to ``rows`` (keyed on ``seeds`` and completion
+    ``indices``, one each per row); other rows unchanged. Its argmax on those rows is their token."""
+    out = logprobs.clone()
+    if rows:
+        at = torch.tensor(list(rows), device=logprobs.device)
+        out[at] = logprobs[at] + position_gumbel(seeds, indices, logprobs.shape[-1], logprobs.device)
+    return out
+
+
+def keyed_scores(
+    logprobs: torch.Tensor, params: Sequence[SamplingParams], indices: Sequence[int]
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """For rows of ``logprobs`` with their request's ``params`` and completion ``indices``: None when
+    no row is position-keyed, else the perturbed scores and a ``[R]`` bool mask of the keyed rows
+    (whose token is the argmax of their scores)."""
+    rows = [r for r, p in enumerate(params) if p.position_keyed]
+    if not rows:
+        return None
+    scores = perturbed(logprobs, rows, [params[r].seed for r in rows], [indices[r] for r in rows])
+    mask = torch.zeros(logprobs.shape[0], dtype=torch.bool, device=logprobs.device)
+    mask[rows] = True
+    return scores, mask
+
+
+def derived_seed(*parts: int) -> int:
+    """A seed in ``[0, 2**63)`` that is a stable function of ``parts`` (a run's seed, an RL step, a
+    request's index): the same on every machine and Python process."""
+    digest = hashlib.blake2b(b",".join(str(int(p)).encode() for p in parts), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
