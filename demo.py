@@ -297,9 +297,17 @@ def train_dataset(cfg: DemoConfig):
     return make_grpo_dataset(cfg.num_train_prompts, seed=cfg.seed, cfg=ChainSumConfig())
 
 
-def _grpo_run(cfg: DemoConfig, out: Path, head=None, label: str = "tailspec", callbacks: list | None = None):
+def _grpo_run(
+    cfg: DemoConfig,
+    out: Path,
+    head=None,
+    label: str = "tailspec",
+    callbacks: list | None = None,
+    catch_up: dict | None = None,
+):
     """One GRPO run: (printed rows per step, the SpecRollout, wall seconds, wandb run name);
-    ``callbacks`` join the trainer's (benchmarks measure through them)."""
+    ``callbacks`` join the trainer's (benchmarks measure through them); ``catch_up``: a catch-up
+    rule's state to continue from (``SpecRollout.catch_up.state_dict()`` of an earlier run)."""
     from transformers.trainer_callback import ProgressCallback
     from trl import GRPOConfig
 
@@ -331,6 +339,7 @@ def _grpo_run(cfg: DemoConfig, out: Path, head=None, label: str = "tailspec", ca
     )
     printer = _step_printer()
     rollout = _make_rollout(cfg, head)
+    rollout.catch_up.load_state_dict(catch_up)
     trainer = GRPOTrainer(
         model=model,
         reward_funcs=chain_sum_reward,
@@ -441,18 +450,19 @@ def _print_comparison(rows: list[dict[str, Any]], base_rows: list[dict[str, Any]
 
 
 def run_demo_with_rollout(
-    cfg: DemoConfig, callbacks: list | None = None, head: Any = None
+    cfg: DemoConfig, callbacks: list | None = None, head: Any = None, catch_up: dict | None = None
 ) -> tuple[dict[str, Any], Any]:
     """:func:`run_demo`, also returning the ``SpecRollout`` of the main run (its per-call
     ``history``, coordinator). With ``warmup_steps``, ``baseline`` and ``export`` it is the whole
     story: warm the drafter up, train, compare with no speculation, export the drafter. ``head``:
-    an EAGLE-3 head to start from instead of the shipped one (benchmarks carry heads across runs)."""
+    an EAGLE-3 head to start from instead of the shipped one, ``catch_up`` the catch-up rule's
+    state (benchmarks carry both across runs, as one continuing run would)."""
     out = _prepare_environment(cfg)
     print(f"tailspec demo: GRPO on the chain-sum task, config {asdict(cfg)}", flush=True)
     uses_head = parse_strategy(cfg.strategy).uses_model_drafter and cfg.drafter == "eagle3"
     if head is None and uses_head and cfg.warmup_steps:
         head = _warm_up(cfg)
-    rows, rollout, wall, run_name = _grpo_run(cfg, out, head, callbacks=callbacks)
+    rows, rollout, wall, run_name = _grpo_run(cfg, out, head, callbacks=callbacks, catch_up=catch_up)
     summary = _summarize(cfg, rows, rollout, wall)
     wandb_runs = [run_name]
     if cfg.baseline:

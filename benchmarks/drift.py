@@ -90,6 +90,8 @@ class DriftRun:
     greedy_changed: list[float] = field(default_factory=list)  # share of probes, per step
     tokens_changed: list[float] = field(default_factory=list)  # share of probe tokens, per step
     shift_accept_length: list[float] = field(default_factory=list)  # per GRPO step after the format shift
+    shift_spot_steps: list[int] = field(default_factory=list)  # per step after the shift: spot training steps
+    shift_lr_scale: list[float] = field(default_factory=list)  # per step after the shift: catch-up's scale
     digests: list[str] = field(default_factory=list)  # of each step's completions
     idle_worker_s: list[float] = field(default_factory=list)  # per step: worker-seconds idle in the tail
     spot_busy_s: list[float] = field(default_factory=list)  # per step: of those, seconds spot training ran
@@ -213,13 +215,14 @@ def measure_drift(cfg: DriftBenchConfig) -> tuple[list[DriftRun], FormatShift | 
         export=None,
         output_dir=cfg.output_dir,
     )
-    runs, heads = [], {}
+    runs, heads, catch_ups = [], {}, {}
     for arm in cfg.arms:
         drift = PolicyDrift(probes, eos, cfg.probe_tokens)
         with torch.random.fork_rng():
             summary, rollout = run_demo_with_rollout(_arm_config(base, arm, self_layers), callbacks=[drift])
         history = rollout.history
         heads[arm] = _eagle3_head(rollout)
+        catch_ups[arm] = rollout.catch_up.state_dict()
         runs.append(
             DriftRun(
                 arm,
@@ -245,8 +248,12 @@ def measure_drift(cfg: DriftBenchConfig) -> tuple[list[DriftRun], FormatShift | 
         if run.arm in NOT_SHIFTED:
             continue
         with torch.random.fork_rng():
-            _, rollout = run_demo_with_rollout(_arm_config(shifted, run.arm, self_layers), head=heads[run.arm])
+            _, rollout = run_demo_with_rollout(
+                _arm_config(shifted, run.arm, self_layers), head=heads[run.arm], catch_up=catch_ups[run.arm]
+            )
         run.shift_accept_length = [h.mean_accept_length for h in rollout.history]
+        run.shift_spot_steps = [h.spot_train_steps for h in rollout.history]
+        run.shift_lr_scale = [h.drafter_lr_scale for h in rollout.history]
         logger.info("format shift, arm %s: accept %s", run.arm, run.shift_accept_length)
     return runs, shift
 
@@ -323,8 +330,9 @@ def shift_table(runs: list[DriftRun], recover: float = 0.8, within: int = 5) -> 
     at the first shifted step and at step ``within``, and the first step back at ``recover`` of it."""
     lines = [
         "| arm | accept length before the shift (last 3 steps) | first step after | "
-        f"step {within} after | step {within} / before | first step at >= {recover:.0%} of before |",
-        "|---|---:|---:|---:|---:|---:|",
+        f"step {within} after | step {within} / before | first step at >= {recover:.0%} of before | "
+        "spot training steps | rollouts followed by catch-up |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in runs:
         if not r.shift_accept_length:
@@ -332,10 +340,14 @@ def shift_table(runs: list[DriftRun], recover: float = 0.8, within: int = 5) -> 
         before = _mean(r.accept_length[-3:])
         after = r.shift_accept_length
         at = after[min(within, len(after)) - 1]
+        settings = ARMS.get(r.arm, {})
+        trains = settings.get("spot_training") or settings.get("drafter_from_trainer")
+        caught_up = f"{sum(x > 1 for x in r.shift_lr_scale)} of {len(r.shift_lr_scale)}" if trains else "-"
         back = next((i + 1 for i, a in enumerate(after) if a >= recover * before), None)
         lines.append(
             f"| {r.arm} | {before:.2f} | {after[0]:.2f} | {at:.2f} | {at / before:.2f} | "
-            f"{back if back is not None else f'not in {len(after)}'} |"
+            f"{back if back is not None else f'not in {len(after)}'} | {sum(r.shift_spot_steps)} | "
+            f"{caught_up} |"
         )
     return "\n".join(lines)
 
@@ -410,6 +422,9 @@ def drift_section(runs: list[DriftRun], cfg: DriftBenchConfig, plot_name: str, s
         f"learning rate {cfg.shift_lr:g}) to the `{shift.layout}` layout (`3 + 5 = 8` a step per line, "
         f"`answer: 17`; loss {shift.first_loss:.3f} -> {shift.final_loss:.3f}): {shift.in_layout:.0%} of the "
         f"probe prompts' greedy completions are in the new layout, {shift.accuracy:.0%} right. Every arm then "
-        f"runs {cfg.shift_steps} GRPO steps on it with its drafter as the main run left it (other seeds than "
-        f"the main run, the same in every arm).\n\n{shift_table(runs)}"
+        f"runs {cfg.shift_steps} GRPO steps on it with its drafter and its catch-up rule as the main run left "
+        "them (other seeds than the main run, the same in every arm; the training buffers start empty, so "
+        "online heads train on new-layout text only). *Catch-up* (`SpecRolloutConfig.catch_up`, on by "
+        "default): after a rollout whose accept length is under 0.8 x the best recent one, drafter "
+        f"training runs at 10x its learning rate.\n\n{shift_table(runs)}"
     )

@@ -12,7 +12,8 @@ final policy to serve, and keeps the head current when the rollout engine record
 
 Only training-mode forwards with gradients are tapped (the loss forward; not TRL's no-grad
 logprob forward, not eval), and a batch seen before (``num_iterations > 1``) is not recorded
-twice. After every optimizer step the head takes ``train_steps`` steps on the buffer; its loss and
+twice. After every optimizer step the head takes ``train_steps`` steps on the buffer (at the learning
+rate times a ``SpecRollout``'s ``drafter_lr_scale``: catch-up, ``drafter/catch_up.py``); its loss and
 version go into the trainer's logs as ``drafter/*``.
 """
 
@@ -207,9 +208,11 @@ class DrafterFromTrainer(TrainerCallback):
             return
         embed = self.trainer.accelerator.unwrap_model(self.trainer.model).get_input_embeddings()
         self.drafter_trainer.embed = embed
+        rollout = getattr(self.trainer, "rollout", None) or getattr(self.trainer, "rollout_func", None)
+        # a SpecRollout's catch-up rule: a higher learning rate while its drafts are far behind
+        self.drafter_trainer.lr_scale = float(getattr(rollout, "drafter_lr_scale", 1.0))
         with gathered(embed):  # the head reads the policy's embeddings; ZeRO-3 partitions them
             results = self.drafter_trainer.train(self.train_steps)
-        rollout = getattr(self.trainer, "rollout", None) or getattr(self.trainer, "rollout_func", None)
         publish = getattr(rollout, "publish_drafter", None)
         if results and callable(publish):
             publish(self.head)  # Ray rollout workers get the new version before the next rollout

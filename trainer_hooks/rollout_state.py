@@ -4,7 +4,8 @@ each engine's adaptive-selector measurements and suffix-drafter history, and the
 predictor's per-prompt history (JSON).
 
 Layout of ``<checkpoint>/tailspec_rollout/``: ``state.json``, ``drafter.safetensors`` and
-``drafter_optimizer.pt`` (the last two only with an EAGLE-3 head; the optimizer only once trained).
+``drafter_optimizer.pt`` (the last two only with an EAGLE-3 head; the optimizer only once trained),
+and ``drafter_trained.*`` likewise for spot training's trained state while it has not shipped.
 """
 
 from __future__ import annotations
@@ -20,18 +21,28 @@ from ..workers.worker import DrafterState
 FOLDER = "tailspec_rollout"
 
 
+# drafter states kept apart: the drafting (shipped) one, and spot training's newest trained one
+# when it has not shipped (training continues from it after a resume)
+DRAFTER_KEYS = ("drafter", "drafter_trained")
+JSON_KEYS = ("engines", "predictor", "catch_up")
+
+
 def save_rollout_state(state: dict[str, Any], checkpoint_dir: str | Path) -> Path:
     from safetensors.torch import save_file
 
     folder = Path(checkpoint_dir) / FOLDER
     folder.mkdir(parents=True, exist_ok=True)
-    drafter: DrafterState | None = state.get("drafter")
-    meta = {"engines": state.get("engines") or [], "predictor": state.get("predictor"), "drafter": None}
-    if drafter is not None:
-        save_file({k: v.contiguous() for k, v in drafter.head.items()}, str(folder / "drafter.safetensors"))
-        meta["drafter"] = {"version": drafter.version, "step": drafter.step}
+    meta: dict[str, Any] = {key: state.get(key) for key in JSON_KEYS}
+    meta["engines"] = meta["engines"] or []
+    for key in DRAFTER_KEYS:
+        drafter: DrafterState | None = state.get(key)
+        meta[key] = None
+        if drafter is None:
+            continue
+        save_file({k: v.contiguous() for k, v in drafter.head.items()}, str(folder / f"{key}.safetensors"))
+        meta[key] = {"version": drafter.version, "step": drafter.step}
         if drafter.optimizer is not None:
-            torch.save(drafter.optimizer, folder / "drafter_optimizer.pt")
+            torch.save(drafter.optimizer, folder / f"{key}_optimizer.pt")
     (folder / "state.json").write_text(json.dumps(meta))
     return folder
 
@@ -45,13 +56,18 @@ def load_rollout_state(checkpoint_dir: str | Path) -> dict[str, Any] | None:
     if not (folder / "state.json").exists():
         return None
     meta = json.loads((folder / "state.json").read_text())
-    drafter = None
-    if meta.get("drafter") is not None:
-        optimizer_path = folder / "drafter_optimizer.pt"
-        drafter = DrafterState(
-            head=load_file(str(folder / "drafter.safetensors")),
-            version=int(meta["drafter"]["version"]),
-            step=int(meta["drafter"]["step"]),
+    state: dict[str, Any] = {key: meta.get(key) for key in JSON_KEYS}
+    state["engines"] = state["engines"] or []
+    for key in DRAFTER_KEYS:
+        saved = meta.get(key)
+        if saved is None:
+            state[key] = None
+            continue
+        optimizer_path = folder / f"{key}_optimizer.pt"
+        state[key] = DrafterState(
+            head=load_file(str(folder / f"{key}.safetensors")),
+            version=int(saved["version"]),
+            step=int(saved["step"]),
             optimizer=torch.load(optimizer_path, weights_only=False) if optimizer_path.exists() else None,
         )
-    return {"engines": meta.get("engines") or [], "predictor": meta.get("predictor"), "drafter": drafter}
+    return state

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from ..drafter.catch_up import CatchUp, CatchUpConfig
 from ..rollout.engine import RolloutEngine, eos_ids_of
 from ..rollout.params import RolloutConfig, SamplingParams
 from ..rollout.position_noise import derived_seed
@@ -50,6 +51,10 @@ class SpecRolloutConfig:
     # strategy, drafter and worker layout (a run reproducible with speculation off; drafters compared
     # on one policy trajectory), at some cost in accepted draft tokens
     position_noise: bool = False
+    # catch-up (tailspec.drafter.catch_up): while a rollout's accept length is under `below` x the best
+    # recent one, the drafter trains at lr_scale x its learning rate (spot training, in-process online
+    # training and DrafterFromTrainer alike); CatchUpConfig fields, None = defaults, {"below": 0} = off
+    catch_up: dict | None = None
     progress: bool = False
     log_metrics: bool = True
     # EAGLE-3 head only: training steps after every rollout call on the features it recorded, so
@@ -77,6 +82,12 @@ class SpecRolloutConfig:
             raise ValueError(f"drafter_train_steps must be an int >= 0, got {self.drafter_train_steps!r}")
         if not (isinstance(self.drafter_buffer_mb, int) and self.drafter_buffer_mb >= 1):
             raise ValueError(f"drafter_buffer_mb must be an int >= 1, got {self.drafter_buffer_mb!r}")
+        if self.catch_up is not None and not isinstance(self.catch_up, dict):
+            raise ValueError(f"catch_up must be a dict of CatchUpConfig fields or None, got {self.catch_up!r}")
+        try:
+            CatchUpConfig(**(self.catch_up or {}))  # validate now
+        except TypeError as e:
+            raise ValueError(f"catch_up takes CatchUpConfig fields (below, lr_scale, decay): {e}") from None
 
     def workers_options(self) -> WorkersConfig:
         return WorkersConfig(
@@ -127,6 +138,7 @@ class RolloutStats:
     workers_died: int = 0
     idle_worker_s: float = 0.0  # with Ray workers: worker-seconds idle while another still generated
     spot_busy_s: float = 0.0  # of the rollout's worker-seconds, those a spot training chunk ran in
+    drafter_lr_scale: float = 1.0  # catch-up: the drafter's learning-rate scale after this rollout
     completions_digest: str = ""  # a hash of the call's completions, in request order (same digest: same rollout)
 
     @property
@@ -187,6 +199,7 @@ class SpecRollout:
         self.last_stats: RolloutStats | None = None
         self.history: list[RolloutStats] = []
         self._pending_state: dict[str, Any] | None = None  # loaded from a checkpoint, applied at start
+        self.catch_up = CatchUp(CatchUpConfig(**(self.config.catch_up or {})))
         self._calls_at_step = (-1, 0)  # (global step, rollout calls made at it - 1): position-noise seeds
 
     # -- TRL entry point -------------------------------------------------------------------
@@ -210,6 +223,7 @@ class SpecRollout:
             k: v - before_steps.get(k, 0) for k, v in engine.stats.strategy_steps.items() if v > before_steps.get(k, 0)
         }
         self._record(completion_ids, elapsed, counters, steps, str(engine.strategy), trainer)
+        self._catch_up()
         if self._online_head:
             self._train_drafter(trainer)
         return self._trl_outputs(outputs)
@@ -259,6 +273,7 @@ class SpecRollout:
         completion_ids = [o.completion_ids for o in report.outputs]
         self._record(completion_ids, elapsed, report.stats, report.strategy_steps, self.config.strategy, trainer)
         self._record_spot_training(report, trainer)
+        self._catch_up()
         return self._trl_outputs(report.outputs)
 
     def sync_weights(self, trainer: Any) -> None:
@@ -288,17 +303,17 @@ class SpecRollout:
         """What this rollout learned, for a checkpoint (``tailspec.GRPOTrainer`` saves it with every
         trainer checkpoint; see :mod:`tailspec.trainer_hooks.rollout_state`): the drafter state
         (an EAGLE-3 head's weights, optimizer, step, version), each engine's selector measurements
-        and suffix history, and the workers' length predictor. Before the first rollout: what was
-        loaded, if anything."""
+        and suffix history, the workers' length predictor and the catch-up rule's reference. Before
+        the first rollout: what was loaded, if anything."""
         if self._coordinator is not None:
-            return self._coordinator.state_dict()
+            return {**self._coordinator.state_dict(), "catch_up": self.catch_up.state_dict()}
         if self._engine is None and self._pending_state is not None:
             return self._pending_state
         from ..drafter.eagle3 import Eagle3Head
 
         drafter = DrafterState.of(self.drafter, self.drafter_trainer) if isinstance(self.drafter, Eagle3Head) else None
         engines = [self._engine.state_dict()] if self._engine is not None else []
-        return {"engines": engines, "predictor": None, "drafter": drafter}
+        return {"engines": engines, "predictor": None, "drafter": drafter, "catch_up": self.catch_up.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue from :meth:`state_dict`. The head's weights and version load at once (into the
@@ -310,6 +325,7 @@ class SpecRollout:
             if not isinstance(self.drafter, Eagle3Head):
                 raise ValueError("the saved rollout state has an EAGLE-3 drafter state; this rollout drafts with none")
             drafter.load_into(self.drafter)
+        self.catch_up.load_state_dict(state.get("catch_up"))
         self._pending_state = state
         if self._coordinator is not None:
             self._coordinator.load_state_dict(state)
@@ -406,6 +422,22 @@ class SpecRollout:
         if getattr(tokenizer, "eos_token_id", None) is not None:
             eos.add(tokenizer.eos_token_id)
         return eos
+
+    def _catch_up(self) -> None:
+        """The last rollout's accept length into the catch-up rule; the drafter's training (here,
+        on the workers, and DrafterFromTrainer's, which reads ``drafter_lr_scale``) follows it."""
+        stats = self.last_stats
+        scale = self.catch_up.observe(stats.mean_accept_length, stats.drafted_tokens)
+        stats.drafter_lr_scale = scale
+        if self._coordinator is not None:
+            self._coordinator.set_drafter_lr_scale(scale)
+        if self.drafter_trainer is not None:
+            self.drafter_trainer.lr_scale = scale
+
+    @property
+    def drafter_lr_scale(self) -> float:
+        """The learning-rate scale drafter training should use now (catch-up; 1.0 normally)."""
+        return self.catch_up.lr_scale
 
     def _train_drafter(self, trainer: Any) -> None:
         """Online EAGLE-3 training on what the rollouts recorded (the buffer keeps the most recent)."""

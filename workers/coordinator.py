@@ -494,6 +494,10 @@ class RolloutCoordinator:
             self._needs_broadcast = True
             self.settle()
 
+    def set_drafter_lr_scale(self, scale: float) -> None:
+        """Spot training chunks from now on run at ``scale`` times the learning rate (catch-up)."""
+        self.spot.lr_scale = float(scale)
+
     def publish_drafter(self, head: Eagle3Head) -> None:
         """Make ``head`` (trained outside the workers, e.g. by ``DrafterFromTrainer`` in the
         trainer process) the drafter every worker uses from the next rollout on. Spot training, if

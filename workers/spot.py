@@ -97,6 +97,7 @@ class SpotTraining:
         self.shipped = state  # the state the engines draft with
         self.holdout_every = holdout_every
         self.ship_min_gain = ship_min_gain
+        self.lr_scale = 1.0  # of the learning rate, for chunks from now on (catch-up, drafter/catch_up.py)
         self.enabled = enabled and state is not None
         self.steps_per_chunk = steps_per_chunk
         self.max_steps_per_rollout = max_steps_per_rollout
@@ -160,7 +161,14 @@ class SpotTraining:
     def start(self, worker: int, actor: Any, busy: list[int]) -> Chunk:
         state, new, steps = self.chunk_args(worker)
         ref = actor.train_drafter.remote(
-            state, new, steps, self.buffer.max_bytes, self.holdout_every, self.reference_for(worker), self.ship_min_gain
+            state,
+            new,
+            steps,
+            self.buffer.max_bytes,
+            self.holdout_every,
+            self.reference_for(worker),
+            self.ship_min_gain,
+            self.lr_scale,
         )
         self.running = Chunk(ref, worker)
         self._last_trainer = worker

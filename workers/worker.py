@@ -360,6 +360,7 @@ class RolloutWorker:
         holdout_every: int = 0,
         shipped: DrafterState | None = None,
         ship_min_gain: float = 0.0,
+        lr_scale: float = 1.0,
     ) -> TrainResult:
         """Up to ``max_steps`` training steps, checking for :meth:`stop_training` before every one.
 
@@ -370,7 +371,8 @@ class RolloutWorker:
         hold the coordinator's latest version. After the steps the trained head is compared on the
         held-out set with the shipped one (``shipped``: its state, sent when this worker's copy is
         not it) by :func:`held_out_acceptance`, and ships when it is better by more than
-        ``ship_min_gain`` (then it is the copy to beat from now on). Returns the new state."""
+        ``ship_min_gain`` (then it is the copy to beat from now on). ``lr_scale`` multiplies the
+        learning rate (catch-up, ``drafter/catch_up.py``). Returns the new state."""
         if self.head is None:
             raise RuntimeError(f"worker {self.index} has no EAGLE-3 head to train")
         self._stop.clear()
@@ -400,6 +402,7 @@ class RolloutWorker:
         elif self.trainer is None:
             raise RuntimeError(f"worker {self.index} has no trainer to continue; send a DrafterState")
         self.trainer.buffer = self.train_buffer
+        self.trainer.lr_scale = lr_scale
         results = self.trainer.train(max_steps, should_stop=self._stop.is_set) if len(self.train_buffer) else []
         losses = [r.loss for r in results]
         for r in results:

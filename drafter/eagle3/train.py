@@ -330,6 +330,9 @@ class DrafterTrainer:
         self.rng = random.Random(c.seed)
         self.step_count = 0
         self.history: list[TrainStepResult] = []
+        # the learning rate is config.learning_rate times this (catch-up: drafter/catch_up.py); set
+        # on every step, so a loaded optimizer state's own rate never overrides it
+        self.lr_scale = 1.0
 
     def train_step(self) -> TrainStepResult:
         start = time.perf_counter()
@@ -338,6 +341,8 @@ class DrafterTrainer:
         batch = collate(drawn, c.ttt_steps, c.max_tokens, self.rng)
         was_training = self.head.training
         self.head.train()
+        for group in self.optimizer.param_groups:
+            group["lr"] = c.learning_rate * self.lr_scale
         self.stepper.zero_grad()
         try:
             loss, accuracy, count, per_sample = unrolled_loss(self.head, self.embed, batch, c)

@@ -77,3 +77,26 @@ def test_resume_from_checkpoint_runs_on_warm(common):
     assert trainer.state.global_step == 3 and len(second.history) == 1
     assert second.drafter.version == version + 2  # continued from the saved version, two more steps
     assert sum(n for row in second.engine.selector.estimates().values() for _, n in row.values()) > 0
+
+
+def test_the_checkpoint_keeps_spot_trainings_unshipped_state_and_the_catch_up_rule(tmp_path):
+    """Spot training's trained state is apart from the drafting one while it has not shipped; a
+    resume from disk continues training from it, not from the shipped head."""
+    from tailspec.trainer_hooks.rollout_state import save_rollout_state
+    from tailspec.workers.worker import DrafterState
+
+    shipped = DrafterState({"w": torch.zeros(3)}, version=4, step=4)
+    trained = DrafterState({"w": torch.ones(3)}, version=9, step=9, optimizer={"state": {}, "param_groups": []})
+    state = {
+        "engines": [{"x": 1}],
+        "predictor": None,
+        "drafter": shipped,
+        "drafter_trained": trained,
+        "catch_up": {"reference": 3.2, "lr_scale": 1.0, "rollouts_caught_up": 2},
+    }
+    save_rollout_state(state, tmp_path)
+    loaded = load_rollout_state(tmp_path)
+    assert loaded["drafter"].version == 4 and loaded["drafter"].optimizer is None
+    assert loaded["drafter_trained"].version == 9 and torch.equal(loaded["drafter_trained"].head["w"], torch.ones(3))
+    assert loaded["drafter_trained"].optimizer == trained.optimizer
+    assert loaded["catch_up"] == state["catch_up"] and loaded["engines"] == [{"x": 1}]

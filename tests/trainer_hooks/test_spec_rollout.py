@@ -213,3 +213,33 @@ def test_position_noise_makes_sampled_rollouts_independent_of_the_strategy(task_
     trainer.state.global_step = 4
     assert plain(prompts, trainer)["completion_ids"] != want["completion_ids"]
     assert plain.last_stats.completions_digest != spec.last_stats.completions_digest
+
+
+def test_catch_up_raises_the_online_heads_learning_rate_after_a_fall(task_tokenizer, tiny_policy):
+    """A rollout far under the catch-up reference (here one carried over from a run whose drafts
+    were far better) makes the next online training run at lr_scale x its rate; the state goes
+    into the rollout's checkpoint state."""
+    import torch
+
+    from tailspec.drafter.eagle3 import Eagle3Config, Eagle3Head
+    from tailspec.drafter.eagle3.train import DrafterTrainingConfig
+
+    convs = [[{"role": "user", "content": f"add {i} {i + 2} {i + 1}"}] for i in range(2)]
+    trainer, _ = _greedy_trainer(task_tokenizer, tiny_policy)
+    torch.manual_seed(0)
+    head = Eagle3Head(Eagle3Config.for_target(tiny_policy.config))
+    rollout = SpecRollout(
+        model=tiny_policy,
+        strategy="chain:3",
+        drafter=head,
+        drafter_train_steps=1,
+        drafter_training=DrafterTrainingConfig(batch_size=2, learning_rate=1e-4),
+        catch_up={"below": 0.8, "lr_scale": 5.0},
+    )
+    rollout.catch_up.load_state_dict({"reference": 50.0})
+    rollout(convs, trainer)
+    assert rollout.last_stats.drafter_lr_scale == 5.0 and rollout.drafter_lr_scale == 5.0
+    assert rollout.drafter_trainer.optimizer.param_groups[0]["lr"] == pytest.approx(5e-4)
+    assert rollout.state_dict()["catch_up"]["lr_scale"] == 5.0
+    with pytest.raises(ValueError, match="catch_up"):
+        SpecRollout(catch_up={"threshold": 0.5})

@@ -135,15 +135,16 @@ def test_a_trained_head_ships_only_when_its_worker_measured_it_better_than_the_s
     s.buffer.add([sample()])
     actor = FakeActor()
     s.start(1, actor, busy=[0])
-    _, _, _, _, holdout, reference, gain = actor.train_drafter.calls[0]
-    assert (holdout, reference.version, gain) == (8, 0, 0.05)  # the copy to beat is sent once
+    _, _, _, _, holdout, reference, gain, lr_scale = actor.train_drafter.calls[0]
+    assert (holdout, reference.version, gain, lr_scale) == (8, 0, 0.05, 1.0)  # the copy to beat is sent once
+    s.lr_scale = 10.0  # catch-up: the next chunks train at 10x the rate
     s.finished(TrainResult(1, state(4), [0.5] * 4, False, held_out=(2.0, 2.2), held_out_against=0, ship=True))
     assert s.shipped.version == 4 and s.state.version == 4
     assert events[-1][0] == "spot_done" and events[-1][2]["shipped"] is True
     # the worker's copy is now version 4 (it shipped it itself): nothing is sent again
     s.buffer.add([sample()])
     s.start(1, actor, busy=[0])
-    assert actor.train_drafter.calls[1][5] is None
+    assert actor.train_drafter.calls[1][5] is None and actor.train_drafter.calls[1][7] == 10.0
     # no better on held-out samples: training goes on from it, the engines keep version 4
     s.finished(TrainResult(1, state(8), [0.4] * 4, False, held_out=(2.2, 2.24), held_out_against=4, ship=False))
     assert s.state.version == 8 and s.shipped.version == 4

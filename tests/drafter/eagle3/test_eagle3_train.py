@@ -105,3 +105,17 @@ def test_bad_training_settings_are_refused():
         empty.train_step()
     with pytest.raises(ValueError, match="num_steps"):
         empty.train(-1)
+
+
+def test_the_trainer_steps_at_the_scaled_rate_even_after_loading_an_optimizer_state():
+    """Catch-up sets ``lr_scale``; a loaded optimizer state carries its own rate, which must not win."""
+    model = target()
+    head = random_head(model)
+    _, _, buffer = collect(model, head, random_prompts(4, seed=1), SamplingParams(max_new_tokens=12))
+    trainer = DrafterTrainer(head, model.get_input_embeddings(), buffer, DrafterTrainingConfig(learning_rate=1e-4))
+    trainer.train(1)
+    saved = trainer.optimizer.state_dict()
+    trainer.lr_scale = 10.0
+    trainer.optimizer.load_state_dict(saved)  # carries lr 1e-4
+    trainer.train(1)
+    assert trainer.optimizer.param_groups[0]["lr"] == pytest.approx(1e-3)
