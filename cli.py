@@ -110,6 +110,7 @@ def _bench(args: argparse.Namespace) -> int:
         run_adaptive_section,
         run_atts_section,
         run_bench,
+        run_draft_hosts_section,
         run_drift_section,
         run_e2e_section,
         run_mirror_section,
@@ -139,6 +140,8 @@ def _bench(args: argparse.Namespace) -> int:
         print(run_schedule_section(Path(args.out), quick=args.quick, policy=args.policy))
     elif args.section == "mirror":
         print(run_mirror_section(Path(args.out), quick=args.quick, policy=args.policy))
+    elif args.section == "draft_hosts":
+        print(run_draft_hosts_section(Path(args.out), quick=args.quick, policy=args.policy))
     else:
         print(run_bench(Path(args.out), quick=args.quick))
     print(f"wrote {args.out}")
@@ -300,7 +303,18 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--quick", action="store_true", help="fewer prompts (for a smoke run)")
     bench.add_argument(
         "--section",
-        choices=["all", "sweep", "adaptive", "spot_training", "e2e", "atts", "schedule", "drift", "mirror"],
+        choices=[
+            "all",
+            "sweep",
+            "adaptive",
+            "spot_training",
+            "e2e",
+            "atts",
+            "schedule",
+            "drift",
+            "mirror",
+            "draft_hosts",
+        ],
         default="all",
         help="all: rewrite the whole report; any other: only that section, in place",
     )
@@ -308,7 +322,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--policy",
         choices=["tiny", "deep"],
         default="deep",
-        help="shipped policy for the sweep, adaptive, atts, schedule and drift sections (default: deep)",
+        help="shipped policy of the sections that take one (all but spot_training and e2e; default: deep)",
     )
     bench.add_argument("--threads", type=POSITIVE, default=1, help="torch threads for the sweep and adaptive sections")
     bench.add_argument(

@@ -20,6 +20,13 @@ from .adaptive import (
     plot_adaptive,
 )
 from .atts import ATTS_TITLE, ATTSBenchConfig, atts_section, atts_table, measure_atts, plot_atts
+from .draft_hosts import (
+    DraftHostBenchConfig,
+    draft_hosts_section,
+    draft_hosts_table,
+    measure_draft_hosts,
+    plot_draft_hosts,
+)
 from .drift import DriftBenchConfig, drift_section, drift_table, measure_drift, plot_drift, shift_table
 from .e2e import e2e_section, e2e_table, measure_e2e, plot_e2e
 from .eagle3 import eagle3_table, measure_eagle3, measure_head_cost, plot_eagle3
@@ -197,6 +204,25 @@ def run_mirror_section(out: Path, quick: bool = False, policy: str = "deep") -> 
         lambda path: plot_mirror(result, path),
         lambda plot: mirror_section(result, plot),
         mirror_table(result),
+    )
+
+
+DRAFT_HOSTS_TITLE = "Mirror-SD across workers: an idle worker drafts for a busy one"
+
+
+def run_draft_hosts_section(out: Path, quick: bool = False, policy: str = "deep") -> str:
+    """Only the cross-worker draft-host comparison (2 Ray workers), written into ``out`` in place."""
+    cfg = dataclasses.replace(DraftHostBenchConfig.quick() if quick else DraftHostBenchConfig(), policy=policy)
+    result = measure_draft_hosts(cfg)
+    return _write_policy_section(
+        out,
+        quick,
+        policy,
+        "draft_hosts",
+        DRAFT_HOSTS_TITLE,
+        lambda path: plot_draft_hosts(result, path),
+        lambda plot: draft_hosts_section(result, plot),
+        draft_hosts_table(result),
     )
 
 

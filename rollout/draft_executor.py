@@ -18,18 +18,23 @@ forward. Only tokens, sampling parameters and the drafted trees cross; never KV.
              on a spare core
 ``ray``      a Ray actor anywhere on the cluster holding its own copy of the drafter: another
              machine's idle CPU or GPU (round trips cost more: ``round_trip_s``)
+(peer)       :class:`PeerExecutor`, not chosen by config: a draft host inside another rollout
+             worker that has finished its work (the coordinator pairs them in the tail)
 ===========  =================================================================================
 """
 
 from __future__ import annotations
 
 import io
+import itertools
 import logging
+import threading
 import traceback
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -192,6 +197,30 @@ class DrafterHost:
         else:
             raise ValueError(f"unknown draft command {command!r}")
         return None
+
+
+class SequencedHost:
+    """A :class:`DrafterHost` for callers whose calls may arrive out of order (a threaded Ray
+    actor runs its calls on several threads): every command carries its number and waits until
+    all before it are handled, so the drafter sees them in the order they were sent."""
+
+    def __init__(self, build: Callable[[], Drafter], wait_s: float = 60.0) -> None:
+        self._host = DrafterHost(build)
+        self._next = 0
+        self._turn = threading.Condition()
+        self._wait_s = wait_s
+
+    def handle(self, number: int, command: str, args: tuple):
+        with self._turn:
+            if not self._turn.wait_for(lambda: self._next >= number, timeout=self._wait_s):
+                raise ExecutorError(f"draft command {number} waited {self._wait_s:.0f} s for command {self._next}")
+            if self._next != number:
+                raise ExecutorError(f"draft command {number} arrived twice")
+            try:
+                return self._host.handle(command, args)
+            finally:
+                self._next += 1
+                self._turn.notify_all()
 
 
 def _serve(build: Callable[[], Drafter], threads: int, conn) -> None:
@@ -414,6 +443,48 @@ class RayExecutor(_HostExecutor):
             self._ray.kill(self._actor)
         except Exception:
             logger.debug("draft actor already gone")
+
+
+class PeerExecutor(_HostExecutor):
+    """Drafts on a draft host inside another rollout worker (``RolloutWorker.host_drafts``), one
+    that has finished its rollout work while this one still decodes: its spare CPU or GPU drafts
+    this worker's branches. ``pairing`` names the pairing (the host starts a fresh drafter for a
+    new one); commands are numbered, since the host is a threaded actor. Closing leaves the
+    worker running; only the host's drafter state is dropped (at the next pairing)."""
+
+    name = "peer"
+
+    def __init__(self, actor: Any, pairing: int, source: Drafter | None = None) -> None:
+        import ray
+
+        super().__init__(source)
+        self._ray = ray
+        self._actor = actor
+        self.pairing = pairing
+        self._numbers = itertools.count()
+        self._pending: list = []
+
+    def _send(self, command: str, args: tuple):
+        return self._actor.host_drafts.remote(self.pairing, next(self._numbers), command, args)
+
+    def call(self, command: str, args: tuple):
+        try:
+            return self._ray.get(self._send(command, args))
+        except Exception as e:
+            raise ExecutorError(f"the peer draft host failed: {e}") from e
+
+    def tell(self, command: str, args: tuple) -> None:
+        self._send(command, args)
+
+    def start(self, requests: Sequence[DraftRequest], shape: DraftShape) -> None:
+        self._pending.append(self._send("branches", (_snapshots(requests), shape)))
+
+    def finish(self) -> list[DraftTree]:
+        pending, self._pending = self._pending, []
+        try:
+            return [tree for trees in self._ray.get(pending) for tree in trees]
+        except Exception as e:
+            raise ExecutorError(f"the peer draft host failed: {e}") from e
 
 
 def weights_bytes(model: torch.nn.Module) -> bytes:

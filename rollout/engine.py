@@ -20,6 +20,7 @@ from ..kernels.dispatch import kernel_backend
 from ..progress import progress_bar
 from .admission import RequestLimits, eos_ids_of, prepare_requests
 from .attention import SequenceSlice, paged_attention_enabled
+from .draft_executor import DraftExecutor
 from .graph_pool import graph_pool_for
 from .handoff import InboxItem, PartialRequest, RequestInbox, ServeUpdate
 from .length_budget import drafting_mask, spread_mask
@@ -102,6 +103,7 @@ class RolloutEngine:
         self._features: torch.Tensor | None = None  # the last forward's taps, [T, feature_size]
         self.selector = None  # made when the strategy is "adaptive"; kept across calls (learned state)
         self.mirror: MirrorPipeline | None = None  # made on the first mirror step (starts its executor)
+        self._next_executor: list | None = None  # [executor or None] for the mirror from the next step
         self._mirror_config = self.config.mirror or MirrorConfig()
         self._peak_active = 0
         self._model_drafter_gap = SWITCH_GAP  # decode steps since the model drafter last drafted
@@ -153,6 +155,30 @@ class RolloutEngine:
             )
             self.mirror = MirrorPipeline(self.model, executor, cfg.exit_layer or self._num_layers // 2, self.drafter)
         return self.mirror
+
+    @property
+    def mirror_capable(self) -> bool:
+        """Its strategy can run mirror steps (a mirror strategy, or ``adaptive`` with mirror arms)
+        with a drafter that can be rebuilt elsewhere (a host in another process or worker)."""
+        s = self.strategy
+        arms = self.selector.arms if s.adaptive and self.selector is not None else []
+        mirrored = s.mirror or any(a.mirror for a in arms)
+        return mirrored and getattr(self.drafter, "rebuild", None) is not None
+
+    def use_draft_executor(self, executor: DraftExecutor | None) -> None:
+        """Mirror steps draft on ``executor`` (a :class:`PeerExecutor`: another worker's draft host)
+        from the next step on; None: on the engine's own executor again. Safe to call from another
+        thread: the switch happens between steps."""
+        self._next_executor = [executor]
+
+    def _switch_executor(self) -> None:
+        pending, self._next_executor = self._next_executor, None
+        if pending is None or not self.mirror_capable:
+            if pending is not None and pending[0] is not None:
+                pending[0].close()
+            return
+        alive = [s.seq_id for s in self._seqs.values() if s.status is not SeqStatus.FINISHED]
+        self._ensure_mirror().use_executor(pending[0], alive)
 
     def close(self) -> None:
         """Stop the mirror draft executor's thread or process, if one was started."""
@@ -270,6 +296,8 @@ class RolloutEngine:
 
     def step(self) -> list[int]:
         """Run one scheduled forward; return the ids of requests that finished in it."""
+        if self._next_executor is not None:
+            self._switch_executor()
         if self.config.prefix_caching and self.scheduler.waiting:  # only admission reads the cache
             self._drop_stale_prefixes()
         mixed = self.config.mixed_batches and not self.strategy.speculative and not self.strategy.adaptive

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from collections.abc import Sequence as Seq
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -101,6 +101,7 @@ class MirrorStats:
     serial_draft_s: float = 0.0  # drafting left on the critical path (sequences with no ready draft)
     wait_s: float = 0.0  # time settle waited for the executor after verification
     executor_failures: int = 0
+    executor_switches: int = 0  # to a peer's draft host and back (use_executor)
 
     @property
     def reuse_rate(self) -> float:
@@ -149,11 +150,37 @@ class MirrorPipeline:
         self._held: dict[int, _Held] = {}
         self._branches: list[_Branch] = []  # what the executor is drafting, in the order it returns them
         self.stats = MirrorStats()
-        self.failed = False
+        self._own = executor  # the engine's own executor; a peer's (use_executor) may stand in for it
+        self._own_failed = False
+
+    @property
+    def failed(self) -> bool:
+        """The engine's own executor failed: drafting is serial from now on (a failed peer only
+        hands drafting back to the own executor)."""
+        return self.executor is self._own and self._own_failed
 
     @property
     def drafter(self) -> Drafter:
         return self.fallback if self.failed else self.executor.drafter
+
+    def use_executor(self, executor: DraftExecutor | None, seq_ids: Iterable[int]) -> None:
+        """Draft on ``executor`` (a peer's draft host) from the next step on, or on the engine's own
+        executor again (None). Called between steps, when nothing is in flight. The outgoing
+        drafter forgets ``seq_ids`` (it would miss their updates from now on); the incoming one
+        catches up on each sequence from its tokens. Ready drafts are tokens and stay valid."""
+        incoming = executor if executor is not None else self._own
+        if incoming is self.executor:
+            return
+        outgoing = self.drafter
+        if outgoing is not self.fallback:  # the engine's own drafter also serves its serial arms
+            for seq_id in seq_ids:
+                outgoing.release(seq_id)
+        if self.executor is not self._own:
+            self.executor.close()
+        self.executor = incoming
+        self._held.clear()
+        self._branches = []
+        self.stats.executor_switches += 1
 
     # -- before the forward --------------------------------------------------------------
     def drafts(
@@ -309,18 +336,26 @@ class MirrorPipeline:
         self._reconcile([s for s in seqs if not s.done])
 
     def _fail(self, error: Exception) -> None:
-        logger.warning("mirror drafting stopped (%s); drafting serially from now on", error)
         self.stats.executor_failures += 1
-        self.failed = True
         self._branches = []
         self._ready.clear()
+        if self.executor is not self._own:
+            logger.warning("the peer draft host failed (%s); drafting on this engine's own executor again", error)
+            self.executor.close()
+            self.executor = self._own
+            self._held.clear()
+            return
+        logger.warning("mirror drafting stopped (%s); drafting serially from now on", error)
+        self._own_failed = True
 
     def release(self, seq_id: int) -> None:
         self._ready.pop(seq_id, None)
         self._held.pop(seq_id, None)
 
     def close(self) -> None:
-        self.executor.close()
+        if self.executor is not self._own:
+            self.executor.close()
+        self._own.close()
 
 
 def _without_first(chain: DraftTree) -> DraftTree:

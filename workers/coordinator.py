@@ -99,6 +99,10 @@ class WorkersConfig:
     rebalance_min_tokens: int = 32  # only requests predicted at least this long are moved
     length_history: int = 4  # rollouts of per-prompt completion lengths kept for length prediction
     placement_timeout_s: float | None = 120.0  # fail (naming asked vs free resources) if workers cannot start
+    # Mirror-SD across workers (workers/draft_hosts.py): a worker idle in the tail drafts the mirror
+    # branches of one still decoding (before spot training takes it); needs a mirror strategy (or
+    # adaptive with mirror arms) and a drafter LM
+    draft_hosts: bool = False
 
     def __post_init__(self) -> None:
         checks = [
@@ -382,6 +386,7 @@ class RolloutCoordinator:
             max_attempts=self.config.max_shard_attempts,
             respawn=self.config.respawn_dead_workers,
             event=self._event,
+            draft_hosts=self.config.draft_hosts,
         )
         result = round_.run()
         self._needs_broadcast = self.drafter_state is not None

@@ -14,6 +14,7 @@ from typing import Any
 from ..rollout.handoff import InboxItem
 from ..rollout.params import SamplingParams
 from ..rollout.request import RequestOutput
+from .draft_hosts import DraftHostPairs
 from .ledger import RequestLedger
 from .length_predictor import LengthPredictor
 from .pool import WorkerPool
@@ -84,6 +85,7 @@ class RolloutRound:
         max_attempts: int,
         respawn: bool,
         event: Callable[..., None],
+        draft_hosts: bool = False,
     ) -> None:
         self.prompts, self.params = prompts, params
         self.ledger: RequestLedger[RequestOutput] = RequestLedger(len(prompts), max_attempts)
@@ -107,6 +109,7 @@ class RolloutRound:
         self.dealt: dict[int, int] = {}  # request -> order in which it was first dealt
         self.idle = set(pool.workers) - {spot.training_worker}
         self.result = RoundResult(outputs=[])
+        self.pairs = DraftHostPairs(pool.workers, event) if draft_hosts else None
 
     # -- the loop ------------------------------------------------------------------------------
     def run(self) -> RoundResult:
@@ -116,6 +119,7 @@ class RolloutRound:
         while not self.ledger.done or self.sessions:
             self._deal()
             self._close_dry_sessions()
+            self._pair_draft_hosts()
             self._schedule_training()
             chunk = self.spot.running
             by_ref = {s.stream: s for s in self.sessions.values()}
@@ -130,6 +134,8 @@ class RolloutRound:
             else:
                 self._stream_ready(by_ref[ready])
         self._event("rollout_end")
+        if self.pairs is not None:
+            self.idle |= self.pairs.unpair_all()
         if self.spot.running is not None:  # it yields before its next step; collected whenever it returns
             self.spot.stop(self.pool.workers[self.spot.running.worker], rollout_over=True)
         self.result.outputs = list(self.ledger.results)  # type: ignore[arg-type]
@@ -252,6 +258,18 @@ class RolloutRound:
         self._event("move_asked", donor, to=recipient, requests=len(take))
         return True
 
+    # -- draft hosts ---------------------------------------------------------------------------
+    def _pair_draft_hosts(self) -> None:
+        """Idle workers draft for busy ones while no work waits (``workers/draft_hosts.py``); when
+        work arrives, every host is freed to take it."""
+        if self.pairs is None:
+            return
+        if len(self.queue):
+            self.idle |= self.pairs.unpair_all()
+            return
+        busy = [w for w in self.sessions if self.ledger.on(w)]
+        self.idle -= self.pairs.pair(self.idle, busy, lambda w: len(self.ledger.on(w)))
+
     # -- spot training -------------------------------------------------------------------------
     def _schedule_training(self) -> None:
         spot = self.spot
@@ -294,6 +312,8 @@ class RolloutRound:
             del self.sessions[worker]
             self._add_counts(item)
             self.idle.add(worker)
+            if self.pairs is not None and (host := self.pairs.unpair(worker)) is not None:
+                self.idle.add(host)
             self._event(
                 "shard_done",
                 worker,
@@ -349,6 +369,10 @@ class RolloutRound:
     def _worker_gone(self, worker: int) -> None:
         """Work promised to a dead worker goes to the others."""
         self.idle.discard(worker)
+        if self.pairs is not None:
+            if (host := self.pairs.unpair(worker)) is not None and host in self.pool.workers:
+                self.idle.add(host)
+            self.pairs.host_gone(worker)
         for i in [i for i, w in self.moving.items() if w == worker]:
             del self.moving[i]  # its release may still arrive: then anyone takes it
         self.queue.release_moved_for(worker)

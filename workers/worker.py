@@ -179,6 +179,8 @@ class RolloutWorker:
         self._held_out_added = 0
         self._reference_score: tuple[tuple[int, int], float] | None = None  # ((version, held-out adds), score)
         self._samples_received = 0
+        self._draft_host: tuple[int, Any] | None = None  # (pairing, SequencedHost): drafting for a busy peer
+        self._hosted_commands = 0
         engine_drafter = drafter
         if self.head is not None:
             if drafter_state is not None:
@@ -431,3 +433,47 @@ class RolloutWorker:
     def stop_training(self) -> None:
         """Make a running :meth:`train_drafter` return before its next step."""
         self._stop.set()
+
+    # -- Mirror-SD across workers ------------------------------------------------------------
+    def can_host_drafts(self) -> bool:
+        """Whether this worker's engine drafts mirror branches with a drafter that can run in a
+        peer (a drafter LM; an EAGLE-3 head reads this worker's target features and cannot)."""
+        return self.engine.mirror_capable
+
+    def use_draft_host(self, host: Any | None, pairing: int = 0) -> bool:
+        """Draft this worker's mirror branches on ``host`` (another worker's actor, idle in the
+        tail) from the next step on; None: on this worker's own executor again. False (and nothing
+        changes) when this worker's engine has no mirror steps to hand over."""
+        from ..rollout.draft_executor import PeerExecutor
+
+        if host is None:
+            self.engine.use_draft_executor(None)
+            self._event("draft_host", host=None)
+            return True
+        if not self.engine.mirror_capable:
+            return False
+        self.engine.use_draft_executor(PeerExecutor(host, pairing, source=self.engine.drafter))
+        self._event("draft_host", pairing=pairing)
+        return True
+
+    def host_drafts(self, pairing: int, number: int, command: str, args: tuple):
+        """One command of a busy worker's :class:`PeerExecutor`: this worker's spare compute drafts
+        that worker's branches, with a drafter built from its own copy (fresh for each pairing)."""
+        from ..rollout.draft_executor import ExecutorError, SequencedHost
+
+        with self._lock:
+            if self._draft_host is None or self._draft_host[0] < pairing:
+                rebuild = getattr(self.engine.drafter, "rebuild", None)
+                if rebuild is None:
+                    raise ExecutorError(f"worker {self.index} has no drafter that can draft for another")
+                self._draft_host = (pairing, SequencedHost(rebuild()))
+                self._events.append(WorkerEvent(len(self._events), "hosting", {"pairing": pairing}))
+            held, host = self._draft_host
+            self._hosted_commands += 1
+        if held != pairing:
+            raise ExecutorError(f"draft command for pairing {pairing}; worker {self.index} now hosts {held}")
+        return host.handle(number, command, args)
+
+    def hosted_commands(self) -> int:
+        """Draft commands this worker has answered for peers."""
+        return self._hosted_commands

@@ -1,0 +1,109 @@
+"""Switching a mirror engine's drafting to a peer's draft host and back, mid-generation, loses no
+token; a failed peer hands drafting back to the engine's own executor; a sequenced host answers
+commands in the order they were sent, whatever order they arrive in."""
+
+import threading
+import time
+
+import pytest
+from conftest import cached_model, random_prompts
+from test_spec_greedy import good_drafter
+
+from tailspec.drafter.small_lm import SmallLMDrafter
+from tailspec.rollout import RolloutConfig, RolloutEngine, SamplingParams
+from tailspec.rollout.draft_executor import ExecutorError, InlineExecutor, SequencedHost
+from tailspec.rollout.params import MirrorConfig
+
+ARCH = "llama"
+
+
+def _engine(strategy: str = "mirror:chain:3,k=1") -> RolloutEngine:
+    config = RolloutConfig(strategy=strategy, mirror=MirrorConfig(executor="inline"))
+    return RolloutEngine(cached_model(ARCH), config, drafter=good_drafter(ARCH))
+
+
+def _run(engine: RolloutEngine, prompts, params, switch_at: dict[int, object]) -> list[list[int]]:
+    """Generate step by step, handing ``switch_at[step]`` to ``use_draft_executor`` before that step."""
+    ids = [engine.add_request(p, params) for p in prompts]
+    step = 0
+    while engine.has_unfinished():
+        if step in switch_at:
+            engine.use_draft_executor(switch_at[step])
+        engine.step()
+        step += 1
+    return [engine.pop_output(i).completion_ids for i in ids]
+
+
+class _CountingPeer(InlineExecutor):
+    started = 0
+
+    def start(self, requests, shape):
+        self.started += 1
+        super().start(requests, shape)
+
+
+def test_drafting_moves_to_a_peer_and_back_without_changing_a_token():
+    prompts = random_prompts(4, seed=5)
+    params = SamplingParams(max_new_tokens=32, temperature=0.0)
+    want = [o.completion_ids for o in RolloutEngine(cached_model(ARCH), RolloutConfig()).generate(prompts, params)]
+    engine = _engine()
+    peer = _CountingPeer(SmallLMDrafter(good_drafter(ARCH)))  # a fresh drafter: no state of the sequences
+    got = _run(engine, prompts, params, {3: peer, 8: None})
+    assert got == want
+    assert engine.mirror.stats.executor_switches == 2 and engine.mirror.executor is not peer
+    assert 0 < peer.started <= 2 * 5  # branches (continuations, early-exit guesses) in steps 3-7 only
+    assert engine.stats.accepted_tokens > 0
+
+
+class _DeadPeer(InlineExecutor):
+    def start(self, requests, shape):
+        raise ExecutorError("the peer is gone")
+
+
+def test_a_failed_peer_hands_drafting_back_to_the_engine_s_own_executor():
+    prompts = random_prompts(3, seed=7)
+    params = SamplingParams(max_new_tokens=24, temperature=0.0)
+    want = [o.completion_ids for o in RolloutEngine(cached_model(ARCH), RolloutConfig()).generate(prompts, params)]
+    engine = _engine()
+    own = None
+
+    def remember_own():
+        nonlocal own
+        own = engine._ensure_mirror().executor
+
+    remember_own()
+    got = _run(engine, prompts, params, {2: _DeadPeer(SmallLMDrafter(good_drafter(ARCH)))})
+    assert got == want
+    assert engine.mirror.stats.executor_failures == 1
+    assert engine.mirror.executor is own and not engine.mirror.failed  # mirror steps go on, on its own executor
+
+
+def test_an_engine_without_mirror_steps_ignores_a_peer():
+    engine = _engine(strategy="chain:3")
+    assert not engine.mirror_capable
+    engine.use_draft_executor(InlineExecutor(SmallLMDrafter(good_drafter(ARCH))))
+    engine.generate(random_prompts(2, seed=1), SamplingParams(max_new_tokens=8, temperature=0.0))
+    assert engine.mirror is None
+
+
+def test_a_sequenced_host_handles_commands_in_the_order_they_were_sent():
+    class Recorder:
+        def __init__(self):
+            self.seen = []
+
+        def release(self, seq_id):
+            self.seen.append(seq_id)
+
+    recorder = Recorder()
+    host = SequencedHost(lambda: recorder, wait_s=5)
+    threads = [threading.Thread(target=host.handle, args=(n, "release", (n,))) for n in (3, 1, 2, 0)]
+    for t in threads:
+        t.start()
+        time.sleep(0.01)  # later numbers arrive first
+    for t in threads:
+        t.join()
+    assert recorder.seen == [0, 1, 2, 3]
+    with pytest.raises(ExecutorError, match="arrived twice"):
+        host.handle(2, "release", (2,))
+    with pytest.raises(ExecutorError, match="waited"):
+        SequencedHost(lambda: recorder, wait_s=0.05).handle(1, "release", (1,))

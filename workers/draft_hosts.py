@@ -1,0 +1,83 @@
+"""Mirror-SD across workers: a worker the long tail leaves idle drafts for one that still decodes.
+
+A worker whose engine runs mirror steps drafts its next round's branches beside its verification
+forward (``rollout/mirror.py``); where that worker has no spare compute of its own (a GPU busy
+with the target), the branches can be drafted by a worker that has finished its rollout work.
+:class:`DraftHostPairs` makes those pairs during a rollout: each idle worker (while no work
+waits) hosts the busiest unpaired worker's drafts; a pair ends when the busy worker's session
+ends, when work arrives for the host, or when the rollout ends. Only tokens and small draft trees
+cross (``PeerExecutor`` -> ``RolloutWorker.host_drafts``), never KV; a failed host only sends
+its busy worker back to its own executor. Pairing takes the idle worker before spot training does.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from collections.abc import Callable, Iterable
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+_pairing_ids = itertools.count(1)  # rising across rollouts: a host starts a fresh drafter for each new one
+
+
+class DraftHostPairs:
+    def __init__(self, workers: dict[int, Any], event: Callable[..., None]) -> None:
+        self.workers = workers  # live actors by index (the pool's dict: dead ones leave it)
+        self._event = event
+        self.host_of: dict[int, int] = {}  # busy worker -> the worker drafting for it
+        self.unable: set[int] = set()  # workers whose engines have no mirror steps to hand over
+
+    @property
+    def hosts(self) -> set[int]:
+        return set(self.host_of.values())
+
+    def pair(self, idle: set[int], busy: Iterable[int], load: Callable[[int], int]) -> set[int]:
+        """Pair idle workers with the busiest unpaired ``busy`` ones; returns the idle workers taken."""
+        import ray
+
+        taken: set[int] = set()
+        waiting = sorted((w for w in busy if w not in self.host_of and w not in self.unable), key=lambda w: -load(w))
+        for worker in waiting:
+            free = sorted(idle - taken)
+            if not free:
+                break
+            host, pairing = free[0], next(_pairing_ids)
+            try:
+                ok = ray.get(self.workers[worker].use_draft_host.remote(self.workers[host], pairing))
+            except ray.exceptions.RayActorError:
+                continue  # the stream will report the dead worker
+            if not ok:
+                self.unable.add(worker)
+                continue
+            self.host_of[worker] = host
+            taken.add(host)
+            self._event("draft_host", host, for_worker=worker, pairing=pairing)
+        return taken
+
+    def unpair(self, worker: int) -> int | None:
+        """End ``worker``'s pair (it is done, or gone); returns its host, now free, if it had one.
+        A live busy worker goes back to its own executor; a dead one is only forgotten."""
+        host = self.host_of.pop(worker, None)
+        if host is None:
+            return None
+        actor = self.workers.get(worker)
+        if actor is not None:
+            import ray
+
+            try:  # waited for, so that a later pairing of this worker cannot overtake it
+                ray.get(actor.use_draft_host.remote(None), timeout=30)
+            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+                logger.debug("worker %d did not take back its own executor (gone?)", worker)
+        self._event("draft_host_end", host, for_worker=worker)
+        return host
+
+    def host_gone(self, host: int) -> None:
+        """A host died: its busy worker's executor has fallen back already (a failed peer does)."""
+        for worker in [w for w, h in self.host_of.items() if h == host]:
+            self.unpair(worker)
+
+    def unpair_all(self) -> set[int]:
+        """End every pair; returns the freed hosts."""
+        return {h for h in (self.unpair(w) for w in list(self.host_of)) if h is not None}
