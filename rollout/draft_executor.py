@@ -389,7 +389,42 @@ class ProcessExecutor(_HostExecutor):
         self._conn.close()
 
 
-class RayExecutor(_HostExecutor):
+class _ActorExecutor(_HostExecutor):
+    """A host reached by Ray actor calls: ``_send`` submits one command and returns its ref."""
+
+    failure = "the draft actor failed"
+
+    def __init__(self, source: Drafter | None) -> None:
+        import ray
+
+        super().__init__(source)
+        self._ray = ray
+        self._pending: list = []
+
+    @abstractmethod
+    def _send(self, command: str, args: tuple) -> Any: ...
+
+    def call(self, command: str, args: tuple):
+        try:
+            return self._ray.get(self._send(command, args))
+        except Exception as e:
+            raise ExecutorError(f"{self.failure}: {e}") from e
+
+    def tell(self, command: str, args: tuple) -> None:
+        self._send(command, args)
+
+    def start(self, requests: Sequence[DraftRequest], shape: DraftShape) -> None:
+        self._pending.append(self._send("branches", (_snapshots(requests), shape)))
+
+    def finish(self) -> list[DraftTree]:
+        pending, self._pending = self._pending, []
+        try:
+            return [tree for trees in self._ray.get(pending) for tree in trees]
+        except Exception as e:
+            raise ExecutorError(f"{self.failure}: {e}") from e
+
+
+class RayExecutor(_ActorExecutor):
     """A Ray actor running ``build()``'s drafter (on any node of the cluster with ``threads`` free
     CPUs, or ``num_gpus``): the same commands as the draft process, as actor calls (Ray keeps one
     caller's calls to an actor in order)."""
@@ -409,34 +444,16 @@ class RayExecutor(_HostExecutor):
         if not ray.is_initialized():
             raise ValueError("mirror executor 'ray' needs a running Ray (ray.init(...) or a cluster address)")
         super().__init__(source)
-        self._ray = ray
         host = ray.remote(num_cpus=threads, num_gpus=num_gpus, max_concurrency=1)(DrafterHost)
         self._actor = host.remote(build, threads)
-        self._pending: list = []
         try:
             ray.get(self._actor.handle.remote("ping", ()), timeout=start_timeout_s)
         except Exception as e:
             self.close()
             raise ExecutorError(f"the draft actor did not start: {e}") from e
 
-    def call(self, command: str, args: tuple):
-        try:
-            return self._ray.get(self._actor.handle.remote(command, args))
-        except Exception as e:
-            raise ExecutorError(f"the draft actor failed: {e}") from e
-
-    def tell(self, command: str, args: tuple) -> None:
-        self._actor.handle.remote(command, args)
-
-    def start(self, requests: Sequence[DraftRequest], shape: DraftShape) -> None:
-        self._pending.append(self._actor.handle.remote("branches", (_snapshots(requests), shape)))
-
-    def finish(self) -> list[DraftTree]:
-        pending, self._pending = self._pending, []
-        try:
-            return [tree for trees in self._ray.get(pending) for tree in trees]
-        except Exception as e:
-            raise ExecutorError(f"the draft actor failed: {e}") from e
+    def _send(self, command: str, args: tuple) -> Any:
+        return self._actor.handle.remote(command, args)
 
     def close(self) -> None:
         try:
@@ -445,7 +462,7 @@ class RayExecutor(_HostExecutor):
             logger.debug("draft actor already gone")
 
 
-class PeerExecutor(_HostExecutor):
+class PeerExecutor(_ActorExecutor):
     """Drafts on a draft host inside another rollout worker (``RolloutWorker.host_drafts``), one
     that has finished its rollout work while this one still decodes: its spare CPU or GPU drafts
     this worker's branches. ``pairing`` names the pairing (the host starts a fresh drafter for a
@@ -453,38 +470,16 @@ class PeerExecutor(_HostExecutor):
     worker running; only the host's drafter state is dropped (at the next pairing)."""
 
     name = "peer"
+    failure = "the peer draft host failed"
 
     def __init__(self, actor: Any, pairing: int, source: Drafter | None = None) -> None:
-        import ray
-
         super().__init__(source)
-        self._ray = ray
         self._actor = actor
         self.pairing = pairing
         self._numbers = itertools.count()
-        self._pending: list = []
 
-    def _send(self, command: str, args: tuple):
+    def _send(self, command: str, args: tuple) -> Any:
         return self._actor.host_drafts.remote(self.pairing, next(self._numbers), command, args)
-
-    def call(self, command: str, args: tuple):
-        try:
-            return self._ray.get(self._send(command, args))
-        except Exception as e:
-            raise ExecutorError(f"the peer draft host failed: {e}") from e
-
-    def tell(self, command: str, args: tuple) -> None:
-        self._send(command, args)
-
-    def start(self, requests: Sequence[DraftRequest], shape: DraftShape) -> None:
-        self._pending.append(self._send("branches", (_snapshots(requests), shape)))
-
-    def finish(self) -> list[DraftTree]:
-        pending, self._pending = self._pending, []
-        try:
-            return [tree for trees in self._ray.get(pending) for tree in trees]
-        except Exception as e:
-            raise ExecutorError(f"the peer draft host failed: {e}") from e
 
 
 def weights_bytes(model: torch.nn.Module) -> bytes:
