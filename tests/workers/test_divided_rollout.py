@@ -67,6 +67,20 @@ def test_seeded_samples_are_the_same_whatever_the_schedule(ray_local):
         coord.shutdown()
 
 
+def test_position_keyed_samples_are_plain_decodings_even_speculated_and_moved(ray_local):
+    """With noise="position" a sampled completion depends on the seed alone: speculative workers
+    (the EAGLE-3 head, chain:3) that move requests between them emit what one plain engine does."""
+    prompts, params = one_long_chunk_batch(temperature=1.0, seed=300)
+    params = [p.with_updates(noise="position") for p in params]
+    plain = RolloutConfig(kv_cache_tokens=8192)
+    want = [o.completion_ids for o in RolloutEngine(policy(), plain, eos_token_ids=[EOS]).generate(prompts, params)]
+    coord = coordinator(spot_training=False, order="fifo", rebalance_min_tokens=0)
+    report = coord.generate(prompts, params)
+    assert [o.completion_ids for o in report.outputs] == want
+    assert report.requests_moved > 0 and report.stats["drafted_tokens"] > 0
+    coord.shutdown()
+
+
 def test_predicted_order_learns_lengths_across_rollouts(ray_local):
     prompts, params = one_long_chunk_batch()
     coord = coordinator(spot_training=False)
