@@ -39,6 +39,9 @@ class DemoConfig:
     # position-keyed sampling (SpecRolloutConfig.position_noise): completions that do not depend on the
     # strategy or drafter, so runs that differ only in those follow one policy trajectory
     position_noise: bool = False
+    # TRL's importance-sampling correction with the rollout's logprobs (tailspec.GRPOTrainer); off, the
+    # loss reads no rollout logprob, whose last bits depend on how the verification forward was packed
+    importance_sampling: bool = True
     beta: float = 0.0
     seed: int = 0
     num_train_prompts: int = 2000
@@ -348,6 +351,7 @@ def _grpo_run(
         processing_class=tokenizer,
         rollout=rollout,
         callbacks=[printer],
+        importance_sampling=cfg.importance_sampling,
     )
     if trainer.pop_callback(ProgressCallback) is not None and is_terminal(sys.stderr):
         trainer.add_callback(_quiet_progress())  # in a log file the step lines are the progress

@@ -63,3 +63,15 @@ def test_spot_cost_compares_only_steps_with_the_same_rollouts():
     assert "| frozen |" not in table  # the reference, and it trains nothing
     assert "| spot training | 2 of 4 |" not in drift_table([frozen, spot])
     assert "| 3 of 4 |" in drift_table([frozen, spot])
+
+
+def test_each_arm_is_saved_as_it_ends(tmp_path):
+    import dataclasses
+    import json
+
+    from tailspec.benchmarks.drift import _save_run
+
+    run = DriftRun("spot, never shipped", [3.0, 2.5], [1.0, 1.1], [100, 90], [0, 4], digests=["a", "b"])
+    _save_run(run, str(tmp_path))
+    saved = json.loads((tmp_path / "drift_spot_never_shipped.json").read_text())
+    assert saved == json.loads(json.dumps(dataclasses.asdict(run)))
