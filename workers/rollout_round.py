@@ -275,8 +275,9 @@ class RolloutRound:
         spot = self.spot
         waiting = len(self.queue) > 0
         generating = [w for w in self.sessions if self.ledger.on(w)]
-        if self.idle and spot.should_start(others_generating=bool(generating), work_waiting=waiting):
-            index = spot.pick_worker(self.idle)
+        free = self.idle - set(self.moving.values())  # not a worker that moved work is on its way to
+        if free and spot.should_start(others_generating=bool(generating), work_waiting=waiting):
+            index = spot.pick_worker(free)
             self.idle.discard(index)
             spot.start(index, self.pool.workers[index], busy=sorted(generating))
         if spot.running is not None and waiting and self.queue.waiting_for(spot.running.worker):
@@ -286,6 +287,10 @@ class RolloutRound:
         index = self.spot.running.worker
         if collect_chunk(self.spot, self.pool) != "lost":
             self.idle.add(index)
+            # back from training while others generate: a rollout that started without this worker
+            # dealt it nothing, so it takes moved work (as a worker that ran dry does) before training
+            if self.plan.rebalance and not len(self.queue) and index not in self.sessions:
+                self._ask_move(index)
         else:
             self.result.died += 1
             self._worker_gone(index)
