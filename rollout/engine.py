@@ -584,7 +584,9 @@ class RolloutEngine:
         uniforms = None
         if not st.all_greedy:
             uniforms = draw_uniforms([s.generator for s in seqs], self.generator).to(logits.device)
-        keyed = keyed_scores(logprobs, [s.params for s in seqs], [len(s.output_ids) for s in seqs])
+        keyed = None
+        if any(s.params.position_keyed for s in seqs):
+            keyed = keyed_scores(logprobs, [s.params for s in seqs], [len(s.output_ids) for s in seqs])
         chosen = choose_tokens(logprobs, st, uniforms, keyed)
         chosen_lp = logprobs.gather(-1, chosen.unsqueeze(-1)).squeeze(-1)
         finished = []

@@ -63,9 +63,11 @@ def verify(
         uniforms = torch.zeros(logits.shape[0], dtype=torch.float64)
     else:  # one per scored row, aligned with the rows (greedy sequences ignore theirs)
         uniforms = draw_uniforms([s.generator for s in seqs], generator, list(num_new))
-    params = [s.params for s, n in zip(seqs, num_new) for _ in range(n)]
-    indices = [len(s.output_ids) + d for s, t in zip(seqs, trees) for d in (0, *t.depths)]
-    keyed = keyed_scores(logprobs, params, indices)
+    keyed = None
+    if any(s.params.position_keyed for s in seqs):  # per-row lists only when some row needs them
+        params = [s.params for s, n in zip(seqs, num_new) for _ in range(n)]
+        indices = [len(s.output_ids) + d for s, t in zip(seqs, trees) for d in (0, *t.depths)]
+        keyed = keyed_scores(logprobs, params, indices)
     # position-keyed sequences: the target's token at each row is the argmax of its perturbed
     # scores, fixed before any draft is looked at, so they verify as greedy ones on those scores
     scores = logprobs if keyed is None else keyed[0]
