@@ -14,12 +14,15 @@ import time
 import warnings
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import yaml
 
 from .progress import is_terminal, quiet_library_bars
 from .rollout.strategy import parse_strategy
+
+if TYPE_CHECKING:
+    from .drafter.eagle3.train import DrafterTrainingConfig
 
 logger = logging.getLogger(__name__)
 
@@ -215,11 +218,8 @@ def _make_rollout(cfg: DemoConfig, head=None):
     # Spot training is stopped between steps when the rollout ends, so one step is the longest it
     # can hold a worker up: smaller steps there (~0.3 s on a 2-core CPU instead of ~0.8 s), and a
     # lower learning rate, as they continue from an already warmed-up head.
-    training = (
-        DrafterTrainingConfig(batch_size=4, max_tokens=256, learning_rate=1e-4, seed=cfg.seed)
-        if cfg.workers
-        else DrafterTrainingConfig(batch_size=8, max_tokens=512, seed=cfg.seed)
-    )
+    offline = DrafterTrainingConfig(batch_size=8, max_tokens=512, seed=cfg.seed)
+    training = _online_training(cfg) if cfg.workers else offline
     return SpecRollout(
         strategy=cfg.strategy,
         drafter=head if head is not None else load_shipped_eagle3(cfg.policy),
@@ -379,13 +379,20 @@ def _grpo_run(
 
 def _attach_drafter_from_trainer(cfg: DemoConfig, trainer, rollout) -> None:
     from .drafter.eagle3 import Eagle3Head
-    from .drafter.eagle3.train import DrafterTrainingConfig
     from .trainer_hooks.drafter_from_trainer import DrafterFromTrainer
 
     if not isinstance(rollout.drafter, Eagle3Head):
         raise ValueError("drafter_from_trainer needs the EAGLE-3 head as the drafter (drafter: eagle3)")
-    training = DrafterTrainingConfig(batch_size=4, max_tokens=256, learning_rate=1e-4, seed=cfg.seed)
-    DrafterFromTrainer(rollout.drafter, trainer, train_steps=cfg.drafter_from_trainer, training=training)
+    DrafterFromTrainer(rollout.drafter, trainer, train_steps=cfg.drafter_from_trainer, training=_online_training(cfg))
+
+
+def _online_training(cfg: DemoConfig) -> DrafterTrainingConfig:
+    """Head training while RL runs (spot chunks, ``DrafterFromTrainer``): small steps, a low rate
+    (it continues from a trained head), and samples drawn where the head fails (``focus``; a
+    sample not trained on yet counts at the highest loss, so the newest rollouts come first)."""
+    from .drafter.eagle3.train import DrafterTrainingConfig
+
+    return DrafterTrainingConfig(batch_size=4, max_tokens=256, learning_rate=1e-4, focus=1.0, seed=cfg.seed)
 
 
 def _window(num_steps: int) -> int:

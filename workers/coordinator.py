@@ -68,6 +68,11 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
+# how long a rollout's start waits for the training chunk told to stop when the last one ended (it
+# yields within one training step, and the trainer's update in between usually outlasts that): back
+# in time, its worker gets its share of the rollout instead of joining late on work moved to it
+STOPPED_CHUNK_WAIT_S = 5.0
+
 
 @dataclass
 class WorkersConfig:
@@ -368,7 +373,7 @@ class RolloutCoordinator:
         self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams] | None = None
     ) -> RolloutReport:
         prompts, per_request = prepare_requests(prompts, params, self.limits)
-        self.settle(wait=False)
+        self.settle(wait=STOPPED_CHUNK_WAIT_S)
         if self.config.respawn_dead_workers:
             self.replace_dead_workers()
         if not self.workers:
@@ -441,17 +446,23 @@ class RolloutCoordinator:
             self._drafter_state_ref = (state.version, ray.put(state))
         return self._drafter_state_ref[1]
 
-    def settle(self, *, wait: bool = True) -> None:
+    def settle(self, *, wait: bool | float = True) -> None:
         """Finish what a rollout left: collect the training chunk told to stop when the rollout
-        ended (``wait=False``: only if it has already returned; the next rollout collects it
-        otherwise), then send the newest drafter state to every worker not training. Called
-        before the next rollout and policy sync (not waiting) and before version queries and
+        ended (``wait=False``: only if it has already returned; a number: waiting at most that
+        many seconds; the next rollout collects it otherwise), then send the newest drafter state
+        to every worker not training. Called before a policy sync (not waiting), before the next
+        rollout (waiting briefly, see ``STOPPED_CHUNK_WAIT_S``) and before version queries and
         shutdown (waiting), so the tail of one RL step's drafter training overlaps the trainer's
         optimizer step."""
         import ray
 
         chunk = self.spot.running
-        if chunk is not None and (wait or ray.wait([chunk.ref], timeout=0)[0]):
+        if chunk is not None and wait is not True:
+            waited = time.perf_counter()
+            back = bool(ray.wait([chunk.ref], num_returns=1, timeout=float(wait))[0])
+            if wait:
+                self._event("chunk_awaited", chunk.worker, seconds=round(time.perf_counter() - waited, 3), back=back)
+        if chunk is not None and (wait is True or back):
             collect_chunk(self.spot, self.pool)
             self._needs_broadcast = True
         if self._needs_broadcast and self.drafter_state is not None:

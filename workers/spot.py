@@ -15,7 +15,9 @@ it), ``shipped`` the one the engines draft with. A finished chunk is shipped onl
 measured it better than the shipped head (a copy it keeps, sent when it is behind) on held-out
 samples (recorded samples it never trains on) by more than ``ship_min_gain`` accepted draft
 tokens per chain; otherwise training goes on from it and the engines (and their selectors'
-goodput for model arms) keep the version they have.
+goodput for model arms) keep the version they have. A stop cuts the comparison short too (a chunk
+yields within one training step): the state is then *unjudged*, and the next chunk compares before
+it trains, shipping at once if the state wins.
 
 Actors are passed in (anything with ``train_drafter.remote`` / ``stop_training.remote``), so
 the decisions are tested without Ray.
@@ -98,6 +100,9 @@ class SpotTraining:
         self.holdout_every = holdout_every
         self.ship_min_gain = ship_min_gain
         self.lr_scale = 1.0  # of the learning rate, for chunks from now on (catch-up, drafter/catch_up.py)
+        # ``state`` has steps no held-out comparison has judged (a stop cut it short): the next
+        # chunk judges it before it trains
+        self.unjudged = False
         self.enabled = enabled and state is not None
         self.steps_per_chunk = steps_per_chunk
         self.max_steps_per_rollout = max_steps_per_rollout
@@ -169,6 +174,7 @@ class SpotTraining:
             self.reference_for(worker),
             self.ship_min_gain,
             self.lr_scale,
+            self.unjudged and self.holdout_every > 0,
         )
         self.running = Chunk(ref, worker)
         self._last_trainer = worker
@@ -197,20 +203,22 @@ class SpotTraining:
         # compared with another version than the shipped one (a head published meanwhile): says
         # nothing about shipping; training goes on and the next chunk compares with the right one
         current = result.held_out is None or result.held_out_against == self.shipped.version
-        ship = bool(result.losses) and result.ship and current
+        ship = result.ship and current and (bool(result.losses) or result.state.version != self.shipped.version)
+        if result.losses or result.held_out is not None:  # else: nothing trained, nothing judged
+            self.unjudged = not result.judged
         if result.held_out is not None:
             self.tally.held_out.append(result.held_out)
         if ship:
             self.shipped = result.state
             self._reference_holds[worker] = result.state.version
             self.tally.shipped += 1
-        elif result.losses:
+        elif result.losses and result.judged:
             self.tally.held += 1
             if result.ship:  # the worker's copy moved to a version that was not shipped
                 self._reference_holds.pop(worker, None)
         self._event(
             "spot_done", worker, version=result.state.version, steps=len(result.losses), shipped=ship,
-            held_out=result.held_out,
+            held_out=result.held_out, judged=result.judged,
         )  # fmt: skip
 
     def lost(self) -> None:
@@ -242,10 +250,12 @@ class SpotTraining:
         """A head trained elsewhere becomes the newest and the drafting one; no worker's optimizer
         state belongs to it."""
         self.state = self.shipped = state
+        self.unjudged = False
         self._trainer_holds = {}
         self._reference_holds = {}
 
     def resume_training_from(self, state: DrafterState) -> None:
         """Continue training from ``state`` (a checkpoint's trained state, newer than the shipped one)."""
         self.state = state
+        self.unjudged = True  # newer than the shipped head, and not known to beat it
         self._trainer_holds = {}

@@ -137,6 +137,8 @@ class TrainResult:
     held_out: tuple[float, float] | None = None
     held_out_against: int | None = None  # the shipped version the trained head was compared with
     ship: bool = True  # the trained head beat it (or nothing was held out): the engines should draft with it
+    # False: a stop cut the comparison short, so the state is neither shipped nor known to lose
+    judged: bool = True
 
 
 class RolloutWorker:
@@ -363,6 +365,7 @@ class RolloutWorker:
         shipped: DrafterState | None = None,
         ship_min_gain: float = 0.0,
         lr_scale: float = 1.0,
+        judge_first: bool = False,
     ) -> TrainResult:
         """Up to ``max_steps`` training steps, checking for :meth:`stop_training` before every one.
 
@@ -374,7 +377,12 @@ class RolloutWorker:
         held-out set with the shipped one (``shipped``: its state, sent when this worker's copy is
         not it) by :func:`held_out_acceptance`, and ships when it is better by more than
         ``ship_min_gain`` (then it is the copy to beat from now on). ``lr_scale`` multiplies the
-        learning rate (catch-up, ``drafter/catch_up.py``). Returns the new state."""
+        learning rate (catch-up, ``drafter/catch_up.py``). Returns the new state.
+
+        A stop also cuts the comparison short (it is checked before every batch of held-out
+        samples), so a chunk yields within one training step: the result is then not judged
+        (``judged=False``, no ship). ``judge_first`` (the coordinator's newest state was never
+        judged) compares before training: a head that wins ships at once, with no new steps."""
         if self.head is None:
             raise RuntimeError(f"worker {self.index} has no EAGLE-3 head to train")
         self._stop.clear()
@@ -405,30 +413,58 @@ class RolloutWorker:
             raise RuntimeError(f"worker {self.index} has no trainer to continue; send a DrafterState")
         self.trainer.buffer = self.train_buffer
         self.trainer.lr_scale = lr_scale
+        judging = bool(holdout_every and self.held_out)
+        against = int(self.reference.version)
+        held_out = None
+        if judge_first and judging:
+            held_out = self._compare_on_held_out()
+            if held_out is None or held_out[1] > held_out[0] + ship_min_gain:  # cut short, or ships as it is
+                shipping = held_out is not None
+                return self._train_result([], held_out, against, ship=shipping, stopped=not shipping, judged=shipping)
         results = self.trainer.train(max_steps, should_stop=self._stop.is_set) if len(self.train_buffer) else []
         losses = [r.loss for r in results]
         for r in results:
             self._event("train_step", step=r.step, loss=r.loss)
-        stopped = len(losses) < max_steps
-        against = int(self.reference.version)
-        held_out = self._compare_on_held_out() if losses and holdout_every and self.held_out else None
-        ship = bool(losses) and (held_out is None or held_out[1] > held_out[0] + ship_min_gain)
-        if ship:
+        if losses and judging:
+            held_out = self._compare_on_held_out()
+        judged = held_out is not None or not judging
+        ship = bool(losses) and judged and (held_out is None or held_out[1] > held_out[0] + ship_min_gain)
+        return self._train_result(losses, held_out, against, ship=ship, stopped=len(losses) < max_steps, judged=judged)
+
+    def _train_result(
+        self,
+        losses: list[float],
+        held_out: tuple[float, float] | None,
+        against: int,
+        *,
+        ship: bool,
+        stopped: bool,
+        judged: bool = True,
+    ) -> TrainResult:
+        if ship:  # the copy to beat from now on
             self.reference.load_state_dict(self.train_head.state_dict())
             self.reference.version = self.train_head.version
-        self._event("train_end", version=int(self.train_head.version), steps=len(losses), stopped=stopped, ship=ship)
+        self._event(
+            "train_end", version=int(self.train_head.version), steps=len(losses), stopped=stopped, ship=ship,
+            judged=judged,
+        )  # fmt: skip
         state = DrafterState.of(self.train_head, self.trainer)
-        return TrainResult(self.index, state, losses, stopped, held_out, against, ship)
+        return TrainResult(self.index, state, losses, stopped, held_out, against, ship, judged)
 
-    def _compare_on_held_out(self) -> tuple[float, float]:
-        """(shipped head's, trained head's) accepted draft tokens per chain on the held-out samples;
-        the shipped head's score is reused while neither it nor the held-out set changed."""
+    def _compare_on_held_out(self) -> tuple[float, float] | None:
+        """(shipped head's, trained head's) accepted draft tokens per chain on the held-out samples,
+        or None when a stop cut it short; the shipped head's score is reused while neither it nor
+        the held-out set changed."""
         embed, samples = self.model.get_input_embeddings(), list(self.held_out)
-        depth = self.trainer.config.ttt_steps
+        depth, stop = self.trainer.config.ttt_steps, self._stop.is_set
         key = (int(self.reference.version), self._held_out_added)
         if self._reference_score is None or self._reference_score[0] != key:
-            self._reference_score = (key, held_out_acceptance(self.reference, embed, samples, depth))
-        return self._reference_score[1], held_out_acceptance(self.train_head, embed, samples, depth)
+            score = held_out_acceptance(self.reference, embed, samples, depth, should_stop=stop)
+            if score is None:
+                return None
+            self._reference_score = (key, score)
+        trained = held_out_acceptance(self.train_head, embed, samples, depth, should_stop=stop)
+        return None if trained is None else (self._reference_score[1], trained)
 
     def stop_training(self) -> None:
         """Make a running :meth:`train_drafter` return before its next step."""

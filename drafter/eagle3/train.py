@@ -223,12 +223,19 @@ def unrolled_loss(
 
 @torch.no_grad()
 def held_out_acceptance(
-    head: Eagle3Head, embed: torch.nn.Module, samples: list[Eagle3Sample], depth: int, max_tokens: int = 1024
-) -> float:
+    head: Eagle3Head,
+    embed: torch.nn.Module,
+    samples: list[Eagle3Sample],
+    depth: int,
+    max_tokens: int = 1024,
+    *,
+    should_stop: Callable[[], bool] | None = None,
+) -> float | None:
     """Draft tokens a chain of ``depth`` would get accepted per round on ``samples`` (greedy: the
     head's top-1 must equal the token that was emitted, step after step, from every completion
     position; 0..``depth``). The unroll is the training's, so it reads what the engine's drafter
-    reads; comparing two heads on the same held-out samples says which one drafts better."""
+    reads; comparing two heads on the same held-out samples says which one drafts better.
+    ``should_stop()`` is checked before each batch of 8 samples: None when it said stop."""
     if not samples:
         raise ValueError("held_out_acceptance needs at least one sample")
     was_training = head.training
@@ -236,6 +243,8 @@ def held_out_acceptance(
     try:
         accepted, positions = 0.0, 0
         for i in range(0, len(samples), 8):
+            if should_stop is not None and should_stop():
+                return None
             batch = collate(samples[i : i + 8], depth, max_tokens, random.Random(0))
             alive: torch.Tensor | None = None
             for k, logits in enumerate(unroll(head, embed, batch, depth)):

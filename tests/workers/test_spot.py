@@ -135,7 +135,7 @@ def test_a_trained_head_ships_only_when_its_worker_measured_it_better_than_the_s
     s.buffer.add([sample()])
     actor = FakeActor()
     s.start(1, actor, busy=[0])
-    _, _, _, _, holdout, reference, gain, lr_scale = actor.train_drafter.calls[0]
+    _, _, _, _, holdout, reference, gain, lr_scale, _ = actor.train_drafter.calls[0]
     assert (holdout, reference.version, gain, lr_scale) == (8, 0, 0.05, 1.0)  # the copy to beat is sent once
     s.lr_scale = 10.0  # catch-up: the next chunks train at 10x the rate
     s.finished(TrainResult(1, state(4), [0.5] * 4, False, held_out=(2.0, 2.2), held_out_against=0, ship=True))
@@ -192,3 +192,69 @@ def test_a_worker_holds_out_every_nth_sample_and_compares_the_heads_on_them():
     assert not never.ship and never.held_out is not None
     plain = worker.train_drafter(None, [], 2, 1 << 30)  # nothing held out asked: no comparison, it ships
     assert plain.held_out is None and plain.ship and len(plain.losses) == 2
+
+
+def test_a_state_whose_comparison_a_stop_cut_short_is_judged_by_the_next_chunk_before_it_trains():
+    s, events = spot(holdout_every=8)
+    s.buffer.add([sample()])
+    actor = FakeActor()
+    s.start(1, actor, busy=[0])
+    assert actor.train_drafter.calls[0][8] is False  # nothing to judge yet
+    # trained 4 steps, then stopped during the comparison: neither shipped nor counted as held back
+    s.finished(TrainResult(1, state(4), [0.5] * 4, True, held_out=None, held_out_against=0, ship=False, judged=False))
+    assert s.unjudged and s.state.version == 4 and s.shipped.version == 0
+    assert s.take_tally().held == 0
+    s.buffer.add([sample()])
+    s.start(1, actor, busy=[0])
+    assert actor.train_drafter.calls[1][8] is True  # judge first
+    # stopped again before judging anything: still unjudged
+    s.finished(TrainResult(1, state(4), [], True, held_out=None, held_out_against=0, ship=False, judged=False))
+    assert s.unjudged and s.shipped.version == 0
+    s.start(1, actor, busy=[0])
+    # judged first and better: shipped as it is, with no new steps
+    s.finished(TrainResult(1, state(4), [], False, held_out=(1.0, 1.5), held_out_against=0, ship=True))
+    assert not s.unjudged and s.shipped.version == 4 and s.take_tally().shipped == 1
+    s.start(1, actor, busy=[0])
+    assert actor.train_drafter.calls[3][8] is False
+    # nothing held out: there is never anything to judge first
+    plain, _ = spot()
+    plain.unjudged = True
+    plain.buffer.add([sample()])
+    plain.start(0, actor, busy=[1])
+    assert actor.train_drafter.calls[4][8] is False
+
+
+def test_a_stop_during_the_comparison_leaves_the_state_unjudged_and_the_next_chunk_judges_it_first():
+    """Worker side (the actor class called directly): the comparison yields to a stop like the
+    training steps do, and a later chunk judges the state before it trains."""
+    from tailspec.drafter.eagle3 import Eagle3Config, Eagle3Drafter, Eagle3Head, FeatureBuffer
+    from tailspec.rollout import RolloutConfig, RolloutEngine, SamplingParams
+    from tailspec.testing import random_prompts, tiny_random_model
+    from tailspec.workers.worker import RolloutWorker
+
+    model = tiny_random_model("llama", seed=1)
+    torch.manual_seed(0)
+    head = Eagle3Head(Eagle3Config.for_target(model.config)).eval()
+    buffer = FeatureBuffer()
+    engine = RolloutEngine(model, RolloutConfig(), drafter=Eagle3Drafter(head, model, buffer=buffer))
+    engine.generate(random_prompts(8, seed=4), SamplingParams(max_new_tokens=24, temperature=0.0))
+    worker = RolloutWorker(0, model, RolloutConfig(), eos_token_ids=[0], drafter=head)
+    start = DrafterState.of(head)
+    worker.train_drafter(start, buffer.samples(), 1, 1 << 30, holdout_every=4, shipped=start, ship_min_gain=5.0)
+    train = worker.trainer.train
+
+    def train_then_stop(*args, **kwargs):  # the stop arrives while the last step runs
+        results = train(*args, **kwargs)
+        worker.stop_training()
+        return results
+
+    worker.trainer.train = train_then_stop
+    cut = worker.train_drafter(None, [], 2, 1 << 30, holdout_every=4, ship_min_gain=-10.0)
+    assert len(cut.losses) == 2 and cut.held_out is None and not cut.judged and not cut.ship
+    assert worker.reference.version == 0  # the copy to beat is unchanged
+    worker.trainer.train = train
+    lost = worker.train_drafter(None, [], 2, 1 << 30, holdout_every=4, ship_min_gain=5.0, judge_first=True)
+    assert lost.judged and not lost.ship and len(lost.losses) == 2  # judged first, lost, trained on
+    won = worker.train_drafter(None, [], 2, 1 << 30, holdout_every=4, ship_min_gain=-10.0, judge_first=True)
+    assert won.judged and won.ship and won.losses == [] and won.held_out is not None  # ships as it is
+    assert won.state.version == lost.state.version == worker.reference.version
