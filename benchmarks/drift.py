@@ -19,6 +19,7 @@ import dataclasses
 import json
 import logging
 import statistics
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -97,6 +98,7 @@ class DriftRun:
     idle_worker_s: list[float] = field(default_factory=list)  # per step: worker-seconds idle in the tail
     spot_busy_s: list[float] = field(default_factory=list)  # per step: of those, seconds spot training ran
     reward: list[float] = field(default_factory=list)  # per step: the mean reward of the rollout
+    step_s: list[float] = field(default_factory=list)  # per step: wall time of the whole RL step
 
 
 @dataclass
@@ -110,6 +112,25 @@ class FormatShift:
     in_layout: float  # share of probe prompts whose greedy completion is in the new layout
     accuracy: float  # share of probe prompts whose greedy completion has the right answer
     policy_dir: str
+
+
+class StepClock(TrainerCallback):
+    """Wall time of every RL step (rollout, loss, optimizer step, drafter training on the driver)."""
+
+    def __init__(self) -> None:
+        self.begins: list[float] = []
+        self.end: float | None = None
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        self.begins.append(time.perf_counter())
+
+    def on_train_end(self, args, state, control, **kwargs):
+        self.end = time.perf_counter()
+
+    @property
+    def step_s(self) -> list[float]:
+        marks = self.begins + ([self.end] if self.end is not None else [])
+        return [b - a for a, b in zip(marks, marks[1:])]
 
 
 class PolicyDrift(TrainerCallback):
@@ -221,9 +242,9 @@ def measure_drift(cfg: DriftBenchConfig) -> tuple[list[DriftRun], FormatShift | 
     )
     runs, heads, catch_ups = [], {}, {}
     for arm in cfg.arms:
-        drift = PolicyDrift(probes, eos, cfg.probe_tokens)
+        drift, clock = PolicyDrift(probes, eos, cfg.probe_tokens), StepClock()
         with torch.random.fork_rng():
-            summary, rollout = run_demo_with_rollout(_arm_config(base, arm, self_layers), callbacks=[drift])
+            summary, rollout = run_demo_with_rollout(_arm_config(base, arm, self_layers), callbacks=[clock, drift])
         history = rollout.history
         heads[arm] = _eagle3_head(rollout)
         catch_ups[arm] = rollout.catch_up.state_dict()
@@ -240,6 +261,7 @@ def measure_drift(cfg: DriftBenchConfig) -> tuple[list[DriftRun], FormatShift | 
                 idle_worker_s=[h.idle_worker_s for h in history],
                 spot_busy_s=[h.spot_busy_s for h in history],
                 reward=list(summary["reward_per_step"]),
+                step_s=clock.step_s,
             )
         )
         logger.info("drift arm %s: accept %s", arm, runs[-1].accept_length)
@@ -312,28 +334,33 @@ def same_rollouts(run: DriftRun, reference: DriftRun | None) -> str:
 def spot_cost_table(runs: list[DriftRun]) -> str:
     """What spot training costs and uses, per arm that runs it, against the frozen arm on the steps
     whose rollouts are the same (from step 2: step 1 starts the workers): rollout time per step
-    (median of the per-step ratios, and the ratio of the sums), the worker-seconds a step leaves
-    idle in the tail, and the share of them spot training filled."""
+    (median of the per-step ratios, and the ratio of the sums), the whole RL step's wall time (sum
+    vs sum: training through the update gap takes a core from the trainer where they share the
+    CPU), the worker-seconds a step leaves idle in the tail, the share of them spot training filled,
+    and its drafter steps per RL step (in the tail and the gap)."""
     frozen = next((r for r in runs if r.arm == "frozen"), None)
     lines = [
-        "| arm | steps compared | rollout time vs frozen, median per step | sum vs sum | idle worker-s per step "
-        "| filled by spot training |",
-        "|---|---:|---:|---:|---:|---:|",
+        "| arm | steps compared | rollout time vs frozen, median per step | sum vs sum | RL step wall time, sum "
+        "vs sum | idle worker-s per step in the tail | filled by spot training | drafter steps per RL step |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in runs:
-        if frozen is None or r is frozen or not any(r.spot_busy_s):
+        if frozen is None or r is frozen or not any(r.spot_steps):
             continue
         steps = [i for i in range(1, len(r.rollout_s)) if i < len(frozen.digests) and r.digests[i] == frozen.digests[i]]
         if not steps:
-            lines.append(f"| {r.arm} | 0 | - | - | - | - |")
+            lines.append(f"| {r.arm} | 0 | - | - | - | - | - | - |")
             continue
         ratios = [r.rollout_s[i] / frozen.rollout_s[i] for i in steps]
         total = sum(r.rollout_s[i] for i in steps) / sum(frozen.rollout_s[i] for i in steps)
+        timed = [i for i in steps if i < min(len(r.step_s), len(frozen.step_s))]
+        wall = f"{sum(r.step_s[i] for i in timed) / sum(frozen.step_s[i] for i in timed):.3f}x" if timed else "-"
         idle = sum(r.idle_worker_s[i] for i in steps)
         busy = sum(r.spot_busy_s[i] for i in steps)
         lines.append(
-            f"| {r.arm} | {len(steps)} | {statistics.median(ratios):.3f}x | {total:.3f}x | "
-            f"{idle / len(steps):.2f} | {busy / idle if idle else float('nan'):.0%} |"
+            f"| {r.arm} | {len(steps)} | {statistics.median(ratios):.3f}x | {total:.3f}x | {wall} | "
+            f"{idle / len(steps):.2f} | {busy / idle if idle else float('nan'):.0%} | "
+            f"{_mean([r.spot_steps[i] for i in steps]):.1f} |"
         )
     return "\n".join(lines)
 

@@ -86,6 +86,10 @@ class WorkersConfig:
     spot_training: bool = True  # EAGLE-3 heads only
     spot_steps_per_call: int = 4  # steps per training chunk (the coordinator can stop a chunk early)
     max_spot_steps: int = 256  # per rollout
+    # when a rollout ends, a worker trains the head on while the trainer updates the policy (rollout
+    # workers wait then; free where they have accelerators of their own, taken from the trainer
+    # where they share its cores); the next rollout stops it first and waits for it (one step)
+    spot_in_update_gap: bool = True
     # every n-th recorded sample a training worker gets is held out (0: none); a trained head is
     # shipped to the engines only when it beats the drafting one there by more than the gain
     # (accepted draft tokens per chain)
@@ -130,6 +134,7 @@ class WorkersConfig:
                 "an int >= 1",
             ),
             ("max_spot_steps", isinstance(self.max_spot_steps, int) and self.max_spot_steps >= 0, "an int >= 0"),
+            ("spot_in_update_gap", isinstance(self.spot_in_update_gap, bool), "a bool"),
             (
                 "spot_holdout_every",
                 isinstance(self.spot_holdout_every, int)
@@ -392,6 +397,7 @@ class RolloutCoordinator:
             respawn=self.config.respawn_dead_workers,
             event=self._event,
             draft_hosts=self.config.draft_hosts,
+            train_in_gap=self.config.spot_in_update_gap,
         )
         result = round_.run()
         self._needs_broadcast = self.drafter_state is not None
@@ -447,16 +453,19 @@ class RolloutCoordinator:
         return self._drafter_state_ref[1]
 
     def settle(self, *, wait: bool | float = True) -> None:
-        """Finish what a rollout left: collect the training chunk told to stop when the rollout
-        ended (``wait=False``: only if it has already returned; a number: waiting at most that
-        many seconds; the next rollout collects it otherwise), then send the newest drafter state
-        to every worker not training. Called before a policy sync (not waiting), before the next
-        rollout (waiting briefly, see ``STOPPED_CHUNK_WAIT_S``) and before version queries and
-        shutdown (waiting), so the tail of one RL step's drafter training overlaps the trainer's
+        """Finish what a rollout left: collect the training chunk still out when it ended (one
+        training through the update gap, or one told to stop), then send the newest drafter state
+        to every worker not training. ``wait=False``: only if the chunk has already returned;
+        otherwise it is told to stop first and waited for (a number: at most that many seconds;
+        the next rollout collects it if it is late). Called before a policy sync (not waiting),
+        before the next rollout (waiting briefly, see ``STOPPED_CHUNK_WAIT_S``) and before version
+        queries, checkpoints and shutdown (waiting), so drafter training overlaps the trainer's
         optimizer step."""
         import ray
 
         chunk = self.spot.running
+        if chunk is not None and wait is not False and chunk.worker in self.pool.workers:
+            self.spot.stop(self.pool.workers[chunk.worker], rollout_over=True)  # e.g. one training through the gap
         if chunk is not None and wait is not True:
             waited = time.perf_counter()
             back = bool(ray.wait([chunk.ref], num_returns=1, timeout=float(wait))[0])

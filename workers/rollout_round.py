@@ -86,12 +86,14 @@ class RolloutRound:
         respawn: bool,
         event: Callable[..., None],
         draft_hosts: bool = False,
+        train_in_gap: bool = False,
     ) -> None:
         self.prompts, self.params = prompts, params
         self.ledger: RequestLedger[RequestOutput] = RequestLedger(len(prompts), max_attempts)
         self.pool, self.spot, self.versions = pool, spot, versions
         self.plan, self.predictor = plan, predictor
         self.respawn = respawn
+        self.train_in_gap = train_in_gap
         self._event = event
         shards = shard_requests(prompts, len(pool.workers)) if plan.schedule == "static" else None
         self.queue = WorkQueue(
@@ -136,8 +138,7 @@ class RolloutRound:
         self._event("rollout_end")
         if self.pairs is not None:
             self.idle |= self.pairs.unpair_all()
-        if self.spot.running is not None:  # it yields before its next step; collected whenever it returns
-            self.spot.stop(self.pool.workers[self.spot.running.worker], rollout_over=True)
+        self._train_through_gap()
         self.result.outputs = list(self.ledger.results)  # type: ignore[arg-type]
         self.result.rerun = self.ledger.rerun_count
         self.result.moved = self.ledger.moved_count
@@ -282,6 +283,20 @@ class RolloutRound:
             spot.start(index, self.pool.workers[index], busy=sorted(generating))
         if spot.running is not None and waiting and self.queue.waiting_for(spot.running.worker):
             spot.stop(self.pool.workers[spot.running.worker], rollout_over=False)  # work arrived for it
+
+    def _train_through_gap(self) -> None:
+        """The rollout is over. With ``train_in_gap`` a running chunk goes on, or one starts, while
+        the trainer updates the policy, on the rest of the rollout's step budget (the next
+        rollout stops it: ``RolloutCoordinator.settle``); otherwise a running chunk is told to stop
+        (it yields before its next step and is collected whenever it returns)."""
+        spot, running = self.spot, self.spot.running
+        if not self.train_in_gap:
+            if running is not None:
+                spot.stop(self.pool.workers[running.worker], rollout_over=True)
+            return
+        if running is None and self.pool.workers and spot.can_train():
+            index = spot.pick_worker(set(self.pool.workers))
+            spot.start(index, self.pool.workers[index], busy=[], steps=spot.steps_left())
 
     def _chunk_returned(self) -> None:
         index = self.spot.running.worker

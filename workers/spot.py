@@ -25,6 +25,7 @@ the decisions are tested without Ray.
 
 from __future__ import annotations
 
+import itertools
 import logging
 from collections import deque
 from collections.abc import Callable
@@ -35,6 +36,8 @@ from ..drafter.eagle3.data import Eagle3Sample
 from .worker import DrafterState, TrainResult
 
 logger = logging.getLogger(__name__)
+
+_CHUNK_NUMBERS = itertools.count()  # rising over every chunk this process starts (workers compare them)
 
 
 @dataclass
@@ -53,6 +56,7 @@ class SpotTally:
 class Chunk:
     ref: Any  # the running ``train_drafter`` call
     worker: int
+    number: int  # rising over the coordinator's chunks: a stop names the chunk it is for
     stop_sent: bool = False
 
 
@@ -131,29 +135,36 @@ class SpotTraining:
         return self.running.worker if self.running is not None else None
 
     # -- when and where --------------------------------------------------------------------------
-    def should_start(self, *, others_generating: bool, work_waiting: bool) -> bool:
+    def can_train(self) -> bool:
+        """On, no chunk out, none failed this rollout, step budget left, data recorded."""
         return (
             self.enabled
             and self.running is None
             and not self._failed
-            and self._rollout_steps < self.max_steps_per_rollout
+            and self.steps_left() > 0
             and len(self.buffer) > 0
-            and others_generating  # someone is still in the tail
-            and not work_waiting
         )
+
+    def should_start(self, *, others_generating: bool, work_waiting: bool) -> bool:
+        """In a rollout: only while someone is still in the tail and nothing waits to be dealt."""
+        return self.can_train() and others_generating and not work_waiting
+
+    def steps_left(self) -> int:
+        return self.max_steps_per_rollout - self._rollout_steps
 
     def pick_worker(self, idle: set[int]) -> int:
         """The last trainer if idle (it holds the optimizer state), else the lowest index."""
         return self._last_trainer if self._last_trainer in idle else min(idle)
 
-    def chunk_args(self, worker: int) -> tuple[DrafterState | None, list[Eagle3Sample], int]:
+    def chunk_args(self, worker: int, steps: int | None = None) -> tuple[DrafterState | None, list[Eagle3Sample], int]:
         """(state to start from, or None when the worker's trainer holds the newest; the samples
-        it has not been sent; the step count) for a chunk on ``worker``; marks the samples sent."""
+        it has not been sent; the step count: ``steps`` or ``steps_per_chunk``, within the
+        rollout's budget) for a chunk on ``worker``; marks the samples sent."""
         assert self.state is not None
         new = self.buffer.newer_than(self._sent_upto.get(worker, -1))
         self._sent_upto[worker] = self.buffer.next_id - 1
         holds = self._trainer_holds.get(worker) == self.state.version
-        steps = min(self.steps_per_chunk, self.max_steps_per_rollout - self._rollout_steps)
+        steps = min(self.steps_per_chunk if steps is None else steps, self.steps_left())
         return (None if holds else self.state), new, steps
 
     def reference_for(self, worker: int) -> DrafterState | None:
@@ -163,8 +174,9 @@ class SpotTraining:
         self._reference_holds[worker] = self.shipped.version
         return self.shipped
 
-    def start(self, worker: int, actor: Any, busy: list[int]) -> Chunk:
-        state, new, steps = self.chunk_args(worker)
+    def start(self, worker: int, actor: Any, busy: list[int], steps: int | None = None) -> Chunk:
+        state, new, steps = self.chunk_args(worker, steps)
+        number = next(_CHUNK_NUMBERS)
         ref = actor.train_drafter.remote(
             state,
             new,
@@ -175,16 +187,17 @@ class SpotTraining:
             self.ship_min_gain,
             self.lr_scale,
             self.unjudged and self.holdout_every > 0,
+            number,
         )
-        self.running = Chunk(ref, worker)
+        self.running = Chunk(ref, worker, number)
         self._last_trainer = worker
-        self._event("spot_start", worker, version=self.state.version, busy=busy)
+        self._event("spot_start", worker, version=self.state.version, busy=busy, steps=steps)
         return self.running
 
     def stop(self, actor: Any, *, rollout_over: bool) -> None:
         """Tell the running chunk to yield before its next step (once)."""
         if self.running is not None and not self.running.stop_sent:
-            actor.stop_training.remote()
+            actor.stop_training.remote(self.running.number)
             self.running.stop_sent = True
             self._event("spot_stop", self.running.worker, rollout_over=rollout_over)
 

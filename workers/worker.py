@@ -168,7 +168,11 @@ class RolloutWorker:
         self.training_config = training_config
         self.sample_buffer_bytes = sample_buffer_mb << 20
         self._events: list[WorkerEvent] = []
-        self._stop = threading.Event()
+        # chunk numbers (the coordinator's): the running one, and the highest told to stop. A stop
+        # may overtake its chunk's call (the actor is threaded, and the call carries the samples),
+        # so it names the chunk instead of setting a flag the chunk would clear
+        self._chunk = -1
+        self._stopped_upto = -1
         self._lock = threading.Lock()
         self._inbox: RequestInbox | None = None  # the running serving session's
         self._early = RequestInbox()  # calls for the next session that arrive before it starts
@@ -366,6 +370,7 @@ class RolloutWorker:
         ship_min_gain: float = 0.0,
         lr_scale: float = 1.0,
         judge_first: bool = False,
+        chunk: int | None = None,
     ) -> TrainResult:
         """Up to ``max_steps`` training steps, checking for :meth:`stop_training` before every one.
 
@@ -382,10 +387,12 @@ class RolloutWorker:
         A stop also cuts the comparison short (it is checked before every batch of held-out
         samples), so a chunk yields within one training step: the result is then not judged
         (``judged=False``, no ship). ``judge_first`` (the coordinator's newest state was never
-        judged) compares before training: a head that wins ships at once, with no new steps."""
+        judged) compares before training: a head that wins ships at once, with no new steps.
+        ``chunk`` numbers the call (rising), so that a stop sent for it takes effect even when it
+        arrives first; None: the next number."""
         if self.head is None:
             raise RuntimeError(f"worker {self.index} has no EAGLE-3 head to train")
-        self._stop.clear()
+        self._chunk = self._stopped_upto + 1 if chunk is None else chunk
         if self.train_buffer is None or self.train_buffer.max_bytes != buffer_bytes:
             self.train_buffer = FeatureBuffer(buffer_bytes)
         for sample in new_samples:
@@ -421,12 +428,14 @@ class RolloutWorker:
             if held_out is None or held_out[1] > held_out[0] + ship_min_gain:  # cut short, or ships as it is
                 shipping = held_out is not None
                 return self._train_result([], held_out, against, ship=shipping, stopped=not shipping, judged=shipping)
-        results = self.trainer.train(max_steps, should_stop=self._stop.is_set) if len(self.train_buffer) else []
+        results = self.trainer.train(max_steps, should_stop=self._stop_asked) if len(self.train_buffer) else []
         losses = [r.loss for r in results]
         for r in results:
-            self._event("train_step", step=r.step, loss=r.loss)
+            self._event("train_step", step=r.step, loss=r.loss, seconds=round(r.time_s, 3))
         if losses and judging:
+            judging_from = time.perf_counter()
             held_out = self._compare_on_held_out()
+            self._event("judged", seconds=round(time.perf_counter() - judging_from, 3), done=held_out is not None)
         judged = held_out is not None or not judging
         ship = bool(losses) and judged and (held_out is None or held_out[1] > held_out[0] + ship_min_gain)
         return self._train_result(losses, held_out, against, ship=ship, stopped=len(losses) < max_steps, judged=judged)
@@ -456,7 +465,7 @@ class RolloutWorker:
         or None when a stop cut it short; the shipped head's score is reused while neither it nor
         the held-out set changed."""
         embed, samples = self.model.get_input_embeddings(), list(self.held_out)
-        depth, stop = self.trainer.config.ttt_steps, self._stop.is_set
+        depth, stop = self.trainer.config.ttt_steps, self._stop_asked
         key = (int(self.reference.version), self._held_out_added)
         if self._reference_score is None or self._reference_score[0] != key:
             score = held_out_acceptance(self.reference, embed, samples, depth, should_stop=stop)
@@ -466,9 +475,13 @@ class RolloutWorker:
         trained = held_out_acceptance(self.train_head, embed, samples, depth, should_stop=stop)
         return None if trained is None else (self._reference_score[1], trained)
 
-    def stop_training(self) -> None:
-        """Make a running :meth:`train_drafter` return before its next step."""
-        self._stop.set()
+    def stop_training(self, chunk: int | None = None) -> None:
+        """Make :meth:`train_drafter` call ``chunk`` (None: the running one) return before its next
+        step, or at once if it has not started yet."""
+        self._stopped_upto = max(self._stopped_upto, self._chunk if chunk is None else chunk)
+
+    def _stop_asked(self) -> bool:
+        return self._stopped_upto >= self._chunk
 
     # -- Mirror-SD across workers ------------------------------------------------------------
     def can_host_drafts(self) -> bool:

@@ -58,8 +58,10 @@ def test_spot_cost_compares_only_steps_with_the_same_rollouts():
     spot = DriftRun("spot training", [3.0] * 4, [9.0, 2.2, 2.0, 9.0], [100] * 4, [0, 4, 4, 4])
     spot.digests = ["a", "b", "c", "x"]  # step 4 generated other completions: not compared
     spot.idle_worker_s, spot.spot_busy_s = [0.0, 1.0, 3.0, 5.0], [0.0, 0.5, 1.5, 5.0]
+    frozen.step_s, spot.step_s = [20.0, 10.0, 10.0, 10.0], [20.0, 11.0, 12.0, 30.0]
     table = spot_cost_table([frozen, spot])
-    assert "| spot training | 2 | 1.050x | 1.050x | 2.00 | 50% |" in table
+    # steps 2-3: rollout 4.2 / 4.0 s, whole RL steps 23 / 20 s
+    assert "| spot training | 2 | 1.050x | 1.050x | 1.150x | 2.00 | 50% | 4.0 |" in table
     assert "| frozen |" not in table  # the reference, and it trains nothing
     assert "| spot training | 2 of 4 |" not in drift_table([frozen, spot])
     assert "| 3 of 4 |" in drift_table([frozen, spot])

@@ -31,20 +31,27 @@ def test_results_equal_one_engine_and_spot_training_fills_the_tail(ray_local):
         assert [o.prompt_ids for o in report.outputs] == prompts
         events = coord.events[start:]
         end = kinds(events, "rollout_end")[0].seq
-        starts = kinds(events, "spot_start")
+        starts = [e for e in kinds(events, "spot_start") if e.seq < end]
         assert starts, "the short shards' worker should have trained while the long one generated"
-        for e in starts:  # only during the rollout, while another worker is still generating
-            assert e.seq < end and e.detail["busy"] and e.worker not in e.detail["busy"]
+        for e in starts:  # during the rollout only while another worker is still generating
+            assert e.detail["busy"] and e.worker not in e.detail["busy"]
+        # after it a chunk trains on through the trainer's update (the gap): the tail's last one goes
+        # on, or one starts on the rollout's step budget left
+        assert coord.spot.running is not None and not coord.spot.running.stop_sent
+        for gap in [e for e in kinds(events, "spot_start") if e.seq > end]:
+            assert gap.detail["busy"] == [] and gap.detail["steps"] > 2
         # all workers drafted with one version (training updates a copy, not the drafting head)
         assert len({e.detail["drafter_version"] for e in kinds(events, "shard_done")}) == 1
-    coord.settle()  # the chunk that was stopping at the end of the rollout, then the broadcast
+    coord.settle()  # stops the chunk training through the gap, collects it, then broadcasts
     done = kinds(coord.events, "spot_done")
     broadcasts = kinds(coord.events, "drafter_broadcast")
     assert broadcasts[-1].seq > done[-1].seq and broadcasts[-1].detail["version"] == done[-1].detail["version"]
-    for rollout_end in kinds(coord.events, "rollout_end")[:-1]:  # broadcast before the next rollout's work
+    for rollout_end in kinds(coord.events, "rollout_end")[:-1]:
         next_shard = next(e for e in coord.events if e.kind == "shard" and e.seq > rollout_end.seq)
-        assert any(rollout_end.seq < b.seq < next_shard.seq for b in broadcasts)
-        assert not [e for e in kinds(coord.events, "spot_start") if rollout_end.seq < e.seq < next_shard.seq]
+        between = [e for e in coord.events if rollout_end.seq < e.seq < next_shard.seq]
+        # the gap's chunk is stopped and back, and the newest head broadcast, before the next rollout's work
+        assert [e.kind for e in between if e.kind.startswith("spot_")][-2:] == ["spot_stop", "spot_done"]
+        assert between[-1].kind == "drafter_broadcast"
     versions = coord.worker_versions()
     assert len({v for _, v in versions.values()}) == 1  # every worker drafts with one version
     (version,) = {v for _, v in versions.values()}
@@ -55,6 +62,18 @@ def test_results_equal_one_engine_and_spot_training_fills_the_tail(ray_local):
         last_broadcast = max(e.seq for e in worker_events if e.kind == "drafter")
         assert all(e.seq < last_broadcast for e in worker_events if e.kind == "train_step")  # none after it
         assert sum(e.detail["new"] for e in worker_events if e.kind == "train_start") <= recorded  # sent once
+    coord.shutdown()
+
+
+def test_without_the_update_gap_training_stops_when_the_rollout_ends(ray_local):
+    prompts, params = long_tail_batch()
+    coord = coordinator(schedule="static", spot_in_update_gap=False)
+    for _ in range(2):
+        coord.generate(prompts, params)
+    ends = kinds(coord.events, "rollout_end")
+    assert kinds(coord.events, "spot_start")
+    assert all(e.seq < ends[0].seq or ends[0].seq < e.seq < ends[1].seq for e in kinds(coord.events, "spot_start"))
+    assert all(e.detail["busy"] for e in kinds(coord.events, "spot_start"))
     coord.shutdown()
 
 

@@ -70,10 +70,13 @@ def test_a_killed_worker_costs_only_its_unfinished_requests(ray_local, point, pr
     coord.shutdown()
 
 
-def test_neither_a_policy_sync_nor_the_next_rollout_waits_for_a_training_chunk(ray_local, tmp_path):
-    """A chunk still running (it returns only when the test lets it): the sync and the rollout go
-    on with the other worker; once the chunk is in, its state is kept and the trainer catches up on
-    the weights it missed with its next shard."""
+def test_neither_a_policy_sync_nor_the_next_rollout_waits_long_for_a_training_chunk(ray_local, tmp_path, monkeypatch):
+    """A chunk still running (it returns only when the test lets it): the sync goes on at once, the
+    rollout after a brief wait (``STOPPED_CHUNK_WAIT_S``), with the other worker; once the chunk is
+    in, its state is kept and the trainer catches up on the weights it missed with its next shard."""
+    import tailspec.workers.coordinator as coordinator_module
+
+    monkeypatch.setattr(coordinator_module, "STOPPED_CHUNK_WAIT_S", 0.2)
     prompts, params = long_tail_batch()
     new_policy = perturbed_copy(policy(), noise=0.5, seed=3)
     want = [o.completion_ids for o in single_engine(prompts, params, model=new_policy)]
@@ -88,13 +91,15 @@ def test_neither_a_policy_sync_nor_the_next_rollout_waits_for_a_training_chunk(r
             time.sleep(0.05)
         return TrainResult(trainer, newer, [0.1] * 5, stopped=True)
 
-    chunk = Chunk(gated_chunk.remote(), trainer, stop_sent=True)
+    chunk = Chunk(gated_chunk.remote(), trainer, number=0, stop_sent=True)
     coord.spot.running = chunk
     assert coord.sync_policy(new_policy, version=1)
     report = coord.generate(prompts, params)
     assert [o.completion_ids for o in report.outputs] == want
     assert {e.worker for e in kinds(coord.events, "shard")} == {max(coord.workers)}
     assert not kinds(coord.events, "spot_done") and coord.spot.running is chunk
+    (awaited,) = kinds(coord.events, "chunk_awaited")
+    assert not awaited.detail["back"] and awaited.detail["seconds"] < 5
     gate.touch()
     ray_local.wait([chunk.ref])
     again = coord.generate(prompts, params)  # collects the chunk first; the trainer gets weights with its shard

@@ -61,7 +61,7 @@ def test_samples_travel_once_and_state_only_when_the_trainer_lacks_it():
     s.start(1, actor, busy=[0])
     sent_state, new, steps, *_ = actor.train_drafter.calls[0]
     assert sent_state.version == 0 and len(new) == 2 and steps == 4
-    assert events[-1] == ("spot_start", 1, {"version": 0, "busy": [0]})
+    assert events[-1] == ("spot_start", 1, {"version": 0, "busy": [0], "steps": 4})
     s.finished(TrainResult(1, state(4), [0.5] * 4, stopped=False))
     assert s.state.version == 4 and s.running is None
     s.buffer.add([sample()])
@@ -95,6 +95,11 @@ def test_stop_is_sent_once():
     s.stop(actor, rollout_over=True)
     assert len(actor.stop_training.calls) == 1
     assert [e for e in events if e[0] == "spot_stop"] == [("spot_stop", 0, {"rollout_over": False})]
+    # the stop names its chunk (the number the chunk's call carries), and later chunks rise
+    assert actor.stop_training.calls[0] == (actor.train_drafter.calls[0][-1],)
+    s.finished(TrainResult(0, state(1), [0.1], stopped=True))
+    s.start(0, actor, busy=[1])
+    assert actor.train_drafter.calls[1][-1] > actor.train_drafter.calls[0][-1]
 
 
 def test_a_lost_chunk_leaves_no_trace_and_a_failed_one_ends_training_for_the_rollout():
@@ -135,7 +140,7 @@ def test_a_trained_head_ships_only_when_its_worker_measured_it_better_than_the_s
     s.buffer.add([sample()])
     actor = FakeActor()
     s.start(1, actor, busy=[0])
-    _, _, _, _, holdout, reference, gain, lr_scale, _ = actor.train_drafter.calls[0]
+    _, _, _, _, holdout, reference, gain, lr_scale, _, _ = actor.train_drafter.calls[0]
     assert (holdout, reference.version, gain, lr_scale) == (8, 0, 0.05, 1.0)  # the copy to beat is sent once
     s.lr_scale = 10.0  # catch-up: the next chunks train at 10x the rate
     s.finished(TrainResult(1, state(4), [0.5] * 4, False, held_out=(2.0, 2.2), held_out_against=0, ship=True))
@@ -258,3 +263,40 @@ def test_a_stop_during_the_comparison_leaves_the_state_unjudged_and_the_next_chu
     won = worker.train_drafter(None, [], 2, 1 << 30, holdout_every=4, ship_min_gain=-10.0, judge_first=True)
     assert won.judged and won.ship and won.losses == [] and won.held_out is not None  # ships as it is
     assert won.state.version == lost.state.version == worker.reference.version
+
+
+def test_a_stop_that_overtakes_its_chunk_still_stops_it_and_an_old_stop_stops_no_later_chunk():
+    """The actor is threaded and a chunk's call carries its samples: its stop can run first."""
+    from tailspec.drafter.eagle3 import Eagle3Config, Eagle3Drafter, Eagle3Head, FeatureBuffer
+    from tailspec.rollout import RolloutConfig, RolloutEngine, SamplingParams
+    from tailspec.testing import random_prompts, tiny_random_model
+    from tailspec.workers.worker import RolloutWorker
+
+    model = tiny_random_model("llama", seed=1)
+    torch.manual_seed(0)
+    head = Eagle3Head(Eagle3Config.for_target(model.config)).eval()
+    buffer = FeatureBuffer()
+    engine = RolloutEngine(model, RolloutConfig(), drafter=Eagle3Drafter(head, model, buffer=buffer))
+    engine.generate(random_prompts(4, seed=4), SamplingParams(max_new_tokens=16, temperature=0.0))
+    worker = RolloutWorker(0, model, RolloutConfig(), eos_token_ids=[0], drafter=head)
+    worker.stop_training(7)  # chunk 7's stop, before chunk 7 runs
+    early = worker.train_drafter(DrafterState.of(head), buffer.samples(), 3, 1 << 30, chunk=7)
+    assert early.losses == [] and early.stopped
+    later = worker.train_drafter(None, [], 3, 1 << 30, chunk=9)  # chunk 7's stop does not reach chunk 9
+    assert len(later.losses) == 3 and not later.stopped
+
+
+def test_a_chunk_in_the_update_gap_gets_the_rollouts_step_budget_left():
+    s, events = spot(steps_per_chunk=4, max_steps_per_rollout=10)
+    s.buffer.add([sample()])
+    actor = FakeActor()
+    s.start(0, actor, busy=[1])
+    s.finished(TrainResult(0, state(4), [0.1] * 4, stopped=False))
+    assert s.can_train() and s.steps_left() == 6
+    assert not s.should_start(others_generating=False, work_waiting=False)  # not in a rollout's tail
+    s.start(0, actor, busy=[], steps=s.steps_left())  # the rollout ended: train through the update
+    assert actor.train_drafter.calls[1][2] == 6 and events[-1][2]["steps"] == 6
+    s.finished(TrainResult(0, state(10), [0.1] * 6, stopped=False))
+    assert not s.can_train()  # budget spent until the next rollout
+    s.start_rollout()
+    assert s.can_train()
