@@ -68,9 +68,9 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-# how long a rollout's start waits for the training chunk told to stop when the last one ended (it
-# yields within one training step, and the trainer's update in between usually outlasts that): back
-# in time, its worker gets its share of the rollout instead of joining late on work moved to it
+# how long a rollout's start waits for the training chunk still out since the last one ended (told to
+# stop then, it yields within one training step): back in time, its worker gets its share of the
+# rollout instead of joining late on work moved to it
 STOPPED_CHUNK_WAIT_S = 5.0
 
 
@@ -529,8 +529,12 @@ class RolloutCoordinator:
         on, continues from it; the workers' optimizer states belong to the replaced version."""
         if self.head is None:
             raise ValueError("this coordinator drafts with no EAGLE-3 head; there is nothing to replace")
+        # taken first: settling broadcasts the version it replaces, which loads that version into the
+        # coordinator's head, and that is ``head`` itself when the trainer trains the drafting head
+        published = DrafterState.of(head)
         self.settle()  # a training chunk that finished meanwhile must not overwrite the new state
-        self.spot.publish(DrafterState.of(head))
+        self.spot.publish(published)
+        published.load_into(self.head)  # back in the trainer's head at once (the broadcast follows)
         self._needs_broadcast = True
         self._event("drafter_published", version=self.drafter_state.version)
 

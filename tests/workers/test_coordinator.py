@@ -182,6 +182,28 @@ def test_bad_requests_are_refused_before_any_work(ray_local):
     coord.shutdown()
 
 
+def test_the_drafting_head_trained_in_place_is_published_not_reverted(ray_local):
+    """DrafterFromTrainer trains the very head object the coordinator drafts with: publishing it
+    right after a rollout (a broadcast of the old version pending) must not load the old version
+    back into it first."""
+    prompts, params = long_tail_batch()
+    coord = coordinator(spot_training=False)
+    coord.generate(prompts, params)  # leaves a broadcast pending
+    head = coord.head
+    with torch.no_grad():
+        for p in head.parameters():
+            p.add_(0.01)
+    head.version = 11
+    trained = {k: v.clone() for k, v in head.state_dict().items()}
+    coord.publish_drafter(head)
+    assert coord.drafter_state.version == 11 and head.version == 11
+    for key, value in trained.items():
+        assert torch.equal(coord.drafter_state.head[key], value), key
+        assert torch.equal(head.state_dict()[key], value), key
+    assert {v[1] for v in coord.worker_versions().values()} == {11}
+    coord.shutdown()
+
+
 def test_a_head_trained_elsewhere_reaches_every_worker(ray_local):
     """DrafterFromTrainer trains the head in the trainer process and publishes it: every worker
     drafts with that version from the next rollout on, and a finished spot chunk cannot undo it."""
