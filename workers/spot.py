@@ -6,9 +6,10 @@ is not spent), where (the worker whose trainer already holds the newest state, s
 travel), on what (each recorded sample goes to a worker once), and what a chunk's outcome does
 to the newest drafter state: a finished chunk replaces it (optimizer state included), a chunk lost
 with its worker leaves no trace (training resumes from the last state), a chunk that raised turns
-spot training off for the rest of the rollout. A chunk is told to stop when work arrives for its
-worker or the rollout ends; it yields before its next step and is collected whenever it returns,
-so no rollout waits for it.
+spot training off for the rollout. A chunk is told to stop when work arrives for its worker or
+(``RolloutCoordinator.settle``) when the next rollout starts: it may train on through the trainer's
+update. A stop names its chunk by number (it can arrive before the chunk's own call), and the
+chunk yields before its next step; the next rollout waits for it at most a few seconds.
 
 Training and shipping are apart: ``state`` is the newest *trained* state (chunks continue from
 it), ``shipped`` the one the engines draft with. A finished chunk is shipped only when its worker
