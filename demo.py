@@ -215,9 +215,9 @@ def _make_rollout(cfg: DemoConfig, head=None):
         return SpecRollout(strategy=cfg.strategy, drafter=load_shipped(cfg.policy, "drafter")[0], **placement)
     if _is_self_drafter(cfg.drafter):
         return SpecRollout(strategy=cfg.strategy, drafter=cfg.drafter, **placement)
-    # Spot training is stopped between steps when the rollout ends, so one step is the longest it
-    # can hold a worker up: smaller steps there (~0.3 s on a 2-core CPU instead of ~0.8 s), and a
-    # lower learning rate, as they continue from an already warmed-up head.
+    # A spot chunk yields to a rollout before its next step, so one step is the longest it can hold
+    # a worker up: smaller steps there (~0.3 s on a 2-core CPU instead of ~0.8 s), and a lower
+    # learning rate, as they continue from an already warmed-up head.
     offline = DrafterTrainingConfig(batch_size=8, max_tokens=512, seed=cfg.seed)
     training = _online_training(cfg) if cfg.workers else offline
     return SpecRollout(

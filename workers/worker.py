@@ -141,6 +141,12 @@ class TrainResult:
     judged: bool = True
 
 
+def _beats(held_out: tuple[float, float], gain: float) -> bool:
+    """The trained head's held-out score beats the shipped head's by more than ``gain``."""
+    shipped, trained = held_out
+    return trained > shipped + gain
+
+
 class RolloutWorker:
     """An engine on a policy copy; optionally trains the EAGLE-3 head between rollouts' work."""
 
@@ -425,7 +431,7 @@ class RolloutWorker:
         held_out = None
         if judge_first and judging:
             held_out = self._compare_on_held_out()
-            if held_out is None or held_out[1] > held_out[0] + ship_min_gain:  # cut short, or ships as it is
+            if held_out is None or _beats(held_out, ship_min_gain):  # cut short, or ships as it is
                 shipping = held_out is not None
                 return self._train_result([], held_out, against, ship=shipping, stopped=not shipping, judged=shipping)
         results = self.trainer.train(max_steps, should_stop=self._stop_asked) if len(self.train_buffer) else []
@@ -437,7 +443,7 @@ class RolloutWorker:
             held_out = self._compare_on_held_out()
             self._event("judged", seconds=round(time.perf_counter() - judging_from, 3), done=held_out is not None)
         judged = held_out is not None or not judging
-        ship = bool(losses) and judged and (held_out is None or held_out[1] > held_out[0] + ship_min_gain)
+        ship = bool(losses) and judged and (held_out is None or _beats(held_out, ship_min_gain))
         return self._train_result(losses, held_out, against, ship=ship, stopped=len(losses) < max_steps, judged=judged)
 
     def _train_result(

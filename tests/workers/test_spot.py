@@ -43,6 +43,24 @@ def spot(**overrides):
     return s, events
 
 
+def spot_worker(prompts: int, max_new_tokens: int):
+    """A rollout worker (the actor class itself, no Ray) with a fresh EAGLE-3 head, and the samples
+    an engine drafting with that head recorded over ``prompts`` random prompts."""
+    from tailspec.drafter.eagle3 import Eagle3Config, Eagle3Drafter, Eagle3Head, FeatureBuffer
+    from tailspec.rollout import RolloutConfig, RolloutEngine, SamplingParams
+    from tailspec.testing import random_prompts, tiny_random_model
+    from tailspec.workers.worker import RolloutWorker
+
+    model = tiny_random_model("llama", seed=1)
+    torch.manual_seed(0)
+    head = Eagle3Head(Eagle3Config.for_target(model.config)).eval()
+    buffer = FeatureBuffer()
+    engine = RolloutEngine(model, RolloutConfig(), drafter=Eagle3Drafter(head, model, buffer=buffer))
+    engine.generate(random_prompts(prompts, seed=4), SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0))
+    worker = RolloutWorker(0, model, RolloutConfig(), eos_token_ids=[0], drafter=head)
+    return worker, head, buffer.samples()
+
+
 def test_a_chunk_starts_only_in_the_tail_with_data():
     s, _ = spot()
     assert not s.should_start(others_generating=True, work_waiting=False)  # no data yet
@@ -173,20 +191,9 @@ def test_a_trained_head_ships_only_when_its_worker_measured_it_better_than_the_s
 
 def test_a_worker_holds_out_every_nth_sample_and_compares_the_heads_on_them():
     """The worker side of the gate (no Ray: the actor class called directly)."""
-    from tailspec.drafter.eagle3 import Eagle3Config, Eagle3Drafter, Eagle3Head, FeatureBuffer
-    from tailspec.rollout import RolloutConfig, RolloutEngine, SamplingParams
-    from tailspec.testing import random_prompts, tiny_random_model
-    from tailspec.workers.worker import RolloutWorker
-
-    model = tiny_random_model("llama", seed=1)
-    torch.manual_seed(0)
-    head = Eagle3Head(Eagle3Config.for_target(model.config)).eval()
-    buffer = FeatureBuffer()
-    engine = RolloutEngine(model, RolloutConfig(), drafter=Eagle3Drafter(head, model, buffer=buffer))
-    engine.generate(random_prompts(8, seed=4), SamplingParams(max_new_tokens=24, temperature=0.0))
-    worker = RolloutWorker(0, model, RolloutConfig(), eos_token_ids=[0], drafter=head)
+    worker, head, samples = spot_worker(prompts=8, max_new_tokens=24)
     start = DrafterState.of(head)
-    result = worker.train_drafter(start, buffer.samples(), 3, 1 << 30, holdout_every=4, shipped=start)
+    result = worker.train_drafter(start, samples, 3, 1 << 30, holdout_every=4, shipped=start)
     assert len(worker.held_out) == 2 and len(worker.train_buffer) == 6
     assert len(result.losses) == 3 and result.held_out_against == 0
     shipped_acc, trained_acc = result.held_out
@@ -232,20 +239,9 @@ def test_a_state_whose_comparison_a_stop_cut_short_is_judged_by_the_next_chunk_b
 def test_a_stop_during_the_comparison_leaves_the_state_unjudged_and_the_next_chunk_judges_it_first():
     """Worker side (the actor class called directly): the comparison yields to a stop like the
     training steps do, and a later chunk judges the state before it trains."""
-    from tailspec.drafter.eagle3 import Eagle3Config, Eagle3Drafter, Eagle3Head, FeatureBuffer
-    from tailspec.rollout import RolloutConfig, RolloutEngine, SamplingParams
-    from tailspec.testing import random_prompts, tiny_random_model
-    from tailspec.workers.worker import RolloutWorker
-
-    model = tiny_random_model("llama", seed=1)
-    torch.manual_seed(0)
-    head = Eagle3Head(Eagle3Config.for_target(model.config)).eval()
-    buffer = FeatureBuffer()
-    engine = RolloutEngine(model, RolloutConfig(), drafter=Eagle3Drafter(head, model, buffer=buffer))
-    engine.generate(random_prompts(8, seed=4), SamplingParams(max_new_tokens=24, temperature=0.0))
-    worker = RolloutWorker(0, model, RolloutConfig(), eos_token_ids=[0], drafter=head)
+    worker, head, samples = spot_worker(prompts=8, max_new_tokens=24)
     start = DrafterState.of(head)
-    worker.train_drafter(start, buffer.samples(), 1, 1 << 30, holdout_every=4, shipped=start, ship_min_gain=5.0)
+    worker.train_drafter(start, samples, 1, 1 << 30, holdout_every=4, shipped=start, ship_min_gain=5.0)
     train = worker.trainer.train
 
     def train_then_stop(*args, **kwargs):  # the stop arrives while the last step runs
@@ -267,20 +263,9 @@ def test_a_stop_during_the_comparison_leaves_the_state_unjudged_and_the_next_chu
 
 def test_a_stop_that_overtakes_its_chunk_still_stops_it_and_an_old_stop_stops_no_later_chunk():
     """The actor is threaded and a chunk's call carries its samples: its stop can run first."""
-    from tailspec.drafter.eagle3 import Eagle3Config, Eagle3Drafter, Eagle3Head, FeatureBuffer
-    from tailspec.rollout import RolloutConfig, RolloutEngine, SamplingParams
-    from tailspec.testing import random_prompts, tiny_random_model
-    from tailspec.workers.worker import RolloutWorker
-
-    model = tiny_random_model("llama", seed=1)
-    torch.manual_seed(0)
-    head = Eagle3Head(Eagle3Config.for_target(model.config)).eval()
-    buffer = FeatureBuffer()
-    engine = RolloutEngine(model, RolloutConfig(), drafter=Eagle3Drafter(head, model, buffer=buffer))
-    engine.generate(random_prompts(4, seed=4), SamplingParams(max_new_tokens=16, temperature=0.0))
-    worker = RolloutWorker(0, model, RolloutConfig(), eos_token_ids=[0], drafter=head)
+    worker, head, samples = spot_worker(prompts=4, max_new_tokens=16)
     worker.stop_training(7)  # chunk 7's stop, before chunk 7 runs
-    early = worker.train_drafter(DrafterState.of(head), buffer.samples(), 3, 1 << 30, chunk=7)
+    early = worker.train_drafter(DrafterState.of(head), samples, 3, 1 << 30, chunk=7)
     assert early.losses == [] and early.stopped
     later = worker.train_drafter(None, [], 3, 1 << 30, chunk=9)  # chunk 7's stop does not reach chunk 9
     assert len(later.losses) == 3 and not later.stopped
