@@ -15,12 +15,12 @@ from contextlib import contextmanager, nullcontext
 
 import torch
 
-from ..draft_contract import Drafter, drafter_factory
+from ..draft_contract import Drafter, DraftTree, drafter_factory
 from ..kernels.dispatch import kernel_backend
 from ..progress import progress_bar
 from .admission import RequestLimits, eos_ids_of, prepare_requests
 from .attention import SequenceSlice, paged_attention_enabled
-from .draft_executor import DraftExecutor
+from .draft_executor import DraftExecutor, ExecutorError
 from .graph_pool import graph_pool_for
 from .handoff import InboxItem, PartialRequest, RequestInbox, ServeUpdate
 from .length_budget import drafting_mask, spread_mask
@@ -213,7 +213,6 @@ class RolloutEngine:
             return self.suffix_drafter
         return self.hybrid_drafter if strategy.kind == "hybrid" else self.drafter
 
-    # -- validation ----------------------------------------------------------------------
     def validate(self, prompt_ids: Seq[int], params: SamplingParams) -> None:
         """Raise ``ValueError`` naming the problem if the request cannot be served."""
         self.limits.check(prompt_ids, params)
@@ -534,6 +533,26 @@ class RolloutEngine:
             self._peak_active = 0  # the wave is over; the next one measures its own peak
         return finished
 
+    def _propose_serially(
+        self, strategy: Strategy, seqs: list[Sequence], drafting: list[bool]
+    ) -> tuple[list[DraftTree], Drafter]:
+        """A serial step's drafts and the drafter that made them.
+
+        Once a mirror executor runs, chain and tree steps draft on its drafter too (``hybrid``
+        keeps the in-process one its fusion wraps): serial and mirror steps then share one drafter
+        state, so an adaptive engine switching between ``chain:4`` and ``mirror:chain:4`` does not
+        catch a second copy of the drafter up on every token the other one drafted."""
+        allocator, bs = self.runner.cache.allocator, self.config.block_size
+        drafter = self._drafter_for(strategy)
+        if self.mirror is not None and strategy.kind in ("chain", "tree"):
+            drafter = self.mirror.serial_drafter(seqs)
+            try:
+                return propose(drafter, seqs, strategy.shape, allocator, bs, drafting), drafter
+            except ExecutorError as e:
+                self.mirror.fail(e)
+                drafter = self.mirror.drafter
+        return propose(drafter, seqs, strategy.shape, allocator, bs, drafting), drafter
+
     def _decode(self, batch: ScheduledBatch) -> list[int]:
         slices, tokens, positions = [], [], []
         for seq in batch.seqs:
@@ -608,15 +627,15 @@ class RolloutEngine:
         mirror = self._ensure_mirror() if strategy.mirror else None
         if mirror is not None and mirror.failed:
             strategy, mirror = Strategy("chain" if strategy.shape.is_chain else "tree", strategy.shape), None
-        drafter = self._drafter_for(strategy) if mirror is None else mirror.drafter
         allocator, bs = self.runner.cache.allocator, self.config.block_size
         start = time.perf_counter()
         drafting = drafting_mask(seqs, self.config.length_budget)
         if probe is not None:
             drafting = [d and p for d, p in zip(drafting, spread_mask(len(seqs), probe))]
         if mirror is None:
-            trees = propose(drafter, seqs, strategy.shape, allocator, bs, drafting)
+            trees, drafter = self._propose_serially(strategy, seqs, drafting)
         else:
+            drafter = mirror.drafter
             trees = mirror.drafts(seqs, strategy, allocator, bs, drafting)
         drafted_at = time.perf_counter()
         slices, tokens, positions = pack_verify_batch(seqs, trees)

@@ -198,7 +198,7 @@ class MirrorPipeline:
         try:
             self.executor.refresh()
         except ExecutorError as e:
-            self._fail(e)
+            self.fail(e)
         self._reconcile(seqs)
         trees: list[DraftTree | None] = []
         for seq, d in zip(seqs, drafting):
@@ -215,7 +215,7 @@ class MirrorPipeline:
             try:
                 serial = propose(self.drafter, *asked)
             except ExecutorError as e:
-                self._fail(e)
+                self.fail(e)
                 serial = propose(self.drafter, *asked)
             self.stats.serial_draft_s += time.perf_counter() - start
             for i, tree in zip(missing, serial):
@@ -299,7 +299,7 @@ class MirrorPipeline:
         try:
             self.executor.start(requests, shape)
         except ExecutorError as e:
-            self._fail(e)
+            self.fail(e)
 
     # -- after verification --------------------------------------------------------------
     def settle(self, seqs: Seq[Sequence], trees: Seq[DraftTree], verdicts: Seq, strategy: Strategy, bases) -> None:
@@ -311,7 +311,7 @@ class MirrorPipeline:
             try:
                 drafted = self.executor.finish()
             except ExecutorError as e:
-                self._fail(e)
+                self.fail(e)
         self.stats.wait_s += time.perf_counter() - start
         forks = getattr(self.drafter, "forks_branches", False)
         held: dict[int, tuple[int, list[int], DraftTree]] = {}
@@ -335,7 +335,20 @@ class MirrorPipeline:
         self._branches = []
         self._reconcile([s for s in seqs if not s.done])
 
-    def _fail(self, error: Exception) -> None:
+    def serial_drafter(self, seqs: Seq[Sequence]) -> Drafter:
+        """The drafter for a serial step of ``seqs``, with current weights. The step tells it what
+        was accepted, which leaves its state exact: nothing is left to reconcile for them."""
+        try:
+            self.executor.refresh()
+        except ExecutorError as e:
+            self.fail(e)
+        for seq in seqs:
+            self._held.pop(seq.seq_id, None)
+        return self.drafter
+
+    def fail(self, error: Exception) -> None:
+        """The executor failed: drop what it had drafted; a peer's host hands drafting back to
+        the own executor, the own executor's failure makes drafting serial and in-process."""
         self.stats.executor_failures += 1
         self._branches = []
         self._ready.clear()

@@ -161,6 +161,42 @@ def test_greedy_mirror_in_a_process_matches_plain_decoding_and_follows_weight_ch
     engine.close()
 
 
+def _run_alternating(engine: RolloutEngine, prompts, params, strategies) -> list:
+    """Generate ``prompts``, switching the strategy before every step (round robin)."""
+    ids = [engine.add_request(p, params) for p in prompts]
+    step = 0
+    while engine.has_unfinished():
+        engine.set_strategy(strategies[step % len(strategies)])
+        engine.step()
+        step += 1
+    return [engine.pop_output(i) for i in ids]
+
+
+def test_serial_steps_draft_on_the_mirror_s_drafter_so_switching_costs_no_second_catch_up():
+    """Serial chain steps between mirror steps draft in the draft process too (one drafter state):
+    the in-process drafter is never asked, output stays token for token plain decoding's, and a
+    drafter whose process died mid-rollout hands over to the in-process one without a loss."""
+    arch = "qwen2"
+    prompts = random_prompts(4, seed=3)
+    params = SamplingParams(max_new_tokens=24, temperature=0.0)
+    # the target as its own drafter: every continuation is right, so mirror steps after mirror
+    # steps run on ready drafts
+    engine = mirror_engine(cached_model(arch), "mirror:chain:3,k=0", cached_model(arch), "process")
+    asked = []
+    real_propose = engine.drafter.propose
+    engine.drafter.propose = lambda requests, shape: asked.append(len(requests)) or real_propose(requests, shape)
+    strategies = ["mirror:chain:3,k=0", "mirror:chain:3,k=0", "chain:3", "chain:2", "tree:2,2,4"]
+    _assert_same(_run_alternating(engine, prompts, params, strategies), _plain(arch, prompts, params))
+    assert asked == [] and engine.mirror.stats.ready > 0
+    assert engine.stats.strategy_steps.get("chain:3", 0) > 0
+    executor = engine.mirror.executor
+    executor._process.kill()
+    executor._process.join()
+    _assert_same(_run_alternating(engine, prompts, params, strategies[2:4]), _plain(arch, prompts, params))
+    assert engine.mirror.failed and asked  # the in-process drafter took over
+    engine.close()
+
+
 def test_a_dead_draft_process_falls_back_to_serial_drafting_and_loses_nothing():
     arch = "llama"
     prompts = random_prompts(4, seed=5)
