@@ -52,6 +52,7 @@ class MirrorBenchConfig:
     tail_prompts: int = 6  # the long-tail rollout: groups of ...
     tail_samples: int = 4  # ... samples each
     tail_max_new_tokens: int = 384
+    tail_passes: int = 5  # a tail pass is short; its ratios spread more than the batch arms'
     seed: int = 11
 
     @classmethod
@@ -64,6 +65,7 @@ class MirrorBenchConfig:
             tail_prompts=2,
             tail_samples=2,
             tail_max_new_tokens=64,
+            tail_passes=1,
         )
 
 
@@ -77,6 +79,9 @@ class ArmResult:
     draft_share: float = 0.0  # of a speculative step's time spent drafting (serial arms)
     mirror: dict[str, float] = field(default_factory=dict)
     accept_length: float = 0.0
+    # the long-tail rollout's measured passes by active sequences (bucket bound):
+    # [seconds, tokens emitted, seconds in mirror steps]
+    by_batch: dict[int, list[float]] = field(default_factory=dict)
 
     @property
     def tok_s(self) -> float:
@@ -214,10 +219,15 @@ def _measure(policy: BenchPolicy, cfg: MirrorBenchConfig, params: SamplingParams
 
 def _measure_tail(policy: BenchPolicy, cfg: MirrorBenchConfig) -> list[ArmResult]:
     """A GRPO-like rollout (groups of samples, heavy-tailed lengths) under ``adaptive``, its arms
-    with and without the mirror arms."""
-    params = SamplingParams(temperature=1.0, max_new_tokens=cfg.tail_max_new_tokens)
+    with and without the mirror arms. Sampling is position-keyed (a seed per request): both
+    engines emit the same completions, so a pass's ratio is speed alone, not a longer or shorter
+    longest sample."""
     prompts = [
         p for p in task_prompts(policy.tokenizer, cfg.tail_prompts, cfg.seed + 1) for _ in range(cfg.tail_samples)
+    ]
+    params = [
+        SamplingParams(temperature=1.0, max_new_tokens=cfg.tail_max_new_tokens, noise="position", seed=cfg.seed + i)
+        for i in range(len(prompts))
     ]
     n = len(prompts)
     arms = {"adaptive": DEFAULT_ARMS, "adaptive + mirror": (*DEFAULT_ARMS, *TAIL_MIRROR_ARMS)}
@@ -227,10 +237,51 @@ def _measure_tail(policy: BenchPolicy, cfg: MirrorBenchConfig) -> list[ArmResult
         engine.generate(prompts, params)  # warm-up: the selector's measurements, as an earlier RL step leaves them
         engines[name] = engine
     results = {name: ArmResult(name, n) for name in arms}
-    _passes(engines, results, lambda e: _run(e, prompts, n, params), cfg.passes, "adaptive")
-    for name in arms:
-        _finish(engines[name], results[name])
+    measured = {name: len(engine.stats.step_log) for name, engine in engines.items()}
+    _passes(engines, results, lambda e: _run(e, prompts, n, params), cfg.tail_passes, "adaptive")
+    for name, engine in engines.items():
+        results[name].by_batch = steps_by_batch(list(engine.stats.step_log)[measured[name] :])
+        _finish(engine, results[name])
     return list(results.values())
+
+
+TAIL_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+
+
+def steps_by_batch(steps) -> dict[int, list[float]]:
+    """Decode steps summed by active sequences (the smallest bucket bound at or above them):
+    [seconds, tokens emitted, seconds in mirror steps]."""
+    out: dict[int, list[float]] = {}
+    for step in steps:
+        bound = next((b for b in TAIL_BUCKETS if step.num_active <= b), TAIL_BUCKETS[-1])
+        row = out.setdefault(bound, [0.0, 0.0, 0.0])
+        row[0] += step.seconds
+        row[1] += step.emitted
+        row[2] += step.seconds if "mirror" in step.strategy else 0.0
+    return dict(sorted(out.items()))
+
+
+def tail_profile_table(result: MirrorResult) -> str:
+    """Where the long-tail rollout spends its time, by active sequences, with and without mirror arms."""
+    if len(result.tail) < 2:
+        return ""
+    base, mirror = result.tail[0], result.tail[1]
+    total = sum(row[0] for row in base.by_batch.values()) or 1.0
+    lines = [
+        f"| active sequences | {base.arm}: share of decode time | {base.arm} tok/s | {mirror.arm} tok/s | ratio "
+        "| time in mirror steps |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    lower = 0
+    for bound, (seconds, tokens, _) in base.by_batch.items():
+        m_seconds, m_tokens, m_mirror = mirror.by_batch.get(bound, [0.0, 0.0, 0.0])
+        rate, m_rate = tokens / max(seconds, 1e-9), m_tokens / max(m_seconds, 1e-9)
+        lines.append(
+            f"| {lower + 1}-{bound} | {seconds / total:.0%} | {rate:.0f} | {m_rate:.0f} | "
+            f"{m_rate / max(rate, 1e-9):.2f}x | {m_mirror / max(m_seconds, 1e-9):.0%} |"
+        )
+        lower = bound
+    return "\n".join(lines)
 
 
 def serial_arm_of(arm: str) -> str | None:
@@ -331,6 +382,14 @@ def mirror_section(result: MirrorResult, plot_name: str) -> str:
         "matched). *Serial draft ms/step*: drafting left on the critical path per mirror step; *wait*: time "
         "the step waited for the draft process after verification.\n\n"
         f"{mirror_table(result)}\n\n![mirror]({plot_name})\n\n"
+        f"**The long-tail rollout** (the batch-{c.tail_prompts * c.tail_samples} rows): {c.tail_prompts} chain-sum "
+        f"prompts x {c.tail_samples} samples, at most {c.tail_max_new_tokens} tokens, T = 1 with position-keyed "
+        "noise (a seed per request: both engines emit the same completions, so a pass's ratio is speed alone), "
+        "`adaptive` over the default arms without and with "
+        + ", ".join(f"`{a}`" for a in TAIL_MIRROR_ARMS)
+        + f", each selector warmed by one rollout, {c.tail_passes} interleaved passes. Where the measured passes "
+        "spent their decode time, by active sequences:\n\n"
+        f"{tail_profile_table(result)}\n\n"
         f"{channel_line(result)}\n\n"
         "**Speculative streaming** (`streaming` arms): the drafter LM with one streaming head (two draft "
         "tokens per drafter forward), the head fitted on 48 of the policy's own completions (cross-entropy "
