@@ -113,7 +113,7 @@ def _engine(policy: BenchPolicy, arm: str, cfg: MirrorBenchConfig, max_num_seqs:
         selector=selector,
         kv_cache_tokens=max(8192, max_num_seqs * (cfg.tail_max_new_tokens + 256)),
         max_num_seqs=max_num_seqs,
-        # auto: the drafter LM in a process, the head in a thread; "@ray": a Ray actor
+        # auto: a draft process on CPU (the drafter LM and the EAGLE-3 head alike); "@ray": a Ray actor
         mirror={"exit_layer": cfg.exit_layer, "executor": host or "auto"},
         seed=cfg.seed,
     )
@@ -372,9 +372,9 @@ def mirror_section(result: MirrorResult, plot_name: str) -> str:
     return (
         f"On {result.describe}, chain-sum prompts, T = {c.temperature}, at most {c.max_new_tokens} new tokens, "
         f"{c.prompts} prompts per batch size (batch 1: one by one), {c.passes} interleaved passes; every arm "
-        "its own engine, the target on one torch thread; the drafter LM's mirror arms draft in a process "
-        "(executor `process`) on the second core with one thread of its own, the EAGLE-3 head's in a thread "
-        "(executor `thread`: it reads the target's features and embeddings in this process). "
+        "its own engine, the target on one torch thread; the mirror arms draft in a process (executor "
+        "`process`) on the second core with one thread of its own: the drafter LM's copy catches up from "
+        "tokens, the EAGLE-3 head's copy is sent the feature rows of every target forward. "
         f"Early exit after layer {c.exit_layer}. Ratios: "
         "medians of same-pass ratios to serial `chain:4` with the drafter LM (spread in brackets). *Draft "
         "share*: the share of a speculative step spent drafting on the critical path; for serial `chain:4` it "

@@ -28,6 +28,7 @@ from __future__ import annotations
 import io
 import itertools
 import logging
+import queue
 import threading
 import traceback
 from abc import ABC, abstractmethod
@@ -192,6 +193,9 @@ class DrafterHost:
             return None
         if command == "weights":
             self.drafter.load_weights(*args)
+        elif command == "features":  # a feature-reading drafter's rows of the engine's last forward
+            for seq_id, start, rows in args[0]:
+                self.drafter.add_features(seq_id, start, torch.from_numpy(rows))
         elif command in ("accepted", "truncate", "release", "finished"):
             getattr(self.drafter, command)(*args)
         else:
@@ -224,20 +228,34 @@ class SequencedHost:
 
 
 def _serve(build: Callable[[], Drafter], threads: int, conn) -> None:
-    """The child's loop: build the drafter, then answer the parent's commands in order."""
+    """The child's loop: build the drafter, then answer the parent's commands in order.
+
+    A reader thread takes every command off the pipe as it comes. Otherwise a large answer and a
+    large command could deadlock: the child blocked sending drafts the parent has not asked for
+    yet, the parent blocked sending the next branches while the child does not read (two branch
+    calls are in flight on a mirror step; each is large at large batch)."""
     try:
         host = DrafterHost(build, threads)
     except Exception:
         conn.send(("error", traceback.format_exc()))
         return
     conn.send(("ready", None))
-    while True:
-        try:
-            command, args = conn.recv()
-        except EOFError:
-            return
-        if command == "close":
-            return
+    inbox: queue.SimpleQueue = queue.SimpleQueue()
+
+    def read() -> None:
+        while True:
+            try:
+                message = conn.recv()
+            except (EOFError, OSError):
+                inbox.put(None)
+                return
+            inbox.put(message)
+            if message[0] == "close":
+                return
+
+    threading.Thread(target=read, daemon=True, name="tailspec-draft-inbox").start()
+    while (message := inbox.get()) is not None and message[0] != "close":
+        command, args = message
         try:
             result = host.handle(command, args)
             if command in _ANSWERED:
@@ -252,9 +270,23 @@ class _RemoteDrafter(Drafter):
 
     name = "remote"
 
-    def __init__(self, executor, forks_branches: bool) -> None:
+    def __init__(self, executor, forks_branches: bool, feature_layers: tuple[int, ...] | None = None) -> None:
         self._executor = executor
         self.forks_branches = forks_branches
+        self.feature_layers = feature_layers
+
+    def observe_batch(self, observed, features: torch.Tensor, logits: torch.Tensor) -> None:
+        """Send each sequence's feature rows of the last forward (one gather for the batch; as
+        numpy arrays, which cross a pipe or Ray's object store by value)."""
+        if not self.feature_layers:
+            return
+        index = [row for _, _, rows, _ in observed for row in rows]
+        gathered = features.index_select(0, torch.tensor(index, device=features.device)).float().cpu().numpy()
+        sent, offset = [], 0
+        for seq, start, rows, _ in observed:
+            sent.append((seq.seq_id, start, gathered[offset : offset + len(rows)]))
+            offset += len(rows)
+        self._tell("features", (sent,))
 
     def propose(self, requests: Sequence[DraftRequest], shape: DraftShape) -> list[DraftTree]:
         return self._executor.call("propose", (_snapshots(requests), shape))
@@ -297,7 +329,9 @@ class _HostExecutor(DraftExecutor):
     engine's calls go over ``call``/``tell``, and the source drafter's weight changes follow."""
 
     def __init__(self, source: Drafter | None) -> None:
-        super().__init__(_RemoteDrafter(self, getattr(source, "forks_branches", False)))
+        super().__init__(
+            _RemoteDrafter(self, getattr(source, "forks_branches", False), getattr(source, "feature_layers", None))
+        )
         self._source = source  # the in-process drafter whose weight changes are sent on
         self._fingerprint = _fingerprint(source)
 
@@ -312,7 +346,7 @@ class _HostExecutor(DraftExecutor):
         ``load_state_dict``): the host drafts with the current weights."""
         fingerprint = _fingerprint(self._source)
         if fingerprint != self._fingerprint:
-            self.tell("weights", (weights_bytes(self._source.model),))
+            self.tell("weights", (weights_bytes(_shipped_weights(self._source)),))
             self._fingerprint = fingerprint
 
 
@@ -489,8 +523,15 @@ def weights_bytes(model: torch.nn.Module) -> bytes:
     return buffer.getvalue()
 
 
+def _shipped_weights(drafter: Drafter | None) -> torch.nn.Module | None:
+    """The module whose weights a copy of ``drafter`` elsewhere follows: its ``shipped_weights()``
+    (an EAGLE-3 head with the target's embeddings) or its ``model`` (a drafter LM)."""
+    shipped = getattr(drafter, "shipped_weights", None)
+    return shipped() if shipped is not None else getattr(drafter, "model", None)
+
+
 def _fingerprint(drafter: Drafter | None) -> int | None:
-    model = getattr(drafter, "model", None)
+    model = _shipped_weights(drafter)
     if model is None:
         return None
     return hash(tuple((p.data_ptr(), p._version) for p in model.parameters()))
@@ -531,7 +572,7 @@ def make_executor(
     if rebuild is None:
         raise ValueError(
             f"mirror executor {kind!r} cannot run the {drafter.name} drafter in another process "
-            "(it reads the target's features); use 'thread' or 'inline'"
+            "(it has no rebuild(): it drafts with this process's target); use 'thread' or 'inline'"
         )
     if kind == "ray":
         return RayExecutor(rebuild(), threads, source=drafter)

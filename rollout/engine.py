@@ -159,11 +159,13 @@ class RolloutEngine:
     @property
     def mirror_capable(self) -> bool:
         """Its strategy can run mirror steps (a mirror strategy, or ``adaptive`` with mirror arms)
-        with a drafter that can be rebuilt elsewhere (a host in another process or worker)."""
+        with a drafter that a peer's draft host can take over mid-rollout: one that can be rebuilt
+        elsewhere and catches up from tokens alone (not the EAGLE-3 head: a host that starts late
+        has none of the target's features for what was decoded before)."""
         s = self.strategy
         arms = self.selector.arms if s.adaptive and self.selector is not None else []
         mirrored = s.mirror or any(a.mirror for a in arms)
-        return mirrored and getattr(self.drafter, "rebuild", None) is not None
+        return mirrored and getattr(self.drafter, "rebuild", None) is not None and not self.feature_layers
 
     def use_draft_executor(self, executor: DraftExecutor | None) -> None:
         """Mirror steps draft on ``executor`` (a :class:`PeerExecutor`: another worker's draft host)
@@ -596,6 +598,11 @@ class RolloutEngine:
         if not (self.feature_layers and self._features is not None and observed):
             return
         self.drafter.observe_batch(observed, self._features, logits)
+        if self.mirror is not None and self.mirror.drafter is not self.drafter:  # a copy in a draft process
+            try:
+                self.mirror.drafter.observe_batch(observed, self._features, logits)
+            except ExecutorError as e:
+                self.mirror.fail(e)
 
     def _sample_and_append(self, seqs: list[Sequence], logits: torch.Tensor) -> list[int]:
         st = BatchSamplingTensors.from_params([s.params for s in seqs], logits.device)

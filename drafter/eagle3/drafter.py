@@ -14,12 +14,20 @@ observed since. Each speculative step it
 Draft rows are written past ``num_cached`` and overwritten at the next catch-up: their K/V came
 from the head's own hidden states, not the target's, so they are never kept. A sequence the pool
 cannot hold this step simply gets no draft; its features wait for the next step.
+
+A copy can draft in another process (Mirror-SD's ``process`` and ``ray`` executors): ``rebuild``
+ships the head and the target's embedding table, the engine sends each forward's feature rows
+(``add_features``; ``feature_size`` floats per token), and ``load_weights`` follows training
+steps of the head and of the policy's embeddings.
 """
 
 from __future__ import annotations
 
+import io
+from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 
@@ -65,7 +73,8 @@ class _HeadState:
 
 
 class Eagle3Drafter(Drafter):
-    """Drafts with an :class:`Eagle3Head` for ``target`` (whose input embeddings it shares).
+    """Drafts with an :class:`Eagle3Head` for ``target`` (whose input embeddings it shares), or,
+    without a target, over ``embed`` (a copy of them: what a draft process holds).
 
     With ``buffer`` set, every finished sequence's features and soft labels are recorded into it
     for :class:`tailspec.drafter.eagle3.train.DrafterTrainer`.
@@ -76,8 +85,9 @@ class Eagle3Drafter(Drafter):
     def __init__(
         self,
         head: Eagle3Head,
-        target: torch.nn.Module,
+        target: torch.nn.Module | None = None,
         *,
+        embed: torch.nn.Module | None = None,
         kv_cache_tokens: int = 65536,
         block_size: int = 16,
         seed: int = 0,
@@ -86,9 +96,14 @@ class Eagle3Drafter(Drafter):
     ) -> None:
         if not (isinstance(kv_cache_tokens, int) and kv_cache_tokens >= block_size):
             raise ValueError(f"kv_cache_tokens must be an int >= block_size ({block_size}), got {kv_cache_tokens!r}")
-        head.config.check_target(target.config)
+        if (target is None) == (embed is None):
+            raise ValueError("Eagle3Drafter needs exactly one of target (the model it drafts for) and embed")
+        if target is not None:
+            head.config.check_target(target.config)
+            embed = target.get_input_embeddings()
         self.head = head
-        self.embed = target.get_input_embeddings()
+        self.embed = embed
+        self.seed = seed
         self.feature_layers = tuple(head.config.aux_layer_ids)
         device, dtype = model_device_dtype(head)
         cfg = head.config
@@ -100,6 +115,28 @@ class Eagle3Drafter(Drafter):
         self.buffer = buffer
         self.recorder = SequenceRecorder(label_topk) if buffer is not None else None
         self._states: dict[int, _HeadState] = {}
+
+    # -- a copy in another process (Mirror-SD draft executors) ----------------------------
+    def shipped_weights(self) -> torch.nn.Module:
+        """What a copy elsewhere needs and training changes: the head and the target's embeddings."""
+        return torch.nn.ModuleDict({"head": self.head, "embed": self.embed})
+
+    def rebuild(self) -> Callable[[], Eagle3Drafter]:
+        """A picklable builder of a fresh drafter over copies of the head and the embedding table
+        (no per-sequence state: the engine sends the features of every forward from then on)."""
+        buffer = io.BytesIO()
+        torch.save(self.shipped_weights(), buffer)
+        kv_tokens = self.cache.allocator.num_blocks * self.block_size
+        return partial(_rebuilt, buffer.getvalue(), kv_tokens, self.block_size, self.seed, self.target_vocab)
+
+    def load_weights(self, data: bytes) -> None:
+        """Replace the head's and the embeddings' weights with :func:`weights_bytes` of ``shipped_weights``."""
+        device = self.cache.layout.device
+        self.shipped_weights().load_state_dict(torch.load(io.BytesIO(data), map_location=device))
+
+    def add_features(self, seq_id: int, start: int, features: torch.Tensor) -> None:
+        """Feature rows of positions ``start ..`` of a sequence, sent by the engine of another process."""
+        self._add_pending(seq_id, start, features.shape[0], features.to(self.cache.layout.device))
 
     @property
     def version(self) -> int:
@@ -341,3 +378,13 @@ class Eagle3Drafter(Drafter):
 
         trees, _ = grow_trees(requests, torch.log_softmax(root_logits, dim=-1), shape, score_level)
         return trees
+
+
+def _rebuilt(modules: bytes, kv_cache_tokens: int, block_size: int, seed: int, target_vocab: int) -> Eagle3Drafter:
+    parts = torch.load(io.BytesIO(modules), map_location="cpu", weights_only=False)
+    head = parts["head"].eval()
+    drafter = Eagle3Drafter(
+        head, embed=parts["embed"], kv_cache_tokens=kv_cache_tokens, block_size=block_size, seed=seed
+    )
+    drafter.target_vocab = target_vocab
+    return drafter

@@ -6,6 +6,7 @@ import threading
 import time
 
 import pytest
+import torch
 from conftest import cached_model, random_prompts
 from test_spec_greedy import good_drafter
 
@@ -107,3 +108,12 @@ def test_a_sequenced_host_handles_commands_in_the_order_they_were_sent():
         host.handle(2, "release", (2,))
     with pytest.raises(ExecutorError, match="waited"):
         SequencedHost(lambda: recorder, wait_s=0.05).handle(1, "release", (1,))
+
+
+def test_a_drafter_that_cannot_be_rebuilt_elsewhere_is_refused_a_process_by_name():
+    from tailspec.rollout.draft_executor import make_executor
+
+    drafter = SmallLMDrafter(good_drafter(ARCH))
+    for kind in ("process", "ray"):
+        with pytest.raises(ValueError, match=f"executor '{kind}' cannot run the small_lm drafter in another process"):
+            make_executor(kind, drafter, None, torch.device("cpu"), None, 1)

@@ -212,6 +212,28 @@ def test_a_dead_draft_process_falls_back_to_serial_drafting_and_loses_nothing():
     engine.close()
 
 
+def test_two_large_branch_calls_in_flight_do_not_deadlock_the_draft_process():
+    """Both a mirror step's branch calls can be large at large batch: the parent sends the second
+    while the child answers the first. Neither side may block on a full pipe."""
+    import threading
+
+    drafter = SmallLMDrafter(good_drafter("llama"), kv_cache_tokens=3000 * 64)
+    executor = ProcessExecutor(drafter.rebuild(), source=drafter)
+    prompts = random_prompts(3000, seed=2, max_len=40)
+    sampled = SamplingParams(temperature=1.0)  # drafts carry their distributions: large answers
+    views = [SeqSnapshot(i, list(p), [], None, frozenset(), sampled) for i, p in enumerate(prompts)]
+    requests = [DraftRequest(BranchView(view, [1, 2]), 3) for view in views]
+    done = []
+    executor.start(requests, DraftShape(3))
+    sender = threading.Thread(
+        target=lambda: (executor.start(requests, DraftShape(3)), done.append(executor.finish())), daemon=True
+    )
+    sender.start()
+    sender.join(timeout=120)
+    assert done and len(done[0]) == 2 * len(requests), "the parent and the draft process blocked each other"
+    executor.close()
+
+
 def test_a_process_that_cannot_start_says_why():
     """The child's traceback comes back (building a drafter over no model fails there)."""
     with pytest.raises(ExecutorError, match="the draft process failed:(.|\n)*Traceback"):
@@ -271,6 +293,7 @@ def mirror_joint_counts(strategy: str, kind: str, params: SamplingParams, execut
         ("mirror:chain:1,k=0", "target", SETTINGS[1], "process"),
         ("mirror:chain:1,k=1", "eagle3", SETTINGS[0], "thread"),
         ("mirror:chain:1,k=0", "eagle3", SETTINGS[2], "inline"),
+        ("mirror:chain:1,k=1", "eagle3", SETTINGS[0], "process"),
     ],
     ids=[
         "chain-good-T1",
@@ -284,6 +307,7 @@ def mirror_joint_counts(strategy: str, kind: str, params: SamplingParams, execut
         "continuation-process",
         "eagle3-thread",
         "eagle3-continuation",
+        "eagle3-process",
     ],
 )
 def test_mirror_samples_follow_the_target(strategy, kind, params, executor):

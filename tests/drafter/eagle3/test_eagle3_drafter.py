@@ -202,6 +202,44 @@ def test_greedy_mirror_with_the_head_matches_plain_decoding(arch, strategy, exec
     engine.close()
 
 
+def test_the_head_in_a_draft_process_drafts_exactly_as_in_this_one_and_follows_training():
+    """A copy of the head in a child process (its weights and the target's embeddings shipped,
+    each forward's feature rows sent after it) drafts what the in-process head drafts: greedy
+    mirror runs with either accept the same tokens and keep the same branches, before and after
+    the head's weights change in this process."""
+    model = target("qwen3")
+    head = trained_head("qwen3")
+    prompts = random_prompts(5, seed=8)
+    params = SamplingParams(max_new_tokens=24, temperature=0.0)
+    want = plain(model, prompts, params)
+    engines = {
+        executor: RolloutEngine(
+            model,
+            RolloutConfig(strategy="mirror:chain:3,k=1", mirror={"executor": executor}),
+            drafter=Eagle3Drafter(head, model),
+        )
+        for executor in ("inline", "process")
+    }
+    assert type(engines["process"].mirror.executor).__name__ == "ProcessExecutor"
+    for _ in range(2):
+        for engine in engines.values():
+            assert_same(engine.generate(prompts, params), want)
+        inline, process = (engines[e] for e in ("inline", "process"))
+        assert process.stats.accepted_tokens == inline.stats.accepted_tokens > 0
+        assert process.mirror.stats.ready == inline.mirror.stats.ready
+        with torch.no_grad():  # a training step of the head, in this process
+            for p in head.parameters():
+                p.add_(torch.randn_like(p) * 0.05)
+    assert not engines["process"].mirror_capable  # a peer's host could not catch up without features
+    for engine in engines.values():
+        engine.close()
+
+
+def test_an_eagle3_drafter_needs_a_target_or_embeddings():
+    with pytest.raises(ValueError, match="exactly one of target"):
+        Eagle3Drafter(random_head(target("llama")))
+
+
 def test_a_branch_over_the_head_s_own_draft_continues_that_draft():
     """Over tokens with no target features the head feeds its own hidden outputs, exactly as it
     drafts: a branch assuming its first 3 drafted tokens continues the same greedy chain."""
@@ -218,13 +256,3 @@ def test_a_branch_over_the_head_s_own_draft_continues_that_draft():
         whole = drafter.propose([DraftRequest(seq, 7)], DraftShape(7))[0].tokens
         branch = drafter.propose_branches([DraftRequest(BranchView(seq, whole[:3]), 4)], DraftShape(4))[0].tokens
     assert len(whole) == 7 and branch == whole[3:]
-
-
-def test_the_head_cannot_draft_in_another_process():
-    model = target("llama")
-    with pytest.raises(ValueError, match="executor 'process' cannot run the eagle3 drafter"):
-        RolloutEngine(
-            model,
-            RolloutConfig(strategy="mirror:chain:2,k=0", mirror={"executor": "process"}),
-            drafter=Eagle3Drafter(random_head(model), model),
-        )
