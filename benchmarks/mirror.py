@@ -312,7 +312,8 @@ def mirror_table(result: MirrorResult) -> str:
     for r in result.arms + result.tail:
         own = by_key.get((r.batch, serial_arm_of(r.arm)))
         serial = [x for x in result.arms if x.batch == r.batch and x.arm in SERIAL_ARMS and x.arm != "none"]
-        best = max(serial, key=lambda x: x.ratio) if serial and r.mirror else None
+        in_batch_rows = any(r is a for a in result.arms)  # not the long-tail rows
+        best = max(serial, key=lambda x: x.ratio) if serial and r.mirror and in_batch_rows else None
         m = r.mirror
         lines.append(
             f"| {r.batch} | {r.arm} | {r.tok_s:.0f} | {_ratio_cell((r.ratio, min(r.ratios), max(r.ratios)))} | "
