@@ -198,9 +198,20 @@ class SmallLMDrafter(Drafter):
         """A picklable builder of an untrained model shaped like this drafter's (its weights load into it)."""
         return partial(_model_of, type(self.model), self.model.config, self.runner.dtype)
 
+    @property
+    def version(self) -> int:
+        """Training steps of the streaming heads (the drafter LM itself is not trained here)."""
+        return self.heads.version if self.heads is not None else 0
+
+    def shipped_weights(self) -> torch.nn.Module:
+        """What a copy in a draft process follows: the model, and the streaming heads with it."""
+        if self.heads is None:
+            return self.model
+        return torch.nn.ModuleDict({"model": self.model, "heads": self.heads})
+
     def load_weights(self, data: bytes) -> None:
-        """Replace the model's weights with :func:`weights_bytes` of another copy."""
-        self.model.load_state_dict(torch.load(io.BytesIO(data), map_location=self.runner.device))
+        """Replace the weights with :func:`weights_bytes` of another copy's ``shipped_weights``."""
+        self.shipped_weights().load_state_dict(torch.load(io.BytesIO(data), map_location=self.runner.device))
 
     def accepted(self, seq: SequenceView, num_accepted: int) -> None:
         state, base = self._states.get(seq.seq_id), self._draft_base.pop(seq.seq_id, None)

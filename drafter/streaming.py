@@ -30,6 +30,7 @@ class StreamingHeads(nn.Module):
         if not (isinstance(num_heads, int) and 1 <= num_heads <= 8):
             raise ValueError(f"streaming heads must be an int in [1, 8], got {num_heads!r}")
         self.hidden_size = hidden_size
+        self.version = 0  # bumped by every training step (StreamingHeadTrainer)
         self.blocks = nn.ModuleList(nn.Linear(hidden_size, hidden_size, bias=False) for _ in range(num_heads))
         for block in self.blocks:
             nn.init.zeros_(block.weight)
@@ -81,43 +82,77 @@ def fit_streaming_heads(
     """Train ``heads`` on token sequences (the policy's completions): head ``j`` at position ``t``
     learns token ``t + 2 + j`` (cross-entropy); the drafter model is not changed. Returns the
     mean loss per step."""
-    if not sequences:
-        raise ValueError("fit_streaming_heads needs at least one sequence")
-    device, _ = model_device_dtype(model)
-    head = model.get_output_embeddings()
-    was_training = model.training
-    model.eval()
-    inputs, labels = [], [[] for _ in range(len(heads))]
-    try:
-        with torch.no_grad():
-            for tokens in sequences:
-                ids = torch.tensor([list(tokens)], dtype=torch.long, device=device)
-                hidden, _ = lm_head_inputs(model, ids)
-                n = len(tokens) - 1 - len(heads)
-                if n <= 0:
-                    continue
-                inputs.append(hidden[:n].float())
-                for j in range(len(heads)):
-                    labels[j].append(ids[0, 2 + j : 2 + j + n])
-    finally:
-        model.train(was_training)
-    if not inputs:
-        raise ValueError(f"fit_streaming_heads needs sequences longer than {len(heads) + 2} tokens")
-    x = torch.cat(inputs)
-    ys = [torch.cat(label) for label in labels]
-    heads.to(device)
-    optimizer = torch.optim.AdamW(heads.parameters(), lr=lr)
-    generator = torch.Generator().manual_seed(seed)
-    losses = []
-    with frozen(head):
-        for _ in range(steps):
-            pick = torch.randint(0, x.shape[0], (min(rows, x.shape[0]),), generator=generator).to(device)
-            loss = sum(
-                nn.functional.cross_entropy(head(heads.hidden(j, x[pick]).to(head.weight.dtype)).float(), ys[j][pick])
-                for j in range(len(heads))
-            ) / len(heads)
-            optimizer.zero_grad()
-            loss.backward()
-            optimizer.step()
-            losses.append(float(loss.detach()))
-    return losses
+    return StreamingHeadTrainer(model, heads, lr=lr, rows=rows, seed=seed).train(sequences, steps)
+
+
+class StreamingHeadTrainer:
+    """Trains streaming heads on the policy's own token sequences and keeps its optimizer between
+    calls: offline once (:func:`fit_streaming_heads`), or online, a few steps after every rollout
+    on the recent ones (``SpecRollout(drafter=..., drafter_train_steps=N)``), so the heads follow
+    the moving policy. Every step bumps ``heads.version`` (the selector then re-measures the
+    drafter's arms; a draft process re-ships the weights)."""
+
+    def __init__(self, model: nn.Module, heads: StreamingHeads, *, lr: float = 2e-3, rows: int = 256, seed: int = 0):
+        if not (isinstance(rows, int) and rows >= 1):
+            raise ValueError(f"rows must be an int >= 1, got {rows!r}")
+        self.model = model
+        self.heads = heads
+        self.rows = rows
+        self.device, _ = model_device_dtype(model)
+        heads.to(self.device)
+        self.optimizer = torch.optim.AdamW(heads.parameters(), lr=lr)
+        self.generator = torch.Generator().manual_seed(seed)
+        self.step_count = 0
+
+    def examples(self, sequences: Sequence[Sequence[int]]) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """The drafter's LM-head inputs at every position with a label for each head, and the labels."""
+        if not sequences:
+            raise ValueError("streaming heads need at least one sequence to train on")
+        n_heads = len(self.heads)
+        inputs, labels = [], [[] for _ in range(n_heads)]
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            with torch.no_grad():
+                for tokens in sequences:
+                    ids = torch.tensor([list(tokens)], dtype=torch.long, device=self.device)
+                    n = len(tokens) - 1 - n_heads
+                    if n <= 0:
+                        continue
+                    hidden, _ = lm_head_inputs(self.model, ids)
+                    inputs.append(hidden[:n].float())
+                    for j in range(n_heads):
+                        labels[j].append(ids[0, 2 + j : 2 + j + n])
+        finally:
+            self.model.train(was_training)
+        if not inputs:
+            raise ValueError(f"streaming heads need sequences longer than {n_heads + 2} tokens")
+        return torch.cat(inputs), [torch.cat(label) for label in labels]
+
+    def train(self, sequences: Sequence[Sequence[int]], steps: int) -> list[float]:
+        """``steps`` optimizer steps on rows drawn from ``sequences``; the mean loss of each."""
+        x, ys = self.examples(sequences)
+        head = self.model.get_output_embeddings()
+        was_training = self.heads.training
+        self.heads.train()
+        losses = []
+        try:
+            with frozen(head):
+                for _ in range(steps):
+                    pick = torch.randint(0, x.shape[0], (min(self.rows, x.shape[0]),), generator=self.generator)
+                    pick = pick.to(self.device)
+                    loss = sum(
+                        nn.functional.cross_entropy(
+                            head(self.heads.hidden(j, x[pick]).to(head.weight.dtype)).float(), ys[j][pick]
+                        )
+                        for j in range(len(self.heads))
+                    ) / len(self.heads)
+                    self.optimizer.zero_grad()
+                    loss.backward()
+                    self.optimizer.step()
+                    self.step_count += 1
+                    self.heads.version += 1
+                    losses.append(float(loss.detach()))
+        finally:
+            self.heads.train(was_training)
+        return losses

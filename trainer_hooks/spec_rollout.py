@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import time
+from collections import deque
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import asdict, dataclass, field
@@ -29,6 +30,9 @@ from ..workers.worker import DrafterState
 from .sampling_from_trl import sampling_params_from_trl
 
 logger = logging.getLogger(__name__)
+
+STREAMING_RECENT_SEQUENCES = 256  # online streaming-head training: the newest prompt + completion sequences
+STREAMING_LR = 2e-3
 
 
 @dataclass
@@ -57,8 +61,9 @@ class SpecRolloutConfig:
     catch_up: dict | None = None
     progress: bool = False
     log_metrics: bool = True
-    # EAGLE-3 head only: training steps after every rollout call on the features it recorded, so
-    # the head follows the moving policy (in this process; tailspec.ray runs them on idle workers)
+    # training steps after every rollout call, so the drafter follows the moving policy (in this
+    # process; with workers an EAGLE-3 head trains on idle workers instead): an EAGLE-3 head on the
+    # features it recorded, a drafter LM's streaming heads on the recent completions
     drafter_train_steps: int = 0
     drafter_buffer_mb: int = 256
     # Ray rollout workers (tailspec.workers): 0 = the colocated in-process engine (zero-copy); N >= 1
@@ -186,8 +191,16 @@ class SpecRollout:
         from ..drafter.eagle3 import Eagle3Head, FeatureBuffer
 
         self._online_head = isinstance(drafter, Eagle3Head) and self.config.drafter_train_steps > 0
-        if self.config.drafter_train_steps > 0 and not isinstance(drafter, Eagle3Head):
-            raise ValueError("drafter_train_steps > 0 needs an EAGLE-3 head as drafter (SpecRollout(drafter=head))")
+        self._online_streaming = self.config.drafter_train_steps > 0 and getattr(drafter, "heads", None) is not None
+        if self.config.drafter_train_steps > 0 and not (self._online_head or self._online_streaming):
+            raise ValueError(
+                "drafter_train_steps > 0 needs an EAGLE-3 head (SpecRollout(drafter=head)) or a drafter LM "
+                "with streaming heads (SpecRollout(drafter=SmallLMDrafter(lm, streaming_heads=...))) as drafter"
+            )
+        # streaming heads: StreamingHeadTrainer (made at the first training) and the recent sequences it trains on
+        self.head_trainer = None
+        self._pending_heads: DrafterState | None = None  # loaded from a checkpoint before the trainer exists
+        self._recent_sequences: deque[list[int]] = deque(maxlen=STREAMING_RECENT_SEQUENCES)
         self.feature_buffer = FeatureBuffer(self.config.drafter_buffer_mb << 20) if self._online_head else None
         self.drafter_training = drafter_training
         self.drafter_trainer = None  # DrafterTrainer, made at the first rollout (it needs the policy's embeddings)
@@ -225,6 +238,9 @@ class SpecRollout:
         self._record(completion_ids, elapsed, counters, steps, str(engine.strategy), trainer)
         self._catch_up()
         if self._online_head:
+            self._train_drafter(trainer)
+        elif self._online_streaming:
+            self._recent_sequences.extend(p + c for p, c in zip(prompt_ids, completion_ids))
             self._train_drafter(trainer)
         return self._trl_outputs(outputs)
 
@@ -309,9 +325,8 @@ class SpecRollout:
             return {**self._coordinator.state_dict(), "catch_up": self.catch_up.state_dict()}
         if self._engine is None and self._pending_state is not None:
             return self._pending_state
-        from ..drafter.eagle3 import Eagle3Head
-
-        drafter = DrafterState.of(self.drafter, self.drafter_trainer) if isinstance(self.drafter, Eagle3Head) else None
+        trained = self._trained_part()
+        drafter = DrafterState.of(trained, self.drafter_trainer or self.head_trainer) if trained is not None else None
         engines = [self._engine.state_dict()] if self._engine is not None else []
         return {"engines": engines, "predictor": None, "drafter": drafter, "catch_up": self.catch_up.state_dict()}
 
@@ -320,11 +335,17 @@ class SpecRollout:
         ``drafter`` object); the rest when the engine or the workers start, or now if they run."""
         drafter = state.get("drafter")
         if drafter is not None:
-            from ..drafter.eagle3 import Eagle3Head
-
-            if not isinstance(self.drafter, Eagle3Head):
-                raise ValueError("the saved rollout state has an EAGLE-3 drafter state; this rollout drafts with none")
-            drafter.load_into(self.drafter)
+            trained = self._trained_part()
+            if trained is None:
+                raise ValueError(
+                    "the saved rollout state has a drafter state (an EAGLE-3 head or streaming heads); "
+                    "this rollout drafts with neither"
+                )
+            drafter.load_into(trained)
+            if trained is not self.drafter:  # streaming heads: their optimizer waits for their trainer
+                self._pending_heads = drafter
+                if self.head_trainer is not None:
+                    self._apply_pending_heads()
         self.catch_up.load_state_dict(state.get("catch_up"))
         self._pending_state = state
         if self._coordinator is not None:
@@ -332,6 +353,23 @@ class SpecRollout:
             self._pending_state = None
         elif self._engine is not None:
             self._apply_pending(self._engine)
+
+    def _trained_part(self) -> torch.nn.Module | None:
+        """What online training changes and a checkpoint keeps: the EAGLE-3 head, or a drafter
+        LM's streaming heads (None for any other drafter)."""
+        from ..drafter.eagle3 import Eagle3Head
+
+        if isinstance(self.drafter, Eagle3Head):
+            return self.drafter
+        return getattr(self.drafter, "heads", None)
+
+    def _apply_pending_heads(self) -> None:
+        saved, self._pending_heads = self._pending_heads, None
+        if saved is None:
+            return
+        if saved.optimizer is not None:
+            self.head_trainer.optimizer.load_state_dict(saved.optimizer)
+        self.head_trainer.step_count = saved.step
 
     def _apply_pending(self, engine: RolloutEngine) -> None:
         state, self._pending_state = self._pending_state, None
@@ -440,20 +478,36 @@ class SpecRollout:
         return self.catch_up.lr_scale
 
     def _train_drafter(self, trainer: Any) -> None:
-        """Online EAGLE-3 training on what the rollouts recorded (the buffer keeps the most recent)."""
+        """Online training after a rollout: the EAGLE-3 head on what the rollouts recorded (the
+        buffer keeps the most recent), or the streaming heads on the recent sequences."""
         start = time.perf_counter()
-        results = self.drafter_trainer.train(self.config.drafter_train_steps)
+        if self._online_head:
+            losses = [r.loss for r in self.drafter_trainer.train(self.config.drafter_train_steps)]
+        else:
+            losses = self._train_streaming_heads()
         stats = self.last_stats
         stats.drafter_train_s = time.perf_counter() - start
         stats.drafter_version = int(getattr(self.drafter, "version", 0))
-        if results:
-            stats.drafter_loss = sum(r.loss for r in results) / len(results)
+        if losses:
+            stats.drafter_loss = sum(losses) / len(losses)
         metrics = getattr(trainer, "_metrics", None)
         if self.config.log_metrics and metrics is not None and stats.drafter_loss is not None:
             mode = "train" if getattr(trainer.model, "training", True) else "eval"
             metrics[mode]["drafter/loss"].append(stats.drafter_loss)
             metrics[mode]["drafter/version"].append(float(stats.drafter_version))
             metrics[mode]["drafter/train_s"].append(stats.drafter_train_s)
+
+    def _train_streaming_heads(self) -> list[float]:
+        from ..drafter.streaming import StreamingHeadTrainer
+
+        if self.head_trainer is None:
+            self.head_trainer = StreamingHeadTrainer(self.drafter.model, self.drafter.heads)
+            self._apply_pending_heads()
+        sequences = [s for s in self._recent_sequences if len(s) > len(self.drafter.heads) + 2]
+        if not sequences:
+            return []
+        self.head_trainer.optimizer.param_groups[0]["lr"] = STREAMING_LR * self.catch_up.lr_scale
+        return self.head_trainer.train(sequences, self.config.drafter_train_steps)
 
     def _record_spot_training(self, report: RolloutReport, trainer: Any) -> None:
         stats = self.last_stats

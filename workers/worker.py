@@ -50,7 +50,8 @@ HELD_OUT_SAMPLES = 24  # the newest held-out samples heads are compared on: what
 
 @dataclass
 class DrafterState:
-    """Everything needed to continue training an EAGLE-3 head elsewhere (versioned)."""
+    """Everything needed to continue training an EAGLE-3 head elsewhere (versioned); a drafter
+    LM's streaming heads are kept the same way (``SpecRollout`` checkpoints)."""
 
     head: dict[str, torch.Tensor]
     version: int

@@ -7,7 +7,7 @@ import torch
 
 from tailspec.draft_contract import DraftRequest, DraftShape
 from tailspec.drafter.small_lm import SmallLMDrafter
-from tailspec.drafter.streaming import StreamingHeads, fit_streaming_heads, lm_head_inputs
+from tailspec.drafter.streaming import StreamingHeads, StreamingHeadTrainer, fit_streaming_heads, lm_head_inputs
 from tailspec.rollout import RolloutConfig, RolloutEngine, SamplingParams
 from tailspec.rollout.draft_executor import SeqSnapshot
 from tailspec.testing import ARCHITECTURES, perturbed_copy, random_prompts, tiny_random_model
@@ -63,6 +63,12 @@ def test_streaming_heads_cross_to_a_draft_process():
         engine.mirror.drafter.propose(request, DraftShape(6))[0].tokens
         == drafter.propose(request, DraftShape(6))[0].tokens
     )
+    # the heads train in this process (online streaming-head training): the copy follows them
+    StreamingHeadTrainer(drafter.model, drafter.heads, lr=0.05).train([p + [1, 2, 3] for p in prompts], steps=5)
+    engine.mirror.executor.refresh()
+    request = [DraftRequest(SeqSnapshot(6, prompts[1], [], None, frozenset(), params), 6)]
+    mine = drafter.propose(request, DraftShape(6))[0].tokens
+    assert engine.mirror.drafter.propose(request, DraftShape(6))[0].tokens == mine
     engine.close()
 
 

@@ -155,8 +155,43 @@ def test_eagle3_head_drafts_and_trains_online_between_rollouts(task_tokenizer, t
         assert rollout.last_stats.drafter_version == 3 * (call + 1)
     assert len(rollout.feature_buffer) == 2 * len(prompts)
     assert len(metrics["eval"]["drafter/loss"]) == 2
-    with pytest.raises(ValueError, match="EAGLE-3 head"):
+    with pytest.raises(ValueError, match="EAGLE-3 head .* or a drafter LM with streaming heads"):
         SpecRollout(strategy="suffix", drafter_train_steps=2)
+
+
+def test_streaming_heads_train_online_between_rollouts_and_resume(task_tokenizer, tiny_policy):
+    """SpecRollout(drafter=SmallLMDrafter(lm, streaming_heads=...), drafter_train_steps=N): rollouts
+    stay lossless while the heads take N steps on the recent completions after every call; a
+    checkpoint's state carries the heads and their optimizer into a new rollout."""
+    from tailspec.drafter.small_lm import SmallLMDrafter
+    from tailspec.drafter.streaming import StreamingHeads
+    from tailspec.testing import perturbed_copy
+
+    convs = [[{"role": "user", "content": f"add {i} {i + 2} {i + 1}"}] for i in range(3)]
+    prompts = [c for c in convs for _ in range(2)]
+    trainer, metrics = _greedy_trainer(task_tokenizer, tiny_policy)
+    plain = SpecRollout(model=tiny_policy)(prompts, trainer)
+    lm = perturbed_copy(tiny_policy, noise=0.05, seed=3)
+
+    def rollout_with_heads() -> tuple[SpecRollout, StreamingHeads]:
+        heads = StreamingHeads(lm.config.hidden_size, 1)
+        drafter = SmallLMDrafter(lm, streaming_heads=heads)
+        return SpecRollout(model=tiny_policy, strategy="chain:3", drafter=drafter, drafter_train_steps=3), heads
+
+    rollout, heads = rollout_with_heads()
+    for call in range(2):
+        assert rollout(prompts, trainer)["completion_ids"] == plain["completion_ids"]
+        assert rollout.last_stats.drafter_version == heads.version == 3 * (call + 1)
+    assert heads.blocks[0].weight.abs().sum() > 0  # zero-initialised, trained since
+    assert len(metrics["eval"]["drafter/loss"]) == 2
+    state = rollout.state_dict()
+
+    resumed, fresh = rollout_with_heads()
+    resumed.load_state_dict(state)
+    torch.testing.assert_close(fresh.blocks[0].weight, heads.blocks[0].weight)
+    assert resumed(prompts, trainer)["completion_ids"] == plain["completion_ids"]
+    assert resumed.head_trainer.step_count == 6 + 3 and fresh.version == 6 + 3
+    assert resumed.head_trainer.optimizer.state_dict()["state"][0]["step"] == 6 + 3  # Adam moments carried over
 
 
 def test_adaptive_rollout_is_lossless_and_reports_its_strategy_mix(task_tokenizer, tiny_policy):
