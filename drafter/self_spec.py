@@ -34,6 +34,7 @@ class ExitAdapter(nn.Module):
         super().__init__()
         if not (isinstance(rank, int) and 1 <= rank <= hidden_size):
             raise ValueError(f"adapter rank must be an int in [1, {hidden_size}], got {rank!r}")
+        self.version = 0  # bumped by every training step (ExitAdapterTrainer)
         self.down = nn.Linear(hidden_size, rank, bias=False)
         self.up = nn.Linear(rank, hidden_size, bias=False)
         nn.init.zeros_(self.up.weight)
@@ -87,6 +88,11 @@ class SelfSpecDrafter(SmallLMDrafter):
         self.adapter = adapter
         super().__init__(shallow_model(target, num_layers, adapter), **kwargs)
 
+    @property
+    def version(self) -> int:
+        """Training steps of the adapter (the layers are the policy's; they move with it)."""
+        return self.adapter.version if self.adapter is not None else 0
+
     def model_structure(self):
         rank = self.adapter.down.out_features if self.adapter is not None else None
         return partial(_shallow_structure, type(self.model), self.model.config, self.runner.dtype, rank)
@@ -114,34 +120,71 @@ def fit_adapter(
     """Train ``adapter`` so that the early exit after ``num_layers`` layers matches the target's
     own next-token distribution over ``sequences`` (KL to the full model's softmax, every
     position); the target is not changed. Returns the loss per step."""
-    if not sequences:
-        raise ValueError("fit_adapter needs at least one sequence")
-    check_exit_layer(target, num_layers)
-    norm, head = final_norm(target), target.get_output_embeddings()
-    device = next(target.parameters()).device
-    hiddens, teachers = [], []
-    was_training = target.training
-    target.eval()
-    try:
-        with torch.no_grad(), capture_layer_inputs(target, [num_layers]) as captured:
-            for tokens in sequences:
-                ids = torch.tensor([list(tokens)], dtype=torch.long, device=device)
-                teachers.append(torch.log_softmax(target(input_ids=ids).logits[0].float(), dim=-1))
-                hiddens.append(captured[num_layers][0].detach())
-    finally:
-        target.train(was_training)
-    hidden, teacher = torch.cat(hiddens), torch.cat(teachers)
-    optimizer = torch.optim.AdamW(adapter.parameters(), lr=lr)
-    generator = torch.Generator().manual_seed(seed)
-    rows = batch_size * 32
-    losses = []
-    with frozen(norm, head):
-        for _ in range(steps):
-            pick = torch.randint(0, hidden.shape[0], (min(rows, hidden.shape[0]),), generator=generator)
-            student = torch.log_softmax(head(norm(adapter(hidden[pick].to(device)))).float(), dim=-1)
-            loss = nn.functional.kl_div(student, teacher[pick], log_target=True, reduction="batchmean")
-            optimizer.zero_grad()
-            loss.backward()
-            optimizer.step()
-            losses.append(float(loss.detach()))
-    return losses
+    trainer = ExitAdapterTrainer(target, adapter, num_layers, lr=lr, batch_size=batch_size, seed=seed)
+    return trainer.train(sequences, steps)
+
+
+class ExitAdapterTrainer:
+    """Trains an :class:`ExitAdapter` towards the target's own next-token distributions and keeps
+    its optimizer between calls: offline once (:func:`fit_adapter`) or online, a few steps after
+    every rollout on the recent sequences (``SpecRollout(drafter="self:L", self_adapter_rank=R,
+    drafter_train_steps=N)``), the teacher being the policy as it is then. Every step bumps
+    ``adapter.version``."""
+
+    def __init__(
+        self,
+        target: nn.Module,
+        adapter: ExitAdapter,
+        num_layers: int,
+        *,
+        lr: float = 1e-3,
+        batch_size: int = 8,
+        seed: int = 0,
+    ) -> None:
+        check_exit_layer(target, num_layers)
+        if not (isinstance(batch_size, int) and batch_size >= 1):
+            raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")
+        self.target = target  # the teacher; point it at the current policy object when that changes
+        self.adapter = adapter
+        self.num_layers = num_layers
+        self.rows = batch_size * 32
+        self.optimizer = torch.optim.AdamW(adapter.parameters(), lr=lr)
+        self.generator = torch.Generator().manual_seed(seed)
+        self.step_count = 0
+
+    def examples(self, sequences: Sequence[Sequence[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The hidden states after ``num_layers`` layers and the full model's next-token log-probs."""
+        if not sequences:
+            raise ValueError("the exit adapter needs at least one sequence to train on")
+        target, device = self.target, next(self.target.parameters()).device
+        hiddens, teachers = [], []
+        was_training = target.training
+        target.eval()
+        try:
+            with torch.no_grad(), capture_layer_inputs(target, [self.num_layers]) as captured:
+                for tokens in sequences:
+                    ids = torch.tensor([list(tokens)], dtype=torch.long, device=device)
+                    teachers.append(torch.log_softmax(target(input_ids=ids).logits[0].float(), dim=-1))
+                    hiddens.append(captured[self.num_layers][0].detach())
+        finally:
+            target.train(was_training)
+        return torch.cat(hiddens), torch.cat(teachers)
+
+    def train(self, sequences: Sequence[Sequence[int]], steps: int) -> list[float]:
+        """``steps`` optimizer steps on rows drawn from ``sequences``; the loss of each."""
+        hidden, teacher = self.examples(sequences)
+        norm, head = final_norm(self.target), self.target.get_output_embeddings()
+        device = next(self.target.parameters()).device
+        losses = []
+        with frozen(norm, head):
+            for _ in range(steps):
+                pick = torch.randint(0, hidden.shape[0], (min(self.rows, hidden.shape[0]),), generator=self.generator)
+                student = torch.log_softmax(head(norm(self.adapter(hidden[pick].to(device)))).float(), dim=-1)
+                loss = nn.functional.kl_div(student, teacher[pick], log_target=True, reduction="batchmean")
+                self.optimizer.zero_grad()
+                loss.backward()
+                self.optimizer.step()
+                self.step_count += 1
+                self.adapter.version += 1
+                losses.append(float(loss.detach()))
+        return losses

@@ -31,8 +31,11 @@ from .sampling_from_trl import sampling_params_from_trl
 
 logger = logging.getLogger(__name__)
 
-STREAMING_RECENT_SEQUENCES = 256  # online streaming-head training: the newest prompt + completion sequences
+# online training of a drafter part on token sequences (streaming heads, a self-speculative exit
+# adapter): the newest prompt + completion sequences it trains on, and its base learning rates
+RECENT_SEQUENCES = 256
 STREAMING_LR = 2e-3
+ADAPTER_LR = 1e-3
 
 
 @dataclass
@@ -66,6 +69,9 @@ class SpecRolloutConfig:
     # features it recorded, a drafter LM's streaming heads on the recent completions
     drafter_train_steps: int = 0
     drafter_buffer_mb: int = 256
+    # drafter "self:L" only: an ExitAdapter of this rank in front of the early exit's norm, trained
+    # online (drafter_train_steps) towards the policy's own next-token distributions
+    self_adapter_rank: int | None = None
     # Ray rollout workers (tailspec.workers): 0 = the colocated in-process engine (zero-copy); N >= 1
     # engines in Ray actors, started locally unless ray_address (or RAY_ADDRESS) names a cluster.
     # An EAGLE-3 head then trains on workers the long tail leaves idle (workers_config fields).
@@ -191,16 +197,22 @@ class SpecRollout:
         from ..drafter.eagle3 import Eagle3Head, FeatureBuffer
 
         self._online_head = isinstance(drafter, Eagle3Head) and self.config.drafter_train_steps > 0
-        self._online_streaming = self.config.drafter_train_steps > 0 and getattr(drafter, "heads", None) is not None
-        if self.config.drafter_train_steps > 0 and not (self._online_head or self._online_streaming):
+        self._self_layers = self._self_adapter_layers(drafter)
+        self.adapter = None  # the self-speculative drafter's ExitAdapter, made with the first engine
+        self._sequence_trained = self.config.drafter_train_steps > 0 and (
+            getattr(drafter, "heads", None) is not None or self._self_layers is not None
+        )
+        if self.config.drafter_train_steps > 0 and not (self._online_head or self._sequence_trained):
             raise ValueError(
-                "drafter_train_steps > 0 needs an EAGLE-3 head (SpecRollout(drafter=head)) or a drafter LM "
-                "with streaming heads (SpecRollout(drafter=SmallLMDrafter(lm, streaming_heads=...))) as drafter"
+                "drafter_train_steps > 0 needs an EAGLE-3 head (SpecRollout(drafter=head)), a drafter LM with "
+                "streaming heads (SpecRollout(drafter=SmallLMDrafter(lm, streaming_heads=...))) or drafter='self:L' "
+                "with self_adapter_rank set"
             )
-        # streaming heads: StreamingHeadTrainer (made at the first training) and the recent sequences it trains on
-        self.head_trainer = None
-        self._pending_heads: DrafterState | None = None  # loaded from a checkpoint before the trainer exists
-        self._recent_sequences: deque[list[int]] = deque(maxlen=STREAMING_RECENT_SEQUENCES)
+        # streaming heads or the exit adapter: their trainer (made at the first training) and the
+        # recent sequences it trains on
+        self.sequence_trainer = None
+        self._pending_part: DrafterState | None = None  # loaded from a checkpoint before the trainer exists
+        self._recent_sequences: deque[list[int]] = deque(maxlen=RECENT_SEQUENCES)
         self.feature_buffer = FeatureBuffer(self.config.drafter_buffer_mb << 20) if self._online_head else None
         self.drafter_training = drafter_training
         self.drafter_trainer = None  # DrafterTrainer, made at the first rollout (it needs the policy's embeddings)
@@ -239,7 +251,7 @@ class SpecRollout:
         self._catch_up()
         if self._online_head:
             self._train_drafter(trainer)
-        elif self._online_streaming:
+        elif self._sequence_trained:
             self._recent_sequences.extend(p + c for p, c in zip(prompt_ids, completion_ids))
             self._train_drafter(trainer)
         return self._trl_outputs(outputs)
@@ -326,7 +338,8 @@ class SpecRollout:
         if self._engine is None and self._pending_state is not None:
             return self._pending_state
         trained = self._trained_part()
-        drafter = DrafterState.of(trained, self.drafter_trainer or self.head_trainer) if trained is not None else None
+        trainer = self.drafter_trainer or self.sequence_trainer
+        drafter = DrafterState.of(trained, trainer) if trained is not None else None
         engines = [self._engine.state_dict()] if self._engine is not None else []
         return {"engines": engines, "predictor": None, "drafter": drafter, "catch_up": self.catch_up.state_dict()}
 
@@ -336,16 +349,17 @@ class SpecRollout:
         drafter = state.get("drafter")
         if drafter is not None:
             trained = self._trained_part()
-            if trained is None:
+            if trained is None and self._self_layers is None:
                 raise ValueError(
-                    "the saved rollout state has a drafter state (an EAGLE-3 head or streaming heads); "
-                    "this rollout drafts with neither"
+                    "the saved rollout state has a drafter state (an EAGLE-3 head, streaming heads or an exit "
+                    "adapter); this rollout drafts with none of them"
                 )
-            drafter.load_into(trained)
-            if trained is not self.drafter:  # streaming heads: their optimizer waits for their trainer
-                self._pending_heads = drafter
-                if self.head_trainer is not None:
-                    self._apply_pending_heads()
+            if trained is not None:  # an exit adapter not made yet loads it when it is (engine_for)
+                drafter.load_into(trained)
+            if trained is not self.drafter:  # streaming heads or adapter: the optimizer waits for their trainer
+                self._pending_part = drafter
+                if self.sequence_trainer is not None:
+                    self._apply_pending_part()
         self.catch_up.load_state_dict(state.get("catch_up"))
         self._pending_state = state
         if self._coordinator is not None:
@@ -361,15 +375,30 @@ class SpecRollout:
 
         if isinstance(self.drafter, Eagle3Head):
             return self.drafter
+        if self._self_layers is not None:
+            return self.adapter
         return getattr(self.drafter, "heads", None)
 
-    def _apply_pending_heads(self) -> None:
-        saved, self._pending_heads = self._pending_heads, None
+    def _self_adapter_layers(self, drafter: Any) -> int | None:
+        """L of drafter ``"self:L"`` when it has an exit adapter (``self_adapter_rank``), else None."""
+        rank = self.config.self_adapter_rank
+        if rank is None:
+            return None
+        if not isinstance(drafter, str):
+            raise ValueError(f"self_adapter_rank is for drafter='self:L', got drafter={type(drafter).__name__}")
+        from ..drafter.factory import parse_self_drafter
+
+        if not (isinstance(rank, int) and rank >= 1):
+            raise ValueError(f"self_adapter_rank must be None or an int >= 1, got {rank!r}")
+        return parse_self_drafter(drafter)
+
+    def _apply_pending_part(self) -> None:
+        saved, self._pending_part = self._pending_part, None
         if saved is None:
             return
         if saved.optimizer is not None:
-            self.head_trainer.optimizer.load_state_dict(saved.optimizer)
-        self.head_trainer.step_count = saved.step
+            self.sequence_trainer.optimizer.load_state_dict(saved.optimizer)
+        self.sequence_trainer.step_count = saved.step
 
     def _apply_pending(self, engine: RolloutEngine) -> None:
         state, self._pending_state = self._pending_state, None
@@ -449,6 +478,21 @@ class SpecRollout:
                     )
                 else:
                     self.drafter_trainer.embed = model.get_input_embeddings()
+            elif self._self_layers is not None:
+                from ..drafter.self_spec import ExitAdapter, SelfSpecDrafter
+
+                if self.adapter is None:
+                    self.adapter = ExitAdapter(model.config.hidden_size, self.config.self_adapter_rank)
+                    if self._pending_part is not None:
+                        self._pending_part.load_into(self.adapter)
+                drafter = SelfSpecDrafter(
+                    model,
+                    self._self_layers,
+                    adapter=self.adapter.to(next(model.parameters()).device),
+                    kv_cache_tokens=cfg.draft_kv_cache_tokens or cfg.kv_cache_tokens,
+                    block_size=cfg.block_size,
+                    seed=seed,
+                )
             self._engine = RolloutEngine(model, cfg, eos_token_ids=eos, tokenizer=tokenizer, drafter=drafter)
             self._engine_model_id = id(model)
             self._apply_pending(self._engine)
@@ -484,10 +528,10 @@ class SpecRollout:
         if self._online_head:
             losses = [r.loss for r in self.drafter_trainer.train(self.config.drafter_train_steps)]
         else:
-            losses = self._train_streaming_heads()
+            losses = self._train_on_sequences()
         stats = self.last_stats
         stats.drafter_train_s = time.perf_counter() - start
-        stats.drafter_version = int(getattr(self.drafter, "version", 0))
+        stats.drafter_version = int(getattr(self._trained_part(), "version", 0))
         if losses:
             stats.drafter_loss = sum(losses) / len(losses)
         metrics = getattr(trainer, "_metrics", None)
@@ -497,17 +541,29 @@ class SpecRollout:
             metrics[mode]["drafter/version"].append(float(stats.drafter_version))
             metrics[mode]["drafter/train_s"].append(stats.drafter_train_s)
 
-    def _train_streaming_heads(self) -> list[float]:
-        from ..drafter.streaming import StreamingHeadTrainer
+    def _train_on_sequences(self) -> list[float]:
+        """Streaming heads on the recent completions, or the exit adapter towards the policy's own
+        distributions over them, at the catch-up rate."""
+        if self.sequence_trainer is None:
+            if self._self_layers is not None:
+                from ..drafter.self_spec import ExitAdapterTrainer
 
-        if self.head_trainer is None:
-            self.head_trainer = StreamingHeadTrainer(self.drafter.model, self.drafter.heads)
-            self._apply_pending_heads()
-        sequences = [s for s in self._recent_sequences if len(s) > len(self.drafter.heads) + 2]
+                self.sequence_trainer = ExitAdapterTrainer(self._engine.model, self.adapter, self._self_layers)
+            else:
+                from ..drafter.streaming import StreamingHeadTrainer
+
+                self.sequence_trainer = StreamingHeadTrainer(self.drafter.model, self.drafter.heads)
+            self._apply_pending_part()
+        if self._self_layers is not None:
+            self.sequence_trainer.target = self._engine.model  # the teacher: the policy as it is now
+            minimum, lr = 1, ADAPTER_LR
+        else:
+            minimum, lr = len(self.drafter.heads) + 3, STREAMING_LR
+        sequences = [s for s in self._recent_sequences if len(s) >= minimum]
         if not sequences:
             return []
-        self.head_trainer.optimizer.param_groups[0]["lr"] = STREAMING_LR * self.catch_up.lr_scale
-        return self.head_trainer.train(sequences, self.config.drafter_train_steps)
+        self.sequence_trainer.optimizer.param_groups[0]["lr"] = lr * self.catch_up.lr_scale
+        return self.sequence_trainer.train(sequences, self.config.drafter_train_steps)
 
     def _record_spot_training(self, report: RolloutReport, trainer: Any) -> None:
         stats = self.last_stats

@@ -155,7 +155,7 @@ def test_eagle3_head_drafts_and_trains_online_between_rollouts(task_tokenizer, t
         assert rollout.last_stats.drafter_version == 3 * (call + 1)
     assert len(rollout.feature_buffer) == 2 * len(prompts)
     assert len(metrics["eval"]["drafter/loss"]) == 2
-    with pytest.raises(ValueError, match="EAGLE-3 head .* or a drafter LM with streaming heads"):
+    with pytest.raises(ValueError, match="EAGLE-3 head .*, a drafter LM with streaming heads .* or drafter=.self:L."):
         SpecRollout(strategy="suffix", drafter_train_steps=2)
 
 
@@ -190,8 +190,42 @@ def test_streaming_heads_train_online_between_rollouts_and_resume(task_tokenizer
     resumed.load_state_dict(state)
     torch.testing.assert_close(fresh.blocks[0].weight, heads.blocks[0].weight)
     assert resumed(prompts, trainer)["completion_ids"] == plain["completion_ids"]
-    assert resumed.head_trainer.step_count == 6 + 3 and fresh.version == 6 + 3
-    assert resumed.head_trainer.optimizer.state_dict()["state"][0]["step"] == 6 + 3  # Adam moments carried over
+    assert resumed.sequence_trainer.step_count == 6 + 3 and fresh.version == 6 + 3
+    assert resumed.sequence_trainer.optimizer.state_dict()["state"][0]["step"] == 6 + 3  # Adam moments carried over
+
+
+def test_the_self_speculative_exit_adapter_trains_online_and_resumes(task_tokenizer, tiny_policy):
+    """SpecRollout(drafter="self:L", self_adapter_rank=R, drafter_train_steps=N): the policy's own
+    first L layers draft through an exit adapter that trains N steps towards the policy's next-token
+    distributions after every call, losslessly; a checkpoint carries it and its optimizer."""
+    convs = [[{"role": "user", "content": f"add {i} {i + 1} {i + 3}"}] for i in range(3)]
+    prompts = [c for c in convs for _ in range(2)]
+    trainer, metrics = _greedy_trainer(task_tokenizer, tiny_policy)
+    plain = SpecRollout(model=tiny_policy)(prompts, trainer)
+
+    def self_rollout() -> SpecRollout:
+        return SpecRollout(
+            model=tiny_policy, strategy="chain:3", drafter="self:1", self_adapter_rank=8, drafter_train_steps=4
+        )
+
+    rollout = self_rollout()
+    losses = []
+    for call in range(3):
+        assert rollout(prompts, trainer)["completion_ids"] == plain["completion_ids"]
+        assert rollout.last_stats.drafter_version == rollout.adapter.version == 4 * (call + 1)
+        losses.append(rollout.last_stats.drafter_loss)
+    assert losses[-1] < losses[0]  # the early exit moves towards the full model's distribution
+    assert rollout.adapter.up.weight.abs().sum() > 0
+    state = rollout.state_dict()
+
+    resumed = self_rollout()
+    resumed.load_state_dict(state)
+    assert resumed(prompts, trainer)["completion_ids"] == plain["completion_ids"]
+    assert resumed.sequence_trainer.step_count == 12 + 4 and resumed.adapter.version == 12 + 4
+    with pytest.raises(ValueError, match="self_adapter_rank is for drafter='self:L'"):
+        SpecRollout(strategy="suffix", self_adapter_rank=8)
+    with pytest.raises(ValueError, match="self_adapter_rank must be None or an int >= 1"):
+        SpecRollout(strategy="chain:2", drafter="self:1", self_adapter_rank=0)
 
 
 def test_adaptive_rollout_is_lossless_and_reports_its_strategy_mix(task_tokenizer, tiny_policy):
