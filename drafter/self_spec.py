@@ -20,7 +20,7 @@ from torch import nn
 
 from ..rollout.early_exit import check_exit_layer, final_norm
 from ..rollout.model_runner import capture_layer_inputs
-from .fitting import frozen
+from .fitting import PartTrainer, frozen
 from .small_lm import SmallLMDrafter
 
 logger = logging.getLogger(__name__)
@@ -124,7 +124,7 @@ def fit_adapter(
     return trainer.train(sequences, steps)
 
 
-class ExitAdapterTrainer:
+class ExitAdapterTrainer(PartTrainer):
     """Trains an :class:`ExitAdapter` towards the target's own next-token distributions and keeps
     its optimizer between calls: offline once (:func:`fit_adapter`) or online, a few steps after
     every rollout on the recent sequences (``SpecRollout(drafter="self:L", self_adapter_rank=R,
@@ -147,10 +147,8 @@ class ExitAdapterTrainer:
         self.target = target  # the teacher; point it at the current policy object when that changes
         self.adapter = adapter
         self.num_layers = num_layers
-        self.rows = batch_size * 32
-        self.optimizer = torch.optim.AdamW(adapter.parameters(), lr=lr)
-        self.generator = torch.Generator().manual_seed(seed)
-        self.step_count = 0
+        self.batch_rows = batch_size * 32
+        super().__init__(adapter, lr, seed)
 
     def examples(self, sequences: Sequence[Sequence[int]]) -> tuple[torch.Tensor, torch.Tensor]:
         """The hidden states after ``num_layers`` layers and the full model's next-token log-probs."""
@@ -178,13 +176,8 @@ class ExitAdapterTrainer:
         losses = []
         with frozen(norm, head):
             for _ in range(steps):
-                pick = torch.randint(0, hidden.shape[0], (min(self.rows, hidden.shape[0]),), generator=self.generator)
+                pick = self.rows(hidden.shape[0], self.batch_rows)
                 student = torch.log_softmax(head(norm(self.adapter(hidden[pick].to(device)))).float(), dim=-1)
                 loss = nn.functional.kl_div(student, teacher[pick], log_target=True, reduction="batchmean")
-                self.optimizer.zero_grad()
-                loss.backward()
-                self.optimizer.step()
-                self.step_count += 1
-                self.adapter.version += 1
-                losses.append(float(loss.detach()))
+                losses.append(self.step(loss))
         return losses

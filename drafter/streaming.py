@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from ..rollout.model_runner import model_device_dtype
-from .fitting import frozen
+from .fitting import PartTrainer, frozen
 
 
 class StreamingHeads(nn.Module):
@@ -85,7 +85,7 @@ def fit_streaming_heads(
     return StreamingHeadTrainer(model, heads, lr=lr, rows=rows, seed=seed).train(sequences, steps)
 
 
-class StreamingHeadTrainer:
+class StreamingHeadTrainer(PartTrainer):
     """Trains streaming heads on the policy's own token sequences and keeps its optimizer between
     calls: offline once (:func:`fit_streaming_heads`), or online, a few steps after every rollout
     on the recent ones (``SpecRollout(drafter=..., drafter_train_steps=N)``), so the heads follow
@@ -97,12 +97,10 @@ class StreamingHeadTrainer:
             raise ValueError(f"rows must be an int >= 1, got {rows!r}")
         self.model = model
         self.heads = heads
-        self.rows = rows
+        self.batch_rows = rows
         self.device, _ = model_device_dtype(model)
         heads.to(self.device)
-        self.optimizer = torch.optim.AdamW(heads.parameters(), lr=lr)
-        self.generator = torch.Generator().manual_seed(seed)
-        self.step_count = 0
+        super().__init__(heads, lr, seed)
 
     def examples(self, sequences: Sequence[Sequence[int]]) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """The drafter's LM-head inputs at every position with a label for each head, and the labels."""
@@ -139,20 +137,14 @@ class StreamingHeadTrainer:
         try:
             with frozen(head):
                 for _ in range(steps):
-                    pick = torch.randint(0, x.shape[0], (min(self.rows, x.shape[0]),), generator=self.generator)
-                    pick = pick.to(self.device)
+                    pick = self.rows(x.shape[0], self.batch_rows).to(self.device)
                     loss = sum(
                         nn.functional.cross_entropy(
                             head(self.heads.hidden(j, x[pick]).to(head.weight.dtype)).float(), ys[j][pick]
                         )
                         for j in range(len(self.heads))
                     ) / len(self.heads)
-                    self.optimizer.zero_grad()
-                    loss.backward()
-                    self.optimizer.step()
-                    self.step_count += 1
-                    self.heads.version += 1
-                    losses.append(float(loss.detach()))
+                    losses.append(self.step(loss))
         finally:
             self.heads.train(was_training)
         return losses
