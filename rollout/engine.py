@@ -215,6 +215,7 @@ class RolloutEngine:
             return self.suffix_drafter
         return self.hybrid_drafter if strategy.kind == "hybrid" else self.drafter
 
+    # -- validation ----------------------------------------------------------------------
     def validate(self, prompt_ids: Seq[int], params: SamplingParams) -> None:
         """Raise ``ValueError`` naming the problem if the request cannot be served."""
         self.limits.check(prompt_ids, params)
@@ -545,14 +546,9 @@ class RolloutEngine:
         state, so an adaptive engine switching between ``chain:4`` and ``mirror:chain:4`` does not
         catch a second copy of the drafter up on every token the other one drafted."""
         allocator, bs = self.runner.cache.allocator, self.config.block_size
-        drafter = self._drafter_for(strategy)
         if self.mirror is not None and strategy.kind in ("chain", "tree"):
-            drafter = self.mirror.serial_drafter(seqs)
-            try:
-                return propose(drafter, seqs, strategy.shape, allocator, bs, drafting), drafter
-            except ExecutorError as e:
-                self.mirror.fail(e)
-                drafter = self.mirror.drafter
+            return self.mirror.serial_step(seqs, strategy.shape, allocator, bs, drafting)
+        drafter = self._drafter_for(strategy)
         return propose(drafter, seqs, strategy.shape, allocator, bs, drafting), drafter
 
     def _decode(self, batch: ScheduledBatch) -> list[int]:

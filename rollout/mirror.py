@@ -212,11 +212,7 @@ class MirrorPipeline:
         if missing:
             start = time.perf_counter()
             asked = ([seqs[i] for i in missing], strategy.shape, allocator, block_size, [drafting[i] for i in missing])
-            try:
-                serial = propose(self.drafter, *asked)
-            except ExecutorError as e:
-                self.fail(e)
-                serial = propose(self.drafter, *asked)
+            serial = self._propose(*asked)
             self.stats.serial_draft_s += time.perf_counter() - start
             for i, tree in zip(missing, serial):
                 trees[i] = tree
@@ -335,16 +331,25 @@ class MirrorPipeline:
         self._branches = []
         self._reconcile([s for s in seqs if not s.done])
 
-    def serial_drafter(self, seqs: Seq[Sequence]) -> Drafter:
-        """The drafter for a serial step of ``seqs``, with current weights. The step tells it what
-        was accepted, which leaves its state exact: nothing is left to reconcile for them."""
+    def serial_step(self, seqs: Seq[Sequence], shape: DraftShape, allocator, block_size: int, drafting):
+        """A serial step's drafts for ``seqs`` from this pipeline's drafter, with current weights,
+        and that drafter. The step tells it what was accepted, which leaves its state exact:
+        nothing is left to reconcile for them."""
         try:
             self.executor.refresh()
         except ExecutorError as e:
             self.fail(e)
         for seq in seqs:
             self._held.pop(seq.seq_id, None)
-        return self.drafter
+        return self._propose(seqs, shape, allocator, block_size, drafting), self.drafter
+
+    def _propose(self, seqs, shape: DraftShape, allocator, block_size: int, drafting) -> list[DraftTree]:
+        """Drafts from the executor's drafter; from the in-process one if the executor fails meanwhile."""
+        try:
+            return propose(self.drafter, seqs, shape, allocator, block_size, drafting)
+        except ExecutorError as e:
+            self.fail(e)
+            return propose(self.drafter, seqs, shape, allocator, block_size, drafting)
 
     def fail(self, error: Exception) -> None:
         """The executor failed: drop what it had drafted; a peer's host hands drafting back to
