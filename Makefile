@@ -4,7 +4,18 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.tailspec-installed
 
-.PHONY: demo test bench lint clean-venv
+.PHONY: demo test bench lint clean-venv gpu-check gpu-rehearse
+
+# The GPU check (docs/GPU.md) runs on a lent GPU's image as it is: python3 with torch, triton and
+# transformers, and none of trl, ray, deepspeed or wandb. The tree goes on PYTHONPATH as `tailspec`.
+GPU_PATH   := /tmp/tailspec-path
+GPU_OUT    ?= $(if $(OUT),$(OUT),outputs/gpu-check)
+# the rehearsal's environment is made like that image: its transformers, a CPU torch, no trainer stack
+REHEARSE_VENV := .venv-gpu-rehearse
+REHEARSE_PY   := $(REHEARSE_VENV)/bin/python
+REHEARSE_STAMP := $(REHEARSE_VENV)/.installed
+IMAGE_PACKAGES := torch==2.13.0 transformers==5.17.0 triton==3.6.0 tokenizers safetensors numpy pyyaml jinja2 \
+                  tqdm pytest pytest-timeout
 
 # Everything the project promises is installed, DeepSpeed included, so only GPU tests skip on CPU.
 $(STAMP): pyproject.toml Makefile
@@ -26,3 +37,17 @@ lint: $(STAMP)
 
 clean-venv:
 	rm -rf $(VENV)
+
+gpu-check:
+	mkdir -p $(GPU_PATH) && ln -sfn $(CURDIR) $(GPU_PATH)/tailspec
+	PYTHONPATH=$(GPU_PATH) PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 python3 -m tailspec.benchmarks.gpu --out $(GPU_OUT)
+
+$(REHEARSE_STAMP): Makefile
+	test -x $(REHEARSE_PY) || $(PYTHON) -m venv $(REHEARSE_VENV)
+	$(REHEARSE_PY) -m pip install -q $(IMAGE_PACKAGES)
+	touch $(REHEARSE_STAMP)
+
+gpu-rehearse: $(REHEARSE_STAMP)
+	mkdir -p $(GPU_PATH) && ln -sfn $(CURDIR) $(GPU_PATH)/tailspec
+	PYTHONPATH=$(GPU_PATH) PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 $(REHEARSE_PY) -m tailspec.benchmarks.gpu --rehearse \
+		--out outputs/gpu-rehearse

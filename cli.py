@@ -395,7 +395,25 @@ def build_parser() -> argparse.ArgumentParser:
         add_help=False,
     )
     deep.set_defaults(func=_train_deep)
+    pack = sub.add_parser(
+        "pack-assets",
+        help="store the shipped weights in 16 bits, packed losslessly (after a recipe rewrote them)",
+    )
+    pack.add_argument("--assets", default=None, help="the assets directory (default: the shipped one)")
+    pack.set_defaults(func=_pack_assets)
     return parser
+
+
+def _pack_assets(args: argparse.Namespace) -> int:
+    from .tasks.shipped_weights import pack_shipped
+
+    root = Path(args.assets) if args.assets else Path(__file__).resolve().parent / "assets"
+    packed = pack_shipped(root)
+    for path in packed:
+        print(f"{path}: {path.stat().st_size / 1e6:.2f} MB")
+    if not packed:
+        print(f"nothing to pack under {root}: every model directory is packed already")
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -37,6 +37,7 @@ class KernelTiming:
     torch_ms: float
     triton_ms: float
     max_abs_diff: float  # attention: vs the torch reference; verification: mismatching decisions
+    rel_error: float = float("nan")  # attention: |out - ref| / |ref| against a float64 reference
 
     @property
     def speedup(self) -> float:
@@ -150,11 +151,13 @@ def measure_attention(
     triton_ms = _median_ms(lambda: run("triton"), device, repeats)
     plan = metas["triton"].plan
     assert isinstance(plan, PagedAttentionPlan)
-    want = paged_attention_reference(q[0].transpose(0, 1), cache.k[0], cache.v[0], plan)
-    diff = float((outs["triton"].float() - want).abs().max())
+    want = paged_attention_reference(q[0].transpose(0, 1).double(), cache.k[0].double(), cache.v[0].double(), plan)
+    got = outs["triton"].double()
+    diff = float((got - want).abs().max())
+    rel = float((got - want).norm() / want.norm())
     kind = "decode" if new_tokens == 1 else f"verify {new_tokens} tokens"
     shape = f"{num_seqs} seqs, context {context}, {kind}, {heads}/{kv_heads} heads x {head_dim}, {str(dtype)[6:]}"
-    return KernelTiming("paged attention", shape, torch_ms, triton_ms, diff)
+    return KernelTiming("paged attention", shape, torch_ms, triton_ms, diff, rel)
 
 
 def measure_engine(

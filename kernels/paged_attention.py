@@ -88,11 +88,13 @@ def paged_attention_reference(
     sliding_window: int | None = None,
 ) -> torch.Tensor:
     """``query`` ``[T, H, D]``, caches ``[slots, KVH, D]`` (new K/V already written). Returns
-    ``[T, H, D]`` in float32; rows that belong to no sequence are zero."""
+    ``[T, H, D]`` in float32 (float64 for float64 inputs: the reference a kernel's relative error is
+    taken against); rows that belong to no sequence are zero."""
+    precise = torch.promote_types(query.dtype, torch.float32)
     num_rows, heads, head_dim = query.shape
     group = heads // k_cache.shape[1]
     scale = scale if scale is not None else 1.0 / math.sqrt(head_dim)
-    out = torch.zeros(num_rows, heads, head_dim, dtype=torch.float32, device=query.device)
+    out = torch.zeros(num_rows, heads, head_dim, dtype=precise, device=query.device)
     bs = plan.block_size
     for b in range(plan.block_tables.shape[0]):
         cached, q_len, start = (int(x[b]) for x in (plan.cached_lens, plan.query_lens, plan.query_start))
@@ -101,9 +103,9 @@ def paged_attention_reference(
         ctx = cached + q_len
         keys_idx = torch.arange(ctx, device=query.device)
         slots = plan.block_tables[b].long()[keys_idx // bs] * bs + keys_idx % bs
-        k = k_cache[slots].float().repeat_interleave(group, dim=1)  # [L, H, D]
-        v = v_cache[slots].float().repeat_interleave(group, dim=1)
-        q = query[start : start + q_len].float()  # [Q, H, D]
+        k = k_cache[slots].to(precise).repeat_interleave(group, dim=1)  # [L, H, D]
+        v = v_cache[slots].to(precise).repeat_interleave(group, dim=1)
+        q = query[start : start + q_len].to(precise)  # [Q, H, D]
         new = torch.ones(q_len, q_len, dtype=torch.bool, device=query.device).tril()
         if plan.tree_mask is not None:
             new = plan.tree_mask[b, :q_len, :q_len].bool()

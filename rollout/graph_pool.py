@@ -13,10 +13,11 @@ the least recently used entries are evicted. Counters: captures, hits, evictions
 from __future__ import annotations
 
 import logging
+import time
 from bisect import bisect_left
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -41,6 +42,7 @@ class PoolStats:
     evictions: int = 0
     uncaptured: int = 0  # calls larger than the largest bucket, run without a graph
     bytes: int = 0
+    capture_s: dict[GraphKey, float] = field(default_factory=dict)  # seconds each capture took (the last)
 
 
 def _round_up(value: int, buckets: tuple[int, ...]) -> int | None:
@@ -89,6 +91,7 @@ class _CudaGraphForward(CapturedForward):
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph, pool=pool):
             self.static_output = fn(self.static_inputs)
+        torch.cuda.synchronize()  # the capture's cost is counted whole (GraphPool times it)
         grown = torch.cuda.memory_reserved() - before
         buffers = sum(t.numel() * t.element_size() for t in self.static_inputs.values())
         self.nbytes = max(grown, 0) + buffers
@@ -167,7 +170,9 @@ class GraphPool:
             self._entries.move_to_end(key)
             self.stats.hits += 1
             return entry.run(inputs)
+        start = time.perf_counter()
         entry = self.backend.capture(make_fn(), inputs)
+        self.stats.capture_s[key] = time.perf_counter() - start
         self.stats.captures += 1
         if entry.nbytes > self.memory_budget:
             logger.warning("graph for %s needs %d bytes, over the whole budget; not kept", key, entry.nbytes)

@@ -42,6 +42,7 @@ from .sft import (
     load_shipped,
     long_problems,
 )
+from .shipped_weights import unpacked_dir
 from .tokenizer import build_tokenizer, chat_ids
 
 logger = logging.getLogger(__name__)
@@ -224,7 +225,7 @@ def _warm_head(policy, tokenizer, recipe: DeepRecipe, out: Path, continue_head: 
 
     head, earlier, seed = None, [], recipe.seed
     if continue_head and (out / "config.json").exists():
-        ckpt = load_checkpoint(out)
+        ckpt = load_checkpoint(unpacked_dir(out))
         head, earlier = ckpt.head.float(), list(ckpt.metadata.get("rounds", []))
         seed += len(earlier)  # fresh prompts and draws for the new rounds
     problems = sample_problems(recipe.warmup_prompts, seed=30_000 + seed, cfg=ChainSumConfig())
@@ -255,7 +256,7 @@ def _log_command(out: Path, command: str, stages: tuple[str, ...]) -> list[dict[
 def _load_fp32(path: Path):
     if not (path / "config.json").exists():
         raise FileNotFoundError(f"{path} is missing: run the stage that makes it first (--stages)")
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    return AutoModelForCausalLM.from_pretrained(unpacked_dir(path), dtype=torch.float32).eval()
 
 
 def _check_inputs(out: Path, stages: tuple[str, ...], continue_head: bool) -> None:

@@ -32,6 +32,7 @@ from transformers import AutoModelForCausalLM, PreTrainedTokenizerBase, Qwen2Con
 
 from ..progress import progress_bar
 from .chain_sum import LAYOUTS, ChainSumConfig, ChainSumProblem, extract_answer, sample_problem, sample_problems
+from .shipped_weights import unpacked_dir
 from .tokenizer import build_tokenizer, chat_ids
 
 logger = logging.getLogger(__name__)
@@ -459,7 +460,7 @@ def load_shipped(name: str = "tiny", kind: str = "policy", dtype: torch.dtype = 
     if not (root / kind / "config.json").exists():
         raise FileNotFoundError(f"no shipped {kind} at {root / kind}; make it with `{_RECIPES[name]}`")
     tokenizer = AutoTokenizer.from_pretrained(root / "tokenizer")
-    model = AutoModelForCausalLM.from_pretrained(root / kind, dtype=dtype)
+    model = AutoModelForCausalLM.from_pretrained(unpacked_dir(root / kind), dtype=dtype)
     return model.eval(), tokenizer
 
 
@@ -470,7 +471,7 @@ def load_shipped_eagle3(name: str = "tiny"):
     path = assets_dir(name) / "eagle3"
     if not (path / "config.json").exists():
         raise FileNotFoundError(f"no shipped EAGLE-3 head at {path}; make it with `{_RECIPES[name]}`")
-    return load_checkpoint(path).head.float().eval()
+    return load_checkpoint(unpacked_dir(path)).head.float().eval()
 
 
 def load_tiny(kind: str = "policy", dtype: torch.dtype = torch.float32):

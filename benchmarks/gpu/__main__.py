@@ -1,0 +1,127 @@
+"""Run the GPU check: ``python -m tailspec.benchmarks.gpu --out DIR [--rehearse] [--stages a,b]``."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import logging
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from .common import CheckSize, Stage
+
+# stage -> seconds it may take on a lent GPU: together with the children's start-up they fit the
+# 7 minutes that leave room for a rerun inside a 15-minute lease
+BUDGETS = {"env": 25, "correctness": 90, "graphs": 40, "kernels": 35, "speed": 165, "gpu_tests": 50}
+GRACE_S = 25  # past its budget a stage's child is killed (the budget itself is checked between parts)
+
+
+def run_stage(name: str, size: CheckSize, work: Path, budget: float) -> None:
+    """One stage, in this process (the driver starts one child per stage)."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    module = importlib.import_module(f"{__package__}.{name}")
+    stage = Stage(name, size, budget, work)
+    try:
+        module.run(stage)
+    except Exception:  # the whole stage failed: the report says how
+        import traceback
+
+        stage.report.errors.append({"part": "stage", "error": "uncaught", "traceback": traceback.format_exc()})
+        logging.exception("stage %s failed", name)
+    stage.finish()
+
+
+def _summary_row(report: dict) -> str:
+    checks = report.get("checks", [])
+    passed = sum(c["passed"] for c in checks)
+    failed = [c["name"] for c in checks if not c["passed"]] + [e["part"] for e in report.get("errors", [])]
+    notes = "; ".join(failed)[:90] if failed else ", ".join(s["name"] for s in report.get("skipped", []))[:90]
+    return (
+        f"| {report['stage']} | {report['status']} | {report.get('seconds', 0):.0f} | {passed}/{len(checks)} | "
+        f"{len(report.get('skipped', []))} | {notes} |"
+    )
+
+
+def headline(reports: dict[str, dict]) -> list[str]:
+    """The figures the issue's targets are about, where the speed stage measured them."""
+    speed = reports.get("speed", {}).get("results", {})
+    return [f"- {k}: {v}" for k, v in speed.get("headline", {}).items()]
+
+
+def write_outputs(out: Path, work: Path, reports: dict[str, dict], started: float) -> str:
+    table = [
+        "| stage | status | s | checks passed | skipped | failed (else skipped) |",
+        "|---|---|---:|---:|---:|---|",
+    ] + [_summary_row(r) for r in reports.values()]
+    text = "\n".join(
+        [f"# GPU check ({time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {time.time() - started:.0f} s)", ""]
+        + table
+        + [""]
+        + headline(reports)
+    )
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(reports, indent=1, default=str) + "\n")
+    (out / "summary.md").write_text(text + "\n")
+    logs = [f"===== {p.stem} =====\n{p.read_text(errors='replace')}" for p in sorted(work.glob("*.log"))]
+    (out / "log.txt").write_text("\n".join(logs))
+    return text
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m tailspec.benchmarks.gpu", description=__doc__)
+    parser.add_argument("--out", default="outputs/gpu-check", help="where results.json, log.txt, summary.md go")
+    parser.add_argument("--rehearse", action="store_true", help="tiny sizes on whatever device there is (CI, CPU)")
+    parser.add_argument("--stages", default=",".join(BUDGETS), help=f"comma-separated, from {list(BUDGETS)}")
+    parser.add_argument("--stage", help=argparse.SUPPRESS)  # internal: run one stage in this process
+    parser.add_argument("--work", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    size = CheckSize.of("tiny" if args.rehearse else "full")
+    if args.stage:
+        run_stage(args.stage, size, Path(args.work), BUDGETS[args.stage])
+        return 0
+    stages = [s for s in args.stages.split(",") if s]
+    unknown = sorted(set(stages) - set(BUDGETS))
+    if unknown:
+        parser.error(f"--stages: unknown {unknown}; allowed: {list(BUDGETS)}")
+    started = time.time()
+    out = Path(args.out)
+    work = Path(tempfile.mkdtemp(prefix="tailspec-gpu-check-"))
+    env = dict(os.environ)
+    import torch  # only to learn whether Triton must run interpreted here
+
+    if not torch.cuda.is_available():
+        env.setdefault("TRITON_INTERPRET", "1")
+    reports: dict[str, dict] = {}
+    for name in stages:
+        command = [sys.executable, "-m", __package__, "--stage", name, "--work", str(work)]
+        command += ["--rehearse"] if args.rehearse else []
+        print(f"[gpu-check] stage {name} (budget {BUDGETS[name]} s) ...", flush=True)
+        with open(work / f"{name}.log", "w") as log:
+            try:
+                subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, env=env, timeout=BUDGETS[name] + GRACE_S)
+                killed = None
+            except subprocess.TimeoutExpired:
+                killed = f"killed after {BUDGETS[name] + GRACE_S} s"
+        path = work / f"{name}.json"
+        report = json.loads(path.read_text()) if path.exists() else {"stage": name, "checks": [], "skipped": []}
+        if killed or report.get("status") in (None, "running"):
+            report["status"] = "killed" if killed else "crashed"
+            report.setdefault("errors", []).append({"part": "stage", "error": killed or "the child exited early"})
+        reports[name] = report
+        write_outputs(out, work, reports, started)  # after every stage: a cut-off run keeps what it did
+        print(f"[gpu-check] stage {name}: {report['status']}", flush=True)
+    text = write_outputs(out, work, reports, started)
+    for report in reports.values():  # what failed, with its traceback, before the table
+        for error in report.get("errors", []):
+            print(f"\n--- {report['stage']} / {error['part']}: {error['error']}\n{error.get('traceback', '')[-1500:]}")
+    print("\n" + text)
+    return 0 if all(r["status"] in ("ok", "partial") for r in reports.values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

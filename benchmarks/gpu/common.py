@@ -1,0 +1,151 @@
+"""What every stage of the GPU check shares: its size, its report, its time budget, its clock."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+import traceback
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class CheckSize:
+    """How big each stage runs: ``full`` on a lent GPU, ``tiny`` in the CPU rehearsal."""
+
+    name: str
+    grown_hidden: int  # the deep policy (24 x 256) grown to this width ...
+    grown_intermediate: int
+    grown_layers: int  # ... and depth
+    speed_batches: tuple[int, ...]
+    spec_batches: tuple[int, ...]
+    max_new_tokens: int
+    long_tail_prompts: int
+    chi_square_samples: int
+    divergence_prompts: int
+    kernel_quick: bool
+
+    @classmethod
+    def of(cls, name: str) -> CheckSize:
+        if name == "full":  # about 1.0B parameters, 28 layers of 1792 (head size 64 kept)
+            return cls("full", 1792, 4864, 28, (1, 16, 64, 256), (1, 16, 64), 128, 64, 5000, 32, False)
+        if name == "tiny":
+            return cls("tiny", 384, 960, 26, (1, 4), (1, 4), 12, 6, 600, 4, True)
+        raise ValueError(f"size must be 'full' or 'tiny', got {name!r}")
+
+
+def device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def timed(fn: Callable[[], Any]) -> tuple[Any, float]:
+    """``fn()``'s result and its wall seconds, the device synchronised on both sides."""
+    sync()
+    start = time.perf_counter()
+    out = fn()
+    sync()
+    return out, time.perf_counter() - start
+
+
+@dataclass
+class StageReport:
+    """One stage's results: named checks (pass/fail with a detail), measurements, what was skipped
+    and why, and the traceback of anything that failed."""
+
+    stage: str
+    size: str
+    device: str
+    budget_s: float
+    status: str = "running"
+    seconds: float = 0.0
+    checks: list[dict[str, Any]] = field(default_factory=list)
+    results: dict[str, Any] = field(default_factory=dict)
+    skipped: list[dict[str, str]] = field(default_factory=list)
+    errors: list[dict[str, str]] = field(default_factory=list)
+
+
+class Stage:
+    """A stage's report plus its soft deadline: parts check :meth:`left` before they start, so a
+    stage that runs long drops its last parts (named as skipped) instead of the whole pack."""
+
+    def __init__(self, name: str, size: CheckSize, budget_s: float, out: Path) -> None:
+        self.report = StageReport(name, size.name, _device_name(), budget_s)
+        self.size = size
+        self.out = out
+        self._start = time.perf_counter()
+        self._deadline = self._start + budget_s
+
+    def left(self) -> float:
+        return self._deadline - time.perf_counter()
+
+    def check(self, name: str, passed: bool, detail: str = "") -> bool:
+        self.report.checks.append({"name": name, "passed": bool(passed), "detail": detail})
+        logger.info("%s %s: %s %s", self.report.stage, name, "ok" if passed else "FAILED", detail)
+        self.save()
+        return bool(passed)
+
+    def record(self, key: str, value: Any) -> None:
+        self.report.results[key] = value
+        self.save()
+
+    def skip(self, name: str, why: str) -> None:
+        self.report.skipped.append({"name": name, "why": why})
+        logger.info("%s %s: skipped (%s)", self.report.stage, name, why)
+        self.save()
+
+    @contextmanager
+    def part(self, name: str, needs_s: float = 0.0, cuda_only: bool = False) -> Iterator[bool]:
+        """Run a part of the stage: yields False (and records the skip) when it cannot run now;
+        an exception inside is recorded with its traceback and the stage goes on."""
+        if cuda_only and not torch.cuda.is_available():
+            self.skip(name, "needs CUDA")
+            yield False
+            return
+        if self.left() < needs_s:
+            self.skip(name, f"stage budget: {self.left():.0f} s left, needs about {needs_s:.0f} s")
+            yield False
+            return
+        try:
+            yield True
+        except Exception as e:  # a failing part is a finding, not the end of the check
+            self.report.errors.append({"part": name, "error": repr(e), "traceback": traceback.format_exc()})
+            logger.exception("%s %s failed", self.report.stage, name)
+            self.save()
+
+    def finish(self) -> StageReport:
+        r = self.report
+        r.seconds = round(time.perf_counter() - self._start, 2)
+        failed = r.errors or any(not c["passed"] for c in r.checks)
+        r.status = "failed" if failed else ("partial" if r.skipped else "ok")
+        self.save()
+        return r
+
+    def save(self) -> None:
+        self.report.seconds = round(time.perf_counter() - self._start, 2)
+        path = self.out / f"{self.report.stage}.json"
+        path.write_text(json.dumps(asdict(self.report), indent=1, default=str) + "\n")
+
+
+def _device_name() -> str:
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_name(0)
+    return "cpu"
+
+
+def median(values: list[float]) -> float:
+    ordered = sorted(values)
+    n = len(ordered)
+    return ordered[n // 2] if n % 2 else 0.5 * (ordered[n // 2 - 1] + ordered[n // 2])

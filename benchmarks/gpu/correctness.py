@@ -1,0 +1,149 @@
+"""Stage ``correctness``: lossless on the device.
+
+- greedy fp32: every strategy against batch-1 HF ``generate``, token for token, on two architectures
+  (CUDA graphs and Triton kernels on, as ``auto`` chooses on CUDA; mirror on the ``stream`` executor);
+- sampled: the chi-square test of the joint of completion tokens 2 and 3 (the first speculative step)
+  against the target's exact processed distribution;
+- bf16: each strategy at full batch against a batch-1 bf16 control of ``none`` (the divergence method
+  of "Batch Speculative Decoding Done Right"): where a completion first differs, the control's logit
+  margin (top-1 minus top-2) says whether rounding could explain it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ...rollout.engine import RolloutEngine
+from ...rollout.params import MirrorConfig, RolloutConfig, SamplingParams
+from ...rollout.sampling import BatchSamplingTensors, processed_logprobs
+from ...testing import chi_square_pvalue, hf_greedy, perturbed_copy, random_prompts, tiny_random_model
+from .common import Stage, device
+from .models import deep_policy, task_prompts
+
+ARCHS = ("llama", "qwen2")
+STRATEGIES = ("none", "chain:4", "tree:3,2,6", "suffix", "hybrid", "mirror:chain:4,k=2")
+MARGIN_LIMIT = 1.0  # logits: a first divergence at a larger control margin is not rounding
+
+
+def mirror_config() -> MirrorConfig:
+    return MirrorConfig(executor="stream" if torch.cuda.is_available() else "inline")
+
+
+def greedy_against_hf(stage: Stage, arch: str) -> None:
+    dev = device()
+    model = tiny_random_model(arch, seed=1, initializer_range=0.2)
+    drafter = perturbed_copy(model, noise=0.3, seed=7).to(dev)
+    model = model.to(dev)
+    prompts = random_prompts(6, seed=3)
+    params = SamplingParams(temperature=0.0, max_new_tokens=24)
+    want = [hf_greedy(model, p, params.max_new_tokens) for p in prompts]
+    for strategy in STRATEGIES:
+        with stage.part(f"greedy {arch} {strategy}", 3) as ok:
+            if not ok:
+                continue
+            config = RolloutConfig(strategy=strategy, mirror=mirror_config())
+            engine = RolloutEngine(model, config, drafter=None if strategy in ("none", "suffix") else drafter)
+            got = [o.completion_ids for o in engine.generate(prompts, params)]
+            same = sum(g == w for g, w in zip(got, want))
+            pool = engine.runner.graph_pool
+            extra = f", graph replays {pool.stats.hits}" if pool is not None else ", no graph pool"
+            if engine.mirror is not None:
+                extra += f", executor {type(engine.mirror.executor).__name__}, ready {engine.mirror.stats.ready}"
+            engine.close()
+            stage.check(f"greedy {arch} {strategy}", same == len(want), f"{same}/{len(want)} equal HF{extra}")
+
+
+V, PROMPT = 12, [3, 7, 2, 9, 5]
+
+
+def _processed(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    st = BatchSamplingTensors.from_params([params] * logits.shape[0], logits.device)
+    return processed_logprobs(logits.float(), st).exp().double().cpu()
+
+
+@torch.no_grad()
+def exact_joint_of_tokens_2_and_3(model, params: SamplingParams) -> torch.Tensor:
+    dev = next(model.parameters()).device
+    p1 = _processed(model(torch.tensor([PROMPT], device=dev)).logits[:, -1], params)[0]
+    p2 = _processed(model(torch.tensor([PROMPT + [a] for a in range(V)], device=dev)).logits[:, -1], params)
+    ctx3 = torch.tensor([PROMPT + [a, b] for a in range(V) for b in range(V)], device=dev)
+    p3 = _processed(model(ctx3).logits[:, -1], params).view(V, V, V)
+    return (p1.view(V, 1, 1) * p2.view(V, V, 1) * p3).sum(0).reshape(-1)
+
+
+def chi_square(stage: Stage, strategy: str, params: SamplingParams) -> None:
+    n = stage.size.chi_square_samples
+    dev = device()
+    target = tiny_random_model("llama", seed=3, vocab_size=V, initializer_range=0.06)
+    drafter = perturbed_copy(target, noise=0.5, seed=1).to(dev)
+    target = target.to(dev)
+    config = RolloutConfig(
+        strategy=strategy, max_num_seqs=n, block_size=4, kv_cache_tokens=n * 16, mirror=mirror_config()
+    )
+    engine = RolloutEngine(target, config, drafter=drafter)
+    outs = engine.generate([PROMPT] * n, params.with_updates(max_new_tokens=4, ignore_eos=True))
+    engine.close()
+    counts = torch.bincount(
+        torch.tensor([o.completion_ids[1] * V + o.completion_ids[2] for o in outs]), minlength=V * V
+    )
+    p = chi_square_pvalue(counts, exact_joint_of_tokens_2_and_3(target, params))
+    # with few samples (the rehearsal) the test has little power; the check is the same
+    stage.check(f"chi-square {strategy} T={params.temperature}", p > 1e-3, f"p = {p:.3g}, {n} samples")
+
+
+@torch.no_grad()
+def logit_margin(model, ids: list[int]) -> float:
+    logits = model(torch.tensor([ids], device=next(model.parameters()).device)).logits[0, -1].float()
+    top = torch.topk(logits, 2).values
+    return float(top[0] - top[1])
+
+
+def bf16_divergence(stage: Stage) -> None:
+    dev = device()
+    dtype = torch.bfloat16
+    policy, drafter, tokenizer = deep_policy(dtype, dev)
+    prompts = task_prompts(tokenizer, stage.size.divergence_prompts, seed=7)
+    params = SamplingParams(temperature=0.0, max_new_tokens=stage.size.max_new_tokens)
+    control_engine = RolloutEngine(policy, RolloutConfig(max_num_seqs=1), tokenizer=tokenizer)
+    control = [o.completion_ids for o in control_engine.generate(prompts, params)]
+    rows = []
+    for strategy in ("none", "chain:4", "tree:3,2,6", "mirror:chain:4,k=0"):
+        with stage.part(f"bf16 {strategy}", 10) as ok:
+            if not ok:
+                continue
+            config = RolloutConfig(strategy=strategy, max_num_seqs=len(prompts), mirror=mirror_config())
+            engine = RolloutEngine(policy, config, tokenizer=tokenizer, drafter=None if strategy == "none" else drafter)
+            got = [o.completion_ids for o in engine.generate(prompts, params)]
+            engine.close()
+            margins = []
+            for prompt, want, have in zip(prompts, control, got):
+                if want == have:
+                    continue
+                first = next((i for i, (a, b) in enumerate(zip(want, have)) if a != b), min(len(want), len(have)))
+                margins.append(round(logit_margin(policy, prompt + want[:first]), 4))
+            row = {"strategy": strategy, "prompts": len(prompts), "identical": len(prompts) - len(margins)}
+            row["margins_at_first_divergence"] = sorted(margins)
+            rows.append(row)
+            stage.record("bf16_divergence", rows)
+            worst = max(margins, default=0.0)
+            stage.check(
+                f"bf16 {strategy} divergences are rounding",
+                worst <= MARGIN_LIMIT,
+                f"{row['identical']}/{len(prompts)} identical to the batch-1 control; worst margin {worst:.3f}",
+            )
+
+
+def run(stage: Stage) -> None:
+    for arch in ARCHS:
+        greedy_against_hf(stage, arch)
+    for strategy, params in (
+        ("chain:2", SamplingParams(temperature=1.0)),
+        ("tree:2,3,6", SamplingParams(temperature=0.7, top_k=6, top_p=0.9)),
+        ("mirror:chain:2,k=2", SamplingParams(temperature=1.0)),
+    ):
+        with stage.part(f"chi-square {strategy}", 8) as ok:
+            if ok:
+                chi_square(stage, strategy, params)
+    with stage.part("bf16 divergence", 20) as ok:
+        if ok:
+            bf16_divergence(stage)

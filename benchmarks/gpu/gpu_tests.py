@@ -1,0 +1,40 @@
+"""Stage ``gpu_tests``: every test marked ``gpu`` (they skip without CUDA; the rehearsal collects them)."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+from .common import Stage
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def gpu_test_files() -> list[str]:
+    """Test files that hold a ``gpu``-marked test: only they are collected (the others may import
+    the trainer stack, which the GPU image lacks)."""
+    return sorted(str(p) for p in (ROOT / "tests").rglob("test_*.py") if "mark.gpu" in p.read_text())
+
+
+def run(stage: Stage) -> None:
+    files = gpu_test_files()
+    stage.record("files", [str(Path(f).relative_to(ROOT)) for f in files])
+    command = [sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider", "-rs", *files]
+    timeout = max(10, stage.left())
+    try:
+        out = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        stage.check("gpu-marked tests", False, f"still running after {timeout:.0f} s")
+        return
+    tail = out.stdout[-4000:] + out.stderr[-2000:]
+    stage.record("pytest_tail", tail)
+    counts = {k: int(n) for n, k in re.findall(r"(\d+) (passed|failed|skipped|error|errors|deselected)", tail)}
+    stage.record("counts", counts)
+    if torch.cuda.is_available():
+        stage.check("gpu-marked tests pass", out.returncode == 0 and counts.get("passed", 0) > 0, str(counts))
+    else:  # exit 0: all collected and skipped for want of CUDA
+        stage.check("gpu-marked tests collect (and skip without CUDA)", out.returncode == 0, str(counts))

@@ -1,0 +1,251 @@
+"""Stage ``speed``: tokens/s on a policy of realistic size, built with no hub.
+
+The shipped deep policy (24 x 256) is grown to about 1B parameters without changing its function
+(``tasks/grow.py``; checked here on the device), so the shipped drafter LM keeps its real
+acceptance on it. Every contender decodes the same prompts greedily (the long-tail rollout samples
+with position-keyed noise, so every strategy emits the same completions); each engine runs once to
+capture its graphs and compile its kernels, then once timed.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ...rollout.engine import RolloutEngine
+from ...rollout.params import MirrorConfig, RolloutConfig, SamplingParams
+from ...tasks.grow import grow_policy
+from ...tasks.sft import load_shipped
+from .common import Stage, device, timed
+from .env import copy_bandwidth_gbs
+from .models import deep_policy, task_prompts
+
+SPEC_STRATEGIES = ("chain:4", "adaptive", "mirror:chain:4,k=0")
+
+
+def count_tokens(rows: list[list[int]], eos: int) -> int:
+    return sum(row.index(eos) + 1 if eos in row else len(row) for row in rows)
+
+
+class Contenders:
+    """Engines kept across batch sizes (their graph pools and selectors warm), plus HF ``generate``."""
+
+    def __init__(self, policy, drafter, tokenizer, graphs: str) -> None:
+        self.policy, self.drafter, self.tokenizer, self.graphs = policy, drafter, tokenizer, graphs
+        self.engines: dict[tuple[str, str], RolloutEngine] = {}
+        self.eos = tokenizer.eos_token_id
+
+    def engine(self, strategy: str, graphs: str) -> RolloutEngine:
+        key = (strategy, graphs)
+        if key not in self.engines:
+            config = RolloutConfig(
+                strategy=strategy,
+                graph_backend=graphs,
+                max_num_seqs=256,
+                mirror=MirrorConfig(executor="stream" if torch.cuda.is_available() else "inline"),
+            )
+            drafter = None if strategy == "none" else self.drafter
+            self.engines[key] = RolloutEngine(self.policy, config, tokenizer=self.tokenizer, drafter=drafter)
+        return self.engines[key]
+
+    def engine_rate(self, strategy: str, graphs: str, prompts, params) -> dict:
+        engine = self.engine(strategy, graphs)
+        engine.generate(prompts, params)  # warm: graphs captured, kernels compiled, selector measured
+        before = engine.stats.as_dict()
+        outs, seconds = timed(lambda: engine.generate(prompts, params))
+        after = engine.stats.as_dict()
+        tokens = sum(len(o.completion_ids) for o in outs)
+        steps = after["decode_steps"] - before["decode_steps"]
+        pool = engine.runner.graph_pool
+        return {
+            "tok_s": tokens / seconds,
+            "tokens": tokens,
+            "seconds": seconds,
+            "decode_step_ms": 1000 * (after["decode_time_s"] - before["decode_time_s"]) / max(1, steps),
+            "accepted_per_spec_step": _accept_length(before, after),
+            "captures": pool.stats.captures if pool is not None else 0,
+            "digest": hash(tuple(tuple(o.completion_ids) for o in outs)),
+        }
+
+    @torch.no_grad()
+    def hf_rate(self, prompts, params) -> dict:
+        dev = next(self.policy.parameters()).device
+        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+        width = max(len(p) for p in prompts)
+        ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=dev)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=dev)
+
+        def generate(max_new_tokens: int):
+            return self.policy.generate(
+                input_ids=ids,
+                attention_mask=mask,
+                do_sample=False,
+                max_new_tokens=max_new_tokens,
+                eos_token_id=self.eos,
+                pad_token_id=pad,
+            )
+
+        generate(4)  # warm
+        out, seconds = timed(lambda: generate(params.max_new_tokens))
+        tokens = count_tokens(out[:, width:].tolist(), self.eos)
+        return {"tok_s": tokens / seconds, "tokens": tokens, "seconds": seconds}
+
+    def close(self) -> None:
+        for engine in self.engines.values():
+            engine.close()
+
+
+def _accept_length(before: dict, after: dict) -> float | None:
+    steps = after["spec_seq_steps"] - before["spec_seq_steps"]
+    emitted = after["spec_emitted_tokens"] - before["spec_emitted_tokens"]
+    return round(emitted / steps, 3) if steps else None
+
+
+def grow(stage: Stage, dev: torch.device, dtype: torch.dtype, prompts):
+    """The grown policy in ``dtype``; its function is checked in fp32 against the deep policy first."""
+    deep, _ = load_shipped("deep", "policy")
+    size = stage.size
+    grown = grow_policy(
+        deep,
+        hidden_size=size.grown_hidden,
+        intermediate_size=size.grown_intermediate,
+        num_layers=size.grown_layers,
+        device=dev,
+        dtype=torch.float32,
+    )
+    deep = deep.to(dev)
+    worst, agree, total = 0.0, 0, 0
+    with torch.no_grad():
+        for p in prompts[:4]:
+            ids = torch.tensor([p], device=dev)
+            a, b = deep(ids).logits[0].float(), grown(ids).logits[0].float()
+            worst = max(worst, float((a - b).abs().max()))
+            agree += int((a.argmax(-1) == b.argmax(-1)).sum())
+            total += a.shape[0]
+    params = sum(p.numel() for p in grown.parameters())
+    stage.record(
+        "grown_policy",
+        {
+            "parameters": params,
+            "hidden": size.grown_hidden,
+            "layers": size.grown_layers,
+            "intermediate": size.grown_intermediate,
+            "fp32_max_logit_diff": worst,
+            "argmax_agreement": f"{agree}/{total}",
+        },
+    )
+    stage.check(
+        "grown policy computes the deep policy's function (fp32)",
+        worst < 1e-3 and agree == total,
+        f"{params / 1e9:.2f}B parameters, max logit diff {worst:.1e}, argmax {agree}/{total}",
+    )
+    return grown.to(dtype).eval()
+
+
+def decode_floor_ms(model, context: int, copy_gbs: float) -> tuple[float, int]:
+    """The batch-1 decode step's floor: every weight and the context's K/V read once, at the copy rate."""
+    cfg = model.config
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    head_dim = cfg.hidden_size // cfg.num_attention_heads
+    element = next(model.parameters()).element_size()
+    kv = context * cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * head_dim * element
+    return 1000 * (weights + kv) / (copy_gbs * 1e9), weights + kv
+
+
+def run(stage: Stage) -> None:
+    dev = device()
+    cuda = torch.cuda.is_available()
+    dtype = torch.bfloat16 if cuda else torch.float32
+    graphs = "cuda_graph" if cuda else "eager"
+    if not cuda:
+        stage.skip("CUDA graphs, bf16", "needs CUDA: the eager bucket backend and fp32 stand in")
+    size = stage.size
+    _, drafter, tokenizer = deep_policy(dtype, dev)
+    prompts = task_prompts(tokenizer, max(size.speed_batches), seed=21)
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=size.max_new_tokens)
+    with stage.part("grow", 20) as ok:
+        if not ok:
+            return
+        policy = grow(stage, dev, dtype, prompts)
+    contenders = Contenders(policy, drafter, tokenizer, graphs)
+    rows: list[dict] = []
+    headline: dict[str, str] = {}
+
+    def add(row: dict) -> None:
+        rows.append(row)
+        stage.record("rates", rows)
+
+    copy_gbs = copy_bandwidth_gbs(1 << 30 if cuda else 1 << 26)
+    stage.record("copy_gbs", round(copy_gbs, 1))
+    for batch in size.speed_batches:
+        for name, measure in (
+            ("none graphs", lambda b=batch: contenders.engine_rate("none", graphs, prompts[:b], greedy)),
+            ("none eager", lambda b=batch: contenders.engine_rate("none", "none", prompts[:b], greedy)),
+            ("HF generate", lambda b=batch: contenders.hf_rate(prompts[:b], greedy)),
+        ):
+            with stage.part(f"{name} batch {batch}", 8) as ok:
+                if ok:
+                    add({"contender": name, "batch": batch, **measure()})
+
+    def ratio(a: tuple, b: tuple) -> float | None:
+        rate = {(r["contender"], r["batch"]): r for r in rows}
+        return round(rate[a]["tok_s"] / rate[b]["tok_s"], 2) if a in rate and b in rate else None
+
+    headline["graphs / eager, batch 1 (target >= 3x)"] = str(ratio(("none graphs", 1), ("none eager", 1)))
+    headline["none / HF generate, batch 1 (target >= 5x)"] = str(ratio(("none graphs", 1), ("HF generate", 1)))
+    b64 = 64 if 64 in size.speed_batches else max(size.speed_batches)
+    headline[f"none / HF generate, batch {b64} (target >= 2x)"] = str(ratio(("none graphs", b64), ("HF generate", b64)))
+    batch1 = next((r for r in rows if (r["contender"], r["batch"]) == ("none graphs", 1)), None)
+    if batch1 is not None:
+        context = len(prompts[0]) + size.max_new_tokens // 2
+        floor, nbytes = decode_floor_ms(policy, context, copy_gbs)
+        step = batch1["decode_step_ms"]
+        stage.record("decode_floor", {"bytes_per_step": nbytes, "floor_ms": floor, "step_ms": step})
+        headline["batch-1 decode step / bandwidth floor (target <= 2x)"] = f"{step / floor:.1f}x ({step:.2f} ms)"
+    stage.record("headline", headline)
+    for batch in size.spec_batches:
+        for strategy in SPEC_STRATEGIES:
+            with stage.part(f"{strategy} batch {batch}", 8) as ok:
+                if ok:
+                    add(
+                        {
+                            "contender": strategy,
+                            "batch": batch,
+                            **contenders.engine_rate(strategy, graphs, prompts[:batch], greedy),
+                        }
+                    )
+        for strategy in SPEC_STRATEGIES:
+            target = " (target >= 2x)" if (strategy, batch) == ("chain:4", 1) else ""
+            headline[f"{strategy} / none, batch {batch}{target}"] = str(
+                ratio((strategy, batch), ("none graphs", batch))
+            )
+        stage.record("headline", headline)
+    long_tail(stage, contenders, tokenizer, graphs, add, headline)
+    stage.record("headline", headline)
+    contenders.close()
+
+
+def long_tail(stage: Stage, contenders: Contenders, tokenizer, graphs: str, add, headline: dict) -> None:
+    """A sampled rollout whose lengths vary as RL rollouts do (T = 1, position-keyed noise)."""
+    size = stage.size
+    prompts = task_prompts(tokenizer, size.long_tail_prompts, seed=33)
+    params = [
+        SamplingParams(temperature=1.0, max_new_tokens=2 * size.max_new_tokens, noise="position", seed=1000 + i)
+        for i in range(len(prompts))
+    ]
+    tail: dict[str, dict] = {}
+    for strategy in ("none", *SPEC_STRATEGIES):
+        with stage.part(f"long tail {strategy}", 10) as ok:
+            if ok:
+                tail[strategy] = contenders.engine_rate(strategy, graphs, prompts, params)
+                add({"contender": f"long tail {strategy}", "batch": len(prompts), **tail[strategy]})
+    if "none" in tail:
+        same = len({r["digest"] for r in tail.values()}) == 1
+        stage.check("long tail: every strategy emits the same completions", same, f"{len(tail)} strategies")
+        for strategy, r in tail.items():
+            headline[f"long tail {strategy} / none"] = f"{r['tok_s'] / tail['none']['tok_s']:.2f}"
+        fixed = [s for s in ("chain:4", "mirror:chain:4,k=0") if s in tail]
+        if "adaptive" in tail and fixed:
+            best = max(fixed, key=lambda s: tail[s]["tok_s"])
+            headline["long tail adaptive / best fixed (target >= 0.97)"] = (
+                f"{tail['adaptive']['tok_s'] / tail[best]['tok_s']:.2f} (best fixed: {best})"
+            )
