@@ -78,7 +78,8 @@ def perturbed_copy(model: torch.nn.Module, noise: float, seed: int = 0) -> torch
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for p in clone.parameters():
-            p.add_(torch.randn(p.shape, generator=g, dtype=p.dtype) * noise * p.std().clamp_min(1e-6))
+            # drawn on the CPU, so a model on any device gets the same copy
+            p.add_(torch.randn(p.shape, generator=g, dtype=p.dtype).to(p.device) * noise * p.std().clamp_min(1e-6))
     return clone.eval()
 
 

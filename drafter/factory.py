@@ -31,9 +31,17 @@ def as_drafter(drafter: Any, target: torch.nn.Module, config: Any) -> Drafter:
     if isinstance(drafter, Eagle3Head):
         return Eagle3Drafter(drafter, target, kv_cache_tokens=kv_tokens, block_size=config.block_size, seed=config.seed)
     if isinstance(drafter, torch.nn.Module):
+        from ..rollout.graph_pool import graph_pool_for
         from .small_lm import SmallLMDrafter
 
-        return SmallLMDrafter(drafter, kv_cache_tokens=kv_tokens, block_size=config.block_size, seed=config.seed)
+        return SmallLMDrafter(
+            drafter,
+            kv_cache_tokens=kv_tokens,
+            block_size=config.block_size,
+            seed=config.seed,
+            # on CUDA, draft forwards replay captured graphs as the target's do (CPU keeps eager drafts)
+            graph_pool=graph_pool_for(drafter, config) if next(drafter.parameters()).is_cuda else None,
+        )
     raise ValueError(f"drafter must be a tailspec Drafter or a torch.nn.Module, got {type(drafter).__name__}")
 
 

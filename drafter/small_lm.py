@@ -33,6 +33,7 @@ import torch
 from ..draft_contract import SequenceView
 from ..rollout.attention import SequenceSlice, paged_attention_enabled
 from ..rollout.draft_executor import weights_bytes
+from ..rollout.graph_pool import GraphPool
 from ..rollout.kv_cache import blocks_for
 from ..rollout.model_runner import ModelRunner
 from .base import Drafter, DraftRequest, DraftShape, DraftTree
@@ -84,13 +85,15 @@ class SmallLMDrafter(Drafter):
         block_size: int = 16,
         seed: int = 0,
         streaming_heads: StreamingHeads | None = None,
+        graph_pool: GraphPool | None = None,
     ) -> None:
         if not (isinstance(kv_cache_tokens, int) and kv_cache_tokens >= block_size):
             raise ValueError(f"kv_cache_tokens must be an int >= block_size ({block_size}), got {kv_cache_tokens!r}")
         self.model = model
         self.tokenizer = tokenizer
         self.block_size = block_size
-        self.runner = ModelRunner(model, kv_cache_tokens // block_size, block_size)
+        # with a graph pool (the engine gives one on CUDA), draft forwards replay captured graphs
+        self.runner = ModelRunner(model, kv_cache_tokens // block_size, block_size, graph_pool=graph_pool)
         self.allocator = self.runner.cache.allocator
         self.seed = seed
         self.generator = draft_generator(seed)
@@ -237,7 +240,8 @@ class SmallLMDrafter(Drafter):
             lambda module, args: captured.__setitem__("hidden", args[0])
         )
         try:
-            logits = self.runner.forward(slices, tokens, positions, logits_index).float()
+            with self.runner.eager():  # the hook fires only in eager forwards
+                logits = self.runner.forward(slices, tokens, positions, logits_index).float()
         finally:
             hook.remove()
         self._hidden = captured["hidden"][0]

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import time
+import weakref
 from bisect import bisect_left
 from collections import OrderedDict
 from collections.abc import Callable
@@ -89,12 +90,16 @@ class _CudaGraphForward(CapturedForward):
         torch.cuda.current_stream().wait_stream(stream)
         before = torch.cuda.memory_reserved()
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph, pool=pool):
+        # thread_local: a draft executor's thread may capture while the caller's thread allocates
+        with torch.cuda.graph(self.graph, pool=pool, capture_error_mode="thread_local"):
             self.static_output = fn(self.static_inputs)
         torch.cuda.synchronize()  # the capture's cost is counted whole (GraphPool times it)
         grown = torch.cuda.memory_reserved() - before
         buffers = sum(t.numel() * t.element_size() for t in self.static_inputs.values())
-        self.nbytes = max(grown, 0) + buffers
+        output = self.static_output.numel() * self.static_output.element_size()
+        # the output stays live between replays, so at least it is this graph's own; the pool's
+        # intermediates are shared by all its graphs and show only as the pool's growth
+        self.nbytes = buffers + max(grown, output)
 
     def run(self, inputs: Inputs) -> torch.Tensor:
         for name, value in inputs.items():
@@ -104,7 +109,12 @@ class _CudaGraphForward(CapturedForward):
 
 
 class CudaGraphBackend:
-    """Captures into one memory pool shared by all graphs (``torch.cuda.graph_pool_handle``)."""
+    """Captures into one memory pool shared by all graphs (``torch.cuda.graph_pool_handle``).
+
+    The allocator frees a graph pool once no graph uses it, and a later capture into that freed
+    pool fails inside PyTorch (an internal assert), so when every graph of the pool has been
+    released (evicted, or too large to keep), the next capture starts a new pool.
+    """
 
     name = "cuda_graph"
 
@@ -112,9 +122,16 @@ class CudaGraphBackend:
         if not torch.cuda.is_available():
             raise ValueError("the CUDA graph backend needs a CUDA device; use the eager backend on CPU")
         self.pool = torch.cuda.graph_pool_handle()
+        self._live: weakref.WeakSet[_CudaGraphForward] = weakref.WeakSet()
+        self._captured = False
 
     def capture(self, fn: ForwardFn, example: Inputs) -> CapturedForward:
-        return _CudaGraphForward(fn, example, self.pool)
+        if self._captured and not self._live:
+            self.pool = torch.cuda.graph_pool_handle()
+        entry = _CudaGraphForward(fn, example, self.pool)
+        self._live.add(entry)
+        self._captured = True
+        return entry
 
 
 class GraphPool:
@@ -154,6 +171,10 @@ class GraphPool:
 
     def __len__(self) -> int:
         return len(self._entries)
+
+    def entry(self, key: GraphKey) -> CapturedForward | None:
+        """The captured forward held for ``key`` (not moved in the LRU order), or None."""
+        return self._entries.get(key)
 
     def keys(self) -> list[GraphKey]:
         """Held keys, least recently used first."""

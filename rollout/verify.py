@@ -90,7 +90,8 @@ def verify_sampled(
                 break
             p = residual(p, q, token)
         else:
-            final = int(sample_from_probs(p, torch.tensor(float(uniforms[len(tree)]), dtype=torch.float64)))
+            u = torch.tensor(float(uniforms[len(tree)]), dtype=torch.float64, device=p.device)
+            final = int(sample_from_probs(p, u))
             return Verdict(path, final)
 
 

@@ -47,9 +47,11 @@ class Contenders:
             self.engines[key] = RolloutEngine(self.policy, config, tokenizer=self.tokenizer, drafter=drafter)
         return self.engines[key]
 
-    def engine_rate(self, strategy: str, graphs: str, prompts, params) -> dict:
+    def engine_rate(self, strategy: str, graphs: str, prompts, params, warm_prompts) -> dict:
+        """Timed on ``prompts`` after a run on as many other prompts (graphs captured, kernels compiled,
+        the selector measured): other prompts, so no drafter has seen the timed completions."""
         engine = self.engine(strategy, graphs)
-        engine.generate(prompts, params)  # warm: graphs captured, kernels compiled, selector measured
+        engine.generate(warm_prompts, params)
         before = engine.stats.as_dict()
         outs, seconds = timed(lambda: engine.generate(prompts, params))
         after = engine.stats.as_dict()
@@ -67,7 +69,7 @@ class Contenders:
         }
 
     @torch.no_grad()
-    def hf_rate(self, prompts, params) -> dict:
+    def hf_rate(self, prompts, params, warm_prompts=None) -> dict:
         dev = next(self.policy.parameters()).device
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         width = max(len(p) for p in prompts)
@@ -141,6 +143,17 @@ def grow(stage: Stage, dev: torch.device, dtype: torch.dtype, prompts):
     return grown.to(dtype).eval()
 
 
+def replay_ms(engine: RolloutEngine, repeats: int = 50) -> float | None:
+    """One replay of the batch-1 decode graph alone (what the step costs without the engine around it)."""
+    pool = engine.runner.graph_pool
+    key = next((k for k in pool.keys() if (k.batch, k.tokens) == (1, 1)), None) if pool is not None else None
+    entry = pool.entry(key) if key is not None else None
+    if entry is None or not torch.cuda.is_available():
+        return None
+    _, seconds = timed(lambda: [entry.graph.replay() for _ in range(repeats)])
+    return 1000 * seconds / repeats
+
+
 def decode_floor_ms(model, context: int, copy_gbs: float) -> tuple[float, int]:
     """The batch-1 decode step's floor: every weight and the context's K/V read once, at the copy rate."""
     cfg = model.config
@@ -161,6 +174,7 @@ def run(stage: Stage) -> None:
     size = stage.size
     _, drafter, tokenizer = deep_policy(dtype, dev)
     prompts = task_prompts(tokenizer, max(size.speed_batches), seed=21)
+    warm = task_prompts(tokenizer, max(size.speed_batches), seed=22)
     greedy = SamplingParams(temperature=0.0, max_new_tokens=size.max_new_tokens)
     with stage.part("grow", 20) as ok:
         if not ok:
@@ -178,8 +192,8 @@ def run(stage: Stage) -> None:
     stage.record("copy_gbs", round(copy_gbs, 1))
     for batch in size.speed_batches:
         for name, measure in (
-            ("none graphs", lambda b=batch: contenders.engine_rate("none", graphs, prompts[:b], greedy)),
-            ("none eager", lambda b=batch: contenders.engine_rate("none", "none", prompts[:b], greedy)),
+            ("none graphs", lambda b=batch: contenders.engine_rate("none", graphs, prompts[:b], greedy, warm[:b])),
+            ("none eager", lambda b=batch: contenders.engine_rate("none", "none", prompts[:b], greedy, warm[:b])),
             ("HF generate", lambda b=batch: contenders.hf_rate(prompts[:b], greedy)),
         ):
             with stage.part(f"{name} batch {batch}", 8) as ok:
@@ -199,7 +213,12 @@ def run(stage: Stage) -> None:
         context = len(prompts[0]) + size.max_new_tokens // 2
         floor, nbytes = decode_floor_ms(policy, context, copy_gbs)
         step = batch1["decode_step_ms"]
-        stage.record("decode_floor", {"bytes_per_step": nbytes, "floor_ms": floor, "step_ms": step})
+        replay = replay_ms(contenders.engine("none", graphs))
+        stage.record(
+            "decode_floor", {"bytes_per_step": nbytes, "floor_ms": floor, "step_ms": step, "replay_ms": replay}
+        )
+        if replay is not None:
+            headline["batch-1 graph replay alone / floor"] = f"{replay / floor:.1f}x ({replay:.2f} ms)"
         headline["batch-1 decode step / bandwidth floor (target <= 2x)"] = f"{step / floor:.1f}x ({step:.2f} ms)"
     stage.record("headline", headline)
     for batch in size.spec_batches:
@@ -210,7 +229,7 @@ def run(stage: Stage) -> None:
                         {
                             "contender": strategy,
                             "batch": batch,
-                            **contenders.engine_rate(strategy, graphs, prompts[:batch], greedy),
+                            **contenders.engine_rate(strategy, graphs, prompts[:batch], greedy, warm[:batch]),
                         }
                     )
         for strategy in SPEC_STRATEGIES:
@@ -228,6 +247,7 @@ def long_tail(stage: Stage, contenders: Contenders, tokenizer, graphs: str, add,
     """A sampled rollout whose lengths vary as RL rollouts do (T = 1, position-keyed noise)."""
     size = stage.size
     prompts = task_prompts(tokenizer, size.long_tail_prompts, seed=33)
+    warm = task_prompts(tokenizer, size.long_tail_prompts, seed=34)
     params = [
         SamplingParams(temperature=1.0, max_new_tokens=2 * size.max_new_tokens, noise="position", seed=1000 + i)
         for i in range(len(prompts))
@@ -236,7 +256,7 @@ def long_tail(stage: Stage, contenders: Contenders, tokenizer, graphs: str, add,
     for strategy in ("none", *SPEC_STRATEGIES):
         with stage.part(f"long tail {strategy}", 10) as ok:
             if ok:
-                tail[strategy] = contenders.engine_rate(strategy, graphs, prompts, params)
+                tail[strategy] = contenders.engine_rate(strategy, graphs, prompts, params, warm)
                 add({"contender": f"long tail {strategy}", "batch": len(prompts), **tail[strategy]})
     if "none" in tail:
         same = len({r["digest"] for r in tail.values()}) == 1
