@@ -13,6 +13,7 @@ the least recently used entries are evicted. Counters: captures, hits, evictions
 from __future__ import annotations
 
 import logging
+import threading
 import time
 import weakref
 from bisect import bisect_left
@@ -41,7 +42,7 @@ class PoolStats:
     captures: int = 0
     hits: int = 0
     evictions: int = 0
-    uncaptured: int = 0  # calls larger than the largest bucket, run without a graph
+    uncaptured: int = 0  # calls larger than the largest bucket (or off the owner thread), run without a graph
     bytes: int = 0
     capture_s: dict[GraphKey, float] = field(default_factory=dict)  # seconds each capture took (the last)
 
@@ -93,7 +94,9 @@ class _CudaGraphForward(CapturedForward):
         # thread_local: a draft executor's thread may capture while the caller's thread allocates
         with torch.cuda.graph(self.graph, pool=pool, capture_error_mode="thread_local"):
             self.static_output = fn(self.static_inputs)
-        torch.cuda.synchronize()  # the capture's cost is counted whole (GraphPool times it)
+        # the capture's cost is counted whole (GraphPool times it); a stream sync, not the device's:
+        # another thread's capture may be under way, and a device-wide sync would invalidate it
+        torch.cuda.current_stream().synchronize()
         grown = torch.cuda.memory_reserved() - before
         buffers = sum(t.numel() * t.element_size() for t in self.static_inputs.values())
         output = self.static_output.numel() * self.static_output.element_size()
@@ -158,6 +161,7 @@ class GraphPool:
         self.memory_budget = memory_budget
         self.stats = PoolStats()
         self._entries: OrderedDict[GraphKey, CapturedForward] = OrderedDict()
+        self._owner = threading.get_ident()
 
     def key_for(self, num_seqs: int, tokens: int, context: int) -> GraphKey | None:
         """The bucket a forward pads to, or None if it is larger than every bucket."""
@@ -191,6 +195,12 @@ class GraphPool:
             self._entries.move_to_end(key)
             self.stats.hits += 1
             return entry.run(inputs)
+        if threading.get_ident() != self._owner:
+            # captures happen on the thread that made the pool: a draft executor's thread replays
+            # what is held and runs other shapes eagerly, so two captures never overlap (an H100
+            # run saw one capture invalidated by the other thread's work)
+            self.stats.uncaptured += 1
+            return make_fn()(inputs)
         start = time.perf_counter()
         entry = self.backend.capture(make_fn(), inputs)
         self.stats.capture_s[key] = time.perf_counter() - start

@@ -200,7 +200,7 @@ class RolloutConfig:
     length_budget: float = 0.0
     graph_backend: str = "auto"  # auto: CUDA graphs on CUDA, none on CPU | cuda_graph | eager | none
     graph_memory_mb: int = 2048  # budget of the graph pool
-    kernels: str = "auto"  # auto: Triton kernels on CUDA, torch elsewhere | triton | torch (tailspec.kernels)
+    kernels: str = "auto"  # auto: Triton verification on CUDA, torch otherwise | triton | torch (tailspec.kernels)
     seed: int = 0
     progress: bool = False
     extra: dict[str, Any] = field(default_factory=dict)

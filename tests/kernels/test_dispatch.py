@@ -1,4 +1,5 @@
-"""Backend choice: Triton on CUDA, torch elsewhere, and the overrides in their order."""
+"""Backend choice: on CUDA Triton verification and torch attention, torch elsewhere, and the overrides
+in their order."""
 
 import pytest
 import torch
@@ -10,13 +11,15 @@ from tailspec.rollout import RolloutConfig
 CPU = torch.device("cpu")
 
 
-def test_auto_is_torch_on_cpu_and_triton_on_cuda(monkeypatch):
+def test_auto_is_torch_on_cpu_and_the_faster_kernel_on_cuda(monkeypatch):
     monkeypatch.delenv(dispatch.ENV_VAR, raising=False)
     monkeypatch.setattr(dispatch, "triton_installed", lambda: True)
     assert resolve_backend(CPU) == "torch"
-    assert resolve_backend(torch.device("cuda")) == "triton"
+    assert resolve_backend(torch.device("cuda"), kernel="verify") == "triton"
+    assert resolve_backend(torch.device("cuda"), kernel="attention") == "torch"  # slower on an H100 (GPU.md)
+    assert resolve_backend(torch.device("cuda"), "triton", kernel="attention") == "triton"
     monkeypatch.setattr(dispatch, "triton_installed", lambda: False)
-    assert resolve_backend(torch.device("cuda")) == "torch"
+    assert resolve_backend(torch.device("cuda"), kernel="verify") == "torch"
 
 
 def test_overrides_most_specific_first(monkeypatch):

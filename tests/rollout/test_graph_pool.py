@@ -58,6 +58,22 @@ def test_capture_once_then_hit_and_evict_least_recently_used():
     assert pool.stats.uncaptured == 1
 
 
+def test_only_the_owner_thread_captures_others_replay_or_run_eagerly():
+    """A draft executor's thread shares the drafter's pool: it replays what the owner captured and runs
+    new shapes uncaptured, so no capture overlaps another thread's work (seen to break one on an H100)."""
+    import threading
+
+    pool = _pool()
+    a, b = GraphKey(1, 1, 16), GraphKey(2, 1, 16)
+    fn = lambda x: x["x"].sum()  # noqa: E731
+    pool.run(a, lambda: fn, _inputs(a))
+    worker = threading.Thread(target=lambda: [pool.run(k, lambda: fn, _inputs(k)) for k in (a, b)])
+    worker.start()
+    worker.join()
+    assert pool.keys() == [a] and pool.stats.captures == 1 and pool.stats.hits == 1 and pool.stats.uncaptured == 1
+    assert list(pool.stats.capture_s) == [a] and pool.entry(a) is not None and pool.entry(b) is None
+
+
 def test_bad_pool_settings_are_refused():
     with pytest.raises(ValueError, match="batch_buckets"):
         GraphPool(batch_buckets=(4, 2))
