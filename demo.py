@@ -209,7 +209,7 @@ def _make_rollout(cfg: DemoConfig, head=None):
                 "schedule": cfg.schedule,
             },
         }
-    if not parse_strategy(cfg.strategy).uses_model_drafter:
+    if not parse_strategy(cfg.strategy).wants_model_drafter:  # adaptive wants one: its chain/tree/mirror arms
         return SpecRollout(strategy=cfg.strategy, **placement)
     if cfg.drafter == "small_lm":
         return SpecRollout(strategy=cfg.strategy, drafter=load_shipped(cfg.policy, "drafter")[0], **placement)
@@ -470,7 +470,7 @@ def run_demo_with_rollout(
     state (benchmarks carry both across runs, as one continuing run would)."""
     out = _prepare_environment(cfg)
     print(f"tailspec demo: GRPO on the chain-sum task, config {asdict(cfg)}", flush=True)
-    uses_head = parse_strategy(cfg.strategy).uses_model_drafter and cfg.drafter == "eagle3"
+    uses_head = parse_strategy(cfg.strategy).wants_model_drafter and cfg.drafter == "eagle3"
     if head is None and uses_head and cfg.warmup_steps:
         head = _warm_up(cfg)
     rows, rollout, wall, run_name = _grpo_run(cfg, out, head, callbacks=callbacks, catch_up=catch_up)

@@ -55,7 +55,7 @@ class _EngineContender:
     def __init__(self, name, model, drafter, prompts, params, eos, strategy: str, split_cold: bool = False):
         self.name, self.prompts, self.params, self.split_cold = name, prompts, params, split_cold
         parsed = parse_strategy(strategy)
-        if not (parsed.uses_model_drafter or parsed.adaptive):
+        if not parsed.wants_model_drafter:
             drafter = None  # an attached EAGLE-3 head makes every forward tap features: not plain decoding
         self.engine = RolloutEngine(model, RolloutConfig(strategy=strategy), drafter=drafter, eos_token_ids=eos)
         self.engine.generate([list(p) for p in prompts[:2]], params.with_updates(max_new_tokens=8))  # warm-up

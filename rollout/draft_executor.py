@@ -29,11 +29,13 @@ import io
 import itertools
 import logging
 import queue
+import sys
 import threading
 import traceback
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -227,6 +229,24 @@ class SequencedHost:
                 self._turn.notify_all()
 
 
+@contextmanager
+def _main_module_hidden() -> Iterator[None]:
+    """While a child is spawned, ``__main__`` names no file or module, so the child does not import
+    the user's script: a script without an ``if __name__ == "__main__":`` guard would otherwise run
+    its whole top level (its training) again in the draft process, and the parent would wait for
+    that child forever. Everything the child runs is tailspec's (``_serve`` and the drafter's
+    picklable builder); a builder defined in the user's script fails there with its traceback."""
+    main = sys.modules["__main__"]
+    saved = {name: main.__dict__[name] for name in ("__file__", "__spec__") if name in main.__dict__}
+    main.__dict__.pop("__file__", None)
+    main.__dict__["__spec__"] = None
+    try:
+        yield
+    finally:
+        main.__dict__.pop("__spec__", None)
+        main.__dict__.update(saved)
+
+
 def _serve(build: Callable[[], Drafter], threads: int, conn) -> None:
     """The child's loop: build the drafter, then answer the parent's commands in order.
 
@@ -368,7 +388,8 @@ class ProcessExecutor(_HostExecutor):
         ctx = mp.get_context("spawn")
         self._conn, child = ctx.Pipe()
         self._process = ctx.Process(target=_serve, args=(build, threads, child), daemon=True, name="tailspec-draft")
-        self._process.start()
+        with _main_module_hidden():
+            self._process.start()
         child.close()
         self._pending = 0  # branch calls sent and not yet answered
         if not self._conn.poll(start_timeout_s):

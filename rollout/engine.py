@@ -193,6 +193,13 @@ class RolloutEngine:
             from .selector import StrategySelector
 
             self.selector = StrategySelector(self.config.selector, has_model_drafter=self.drafter is not None)
+            if self.drafter is None and self.selector.dropped_arms:
+                logger.warning(
+                    "strategy 'adaptive' has no model drafter, so it chooses among %s only and drops %s: "
+                    "pass drafter= (a smaller LM, an EAGLE-3 head or 'self:L') for the drafting arms that pay most",
+                    [str(a) for a in self.selector.arms],
+                    [str(a) for a in self.selector.dropped_arms],
+                )
         return self.selector
 
     def state_dict(self) -> dict:

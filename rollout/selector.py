@@ -191,6 +191,7 @@ class StrategySelector:
         self.config = config or SelectorConfig()
         arms = [parse_strategy(a) for a in self.config.arms]
         self.arms: list[Strategy] = [a for a in arms if has_model_drafter or not a.uses_model_drafter]
+        self.dropped_arms: list[Strategy] = [a for a in arms if a not in self.arms]
         if not self.arms:
             raise ValueError("no selector arm can run without a model drafter; add 'none' or 'suffix' arms")
         self._none = next((a for a in self.arms if a.kind == "none"), None)

@@ -77,6 +77,13 @@ class Strategy:
         return "model" in self.drafters
 
     @property
+    def wants_model_drafter(self) -> bool:
+        """Whether a model drafter should be supplied: a step of this strategy runs one, or
+        (``adaptive``) it chooses per step among arms of which some run one. Without a drafter,
+        ``adaptive`` keeps only the model-free arms."""
+        return self.uses_model_drafter or self.adaptive
+
+    @property
     def max_draft_nodes(self) -> int:
         """The most draft tokens one sequence can get verified per step (0 without speculation)."""
         return self.shape.max_nodes if self.shape is not None else 0

@@ -495,7 +495,8 @@ external data, by:
 wall times on {machine}).
 Files: `tokenizer/`, `policy/`, `drafter/` (each model: `model.safetensors`, `config.json`,
 `generation_config.json`, `sft_metrics.json` with the loss curve and config, `eval.json`).
-Load them with `tailspec.tasks.sft.load_tiny("policy")` / `load_tiny("drafter")`.
+Load them with `tailspec.tasks.sft.load_tiny("policy")` / `load_tiny("drafter")`; `tailspec pack-assets`
+stores them for shipping (fp16, packed losslessly as `model.safetensors.planes.xz`).
 
 ## Task and tokenizer
 

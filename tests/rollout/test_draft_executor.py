@@ -117,3 +117,34 @@ def test_a_drafter_that_cannot_be_rebuilt_elsewhere_is_refused_a_process_by_name
     for kind in ("process", "ray"):
         with pytest.raises(ValueError, match=f"executor '{kind}' cannot run the small_lm drafter in another process"):
             make_executor(kind, drafter, None, torch.device("cpu"), None, 1)
+
+
+NO_MAIN_GUARD = """
+print("TOP-LEVEL RAN", flush=True)
+from tailspec.rollout import RolloutConfig, RolloutEngine, SamplingParams
+from tailspec.rollout.params import MirrorConfig
+from tailspec.testing import perturbed_copy, random_prompts, tiny_random_model
+
+model = tiny_random_model("llama", seed=1)
+config = RolloutConfig(strategy="mirror:chain:3,k=1", mirror=MirrorConfig(executor="process"))
+engine = RolloutEngine(model, config, drafter=perturbed_copy(model, 0.3, seed=7))
+out = engine.generate(random_prompts(3, seed=2), SamplingParams(temperature=0.0, max_new_tokens=8))
+print("DONE", type(engine.mirror.executor).__name__, len(out), flush=True)
+engine.close()
+"""
+
+
+def test_a_script_without_a_main_guard_starts_its_draft_process_and_runs_its_top_level_once(tmp_path, child_env):
+    """The draft process is spawned without importing the user's script: a script written from the
+    README without ``if __name__ == "__main__":`` used to run again inside the child (its whole
+    training, a second time) and could leave the parent waiting for that child forever."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "train.py"
+    script.write_text(NO_MAIN_GUARD)
+    out = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, cwd=tmp_path, env=child_env, timeout=240
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.count("TOP-LEVEL RAN") == 1 and "DONE ProcessExecutor 3" in out.stdout
