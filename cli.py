@@ -202,6 +202,7 @@ def _load_policy(spec: str, tokenizer_path: str | None):
     """``tiny`` / ``deep`` (a shipped policy), a local Hugging Face model directory or a hub id."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from .packed_weights import is_packed, unpacked_dir
     from .tasks.sft import SHIPPED_POLICIES, load_shipped
 
     tokenizer = _model_location(tokenizer_path, "--tokenizer") if tokenizer_path else None
@@ -209,7 +210,8 @@ def _load_policy(spec: str, tokenizer_path: str | None):
         model, shipped_tokenizer = load_shipped(spec, "policy")
         return model, AutoTokenizer.from_pretrained(tokenizer) if tokenizer else shipped_tokenizer
     policy = _model_location(spec, f"--policy (a shipped policy {', '.join(SHIPPED_POLICIES)} or a model directory)")
-    model = AutoModelForCausalLM.from_pretrained(policy, dtype="auto").eval()
+    weights = unpacked_dir(policy) if is_packed(policy) else policy  # a shipped model directory is packed
+    model = AutoModelForCausalLM.from_pretrained(weights, dtype="auto").eval()
     return model, AutoTokenizer.from_pretrained(tokenizer or policy)
 
 
@@ -405,7 +407,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _pack_assets(args: argparse.Namespace) -> int:
-    from .tasks.shipped_weights import pack_shipped
+    from .packed_weights import pack_shipped
 
     root = Path(args.assets) if args.assets else Path(__file__).resolve().parent / "assets"
     packed = pack_shipped(root)

@@ -258,7 +258,10 @@ def _policy(cfg: DemoConfig):
         import torch
         from transformers import AutoModelForCausalLM
 
-        model = AutoModelForCausalLM.from_pretrained(cfg.policy_dir, dtype=torch.float32)
+        from .packed_weights import is_packed, unpacked_dir
+
+        weights = unpacked_dir(cfg.policy_dir) if is_packed(cfg.policy_dir) else cfg.policy_dir
+        model = AutoModelForCausalLM.from_pretrained(weights, dtype=torch.float32)
     return model, tokenizer
 
 

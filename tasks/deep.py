@@ -30,6 +30,7 @@ import torch
 import transformers
 from transformers import AutoModelForCausalLM, DynamicCache
 
+from ..packed_weights import unpacked_dir
 from .chain_sum import ChainSumConfig, sample_problems
 from .sft import (
     SFTConfig,
@@ -42,7 +43,6 @@ from .sft import (
     load_shipped,
     long_problems,
 )
-from .shipped_weights import unpacked_dir
 from .tokenizer import build_tokenizer, chat_ids
 
 logger = logging.getLogger(__name__)

@@ -30,9 +30,9 @@ import torch
 import transformers
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerBase, Qwen2Config, Qwen2ForCausalLM
 
+from ..packed_weights import unpacked_dir
 from ..progress import progress_bar
 from .chain_sum import LAYOUTS, ChainSumConfig, ChainSumProblem, extract_answer, sample_problem, sample_problems
-from .shipped_weights import unpacked_dir
 from .tokenizer import build_tokenizer, chat_ids
 
 logger = logging.getLogger(__name__)

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from tailspec.cli import main
+from tailspec.packed_weights import unpacked_dir
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY_HEAD = ROOT / "assets" / "tiny" / "eagle3"
@@ -18,7 +19,7 @@ TINY_HEAD = ROOT / "assets" / "tiny" / "eagle3"
 @pytest.fixture
 def files(tmp_path):
     truncated = tmp_path / "truncated_head"
-    shutil.copytree(TINY_HEAD, truncated)
+    shutil.copytree(unpacked_dir(TINY_HEAD), truncated)
     weights = truncated / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[:5000])
     (tmp_path / "bad_key.yaml").write_text("max_stepz: 3\n")

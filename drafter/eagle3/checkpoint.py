@@ -32,6 +32,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
+from ...packed_weights import is_packed, unpacked_dir
 from .model import Eagle3Config, Eagle3Head, default_aux_layer_ids
 
 logger = logging.getLogger(__name__)
@@ -331,6 +332,8 @@ def load_checkpoint(
     path = Path(path)
     if not path.is_dir():
         raise ValueError(f"EAGLE-3 checkpoint directory {path} does not exist")
+    if is_packed(path):  # a shipped head (assets/*/eagle3): its weights are packed
+        path = unpacked_dir(path)
     config_path = path / CONFIG_FILE
     config = _read_json(config_path)
     if config.get("format") != FORMAT:

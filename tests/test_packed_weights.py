@@ -4,7 +4,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from tailspec.tasks import shipped_weights as sw
+from tailspec import packed_weights as sw
 from tailspec.tasks.sft import assets_dir
 
 
