@@ -27,11 +27,6 @@ Exploring costs most where the batch is large, and a rollout starts there. So:
   for tokens accepted ever less often, so where ``chain:2`` loses, ``tree:4,2,8`` does not win.
   Narrow arms are therefore explored first. A skipped arm is not exploited either (no bonus
   revives it) until the measurement that ruled it out changes.
-* The same argument run the other way: an untried arm is skipped, even in a bucket not measured
-  yet, when on a *larger* batch it lost clearly (below ``width_prune_ratio``) to an arm containing
-  it (a wider draft of its drafters; for plain decoding, any speculative arm): speculation and
-  width return more on fewer sequences. A rollout's tail then does not re-explore, bucket by
-  bucket, what its bulk already showed to lose.
 
 These standings compare arms by their goodput relative to plain decoding's *at the time* of each
 step: every step slows down as contexts grow, so goodputs measured minutes apart are not
@@ -213,10 +208,6 @@ class StrategySelector:
             ]
             for arm in self.arms
         }
-        # per arm, the speculative arms that contain it (plain decoding: every speculative arm)
-        self._containing = {
-            arm: [w for w in speculative if arm is self._none or arm in self._narrower[w]] for arm in self.arms
-        }
         w = self.config.window
         self._stats: list[dict[Strategy, ArmStats]] = [
             {a: ArmStats(deque(maxlen=w)) for a in self.arms} for _ in self.config.bucket_bounds
@@ -267,25 +258,6 @@ class StrategySelector:
                 return self._standing(nb, arm)
         return None
 
-    def _larger_loss(self, b: int, arm: Strategy) -> float | None:
-        """In the nearest *larger-batch* bucket that measured ``arm`` enough: its goodput relative to
-        the best arm there that contains it (a wider draft of its drafters; for plain decoding, any
-        speculative arm), or None.
-
-        The mirror of :meth:`_neighbour_standing`: speculation and draft width return more the fewer
-        sequences share a step, so an arm that loses clearly to one containing it on more sequences
-        loses to it on fewer too. Rollouts drain from large batches to small, so this is what lets
-        the tail skip plain decoding and narrow drafts that the bulk already showed to lose, instead
-        of exploring every arm again in every small bucket (each of a rollout's tail buckets sees few
-        steps, so that exploration stretched over several RL steps)."""
-        for nb in range(b + 1, len(self._stats)):
-            needed = self._trials_needed(nb)
-            if len(self._stats[nb][arm].samples) < needed:
-                continue
-            wider = [self._standing(nb, w) for w in self._containing[arm] if len(self._stats[nb][w].samples) >= needed]
-            return self._standing(nb, arm) / max(wider) if wider else None
-        return None
-
     def _narrower_standing(self, b: int, arm: Strategy) -> float | None:
         """The best standing in bucket ``b`` of an arm that ``arm`` contains."""
         standings = [self._standing(b, a) for a in self._narrower[arm] if self._stats[b][a].samples]
@@ -310,13 +282,7 @@ class StrategySelector:
                 return Choice(arm)  # close or better: a full step measures it
             if len(stats[arm].samples) >= needed:
                 continue
-            if stats[arm].samples:
-                return Choice(arm)
-            larger = self._larger_loss(b, arm)
-            if larger is not None and larger < cfg.width_prune_ratio:
-                ruled_out.add(arm)  # it lost clearly to an arm containing it on more sequences
-                continue
-            if not measured:
+            if stats[arm].samples or not measured:
                 return Choice(arm)
             neighbour, narrower = self._neighbour_standing(b, arm), self._narrower_standing(b, arm)
             loses = any(

@@ -428,23 +428,3 @@ def test_the_engine_flags_a_model_drafters_first_step_after_a_gap():
         gap = i - j - 1  # steps of other arms between two model-drafter steps
         assert sw == (gap >= 4), (i, j, sw)
 
-
-def test_the_tail_skips_arms_that_lost_clearly_to_a_containing_arm_on_larger_batches():
-    """Speculation and draft width return more the fewer sequences share a step: where ``chain:4``
-    beat plain decoding and ``chain:2`` clearly on larger batches, the tail's buckets do not explore
-    those two again (they used to, in every small bucket, over several RL steps); the model-free
-    ``suffix`` arm, which ``chain:4`` does not contain, is still tried there."""
-
-    def goodput(arm: str, batch: int) -> float:
-        return 100.0 * batch**0.8 * {"none": 1.0, "chain:2": 1.3, "chain:4": 2.0, "suffix:8,2,16": 0.5}[arm]
-
-    selector = StrategySelector(SelectorConfig(arms=ARMS))
-    rng, picks = random.Random(3), []
-    drain = [n for n in (64, 48, 32, 24, 16, 12, 8, 6, 4, 3, 2, 1) for _ in range(12)]
-    for n in drain:
-        arm = selector.choose(n)
-        selector.observe(n, arm, tokens=int(goodput(str(arm), n) * rng.uniform(0.95, 1.05)), seconds=1.0)
-        picks.append((n, str(arm)))
-    tail = [arm for n, arm in picks if n <= 4]
-    assert "none" not in tail and "chain:2" not in tail and "suffix:8,2,16" in tail
-    assert str(selector.best(1)) == "chain:4" and tail.count("chain:4") > len(tail) // 2
