@@ -269,10 +269,16 @@ def test_adaptive_engine_matches_plain_decoding(arch):
     assert engine.stats.tail_steps > 0 and engine.stats.tail_time_s > 0
 
 
-def test_adaptive_without_a_drafter_uses_model_free_arms():
+def test_adaptive_without_a_drafter_uses_model_free_arms_and_says_so(caplog):
+    """Silently running adaptive without its drafter is how the demo's adaptive runs drafted at 9%
+    acceptance (issue 39): the engine names the arms it dropped."""
     engine = RolloutEngine(cached_model("llama"), RolloutConfig(strategy="adaptive"))
-    engine.generate(random_prompts(4, seed=2), SamplingParams(max_new_tokens=20, temperature=0.0))
+    with caplog.at_level("WARNING", logger="tailspec.rollout.engine"):
+        engine.generate(random_prompts(4, seed=2), SamplingParams(max_new_tokens=20, temperature=0.0))
     assert set(engine.stats.strategy_steps) <= {"none", "suffix:8,2,16"}
+    assert "has no model drafter" in caplog.text and "chain:4" in caplog.text
+    assert parse_strategy("adaptive").wants_model_drafter and not parse_strategy("adaptive").uses_model_drafter
+    assert not parse_strategy("suffix").wants_model_drafter and parse_strategy("chain:2").wants_model_drafter
 
 
 def probe_run(selector, steps, arms, batch=64, seed=12):
