@@ -27,6 +27,7 @@ from ..rollout.position_noise import derived_seed
 from ..rollout.strategy import parse_strategy
 from ..workers.coordinator import RolloutCoordinator, RolloutReport, WorkersConfig
 from ..workers.worker import DrafterState
+from .drafter_health import DrafterHealth
 from .sampling_from_trl import sampling_params_from_trl
 
 logger = logging.getLogger(__name__)
@@ -151,6 +152,7 @@ class RolloutStats:
     spot_busy_s: float = 0.0  # of the rollout's worker-seconds, those a spot training chunk ran in
     drafter_lr_scale: float = 1.0  # catch-up: the drafter's learning-rate scale after this rollout
     completions_digest: str = ""  # a hash of the call's completions, in request order (same digest: same rollout)
+    drafter_health: float | None = None  # DrafterHealth's score (None without a model drafter)
 
     @property
     def acceptance_rate(self) -> float:
@@ -194,6 +196,7 @@ class SpecRollout:
         self.tokenizer = tokenizer
         self.sampling = sampling
         self.drafter = drafter
+        self.health = DrafterHealth()
         from ..drafter.eagle3 import Eagle3Head, FeatureBuffer
 
         self._online_head = isinstance(drafter, Eagle3Head) and self.config.drafter_train_steps > 0
@@ -649,6 +652,10 @@ class SpecRollout:
             strategy_steps=dict(strategy_steps),
             completions_digest=completions_digest(completion_ids),
         )
+        if self.drafter is not None:
+            model_steps = sum(n for k, n in strategy_steps.items() if parse_strategy(k).uses_model_drafter)
+            adaptive = parse_strategy(self.config.strategy).adaptive
+            stats.drafter_health = self.health.update(stats.mean_accept_length, model_steps, adaptive)
         self.last_stats = stats
         self.history.append(stats)
         logger.info(
@@ -675,6 +682,8 @@ class SpecRollout:
                 for name in sorted(self._strategies_seen):
                     share = stats.strategy_steps.get(name, 0) / steps
                     metrics[mode][f"rollout/strategy_fraction/{name}"].append(share)
+            if stats.drafter_health is not None:
+                metrics[mode]["rollout/drafter_health"].append(stats.drafter_health)
             if stats.drafted_tokens:
                 metrics[mode]["rollout/accept_length"].append(stats.mean_accept_length)
                 metrics[mode]["rollout/acceptance_rate"].append(stats.acceptance_rate)

@@ -45,6 +45,8 @@ def accept_lengths(strategy: str, steps: int = 3) -> list[float]:
                         p.mul_(1 + 1e-3 * torch.randn(p.shape, generator=g))
             rollout(prompts, trainer)
             lengths.append(rollout.last_stats.mean_accept_length)
+            assert rollout.last_stats.drafter_health is not None
+        assert len(trainer._metrics["eval"]["rollout/drafter_health"]) == steps
     finally:
         if rollout.coordinator is not None:
             rollout.coordinator.shutdown()
