@@ -9,6 +9,7 @@ STAMP  := $(VENV)/.tailspec-installed
 # The GPU check (docs/GPU.md) runs on a lent GPU's image as it is: python3 with torch, triton and
 # transformers, and none of trl, ray, deepspeed or wandb. The tree goes on PYTHONPATH as `tailspec`.
 GPU_PATH   := /tmp/tailspec-path
+LINK_TREE  := mkdir -p $(GPU_PATH) && ln -sfn $(CURDIR) $(GPU_PATH)/tailspec
 GPU_OUT    ?= $(if $(OUT),$(OUT),outputs/gpu-check)
 # the rehearsal's environment is made like that image: its transformers, a CPU torch, no trainer stack
 REHEARSE_VENV := .venv-gpu-rehearse
@@ -39,7 +40,7 @@ clean-venv:
 	rm -rf $(VENV)
 
 gpu-check:
-	mkdir -p $(GPU_PATH) && ln -sfn $(CURDIR) $(GPU_PATH)/tailspec
+	$(LINK_TREE)
 	PYTHONPATH=$(GPU_PATH) PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 python3 -m tailspec.benchmarks.gpu --out $(GPU_OUT)
 
 $(REHEARSE_STAMP): Makefile
@@ -48,6 +49,6 @@ $(REHEARSE_STAMP): Makefile
 	touch $(REHEARSE_STAMP)
 
 gpu-rehearse: $(REHEARSE_STAMP)
-	mkdir -p $(GPU_PATH) && ln -sfn $(CURDIR) $(GPU_PATH)/tailspec
+	$(LINK_TREE)
 	PYTHONPATH=$(GPU_PATH) PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 $(REHEARSE_PY) -m tailspec.benchmarks.gpu --rehearse \
 		--out outputs/gpu-rehearse

@@ -202,7 +202,7 @@ def _load_policy(spec: str, tokenizer_path: str | None):
     """``tiny`` / ``deep`` (a shipped policy), a local Hugging Face model directory or a hub id."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from .packed_weights import is_packed, unpacked_dir
+    from .packed_weights import weights_location
     from .tasks.sft import SHIPPED_POLICIES, load_shipped
 
     tokenizer = _model_location(tokenizer_path, "--tokenizer") if tokenizer_path else None
@@ -210,8 +210,7 @@ def _load_policy(spec: str, tokenizer_path: str | None):
         model, shipped_tokenizer = load_shipped(spec, "policy")
         return model, AutoTokenizer.from_pretrained(tokenizer) if tokenizer else shipped_tokenizer
     policy = _model_location(spec, f"--policy (a shipped policy {', '.join(SHIPPED_POLICIES)} or a model directory)")
-    weights = unpacked_dir(policy) if is_packed(policy) else policy  # a shipped model directory is packed
-    model = AutoModelForCausalLM.from_pretrained(weights, dtype="auto").eval()
+    model = AutoModelForCausalLM.from_pretrained(weights_location(policy), dtype="auto").eval()
     return model, AutoTokenizer.from_pretrained(tokenizer or policy)
 
 

@@ -258,10 +258,9 @@ def _policy(cfg: DemoConfig):
         import torch
         from transformers import AutoModelForCausalLM
 
-        from .packed_weights import is_packed, unpacked_dir
+        from .packed_weights import weights_location
 
-        weights = unpacked_dir(cfg.policy_dir) if is_packed(cfg.policy_dir) else cfg.policy_dir
-        model = AutoModelForCausalLM.from_pretrained(weights, dtype=torch.float32)
+        model = AutoModelForCausalLM.from_pretrained(weights_location(cfg.policy_dir), dtype=torch.float32)
     return model, tokenizer
 
 

@@ -117,6 +117,12 @@ def unpacked_dir(model_dir: str | Path) -> Path:
     return target
 
 
+def weights_location(path: str | Path) -> str | Path:
+    """Where ``from_pretrained`` / ``load_checkpoint`` should read ``path``: its unpacked copy when it
+    is a packed model directory, ``path`` itself otherwise (a plain directory, a hub id)."""
+    return unpacked_dir(path) if is_packed(path) else path
+
+
 def pack_shipped(assets_root: str | Path, *, float16: bool = True) -> list[Path]:
     """Pack every model directory (one holding ``model.safetensors``) under ``assets_root``."""
     done = []

@@ -134,3 +134,25 @@ def hf_greedy(model, prompt: list[int], max_new_tokens: int, eos_id: int = 1) ->
     if eos_id < 0:
         return ids
     return ids[: ids.index(eos_id) + 1] if eos_id in ids else ids
+
+
+def processed_probs(logits: torch.Tensor, params) -> torch.Tensor:
+    """Each row's processed distribution (``params``: a ``SamplingParams``), float64 on the CPU."""
+    from .rollout.sampling import BatchSamplingTensors, processed_logprobs
+
+    st = BatchSamplingTensors.from_params([params] * logits.shape[0], logits.device)
+    return processed_logprobs(logits.float(), st).exp().double().cpu()
+
+
+@torch.no_grad()
+def exact_joint_of_tokens_2_and_3(model, prompt: list[int], vocab: int, params) -> torch.Tensor:
+    """The target's processed joint of completion tokens 2 and 3 after ``prompt`` (the first
+    speculative step's), marginalised over token 1: ``[vocab * vocab]``, what a chi-square test of
+    sampled speculative decoding compares with."""
+    dev = next(model.parameters()).device
+    p1 = processed_probs(model(torch.tensor([prompt], device=dev)).logits[:, -1], params)[0]
+    ctx2 = torch.tensor([prompt + [a] for a in range(vocab)], device=dev)
+    p2 = processed_probs(model(ctx2).logits[:, -1], params)
+    ctx3 = torch.tensor([prompt + [a, b] for a in range(vocab) for b in range(vocab)], device=dev)
+    p3 = processed_probs(model(ctx3).logits[:, -1], params).view(vocab, vocab, vocab)
+    return (p1.view(vocab, 1, 1) * p2.view(vocab, vocab, 1) * p3).sum(0).reshape(-1)

@@ -225,7 +225,7 @@ def _warm_head(policy, tokenizer, recipe: DeepRecipe, out: Path, continue_head: 
 
     head, earlier, seed = None, [], recipe.seed
     if continue_head and (out / "config.json").exists():
-        ckpt = load_checkpoint(unpacked_dir(out))
+        ckpt = load_checkpoint(out)
         head, earlier = ckpt.head.float(), list(ckpt.metadata.get("rounds", []))
         seed += len(earlier)  # fresh prompts and draws for the new rounds
     problems = sample_problems(recipe.warmup_prompts, seed=30_000 + seed, cfg=ChainSumConfig())

@@ -471,7 +471,7 @@ def load_shipped_eagle3(name: str = "tiny"):
     path = assets_dir(name) / "eagle3"
     if not (path / "config.json").exists():
         raise FileNotFoundError(f"no shipped EAGLE-3 head at {path}; make it with `{_RECIPES[name]}`")
-    return load_checkpoint(unpacked_dir(path)).head.float().eval()
+    return load_checkpoint(path).head.float().eval()
 
 
 def load_tiny(kind: str = "policy", dtype: torch.dtype = torch.float32):

@@ -14,6 +14,8 @@ from typing import Any
 
 import torch
 
+from ...rollout.params import MirrorConfig
+
 logger = logging.getLogger(__name__)
 
 
@@ -44,6 +46,16 @@ class CheckSize:
 
 def device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def graph_backend() -> str:
+    """Captured CUDA graphs on a GPU; the eager bucket backend (the same bookkeeping) in the rehearsal."""
+    return "cuda_graph" if torch.cuda.is_available() else "eager"
+
+
+def mirror_config() -> MirrorConfig:
+    """Mirror drafts beside the target: on a second CUDA stream on a GPU, inline in the rehearsal."""
+    return MirrorConfig(executor="stream" if torch.cuda.is_available() else "inline")
 
 
 def sync() -> None:

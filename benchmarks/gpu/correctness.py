@@ -14,19 +14,21 @@ from __future__ import annotations
 import torch
 
 from ...rollout.engine import RolloutEngine
-from ...rollout.params import MirrorConfig, RolloutConfig, SamplingParams
-from ...rollout.sampling import BatchSamplingTensors, processed_logprobs
-from ...testing import chi_square_pvalue, hf_greedy, perturbed_copy, random_prompts, tiny_random_model
-from .common import Stage, device
+from ...rollout.params import RolloutConfig, SamplingParams
+from ...testing import (
+    chi_square_pvalue,
+    exact_joint_of_tokens_2_and_3,
+    hf_greedy,
+    perturbed_copy,
+    random_prompts,
+    tiny_random_model,
+)
+from .common import Stage, device, mirror_config
 from .models import deep_policy, task_prompts
 
 ARCHS = ("llama", "qwen2")
 STRATEGIES = ("none", "chain:4", "tree:3,2,6", "suffix", "hybrid", "mirror:chain:4,k=2")
 MARGIN_LIMIT = 1.0  # logits: a first divergence at a larger control margin is not rounding
-
-
-def mirror_config() -> MirrorConfig:
-    return MirrorConfig(executor="stream" if torch.cuda.is_available() else "inline")
 
 
 def greedy_against_hf(stage: Stage, arch: str) -> None:
@@ -56,21 +58,6 @@ def greedy_against_hf(stage: Stage, arch: str) -> None:
 V, PROMPT = 12, [3, 7, 2, 9, 5]
 
 
-def _processed(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    st = BatchSamplingTensors.from_params([params] * logits.shape[0], logits.device)
-    return processed_logprobs(logits.float(), st).exp().double().cpu()
-
-
-@torch.no_grad()
-def exact_joint_of_tokens_2_and_3(model, params: SamplingParams) -> torch.Tensor:
-    dev = next(model.parameters()).device
-    p1 = _processed(model(torch.tensor([PROMPT], device=dev)).logits[:, -1], params)[0]
-    p2 = _processed(model(torch.tensor([PROMPT + [a] for a in range(V)], device=dev)).logits[:, -1], params)
-    ctx3 = torch.tensor([PROMPT + [a, b] for a in range(V) for b in range(V)], device=dev)
-    p3 = _processed(model(ctx3).logits[:, -1], params).view(V, V, V)
-    return (p1.view(V, 1, 1) * p2.view(V, V, 1) * p3).sum(0).reshape(-1)
-
-
 def chi_square(stage: Stage, strategy: str, params: SamplingParams) -> None:
     n = stage.size.chi_square_samples
     dev = device()
@@ -86,7 +73,7 @@ def chi_square(stage: Stage, strategy: str, params: SamplingParams) -> None:
     counts = torch.bincount(
         torch.tensor([o.completion_ids[1] * V + o.completion_ids[2] for o in outs]), minlength=V * V
     )
-    p = chi_square_pvalue(counts, exact_joint_of_tokens_2_and_3(target, params))
+    p = chi_square_pvalue(counts, exact_joint_of_tokens_2_and_3(target, PROMPT, V, params))
     # with few samples (the rehearsal) the test has little power; the check is the same
     stage.check(f"chi-square {strategy} T={params.temperature}", p > 1e-3, f"p = {p:.3g}, {n} samples")
 

@@ -12,12 +12,8 @@ import torch
 from ...rollout.engine import RolloutEngine
 from ...rollout.params import RolloutConfig, SamplingParams
 from ...testing import perturbed_copy, random_prompts, tiny_random_model
-from .common import Stage, device
+from .common import Stage, device, graph_backend
 from .models import deep_policy, task_prompts
-
-
-def backend() -> str:
-    return "cuda_graph" if torch.cuda.is_available() else "eager"  # eager: the same bookkeeping on CPU
 
 
 def run_engine(model, drafter, strategy: str, prompts, params, **config) -> tuple[RolloutEngine, list]:
@@ -38,7 +34,7 @@ def captured_equals_eager(stage: Stage) -> None:
                 continue
             draft = None if strategy == "none" else drafter
             _, want = run_engine(model, draft, strategy, prompts, params, graph_backend="none")
-            engine, got = run_engine(model, draft, strategy, prompts, params, graph_backend=backend())
+            engine, got = run_engine(model, draft, strategy, prompts, params, graph_backend=graph_backend())
             same = all(a.completion_ids == b.completion_ids for a, b in zip(got, want))
             diff = max(abs(x - y) for a, b in zip(got, want) for x, y in zip(a.logprobs, b.logprobs))
             st = engine.runner.graph_pool.stats
@@ -58,7 +54,7 @@ def budget_and_eviction(stage: Stage, prompts, params) -> None:
     shapes a draining batch visits (16, 8, 4, 2, 1) cannot all stay."""
     model = tiny_random_model("llama", seed=1, initializer_range=0.2, vocab_size=65536).to(device())
     _, want = run_engine(model, None, "none", prompts, params, graph_backend="none")
-    engine, got = run_engine(model, None, "none", prompts, params, graph_backend=backend(), graph_memory_mb=6)
+    engine, got = run_engine(model, None, "none", prompts, params, graph_backend=graph_backend(), graph_memory_mb=6)
     pool = engine.runner.graph_pool
     same = all(a.completion_ids == b.completion_ids for a, b in zip(got, want))
     held = {"budget_bytes": pool.memory_budget, "held_bytes": pool.stats.bytes, "entries": len(pool)}
@@ -83,7 +79,7 @@ def capture_costs(stage: Stage) -> None:
     params = SamplingParams(temperature=0.0, max_new_tokens=stage.size.max_new_tokens)
     reserved = torch.cuda.memory_reserved() if torch.cuda.is_available() else 0
     engine = RolloutEngine(
-        policy, RolloutConfig(strategy="chain:4", graph_backend=backend()), tokenizer=tokenizer, drafter=drafter
+        policy, RolloutConfig(strategy="chain:4", graph_backend=graph_backend()), tokenizer=tokenizer, drafter=drafter
     )
     engine.generate(prompts, params)
     pool = engine.runner.graph_pool

@@ -13,12 +13,12 @@ import torch
 
 from ...kernels.dispatch import KERNELS, resolve_backend
 from ...rollout.engine import RolloutEngine
-from ...rollout.params import MirrorConfig, RolloutConfig, SamplingParams
+from ...rollout.params import RolloutConfig, SamplingParams
 from ...tasks.grow import grow_policy
 from ...tasks.sft import load_shipped
-from .common import Stage, device, timed
+from .common import Stage, device, graph_backend, mirror_config, timed
 from .env import copy_bandwidth_gbs
-from .models import deep_policy, task_prompts
+from .models import task_prompts
 
 SPEC_STRATEGIES = ("chain:4", "adaptive", "mirror:chain:4,k=0")
 
@@ -30,8 +30,8 @@ def count_tokens(rows: list[list[int]], eos: int) -> int:
 class Contenders:
     """Engines kept across batch sizes (their graph pools and selectors warm), plus HF ``generate``."""
 
-    def __init__(self, policy, drafter, tokenizer, graphs: str) -> None:
-        self.policy, self.drafter, self.tokenizer, self.graphs = policy, drafter, tokenizer, graphs
+    def __init__(self, policy, drafter, tokenizer) -> None:
+        self.policy, self.drafter, self.tokenizer = policy, drafter, tokenizer
         self.engines: dict[tuple[str, str, str], RolloutEngine] = {}
         self.eos = tokenizer.eos_token_id
 
@@ -43,7 +43,7 @@ class Contenders:
                 graph_backend=graphs,
                 kernels=kernels,
                 max_num_seqs=256,
-                mirror=MirrorConfig(executor="stream" if torch.cuda.is_available() else "inline"),
+                mirror=mirror_config(),
             )
             drafter = None if strategy == "none" else self.drafter
             self.engines[key] = RolloutEngine(self.policy, config, tokenizer=self.tokenizer, drafter=drafter)
@@ -188,14 +188,15 @@ def run(stage: Stage) -> None:
     dev = device()
     cuda = torch.cuda.is_available()
     dtype = torch.bfloat16 if cuda else torch.float32
-    graphs = "cuda_graph" if cuda else "eager"
+    graphs = graph_backend()
     kernels = {k: resolve_backend(dev, kernel=k) for k in KERNELS}
     stage.record("kernels", kernels)
     other = "torch" if kernels["attention"] == "triton" else "triton"
     if not cuda:
         stage.skip("CUDA graphs, bf16", "needs CUDA: the eager bucket backend and fp32 stand in")
     size = stage.size
-    _, drafter, tokenizer = deep_policy(dtype, dev)
+    drafter, tokenizer = load_shipped("deep", "drafter", dtype=dtype)  # the policy is grown in grow()
+    drafter = drafter.to(dev)
     prompts = task_prompts(tokenizer, max(size.speed_batches), seed=21)
     warm = task_prompts(tokenizer, max(size.speed_batches), seed=22)
     greedy = SamplingParams(temperature=0.0, max_new_tokens=size.max_new_tokens)
@@ -203,7 +204,7 @@ def run(stage: Stage) -> None:
         if not ok:
             return
         policy = grow(stage, dev, dtype, prompts)
-    contenders = Contenders(policy, drafter, tokenizer, graphs)
+    contenders = Contenders(policy, drafter, tokenizer)
     rows: list[dict] = []
     headline: dict[str, str] = {}
 

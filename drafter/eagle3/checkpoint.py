@@ -32,7 +32,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from ...packed_weights import is_packed, unpacked_dir
+from ...packed_weights import weights_location
 from .model import Eagle3Config, Eagle3Head, default_aux_layer_ids
 
 logger = logging.getLogger(__name__)
@@ -332,8 +332,7 @@ def load_checkpoint(
     path = Path(path)
     if not path.is_dir():
         raise ValueError(f"EAGLE-3 checkpoint directory {path} does not exist")
-    if is_packed(path):  # a shipped head (assets/*/eagle3): its weights are packed
-        path = unpacked_dir(path)
+    path = Path(weights_location(path))  # a shipped head (assets/*/eagle3) is packed
     config_path = path / CONFIG_FILE
     config = _read_json(config_path)
     if config.get("format") != FORMAT:

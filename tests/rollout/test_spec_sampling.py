@@ -16,8 +16,8 @@ from tailspec.drafter.eagle3 import Eagle3Config, Eagle3Drafter, Eagle3Head
 from tailspec.kernels.dispatch import kernel_backend
 from tailspec.rollout import RolloutConfig, RolloutEngine, SamplingParams
 from tailspec.rollout import verify as verify_module
-from tailspec.rollout.sampling import BatchSamplingTensors, processed_logprobs
-from tailspec.testing import perturbed_copy, tiny_random_model
+from tailspec.testing import exact_joint_of_tokens_2_and_3 as exact_joint
+from tailspec.testing import perturbed_copy, processed_probs, tiny_random_model
 
 V = 12
 N = 5000
@@ -55,21 +55,12 @@ def drafter(kind):
 
 
 def _processed(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    st = BatchSamplingTensors.from_params([params] * logits.shape[0], logits.device)
-    return processed_logprobs(logits, st).exp().double()
+    return processed_probs(logits, params)
 
 
 @functools.cache
 def exact_joint_of_tokens_2_and_3(params: SamplingParams) -> torch.Tensor:
-    model = target()
-    with torch.no_grad():
-        p1 = _processed(model(torch.tensor([PROMPT])).logits[:, -1], params)[0]  # [V]
-        ctx2 = torch.tensor([PROMPT + [a] for a in range(V)])
-        p2 = _processed(model(ctx2).logits[:, -1], params)  # [V(t1), V(t2)]
-        ctx3 = torch.tensor([PROMPT + [a, b] for a in range(V) for b in range(V)])
-        p3 = _processed(model(ctx3).logits[:, -1], params).view(V, V, V)  # [t1, t2, t3]
-    joint = (p1.view(V, 1, 1) * p2.view(V, V, 1) * p3).sum(0)
-    return joint.reshape(-1)
+    return exact_joint(target(), PROMPT, V, params)
 
 
 def joint_counts(
