@@ -1,36 +1,45 @@
-"""Per-batch choice of the speculation strategy from measured goodput.
+"""Per-batch choice of the speculation strategy from a measured goodput model.
 
-The number of active sequences picks a *bucket* (``bucket_bounds``: a bucket holds batch sizes up
-to its bound); in each bucket every *arm* (a strategy) keeps a sliding window of samples, the
-goodput of the steps it ran there: tokens emitted per second of step time. ``plan`` first tries
-every arm ``min_trials`` times (more on small batches, to cover ``min_sequence_steps``), then
-exploits by UCB (mean plus a bonus that shrinks with the *sequence-steps* behind the mean, scaled
-by the bucket's best mean) or epsilon-greedy. Evidence is counted in sequence-steps because one
-step of 64 sequences averages 64 sequences' acceptance, where a step of one is one noisy draw: an
-arm that lost on a full batch is not tried there again on an uncertainty bonus (each retry of a
-model-drafter arm after plain steps would also pay the drafter's catch-up). No batch-size
-threshold is needed: speculation turns itself off wherever its measured goodput is lower than
-plain decoding's. A configured ``speculate_up_to`` acts only as a prior (above it, plain decoding
-is tried first and speculative arms need to beat it on measurements).
+A step of arm ``a`` (a strategy) on ``n`` sequences emits ``n * accept(a)`` tokens in
+``seconds(a, n)``. The two factors behave differently, so they are learned apart:
+
+* **Acceptance** (tokens emitted per drafting sequence-step) belongs to the arm, the drafter and the
+  text, not to the batch size: every step of the arm, in any bucket, adds its drafting sequences'
+  tokens to one pooled estimate. One probe on 8 sequences of a large batch therefore tells the
+  small batches of the tail what the arm accepts. A bucket's own tokens refine the pooled value
+  once they outweigh ``min_sequence_steps`` sequence-steps of it (shrinkage toward the pool), so
+  an arm whose acceptance does differ by batch size is still judged by its own numbers there.
+* **Speed** (sequence-steps per second) belongs to the arm *and* the batch size: it is measured
+  per bucket (``bucket_bounds``: a bucket holds batch sizes up to its bound), from one step, and
+  carried to a bucket where the arm has not run yet through an arm measured in both (the
+  arm's speed relative to that reference in the nearest bucket measured).
+
+The predicted goodput is their product. ``plan`` first gives every arm ``min_sequence_steps``
+drafting sequence-steps of evidence (pooled, so on a large batch one step suffices), then
+exploits by UCB (predicted goodput plus a bonus that shrinks with the arm's pooled
+sequence-steps, scaled by the bucket's best prediction) or epsilon-greedy. A bucket seen for the
+first time needs no exploration of its own: it starts from the carried predictions, and an arm
+is tried there only if the prediction (or, for an arm with no carried speed, its acceptance at
+the bucket's fastest measured speed) could make it the best. Speculation therefore turns itself
+off wherever it is predicted or measured to be slower than plain decoding, after one RL step,
+not ten. A configured ``speculate_up_to`` acts only as a prior (above it, speculative arms are
+not explored until a smaller batch measured them).
 
 Exploring costs most where the batch is large, and a rollout starts there. So:
 
-* An arm's first try on a large batch (``probe_from`` sequences or more) is a *probe*: only
-  ``probe_sequences`` of the batch draft, the others take their plain token in the same forward,
-  and the goodput the full step would have had is extrapolated (``observe``). A probe that says
-  the arm loses clearly (below ``prune_ratio`` of the bucket's best) spares the full step;
-  otherwise a full step measures the arm.
-* An untried arm is skipped when a measurement already says it loses: the same arm on a smaller
-  batch, below ``prune_ratio`` of the best there (speculation returns less the more sequences
-  share a step), or, in the same bucket, every *narrower* arm of its drafters (fewer draft nodes
-  per sequence), below ``width_prune_ratio`` of the best -- a wider draft adds verification rows
-  for tokens accepted ever less often, so where ``chain:2`` loses, ``tree:4,2,8`` does not win.
-  Narrow arms are therefore explored first. A skipped arm is not exploited either (no bonus
-  revives it) until the measurement that ruled it out changes.
+* An arm's first try on a large batch (``probe_from`` sequences or more, plain decoding's speed
+  known there) is a *probe*: only ``probe_sequences`` of the batch draft, the others take their
+  plain token in the same forward; the acceptance is measured on the drafting sequences and the
+  full step's time extrapolated (``observe``). An arm whose probe predicts a loss is never paid
+  a full step; one predicted to win is run, and the full step replaces the extrapolation.
+* An untried arm is skipped when a measurement already says it loses: in the same bucket, every
+  *narrower* arm of its drafters (fewer draft nodes per sequence) predicted below
+  ``width_prune_ratio`` of the best (a wider draft adds verification rows for tokens accepted
+  ever less often), or the same arm on a smaller batch below ``prune_ratio`` of the best there
+  (speculation returns less the more sequences share a step). Narrow arms are explored first.
 
-These standings compare arms by their goodput relative to plain decoding's *at the time* of each
-step: every step slows down as contexts grow, so goodputs measured minutes apart are not
-comparable, their ratios to plain decoding then are.
+A model-drafter arm's first step in a bucket after steps of other arms also pays the drafter's
+catch-up on their tokens (a *switch*): its time is set aside while the arm has a steady one.
 
 When the model drafter's weights change (``on_drafter_version``), the samples of the arms that
 use it are decayed (only the newest ``decay_keep`` stay) or reset; state persists across
@@ -39,6 +48,7 @@ use it are decayed (only the newest ``decay_keep`` stay) or reset; state persist
 
 from __future__ import annotations
 
+import logging
 import math
 import random
 from bisect import bisect_left
@@ -48,8 +58,11 @@ from typing import Any
 
 from .strategy import Strategy, parse_strategy
 
+logger = logging.getLogger(__name__)
+
 POLICIES = ("ucb", "epsilon")
 DEFAULT_ARMS = ("none", "chain:2", "chain:4", "tree:4,2,8", "suffix", "hybrid:4,2,12")
+STATE_VERSION = 2
 
 
 @dataclass
@@ -111,6 +124,31 @@ class SelectorConfig:
                 raise ValueError(f"SelectorConfig.{name} must be {allowed}, got {getattr(self, name)!r}")
 
 
+def fit_line(points: list[tuple[float, float]], around: float):
+    """Weighted least squares ``t = fixed + per_item * n`` through ``points`` (n, t), a point's
+    weight falling with its distance from ``around`` in doublings; both terms kept >= 0. None
+    unless two points have different n."""
+    by_n: dict[float, list[float]] = {}
+    for n, t in points:
+        by_n.setdefault(n, []).append(t)
+    if len(by_n) < 2:
+        return None
+    # one point per batch size, weighted by its count: the same fit, fewer terms
+    rows = [(n, sum(ts) / len(ts), len(ts) / (1.0 + abs(math.log2(n / around))) ** 2) for n, ts in by_n.items()]
+    total = sum(w for _, _, w in rows)
+    mean_n = sum(w * n for n, _, w in rows) / total
+    mean_t = sum(w * t for _, t, w in rows) / total
+    spread = sum(w * (n - mean_n) ** 2 for n, _, w in rows)
+    per_item = sum(w * (n - mean_n) * (t - mean_t) for n, t, w in rows) / spread
+    fixed = mean_t - per_item * mean_n
+    if per_item < 0:
+        fixed, per_item = mean_t, 0.0
+    elif fixed < 0:
+        fixed = 0.0
+        per_item = sum(w * n * t for n, t, w in rows) / sum(w * n * n for n, _, w in rows)
+    return lambda n: fixed + per_item * n
+
+
 @dataclass(frozen=True)
 class Choice:
     """The selector's pick for one step: the arm, and how many of the batch draft in it (None: all;
@@ -122,51 +160,59 @@ class Choice:
 
 @dataclass(frozen=True)
 class Sample:
-    """One step's reward: its goodput, the sequences that drafted in it (the evidence: one step
-    of 64 sequences averages 64 sequences' drafts), its goodput relative to plain decoding's in
-    the bucket at the time (None before plain decoding was measured there; plain steps slow down
-    as contexts grow, so a ratio taken at the time stays comparable where goodputs measured at
-    different times do not), whether it is a probe's extrapolation, and whether it is a *switch*:
-    a model-drafter arm's first step after steps of other arms, which also paid the drafter's
-    catch-up on every token those steps emitted (a cost of switching, not of the arm)."""
+    """One step of an arm: ``sequences`` in the step, of which ``drafting`` drafted and emitted
+    ``tokens``, in ``seconds`` (a probe's: the full step's, extrapolated). ``switch``: a
+    model-drafter arm's first step after other arms, which also paid the drafter's catch-up."""
 
-    goodput: float
     sequences: int
-    vs_plain: float | None = None
+    drafting: int
+    tokens: float
+    seconds: float
     probe: bool = False
-    switch: bool = False  # a model-drafter arm's first step after others: it paid the drafter's catch-up
+    switch: bool = False
+
+    @property
+    def speed(self) -> float:
+        """Sequence-steps per second."""
+        return self.sequences / self.seconds
+
+    @property
+    def goodput(self) -> float:
+        return self.tokens / self.drafting * self.speed
 
 
 @dataclass
 class ArmStats:
+    """One arm's samples in one bucket."""
+
     samples: deque[Sample] = field(default_factory=deque)
     trials: int = 0  # all-time, for reporting
+    _timed: list[Sample] | None = field(default=None, repr=False)
 
     @property
-    def rewards(self) -> list[float]:
-        return [x.goodput for x in self.samples]
+    def timed(self) -> list[Sample]:
+        """The samples its speed is judged by: full steps over probes, steady steps over switches
+        (a catch-up after many plain steps would otherwise condemn an arm that wins once it runs)."""
+        if self._timed is None:
+            self._timed = []
+            for keep in (lambda x: not x.probe and not x.switch, lambda x: not x.probe, lambda x: True):
+                self._timed = [x for x in self.samples if keep(x)]
+                if self._timed:
+                    break
+        return self._timed
 
     @property
-    def judged(self) -> list[Sample]:
-        """The samples the arm is judged by: switch steps only while it has no other (a catch-up
-        after many plain steps would otherwise condemn an arm that wins once it runs)."""
-        steady = [x for x in self.samples if not x.switch]
-        return steady or list(self.samples)
+    def speed(self) -> float | None:
+        timed = self.timed
+        return sum(x.speed for x in timed) / len(timed) if timed else None
 
     @property
-    def mean(self) -> float:
-        judged = self.judged
-        return sum(x.goodput for x in judged) / len(judged) if judged else 0.0
+    def tokens(self) -> float:
+        return sum(x.tokens for x in self.samples)
 
     @property
-    def vs_plain(self) -> float | None:
-        """Mean goodput relative to plain decoding at the time of each step (None if never known)."""
-        ratios = [x.vs_plain for x in self.judged if x.vs_plain is not None]
-        return sum(ratios) / len(ratios) if ratios else None
-
-    @property
-    def sequence_steps(self) -> int:
-        return sum(x.sequences for x in self.judged)
+    def drafting(self) -> int:
+        return sum(x.drafting for x in self.samples)
 
     @property
     def probed_only(self) -> bool:
@@ -179,9 +225,14 @@ class ArmStats:
     def add(self, sample: Sample) -> None:
         self.samples.append(sample)
         self.trials += 1
+        self._timed = None
+
+    def replace(self, samples: list[Sample]) -> None:
+        self.samples = deque(samples, maxlen=self.samples.maxlen)
+        self._timed = None
 
     def keep_newest(self, keep: int) -> None:
-        self.samples = deque(list(self.samples)[-keep:] if keep else [], maxlen=self.samples.maxlen)
+        self.replace(list(self.samples)[-keep:] if keep else [])
 
 
 class StrategySelector:
@@ -195,8 +246,8 @@ class StrategySelector:
         if not self.arms:
             raise ValueError("no selector arm can run without a model drafter; add 'none' or 'suffix' arms")
         self._none = next((a for a in self.arms if a.kind == "none"), None)
-        # the order untried arms are explored in: plain decoding first (the baseline the others are
-        # compared with), then the speculative arms, narrowest draft first
+        # the order untried arms are explored in: plain decoding first (the reference the probes
+        # extrapolate from), then the speculative arms, narrowest draft first
         speculative = sorted((a for a in self.arms if a is not self._none), key=lambda a: a.max_draft_nodes)
         self._explore_order = speculative if self._none is None else [self._none, *speculative]
         # per arm, the speculative arms it contains: a subset of its drafters, at most as many draft nodes
@@ -213,55 +264,130 @@ class StrategySelector:
             {a: ArmStats(deque(maxlen=w)) for a in self.arms} for _ in self.config.bucket_bounds
         ]
         self._rng = random.Random(self.config.seed)
+        self._memo: dict[tuple, Any] = {}  # the model's values, until the next sample
         self.drafter_version: int | None = None
 
     def bucket(self, num_active: int) -> int:
         """Index of the bucket holding ``num_active`` sequences (the last bucket holds all larger)."""
         return min(bisect_left(self.config.bucket_bounds, num_active), len(self.config.bucket_bounds) - 1)
 
-    def _trials_needed(self, b: int) -> int:
-        """Tries of an arm in bucket ``b`` before its mean is trusted: ``min_trials``, and enough
-        for ``min_sequence_steps`` at the bucket's smallest batch. One step of one sequence is a
-        noisy sample (a suffix draft hits or misses; the first model-drafter step after plain
-        ones also pays the drafter's catch-up), one step of 64 sequences averages 64 of them."""
-        return max(self.config.min_trials, math.ceil(self.config.min_sequence_steps / self._smallest(b)))
+    # -- the goodput model ------------------------------------------------------------------------
+
+    def _memoized(self, key: tuple, compute):
+        if key not in self._memo:
+            self._memo[key] = compute()
+        return self._memo[key]
+
+    def evidence(self, arm: Strategy) -> int:
+        """Drafting sequence-steps behind ``arm``'s pooled acceptance (all buckets)."""
+        return self._memoized(("evidence", arm), lambda: sum(stats[arm].drafting for stats in self._stats))
+
+    def acceptance(self, arm: Strategy, b: int | None = None) -> float | None:
+        return self._memoized(("acceptance", arm, b), lambda: self._acceptance(arm, b))
+
+    def _acceptance(self, arm: Strategy, b: int | None) -> float | None:
+        """Tokens per drafting sequence-step: pooled over every bucket, or in bucket ``b`` the
+        bucket's own tokens shrunk toward the pool by ``min_sequence_steps`` sequence-steps."""
+        drafting = self.evidence(arm)
+        if not drafting:
+            return None
+        if b is None:
+            return sum(stats[arm].tokens for stats in self._stats) / drafting
+        pooled = self.acceptance(arm)
+        own, k = self._stats[b][arm], max(self.config.min_sequence_steps, 1)
+        return (own.tokens + k * pooled) / (own.drafting + k)
+
+    def step_seconds(self, arm: Strategy, n: float) -> float | None:
+        """``arm``'s step time on ``n`` sequences, from its timed steps on every batch size: a line
+        (a fixed cost plus a cost per sequence, which is what a forward, a draft and a verification
+        are made of) fitted with more weight on batch sizes near ``n`` (step time is a line only
+        piecewise: flat while a GPU is bandwidth-bound). From steps of one batch size only, their
+        time scaled as plain decoding's fitted time scales. None if the arm never ran."""
+        key = ("seconds", arm, float(n))
+        if key not in self._memo:
+            points = self._memoized(
+                ("points", arm), lambda: [(x.sequences, x.seconds) for stats in self._stats for x in stats[arm].timed]
+            )
+            line = fit_line(points, around=n)
+            if line is None and points:
+                plain = self.step_seconds(self._none, n) if self._none is not None and arm is not self._none else None
+                n1, t1 = points[0][0], sum(t for _, t in points) / len(points)  # one batch size
+                plain_n1 = self.step_seconds(self._none, n1) if plain is not None else None
+                line = (lambda m: t1 * plain / plain_n1) if plain is not None and plain_n1 else (lambda m: t1)
+            self._memo[key] = line(n) if line is not None else None
+        return self._memo[key]
+
+    def speed(self, arm: Strategy, b: int, n: float | None = None) -> float | None:
+        """Sequence-steps per second of ``arm`` on ``n`` sequences (bucket ``b``'s typical batch by
+        default), from ``step_seconds``. None: unknown."""
+        n = self._typical(b) if n is None else n
+        seconds = self.step_seconds(arm, n)
+        return n / seconds if seconds else None
+
+    def _typical(self, b: int) -> float:
+        """The batch size bucket ``b`` has run at (mean of its steps), else its bound."""
+        def compute() -> float:
+            sizes = [x.sequences for stats in self._stats[b].values() for x in stats.samples]
+            return sum(sizes) / len(sizes) if sizes else float(self.config.bucket_bounds[b])
+
+        return self._memoized(("typical", b), compute)
+
+    def predicted(self, arm: Strategy, b: int, n: float | None = None) -> float | None:
+        """Predicted goodput (tokens/s) of ``arm`` in bucket ``b`` (on ``n`` sequences where it did
+        not run there); None where it cannot be told."""
+        def compute() -> float | None:
+            accept, speed = self.acceptance(arm, b), self.speed(arm, b, n)
+            return None if accept is None or speed is None else accept * speed
+
+        return self._memoized(("predicted", arm, b, n), compute)
+
+    # -- choosing -------------------------------------------------------------------------------
 
     def _smallest(self, b: int) -> int:
         """The smallest batch size bucket ``b`` holds."""
         return self.config.bucket_bounds[b - 1] + 1 if b else 1
 
     def _standing(self, b: int, arm: Strategy) -> float | None:
-        """``arm``'s goodput relative to the best arm of bucket ``b`` (None if not measured there),
-        from ratios to plain decoding taken at the time where they exist."""
-        stats = self._stats[b]
-        if not stats[arm].samples:
-            return None
-        plain = stats[self._none] if self._none is not None else None
-        if plain is None or not plain.samples:
-            return stats[arm].mean / max(s.mean for s in stats.values() if s.samples)
-
-        def ratio(a: Strategy) -> float:
-            own = stats[a].vs_plain
-            return 1.0 if a is self._none else own if own is not None else stats[a].mean / plain.mean
-
-        return ratio(arm) / max(ratio(a) for a in self.arms if stats[a].samples)
+        """``arm``'s predicted goodput relative to the best of the arms run in bucket ``b`` (a
+        measurement, not a carried prediction, is what rules an arm out)."""
+        mine = self.predicted(arm, b)
+        ran = [p for a in self.arms if self._stats[b][a].samples and (p := self.predicted(a, b)) is not None]
+        return None if mine is None or not ran else mine / max(ran)
 
     def _neighbour_standing(self, b: int, arm: Strategy) -> float | None:
-        """``arm``'s standing in the nearest *smaller-batch* bucket that measured it enough.
-
-        Only smaller batches count: speculation returns less the more sequences share a step, so
-        an arm that loses on fewer sequences will lose on more, but one that loses on a large batch
-        may well win in the tail. Rollouts drain from large batches to small, so larger buckets are
-        measured first; letting them prune would keep speculation out of the tail for good."""
+        """``arm``'s standing in the nearest *smaller-batch* bucket that ran it. Only smaller
+        batches count: an arm that loses on fewer sequences will lose on more, but one that
+        loses on a large batch may well win in the tail."""
         for nb in range(b - 1, -1, -1):
-            if len(self._stats[nb][arm].samples) >= self._trials_needed(nb):
+            if self._stats[nb][arm].samples:
                 return self._standing(nb, arm)
         return None
 
+    def _far_below(self, b: int, arm: Strategy) -> bool:
+        """Whether ``arm`` ran on no batch smaller than bucket ``b``'s and on none in the next
+        larger bucket: its speed here is then carried from two or more buckets up, a loose lower
+        bound (speculation returns more the fewer sequences share a step), so one step here is
+        worth paying to measure it."""
+        ran = [nb for nb, stats in enumerate(self._stats) if stats[arm].samples]
+        return bool(ran) and min(ran) >= b + 2
+
     def _narrower_standing(self, b: int, arm: Strategy) -> float | None:
-        """The best standing in bucket ``b`` of an arm that ``arm`` contains."""
+        """The best standing in bucket ``b`` of an arm that ``arm`` contains, among those run here."""
         standings = [self._standing(b, a) for a in self._narrower[arm] if self._stats[b][a].samples]
+        standings = [s for s in standings if s is not None]
         return max(standings) if standings else None
+
+    def _loses(self, b: int, arm: Strategy) -> bool:
+        """Whether a measurement rules out exploring ``arm`` in bucket ``b`` (see the module doc)."""
+        if not arm.speculative:
+            return False
+        cfg = self.config
+        neighbour, narrower = self._neighbour_standing(b, arm), self._narrower_standing(b, arm)
+        if neighbour is not None and neighbour < cfg.prune_ratio:
+            return True
+        if narrower is not None and narrower < cfg.width_prune_ratio:
+            return True
+        return cfg.speculate_up_to is not None and neighbour is None and cfg.bucket_bounds[b] > cfg.speculate_up_to
 
     def choose(self, num_active: int) -> Strategy:
         return self.plan(num_active).strategy
@@ -269,50 +395,43 @@ class StrategySelector:
     def plan(self, num_active: int) -> Choice:
         """The arm for a step of ``num_active`` sequences, and how many of them draft in it."""
         b = self.bucket(num_active)
-        stats = self._stats[b]
-        ruled_out: set[Strategy] = set()
-        measured = any(s.samples for s in stats.values())
-        cfg, needed = self.config, self._trials_needed(b)
+        stats, cfg = self._stats[b], self.config
         for arm in self._explore_order:
             if stats[arm].switched_only:
                 return Choice(arm)  # its one step paid the catch-up: the next one measures the arm
-            if stats[arm].probed_only:
-                if self._standing(b, arm) < cfg.prune_ratio:
-                    continue  # its probe says it loses clearly: no full step is paid for
-                return Choice(arm)  # close or better: a full step measures it
-            if len(stats[arm].samples) >= needed:
+            if arm is self._none:
+                if not stats[arm].samples:
+                    return Choice(arm)  # one plain step per bucket: the reference speeds are carried by
                 continue
-            if stats[arm].samples or not measured:
-                return Choice(arm)
-            neighbour, narrower = self._neighbour_standing(b, arm), self._narrower_standing(b, arm)
-            loses = any(
-                g is not None and g < ratio
-                for g, ratio in ((neighbour, cfg.prune_ratio), (narrower, cfg.width_prune_ratio))
-            )
-            if not loses and arm.speculative and cfg.speculate_up_to is not None:
-                loses = neighbour is None and cfg.bucket_bounds[b] > cfg.speculate_up_to  # the prior
-            if loses:
-                ruled_out.add(arm)  # a measurement says it loses clearly: do not pay to explore it
-                continue
+            if self.evidence(arm) < max(cfg.min_sequence_steps, 1) and not self._loses(b, arm):
+                return Choice(arm, self._probe_size(b, num_active, arm))  # pooled: one large step suffices
+        ran = {a: p for a in self.arms if stats[a].samples and (p := self.predicted(a, b)) is not None}
+        if not ran:
+            return Choice(self._explore_order[0], self._probe_size(b, num_active, self._explore_order[0]))
+        best = max(ran, key=lambda a: ran[a])
+        # an arm not run in this bucket is tried once where its carried prediction comes close to
+        # the best measured here (speeds carried across batch sizes are estimates)
+        untried = [a for a in self.arms if a not in ran and self.evidence(a) and not self._loses(b, a)]
+        carried = {a: p for a in untried if (p := self.predicted(a, b, num_active)) is not None}
+        hopeful = [a for a in carried if carried[a] >= cfg.prune_ratio * ran[best] or self._far_below(b, a)]
+        if hopeful:
+            arm = max(hopeful, key=lambda a: carried[a])
             return Choice(arm, self._probe_size(b, num_active, arm))
-        # an arm a measurement rules out is neither explored nor exploited until that measurement
-        # changes; the others are judged by UCB over sequence-steps
-        candidates = [a for a in self.arms if a not in ruled_out]
-        means = {a: stats[a].mean for a in candidates}
-        best = max(candidates, key=lambda a: means[a])
-        if self.config.policy == "epsilon":
-            return Choice(self._rng.choice(candidates) if self._rng.random() < self.config.epsilon else best)
-        counts = {a: max(1, stats[a].sequence_steps) for a in candidates}
+        if cfg.policy == "epsilon":
+            return Choice(self._rng.choice(list(ran)) if self._rng.random() < cfg.epsilon else best)
+        counts = {a: max(1, sum(x.sequences for x in stats[a].samples)) for a in ran}
         total = sum(counts.values())
-        scale = means[best] * self.config.ucb_c
-        return Choice(max(candidates, key=lambda a: means[a] + scale * math.sqrt(math.log(total) / counts[a])))
+        scale = ran[best] * cfg.ucb_c
+        return Choice(max(ran, key=lambda a: ran[a] + scale * math.sqrt(math.log(max(total, 2)) / counts[a])))
 
     def _probe_size(self, b: int, num_active: int, arm: Strategy) -> int | None:
         """How many sequences draft in ``arm``'s first step on this batch: ``probe_sequences`` on a
-        large batch whose plain step time is known, every one otherwise (None)."""
+        large batch whose plain step time is known and where the arm has not run, every one
+        otherwise (None)."""
         m, cfg = self.config.probe_sequences, self.config
-        plain_known = self._none is not None and bool(self._stats[b][self._none].samples)
-        if arm.speculative and plain_known and 0 < m < num_active and num_active >= cfg.probe_from:
+        plain_known = self._none is not None and self._stats[b][self._none].speed is not None
+        first_here = not self._stats[b][arm].samples
+        if arm.speculative and plain_known and first_here and 0 < m < num_active and num_active >= cfg.probe_from:
             return m
         return None
 
@@ -326,43 +445,43 @@ class StrategySelector:
         draft_seconds: float = 0.0,
         switch: bool = False,
     ) -> None:
-        """Record a step's goodput (``tokens`` emitted in ``seconds`` of step time).
+        """Record a step: ``tokens`` emitted in ``seconds`` of step time by ``num_active`` sequences.
 
         A probe step (only ``drafting`` of the sequences drafted, the others took one token each)
-        is recorded as the goodput the step would have had with all of them drafting: the plain
-        step's time for this batch (from plain decoding's goodput here), plus the drafting
-        (``draft_seconds``) as measured, plus the verification's extra time and the extra tokens
-        scaled to the whole batch. Extra verification rows cost in proportion on a CPU and less on
-        a GPU below its compute bound; drafting for more sequences costs less than in proportion
-        on either (one batched drafter forward). Where the estimate errs, it errs in the arm's
-        favour, and a full step then measures the arm: a probe only spares the full step of an
-        arm that loses clearly even so. ``switch``: the step is a model-drafter arm's first after
-        other arms (it paid the drafter's catch-up); the arm's first such step in a bucket counts
-        only until a steady step replaces it, later ones count as they ran (each re-try after
-        other arms pays a catch-up again)."""
-        if arm not in self._stats[0] or seconds <= 0:
+        gives the drafting sequences' acceptance as measured, and the time the step would have
+        taken with all of them drafting: the plain step's time for this batch (from plain
+        decoding's speed here), plus the drafting (``draft_seconds``) as measured, plus the
+        verification's extra time scaled to the whole batch. Extra verification rows cost in
+        proportion on a CPU and less on a GPU below its compute bound; drafting for more sequences
+        costs less than in proportion on either (one batched drafter forward). Where the estimate
+        errs, it errs in the arm's favour, and a full step then measures the arm: a probe only
+        spares the full step of an arm that loses even so. ``switch``: the step is a
+        model-drafter arm's first after other arms (it paid the drafter's catch-up); only the
+        arm's first such step in a bucket is set aside, later ones count as they ran (each
+        re-try after other arms pays a catch-up again)."""
+        if arm not in self._stats[0] or seconds <= 0 or num_active < 1:
             return
+        self._memo.clear()
         stats = self._stats[self.bucket(num_active)]
-        # only an arm's first step in a bucket is judged apart as a switch: it caught up on the whole
-        # rollout so far; later switches (re-tries after other arms) are a price of switching back
         switch = switch and not stats[arm].samples
-        plain = stats[self._none] if self._none is not None else None
-        plain_goodput = plain.mean if plain is not None and plain.samples else None
-        if drafting is None or drafting >= num_active or plain_goodput is None:
-            goodput = tokens / seconds
-            vs_plain = None if plain_goodput is None or arm is self._none else goodput / plain_goodput
-            stats[arm].add(Sample(goodput, num_active, vs_plain, switch=switch))
+        if drafting is None or drafting >= num_active:
+            stats[arm].add(Sample(num_active, num_active, float(tokens), seconds, switch=switch))
             return
-        scale, plain_s = num_active / max(drafting, 1), num_active / plain_goodput
-        extra_verify_s = max(seconds - draft_seconds - plain_s, 0.0)
-        full_s = plain_s + draft_seconds + extra_verify_s * scale
-        full = (num_active + max(tokens - num_active, 0) * scale) / full_s
-        stats[arm].add(Sample(full, drafting, full / plain_goodput, probe=True, switch=switch))
+        drafting = max(drafting, 1)
+        drafted_tokens = max(tokens - (num_active - drafting), drafting)
+        plain_speed = stats[self._none].speed if self._none is not None else None
+        full_s = seconds
+        if plain_speed is not None:
+            plain_s = num_active / plain_speed
+            extra_verify_s = max(seconds - draft_seconds - plain_s, 0.0)
+            full_s = plain_s + draft_seconds + extra_verify_s * num_active / drafting
+        stats[arm].add(Sample(num_active, drafting, float(drafted_tokens), full_s, probe=True, switch=switch))
 
     def on_drafter_version(self, version: int) -> None:
         """The model drafter changed: forget (most of) what its arms measured."""
         if self.drafter_version is not None and version != self.drafter_version:
             keep = 0 if self.config.drafter_update == "reset" else self.config.decay_keep
+            self._memo.clear()
             for stats in self._stats:
                 for arm, s in stats.items():
                     if arm.uses_model_drafter:
@@ -370,30 +489,35 @@ class StrategySelector:
         self.drafter_version = version
 
     def best(self, num_active: int) -> Strategy | None:
-        """The arm with the highest mean goodput in the bucket (None before any observation)."""
-        stats = self._stats[self.bucket(num_active)]
-        tried = [a for a in self.arms if stats[a].samples]
-        return max(tried, key=lambda a: stats[a].mean) if tried else None
+        """The arm with the highest predicted goodput among those run in the bucket (None before any)."""
+        b = self.bucket(num_active)
+        tried = [a for a in self.arms if self._stats[b][a].samples]
+        return max(tried, key=lambda a: self.predicted(a, b)) if tried else None
 
     def estimates(self) -> dict[int, dict[str, tuple[float, int]]]:
-        """Per bucket bound: arm -> (mean goodput in tokens/s, rewards in the window), for tried buckets."""
+        """Per bucket bound: arm -> (predicted goodput in tokens/s, samples in the window), for the
+        arms run in the bucket."""
         out = {}
-        for bound, stats in zip(self.config.bucket_bounds, self._stats):
-            row = {str(a): (s.mean, len(s.samples)) for a, s in stats.items() if s.samples}
+        for b, (bound, stats) in enumerate(zip(self.config.bucket_bounds, self._stats)):
+            row = {str(a): (self.predicted(a, b), len(s.samples)) for a, s in stats.items() if s.samples}
             if row:
                 out[bound] = row
         return out
 
     def state_dict(self) -> dict[str, Any]:
-        """Everything it learned (JSON-serializable): goodput windows, trials, the drafter version
-        they belong to and its exploration RNG, so a resumed run chooses as this one would."""
+        """Everything it learned (JSON-serializable): the samples, trials, the drafter version they
+        belong to and its exploration RNG, so a resumed run chooses as this one would."""
         version, internal, gauss = self._rng.getstate()
         return {
+            "version": STATE_VERSION,
             "arms": [str(a) for a in self.arms],
+            "bucket_bounds": list(self.config.bucket_bounds),
             "drafter_version": self.drafter_version,
-            "rewards": [{str(a): s.rewards for a, s in stats.items()} for stats in self._stats],
             "samples": [
-                {str(a): [[x.sequences, x.vs_plain, x.probe, x.switch] for x in s.samples] for a, s in stats.items()}
+                {
+                    str(a): [[x.sequences, x.drafting, x.tokens, x.seconds, x.probe, x.switch] for x in s.samples]
+                    for a, s in stats.items()
+                }
                 for stats in self._stats
             ],
             "trials": [{str(a): s.trials for a, s in stats.items()} for stats in self._stats],
@@ -401,19 +525,20 @@ class StrategySelector:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        if state["arms"] != [str(a) for a in self.arms] or len(state["rewards"]) != len(self._stats):
+        """Restore ``state_dict``. A state of other arms or buckets is an error; one saved by the
+        per-bucket goodput selector of earlier releases is ignored with a warning (this one relearns
+        it within a rollout)."""
+        bounds = state.get("bucket_bounds", list(self.config.bucket_bounds))
+        if state["arms"] != [str(a) for a in self.arms] or list(bounds) != list(self.config.bucket_bounds):
             raise ValueError("selector state was saved with other arms or buckets")
+        if state.get("version") != STATE_VERSION:
+            logger.warning("selector state of an earlier release (no version %d): starting from scratch", STATE_VERSION)
+            return
         self.drafter_version = state["drafter_version"]
-        trials = state.get("trials") or [{} for _ in self._stats]
-        # states saved before samples kept more than goodput: the bucket's smallest batch (a lower bound)
-        extra = state.get("samples") or [{} for _ in self._stats]
-        for b, (stats, saved, tried, more) in enumerate(zip(self._stats, state["rewards"], trials, extra)):
+        self._memo.clear()
+        for stats, saved, tried in zip(self._stats, state["samples"], state["trials"]):
             for arm, s in stats.items():
-                rest = more.get(str(arm)) or [[self._smallest(b), None, False]] * len(saved[str(arm)])
-                s.samples = deque(
-                    (Sample(g, *extra) for g, extra in zip(saved[str(arm)], rest)), maxlen=self.config.window
-                )
+                s.replace([Sample(*row) for row in saved[str(arm)]])
                 s.trials = tried.get(str(arm), len(s.samples))
-        if "rng" in state:
-            version, internal, gauss = state["rng"]
-            self._rng.setstate((version, tuple(internal), gauss))
+        version, internal, gauss = state["rng"]
+        self._rng.setstate((version, tuple(internal), gauss))

@@ -55,6 +55,13 @@ class Strategy:
     shape: DraftShape | None = None
     branches: int = 0  # mirror: early-exit candidates expanded into next-round drafts
 
+    def __hash__(self) -> int:  # the selector keys its statistics by strategy: hash once
+        cached = self.__dict__.get("_hash")
+        if cached is None:
+            cached = hash((self.kind, self.shape, self.branches))
+            object.__setattr__(self, "_hash", cached)
+        return cached
+
     @property
     def mirror(self) -> bool:
         return self.kind == "mirror"
