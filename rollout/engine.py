@@ -21,7 +21,7 @@ from ..progress import progress_bar
 from .admission import RequestLimits, eos_ids_of, prepare_requests
 from .attention import SequenceSlice, paged_attention_enabled
 from .draft_executor import DraftExecutor, ExecutorError
-from .graph_pool import graph_pool_for
+from .graph_pool import capture_seconds, graph_pool_for
 from .handoff import InboxItem, PartialRequest, RequestInbox, ServeUpdate
 from .length_budget import drafting_mask, spread_mask
 from .mirror import MirrorPipeline
@@ -528,13 +528,16 @@ class RolloutEngine:
             torch.set_num_threads(self._mirror_config.threads - spare)
         stats = self.stats
         before, model_before, draft_before = stats.generated_tokens, stats.model_time_s, stats.draft_time_s
+        captured_before = capture_seconds()
         start = time.perf_counter()
         finished = self._spec_decode(batch, strategy, probe) if strategy.speculative else self._decode(batch)
         seconds = time.perf_counter() - start
         stats.decode_model_time_s += stats.model_time_s - model_before
         emitted = stats.generated_tokens - before
         if self.selector is not None and self.strategy.adaptive:
-            self.selector.observe(n, strategy, emitted, seconds, probe, stats.draft_time_s - draft_before, switch)
+            # the arm is judged by what its steps cost once their graphs are held, not by a capture
+            steady = seconds - (capture_seconds() - captured_before)
+            self.selector.observe(n, strategy, emitted, steady, probe, stats.draft_time_s - draft_before, switch)
         self._model_drafter_gap = 0 if strategy.uses_model_drafter else self._model_drafter_gap + 1
         self._peak_active = max(self._peak_active, n)
         in_tail = n <= self.config.tail_fraction * self._peak_active
