@@ -54,7 +54,7 @@ class DemoConfig:
     output_dir: str = "outputs/demo"
     wandb: bool = True
     wandb_project: str = "tailspec-demo"
-    strategy: str = "chain:4"  # none | chain:K | tree:D,K,B | suffix[:...]; chain/tree use `drafter`
+    strategy: str = "adaptive"  # adaptive | none | chain:K | tree:D,K,B | suffix[:...] | hybrid; model arms use `drafter`
     # eagle3: the shipped EAGLE-3 head, trained online | small_lm: the shipped drafter LM |
     # self:L: the policy's own first L layers (self-speculative: moves with the policy, never trained)
     drafter: str = "eagle3"
@@ -442,22 +442,37 @@ def _summarize(cfg: DemoConfig, rows: list[dict[str, Any]], rollout: Any, wall: 
     return summary
 
 
-def _print_comparison(rows: list[dict[str, Any]], base_rows: list[dict[str, Any]], strategy: str) -> list[float]:
-    """Per step, both runs; returns the per-step rollout throughput ratios. Sampling is lossless in
-    distribution, not sample for sample, so the two runs draw different completions (lengths
-    differ): compare tokens/s, not seconds."""
+def strategy_mix(steps: dict[str, int], top: int = 3) -> str:
+    """The decode steps' strategies, most used first, as shares: ``chain:4 81% tree:4,2,8 12% ...``."""
+    total = sum(steps.values())
+    if not total:
+        return "-"
+    ranked = sorted(steps.items(), key=lambda kv: -kv[1])
+    shown = " ".join(f"{name} {100 * n / total:.0f}%" for name, n in ranked[:top])
+    return shown + (" ..." if len(ranked) > top else "")
+
+
+def _print_comparison(
+    rows: list[dict[str, Any]], base_rows: list[dict[str, Any]], strategy: str, history: list | None = None
+) -> list[float]:
+    """Per step, both runs, the accept length and (from the rollout's ``history``) the strategy mix;
+    returns the per-step rollout throughput ratios. Sampling is lossless in distribution, not
+    sample for sample, so the two runs draw different completions (lengths differ): compare
+    tokens/s, not seconds."""
     print(f"\n== per step: {strategy} vs no speculation (same GRPO config and seeds) ==")
     print(
         f"{'step':>4}  {'reward':>7} {'(none)':>7}  {'rollout s':>9} {'(none)':>7}  "
-        f"{'tok/s':>6} {'(none)':>6}  {'ratio':>6}"
+        f"{'tok/s':>6} {'(none)':>6}  {'ratio':>6}  {'accept':>6}  strategies"
     )
     ratios = []
-    for r, b in zip(rows, base_rows):
+    for i, (r, b) in enumerate(zip(rows, base_rows)):
         ratio = r["rollout_tok_s"] / b["rollout_tok_s"] if b["rollout_tok_s"] else float("nan")
         ratios.append(ratio)
+        accept = f"{r['accept_len']:>6.2f}" if r["accept_len"] is not None else f"{'-':>6}"
+        mix = strategy_mix(history[i].strategy_steps) if history is not None and i < len(history) else "-"
         print(
             f"{r['step']:>4}  {r['reward']:>7.3f} {b['reward']:>7.3f}  {r['rollout_s']:>9.2f} {b['rollout_s']:>7.2f}  "
-            f"{r['rollout_tok_s']:>6.0f} {b['rollout_tok_s']:>6.0f}  {ratio:>5.2f}x"
+            f"{r['rollout_tok_s']:>6.0f} {b['rollout_tok_s']:>6.0f}  {ratio:>5.2f}x  {accept}  {mix}"
         )
     return ratios
 
@@ -483,7 +498,7 @@ def run_demo_with_rollout(
             replace(cfg, strategy="none"), out, label="no speculation"
         )
         wandb_runs.append(base_name)
-        ratios = [r for r in _print_comparison(rows, base_rows, cfg.strategy) if r == r]
+        ratios = [r for r in _print_comparison(rows, base_rows, cfg.strategy, rollout.history) if r == r]
         if ratios:
             summary["rollout_ratio_median_per_step"] = statistics.median(ratios)
         base_time = sum(s.time_s for s in base_rollout.history)

@@ -112,6 +112,7 @@ def test_demo_tells_the_whole_story(tmp_path, capsys):
         assert "\r" not in stream and "is deprecated" not in stream
     assert "drafter warm-up: 4 rollouts" in printed
     assert "per step: chain:3 vs no speculation" in printed
+    assert "accept  strategies" in printed and "chain:3 100%" in printed  # per step: accept length, mix
     assert "reward, mean of the first vs last 1 steps:" in printed and "without speculation)" in printed
     assert "{'loss'" not in printed  # TRL's raw per-step dicts stay out of the story (wandb keeps them)
     assert summary["drafter_version"] == 1600 + 3 + 2 * cfg.drafter_train_steps  # shipped, warm-up, online
@@ -128,7 +129,7 @@ def test_the_default_demo_config_is_the_story():
     cfg = DemoConfig.from_yaml(CONFIGS / "demo_cpu.yaml")
     assert cfg.workers == 2 and cfg.warmup_steps > 0 and cfg.baseline and cfg.export == "sglang"
     assert cfg.policy == "deep"  # the shape where speculation pays; the tiny policy is for tests
-    assert parse_strategy(cfg.strategy).uses_model_drafter and cfg.drafter in ("small_lm", "eagle3")
+    assert cfg.strategy == "adaptive" and cfg.drafter in ("small_lm", "eagle3")  # issue 39: the product's path
     # a fixed set: short problems with room to learn, and one long problem for the rollout's tail
     terms = sorted(len(ChainSumProblem.from_question(q).terms) for q in cfg.problems)
     assert terms[0] <= 4 and terms[-1] >= 20

@@ -55,11 +55,11 @@ def accept_lengths(strategy: str, steps: int = 3) -> list[float]:
 
 def test_adaptive_keeps_speculating_with_the_drafter_from_the_second_step(ray_local):
     """Before the fix adaptive drafted with the suffix arm alone here: accept length about 1.4
-    against chain:4's 4. Issue 39 asks for 0.9x chain:4's from the second step; each worker's
-    selector still explores narrower arms (chain:2, tree, hybrid) in every new batch-size bucket,
-    which held it at 0.79-0.86x on steps 2-4 (tiny policy, 2026-11-26): what this test
-    guards is that it speculates with the drafter, not that it has converged."""
+    against chain:4's 4. Issue 39 asks for 0.9x chain:4's from the second step. The per-bucket
+    goodput selector held it at 0.79-0.86x (each worker explored every arm in every new batch-size
+    bucket); the goodput model (acceptance pooled over batch sizes, step time fitted as a line in
+    the batch size) gave 0.94-1.00x on steps 2-4 (tiny policy, 2026-11-26)."""
     fixed, adaptive = accept_lengths("chain:4"), accept_lengths("adaptive")
     assert min(fixed[1:]) > 2.0  # the drafter LM pays here
     for step, (a, f) in enumerate(zip(adaptive[1:], fixed[1:]), start=1):
-        assert a >= 0.7 * f, f"step {step}: adaptive accept length {a:.2f} against chain:4's {f:.2f}"
+        assert a >= 0.9 * f, f"step {step}: adaptive accept length {a:.2f} against chain:4's {f:.2f}"
