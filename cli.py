@@ -106,6 +106,7 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _bench(args: argparse.Namespace) -> int:
+    from .benchmarks.grpo_path import run_grpo_path_section
     from .benchmarks.run import (
         run_adaptive_section,
         run_atts_section,
@@ -142,6 +143,8 @@ def _bench(args: argparse.Namespace) -> int:
         print(run_mirror_section(Path(args.out), quick=args.quick, policy=args.policy))
     elif args.section == "draft_hosts":
         print(run_draft_hosts_section(Path(args.out), quick=args.quick, policy=args.policy))
+    elif args.section == "grpo_path":
+        print(run_grpo_path_section(Path(args.out), quick=args.quick, policy=args.policy))
     else:
         print(run_bench(Path(args.out), quick=args.quick))
     print(f"wrote {args.out}")
@@ -315,6 +318,7 @@ def build_parser() -> argparse.ArgumentParser:
             "drift",
             "mirror",
             "draft_hosts",
+            "grpo_path",
         ],
         default="all",
         help="all: rewrite the whole report; any other: only that section, in place",
