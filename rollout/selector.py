@@ -38,8 +38,10 @@ Exploring costs most where the batch is large, and a rollout starts there. So:
   ever less often), or the same arm on a smaller batch below ``prune_ratio`` of the best there
   (speculation returns less the more sequences share a step). Narrow arms are explored first.
 
-A model-drafter arm's first step in a bucket after steps of other arms also pays the drafter's
-catch-up on their tokens (a *switch*): its time is set aside while the arm has a steady one.
+A model-drafter arm's first step after steps of other arms also pays the drafter's catch-up on
+their tokens (a *switch*): its time is set aside while the arm has a steady one in the bucket
+(judged by its catch-ups, a model arm tried now and then on the demo's 56 sequences lost to plain
+decoding there for good, while it runs 1.2x plain decoding once running).
 
 When the model drafter's weights change (``on_drafter_version``), the samples of the arms that
 use it are decayed (only the newest ``decay_keep`` stay) or reset; state persists across
@@ -51,6 +53,7 @@ from __future__ import annotations
 import logging
 import math
 import random
+import statistics
 from bisect import bisect_left
 from collections import deque
 from dataclasses import dataclass, field
@@ -124,6 +127,15 @@ class SelectorConfig:
                 raise ValueError(f"SelectorConfig.{name} must be {allowed}, got {getattr(self, name)!r}")
 
 
+def robust_mean(xs: list[float], spread: float = 1.3) -> float:
+    """The mean of the values within ``spread`` x of their median either way: a step slowed by a
+    collection or another process (40% and more) leaves it, the usual few percent of noise stay
+    and keep a mean's precision."""
+    middle = statistics.median(xs)
+    kept = [x for x in xs if middle / spread <= x <= middle * spread]
+    return sum(kept) / len(kept) if kept else middle
+
+
 def fit_line(points: list[tuple[float, float]], around: float):
     """Weighted least squares ``t = fixed + per_item * n`` through ``points`` (n, t), a point's
     weight falling with its distance from ``around`` in doublings; both terms kept >= 0. None
@@ -133,8 +145,8 @@ def fit_line(points: list[tuple[float, float]], around: float):
         by_n.setdefault(n, []).append(t)
     if len(by_n) < 2:
         return None
-    # one point per batch size, weighted by its count: the same fit, fewer terms
-    rows = [(n, sum(ts) / len(ts), len(ts) / (1.0 + abs(math.log2(n / around))) ** 2) for n, ts in by_n.items()]
+    # one point per batch size (robust to a step slowed by something else), weighted by its count
+    rows = [(n, robust_mean(ts), len(ts) / (1.0 + abs(math.log2(n / around))) ** 2) for n, ts in by_n.items()]
     total = sum(w for _, _, w in rows)
     mean_n = sum(w * n for n, _, w in rows) / total
     mean_t = sum(w * t for _, t, w in rows) / total
@@ -191,11 +203,11 @@ class ArmStats:
 
     @property
     def timed(self) -> list[Sample]:
-        """The samples its speed is judged by: full steps over probes, steady steps over switches
+        """The samples its speed is judged by: steady full steps, else steady probes, else switches
         (a catch-up after many plain steps would otherwise condemn an arm that wins once it runs)."""
         if self._timed is None:
             self._timed = []
-            for keep in (lambda x: not x.probe and not x.switch, lambda x: not x.probe, lambda x: True):
+            for keep in (lambda x: not x.probe and not x.switch, lambda x: not x.switch, lambda x: not x.probe, lambda x: True):
                 self._timed = [x for x in self.samples if keep(x)]
                 if self._timed:
                     break
@@ -203,8 +215,9 @@ class ArmStats:
 
     @property
     def speed(self) -> float | None:
+        """The robust mean speed of its timed steps (a step's time on a shared CPU can be 40% off)."""
         timed = self.timed
-        return sum(x.speed for x in timed) / len(timed) if timed else None
+        return robust_mean([x.speed for x in timed]) if timed else None
 
     @property
     def tokens(self) -> float:
@@ -215,12 +228,13 @@ class ArmStats:
         return sum(x.drafting for x in self.samples)
 
     @property
-    def probed_only(self) -> bool:
-        return bool(self.samples) and all(x.probe for x in self.samples)
+    def full(self) -> list[Sample]:
+        """Its steps on the whole batch (not probes)."""
+        return [x for x in self.samples if not x.probe]
 
     @property
     def switched_only(self) -> bool:
-        return bool(self.samples) and all(x.switch and not x.probe for x in self.samples)
+        return bool(self.samples) and all(x.switch for x in self.samples)
 
     def add(self, sample: Sample) -> None:
         self.samples.append(sample)
@@ -305,17 +319,24 @@ class StrategySelector:
         time scaled as plain decoding's fitted time scales. None if the arm never ran."""
         key = ("seconds", arm, float(n))
         if key not in self._memo:
-            points = self._memoized(
-                ("points", arm), lambda: [(x.sequences, x.seconds) for stats in self._stats for x in stats[arm].timed]
-            )
+            points = self._memoized(("points", arm), lambda: self._time_points(arm))
             line = fit_line(points, around=n)
             if line is None and points:
                 plain = self.step_seconds(self._none, n) if self._none is not None and arm is not self._none else None
-                n1, t1 = points[0][0], sum(t for _, t in points) / len(points)  # one batch size
+                n1, t1 = points[0][0], robust_mean([t for _, t in points])  # one batch size
                 plain_n1 = self.step_seconds(self._none, n1) if plain is not None else None
                 line = (lambda m: t1 * plain / plain_n1) if plain is not None and plain_n1 else (lambda m: t1)
             self._memo[key] = line(n) if line is not None else None
         return self._memo[key]
+
+    def _time_points(self, arm: Strategy) -> list[tuple[int, float]]:
+        """(batch size, step time) of ``arm``'s timed steps in every bucket; once it has a full step
+        anywhere, full steps only: a probe's time is extrapolated from a few drafting sequences and
+        scales the spec step's fixed costs with them (on the demo's 56 sequences in-process a
+        ``chain:4`` probe stood for a 0.75 s step, its full steps cost 0.16 s)."""
+        timed = [x for stats in self._stats for x in stats[arm].timed]
+        full = [x for x in timed if not x.probe]
+        return [(x.sequences, x.seconds) for x in full or timed]
 
     def speed(self, arm: Strategy, b: int, n: float | None = None) -> float | None:
         """Sequence-steps per second of ``arm`` on ``n`` sequences (bucket ``b``'s typical batch by
@@ -397,40 +418,46 @@ class StrategySelector:
         b = self.bucket(num_active)
         stats, cfg = self._stats[b], self.config
         for arm in self._explore_order:
-            if stats[arm].switched_only:
-                return Choice(arm)  # its one step paid the catch-up: the next one measures the arm
+            if stats[arm].switched_only:  # its one step paid the catch-up: the next one measures the arm
+                return Choice(arm, self._probe_size(b, num_active, arm))
             if arm is self._none:
                 if not stats[arm].samples:
                     return Choice(arm)  # one plain step per bucket: the reference speeds are carried by
                 continue
             if self.evidence(arm) < max(cfg.min_sequence_steps, 1) and not self._loses(b, arm):
                 return Choice(arm, self._probe_size(b, num_active, arm))  # pooled: one large step suffices
-        ran = {a: p for a in self.arms if stats[a].samples and (p := self.predicted(a, b)) is not None}
+        # exploited: the arms with a full step here; the others are carried here by the model
+        ran = {a: p for a in self.arms if stats[a].full and (p := self.predicted(a, b)) is not None}
         if not ran:
             return Choice(self._explore_order[0], self._probe_size(b, num_active, self._explore_order[0]))
         best = max(ran, key=lambda a: ran[a])
-        # an arm not run in this bucket is tried once where its carried prediction comes close to
-        # the best measured here (speeds carried across batch sizes are estimates)
+        # an arm without a full step in this bucket is given one where its carried prediction (or
+        # its probe's) comes close to the best measured here: carried and extrapolated times are
+        # estimates, and a full step is what the bucket then goes by
         untried = [a for a in self.arms if a not in ran and self.evidence(a) and not self._loses(b, a)]
         carried = {a: p for a in untried if (p := self.predicted(a, b, num_active)) is not None}
         hopeful = [a for a in carried if carried[a] >= cfg.prune_ratio * ran[best] or self._far_below(b, a)]
+        # ... and one measured close to the best gets full steps until the median of three judges it
+        hopeful += [a for a in ran if a is not best and len(stats[a].full) < 3 and ran[a] >= cfg.prune_ratio * ran[best]]
+        carried |= {a: ran[a] for a in hopeful if a in ran}
         if hopeful:
             arm = max(hopeful, key=lambda a: carried[a])
             return Choice(arm, self._probe_size(b, num_active, arm))
         if cfg.policy == "epsilon":
             return Choice(self._rng.choice(list(ran)) if self._rng.random() < cfg.epsilon else best)
-        counts = {a: max(1, sum(x.sequences for x in stats[a].samples)) for a in ran}
+        counts = {a: max(1, sum(x.drafting for x in stats[a].full)) for a in ran}
         total = sum(counts.values())
         scale = ran[best] * cfg.ucb_c
         return Choice(max(ran, key=lambda a: ran[a] + scale * math.sqrt(math.log(max(total, 2)) / counts[a])))
 
     def _probe_size(self, b: int, num_active: int, arm: Strategy) -> int | None:
         """How many sequences draft in ``arm``'s first step on this batch: ``probe_sequences`` on a
-        large batch whose plain step time is known and where the arm has not run, every one
-        otherwise (None)."""
+        large batch whose plain step time is known and where the arm has not run (or ran only a
+        probe that also paid the drafter's catch-up), every one otherwise (None)."""
         m, cfg = self.config.probe_sequences, self.config
         plain_known = self._none is not None and self._stats[b][self._none].speed is not None
-        first_here = not self._stats[b][arm].samples
+        samples = self._stats[b][arm].samples
+        first_here = all(x.probe and x.switch for x in samples)
         if arm.speculative and plain_known and first_here and 0 < m < num_active and num_active >= cfg.probe_from:
             return m
         return None
@@ -454,16 +481,15 @@ class StrategySelector:
         verification's extra time scaled to the whole batch. Extra verification rows cost in
         proportion on a CPU and less on a GPU below its compute bound; drafting for more sequences
         costs less than in proportion on either (one batched drafter forward). Where the estimate
-        errs, it errs in the arm's favour, and a full step then measures the arm: a probe only
-        spares the full step of an arm that loses even so. ``switch``: the step is a
-        model-drafter arm's first after other arms (it paid the drafter's catch-up); only the
-        arm's first such step in a bucket is set aside, later ones count as they ran (each
-        re-try after other arms pays a catch-up again)."""
+        errs, it errs against the arm (it scales the spec step's fixed costs too), so once the arm
+        has a full step anywhere its probes count for acceptance only. ``switch``: the step is a
+        model-drafter arm's first after other arms (it paid the drafter's catch-up on their
+        tokens, a cost of switching, not of the arm): its time is set aside while the arm has a
+        steady step in the bucket."""
         if arm not in self._stats[0] or seconds <= 0 or num_active < 1:
             return
         self._memo.clear()
         stats = self._stats[self.bucket(num_active)]
-        switch = switch and not stats[arm].samples
         if drafting is None or drafting >= num_active:
             stats[arm].add(Sample(num_active, num_active, float(tokens), seconds, switch=switch))
             return
