@@ -107,6 +107,7 @@ class RolloutEngine:
         self._mirror_config = self.config.mirror or MirrorConfig()
         self._peak_active = 0
         self._model_drafter_gap = SWITCH_GAP  # decode steps since the model drafter last drafted
+        self._full_draft_gap = SWITCH_GAP  # ... since it last drafted for every sequence (not a probe)
         self.strategy = Strategy("none")
         self.set_strategy(self.config.strategy)
 
@@ -522,7 +523,8 @@ class RolloutEngine:
             choice = self.selector.plan(n)
             strategy, probe = choice.strategy, choice.drafting
         # the model drafter's first step after several without it catches up on their tokens
-        switch = strategy.uses_model_drafter and self._model_drafter_gap >= SWITCH_GAP
+        gap = self._model_drafter_gap if probe is not None else self._full_draft_gap
+        switch = strategy.uses_model_drafter and gap >= SWITCH_GAP
         if self._mirror_config.threads is not None:
             spare = self._mirror_config.draft_threads if strategy.mirror else 0
             torch.set_num_threads(self._mirror_config.threads - spare)
@@ -539,6 +541,8 @@ class RolloutEngine:
             steady = seconds - (capture_seconds() - captured_before)
             self.selector.observe(n, strategy, emitted, steady, probe, stats.draft_time_s - draft_before, switch)
         self._model_drafter_gap = 0 if strategy.uses_model_drafter else self._model_drafter_gap + 1
+        # a probe drafts for a few sequences only: the others' drafter state still lags
+        self._full_draft_gap = 0 if strategy.uses_model_drafter and probe is None else self._full_draft_gap + 1
         self._peak_active = max(self._peak_active, n)
         in_tail = n <= self.config.tail_fraction * self._peak_active
         self.stats.record_decode_step(StepRecord(n, str(strategy), emitted, seconds, in_tail))

@@ -617,3 +617,35 @@ def test_a_probe_that_paid_the_catch_up_is_probed_again():
     b = selector.bucket(56)
     assert selector._stats[b][chain2].speed == pytest.approx(56 / (0.06 + 0.01 + 0.005 * 7))
     assert str(selector.plan(56).strategy) == "chain:4"  # chain:2 close enough: the wider arm is explored
+
+
+def test_a_full_model_step_after_probes_only_is_flagged_as_a_switch():
+    """A probe drafts for a few sequences, so the drafter still lags on the others: the first full
+    step after it catches them up (on the demo's 56 sequences a ``chain:2`` step took 0.31 s
+    instead of 0.15 s) and must not be judged as the arm's steady speed."""
+    from tailspec.rollout.engine import SWITCH_GAP
+
+    model = cached_model("qwen2")
+    selector = {"probe_sequences": 2, "probe_from": 4, "prune_ratio": 0.0, "width_prune_ratio": 0.0, "seed": 1}
+    engine = RolloutEngine(
+        model, RolloutConfig(strategy="adaptive", selector=selector), drafter=perturbed_copy(model, noise=0.3, seed=7)
+    )
+    seen = []
+    observe = engine.selector.observe
+
+    def spy(n, arm, tokens, seconds, drafting=None, draft_seconds=0.0, switch=False):
+        seen.append((arm.uses_model_drafter, drafting, switch))
+        observe(n, arm, tokens, seconds, drafting, draft_seconds, switch)
+
+    engine.selector.observe = spy
+    engine.generate(random_prompts(8, seed=23), SamplingParams(max_new_tokens=24, temperature=0.0))
+    since_any = since_full = SWITCH_GAP  # steps since the drafter last drafted, for every sequence
+    for model_arm, drafting, switch in seen:
+        if model_arm:
+            assert switch == ((since_any if drafting is not None else since_full) >= SWITCH_GAP), seen
+        since_any = 0 if model_arm else since_any + 1
+        since_full = 0 if model_arm and drafting is None else since_full + 1
+    full_after_probe = [
+        i for i, (m, d, _) in enumerate(seen) if m and d is None and any(pm and pd for pm, pd, _ in seen[:i])
+    ]
+    assert full_after_probe and seen[full_after_probe[0]][2]  # the first full step after probes caught up
