@@ -56,6 +56,7 @@ class Contenders:
         engine = self.engine(strategy, graphs, kernels)
         engine.generate(warm_prompts, params)
         before, captured_before = engine.stats.as_dict(), capture_seconds()
+        steps_before = dict(engine.stats.strategy_steps)
         outs, seconds = timed(lambda: engine.generate(prompts, params))
         after, captured = engine.stats.as_dict(), capture_seconds() - captured_before
         tokens = sum(len(o.completion_ids) for o in outs)
@@ -71,6 +72,11 @@ class Contenders:
             # graphs captured during the timed run (target and drafter pools): shapes the warm-up
             # did not reach, e.g. an adaptive arm first tried on this batch size
             "capture_s_timed": captured,
+            # adaptive: the timed run's strategy mix, and what the selector predicts per bucket
+            "strategy_steps": {
+                k: v - steps_before.get(k, 0) for k, v in engine.stats.strategy_steps.items() if v > steps_before.get(k, 0)
+            },
+            "selector_estimates": engine.selector.estimates() if engine.selector is not None else None,
             "completions": [o.completion_ids for o in outs],
         }
 
