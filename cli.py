@@ -293,7 +293,10 @@ def build_parser() -> argparse.ArgumentParser:
     demo = sub.add_parser("demo", help="a short GRPO run with tailspec rollouts on the tiny task (CPU)")
     demo.add_argument("--config", help="YAML demo config (default: the shipped configs/demo_cpu.yaml)")
     demo.add_argument("--steps", type=POSITIVE, help="number of GRPO steps")
-    demo.add_argument("--strategy", help="speculation strategy: adaptive (the config default) | none | chain:K | tree:D,K,B | suffix[:...] | hybrid")
+    demo.add_argument(
+        "--strategy",
+        help="speculation strategy: adaptive (the config's) | none | chain:K | tree:D,K,B | suffix[:...] | hybrid",
+    )
     demo.add_argument("--seed", type=int, help="seed of the GRPO runs (trainer and rollout sampling)")
     demo.add_argument("--no-wandb", action="store_true", help="do not log to wandb (offline by default)")
     demo.add_argument("--workers", type=NON_NEGATIVE, help="Ray rollout workers (0: the in-process engine)")

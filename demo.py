@@ -54,7 +54,9 @@ class DemoConfig:
     output_dir: str = "outputs/demo"
     wandb: bool = True
     wandb_project: str = "tailspec-demo"
-    strategy: str = "adaptive"  # adaptive | none | chain:K | tree:D,K,B | suffix[:...] | hybrid; model arms use `drafter`
+    strategy: str = (
+        "adaptive"  # adaptive | none | chain:K | tree:D,K,B | suffix[:...] | hybrid; model arms use `drafter`
+    )
     # eagle3: the shipped EAGLE-3 head, trained online | small_lm: the shipped drafter LM |
     # self:L: the policy's own first L layers (self-speculative: moves with the policy, never trained)
     drafter: str = "eagle3"

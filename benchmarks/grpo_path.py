@@ -153,7 +153,8 @@ def grpo_path_table(runs: list[PathRun]) -> str:
     of the same-step ratios, spread), ``adaptive`` against the best fixed arm of each step, and
     the accept length first step -> last."""
     lines = [
-        "| placement | strategy | vs `none`, steps 2+ (median, spread) | vs best fixed arm, steps 2+ | accept length, step 1 -> last |",
+        "| placement | strategy | vs `none`, steps 2+ (median, spread) | vs best fixed arm, steps 2+ "
+        "| accept length, step 1 -> last |",
         "|---|---|---:|---:|---|",
     ]
     for workers in sorted({r.workers for r in runs}):
@@ -200,9 +201,7 @@ def plot_grpo_path(runs: list[PathRun], path: Path) -> None:
     for workers in sorted({r.workers for r in runs}):
         group = {r.strategy: r for r in runs if r.workers == workers}
         none = group["none"]
-        series = [
-            (s, list(range(1, len(r.seconds) + 1)), _ratios(r, none)) for s, r in group.items() if s != "none"
-        ]
+        series = [(s, list(range(1, len(r.seconds) + 1)), _ratios(r, none)) for s, r in group.items() if s != "none"]
         panels.append((f"{'in-process' if not workers else f'{workers} Ray workers'}", "tokens/s vs none", series))
     plot_panels(path, panels)
 

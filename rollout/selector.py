@@ -207,7 +207,12 @@ class ArmStats:
         (a catch-up after many plain steps would otherwise condemn an arm that wins once it runs)."""
         if self._timed is None:
             self._timed = []
-            for keep in (lambda x: not x.probe and not x.switch, lambda x: not x.switch, lambda x: not x.probe, lambda x: True):
+            for keep in (
+                lambda x: not x.probe and not x.switch,
+                lambda x: not x.switch,
+                lambda x: not x.probe,
+                lambda x: True,
+            ):
                 self._timed = [x for x in self.samples if keep(x)]
                 if self._timed:
                     break
@@ -347,6 +352,7 @@ class StrategySelector:
 
     def _typical(self, b: int) -> float:
         """The batch size bucket ``b`` has run at (mean of its steps), else its bound."""
+
         def compute() -> float:
             sizes = [x.sequences for stats in self._stats[b].values() for x in stats.samples]
             return sum(sizes) / len(sizes) if sizes else float(self.config.bucket_bounds[b])
@@ -356,6 +362,7 @@ class StrategySelector:
     def predicted(self, arm: Strategy, b: int, n: float | None = None) -> float | None:
         """Predicted goodput (tokens/s) of ``arm`` in bucket ``b`` (on ``n`` sequences where it did
         not run there); None where it cannot be told."""
+
         def compute() -> float | None:
             accept, speed = self.acceptance(arm, b), self.speed(arm, b, n)
             return None if accept is None or speed is None else accept * speed
@@ -438,7 +445,9 @@ class StrategySelector:
         carried = {a: p for a in untried if (p := self.predicted(a, b, num_active)) is not None}
         hopeful = [a for a in carried if carried[a] >= cfg.prune_ratio * ran[best] or self._far_below(b, a)]
         # ... and one measured close to the best gets full steps until the median of three judges it
-        hopeful += [a for a in ran if a is not best and len(stats[a].full) < 3 and ran[a] >= cfg.prune_ratio * ran[best]]
+        hopeful += [
+            a for a in ran if a is not best and len(stats[a].full) < 3 and ran[a] >= cfg.prune_ratio * ran[best]
+        ]
         carried |= {a: ran[a] for a in hopeful if a in ran}
         if hopeful:
             arm = max(hopeful, key=lambda a: carried[a])

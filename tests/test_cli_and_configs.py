@@ -6,7 +6,6 @@ import yaml
 from tailspec.cli import build_parser
 from tailspec.demo import DemoConfig
 from tailspec.rollout.params import RolloutConfig
-from tailspec.rollout.strategy import parse_strategy
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 

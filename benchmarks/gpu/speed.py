@@ -74,7 +74,9 @@ class Contenders:
             "capture_s_timed": captured,
             # adaptive: the timed run's strategy mix, and what the selector predicts per bucket
             "strategy_steps": {
-                k: v - steps_before.get(k, 0) for k, v in engine.stats.strategy_steps.items() if v > steps_before.get(k, 0)
+                k: v - steps_before.get(k, 0)
+                for k, v in engine.stats.strategy_steps.items()
+                if v > steps_before.get(k, 0)
             },
             "selector_estimates": engine.selector.estimates() if engine.selector is not None else None,
             "completions": [o.completion_ids for o in outs],
@@ -275,7 +277,9 @@ def run(stage: Stage) -> None:
                     )
         for strategy in SPEC_STRATEGIES:
             target = " (target >= 2x)" if (strategy, batch) == ("chain:4", 1) else ""
-            captured = next((r["capture_s_timed"] for r in rows if r["contender"] == strategy and r["batch"] == batch), 0)
+            captured = next(
+                (r["capture_s_timed"] for r in rows if r["contender"] == strategy and r["batch"] == batch), 0
+            )
             headline[f"{strategy} / none, batch {batch}{target}"] = str(
                 ratio((strategy, batch), ("none graphs", batch))
             ) + (f" ({captured:.2f} s capturing in the timed run)" if captured >= 0.01 else "")

@@ -13,7 +13,11 @@ from tailspec.benchmarks.grpo_path import (
 
 def test_contenders_run_interleaved_per_rl_step_and_emit_the_same_tokens():
     cfg = GRPOPathConfig(
-        policy="tiny", strategies=("none", "chain:4", "adaptive"), workers=(0,), steps=2, num_generations=2,
+        policy="tiny",
+        strategies=("none", "chain:4", "adaptive"),
+        workers=(0,),
+        steps=2,
+        num_generations=2,
         max_completion_length=48,
     )
     runs = measure_grpo_path(cfg)

@@ -463,8 +463,14 @@ def test_the_engine_flags_a_model_drafters_first_step_after_a_gap():
         assert sw == (gap >= 4), (i, j, sw)
 
 
-
-GPU_ACCEPT = {"none": 1.0, "chain:2": 2.6, "chain:4": 4.0, "tree:4,2,8": 4.3, "suffix:8,2,16": 1.8, "hybrid:4,2,12": 4.4}
+GPU_ACCEPT = {
+    "none": 1.0,
+    "chain:2": 2.6,
+    "chain:4": 4.0,
+    "tree:4,2,8": 4.3,
+    "suffix:8,2,16": 1.8,
+    "hybrid:4,2,12": 4.4,
+}
 
 
 def gpu_like_step_seconds(arm: str, n: int) -> float:
