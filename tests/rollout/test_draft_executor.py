@@ -148,3 +148,65 @@ def test_a_script_without_a_main_guard_starts_its_draft_process_and_runs_its_top
     )
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.count("TOP-LEVEL RAN") == 1 and "DONE ProcessExecutor 3" in out.stdout
+
+
+KILLED_PARENT = """
+import time
+from tailspec.rollout import RolloutConfig, RolloutEngine, SamplingParams
+from tailspec.rollout.params import MirrorConfig
+from tailspec.testing import perturbed_copy, random_prompts, tiny_random_model
+
+model = tiny_random_model("llama", seed=1)
+config = RolloutConfig(strategy="mirror:chain:3,k=1", mirror=MirrorConfig(executor="process"))
+engine = RolloutEngine(model, config, drafter=perturbed_copy(model, 0.3, seed=7))
+engine.generate(random_prompts(2, seed=2), SamplingParams(temperature=0.0, max_new_tokens=4))
+print("CHILD", engine.mirror.executor._process.pid, flush=True)
+time.sleep(600)
+"""
+
+
+def _alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie, dead but not yet reaped by its new parent, does not)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return not any(line.startswith("State:") and "Z" in line.split()[1] for line in f)
+    except FileNotFoundError:
+        return False
+
+
+def test_the_draft_process_dies_with_its_parent(tmp_path, child_env):
+    """A training run killed outright (SIGKILL: no atexit, no daemon clean-up) leaves no draft
+    process behind: the child reads the parent's end of the pipe and leaves at its EOF."""
+    import signal
+    import subprocess
+    import sys
+
+    script = tmp_path / "train.py"
+    script.write_text(KILLED_PARENT)
+    parent = subprocess.Popen(
+        [sys.executable, str(script)], stdout=subprocess.PIPE, text=True, cwd=tmp_path, env=child_env
+    )
+    try:
+        line = parent.stdout.readline()
+        assert line.startswith("CHILD"), line
+        child = int(line.split()[1])
+        assert _alive(child)
+        parent.send_signal(signal.SIGKILL)
+        parent.wait(timeout=30)
+        deadline = time.monotonic() + 30
+        while _alive(child) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not _alive(child), "the draft process outlived its parent"
+    finally:
+        parent.kill()
+
+
+def test_a_draft_process_that_dies_while_starting_is_an_error_within_seconds():
+    """No wait for the start timeout (300 s): the child's end of the pipe closes with it."""
+    import functools
+    import os
+
+    from tailspec.rollout.draft_executor import ProcessExecutor
+
+    with pytest.raises(ExecutorError, match=r"died \(exit code 3\)"):  # not "did not start within"
+        ProcessExecutor(functools.partial(os._exit, 3), start_timeout_s=3600)
