@@ -83,6 +83,9 @@ class SelectorConfig:
     width_prune_ratio: float = 0.9  # ... or whose every narrower arm measured below this x the best here
     probe_sequences: int = 8  # a first try on a large batch drafts for this many sequences only (0: never)
     probe_from: int = 32  # ... on batches of at least this many
+    # where plain decoding wins a bucket, the best drafting arm is probed again after this many plain
+    # steps there (0: never): a drafter that caught up with the policy is found again
+    reprobe_every: int = 256
     drafter_update: str = "decay"  # what a new drafter version does to model-drafter arms: decay | reset
     decay_keep: int = 4
     seed: int = 0
@@ -121,6 +124,7 @@ class SelectorConfig:
             ("width_prune_ratio", 0 <= self.width_prune_ratio <= 1, "a float in [0, 1]"),
             ("probe_sequences", isinstance(self.probe_sequences, int) and self.probe_sequences >= 0, "an int >= 0"),
             ("probe_from", isinstance(self.probe_from, int) and self.probe_from >= 1, "an int >= 1"),
+            ("reprobe_every", isinstance(self.reprobe_every, int) and self.reprobe_every >= 0, "an int >= 0"),
         ]
         for name, ok, allowed in checks:
             if not ok:
@@ -285,6 +289,7 @@ class StrategySelector:
         self._rng = random.Random(self.config.seed)
         self._memo: dict[tuple, Any] = {}  # the model's values, until the next sample
         self.drafter_version: int | None = None
+        self._plain_run = [0] * len(self.config.bucket_bounds)  # plain steps per bucket since a drafting one
 
     def bucket(self, num_active: int) -> int:
         """Index of the bucket holding ``num_active`` sequences (the last bucket holds all larger)."""
@@ -375,11 +380,16 @@ class StrategySelector:
         """The smallest batch size bucket ``b`` holds."""
         return self.config.bucket_bounds[b - 1] + 1 if b else 1
 
-    def _standing(self, b: int, arm: Strategy) -> float | None:
+    def _standing(self, b: int, arm: Strategy, judged: Strategy | None = None) -> float | None:
         """``arm``'s predicted goodput relative to the best of the arms run in bucket ``b`` (a
-        measurement, not a carried prediction, is what rules an arm out)."""
+        measurement, not a carried prediction, is what rules an arm out), leaving out ``judged``,
+        the arm whose fate the standing decides (it cannot rule itself out)."""
         mine = self.predicted(arm, b)
-        ran = [p for a in self.arms if self._stats[b][a].samples and (p := self.predicted(a, b)) is not None]
+        ran = [
+            p
+            for a in self.arms
+            if a is not judged and self._stats[b][a].samples and (p := self.predicted(a, b)) is not None
+        ]
         return None if mine is None or not ran else mine / max(ran)
 
     def _neighbour_standing(self, b: int, arm: Strategy) -> float | None:
@@ -401,7 +411,7 @@ class StrategySelector:
 
     def _narrower_standing(self, b: int, arm: Strategy) -> float | None:
         """The best standing in bucket ``b`` of an arm that ``arm`` contains, among those run here."""
-        standings = [self._standing(b, a) for a in self._narrower[arm] if self._stats[b][a].samples]
+        standings = [self._standing(b, a, judged=arm) for a in self._narrower[arm] if self._stats[b][a].samples]
         standings = [s for s in standings if s is not None]
         return max(standings) if standings else None
 
@@ -444,7 +454,7 @@ class StrategySelector:
         untried = [a for a in self.arms if a not in ran and self.evidence(a) and not self._loses(b, a)]
         carried = {a: p for a in untried if (p := self.predicted(a, b, num_active)) is not None}
         hopeful = [a for a in carried if carried[a] >= cfg.prune_ratio * ran[best] or self._far_below(b, a)]
-        # ... and one measured close to the best gets full steps until the median of three judges it
+        # ... and one measured close to the best gets full steps until three judge it
         hopeful += [
             a for a in ran if a is not best and len(stats[a].full) < 3 and ran[a] >= cfg.prune_ratio * ran[best]
         ]
@@ -452,6 +462,12 @@ class StrategySelector:
         if hopeful:
             arm = max(hopeful, key=lambda a: carried[a])
             return Choice(arm, self._probe_size(b, num_active, arm))
+        if not best.speculative and cfg.reprobe_every and self._plain_run[b] >= cfg.reprobe_every:
+            drafting = {a: p for a in self.arms if a.speculative and (p := self.predicted(a, b, num_active))}
+            if drafting:  # the drafter may have caught up with the policy since its arms lost here
+                arm = max(drafting, key=lambda a: drafting[a])
+                m = cfg.probe_sequences
+                return Choice(arm, m if 0 < m < num_active and num_active >= cfg.probe_from else None)
         if cfg.policy == "epsilon":
             return Choice(self._rng.choice(list(ran)) if self._rng.random() < cfg.epsilon else best)
         counts = {a: max(1, sum(x.drafting for x in stats[a].full)) for a in ran}
@@ -498,7 +514,9 @@ class StrategySelector:
         if arm not in self._stats[0] or seconds <= 0 or num_active < 1:
             return
         self._memo.clear()
-        stats = self._stats[self.bucket(num_active)]
+        b = self.bucket(num_active)
+        self._plain_run[b] = 0 if arm.speculative else self._plain_run[b] + 1
+        stats = self._stats[b]
         if drafting is None or drafting >= num_active:
             stats[arm].add(Sample(num_active, num_active, float(tokens), seconds, switch=switch))
             return

@@ -229,7 +229,7 @@ def test_an_arm_that_lost_on_a_full_batch_is_not_retried_on_an_uncertainty_bonus
     plain decoding there (with +-10% timing noise per step: a close arm gets a few full steps
     before it is judged), the bonus (counted in sequence-steps) does not send it back (each retry
     of a model-drafter arm after plain steps also pays the drafter's catch-up)."""
-    selector = StrategySelector(SelectorConfig(arms=("none", "chain:2")))
+    selector = StrategySelector(SelectorConfig(arms=("none", "chain:2"), reprobe_every=0))  # no deliberate re-probes
     rng = random.Random(9)
     picks = run(selector, 1000, lambda a, n: 100.0 * n * (0.95 if a != "none" else 1.0), rng, sizes=(64,))
     assert sum(arm == "chain:2" for _, arm in picks) <= 12
@@ -655,3 +655,35 @@ def test_a_full_model_step_after_probes_only_is_flagged_as_a_switch():
         i for i, (m, d, _) in enumerate(seen) if m and d is None and any(pm and pd for pm, pd, _ in seen[:i])
     ]
     assert full_after_probe and seen[full_after_probe[0]][2]  # the first full step after probes caught up
+
+
+def test_a_drafter_that_catches_up_with_the_policy_is_found_again():
+    """Where plain decoding won (the drafter fell behind the policy: every drafting arm 0.6x),
+    the best drafting arm is probed again every ``reprobe_every`` plain steps; once the drafter
+    pays again (1.5x), the bucket goes back to drafting. Without re-probes it never would: no
+    measurement of the drafting arms changes while none of them runs."""
+
+    seconds = {"none": 0.05, "chain:2": 0.08, "chain:4": 0.1}  # a step of 64 sequences
+    behind = {"none": 1.0, "chain:2": 1.0, "chain:4": 1.1}  # tokens per sequence-step: 0.6x, 0.55x
+    caught_up = {"none": 1.0, "chain:2": 2.4, "chain:4": 3.6}  # 1.5x, 1.8x
+
+    def after_recovery(reprobe_every: int) -> int:
+        selector = StrategySelector(SelectorConfig(arms=("none", "chain:2", "chain:4"), reprobe_every=reprobe_every))
+        rng = random.Random(13)
+        picks = []
+        for accept in (behind, caught_up):
+            for _ in range(400):
+                choice = selector.plan(64)
+                arm, m = str(choice.strategy), choice.drafting
+                drafting = 64 if m is None else m
+                tokens = 64 + (accept[arm] - 1) * drafting * rng.uniform(0.9, 1.1)
+                share = drafting / 64
+                step_s = seconds["none"] + (seconds[arm] - seconds["none"]) * share
+                selector.observe(64, choice.strategy, tokens, step_s * rng.uniform(0.97, 1.03), m, 0.0)
+                picks.append(arm)
+        return picks[-100:].count("chain:4")
+
+    assert after_recovery(64) >= 90
+    assert after_recovery(0) == 0
+    with pytest.raises(ValueError, match="reprobe_every"):
+        SelectorConfig(reprobe_every=-1)
