@@ -38,6 +38,9 @@ Exploring costs most where the batch is large, and a rollout starts there. So:
   ever less often), or the same arm on a smaller batch below ``prune_ratio`` of the best there
   (speculation returns less the more sequences share a step). Narrow arms are explored first.
 
+Where plain decoding wins a bucket, the best drafting arm is probed again every ``reprobe_every``
+plain steps there: a drafter that fell behind the policy and caught up is found again.
+
 A model-drafter arm's first step after steps of other arms also pays the drafter's catch-up on
 their tokens (a *switch*): its time is set aside while the arm has a steady one in the bucket
 (judged by its catch-ups, a model arm tried now and then on the demo's 56 sequences lost to plain
