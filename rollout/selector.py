@@ -9,20 +9,20 @@ A step of arm ``a`` (a strategy) on ``n`` sequences emits ``n * accept(a)`` toke
   small batches of the tail what the arm accepts. A bucket's own tokens refine the pooled value
   once they outweigh ``min_sequence_steps`` sequence-steps of it (shrinkage toward the pool), so
   an arm whose acceptance does differ by batch size is still judged by its own numbers there.
-* **Speed** (sequence-steps per second) belongs to the arm *and* the batch size: it is measured
-  per bucket (``bucket_bounds``: a bucket holds batch sizes up to its bound), from one step, and
-  carried to a bucket where the arm has not run yet through an arm measured in both (the
-  arm's speed relative to that reference in the nearest bucket measured).
+* **Speed** (sequence-steps per second) belongs to the arm *and* the batch size: its step time
+  is a line in the batch size (``step_seconds``), fitted per arm through its full steps in every
+  bucket (``bucket_bounds``: a bucket holds batch sizes up to its bound), weighted toward the
+  batch size asked about, so it is carried to a bucket where the arm has not run yet.
 
 The predicted goodput is their product. ``plan`` first gives every arm ``min_sequence_steps``
 drafting sequence-steps of evidence (pooled, so on a large batch one step suffices), then
-exploits by UCB (predicted goodput plus a bonus that shrinks with the arm's pooled
-sequence-steps, scaled by the bucket's best prediction) or epsilon-greedy. A bucket seen for the
-first time needs no exploration of its own: it starts from the carried predictions, and an arm
-is tried there only if the prediction (or, for an arm with no carried speed, its acceptance at
-the bucket's fastest measured speed) could make it the best. Speculation therefore turns itself
-off wherever it is predicted or measured to be slower than plain decoding, after one RL step,
-not ten. A configured ``speculate_up_to`` acts only as a prior (above it, speculative arms are
+exploits by UCB over the arms with full steps in the bucket (predicted goodput plus a bonus that
+shrinks with their drafting sequence-steps there, scaled by the bucket's best prediction) or
+epsilon-greedy. A bucket seen for the first time needs no exploration of its own: it starts from
+the carried predictions, and an arm gets a full step there only if its prediction comes within
+``prune_ratio`` of the best measured there (or its time is carried from two or more buckets up).
+Speculation therefore turns itself off wherever it is predicted or measured to be slower than
+plain decoding, after one RL step, not ten. A configured ``speculate_up_to`` acts only as a prior (above it, speculative arms are
 not explored until a smaller batch measured them).
 
 Exploring costs most where the batch is large, and a rollout starts there. So:
@@ -76,7 +76,7 @@ class SelectorConfig:
     arms: tuple[str, ...] = DEFAULT_ARMS
     bucket_bounds: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256, 1024)
     policy: str = "ucb"
-    ucb_c: float = 0.1  # exploration bonus, as a fraction of the bucket's best mean goodput
+    ucb_c: float = 0.1  # exploration bonus, as a fraction of the bucket's best predicted goodput
     epsilon: float = 0.05
     window: int = 32  # rewards kept per (bucket, arm)
     min_trials: int = 1  # tries of every arm in a bucket before exploiting
@@ -194,10 +194,6 @@ class Sample:
     def speed(self) -> float:
         """Sequence-steps per second."""
         return self.sequences / self.seconds
-
-    @property
-    def goodput(self) -> float:
-        return self.tokens / self.drafting * self.speed
 
 
 @dataclass
@@ -378,10 +374,6 @@ class StrategySelector:
         return self._memoized(("predicted", arm, b, n), compute)
 
     # -- choosing -------------------------------------------------------------------------------
-
-    def _smallest(self, b: int) -> int:
-        """The smallest batch size bucket ``b`` holds."""
-        return self.config.bucket_bounds[b - 1] + 1 if b else 1
 
     def _standing(self, b: int, arm: Strategy, judged: Strategy | None = None) -> float | None:
         """``arm``'s predicted goodput relative to the best of the arms run in bucket ``b`` (a
