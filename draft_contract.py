@@ -199,6 +199,12 @@ class Drafter(ABC):
     def bind(self, vocab_size: int, tokenizer=None) -> None:  # noqa: B027 - optional hook
         """Check that the drafter can serve a target with this vocabulary; raise ValueError if not."""
 
+    def fit_problems(self, target: Any, tokenizer: Any = None) -> list[str]:
+        """What keeps this drafter from drafting for ``target`` (a Hugging Face causal LM) as it is
+        now: checked at every policy sync, since a policy can change shape under a bound drafter
+        (resized embeddings). Empty when it fits; the default checks nothing."""
+        return []
+
     @abstractmethod
     def propose(self, requests: Sequence[DraftRequest], shape: DraftShape) -> list[DraftTree]:
         """One draft tree per request (possibly empty), each within ``shape`` and ``max_depth``."""

@@ -45,6 +45,28 @@ def as_drafter(drafter: Any, target: torch.nn.Module, config: Any) -> Drafter:
     raise ValueError(f"drafter must be a tailspec Drafter or a torch.nn.Module, got {type(drafter).__name__}")
 
 
+def fit_problems(drafter: Any, target: torch.nn.Module, tokenizer: Any = None) -> list[str]:
+    """What keeps ``drafter`` (anything :func:`as_drafter` takes) from drafting for ``target`` as it
+    is now (vocabulary, hidden size, tapped or shared layers); empty when it fits. Checked at every
+    policy sync: the policy can change shape under a drafter bound to it (resized embeddings)."""
+    if drafter is None:
+        return []
+    if isinstance(drafter, Drafter):
+        return drafter.fit_problems(target, tokenizer)
+    if isinstance(drafter, str):
+        from .self_spec import exit_layer_problems
+
+        return exit_layer_problems(target, parse_self_drafter(drafter))
+    from .eagle3 import Eagle3Head
+    from .small_lm import output_rows, vocabulary_problem
+
+    if isinstance(drafter, Eagle3Head):
+        return drafter.config.target_problems(target.config)
+    tokens = len(tokenizer) if tokenizer is not None else None
+    problem = vocabulary_problem(output_rows(target), output_rows(drafter), tokens)
+    return [problem] if problem is not None else []
+
+
 def parse_self_drafter(spec: str) -> int:
     """The layer count of a self-speculative drafter named ``"self:L"`` (the policy's first L layers)."""
     kind, _, layers = spec.partition(":")

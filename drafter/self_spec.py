@@ -55,6 +55,15 @@ class _AdaptedNorm(nn.Module):
         return self.norm(self.adapter(hidden))
 
 
+def exit_layer_problems(target: nn.Module, num_layers: int) -> list[str]:
+    """Why ``target``'s first ``num_layers`` layers cannot be a self-speculative drafter (empty if they can)."""
+    try:
+        check_exit_layer(target, num_layers, "self-speculative num_layers")
+    except ValueError as err:
+        return [str(err)]
+    return []
+
+
 def shallow_model(target: nn.Module, num_layers: int, adapter: ExitAdapter | None = None) -> nn.Module:
     """A causal LM of ``target``'s class whose embeddings, first ``num_layers`` decoder layers,
     final norm and LM head are ``target``'s own modules (shared, not copied)."""
@@ -87,6 +96,9 @@ class SelfSpecDrafter(SmallLMDrafter):
         self.num_layers = num_layers
         self.adapter = adapter
         super().__init__(shallow_model(target, num_layers, adapter), **kwargs)
+
+    def fit_problems(self, target: nn.Module, tokenizer=None) -> list[str]:
+        return exit_layer_problems(target, self.num_layers)
 
     @property
     def version(self) -> int:

@@ -51,25 +51,41 @@ class _DraftState:
     last_used: int = 0
 
 
-def check_same_vocabulary(target_vocab: int, draft_vocab: int, target_tok=None, draft_tok=None) -> None:
-    """Refuse a drafter whose tokenizer or vocabulary does not match the target's."""
-    if target_tok is not None and draft_tok is not None:
-        if target_tok.get_vocab() != draft_tok.get_vocab():
-            raise ValueError(
-                "the drafter's tokenizer does not match the target's (different vocabularies); "
-                "a drafter must share the target's tokenizer"
-            )
-        if draft_vocab != target_vocab and len(target_tok) > min(draft_vocab, target_vocab):
-            raise ValueError(
-                f"drafter vocabulary size {draft_vocab} and target's {target_vocab} cannot both hold "
-                f"the tokenizer's {len(target_tok)} tokens"
-            )
-        return
-    if draft_vocab != target_vocab:
-        raise ValueError(
+def vocabulary_problem(target_vocab: int, draft_vocab: int, tokens: int | None = None) -> str | None:
+    """Why a drafter LM with ``draft_vocab`` output rows cannot draft for a target with
+    ``target_vocab`` (None if it can): the sizes differ, unless both hold the tokenizer's
+    ``tokens`` (the difference is padding rows)."""
+    if draft_vocab == target_vocab:
+        return None
+    if tokens is None:
+        return (
             f"drafter vocabulary size {draft_vocab} does not match the target's {target_vocab}; "
             "pass both tokenizers if the difference is only padding rows"
         )
+    if tokens > min(draft_vocab, target_vocab):
+        return (
+            f"drafter vocabulary size {draft_vocab} and target's {target_vocab} cannot both hold "
+            f"the tokenizer's {tokens} tokens"
+        )
+    return None
+
+
+def check_same_vocabulary(target_vocab: int, draft_vocab: int, target_tok=None, draft_tok=None) -> None:
+    """Refuse a drafter whose tokenizer or vocabulary does not match the target's."""
+    both = target_tok is not None and draft_tok is not None
+    if both and target_tok.get_vocab() != draft_tok.get_vocab():
+        raise ValueError(
+            "the drafter's tokenizer does not match the target's (different vocabularies); "
+            "a drafter must share the target's tokenizer"
+        )
+    problem = vocabulary_problem(target_vocab, draft_vocab, len(target_tok) if both else None)
+    if problem is not None:
+        raise ValueError(problem)
+
+
+def output_rows(model: torch.nn.Module) -> int:
+    """The vocabulary a causal LM scores: its output embedding's rows (what a resize changes)."""
+    return int(model.get_output_embeddings().weight.shape[0])
 
 
 class SmallLMDrafter(Drafter):
@@ -108,6 +124,11 @@ class SmallLMDrafter(Drafter):
     def bind(self, vocab_size: int, tokenizer=None) -> None:
         check_same_vocabulary(vocab_size, self.runner.vocab_size, tokenizer, self.tokenizer)
         self.target_vocab = vocab_size
+
+    def fit_problems(self, target: torch.nn.Module, tokenizer=None) -> list[str]:
+        tokens = len(tokenizer) if tokenizer is not None else None
+        problem = vocabulary_problem(output_rows(target), self.runner.vocab_size, tokens)
+        return [problem] if problem is not None else []
 
     # -- state and KV room ---------------------------------------------------------------
     def release(self, seq_id: int) -> None:

@@ -516,12 +516,12 @@ class RolloutEngine:
         The step's own ``.tolist()`` of the sampled tokens already waits for the device, so the
         goodput measurement adds no synchronisation of its own."""
         n = len(batch.seqs)
-        strategy, probe = self.strategy, None
+        strategy, probe, reprobe = self.strategy, None, False
         if strategy.adaptive:
             if self.drafter is not None:
                 self.selector.on_drafter_version(int(getattr(self.drafter, "version", 0)))
             choice = self.selector.plan(n)
-            strategy, probe = choice.strategy, choice.drafting
+            strategy, probe, reprobe = choice.strategy, choice.drafting, choice.reprobe
         # the model drafter's first step after several without it catches up on their tokens
         gap = self._model_drafter_gap if probe is not None else self._full_draft_gap
         switch = strategy.uses_model_drafter and gap >= SWITCH_GAP
@@ -539,7 +539,9 @@ class RolloutEngine:
         if self.selector is not None and self.strategy.adaptive:
             # the arm is judged by what its steps cost once their graphs are held, not by a capture
             steady = seconds - (capture_seconds() - captured_before)
-            self.selector.observe(n, strategy, emitted, steady, probe, stats.draft_time_s - draft_before, switch)
+            draft_s = stats.draft_time_s - draft_before
+            resumed = self.selector.observe(n, strategy, emitted, steady, probe, draft_s, switch)
+            self._count_reprobe(n, strategy, reprobe, resumed)
         self._model_drafter_gap = 0 if strategy.uses_model_drafter else self._model_drafter_gap + 1
         # a probe drafts for a few sequences only: the others' drafter state still lags
         self._full_draft_gap = 0 if strategy.uses_model_drafter and probe is None else self._full_draft_gap + 1
@@ -549,6 +551,20 @@ class RolloutEngine:
         if not self.scheduler.has_work():
             self._peak_active = 0  # the wave is over; the next one measures its own peak
         return finished
+
+    def _count_reprobe(self, n: int, strategy: Strategy, reprobe: bool, resumed: bool) -> None:
+        """Counts a drafting arm probed again where plain decoding had won, and a step that resumed
+        drafting there after such a probe (the drafter caught up, or the steps that ruled drafting
+        out were slowed), which it also says."""
+        self.stats.reprobes += reprobe
+        if resumed:
+            self.stats.reprobes_paying += 1
+            logger.info(
+                "adaptive: drafting (%s) resumes on %d sequences, where plain decoding had won until a "
+                "periodic probe found it paying again",
+                strategy,
+                n,
+            )
 
     def _propose_serially(
         self, strategy: Strategy, seqs: list[Sequence], drafting: list[bool]

@@ -22,8 +22,8 @@ epsilon-greedy. A bucket seen for the first time needs no exploration of its own
 the carried predictions, and an arm gets a full step there only if its prediction comes within
 ``prune_ratio`` of the best measured there (or its time is carried from two or more buckets up).
 Speculation therefore turns itself off wherever it is predicted or measured to be slower than
-plain decoding, after one RL step, not ten. A configured ``speculate_up_to`` acts only as a prior (above it, speculative arms are
-not explored until a smaller batch measured them).
+plain decoding, after one RL step, not ten. A configured ``speculate_up_to`` acts only as a prior
+(above it, speculative arms are not explored until a smaller batch measured them).
 
 Exploring costs most where the batch is large, and a rollout starts there. So:
 
@@ -39,7 +39,9 @@ Exploring costs most where the batch is large, and a rollout starts there. So:
   (speculation returns less the more sequences share a step). Narrow arms are explored first.
 
 Where plain decoding wins a bucket, the best drafting arm is probed again every ``reprobe_every``
-plain steps there: a drafter that fell behind the policy and caught up is found again.
+plain steps there (a ``Choice`` marked ``reprobe``): a drafter that fell behind the policy and
+caught up is found again; ``observe`` says when drafting resumes there in full, which the engine
+counts (``EngineStats.reprobes_paying``) and drafter health reports.
 
 A model-drafter arm's first step after steps of other arms also pays the drafter's catch-up on
 their tokens (a *switch*): its time is set aside while the arm has a steady one in the bucket
@@ -175,6 +177,7 @@ class Choice:
 
     strategy: Strategy
     drafting: int | None = None
+    reprobe: bool = False  # a drafting arm tried again where plain decoding won (``reprobe_every``)
 
 
 @dataclass(frozen=True)
@@ -289,6 +292,7 @@ class StrategySelector:
         self._memo: dict[tuple, Any] = {}  # the model's values, until the next sample
         self.drafter_version: int | None = None
         self._plain_run = [0] * len(self.config.bucket_bounds)  # plain steps per bucket since a drafting one
+        self._reprobed = [False] * len(self.config.bucket_bounds)  # re-probed, not drafting in full since
 
     def bucket(self, num_active: int) -> int:
         """Index of the bucket holding ``num_active`` sequences (the last bucket holds all larger)."""
@@ -462,7 +466,7 @@ class StrategySelector:
             if drafting:  # the drafter may have caught up with the policy since its arms lost here
                 arm = max(drafting, key=lambda a: drafting[a])
                 m = cfg.probe_sequences
-                return Choice(arm, m if 0 < m < num_active and num_active >= cfg.probe_from else None)
+                return Choice(arm, m if 0 < m < num_active and num_active >= cfg.probe_from else None, reprobe=True)
         if cfg.policy == "epsilon":
             return Choice(self._rng.choice(list(ran)) if self._rng.random() < cfg.epsilon else best)
         counts = {a: max(1, sum(x.drafting for x in stats[a].full)) for a in ran}
@@ -491,7 +495,7 @@ class StrategySelector:
         drafting: int | None = None,
         draft_seconds: float = 0.0,
         switch: bool = False,
-    ) -> None:
+    ) -> bool:
         """Record a step: ``tokens`` emitted in ``seconds`` of step time by ``num_active`` sequences.
 
         A probe step (only ``drafting`` of the sequences drafted, the others took one token each)
@@ -505,16 +509,25 @@ class StrategySelector:
         has a full step anywhere its probes count for acceptance only. ``switch``: the step is a
         model-drafter arm's first after other arms (it paid the drafter's catch-up on their
         tokens, a cost of switching, not of the arm): its time is set aside while the arm has a
-        steady step in the bucket."""
+        steady step in the bucket.
+
+        Returns whether the step resumed drafting in full in a bucket where plain decoding had won
+        until a re-probe (``reprobe_every``) found a drafting arm worth running again."""
         if arm not in self._stats[0] or seconds <= 0 or num_active < 1:
-            return
+            return False
         self._memo.clear()
         b = self.bucket(num_active)
+        full = drafting is None or drafting >= num_active
+        resumed = arm.speculative and full and self._reprobed[b]
+        if arm.speculative:
+            self._reprobed[b] = (self._reprobed[b] and not full) or (
+                self.config.reprobe_every > 0 and self._plain_run[b] >= self.config.reprobe_every
+            )
         self._plain_run[b] = 0 if arm.speculative else self._plain_run[b] + 1
         stats = self._stats[b]
-        if drafting is None or drafting >= num_active:
+        if full:
             stats[arm].add(Sample(num_active, num_active, float(tokens), seconds, switch=switch))
-            return
+            return resumed
         drafting = max(drafting, 1)
         drafted_tokens = max(tokens - (num_active - drafting), drafting)
         plain_speed = stats[self._none].speed if self._none is not None else None
@@ -524,6 +537,7 @@ class StrategySelector:
             extra_verify_s = max(seconds - draft_seconds - plain_s, 0.0)
             full_s = plain_s + draft_seconds + extra_verify_s * num_active / drafting
         stats[arm].add(Sample(num_active, drafting, float(drafted_tokens), full_s, probe=True, switch=switch))
+        return False
 
     def on_drafter_version(self, version: int) -> None:
         """The model drafter changed: forget (most of) what its arms measured."""

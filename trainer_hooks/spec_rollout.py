@@ -15,7 +15,7 @@ import time
 from collections import deque
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import torch
@@ -27,7 +27,7 @@ from ..rollout.position_noise import derived_seed
 from ..rollout.strategy import parse_strategy
 from ..workers.coordinator import RolloutCoordinator, RolloutReport, WorkersConfig
 from ..workers.worker import DrafterState
-from .drafter_health import DrafterHealth
+from .drafter_health import FIT_TO_CHECK, DrafterHealth
 from .sampling_from_trl import sampling_params_from_trl
 
 logger = logging.getLogger(__name__)
@@ -221,6 +221,7 @@ class SpecRollout:
         self.drafter_trainer = None  # DrafterTrainer, made at the first rollout (it needs the policy's embeddings)
         self._engine: RolloutEngine | None = None
         self._engine_model_id: int | None = None
+        self._plain: tuple[int, RolloutEngine] | None = None  # (policy id, engine) while the drafter does not fit
         self._coordinator: RolloutCoordinator | None = None
         self.policy_syncs = 0  # times new policy weights went to the Ray workers
         self._strategies_seen: set[str] = set()
@@ -239,7 +240,10 @@ class SpecRollout:
             return self._call_workers(prompt_ids, params, tokenizer, trainer)
         start = time.perf_counter()
         with self._policy(trainer) as model:
-            engine = self.engine_for(model, tokenizer, seed=self._seed(trainer))
+            if self._fits(model, tokenizer):
+                engine = self.engine_for(model, tokenizer, seed=self._seed(trainer))
+            else:  # lossless without the drafter; DrafterHealth warns and scores the rollout 0
+                engine = self._plain_engine(model, tokenizer, seed=self._seed(trainer))
             before = dict(engine.stats.as_dict())
             before_steps = dict(engine.stats.strategy_steps)
             outputs = engine.generate(prompt_ids, params, progress=self.config.progress)
@@ -252,7 +256,9 @@ class SpecRollout:
         }
         self._record(completion_ids, elapsed, counters, steps, str(engine.strategy), trainer)
         self._catch_up()
-        if self._online_head:
+        if self.health.misfit:  # the drafter sat this rollout out: nothing of it to train on
+            pass
+        elif self._online_head:
             self._train_drafter(trainer)
         elif self._sequence_trained:
             self._recent_sequences.extend(p + c for p, c in zip(prompt_ids, completion_ids))
@@ -284,6 +290,7 @@ class SpecRollout:
         step = int(getattr(getattr(trainer, "state", None), "global_step", 0) or 0)
         start = time.perf_counter()
         with self._policy(trainer) as model:
+            self._require_fit(model, tokenizer)
             if self._coordinator is None:
                 self._coordinator = RolloutCoordinator(
                     model,
@@ -314,7 +321,34 @@ class SpecRollout:
             return
         step = int(getattr(getattr(trainer, "state", None), "global_step", 0) or 0)
         with self._policy(trainer) as model:
+            self._require_fit(model, self.tokenizer or getattr(trainer, "processing_class", None))
             self.policy_syncs += self._coordinator.sync_policy(model, step)
+
+    def _fits(self, model: torch.nn.Module, tokenizer: Any) -> bool:
+        """Whether the drafter fits ``model`` as it is at this sync (see ``drafter.factory.fit_problems``);
+        what does not fit goes to ``health``."""
+        from ..drafter.factory import fit_problems
+
+        self.health.fit(fit_problems(self.drafter, model, tokenizer))
+        return not self.health.misfit
+
+    def _require_fit(self, model: torch.nn.Module, tokenizer: Any) -> None:
+        """On Ray workers a policy the drafter does not fit cannot be synced at all (their engines
+        and drafters were built for the policy's shape): a clear error before the sync."""
+        if not self._fits(model, tokenizer):
+            raise ValueError(
+                f"the drafter does not fit the policy to sync to the Ray workers: {'; '.join(self.health.misfit)}; "
+                f"{FIT_TO_CHECK}"
+            )
+
+    def _plain_engine(self, model: torch.nn.Module, tokenizer: Any, seed: int) -> RolloutEngine:
+        """An engine without the drafter for a rollout whose policy the drafter does not fit (kept
+        while the policy object is the same)."""
+        if self._plain is None or self._plain[0] != id(model):
+            cfg = replace(self.config.rollout_config(seed), strategy="none")
+            engine = RolloutEngine(model, cfg, eos_token_ids=self._eos_ids(model, tokenizer), tokenizer=tokenizer)
+            self._plain = (id(model), engine)
+        return self._plain[1]
 
     def publish_drafter(self, head: Any) -> bool:
         """``head`` was trained outside this rollout (``DrafterFromTrainer``): Ray workers draft
@@ -655,7 +689,13 @@ class SpecRollout:
         if self.drafter is not None:
             model_steps = sum(n for k, n in strategy_steps.items() if parse_strategy(k).uses_model_drafter)
             adaptive = parse_strategy(self.config.strategy).adaptive
-            stats.drafter_health = self.health.update(stats.mean_accept_length, model_steps, adaptive)
+            stats.drafter_health = self.health.update(
+                stats.mean_accept_length,
+                model_steps,
+                adaptive,
+                int(counters.get("reprobes", 0)),
+                int(counters.get("reprobes_paying", 0)),
+            )
         self.last_stats = stats
         self.history.append(stats)
         logger.info(

@@ -143,6 +143,9 @@ class Eagle3Drafter(Drafter):
         """Bumped by the trainer at every optimizer step (see ``DrafterTrainer``)."""
         return self.head.version
 
+    def fit_problems(self, target: torch.nn.Module, tokenizer=None) -> list[str]:
+        return self.head.config.target_problems(target.config)
+
     def bind(self, vocab_size: int, tokenizer=None) -> None:
         if self.head.config.vocab_size > vocab_size:
             raise ValueError(

@@ -148,16 +148,30 @@ class Eagle3Config:
             raise ValueError(f"unknown Eagle3Config field(s) {unknown}; allowed: {sorted(known)}")
         return cls(**data)
 
+    def target_problems(self, target_config: Any) -> list[str]:
+        """What keeps this head from drafting for a target of ``target_config`` (its hidden size,
+        vocabulary and layer count, which fix the tapped layers); empty when it fits."""
+        tc = target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
+        return [
+            f"EAGLE-3 head was made for a target with {what} {mine}, this target has {theirs}{why}"
+            for mine, theirs, what, why in (
+                (self.target_hidden_size, tc.hidden_size, "hidden size", ""),
+                (self.vocab_size, tc.vocab_size, "vocabulary size", ""),
+                (
+                    self.target_num_layers,
+                    tc.num_hidden_layers,
+                    "number of layers",
+                    f" (the head taps the inputs of layers {list(self.aux_layer_ids)})",
+                ),
+            )
+            if mine != theirs
+        ]
+
     def check_target(self, target_config: Any) -> None:
         """Refuse a target this head was not made for (hidden size, vocabulary, layer count)."""
-        tc = target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
-        for mine, theirs, what in (
-            (self.target_hidden_size, tc.hidden_size, "hidden size"),
-            (self.vocab_size, tc.vocab_size, "vocabulary size"),
-            (self.target_num_layers, tc.num_hidden_layers, "number of layers"),
-        ):
-            if mine != theirs:
-                raise ValueError(f"EAGLE-3 head was made for a target with {what} {mine}, this target has {theirs}")
+        problems = self.target_problems(target_config)
+        if problems:
+            raise ValueError(problems[0])
 
 
 def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:

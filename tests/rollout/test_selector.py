@@ -679,11 +679,42 @@ def test_a_drafter_that_catches_up_with_the_policy_is_found_again():
                 tokens = 64 + (accept[arm] - 1) * drafting * rng.uniform(0.9, 1.1)
                 share = drafting / 64
                 step_s = seconds["none"] + (seconds[arm] - seconds["none"]) * share
-                selector.observe(64, choice.strategy, tokens, step_s * rng.uniform(0.97, 1.03), m, 0.0)
+                resumed = selector.observe(64, choice.strategy, tokens, step_s * rng.uniform(0.97, 1.03), m, 0.0)
                 picks.append(arm)
+                reprobes.append(choice.reprobe)
+                resumptions.append(resumed)
         return picks[-100:].count("chain:4")
 
+    reprobes, resumptions = [], []
     assert after_recovery(64) >= 90
-    assert after_recovery(0) == 0
+    # re-probes ran while plain decoding won (what the engine counts for drafter health), and once
+    # the drafter caught up, drafting resumed in full once, after the 400 steps of lagging
+    assert sum(reprobes[:400]) >= 3 and sum(resumptions) == 1 and resumptions.index(True) > 400
+    reprobes.clear()
+    assert after_recovery(0) == 0 and not any(reprobes)
     with pytest.raises(ValueError, match="reprobe_every"):
         SelectorConfig(reprobe_every=-1)
+
+
+def test_the_engine_counts_reprobes_and_the_drafting_they_resume(caplog):
+    """``EngineStats.reprobes`` counts the selector's re-probes; ``reprobes_paying`` the steps that
+    resumed drafting after one (``observe`` says so), which drafter health reports to the trainer."""
+
+    model = cached_model("qwen2")
+    engine = RolloutEngine(model, RolloutConfig(strategy="adaptive"), drafter=perturbed_copy(model, noise=0.3, seed=7))
+    plans, observe = [], engine.selector.observe
+
+    def plan(n):
+        plans.append(Choice(parse_strategy("chain:2"), reprobe=len(plans) in (3, 9)))
+        return plans[-1]
+
+    def spy(n, arm, tokens, seconds, drafting=None, draft_seconds=0.0, switch=False):
+        observe(n, arm, tokens, seconds, drafting, draft_seconds, switch)
+        return len(plans) == 5  # the step after the first re-probe resumed drafting
+
+    engine.selector.plan, engine.selector.observe = plan, spy
+    with caplog.at_level("INFO", logger="tailspec.rollout.engine"):
+        engine.generate(random_prompts(2, seed=3), SamplingParams(max_new_tokens=32, temperature=0.0))
+    assert len(plans) > 9
+    assert engine.stats.reprobes == 2 and engine.stats.reprobes_paying == 1
+    assert "drafting (chain:2) resumes on 2 sequences" in caplog.text

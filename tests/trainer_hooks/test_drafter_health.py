@@ -33,3 +33,25 @@ def test_adaptive_that_ran_no_drafting_arm_scores_zero_and_says_so(caplog):
 def test_the_floor_is_checked():
     with pytest.raises(ValueError, match="floor must be in"):
         DrafterHealth(floor=1.5)
+
+
+def test_a_drafter_that_does_not_fit_the_synced_policy_scores_zero_and_says_what_to_check(caplog):
+    health = DrafterHealth()
+    health.update(4.0, 30, adaptive=True)
+    with caplog.at_level("WARNING", logger="tailspec.trainer_hooks.drafter_health"):
+        health.fit(["drafter vocabulary size 512 does not match the target's 520"])
+        assert health.update(1.0, 0, adaptive=True) == 0.0
+        assert health.update(1.0, 0, adaptive=True) == 0.0  # the same episode: no second warning
+    assert len(caplog.records) == 1
+    assert "does not fit the policy synced" in caplog.text and "512" in caplog.text and "resize" in caplog.text
+    health.fit([])
+    assert health.update(4.0, 30, adaptive=True) == 1.0
+
+
+def test_reprobes_that_find_drafting_paying_again_are_reported(caplog):
+    health = DrafterHealth()
+    with caplog.at_level("WARNING", logger="tailspec.trainer_hooks.drafter_health"):
+        health.update(4.0, 30, adaptive=True, reprobes=2, reprobes_paying=0)  # the probes confirmed plain
+        assert not caplog.records
+        assert health.update(4.0, 30, adaptive=True, reprobes=3, reprobes_paying=1) == 1.0
+    assert "1 of 3 periodic probes there found a drafting arm paying again" in caplog.text

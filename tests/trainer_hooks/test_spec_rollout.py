@@ -312,3 +312,30 @@ def test_catch_up_raises_the_online_heads_learning_rate_after_a_fall(task_tokeni
     assert rollout.state_dict()["catch_up"]["lr_scale"] == 5.0
     with pytest.raises(ValueError, match="catch_up"):
         SpecRollout(catch_up={"threshold": 0.5})
+
+
+def test_a_drafter_the_resized_policy_outgrew_is_set_aside_with_a_warning(task_tokenizer, tiny_policy, caplog):
+    """Issue 39, item 3: the drafter's fit is checked at every sync. After the policy's embeddings
+    grow (added tokens) under a bound drafter LM, the rollout decodes without it (the same tokens
+    as plain decoding), scores drafter health 0 and says what to check; on Ray workers, where such
+    a policy cannot be synced, it is a clear error."""
+    import copy
+
+    from tailspec.testing import perturbed_copy
+
+    tokenizer = copy.deepcopy(task_tokenizer)
+    prompts = [[{"role": "user", "content": f"add {i} {i + 2}"}] for i in range(3)]
+    trainer, metrics = _greedy_trainer(tokenizer, tiny_policy)
+    rollout = SpecRollout(model=tiny_policy, strategy="chain:3", drafter=perturbed_copy(tiny_policy, 0.1, seed=1))
+    rollout(prompts, trainer)
+    assert rollout.last_stats.drafter_health == 1.0
+    tokenizer.add_tokens([f"<tool_{i}>" for i in range(8)])  # the user adds tokens, and grows the policy
+    tiny_policy.resize_token_embeddings(len(tokenizer), mean_resizing=False)
+    with caplog.at_level("WARNING", logger="tailspec.trainer_hooks.drafter_health"):
+        out = rollout(prompts, trainer)
+    assert rollout.last_stats.drafter_health == 0.0 and rollout.last_stats.drafted_tokens == 0
+    assert metrics["eval"]["rollout/drafter_health"] == [1.0, 0.0]
+    assert "does not fit the policy synced for this rollout" in caplog.text and "resize" in caplog.text
+    assert out["completion_ids"] == SpecRollout(model=tiny_policy)(prompts, trainer)["completion_ids"]
+    with pytest.raises(ValueError, match="does not fit the policy to sync to the Ray workers"):
+        rollout._require_fit(tiny_policy, tokenizer)

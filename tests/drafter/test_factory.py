@@ -1,0 +1,45 @@
+"""``fit_problems``: what keeps a drafter from drafting for a policy as it is at a sync."""
+
+import pytest
+
+from tailspec.drafter.eagle3 import Eagle3Config, Eagle3Head
+from tailspec.drafter.factory import as_drafter, fit_problems
+from tailspec.rollout import RolloutConfig
+from tailspec.testing import tiny_random_model
+
+
+@pytest.fixture
+def policy():
+    return tiny_random_model("qwen2", seed=1, num_layers=4)
+
+
+def test_a_drafter_lm_fits_a_policy_of_its_vocabulary_until_the_policy_is_resized(policy):
+    lm = tiny_random_model("llama", seed=2, num_layers=1)
+    assert fit_problems(lm, policy) == []
+    bound = as_drafter(lm, policy, RolloutConfig())
+    assert bound.fit_problems(policy) == []
+    policy.resize_token_embeddings(104)  # the user added tokens
+    for problems in (fit_problems(lm, policy), fit_problems(bound, policy)):
+        assert problems == [
+            "drafter vocabulary size 96 does not match the target's 104; pass both tokenizers if the "
+            "difference is only padding rows"
+        ]
+
+
+def test_an_eagle3_head_names_every_way_it_does_not_fit(policy):
+    head = Eagle3Head(Eagle3Config.for_target(policy.config))
+    assert fit_problems(head, policy) == [] and fit_problems(as_drafter(head, policy, RolloutConfig()), policy) == []
+    other = tiny_random_model("qwen2", seed=1, num_layers=6, hidden_size=32, vocab_size=100)
+    problems = fit_problems(head, other)
+    assert len(problems) == 3
+    assert "hidden size 64, this target has 32" in problems[0]
+    assert "vocabulary size 96, this target has 100" in problems[1]
+    assert "number of layers 4, this target has 6 (the head taps the inputs of layers" in problems[2]
+
+
+def test_a_self_speculative_drafter_needs_fewer_layers_than_the_policy(policy):
+    assert fit_problems("self:2", policy) == []
+    assert fit_problems(as_drafter("self:3", policy, RolloutConfig()), policy) == []
+    shallow = tiny_random_model("qwen2", seed=1, num_layers=2)
+    assert "must be an int in [1, 1] for this 2-layer model, got 2" in fit_problems("self:2", shallow)[0]
+    assert fit_problems(None, policy) == []
