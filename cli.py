@@ -119,6 +119,7 @@ def _bench(args: argparse.Namespace) -> int:
         run_spot_training_section,
         run_sweep_section,
     )
+    from .benchmarks.user_path import run_user_path_section
 
     _writable_parent(args.out, "--out")
     if args.section == "adaptive":
@@ -145,6 +146,8 @@ def _bench(args: argparse.Namespace) -> int:
         print(run_draft_hosts_section(Path(args.out), quick=args.quick, policy=args.policy))
     elif args.section == "grpo_path":
         print(run_grpo_path_section(Path(args.out), quick=args.quick, policy=args.policy))
+    elif args.section == "user_path":
+        print(run_user_path_section(Path(args.out), quick=args.quick))
     else:
         print(run_bench(Path(args.out), quick=args.quick))
     print(f"wrote {args.out}")
@@ -322,6 +325,7 @@ def build_parser() -> argparse.ArgumentParser:
             "mirror",
             "draft_hosts",
             "grpo_path",
+            "user_path",
         ],
         default="all",
         help="all: rewrite the whole report; any other: only that section, in place",

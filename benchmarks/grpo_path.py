@@ -83,14 +83,11 @@ def _stub_trainer(policy, tokenizer, seed: int) -> SimpleNamespace:
 
 def measure_grpo_path(cfg: GRPOPathConfig) -> list[PathRun]:
     from ..demo import DemoConfig, _make_rollout
-    from ..rollout import SamplingParams
     from ..tasks.sft import load_shipped
 
-    prompts = [[{"role": "user", "content": p}] for p in _problems() for _ in range(cfg.num_generations)]
     runs: list[PathRun] = []
     for workers in cfg.workers:
         policy, tokenizer = load_shipped(cfg.policy, "policy")
-        trainer = _stub_trainer(policy, tokenizer, cfg.seed)
         contenders = {}
         for strategy in cfg.strategies:
             demo_cfg = DemoConfig(
@@ -105,39 +102,51 @@ def measure_grpo_path(cfg: GRPOPathConfig) -> list[PathRun]:
             rollout = _make_rollout(demo_cfg)
             if workers:  # a contender's workers idle while another's run: no cores reserved for them
                 rollout.config.workers_config = {**(rollout.config.workers_config or {}), "num_cpus_per_worker": 0.0}
-            rollout.model = policy
-            rollout.sampling = SamplingParams(temperature=1.0, max_new_tokens=cfg.max_completion_length)
-            contenders[strategy] = (rollout, PathRun(strategy, workers))
-        g = torch.Generator().manual_seed(cfg.seed)
-        try:
-            for step in range(cfg.steps):
-                trainer.state.global_step = step
-                if step:
-                    with torch.no_grad():
-                        for p in policy.parameters():
-                            p.mul_(1 + cfg.perturb * torch.randn(p.shape, generator=g))
-                order = list(cfg.strategies)
-                order = order[step % len(order) :] + order[: step % len(order)]
-                for strategy in order:
-                    rollout, run = contenders[strategy]
-                    rollout(prompts, trainer)
-                    stats = rollout.last_stats
-                    run.seconds.append(stats.time_s)
-                    run.tokens.append(stats.completion_tokens)
-                    run.accept_length.append(stats.mean_accept_length)
-                    run.strategy_steps.append(dict(stats.strategy_steps))
-                logger.info(
-                    "grpo path, workers %d, step %d: %s",
-                    workers,
-                    step + 1,
-                    {s: f"{r.tokens_per_s[-1]:.0f} tok/s" for s, (_, r) in contenders.items()},
-                )
-        finally:
-            for rollout, _ in contenders.values():
-                if rollout.coordinator is not None:
-                    rollout.coordinator.shutdown()
-        runs.extend(run for _, run in contenders.values())
+            contenders[strategy] = rollout
+        runs.extend(run_path(contenders, policy, tokenizer, cfg, workers))
     return runs
+
+
+def run_path(contenders: dict, policy, tokenizer, cfg: GRPOPathConfig, workers: int) -> list[PathRun]:
+    """``cfg.steps`` RL steps of the contenders (strategy -> ``SpecRollout``) on ``policy``: each step
+    the policy moves, then every contender rolls out the demo's prompts, in a rotated order; the
+    contenders' Ray workers are shut down at the end."""
+    from ..rollout import SamplingParams
+
+    prompts = [[{"role": "user", "content": p}] for p in _problems() for _ in range(cfg.num_generations)]
+    trainer = _stub_trainer(policy, tokenizer, cfg.seed)
+    runs = {strategy: PathRun(strategy, workers) for strategy in contenders}
+    for rollout in contenders.values():
+        rollout.model = policy
+        rollout.sampling = SamplingParams(temperature=1.0, max_new_tokens=cfg.max_completion_length)
+    g = torch.Generator().manual_seed(cfg.seed)
+    try:
+        for step in range(cfg.steps):
+            trainer.state.global_step = step
+            if step:
+                with torch.no_grad():
+                    for p in policy.parameters():
+                        p.mul_(1 + cfg.perturb * torch.randn(p.shape, generator=g))
+            order = list(contenders)
+            order = order[step % len(order) :] + order[: step % len(order)]
+            for strategy in order:
+                contenders[strategy](prompts, trainer)
+                stats, run = contenders[strategy].last_stats, runs[strategy]
+                run.seconds.append(stats.time_s)
+                run.tokens.append(stats.completion_tokens)
+                run.accept_length.append(stats.mean_accept_length)
+                run.strategy_steps.append(dict(stats.strategy_steps))
+            logger.info(
+                "grpo path, workers %d, step %d: %s",
+                workers,
+                step + 1,
+                {s: f"{r.tokens_per_s[-1]:.0f} tok/s" for s, r in runs.items()},
+            )
+    finally:
+        for rollout in contenders.values():
+            if rollout.coordinator is not None:
+                rollout.coordinator.shutdown()
+    return list(runs.values())
 
 
 def _ratios(run: PathRun, none: PathRun) -> list[float]:
