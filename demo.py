@@ -74,7 +74,7 @@ class DemoConfig:
     # the rest of the story around the GRPO run
     warmup_steps: int = 0  # EAGLE-3 warm-up steps on the policy's rollouts before RL (0 = use the shipped head as is)
     warmup_prompts: int = 48
-    baseline: bool = False  # also run the same GRPO configuration with strategy "none" and compare per step
+    baseline: bool = False  # a plain-decoding twin rolls out every step's prompts too: same-step ratios (PairedRollout)
     export: str | None = None  # export the trained head for "sglang" or "vllm" into output_dir
     deepspeed: str | None = None  # "zero2" | "zero3" | a DeepSpeed JSON path (needs tailspec[deepspeed])
 
@@ -304,6 +304,67 @@ def train_dataset(cfg: DemoConfig):
     return make_grpo_dataset(cfg.num_train_prompts, seed=cfg.seed, cfg=ChainSumConfig())
 
 
+class PairedRollout:
+    """The main rollout with a plain-decoding twin (the demo's ``baseline``).
+
+    At every call the twin rolls out the same prompts on the same policy weights, the two in
+    alternating order, so each RL step gets a same-step ratio (the twin's workers idle while the
+    main one's run, and the main one's drafter training through the update gap is stopped before
+    the twin starts). With position-keyed sampling the two must emit the same completions, which
+    is checked at every step: the lossless claim, per RL step. The trainer trains on the main
+    rollout's outputs and sees nothing of the twin (it logs no metrics); everything else
+    (``history``, ``drafter``, state) is the main rollout's."""
+
+    def __init__(self, main: Any, twin: Any) -> None:
+        self.main, self.twin = main, twin
+        self.same_completions: list[bool] = []  # per call: the twin's completions equal the main one's
+
+    def __call__(self, prompts: list, trainer: Any) -> dict[str, list]:
+        if len(self.same_completions) % 2 == 0:
+            self._run_twin(prompts, trainer)
+            out = self.main(prompts, trainer)
+        else:
+            out = self.main(prompts, trainer)
+            self._run_twin(prompts, trainer)
+        self.same_completions.append(self.main.last_stats.completions_digest == self.twin.last_stats.completions_digest)
+        return out
+
+    def _run_twin(self, prompts: list, trainer: Any) -> None:
+        if self.main.coordinator is not None:
+            self.main.coordinator.settle(wait=True)  # no drafter training beside the twin's rollout
+        self.twin(prompts, trainer)
+
+    def sync_weights(self, trainer: Any) -> None:
+        self.main.sync_weights(trainer)
+        self.twin.sync_weights(trainer)
+
+    def close(self, *, wait: bool = True) -> None:
+        self.twin.close(wait=wait)
+        self.main.close(wait=wait)
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.main.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.main.load_state_dict(state)
+
+    def publish_drafter(self, head: Any) -> bool:
+        return self.main.publish_drafter(head)
+
+    def __getattr__(self, name: str) -> Any:  # the main rollout's attributes (history, drafter, ...)
+        return getattr(self.main, name)
+
+
+def _plain_twin(cfg: DemoConfig) -> Any:
+    """The baseline's plain-decoding rollout, placed as the main one (its workers reserve no cores:
+    they idle while the main one's run), logging nothing to the trainer."""
+    twin = _make_rollout(replace(cfg, strategy="none"))
+    twin.config.log_metrics = False
+    if cfg.workers:
+        twin.config.workers_config = {**(twin.config.workers_config or {}), "num_cpus_per_worker": 0.0}
+    return twin
+
+
 def _grpo_run(
     cfg: DemoConfig,
     out: Path,
@@ -347,6 +408,8 @@ def _grpo_run(
     printer = _step_printer()
     rollout = _make_rollout(cfg, head)
     rollout.catch_up.load_state_dict(catch_up)
+    if cfg.baseline:
+        rollout = PairedRollout(rollout, _plain_twin(cfg))
     trainer = GRPOTrainer(
         model=model,
         reward_funcs=chain_sum_reward,
@@ -454,27 +517,26 @@ def strategy_mix(steps: dict[str, int], top: int = 3) -> str:
     return shown + (" ..." if len(ranked) > top else "")
 
 
-def _print_comparison(
-    rows: list[dict[str, Any]], base_rows: list[dict[str, Any]], strategy: str, history: list | None = None
-) -> list[float]:
-    """Per step, both runs, the accept length and (from the rollout's ``history``) the strategy mix;
-    returns the per-step rollout throughput ratios. Sampling is lossless in distribution, not
-    sample for sample, so the two runs draw different completions (lengths differ): compare
-    tokens/s, not seconds."""
-    print(f"\n== per step: {strategy} vs no speculation (same GRPO config and seeds) ==")
+def _print_comparison(rows: list[dict[str, Any]], rollout: PairedRollout, strategy: str) -> list[float]:
+    """Per step, the main rollout against its plain-decoding twin of the same step: times,
+    throughput, their ratio, whether the completions were the same, the accept length and the
+    strategy mix; returns the per-step throughput ratios (tokens/s, which is a ratio of times when
+    the completions are the same)."""
+    print(f"\n== per step: {strategy} vs no speculation (the same step's prompts and policy weights) ==")
     print(
-        f"{'step':>4}  {'reward':>7} {'(none)':>7}  {'rollout s':>9} {'(none)':>7}  "
-        f"{'tok/s':>6} {'(none)':>6}  {'ratio':>6}  {'accept':>6}  strategies"
+        f"{'step':>4}  {'reward':>7}  {'rollout s':>9} {'(none)':>7}  {'tok/s':>6} {'(none)':>6}  "
+        f"{'ratio':>6}  {'same':>4}  {'accept':>6}  strategies"
     )
     ratios = []
-    for i, (r, b) in enumerate(zip(rows, base_rows)):
-        ratio = r["rollout_tok_s"] / b["rollout_tok_s"] if b["rollout_tok_s"] else float("nan")
+    for i, (r, main, twin) in enumerate(zip(rows, rollout.main.history, rollout.twin.history)):
+        ratio = main.tokens_per_s / twin.tokens_per_s if twin.tokens_per_s else float("nan")
         ratios.append(ratio)
         accept = f"{r['accept_len']:>6.2f}" if r["accept_len"] is not None else f"{'-':>6}"
-        mix = strategy_mix(history[i].strategy_steps) if history is not None and i < len(history) else "-"
+        same = "yes" if rollout.same_completions[i] else "no"
         print(
-            f"{r['step']:>4}  {r['reward']:>7.3f} {b['reward']:>7.3f}  {r['rollout_s']:>9.2f} {b['rollout_s']:>7.2f}  "
-            f"{r['rollout_tok_s']:>6.0f} {b['rollout_tok_s']:>6.0f}  {ratio:>5.2f}x  {accept}  {mix}"
+            f"{r['step']:>4}  {r['reward']:>7.3f}  {main.time_s:>9.2f} {twin.time_s:>7.2f}  "
+            f"{main.tokens_per_s:>6.0f} {twin.tokens_per_s:>6.0f}  {ratio:>5.2f}x  {same:>4}  {accept}  "
+            f"{strategy_mix(main.strategy_steps)}"
         )
     return ratios
 
@@ -496,25 +558,21 @@ def run_demo_with_rollout(
     summary = _summarize(cfg, rows, rollout, wall)
     wandb_runs = [run_name]
     if cfg.baseline:
-        base_rows, base_rollout, base_wall, base_name = _grpo_run(
-            replace(cfg, strategy="none"), out, label="no speculation"
-        )
-        wandb_runs.append(base_name)
-        ratios = [r for r in _print_comparison(rows, base_rows, cfg.strategy, rollout.history) if r == r]
+        ratios = [r for r in _print_comparison(rows, rollout, cfg.strategy) if r == r]
         if ratios:
             summary["rollout_ratio_median_per_step"] = statistics.median(ratios)
-        base_time = sum(s.time_s for s in base_rollout.history)
-        base_tokens = sum(s.completion_tokens for s in base_rollout.history)
+        twin = rollout.twin.history
+        base_time, base_tokens = sum(s.time_s for s in twin), sum(s.completion_tokens for s in twin)
         summary["baseline_rollout_time_s"] = base_time
         summary["baseline_rollout_tokens_per_s"] = base_tokens / base_time if base_time else 0.0
-        summary["baseline_wall_s"] = base_wall
         if summary["baseline_rollout_tokens_per_s"]:
             ratio = summary["rollout_tokens_per_s"] / summary["baseline_rollout_tokens_per_s"]
             summary["rollout_throughput_vs_none"] = ratio
-        k = _window(len(base_rows))
-        summary[f"baseline_reward_first_{k}"], summary[f"baseline_reward_last_{k}"] = _first_last(
-            [r["reward"] for r in base_rows], k
-        )
+        # the whole run's wall time with either rollout alone: the same training, one rollout per step
+        summary["run_wall_s_speculative"] = wall - base_time
+        summary["run_wall_s_plain"] = wall - summary["rollout_time_s"]
+        summary["run_speedup"] = summary["run_wall_s_plain"] / summary["run_wall_s_speculative"]
+        summary["same_completions_steps"] = f"{sum(rollout.same_completions)} of {len(rollout.same_completions)}"
     if cfg.export and uses_head:
         from .drafter.eagle3.checkpoint import export_checkpoint
 
@@ -524,10 +582,12 @@ def run_demo_with_rollout(
     k = _window(len(rows))
     first, last = summary[f"reward_first_{k}"], summary[f"reward_last_{k}"]
     rise = f"reward, mean of the first vs last {k} steps: {first:.3f} -> {last:.3f}"
-    if f"baseline_reward_first_{k}" in summary:
+    if cfg.baseline:
         rise += (
-            f" ({summary[f'baseline_reward_first_{k}']:.3f} -> {summary[f'baseline_reward_last_{k}']:.3f} "
-            "without speculation)"
+            f" (plain decoding emitted the same completions at {summary['same_completions_steps']} steps: "
+            "what is learned is what plain decoding would teach)"
+            if cfg.position_noise
+            else " (position_noise off: plain decoding draws other completions, compared by tokens/s)"
         )
     print("\n== tailspec demo summary ==")
     print(rise)

@@ -87,7 +87,8 @@ def test_drafter_warmup_then_export_from_the_command_line(tmp_path, capsys):
 
 
 def test_demo_tells_the_whole_story(tmp_path, capsys):
-    """Warm-up of the shipped head, the GRPO run, the no-speculation run side by side, the export."""
+    """Warm-up of the shipped head, the GRPO run with its plain-decoding twin at every step (the
+    same completions, same-step ratios), the export."""
     from tailspec.demo import run_demo
 
     cfg = DemoConfig(
@@ -102,6 +103,7 @@ def test_demo_tells_the_whole_story(tmp_path, capsys):
         warmup_steps=3,
         warmup_prompts=4,
         baseline=True,
+        position_noise=True,
         export="sglang",
     )
     summary = run_demo(cfg)
@@ -112,7 +114,9 @@ def test_demo_tells_the_whole_story(tmp_path, capsys):
     assert "drafter warm-up: 4 rollouts" in printed
     assert "per step: chain:3 vs no speculation" in printed
     assert "accept  strategies" in printed and "chain:3 100%" in printed  # per step: accept length, mix
-    assert "reward, mean of the first vs last 1 steps:" in printed and "without speculation)" in printed
+    assert "reward, mean of the first vs last 1 steps:" in printed
+    assert "plain decoding emitted the same completions at 2 of 2 steps" in printed
+    assert summary["same_completions_steps"] == "2 of 2" and summary["run_speedup"] > 0
     assert "{'loss'" not in printed  # TRL's raw per-step dicts stay out of the story (wandb keeps them)
     assert summary["drafter_version"] == 1600 + 3 + 2 * cfg.drafter_train_steps  # shipped, warm-up, online
     assert summary["baseline_rollout_time_s"] > 0 and summary["rollout_throughput_vs_none"] > 0
