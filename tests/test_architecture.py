@@ -1,0 +1,74 @@
+"""The package's layering (docs/ARCHITECTURE.md, "The map") as a test: every module imports only
+modules of its own unit or of a lower floor, lazy imports inside functions included, so no arrow
+runs back up and no circle can form between units."""
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# lowest first; a unit may import its own modules and any unit of a lower floor
+FLOORS: list[set[str]] = [
+    {"draft_contract", "kernels", "progress", "distributed", "packed_weights"},
+    {"rollout"},
+    {"drafter", "atts", "testing"},
+    {"workers", "tasks"},
+    {"trainer_hooks"},
+    {"demo"},
+    {"benchmarks"},
+    {"cli"},
+]
+OUTSIDE = {"tests", "examples", "outputs", "assets", "configs", "docs", "tailspec.egg-info"}
+
+
+def _floor(unit: str) -> int:
+    return next(i for i, units in enumerate(FLOORS) if unit in units)
+
+
+def _modules():
+    for path in sorted(ROOT.rglob("*.py")):
+        rel = path.relative_to(ROOT)
+        if rel.parts[0] in OUTSIDE or rel.parts[0].startswith(".") or "__pycache__" in rel.parts:
+            continue
+        if rel == Path("__init__.py"):
+            continue  # the public API: lazy names of every floor
+        yield rel
+
+
+def _imported_units(rel: Path) -> set[str]:
+    """The units (top-level modules or packages of tailspec) that ``rel`` imports."""
+    package = ["tailspec", *rel.parent.parts]
+    targets = []
+    for node in ast.walk(ast.parse((ROOT / rel).read_text())):
+        if isinstance(node, ast.ImportFrom) and node.level:
+            base = package[: len(package) - node.level + 1]
+            if node.module:
+                targets.append([*base, *node.module.split(".")])
+            else:
+                targets += [[*base, alias.name] for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("tailspec."):
+            targets.append(node.module.split("."))
+        elif isinstance(node, ast.Import):
+            targets += [alias.name.split(".") for alias in node.names if alias.name.startswith("tailspec.")]
+    return {t[1] for t in targets if len(t) > 1}
+
+
+def test_every_unit_sits_on_a_floor():
+    units = {rel.parts[0].removesuffix(".py") for rel in _modules()}
+    placed = set().union(*FLOORS)
+    assert units <= placed, f"place these in FLOORS (and in docs/ARCHITECTURE.md's map): {sorted(units - placed)}"
+
+
+def test_no_import_runs_back_up():
+    wrong = []
+    for rel in _modules():
+        unit = rel.parts[0].removesuffix(".py")
+        for target in _imported_units(rel) - {unit}:
+            if target in set().union(*FLOORS) and _floor(target) >= _floor(unit):
+                wrong.append(f"{rel} imports {target} (floor {_floor(target)} >= {unit}'s {_floor(unit)})")
+    assert not wrong, "\n".join(wrong)
+
+
+def test_the_rollout_engine_reaches_drafters_only_by_name():
+    """rollout/ never imports drafter/: the contract names the factory, imported when first needed."""
+    assert not any("drafter" in _imported_units(rel) for rel in _modules() if rel.parts[0] == "rollout")
