@@ -27,8 +27,11 @@ $(STAMP): pyproject.toml Makefile
 demo: $(STAMP)
 	$(VENV)/bin/tailspec demo
 
+# two test processes (pytest-xdist), a file's tests in one of them (module fixtures built once): the
+# suite's tests run one torch thread each, so on 2 cores this halves the wall time
+TEST_WORKERS ?= 2
 test: $(STAMP)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 bench: $(STAMP)
 	$(VENV)/bin/tailspec bench

@@ -19,15 +19,27 @@ ROOT = Path(__file__).resolve().parent.parent
 RAY_NAMES = ("raylet", "gcs_server", "ray::", "ray/_private", "ray.dashboard", "dashboard/agent")
 
 
-def live_processes() -> dict[int, tuple[int, str]]:
-    """pid -> (session id, command line) of every process that is not a zombie."""
-    out = subprocess.run(["ps", "-eo", "pid=,sid=,stat=,args="], capture_output=True, text=True).stdout
+def live_processes() -> dict[int, tuple[int, int, str]]:
+    """pid -> (parent pid, session id, command line) of every process that is not a zombie."""
+    out = subprocess.run(["ps", "-ww", "-eo", "pid=,ppid=,sid=,stat=,args="], capture_output=True, text=True).stdout
     procs = {}
     for line in out.splitlines():
-        pid, sid, stat, args = (line.split(None, 3) + [""])[:4]
+        pid, ppid, sid, stat, args = (line.split(None, 4) + [""])[:5]
         if not stat.startswith("Z"):
-            procs[int(pid)] = (int(sid), args)
+            procs[int(pid)] = (int(ppid), int(sid), args)
     return procs
+
+
+def descendants(root: int) -> set[int]:
+    """``root`` and every process below it now (the run's Ray head and workers: its children and
+    theirs). Only these count as the run's, so Ray instances of tests running beside it do not."""
+    procs, tree = live_processes(), {root}
+    grown = True
+    while grown:
+        below = {pid for pid, (ppid, _, _) in procs.items() if ppid in tree}
+        grown = not below <= tree
+        tree |= below
+    return tree
 
 
 def interrupt_when_workers_run(cmd: list[str], env: dict[str, str], cwd: Path) -> tuple[int, str, float, list[str]]:
@@ -35,7 +47,6 @@ def interrupt_when_workers_run(cmd: list[str], env: dict[str, str], cwd: Path) -
     way, send SIGINT to the session's process group as a terminal's Ctrl-C does. Returns (exit
     status, output, seconds from the signal to the exit, processes of the run still alive 10 s
     after the signal)."""
-    before = set(live_processes())
     # a shell starts background jobs with SIGINT ignored, and children inherit that (CI may run us
     # so): restore the default disposition, as a terminal's foreground job has it, then exec
     trampoline = (
@@ -63,6 +74,10 @@ def interrupt_when_workers_run(cmd: list[str], env: dict[str, str], cwd: Path) -
     reader.start()
     assert workers_up.wait(timeout=300), "".join(lines)[-3000:]
     time.sleep(3)  # the first rollout is running on the workers
+    run = descendants(proc.pid)
+    procs = live_processes()
+    ray_processes = [procs[pid][2] for pid in run if pid in procs and any(n in procs[pid][2] for n in RAY_NAMES)]
+    assert any("raylet" in args for args in ray_processes), ray_processes  # the run's Ray is in view
     sent = time.monotonic()
     os.killpg(proc.pid, signal.SIGINT)
     try:
@@ -74,16 +89,12 @@ def interrupt_when_workers_run(cmd: list[str], env: dict[str, str], cwd: Path) -
     reader.join(timeout=10)
     left: list[str] = []
     while time.monotonic() - sent < 10:
-        left = [
-            args
-            for pid, (sid, args) in live_processes().items()
-            if pid not in before and (sid == proc.pid or any(name in args for name in RAY_NAMES))
-        ]
+        left = [args for pid, (_, sid, args) in live_processes().items() if pid in run or sid == proc.pid]
         if not left:
             break
         time.sleep(0.5)
-    for pid, (sid, _) in live_processes().items():  # never leave anything to later tests
-        if sid == proc.pid:
+    for pid, (_, sid, _) in live_processes().items():  # never leave anything to later tests
+        if pid in run or sid == proc.pid:
             os.kill(pid, signal.SIGKILL)
     return status, "".join(lines), took, left
 
