@@ -43,6 +43,20 @@ def _writable_parent(value: str, what: str) -> Path:
     return path
 
 
+def _from_checkout(what: str) -> None:
+    """Refuse, in one line, what needs the repository's checkout: the built wheel holds the library
+    (engine, drafters, workers, TRL glue, kernels, configs), not the chain-sum task and its recipes,
+    the shipped models or the benchmark harness."""
+    from importlib.util import find_spec
+
+    if find_spec("tailspec.tasks") is None or find_spec("tailspec.benchmarks") is None:
+        raise UserError(
+            f"{what} runs from a checkout of the tailspec repository (the installed package holds the library, "
+            "not the chain-sum task, the shipped models or the benchmark harness): clone it and run "
+            "`make demo` / `make bench` there"
+        )
+
+
 # a Hugging Face hub repo id: ``namespace/name`` (anything else that is not on disk is a bad path)
 _HUB_REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
@@ -79,6 +93,7 @@ NON_NEGATIVE = _int_at_least(0)
 
 
 def _demo(args: argparse.Namespace) -> int:
+    _from_checkout("`tailspec demo`")
     from .demo import DemoConfig, run_demo
     from .trainer_hooks.deepspeed import configs_dir
 
@@ -106,6 +121,7 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _bench(args: argparse.Namespace) -> int:
+    _from_checkout("`tailspec bench`")
     from .benchmarks.grpo_path import run_grpo_path_section
     from .benchmarks.run import (
         run_adaptive_section,
@@ -155,6 +171,7 @@ def _bench(args: argparse.Namespace) -> int:
 
 
 def _atts(args: argparse.Namespace) -> int:
+    _from_checkout("`tailspec atts`")
     from .atts import ATTSConfig
     from .benchmarks.atts import ATTSBenchConfig, atts_table, measure_atts
     from .benchmarks.run import write_atts_section
@@ -193,12 +210,14 @@ def _atts(args: argparse.Namespace) -> int:
 
 
 def _train_tiny(args: argparse.Namespace) -> int:
+    _from_checkout("`tailspec train-tiny`")
     from .tasks.sft import main as sft_main
 
     return sft_main(args.rest) or 0
 
 
 def _train_deep(args: argparse.Namespace) -> int:
+    _from_checkout("`tailspec train-deep`")
     from .tasks.deep import main as deep_main
 
     return deep_main(args.rest) or 0
@@ -209,13 +228,16 @@ def _load_policy(spec: str, tokenizer_path: str | None):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from .packed_weights import weights_location
-    from .tasks.sft import SHIPPED_POLICIES, load_shipped
 
     tokenizer = _model_location(tokenizer_path, "--tokenizer") if tokenizer_path else None
-    if spec in SHIPPED_POLICIES:
-        model, shipped_tokenizer = load_shipped(spec, "policy")
-        return model, AutoTokenizer.from_pretrained(tokenizer) if tokenizer else shipped_tokenizer
-    policy = _model_location(spec, f"--policy (a shipped policy {', '.join(SHIPPED_POLICIES)} or a model directory)")
+    if not Path(spec).expanduser().exists() and not _HUB_REPO_ID.match(spec):  # a shipped policy's name
+        _from_checkout(f"--policy {spec}")
+        from .tasks.sft import SHIPPED_POLICIES, load_shipped
+
+        if spec in SHIPPED_POLICIES:
+            model, shipped_tokenizer = load_shipped(spec, "policy")
+            return model, AutoTokenizer.from_pretrained(tokenizer) if tokenizer else shipped_tokenizer
+    policy = _model_location(spec, "--policy (a shipped policy tiny, deep or a model directory)")
     model = AutoModelForCausalLM.from_pretrained(weights_location(policy), dtype="auto").eval()
     return model, AutoTokenizer.from_pretrained(tokenizer or policy)
 
@@ -226,6 +248,7 @@ def _load_prompts(spec: str, tokenizer, num: int, seed: int) -> list[list[int]]:
     import json
 
     if spec == "chain-sum":
+        _from_checkout("--prompts chain-sum")
         from .tasks.chain_sum import ChainSumConfig, make_grpo_dataset
 
         rows = [r["prompt"] for r in make_grpo_dataset(num, seed=seed, cfg=ChainSumConfig())]
@@ -419,6 +442,8 @@ def build_parser() -> argparse.ArgumentParser:
 def _pack_assets(args: argparse.Namespace) -> int:
     from .packed_weights import pack_shipped
 
+    if not args.assets:
+        _from_checkout("`tailspec pack-assets` without --assets")
     root = Path(args.assets) if args.assets else Path(__file__).resolve().parent / "assets"
     packed = pack_shipped(root)
     for path in packed:

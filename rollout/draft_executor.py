@@ -416,6 +416,7 @@ class ProcessExecutor(_HostExecutor):
         try:
             status, payload = self._conn.recv()
         except (EOFError, OSError) as e:
+            self._process.join(timeout=5)  # its pipe closes a moment before its exit is reaped
             raise ExecutorError(f"the draft process died (exit code {self._process.exitcode})") from e
         if status == "error":
             raise ExecutorError(f"the draft process failed:\n{payload}")

@@ -2,8 +2,9 @@
 modules of its own unit or of a lower floor, lazy imports inside functions included, so no arrow
 runs back up and no circle can form between units."""
 
-import ast
 from pathlib import Path
+
+from package_imports import imported_units
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -36,21 +37,7 @@ def _modules():
 
 
 def _imported_units(rel: Path) -> set[str]:
-    """The units (top-level modules or packages of tailspec) that ``rel`` imports."""
-    package = ["tailspec", *rel.parent.parts]
-    targets = []
-    for node in ast.walk(ast.parse((ROOT / rel).read_text())):
-        if isinstance(node, ast.ImportFrom) and node.level:
-            base = package[: len(package) - node.level + 1]
-            if node.module:
-                targets.append([*base, *node.module.split(".")])
-            else:
-                targets += [[*base, alias.name] for alias in node.names]
-        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("tailspec."):
-            targets.append(node.module.split("."))
-        elif isinstance(node, ast.Import):
-            targets += [alias.name.split(".") for alias in node.names if alias.name.startswith("tailspec.")]
-    return {t[1] for t in targets if len(t) > 1}
+    return imported_units((ROOT / rel).read_text(), ["tailspec", *rel.parent.parts])
 
 
 def test_every_unit_sits_on_a_floor():

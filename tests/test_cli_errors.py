@@ -100,3 +100,29 @@ def test_the_installed_command_exits_2_without_a_traceback():
     )
     assert run.returncode == 2
     assert run.stderr.strip() == "tailspec: error: --config: no such file: /no/such.yaml"
+
+
+@pytest.mark.parametrize(
+    "argv,what",
+    [
+        (["demo", "--no-wandb"], "`tailspec demo`"),
+        (["bench", "--quick"], "`tailspec bench`"),
+        (["train-deep"], "`tailspec train-deep`"),
+        (["drafter", "warmup", "--policy", "deep", "--out", "{tmp}/head"], "--policy deep"),
+        (["drafter", "warmup", "--policy", "{tmp}", "--out", "{tmp}/head"], None),  # a user's model: no checkout
+    ],
+)
+def test_what_needs_the_checkout_says_so_where_the_wheel_is_installed(argv, what, tmp_path, monkeypatch, capsys):
+    """The wheel leaves the task, the shipped models and the benchmark harness in the checkout
+    (tests/test_wheel.py): installed from it, the commands that need them answer in one line."""
+    import importlib.util
+
+    find_spec = importlib.util.find_spec
+    left_out = ("tailspec.tasks", "tailspec.benchmarks")
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name in left_out else find_spec(name, *a))
+    assert main([a.replace("{tmp}", str(tmp_path)) for a in argv]) == 2
+    err = capsys.readouterr().err.strip()
+    if what is None:
+        assert "runs from a checkout" not in err and err.startswith("tailspec: error:")  # its own error: no config.json
+    else:
+        assert err.startswith(f"tailspec: error: {what} runs from a checkout of the tailspec repository"), err

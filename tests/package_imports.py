@@ -1,0 +1,22 @@
+"""Which tailspec units a module imports (lazy imports inside functions included), read from its
+source: the architecture test and the wheel test check imports with it."""
+
+import ast
+
+
+def imported_units(source: str, package: list[str]) -> set[str]:
+    """The units (top-level modules or packages of tailspec, e.g. ``rollout``) that ``source``, a
+    module of the package ``package`` (``["tailspec", "rollout"]``), imports."""
+    targets = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ImportFrom) and node.level:
+            base = package[: len(package) - node.level + 1]
+            if node.module:
+                targets.append([*base, *node.module.split(".")])
+            else:
+                targets += [[*base, alias.name] for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("tailspec."):
+            targets.append(node.module.split("."))
+        elif isinstance(node, ast.Import):
+            targets += [alias.name.split(".") for alias in node.names if alias.name.startswith("tailspec.")]
+    return {t[1] for t in targets if len(t) > 1}
