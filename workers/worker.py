@@ -27,7 +27,7 @@ from ..drafter.eagle3.data import Eagle3Sample
 from ..drafter.eagle3.train import DrafterTrainer, DrafterTrainingConfig, held_out_acceptance
 from ..rollout.engine import RolloutEngine
 from ..rollout.handoff import InboxItem, PartialRequest, RequestInbox
-from ..rollout.params import RolloutConfig, SamplingParams
+from ..rollout.params import RolloutConfig
 from ..rollout.request import RequestOutput
 
 logger = logging.getLogger(__name__)
@@ -106,21 +106,6 @@ class ShardEnd:
     requests: int
     samples: list[Eagle3Sample]  # EAGLE-3 training data recorded while generating
     stats: dict[str, float]  # engine counters for this call (deltas)
-    strategy_steps: dict[str, int]
-    seconds: float
-    policy_version: int
-    drafter_version: int | None
-
-
-@dataclass
-class GenerateResult:
-    """A whole shard at once (:meth:`RolloutWorker.generate`)."""
-
-    worker: int
-    indices: list[int]
-    outputs: list[RequestOutput]
-    samples: list[Eagle3Sample]
-    stats: dict[str, float]
     strategy_steps: dict[str, int]
     seconds: float
     policy_version: int
@@ -226,20 +211,6 @@ class RolloutWorker:
         return self.policy_version, (int(self.head.version) if self.head is not None else None)
 
     # -- rollout work ------------------------------------------------------------------------
-    def generate_stream(
-        self,
-        indices: list[int],
-        prompts: list[list[int]],
-        params: list[SamplingParams],
-        policy_state: dict[str, torch.Tensor] | None = None,
-        policy_version: int | None = None,
-        drafter_state: DrafterState | None = None,
-    ) -> Iterator[FinishedRequests | ShardEnd]:
-        """Generate a shard, streaming :class:`FinishedRequests` as requests finish, then one
-        :class:`ShardEnd`: a serving session that is handed all its work at once."""
-        items = [InboxItem(i, p, sp) for i, p, sp in zip(indices, prompts, params)]
-        yield from self.serve_stream(items, len(items), policy_state, policy_version, drafter_state)
-
     def serve_stream(
         self,
         items: list[InboxItem],
@@ -318,24 +289,6 @@ class RolloutWorker:
             seconds=seconds,
             policy_version=self.policy_version,
             drafter_version=int(self.head.version) if self.head is not None else None,
-        )
-
-    def generate(self, indices: list[int], prompts: list[list[int]], params: list[SamplingParams]) -> GenerateResult:
-        """A whole shard at once: :meth:`generate_stream` collected, outputs in ``indices`` order."""
-        by_index: dict[int, RequestOutput] = {}
-        for item in self.generate_stream(indices, prompts, params):
-            if isinstance(item, FinishedRequests):
-                by_index.update(zip(item.indices, item.outputs))
-            else:
-                end = item
-        fields = {k: getattr(end, k) for k in ("samples", "stats", "strategy_steps", "seconds")}
-        return GenerateResult(
-            self.index,
-            list(indices),
-            [by_index[i] for i in indices],
-            policy_version=end.policy_version,
-            drafter_version=end.drafter_version,
-            **fields,
         )
 
     def engine_state(self) -> dict:
