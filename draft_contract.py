@@ -21,7 +21,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import cache, cached_property
 from importlib import import_module
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
@@ -278,6 +278,39 @@ class Drafter(ABC):
 
     def finished(self, seq: SequenceView) -> None:  # noqa: B027 - optional hook
         """``seq`` finished normally (its completion may be remembered); ``release`` follows."""
+
+
+# -- optional capabilities: declared by the drafters that have them, checked with isinstance ---------
+
+
+@runtime_checkable
+class Versioned(Protocol):
+    """A drafter whose weights change during a run (trained online): ``version`` moves at every change."""
+
+    @property
+    def version(self) -> int: ...
+
+
+@runtime_checkable
+class Portable(Protocol):
+    """A drafter a copy of which can draft in another process (a Mirror-SD draft process, a peer's
+    draft host): a picklable builder of a fresh copy, the module whose weights that copy follows,
+    and the loading of those weights into a copy."""
+
+    def rebuild(self) -> Callable[[], Drafter]: ...
+
+    def shipped_weights(self) -> torch.nn.Module: ...
+
+    def load_weights(self, data: bytes) -> None: ...
+
+
+@runtime_checkable
+class Stateful(Protocol):
+    """A drafter with learned state worth a checkpoint (the suffix drafter's history)."""
+
+    def state_dict(self) -> dict: ...
+
+    def load_state_dict(self, state: dict) -> None: ...
 
 
 @dataclass

@@ -41,7 +41,7 @@ from typing import Any
 
 import torch
 
-from ..draft_contract import BranchView, Drafter, DraftRequest, DraftShape, DraftTree, SequenceView
+from ..draft_contract import BranchView, Drafter, DraftRequest, DraftShape, DraftTree, Portable, SequenceView
 
 logger = logging.getLogger(__name__)
 
@@ -350,7 +350,11 @@ class _HostExecutor(DraftExecutor):
 
     def __init__(self, source: Drafter | None) -> None:
         super().__init__(
-            _RemoteDrafter(self, getattr(source, "forks_branches", False), getattr(source, "feature_layers", None))
+            _RemoteDrafter(
+                self,
+                source.forks_branches if source is not None else False,
+                source.feature_layers if source is not None else None,
+            )
         )
         self._source = source  # the in-process drafter whose weight changes are sent on
         self._fingerprint = _fingerprint(source)
@@ -546,10 +550,9 @@ def weights_bytes(model: torch.nn.Module) -> bytes:
 
 
 def _shipped_weights(drafter: Drafter | None) -> torch.nn.Module | None:
-    """The module whose weights a copy of ``drafter`` elsewhere follows: its ``shipped_weights()``
-    (an EAGLE-3 head with the target's embeddings) or its ``model`` (a drafter LM)."""
-    shipped = getattr(drafter, "shipped_weights", None)
-    return shipped() if shipped is not None else getattr(drafter, "model", None)
+    """The module whose weights a copy of ``drafter`` elsewhere follows (an EAGLE-3 head with the
+    target's embeddings, a drafter LM); None for a drafter no copy of which runs elsewhere."""
+    return drafter.shipped_weights() if isinstance(drafter, Portable) else None
 
 
 def _fingerprint(drafter: Drafter | None) -> int | None:

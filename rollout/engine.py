@@ -15,7 +15,7 @@ from contextlib import contextmanager, nullcontext
 
 import torch
 
-from ..draft_contract import Drafter, DraftTree, drafter_factory
+from ..draft_contract import Drafter, DraftTree, Portable, Stateful, Versioned, drafter_factory
 from ..kernels.dispatch import kernel_backend
 from ..progress import progress_bar
 from .admission import RequestLimits, eos_ids_of, prepare_requests
@@ -145,11 +145,12 @@ class RolloutEngine:
             from .model_runner import model_device_dtype
 
             cfg = self._mirror_config
-            draft_device = getattr(getattr(self.drafter, "model", None), "device", None)
+            portable = isinstance(self.drafter, Portable)
+            draft_device = next(self.drafter.shipped_weights().parameters()).device if portable else None
             executor = make_executor(
                 cfg.executor,
                 self.drafter,
-                getattr(self.drafter, "rebuild", None),
+                self.drafter.rebuild if portable else None,
                 model_device_dtype(self.model)[0],
                 draft_device,
                 cfg.draft_threads,
@@ -166,7 +167,7 @@ class RolloutEngine:
         s = self.strategy
         arms = self.selector.arms if s.adaptive and self.selector is not None else []
         mirrored = s.mirror or any(a.mirror for a in arms)
-        return mirrored and getattr(self.drafter, "rebuild", None) is not None and not self.feature_layers
+        return mirrored and isinstance(self.drafter, Portable) and not self.feature_layers
 
     def use_draft_executor(self, executor: DraftExecutor | None) -> None:
         """Mirror steps draft on ``executor`` (a :class:`PeerExecutor`: another worker's draft host)
@@ -209,13 +210,13 @@ class RolloutEngine:
         are saved by their owners."""
         return {
             "selector": self.selector.state_dict() if self.selector is not None else None,
-            "suffix": self.suffix_drafter.state_dict() if hasattr(self.suffix_drafter, "state_dict") else None,
+            "suffix": self.suffix_drafter.state_dict() if isinstance(self.suffix_drafter, Stateful) else None,
         }
 
     def load_state_dict(self, state: dict) -> None:
         if state.get("selector") is not None:
             self._ensure_selector().load_state_dict(state["selector"])
-        if state.get("suffix") is not None and hasattr(self.suffix_drafter, "load_state_dict"):
+        if state.get("suffix") is not None and isinstance(self.suffix_drafter, Stateful):
             self.suffix_drafter.load_state_dict(state["suffix"])
 
     def _drafter_for(self, strategy: Strategy) -> Drafter:
@@ -519,7 +520,7 @@ class RolloutEngine:
         strategy, probe, reprobe = self.strategy, None, False
         if strategy.adaptive:
             if self.drafter is not None:
-                self.selector.on_drafter_version(int(getattr(self.drafter, "version", 0)))
+                self.selector.on_drafter_version(self.drafter.version if isinstance(self.drafter, Versioned) else 0)
             choice = self.selector.plan(n)
             strategy, probe, reprobe = choice.strategy, choice.drafting, choice.reprobe
         # the model drafter's first step after several without it catches up on their tokens

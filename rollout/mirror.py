@@ -255,7 +255,7 @@ class MirrorPipeline:
         early_exit = self._exits.get(k)
         if early_exit is None:
             early_exit = self._exits[k] = EarlyExit(self._target, self.exit_layer, k)
-        fork = getattr(self.drafter, "forks_branches", False)
+        fork = self.drafter.forks_branches
 
         def launch(topk: list[list[int]]) -> None:
             self.stats.early_exits += 1
@@ -309,7 +309,7 @@ class MirrorPipeline:
             except ExecutorError as e:
                 self.fail(e)
         self.stats.wait_s += time.perf_counter() - start
-        forks = getattr(self.drafter, "forks_branches", False)
+        forks = self.drafter.forks_branches
         held: dict[int, tuple[int, list[int], DraftTree]] = {}
         for branch, tree in zip(self._branches, drafted):
             i, seq = branch.index, seqs[branch.index]

@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from ..draft_contract import Portable
 from ..drafter.eagle3 import Eagle3Drafter, Eagle3Head, FeatureBuffer
 from ..drafter.eagle3.data import Eagle3Sample
 from ..drafter.eagle3.train import DrafterTrainer, DrafterTrainingConfig, held_out_acceptance
@@ -472,10 +473,9 @@ class RolloutWorker:
 
         with self._lock:
             if self._draft_host is None or self._draft_host[0] < pairing:
-                rebuild = getattr(self.engine.drafter, "rebuild", None)
-                if rebuild is None:
+                if not isinstance(self.engine.drafter, Portable):
                     raise ExecutorError(f"worker {self.index} has no drafter that can draft for another")
-                self._draft_host = (pairing, SequencedHost(rebuild()))
+                self._draft_host = (pairing, SequencedHost(self.engine.drafter.rebuild()))
                 self._events.append(WorkerEvent(len(self._events), "hosting", {"pairing": pairing}))
             held, host = self._draft_host
             self._hosted_commands += 1

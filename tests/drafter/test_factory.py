@@ -43,3 +43,16 @@ def test_a_self_speculative_drafter_needs_fewer_layers_than_the_policy(policy):
     shallow = tiny_random_model("qwen2", seed=1, num_layers=2)
     assert "must be an int in [1, 1] for this 2-layer model, got 2" in fit_problems("self:2", shallow)[0]
     assert fit_problems(None, policy) == []
+
+
+def test_drafters_declare_their_optional_capabilities(policy):
+    """Callers check capabilities by type (``draft_contract``'s protocols), not by probing names."""
+    from tailspec.draft_contract import Portable, Stateful, Versioned
+    from tailspec.drafter.factory import build_drafters
+
+    lm = tiny_random_model("llama", seed=2, num_layers=1)
+    for user_drafter in (lm, Eagle3Head(Eagle3Config.for_target(policy.config)), "self:2"):
+        drafters = build_drafters(user_drafter, policy, RolloutConfig(), policy.config.vocab_size)
+        assert isinstance(drafters.model, Portable) and isinstance(drafters.model, Versioned)
+        assert isinstance(drafters.suffix, Stateful) and not isinstance(drafters.suffix, Portable)
+        assert not isinstance(drafters.hybrid, (Portable, Versioned))
