@@ -707,23 +707,27 @@ class SpecRollout:
             stats.strategy,
             stats.mean_accept_length,
         )
+        self._log_metrics(stats, trainer)
+
+    def _log_metrics(self, stats: RolloutStats, trainer: Any) -> None:
+        """One rollout's numbers into the trainer's metrics (TRL logs them, to wandb too)."""
         metrics = getattr(trainer, "_metrics", None)
-        if self.config.log_metrics and metrics is not None:
-            mode = "train" if getattr(trainer.model, "training", True) else "eval"
-            metrics[mode]["rollout/time_s"].append(stats.time_s)
-            metrics[mode]["rollout/tokens_per_s"].append(stats.tokens_per_s)
-            metrics[mode]["rollout/tail_s"].append(stats.tail_time_s)
-            steps = sum(stats.strategy_steps.values())
-            if steps:
-                spec = sum(v for k, v in stats.strategy_steps.items() if k != "none")
-                metrics[mode]["rollout/speculative_step_fraction"].append(spec / steps)
-                # the strategy mix: every strategy seen so far gets a value each call (0 when unused)
-                self._strategies_seen.update(stats.strategy_steps)
-                for name in sorted(self._strategies_seen):
-                    share = stats.strategy_steps.get(name, 0) / steps
-                    metrics[mode][f"rollout/strategy_fraction/{name}"].append(share)
-            if stats.drafter_health is not None:
-                metrics[mode]["rollout/drafter_health"].append(stats.drafter_health)
-            if stats.drafted_tokens:
-                metrics[mode]["rollout/accept_length"].append(stats.mean_accept_length)
-                metrics[mode]["rollout/acceptance_rate"].append(stats.acceptance_rate)
+        if not self.config.log_metrics or metrics is None:
+            return
+        logged = metrics["train" if getattr(trainer.model, "training", True) else "eval"]
+        logged["rollout/time_s"].append(stats.time_s)
+        logged["rollout/tokens_per_s"].append(stats.tokens_per_s)
+        logged["rollout/tail_s"].append(stats.tail_time_s)
+        steps = sum(stats.strategy_steps.values())
+        if steps:
+            spec = sum(v for k, v in stats.strategy_steps.items() if k != "none")
+            logged["rollout/speculative_step_fraction"].append(spec / steps)
+            # the strategy mix: every strategy seen so far gets a value each call (0 when unused)
+            self._strategies_seen.update(stats.strategy_steps)
+            for name in sorted(self._strategies_seen):
+                logged[f"rollout/strategy_fraction/{name}"].append(stats.strategy_steps.get(name, 0) / steps)
+        if stats.drafter_health is not None:
+            logged["rollout/drafter_health"].append(stats.drafter_health)
+        if stats.drafted_tokens:
+            logged["rollout/accept_length"].append(stats.mean_accept_length)
+            logged["rollout/acceptance_rate"].append(stats.acceptance_rate)
