@@ -312,8 +312,8 @@ class PairedRollout:
     main one's run, and the main one's drafter training through the update gap is stopped before
     the twin starts). With position-keyed sampling the two must emit the same completions, which
     is checked at every step: the lossless claim, per RL step. The trainer trains on the main
-    rollout's outputs and sees nothing of the twin (it logs no metrics); everything else
-    (``history``, ``drafter``, state) is the main rollout's."""
+    rollout's outputs and sees nothing of the twin (it logs no metrics); what the trainer asks of a
+    rollout besides (sync, close, state, a drafter trained beside it) goes to the main one."""
 
     def __init__(self, main: Any, twin: Any) -> None:
         self.main, self.twin = main, twin
@@ -351,8 +351,9 @@ class PairedRollout:
     def publish_drafter(self, head: Any) -> bool:
         return self.main.publish_drafter(head)
 
-    def __getattr__(self, name: str) -> Any:  # the main rollout's attributes (history, drafter, ...)
-        return getattr(self.main, name)
+    @property
+    def drafter_lr_scale(self) -> float:  # read by DrafterFromTrainer
+        return self.main.drafter_lr_scale
 
 
 def _plain_twin(cfg: DemoConfig) -> Any:
@@ -373,7 +374,8 @@ def _grpo_run(
     callbacks: list | None = None,
     catch_up: dict | None = None,
 ):
-    """One GRPO run: (printed rows per step, the SpecRollout, wall seconds, wandb run name);
+    """One GRPO run: (printed rows per step, the SpecRollout, its PairedRollout with the plain twin
+    when ``cfg.baseline`` (else None), wall seconds, wandb run name);
     ``callbacks`` join the trainer's (benchmarks measure through them); ``catch_up``: a catch-up
     rule's state to continue from (``SpecRollout.catch_up.state_dict()`` of an earlier run)."""
     from transformers.trainer_callback import ProgressCallback
@@ -408,15 +410,14 @@ def _grpo_run(
     printer = _step_printer()
     rollout = _make_rollout(cfg, head)
     rollout.catch_up.load_state_dict(catch_up)
-    if cfg.baseline:
-        rollout = PairedRollout(rollout, _plain_twin(cfg))
+    paired = PairedRollout(rollout, _plain_twin(cfg)) if cfg.baseline else None
     trainer = GRPOTrainer(
         model=model,
         reward_funcs=chain_sum_reward,
         args=args,
         train_dataset=dataset,
         processing_class=tokenizer,
-        rollout=rollout,
+        rollout=paired or rollout,
         callbacks=[printer],
         importance_sampling=cfg.importance_sampling,
     )
@@ -436,12 +437,12 @@ def _grpo_run(
         exit_code = 130
         raise
     finally:
-        rollout.close(wait=exit_code == 0)
+        (paired or rollout).close(wait=exit_code == 0)
         if cfg.wandb:
             import wandb
 
             wandb.finish(exit_code=exit_code)
-    return printer.rows, rollout, time.perf_counter() - start, run_name
+    return printer.rows, rollout, paired, time.perf_counter() - start, run_name
 
 
 def _attach_drafter_from_trainer(cfg: DemoConfig, trainer, rollout) -> None:
@@ -517,7 +518,7 @@ def strategy_mix(steps: dict[str, int], top: int = 3) -> str:
     return shown + (" ..." if len(ranked) > top else "")
 
 
-def _print_comparison(rows: list[dict[str, Any]], rollout: PairedRollout, strategy: str) -> list[float]:
+def _print_comparison(rows: list[dict[str, Any]], paired: PairedRollout, strategy: str) -> list[float]:
     """Per step, the main rollout against its plain-decoding twin of the same step: times,
     throughput, their ratio, whether the completions were the same, the accept length and the
     strategy mix; returns the per-step throughput ratios (tokens/s, which is a ratio of times when
@@ -528,11 +529,11 @@ def _print_comparison(rows: list[dict[str, Any]], rollout: PairedRollout, strate
         f"{'ratio':>6}  {'same':>4}  {'accept':>6}  strategies"
     )
     ratios = []
-    for i, (r, main, twin) in enumerate(zip(rows, rollout.main.history, rollout.twin.history)):
+    for i, (r, main, twin) in enumerate(zip(rows, paired.main.history, paired.twin.history)):
         ratio = main.tokens_per_s / twin.tokens_per_s if twin.tokens_per_s else float("nan")
         ratios.append(ratio)
         accept = f"{r['accept_len']:>6.2f}" if r["accept_len"] is not None else f"{'-':>6}"
-        same = "yes" if rollout.same_completions[i] else "no"
+        same = "yes" if paired.same_completions[i] else "no"
         print(
             f"{r['step']:>4}  {r['reward']:>7.3f}  {main.time_s:>9.2f} {twin.time_s:>7.2f}  "
             f"{main.tokens_per_s:>6.0f} {twin.tokens_per_s:>6.0f}  {ratio:>5.2f}x  {same:>4}  {accept}  "
@@ -554,14 +555,14 @@ def run_demo_with_rollout(
     uses_head = parse_strategy(cfg.strategy).wants_model_drafter and cfg.drafter == "eagle3"
     if head is None and uses_head and cfg.warmup_steps:
         head = _warm_up(cfg)
-    rows, rollout, wall, run_name = _grpo_run(cfg, out, head, callbacks=callbacks, catch_up=catch_up)
+    rows, rollout, paired, wall, run_name = _grpo_run(cfg, out, head, callbacks=callbacks, catch_up=catch_up)
     summary = _summarize(cfg, rows, rollout, wall)
     wandb_runs = [run_name]
-    if cfg.baseline:
-        ratios = [r for r in _print_comparison(rows, rollout, cfg.strategy) if r == r]
+    if paired is not None:
+        ratios = [r for r in _print_comparison(rows, paired, cfg.strategy) if r == r]
         if ratios:
             summary["rollout_ratio_median_per_step"] = statistics.median(ratios)
-        twin = rollout.twin.history
+        twin = paired.twin.history
         base_time, base_tokens = sum(s.time_s for s in twin), sum(s.completion_tokens for s in twin)
         summary["baseline_rollout_time_s"] = base_time
         summary["baseline_rollout_tokens_per_s"] = base_tokens / base_time if base_time else 0.0
@@ -572,7 +573,7 @@ def run_demo_with_rollout(
         summary["run_wall_s_speculative"] = wall - base_time
         summary["run_wall_s_plain"] = wall - summary["rollout_time_s"]
         summary["run_speedup"] = summary["run_wall_s_plain"] / summary["run_wall_s_speculative"]
-        summary["same_completions_steps"] = f"{sum(rollout.same_completions)} of {len(rollout.same_completions)}"
+        summary["same_completions_steps"] = f"{sum(paired.same_completions)} of {len(paired.same_completions)}"
     if cfg.export and uses_head:
         from .drafter.eagle3.checkpoint import export_checkpoint
 
@@ -582,7 +583,7 @@ def run_demo_with_rollout(
     k = _window(len(rows))
     first, last = summary[f"reward_first_{k}"], summary[f"reward_last_{k}"]
     rise = f"reward, mean of the first vs last {k} steps: {first:.3f} -> {last:.3f}"
-    if cfg.baseline:
+    if paired is not None:
         rise += (
             f" (plain decoding emitted the same completions at {summary['same_completions_steps']} steps: "
             "what is learned is what plain decoding would teach)"

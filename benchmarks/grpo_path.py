@@ -232,11 +232,11 @@ def run_grpo_path_section(out: Path, quick: bool = False, policy: str = "deep") 
     from .report import replace_section
 
     cfg = GRPOPathConfig(policy=policy, steps=2 if quick else 6, workers=(0,) if quick else (0, 2))
-    with torch_threads(1):
-        runs = measure_grpo_path(cfg)
     plot_name = f"bench_grpo_path_{policy}.png"
-    plot_grpo_path(runs, out.parent / plot_name)
     command = f"tailspec bench --section grpo_path --policy {policy}" + (" --quick" if quick else "")
     title = GRPO_PATH_TITLE + ("" if policy == "deep" else f": {policy} policy")
-    replace_section(out, title, grpo_path_section(runs, cfg, plot_name), command)
+    with torch_threads(1):  # the section's machine line then names the threads it was measured with
+        runs = measure_grpo_path(cfg)
+        plot_grpo_path(runs, out.parent / plot_name)
+        replace_section(out, title, grpo_path_section(runs, cfg, plot_name), command)
     return grpo_path_table(runs)

@@ -120,10 +120,10 @@ def run_user_path_section(out: Path, quick: bool = False) -> str:
     from .report import replace_section
 
     cfg = UserPathConfig(steps=2 if quick else 4)
-    with torch_threads(1):
-        runs, warmup_s, rounds = measure_user_path(cfg)
     plot = "bench_user_path.png"
-    plot_grpo_path(runs, out.parent / plot)
     command = "tailspec bench --section user_path" + (" --quick" if quick else "")
-    replace_section(out, USER_PATH_TITLE, user_path_section(runs, cfg, warmup_s, rounds, plot), command)
+    with torch_threads(1):  # the section's machine line then names the threads it was measured with
+        runs, warmup_s, rounds = measure_user_path(cfg)
+        plot_grpo_path(runs, out.parent / plot)
+        replace_section(out, USER_PATH_TITLE, user_path_section(runs, cfg, warmup_s, rounds, plot), command)
     return grpo_path_table(runs)

@@ -91,6 +91,7 @@ class RolloutEngine:
         self._in_inference = False
         drafters = drafter_factory()(drafter, model, self.config, self.vocab_size, tokenizer)
         self.drafter, self.suffix_drafter, self.hybrid_drafter = drafters.model, drafters.suffix, drafters.hybrid
+        self._versioned = isinstance(self.drafter, Versioned)  # its version is read every adaptive step
         if self.config.prefix_caching and self.drafter is not None:
             raise ValueError(
                 "prefix_caching does not work with a model drafter yet (the drafter would miss the cached "
@@ -520,7 +521,7 @@ class RolloutEngine:
         strategy, probe, reprobe = self.strategy, None, False
         if strategy.adaptive:
             if self.drafter is not None:
-                self.selector.on_drafter_version(self.drafter.version if isinstance(self.drafter, Versioned) else 0)
+                self.selector.on_drafter_version(self.drafter.version if self._versioned else 0)
             choice = self.selector.plan(n)
             strategy, probe, reprobe = choice.strategy, choice.drafting, choice.reprobe
         # the model drafter's first step after several without it catches up on their tokens
