@@ -17,7 +17,9 @@ _EXPORTS = {
     "SamplingParams": "tailspec.rollout.params",
     "RequestOutput": "tailspec.rollout.request",
     "SpecRollout": "tailspec.trainer_hooks.spec_rollout",
-    "SpecRolloutConfig": "tailspec.trainer_hooks.spec_rollout",
+    "SpecRolloutConfig": "tailspec.trainer_hooks.config",
+    "OnlineTrainingConfig": "tailspec.trainer_hooks.config",
+    "WorkersConfig": "tailspec.workers.config",
     "GRPOTrainer": "tailspec.trainer_hooks.grpo_trainer",
     "DrafterFromTrainer": "tailspec.trainer_hooks.drafter_from_trainer",
 }

@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import logging
 import os
 import re
@@ -94,29 +93,27 @@ NON_NEGATIVE = _int_at_least(0)
 
 def _demo(args: argparse.Namespace) -> int:
     _from_checkout("`tailspec demo`")
+    from .config_tree import parse_assignments
     from .demo import DemoConfig, run_demo
     from .trainer_hooks.deepspeed import configs_dir
 
     config = _existing_file(args.config, "--config") if args.config else configs_dir() / "demo_cpu.yaml"
     cfg = DemoConfig.from_yaml(config)
-    overrides: dict[str, object] = {}
-    if args.steps is not None:
-        overrides["max_steps"] = args.steps
-    if args.strategy is not None:
-        overrides["strategy"] = args.strategy
-    if args.seed is not None:
-        overrides["seed"] = args.seed
-    if args.no_wandb:
-        overrides["wandb"] = False
-    if args.workers is not None:
-        overrides["workers"] = args.workers
-    if args.ray_address is not None:
-        overrides["ray_address"] = args.ray_address
-    if args.deepspeed is not None:
-        overrides["deepspeed"] = args.deepspeed
-    if args.no_baseline:
-        overrides["baseline"] = False
-    run_demo(dataclasses.replace(cfg, **overrides))  # replace() re-runs validation
+    overrides = parse_assignments(args.set or [])
+    flags = {
+        "max_steps": args.steps,
+        "strategy": args.strategy,
+        "seed": args.seed,
+        "wandb": False if args.no_wandb else None,
+        "rollout.workers.num_workers": args.workers,
+        "rollout.workers.address": args.ray_address,
+        "deepspeed": args.deepspeed,
+        "baseline": False if args.no_baseline else None,
+    }
+    overrides |= {key: value for key, value in flags.items() if value is not None}
+    if args.workers:  # with workers the head trains on idle workers, not in this process
+        overrides.setdefault("rollout.training.drafter_train_steps", 0)
+    run_demo(cfg.with_overrides(**overrides))
     return 0
 
 
@@ -325,10 +322,21 @@ def build_parser() -> argparse.ArgumentParser:
     )
     demo.add_argument("--seed", type=int, help="seed of the GRPO runs (trainer and rollout sampling)")
     demo.add_argument("--no-wandb", action="store_true", help="do not log to wandb (offline by default)")
-    demo.add_argument("--workers", type=NON_NEGATIVE, help="Ray rollout workers (0: the in-process engine)")
+    demo.add_argument(
+        "--workers",
+        type=NON_NEGATIVE,
+        help="Ray rollout workers (0: the in-process engine; with workers the EAGLE-3 head trains on idle ones)",
+    )
     demo.add_argument("--ray-address", help="Ray cluster to join (default: RAY_ADDRESS, else a local Ray)")
     demo.add_argument("--deepspeed", help="train under DeepSpeed: zero2 | zero3 | a DeepSpeed JSON path")
     demo.add_argument("--no-baseline", action="store_true", help="skip the no-speculation comparison run")
+    demo.add_argument(
+        "--set",
+        action="append",
+        metavar="KEY=VALUE",
+        help="set any config field by its dotted path, e.g. rollout.engine.length_budget=0.5 or "
+        "rollout.workers.schedule=static (or by a name only one field has: length_budget=0.5); repeatable",
+    )
     demo.set_defaults(func=_demo)
 
     bench = sub.add_parser("bench", help="benchmarks side by side; writes docs/BENCHMARKS.md")

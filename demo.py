@@ -12,19 +12,35 @@ import statistics
 import sys
 import time
 import warnings
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import yaml
 
+from .config_tree import ConfigError, apply_overrides, coerce_subtrees, field_paths, require
 from .progress import is_terminal, quiet_library_bars
 from .rollout.strategy import parse_strategy
+from .trainer_hooks.config import RENAMED, SpecRolloutConfig
 
 if TYPE_CHECKING:
     from .drafter.eagle3.train import DrafterTrainingConfig
 
 logger = logging.getLogger(__name__)
+
+
+def demo_rollout() -> SpecRolloutConfig:
+    """The demo's rollout unless its config says otherwise: adaptive speculation in-process, the
+    EAGLE-3 head trained online after every rollout; on workers, at most 64 spot steps per rollout."""
+    return SpecRolloutConfig().with_overrides(strategy="adaptive", drafter_train_steps=8, max_spot_steps=64)
+
+
+# what names a rollout field without its dotted path: its own name, or a spelling SpecRollout still takes
+ROLLOUT_NAMES = frozenset(field_paths(SpecRolloutConfig)) | {"workers_config", *RENAMED}
+
+
+def _int_at_least(value: Any, low: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= low
 
 
 @dataclass
@@ -39,9 +55,6 @@ class DemoConfig:
     max_completion_length: int = 384
     learning_rate: float = 2e-5
     temperature: float = 1.0
-    # position-keyed sampling (SpecRolloutConfig.position_noise): completions that do not depend on the
-    # strategy or drafter, so runs that differ only in those follow one policy trajectory
-    position_noise: bool = False
     # TRL's importance-sampling correction with the rollout's logprobs (tailspec.GRPOTrainer); off, the
     # loss reads no rollout logprob, whose last bits depend on how the verification forward was packed
     importance_sampling: bool = True
@@ -54,21 +67,9 @@ class DemoConfig:
     output_dir: str = "outputs/demo"
     wandb: bool = True
     wandb_project: str = "tailspec-demo"
-    strategy: str = (
-        "adaptive"  # adaptive | none | chain:K | tree:D,K,B | suffix[:...] | hybrid; model arms use `drafter`
-    )
     # eagle3: the shipped EAGLE-3 head, trained online | small_lm: the shipped drafter LM |
     # self:L: the policy's own first L layers (self-speculative: moves with the policy, never trained)
     drafter: str = "eagle3"
-    drafter_train_steps: int = 8  # in-process EAGLE-3 training steps after every rollout (workers = 0)
-    # Ray rollout workers: 0 = the in-process engine; N = N engines in Ray actors (a local Ray unless
-    # ray_address / RAY_ADDRESS names a cluster), the EAGLE-3 head trained on workers idle in the tail
-    workers: int = 0
-    ray_address: str | None = None
-    spot_training: bool = True
-    max_spot_steps: int = 64  # drafter steps per rollout on idle workers
-    spot_ship_min_gain: float = 0.0  # a trained head ships when it beats the drafting one by more (inf: never)
-    schedule: str = "divided"  # divided: workers pull chunks of a global queue | static: one shard per worker
     # DrafterFromTrainer: EAGLE-3 steps on the trainer's own loss forwards after every optimizer step (0 = off)
     drafter_from_trainer: int = 0
     # the rest of the story around the GRPO run
@@ -77,67 +78,116 @@ class DemoConfig:
     baseline: bool = False  # a plain-decoding twin rolls out every step's prompts too: same-step ratios (PairedRollout)
     export: str | None = None  # export the trained head for "sglang" or "vllm" into output_dir
     deepspeed: str | None = None  # "zero2" | "zero3" | a DeepSpeed JSON path (needs tailspec[deepspeed])
+    # the rollout, passed to SpecRollout as it is (tailspec.SpecRolloutConfig): the strategy
+    # (engine.strategy; model arms draft with `drafter`), Ray workers (workers.num_workers: 0 = the
+    # in-process engine; N = N engines in Ray actors, the EAGLE-3 head trained on workers idle in the
+    # tail), in-process online training of the EAGLE-3 head (training.drafter_train_steps, workers 0),
+    # position-keyed sampling (position_noise: completions that do not depend on the strategy or
+    # drafter, so runs that differ only in those follow one policy trajectory)
+    rollout: SpecRolloutConfig = field(default_factory=demo_rollout)
 
     def __post_init__(self) -> None:
         from .tasks.sft import SHIPPED_POLICIES
 
-        if self.policy not in SHIPPED_POLICIES:
-            raise ValueError(f"policy must be one of {list(SHIPPED_POLICIES)}, got {self.policy!r}")
-        if self.policy_dir is not None and not (Path(self.policy_dir) / "config.json").is_file():
-            raise ValueError(f"policy_dir must be a model directory with a config.json, got {self.policy_dir!r}")
-        if self.max_steps < 1:
-            raise ValueError(f"max_steps must be an int >= 1, got {self.max_steps}")
-        if self.num_generations < 2:
-            raise ValueError(f"num_generations must be an int >= 2 (GRPO needs a group), got {self.num_generations}")
-        if self.prompts_per_step < 1:
-            raise ValueError(f"prompts_per_step must be an int >= 1, got {self.prompts_per_step}")
-        if self.problems is not None:
-            from .tasks.chain_sum import ChainSumProblem
-
-            if not (isinstance(self.problems, list) and self.problems):
-                raise ValueError(f"problems must be null or a non-empty list of questions, got {self.problems!r}")
-            for question in self.problems:
-                try:
-                    ChainSumProblem.from_question(question)
-                except ValueError as e:
-                    raise ValueError(f"problems: {e}") from None
-            if self.prompts_per_step != len(self.problems):
-                raise ValueError(
-                    f"prompts_per_step must equal the number of problems ({len(self.problems)}) when problems "
-                    f"is set, got {self.prompts_per_step}"
-                )
-        parse_strategy(self.strategy)  # raises ValueError naming the field
-        if self.drafter not in ("eagle3", "small_lm") and not _is_self_drafter(self.drafter):
-            raise ValueError(f"drafter must be 'eagle3', 'small_lm' or 'self:L', got {self.drafter!r}")
-        if not (isinstance(self.drafter_train_steps, int) and self.drafter_train_steps >= 0):
-            raise ValueError(f"drafter_train_steps must be an int >= 0, got {self.drafter_train_steps!r}")
-        if not (isinstance(self.workers, int) and self.workers >= 0):
-            raise ValueError(f"workers must be an int >= 0, got {self.workers!r}")
-        if not (isinstance(self.drafter_from_trainer, int) and self.drafter_from_trainer >= 0):
-            raise ValueError(f"drafter_from_trainer must be an int >= 0, got {self.drafter_from_trainer!r}")
-        if self.schedule not in ("divided", "static"):
-            raise ValueError(f"schedule must be 'divided' or 'static', got {self.schedule!r}")
-        if not (isinstance(self.max_spot_steps, int) and self.max_spot_steps >= 0):
-            raise ValueError(f"max_spot_steps must be an int >= 0, got {self.max_spot_steps!r}")
-        if not (isinstance(self.warmup_steps, int) and self.warmup_steps >= 0):
-            raise ValueError(f"warmup_steps must be an int >= 0, got {self.warmup_steps!r}")
-        if not (isinstance(self.warmup_prompts, int) and self.warmup_prompts >= 1):
-            raise ValueError(f"warmup_prompts must be an int >= 1, got {self.warmup_prompts!r}")
-        if self.export not in (None, "sglang", "vllm"):
-            raise ValueError(f"export must be null, 'sglang' or 'vllm', got {self.export!r}")
+        coerce_subtrees(self)
+        require(self.policy in SHIPPED_POLICIES, "policy", f"one of {list(SHIPPED_POLICIES)}", self.policy)
+        require(
+            self.policy_dir is None or (Path(self.policy_dir) / "config.json").is_file(),
+            "policy_dir",
+            "None or a model directory with a config.json",
+            self.policy_dir,
+        )
+        for name, low in (("max_steps", 1), ("num_generations", 2), ("prompts_per_step", 1), ("warmup_prompts", 1)):
+            require(_int_at_least(getattr(self, name), low), name, f"an int >= {low}", getattr(self, name))
+        for name in ("drafter_from_trainer", "warmup_steps"):
+            require(_int_at_least(getattr(self, name), 0), name, "an int >= 0", getattr(self, name))
+        self._check_problems()
+        self._check_drafter()
+        require(self.export in (None, "sglang", "vllm"), "export", "null, 'sglang' or 'vllm'", self.export)
         if self.deepspeed is not None:
             from .trainer_hooks.deepspeed import deepspeed_config
 
             deepspeed_config(self.deepspeed)  # raises ValueError naming the field
 
+    def _check_problems(self) -> None:
+        if self.problems is None:
+            return
+        from .tasks.chain_sum import ChainSumProblem
+
+        require(
+            isinstance(self.problems, list) and bool(self.problems),
+            "problems",
+            "null or a non-empty list of questions",
+            self.problems,
+        )
+        for question in self.problems:
+            try:
+                ChainSumProblem.from_question(question)
+            except ValueError as e:
+                raise ConfigError("problems", f"holds {question!r}: {e}") from None
+        require(
+            self.prompts_per_step == len(self.problems),
+            "prompts_per_step",
+            f"the number of problems ({len(self.problems)}) when problems is set",
+            self.prompts_per_step,
+        )
+
+    def _check_drafter(self) -> None:
+        require(
+            self.drafter in ("eagle3", "small_lm") or _is_self_drafter(self.drafter),
+            "drafter",
+            "'eagle3', 'small_lm' or 'self:L'",
+            self.drafter,
+        )
+        steps = self.rollout.training.drafter_train_steps
+        require(
+            not steps or self.drafter != "small_lm",
+            "rollout.training.drafter_train_steps",
+            "0 with drafter small_lm (the shipped drafter LM has no streaming heads to train online)",
+            steps,
+        )
+
+    @property
+    def strategy(self) -> str:
+        """The rollout's strategy (``rollout.engine.strategy``)."""
+        return self.rollout.engine.strategy
+
+    @property
+    def num_workers(self) -> int:
+        """Ray rollout workers (``rollout.workers.num_workers``); 0: the in-process engine."""
+        return self.rollout.workers.num_workers
+
+    def with_overrides(self, **overrides: Any) -> DemoConfig:
+        """A copy with ``overrides`` set: the demo's own fields by name, the rollout's by dotted path
+        (``rollout.engine.strategy``) or by a name only one of its fields has (``strategy``,
+        ``num_workers``; ``workers=N`` is short for ``rollout.workers.num_workers=N``)."""
+        own_names = {f.name for f in fields(self)} - {"rollout"}
+        own: dict[str, Any] = {}
+        rollout: dict[str, Any] = {}
+        for key, value in overrides.items():
+            head, _, rest = key.partition(".")
+            if head == "rollout" and rest:
+                rollout[rest] = value
+            elif head in own_names or key == "rollout":
+                own[key] = value
+            elif key in ROLLOUT_NAMES:
+                rollout[key] = value
+            else:
+                raise ConfigError(key, "is not a field of DemoConfig or of any config below it")
+        try:
+            moved = self.rollout.with_overrides(**rollout)
+        except ConfigError as e:
+            raise e.under("rollout") from None
+        return apply_overrides(replace(self, rollout=moved) if rollout else self, own)
+
     @classmethod
     def from_yaml(cls, path: str | Path) -> DemoConfig:
+        """The demo config a YAML file describes (keys as :meth:`with_overrides` takes them)."""
         data = yaml.safe_load(Path(path).read_text()) or {}
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise ValueError(f"unknown demo config key(s) {unknown} in {path}; allowed: {sorted(known)}")
-        return cls(**data)
+        try:
+            return cls().with_overrides(**data)
+        except ConfigError as e:
+            raise ConfigError(e.path, f"{e.problem} (in {path})") from None
 
 
 def _step_printer():
@@ -199,36 +249,20 @@ def _make_rollout(cfg: DemoConfig, head=None):
     from .tasks.sft import load_shipped, load_shipped_eagle3
     from .trainer_hooks.spec_rollout import SpecRollout
 
-    placement: dict[str, Any] = {"position_noise": cfg.position_noise}
-    if cfg.workers:
-        placement |= {
-            "workers": cfg.workers,
-            "ray_address": cfg.ray_address,
-            "workers_config": {
-                "spot_training": cfg.spot_training,
-                "max_spot_steps": cfg.max_spot_steps,
-                "spot_ship_min_gain": cfg.spot_ship_min_gain,
-                "schedule": cfg.schedule,
-            },
-        }
+    rollout = cfg.rollout
     if not parse_strategy(cfg.strategy).wants_model_drafter:  # adaptive wants one: its chain/tree/mirror arms
-        return SpecRollout(strategy=cfg.strategy, **placement)
+        return SpecRollout(config=rollout.with_overrides(drafter_train_steps=0))  # no drafter to train
     if cfg.drafter == "small_lm":
-        return SpecRollout(strategy=cfg.strategy, drafter=load_shipped(cfg.policy, "drafter")[0], **placement)
+        return SpecRollout(config=rollout, drafter=load_shipped(cfg.policy, "drafter")[0])
     if _is_self_drafter(cfg.drafter):
-        return SpecRollout(strategy=cfg.strategy, drafter=cfg.drafter, **placement)
+        return SpecRollout(config=rollout, drafter=cfg.drafter)
     # A spot chunk yields to a rollout before its next step, so one step is the longest it can hold
     # a worker up: smaller steps there (~0.3 s on a 2-core CPU instead of ~0.8 s), and a lower
     # learning rate, as they continue from an already warmed-up head.
     offline = DrafterTrainingConfig(batch_size=8, max_tokens=512, seed=cfg.seed)
-    training = _online_training(cfg) if cfg.workers else offline
-    return SpecRollout(
-        strategy=cfg.strategy,
-        drafter=head if head is not None else load_shipped_eagle3(cfg.policy),
-        drafter_train_steps=0 if cfg.workers else cfg.drafter_train_steps,
-        drafter_training=training,
-        **placement,
-    )
+    training = _online_training(cfg) if cfg.num_workers else offline
+    head = head if head is not None else load_shipped_eagle3(cfg.policy)
+    return SpecRollout(config=rollout, drafter=head, drafter_training=training)
 
 
 def run_demo(cfg: DemoConfig) -> dict[str, Any]:
@@ -359,11 +393,10 @@ class PairedRollout:
 def _plain_twin(cfg: DemoConfig) -> Any:
     """The baseline's plain-decoding rollout, placed as the main one (its workers reserve no cores:
     they idle while the main one's run), logging nothing to the trainer."""
-    twin = _make_rollout(replace(cfg, strategy="none"))
-    twin.config.log_metrics = False
-    if cfg.workers:
-        twin.config.workers_config = {**(twin.config.workers_config or {}), "num_cpus_per_worker": 0.0}
-    return twin
+    overrides: dict[str, Any] = {"strategy": "none", "log_metrics": False, "drafter_train_steps": 0}
+    if cfg.num_workers:
+        overrides["num_cpus_per_worker"] = 0.0
+    return _make_rollout(cfg.with_overrides(**overrides))
 
 
 def _grpo_run(
@@ -427,7 +460,9 @@ def _grpo_run(
         trainer.add_callback(callback)
     if cfg.drafter_from_trainer:
         _attach_drafter_from_trainer(cfg, trainer, rollout)
-    print(f"\n== GRPO ({label}): strategy {cfg.strategy}, {cfg.max_steps} steps, workers {cfg.workers} ==", flush=True)
+    print(
+        f"\n== GRPO ({label}): strategy {cfg.strategy}, {cfg.max_steps} steps, workers {cfg.num_workers} ==", flush=True
+    )
     start = time.perf_counter()
     exit_code = 1  # an exception (or Ctrl-C: 130) marks the wandb run failed
     try:
@@ -496,8 +531,8 @@ def _summarize(cfg: DemoConfig, rows: list[dict[str, Any]], rollout: Any, wall: 
         summary[f"accept_length_first_{k}"], summary[f"accept_length_last_{k}"] = _first_last(
             [s.mean_accept_length for s in rollout.history], k
         )
-    if cfg.workers:
-        summary["workers"] = cfg.workers
+    if cfg.num_workers:
+        summary["workers"] = cfg.num_workers
         summary["spot_train_steps"] = sum(s.spot_train_steps for s in rollout.history)
         summary["policy_syncs"] = rollout.policy_syncs
         summary["workers_died"] = sum(s.workers_died for s in rollout.history)
@@ -587,7 +622,7 @@ def run_demo_with_rollout(
         rise += (
             f" (plain decoding emitted the same completions at {summary['same_completions_steps']} steps: "
             "what is learned is what plain decoding would teach)"
-            if cfg.position_noise
+            if cfg.rollout.position_noise
             else " (position_noise off: plain decoding draws other completions, compared by tokens/s)"
         )
     print("\n== tailspec demo summary ==")

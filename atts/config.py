@@ -5,7 +5,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from ..rollout.params import _is_int, _require
+from ..config_tree import require
+from ..rollout.params import _is_int
 
 TAKEOVER_MODES = ("split", "online")
 
@@ -42,38 +43,36 @@ class ATTSConfig:
 
     def __post_init__(self) -> None:
         a = self.alpha
-        _require(isinstance(a, (int, float)) and not isinstance(a, bool) and 0 < a < 1, "alpha", "in (0, 1)", a)
-        _require(_is_int(self.num_samples) and self.num_samples >= 1, "num_samples", "an int >= 1", self.num_samples)
-        _require(
-            _is_int(self.chunk_tokens) and self.chunk_tokens >= 1, "chunk_tokens", "an int >= 1", self.chunk_tokens
-        )
+        require(isinstance(a, (int, float)) and not isinstance(a, bool) and 0 < a < 1, "alpha", "in (0, 1)", a)
+        require(_is_int(self.num_samples) and self.num_samples >= 1, "num_samples", "an int >= 1", self.num_samples)
+        require(_is_int(self.chunk_tokens) and self.chunk_tokens >= 1, "chunk_tokens", "an int >= 1", self.chunk_tokens)
         try:
             delimiters = tuple(self.delimiter_ids)
         except TypeError:
             delimiters = None
-        _require(
+        require(
             delimiters is not None and all(_is_int(d) and d >= 0 for d in delimiters),
             "delimiter_ids",
             "a sequence of token ids >= 0",
             self.delimiter_ids,
         )
         object.__setattr__(self, "delimiter_ids", delimiters)
-        _require(
+        require(
             _is_int(self.max_new_tokens) and self.max_new_tokens >= 1,
             "max_new_tokens",
             "an int >= 1",
             self.max_new_tokens,
         )
-        _require(_is_int(self.max_turns) and self.max_turns >= 1, "max_turns", "an int >= 1", self.max_turns)
+        require(_is_int(self.max_turns) and self.max_turns >= 1, "max_turns", "an int >= 1", self.max_turns)
         t = self.temperature
-        _require(
+        require(
             isinstance(t, (int, float)) and not isinstance(t, bool) and math.isfinite(t) and t >= 0,
             "temperature",
             "a finite number >= 0 (0 = greedy)",
             t,
         )
-        _require(isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1, "top_p", "in (0, 1]", self.top_p)
-        _require(self.mode in TAKEOVER_MODES, "mode", f"one of {TAKEOVER_MODES}", self.mode)
+        require(isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1, "top_p", "in (0, 1]", self.top_p)
+        require(self.mode in TAKEOVER_MODES, "mode", f"one of {TAKEOVER_MODES}", self.mode)
         s = self.online_step
-        _require(isinstance(s, (int, float)) and not isinstance(s, bool) and 0 < s < 1, "online_step", "in (0, 1)", s)
-        _require(_is_int(self.seed) and 0 <= self.seed < 2**62, "seed", "an int in [0, 2**62)", self.seed)
+        require(isinstance(s, (int, float)) and not isinstance(s, bool) and 0 < s < 1, "online_step", "in (0, 1)", s)
+        require(_is_int(self.seed) and 0 <= self.seed < 2**62, "seed", "an int in [0, 2**62)", self.seed)

@@ -164,7 +164,7 @@ class PolicyDrift(TrainerCallback):
 
 def _arm_config(base, arm: str, self_layers: int):
     settings = {k: v.format(layers=self_layers) if k == "drafter" else v for k, v in ARMS[arm].items()}
-    return dataclasses.replace(base, **settings)
+    return base.with_overrides(**settings)
 
 
 def _eagle3_head(rollout):
@@ -219,7 +219,7 @@ def measure_drift(cfg: DriftBenchConfig) -> tuple[list[DriftRun], FormatShift | 
     eos = sorted(eos_ids_of(model, tokenizer))
     self_layers = max(1, model.config.num_hidden_layers * 7 // 24)
     del model
-    base = DemoConfig(
+    base = DemoConfig().with_overrides(
         policy=cfg.policy,
         max_steps=cfg.steps,
         prompts_per_step=cfg.prompts_per_step,
@@ -234,6 +234,7 @@ def measure_drift(cfg: DriftBenchConfig) -> tuple[list[DriftRun], FormatShift | 
         strategy="chain:4",
         drafter="eagle3",
         workers=2,
+        drafter_train_steps=0,
         wandb=False,
         warmup_steps=0,
         baseline=False,

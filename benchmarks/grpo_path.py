@@ -90,7 +90,7 @@ def measure_grpo_path(cfg: GRPOPathConfig) -> list[PathRun]:
         policy, tokenizer = load_shipped(cfg.policy, "policy")
         contenders = {}
         for strategy in cfg.strategies:
-            demo_cfg = DemoConfig(
+            demo_cfg = DemoConfig().with_overrides(
                 policy=cfg.policy,
                 strategy=strategy,
                 drafter=cfg.drafter,
@@ -98,10 +98,11 @@ def measure_grpo_path(cfg: GRPOPathConfig) -> list[PathRun]:
                 spot_training=False,
                 position_noise=True,
                 seed=cfg.seed,
+                drafter_train_steps=0,
+                # a contender's workers idle while another's run: no cores reserved for them
+                num_cpus_per_worker=0.0,
             )
             rollout = _make_rollout(demo_cfg)
-            if workers:  # a contender's workers idle while another's run: no cores reserved for them
-                rollout.config.workers_config = {**(rollout.config.workers_config or {}), "num_cpus_per_worker": 0.0}
             contenders[strategy] = rollout
         runs.extend(run_path(contenders, policy, tokenizer, cfg, workers))
     return runs

@@ -8,7 +8,6 @@ time and the drafter steps taken in the tail.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,10 +28,11 @@ class SpotRun:
 
 
 def measure_spot_training(steps: int, workers: int = 2, seed: int = 0, quick: bool = False) -> list[SpotRun]:
-    base = DemoConfig(
+    base = DemoConfig().with_overrides(
         max_steps=steps,
         seed=seed,
         workers=workers,
+        drafter_train_steps=0,
         wandb=False,
         strategy="chain:4",
         drafter="eagle3",
@@ -40,10 +40,10 @@ def measure_spot_training(steps: int, workers: int = 2, seed: int = 0, quick: bo
         max_spot_steps=64,
     )
     if quick:
-        base = dataclasses.replace(base, prompts_per_step=2, num_generations=4, max_completion_length=96)
+        base = base.with_overrides(prompts_per_step=2, num_generations=4, max_completion_length=96)
     runs = []
     for name, spot in (("spot training on", True), ("spot training off", False)):
-        summary, rollout = run_demo_with_rollout(dataclasses.replace(base, spot_training=spot))
+        summary, rollout = run_demo_with_rollout(base.with_overrides(spot_training=spot))
         history = rollout.history
         runs.append(
             SpotRun(

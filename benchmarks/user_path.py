@@ -91,9 +91,10 @@ def measure_user_path(cfg: UserPathConfig) -> tuple[list[PathRun], float, list[s
     contenders = {}
     for strategy in cfg.strategies:
         drafter = load_checkpoint(head_dir).head.float().eval() if strategy != "none" else None
-        rollout = SpecRollout(strategy=strategy, drafter=drafter, workers=cfg.workers, position_noise=True)
         # a contender's workers idle while another's run: no cores reserved for them
-        rollout.config.workers_config = {**(rollout.config.workers_config or {}), "num_cpus_per_worker": 0.0}
+        rollout = SpecRollout(
+            strategy=strategy, drafter=drafter, workers=cfg.workers, num_cpus_per_worker=0.0, position_noise=True
+        )
         contenders[strategy] = rollout
     return run_path(contenders, policy, tokenizer, path, cfg.workers), warmup_s, rounds
 

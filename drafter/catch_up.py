@@ -16,6 +16,8 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from ..config_tree import require
+
 
 @dataclass
 class CatchUpConfig:
@@ -30,8 +32,7 @@ class CatchUpConfig:
             ("decay", 0 < self.decay <= 1, "a float in (0, 1]"),
         ]
         for name, ok, allowed in checks:
-            if not ok:
-                raise ValueError(f"CatchUpConfig.{name} must be {allowed}, got {getattr(self, name)!r}")
+            require(ok, name, allowed, getattr(self, name))
 
 
 class CatchUp:

@@ -216,8 +216,8 @@ def main(argv: list[str] | None = None) -> dict:
         ),
         kv_cache_tokens=cfg.kv_cache_tokens,
         workers=cfg.workers,
-        ray_address=cfg.ray_address,
-        workers_config={"spot_training": cfg.drafter_data == "rollout"} if cfg.workers else None,
+        address=cfg.ray_address,
+        spot_training=cfg.drafter_data == "rollout",  # on workers: the head trains on idle ones
     )
     trainer = tailspec.GRPOTrainer(
         model=model,

@@ -7,7 +7,6 @@ it starts a local Ray. Prints a one-line JSON summary prefixed with ``tailspec-j
 """
 
 import argparse
-import dataclasses
 import json
 import logging
 import sys
@@ -35,12 +34,14 @@ def main() -> int:
     if args.steps is not None:
         overrides["max_steps"] = args.steps
     if args.workers is not None:
-        overrides["workers"] = args.workers
+        overrides["rollout.workers.num_workers"] = args.workers
+        if args.workers:  # the head then trains on idle workers, not in this process
+            overrides["rollout.training.drafter_train_steps"] = 0
     if args.no_wandb:
         overrides["wandb"] = False
     if args.output_dir:
         overrides["output_dir"] = args.output_dir
-    cfg = dataclasses.replace(cfg, **overrides)
+    cfg = cfg.with_overrides(**overrides)
     summary = run_demo(cfg)
     print("tailspec-job-summary " + json.dumps(summary, default=str), flush=True)
     return 0 if summary["steps"] == cfg.max_steps else 1

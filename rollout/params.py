@@ -7,19 +7,15 @@ allowed range, so bad input is refused before it can reach a running batch.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, replace
 from typing import Any
 
+from ..config_tree import ConfigError, build, coerce_subtrees, require
 from ..kernels.dispatch import BACKEND_CHOICES
 from .draft_executor import EXECUTORS
 from .selector import SelectorConfig
 from .strategy import parse_strategy
 from .token_ids import token_id_list
-
-
-def _require(ok: bool, name: str, allowed: str, value: Any) -> None:
-    if not ok:
-        raise ValueError(f"{name} must be {allowed}, got {value!r}")
 
 
 def _is_int(value: Any) -> bool:
@@ -70,18 +66,18 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         t = self.temperature
-        _require(
+        require(
             isinstance(t, (int, float)) and not isinstance(t, bool) and math.isfinite(t) and t >= 0,
             "temperature",
             "a finite number >= 0 (0 = greedy)",
             t,
         )
-        _require(_is_int(self.top_k) and self.top_k >= 0, "top_k", "an int >= 0 (0 = off)", self.top_k)
+        require(_is_int(self.top_k) and self.top_k >= 0, "top_k", "an int >= 0 (0 = off)", self.top_k)
         p = self.top_p
-        _require(isinstance(p, (int, float)) and 0 < p <= 1, "top_p", "in (0, 1]", p)
+        require(isinstance(p, (int, float)) and 0 < p <= 1, "top_p", "in (0, 1]", p)
         m = self.min_p
-        _require(isinstance(m, (int, float)) and 0 <= m <= 1, "min_p", "in [0, 1]", m)
-        _require(
+        require(isinstance(m, (int, float)) and 0 <= m <= 1, "min_p", "in [0, 1]", m)
+        require(
             _is_int(self.max_new_tokens) and self.max_new_tokens >= 1,
             "max_new_tokens",
             "an int >= 1",
@@ -91,22 +87,22 @@ class SamplingParams:
             stops = tuple(token_id_list(self.stop_token_ids, "stop_token_ids"))
         except ValueError:  # not integer ids (or not a sequence): refused below, naming the field
             stops = None
-        _require(
+        require(
             stops is not None and all(s >= 0 for s in stops),
             "stop_token_ids",
             "a sequence of integer token ids >= 0",
             self.stop_token_ids,
         )
         object.__setattr__(self, "stop_token_ids", stops)
-        _require(self.seed is None or _valid_seed(self.seed), "seed", f"None or {_SEED_RANGE}", self.seed)
-        _require(self.noise in NOISE_SOURCES, "noise", f"one of {NOISE_SOURCES}", self.noise)
-        _require(
+        require(self.seed is None or _valid_seed(self.seed), "seed", f"None or {_SEED_RANGE}", self.seed)
+        require(self.noise in NOISE_SOURCES, "noise", f"one of {NOISE_SOURCES}", self.noise)
+        require(
             self.noise != "position" or self.seed is not None or self.temperature == 0,
             "seed",
             'set (an int) when noise="position" samples (temperature > 0)',
             self.seed,
         )
-        _require(
+        require(
             _is_int(self.prompt_logprobs) and self.prompt_logprobs >= 0,
             "prompt_logprobs",
             "an int >= 0 (0 = off)",
@@ -146,22 +142,22 @@ class MirrorConfig:
     threads: int | None = None
 
     def __post_init__(self) -> None:
-        _require(
+        require(
             self.exit_layer is None or (_is_int(self.exit_layer) and self.exit_layer >= 1),
-            "mirror.exit_layer",
+            "exit_layer",
             "None or an int >= 1 (below the target's layer count)",
             self.exit_layer,
         )
-        _require(self.executor in EXECUTORS, "mirror.executor", f"one of {EXECUTORS}", self.executor)
-        _require(
+        require(self.executor in EXECUTORS, "executor", f"one of {EXECUTORS}", self.executor)
+        require(
             _is_int(self.draft_threads) and self.draft_threads >= 1,
-            "mirror.draft_threads",
+            "draft_threads",
             "an int >= 1",
             self.draft_threads,
         )
-        _require(
+        require(
             self.threads is None or (_is_int(self.threads) and self.threads > self.draft_threads),
-            "mirror.threads",
+            "threads",
             f"None or an int > draft_threads ({self.draft_threads})",
             self.threads,
         )
@@ -185,8 +181,8 @@ class RolloutConfig:
     strategy: str = "none"  # see tailspec.rollout.strategy for the forms
     draft_kv_cache_tokens: int | None = None  # the model drafter's own KV pool; None = kv_cache_tokens
     suffix_history_tokens: int = 1 << 20  # completions of earlier calls the suffix drafter remembers
-    selector: Any = None  # strategy="adaptive": a SelectorConfig (or its dict); None = defaults
-    mirror: Any = None  # mirror strategies: a MirrorConfig (or its dict); None = defaults
+    selector: SelectorConfig | None = None  # strategy="adaptive": a SelectorConfig (or its dict); None = defaults
+    mirror: MirrorConfig | None = None  # mirror strategies: a MirrorConfig (or its dict); None = defaults
     # waiting prompts join the running sequences' decode forward (one forward, no decode stall);
     # applies to non-speculative strategies (speculative steps keep prefill and verify apart)
     mixed_batches: bool = False
@@ -203,43 +199,40 @@ class RolloutConfig:
     kernels: str = "auto"  # auto: Triton verification on CUDA, torch otherwise | triton | torch (tailspec.kernels)
     seed: int = 0
     progress: bool = False
-    extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self._check_sizes()
         self._check_behaviour()
 
     def _check_sizes(self) -> None:
-        _require(isinstance(self.mixed_batches, bool), "mixed_batches", "a bool", self.mixed_batches)
-        _require(isinstance(self.prefix_caching, bool), "prefix_caching", "a bool", self.prefix_caching)
-        _require(
+        require(isinstance(self.mixed_batches, bool), "mixed_batches", "a bool", self.mixed_batches)
+        require(isinstance(self.prefix_caching, bool), "prefix_caching", "a bool", self.prefix_caching)
+        require(
             _is_int(self.block_size) and 1 <= self.block_size <= 1024,
             "block_size",
             "an int in [1, 1024]",
             self.block_size,
         )
-        _require(
+        require(
             self.num_blocks is None or (_is_int(self.num_blocks) and self.num_blocks >= 1),
             "num_blocks",
             "None or an int >= 1",
             self.num_blocks,
         )
-        _require(
+        require(
             _is_int(self.kv_cache_tokens) and self.kv_cache_tokens >= self.block_size,
             "kv_cache_tokens",
             f"an int >= block_size ({self.block_size})",
             self.kv_cache_tokens,
         )
-        _require(
-            _is_int(self.max_num_seqs) and self.max_num_seqs >= 1, "max_num_seqs", "an int >= 1", self.max_num_seqs
-        )
-        _require(
+        require(_is_int(self.max_num_seqs) and self.max_num_seqs >= 1, "max_num_seqs", "an int >= 1", self.max_num_seqs)
+        require(
             _is_int(self.max_prefill_tokens) and self.max_prefill_tokens >= 1,
             "max_prefill_tokens",
             "an int >= 1",
             self.max_prefill_tokens,
         )
-        _require(
+        require(
             self.max_model_len is None or (_is_int(self.max_model_len) and self.max_model_len >= 2),
             "max_model_len",
             "None or an int >= 2",
@@ -250,57 +243,42 @@ class RolloutConfig:
         try:
             parse_strategy(self.strategy)
         except ValueError as e:
-            raise ValueError(f"RolloutConfig.strategy: {e}") from None
-        _require(
+            raise ConfigError("strategy", f"is not valid: {e}") from None
+        require(
             self.draft_kv_cache_tokens is None
             or (_is_int(self.draft_kv_cache_tokens) and self.draft_kv_cache_tokens >= self.block_size),
             "draft_kv_cache_tokens",
             f"None or an int >= block_size ({self.block_size})",
             self.draft_kv_cache_tokens,
         )
-        _require(
+        require(
             _is_int(self.suffix_history_tokens) and self.suffix_history_tokens >= 0,
             "suffix_history_tokens",
             "an int >= 0",
             self.suffix_history_tokens,
         )
-        _require(_valid_seed(self.seed), "seed", _SEED_RANGE, self.seed)
-        _require(0 < self.tail_fraction <= 1, "tail_fraction", "a float in (0, 1]", self.tail_fraction)
-        _require(
+        require(_valid_seed(self.seed), "seed", _SEED_RANGE, self.seed)
+        require(0 < self.tail_fraction <= 1, "tail_fraction", "a float in (0, 1]", self.tail_fraction)
+        require(
             isinstance(self.length_budget, (int, float)) and 0 <= self.length_budget <= 1,
             "length_budget",
             "a number in [0, 1] (0 = off)",
             self.length_budget,
         )
-        _require(
+        require(
             self.graph_backend in ("auto", "cuda_graph", "eager", "none"),
             "graph_backend",
             "'auto', 'cuda_graph', 'eager' or 'none'",
             self.graph_backend,
         )
-        _require(self.kernels in BACKEND_CHOICES, "kernels", "'auto', 'triton' or 'torch'", self.kernels)
-        _require(
+        require(self.kernels in BACKEND_CHOICES, "kernels", "'auto', 'triton' or 'torch'", self.kernels)
+        require(
             _is_int(self.graph_memory_mb) and self.graph_memory_mb >= 1,
             "graph_memory_mb",
             "an int >= 1",
             self.graph_memory_mb,
         )
-        if isinstance(self.mirror, dict):
-            self.mirror = MirrorConfig(**self.mirror)
-        _require(
-            self.mirror is None or isinstance(self.mirror, MirrorConfig),
-            "mirror",
-            "None, a MirrorConfig or a dict of its fields",
-            self.mirror,
-        )
-        if isinstance(self.selector, dict):
-            self.selector = SelectorConfig(**self.selector)
-        _require(
-            self.selector is None or isinstance(self.selector, SelectorConfig),
-            "selector",
-            "None, a SelectorConfig or a dict of its fields",
-            self.selector,
-        )
+        coerce_subtrees(self)
 
     @property
     def total_blocks(self) -> int:
@@ -310,8 +288,5 @@ class RolloutConfig:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> RolloutConfig:
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise ValueError(f"unknown RolloutConfig field(s) {unknown}; allowed: {sorted(known)}")
-        return cls(**data)
+        """From a dict of its fields (YAML's nested dicts for ``selector`` and ``mirror``)."""
+        return build(cls, data)

@@ -64,6 +64,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..config_tree import ConfigError, require
 from .strategy import Strategy, parse_strategy
 
 logger = logging.getLogger(__name__)
@@ -98,19 +99,20 @@ class SelectorConfig:
     def __post_init__(self) -> None:
         self.arms = tuple(self.arms)
         self.bucket_bounds = tuple(self.bucket_bounds)
-        if not self.arms:
-            raise ValueError("SelectorConfig.arms must name at least one strategy")
+        require(bool(self.arms), "arms", "at least one strategy", self.arms)
         for arm in self.arms:
-            if parse_strategy(arm).adaptive:
-                raise ValueError("SelectorConfig.arms cannot contain 'adaptive'")
-        if (
-            not self.bucket_bounds
-            or any(b < 1 for b in self.bucket_bounds)
-            or list(self.bucket_bounds) != sorted(set(self.bucket_bounds))
-        ):
-            raise ValueError(
-                f"SelectorConfig.bucket_bounds must be increasing ints >= 1, got {list(self.bucket_bounds)}"
-            )
+            try:
+                adaptive = parse_strategy(arm).adaptive
+            except ValueError as e:
+                raise ConfigError("arms", f"holds {arm!r}, which is not valid: {e}") from None
+            require(not adaptive, "arms", "strategies other than 'adaptive'", self.arms)
+        bounds = list(self.bucket_bounds)
+        require(
+            bool(bounds) and all(isinstance(b, int) and b >= 1 for b in bounds) and bounds == sorted(set(bounds)),
+            "bucket_bounds",
+            "increasing ints >= 1",
+            bounds,
+        )
         checks = [
             ("policy", self.policy in POLICIES, f"one of {POLICIES}"),
             ("ucb_c", self.ucb_c >= 0, "a float >= 0"),
@@ -132,8 +134,7 @@ class SelectorConfig:
             ("reprobe_every", isinstance(self.reprobe_every, int) and self.reprobe_every >= 0, "an int >= 0"),
         ]
         for name, ok, allowed in checks:
-            if not ok:
-                raise ValueError(f"SelectorConfig.{name} must be {allowed}, got {getattr(self, name)!r}")
+            require(ok, name, allowed, getattr(self, name))
 
 
 def robust_mean(xs: list[float], spread: float = 1.3) -> float:

@@ -16,7 +16,7 @@
                          made beside the verification forward: the drafter's own continuation
                          of a chain, and N guesses from the target's early exit
                          (``rollout/mirror.py``; N in [0, 4])
-``adaptive``             a per-step choice among arms (``RolloutConfig.adaptive_arms``)
+``adaptive``             a per-step choice among arms (``RolloutConfig.selector.arms``)
                          by measured goodput (:mod:`tailspec.rollout.selector`)
 =======================  ===========================================================
 

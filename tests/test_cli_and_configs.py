@@ -34,8 +34,8 @@ def test_demo_yaml_loads_and_validates(tmp_path):
         DemoConfig.from_yaml(bad)
     with pytest.raises(ValueError, match="num_generations"):
         DemoConfig(num_generations=1)
-    with pytest.raises(ValueError, match="strategy"):
-        DemoConfig(strategy="chain:0")
+    with pytest.raises(ValueError, match="rollout.engine.strategy is not valid"):
+        DemoConfig().with_overrides(strategy="chain:0")
     assert build_parser().parse_args(["demo", "--strategy", "suffix"]).strategy == "suffix"
 
 
@@ -43,7 +43,7 @@ def test_demo_runs_a_speculative_grpo_step(tmp_path):
     """The demo's whole path (shipped policy and drafter, TRL GRPO, speculative rollouts) for two steps."""
     from tailspec.demo import run_demo
 
-    cfg = DemoConfig(
+    cfg = DemoConfig().with_overrides(
         max_steps=2,
         num_generations=2,
         prompts_per_step=2,
@@ -58,7 +58,8 @@ def test_demo_runs_a_speculative_grpo_step(tmp_path):
     assert summary["rollout_tokens"] > 0
     assert 0.0 < summary["draft_acceptance_rate"] <= 1.0
     assert 0.0 <= summary["groups_with_signal"] <= 1.0  # the share of groups whose rewards differ
-    assert summary["drafter_version"] == 1600 + 2 * cfg.drafter_train_steps  # the shipped head, trained online
+    online = cfg.rollout.training.drafter_train_steps
+    assert summary["drafter_version"] == 1600 + 2 * online  # the shipped head, trained online
 
 
 def test_rollout_yaml_is_a_valid_rollout_config():
@@ -91,7 +92,7 @@ def test_demo_tells_the_whole_story(tmp_path, capsys):
     same completions, same-step ratios), the export."""
     from tailspec.demo import run_demo
 
-    cfg = DemoConfig(
+    cfg = DemoConfig().with_overrides(
         max_steps=2,
         num_generations=2,
         prompts_per_step=2,
@@ -118,7 +119,8 @@ def test_demo_tells_the_whole_story(tmp_path, capsys):
     assert "plain decoding emitted the same completions at 2 of 2 steps" in printed
     assert summary["same_completions_steps"] == "2 of 2" and summary["run_speedup"] > 0
     assert "{'loss'" not in printed  # TRL's raw per-step dicts stay out of the story (wandb keeps them)
-    assert summary["drafter_version"] == 1600 + 3 + 2 * cfg.drafter_train_steps  # shipped, warm-up, online
+    online = cfg.rollout.training.drafter_train_steps
+    assert summary["drafter_version"] == 1600 + 3 + 2 * online  # shipped, warm-up, online
     assert summary["baseline_rollout_time_s"] > 0 and summary["rollout_throughput_vs_none"] > 0
     exported = tmp_path / "drafter_sglang"
     assert summary["exported_drafter"] == str(exported)
@@ -130,7 +132,7 @@ def test_the_default_demo_config_is_the_story():
     from tailspec.tasks.chain_sum import ChainSumProblem
 
     cfg = DemoConfig.from_yaml(CONFIGS / "demo_cpu.yaml")
-    assert cfg.workers == 2 and cfg.warmup_steps > 0 and cfg.baseline and cfg.export == "sglang"
+    assert cfg.num_workers == 2 and cfg.warmup_steps > 0 and cfg.baseline and cfg.export == "sglang"
     assert cfg.policy == "deep"  # the shape where speculation pays; the tiny policy is for tests
     assert cfg.strategy == "adaptive" and cfg.drafter in ("small_lm", "eagle3")  # issue 39: the product's path
     # a fixed set: short problems with room to learn, and one long problem for the rollout's tail
@@ -146,9 +148,9 @@ def test_a_fixed_problem_set_is_every_step_in_order():
     data = train_dataset(cfg)
     assert [row["prompt"][0]["content"] for row in data] == problems * 3
     assert data[0]["answer"] == 22 and data[2]["answer"] == 27
-    with pytest.raises(ValueError, match="prompts_per_step must equal the number of problems"):
+    with pytest.raises(ValueError, match=r"prompts_per_step must be the number of problems \(3\) when problems"):
         DemoConfig(prompts_per_step=2, problems=problems)
-    with pytest.raises(ValueError, match="problems: a chain-sum question"):
+    with pytest.raises(ValueError, match="problems holds 'add 12 3': a chain-sum question"):
         DemoConfig(prompts_per_step=1, problems=["add 12 3"])
     with pytest.raises(ValueError, match="problems must be null or a non-empty list"):
         DemoConfig(problems=[])

@@ -34,7 +34,7 @@ CASES = [
     # (argv with {tmp} for the fixture's folder, words the message must hold)
     (["demo", "--config", "/no/such.yaml"], "--config: no such file: /no/such.yaml"),
     (["demo", "--config", "{tmp}"], "is a directory, not a file"),
-    (["demo", "--config", "{tmp}/bad_key.yaml"], "unknown demo config key(s) ['max_stepz']"),
+    (["demo", "--config", "{tmp}/bad_key.yaml"], "max_stepz is not a field of DemoConfig or of any config below it"),
     (["demo", "--config", "{tmp}/bad_value.yaml"], "num_generations"),
     (["demo", "--config", "{tmp}/not_yaml.yaml"], "while parsing"),
     (["demo", "--no-wandb", "--strategy", "chian:4"], "unknown strategy 'chian:4'"),

@@ -15,18 +15,19 @@ import time
 from collections import deque
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
 
-from ..drafter.catch_up import CatchUp, CatchUpConfig
+from ..drafter.catch_up import CatchUp
 from ..rollout.engine import RolloutEngine, eos_ids_of
-from ..rollout.params import RolloutConfig, SamplingParams
+from ..rollout.params import SamplingParams
 from ..rollout.position_noise import derived_seed
 from ..rollout.strategy import parse_strategy
-from ..workers.coordinator import RolloutCoordinator, RolloutReport, WorkersConfig
+from ..workers.coordinator import RolloutCoordinator, RolloutReport
 from ..workers.worker import DrafterState
+from .config import SpecRolloutConfig
 from .drafter_health import FIT_TO_CHECK, DrafterHealth
 from .sampling_from_trl import sampling_params_from_trl
 
@@ -37,90 +38,6 @@ logger = logging.getLogger(__name__)
 RECENT_SEQUENCES = 256
 STREAMING_LR = 2e-3
 ADAPTER_LR = 1e-3
-
-
-@dataclass
-class SpecRolloutConfig:
-    """TRL-style configuration of :class:`SpecRollout` (engine sizing and strategy)."""
-
-    strategy: str = "none"  # none | chain:K | tree:D,K,B | suffix[:...] | hybrid[:...] | adaptive
-    block_size: int = 16
-    kv_cache_tokens: int = 65536
-    max_num_seqs: int = 256
-    max_prefill_tokens: int = 8192
-    draft_kv_cache_tokens: int | None = None  # the drafter model's KV pool; None = kv_cache_tokens
-    suffix_history_tokens: int = 1 << 20
-    selector: dict | None = None  # strategy="adaptive": SelectorConfig fields
-    graph_backend: str = "auto"
-    graph_memory_mb: int = 2048
-    seed: int | None = None  # None: the trainer's seed + process index
-    # sample with position-keyed noise (rollout/position_noise.py): each request gets a seed derived
-    # from (seed, global step, call, index), and its completion is then the same under every
-    # strategy, drafter and worker layout (a run reproducible with speculation off; drafters compared
-    # on one policy trajectory), at some cost in accepted draft tokens
-    position_noise: bool = False
-    # catch-up (tailspec.drafter.catch_up): while a rollout's accept length is under `below` x the best
-    # recent one, the drafter trains at lr_scale x its learning rate (spot training, in-process online
-    # training and DrafterFromTrainer alike); CatchUpConfig fields, None = defaults, {"below": 0} = off
-    catch_up: dict | None = None
-    progress: bool = False
-    log_metrics: bool = True
-    # training steps after every rollout call, so the drafter follows the moving policy (in this
-    # process; with workers an EAGLE-3 head trains on idle workers instead): an EAGLE-3 head on the
-    # features it recorded, a drafter LM's streaming heads on the recent completions
-    drafter_train_steps: int = 0
-    drafter_buffer_mb: int = 256
-    # drafter "self:L" only: an ExitAdapter of this rank in front of the early exit's norm, trained
-    # online (drafter_train_steps) towards the policy's own next-token distributions
-    self_adapter_rank: int | None = None
-    # Ray rollout workers (tailspec.workers): 0 = the colocated in-process engine (zero-copy); N >= 1
-    # engines in Ray actors, started locally unless ray_address (or RAY_ADDRESS) names a cluster.
-    # An EAGLE-3 head then trains on workers the long tail leaves idle (workers_config fields).
-    workers: int = 0
-    ray_address: str | None = None
-    workers_config: dict | None = None
-
-    def __post_init__(self) -> None:
-        if not (isinstance(self.workers, int) and self.workers >= 0):
-            raise ValueError(f"workers must be an int >= 0, got {self.workers!r}")
-        if self.workers and self.drafter_train_steps:
-            raise ValueError(
-                "drafter_train_steps is for the in-process engine; with workers the EAGLE-3 head trains on "
-                "idle workers (workers_config: spot_training, max_spot_steps)"
-            )
-        if self.workers:
-            self.workers_options()  # validate now
-        if not (isinstance(self.drafter_train_steps, int) and self.drafter_train_steps >= 0):
-            raise ValueError(f"drafter_train_steps must be an int >= 0, got {self.drafter_train_steps!r}")
-        if not (isinstance(self.drafter_buffer_mb, int) and self.drafter_buffer_mb >= 1):
-            raise ValueError(f"drafter_buffer_mb must be an int >= 1, got {self.drafter_buffer_mb!r}")
-        if self.catch_up is not None and not isinstance(self.catch_up, dict):
-            raise ValueError(f"catch_up must be a dict of CatchUpConfig fields or None, got {self.catch_up!r}")
-        try:
-            CatchUpConfig(**(self.catch_up or {}))  # validate now
-        except TypeError as e:
-            raise ValueError(f"catch_up takes CatchUpConfig fields (below, lr_scale, decay): {e}") from None
-
-    def workers_options(self) -> WorkersConfig:
-        return WorkersConfig(
-            **{"num_workers": self.workers, "address": self.ray_address, **(self.workers_config or {})}
-        )
-
-    def rollout_config(self, seed: int) -> RolloutConfig:
-        return RolloutConfig(
-            block_size=self.block_size,
-            kv_cache_tokens=self.kv_cache_tokens,
-            max_num_seqs=self.max_num_seqs,
-            max_prefill_tokens=self.max_prefill_tokens,
-            strategy=self.strategy,
-            draft_kv_cache_tokens=self.draft_kv_cache_tokens,
-            suffix_history_tokens=self.suffix_history_tokens,
-            selector=dict(self.selector) if self.selector else None,
-            graph_backend=self.graph_backend,
-            graph_memory_mb=self.graph_memory_mb,
-            seed=seed,
-            progress=self.progress,
-        )
 
 
 @dataclass
@@ -186,12 +103,10 @@ class SpecRollout:
         drafter_training: Any | None = None,
         **config_overrides: Any,
     ) -> None:
-        base = asdict(config or SpecRolloutConfig())
-        base.update(config_overrides)
-        self.config = SpecRolloutConfig(**base)
-        self.config.rollout_config(seed=0)  # validate now, not at the first call
-        if drafter is None and parse_strategy(self.config.strategy).uses_model_drafter:
-            raise ValueError(f"strategy {self.config.strategy!r} needs a drafter model; pass SpecRollout(drafter=...)")
+        self.config = (config or SpecRolloutConfig()).with_overrides(**config_overrides)
+        strategy = self.config.engine.strategy
+        if drafter is None and parse_strategy(strategy).uses_model_drafter:
+            raise ValueError(f"strategy {strategy!r} needs a drafter model; pass SpecRollout(drafter=...)")
         self.model = model
         self.tokenizer = tokenizer
         self.sampling = sampling
@@ -199,13 +114,13 @@ class SpecRollout:
         self.health = DrafterHealth()
         from ..drafter.eagle3 import Eagle3Head, FeatureBuffer
 
-        self._online_head = isinstance(drafter, Eagle3Head) and self.config.drafter_train_steps > 0
+        self._online_head = isinstance(drafter, Eagle3Head) and self.config.training.drafter_train_steps > 0
         self._self_layers = self._self_adapter_layers(drafter)
         self.adapter = None  # the self-speculative drafter's ExitAdapter, made with the first engine
-        self._sequence_trained = self.config.drafter_train_steps > 0 and (
+        self._sequence_trained = self.config.training.drafter_train_steps > 0 and (
             getattr(drafter, "heads", None) is not None or self._self_layers is not None
         )
-        if self.config.drafter_train_steps > 0 and not (self._online_head or self._sequence_trained):
+        if self.config.training.drafter_train_steps > 0 and not (self._online_head or self._sequence_trained):
             raise ValueError(
                 "drafter_train_steps > 0 needs an EAGLE-3 head (SpecRollout(drafter=head)), a drafter LM with "
                 "streaming heads (SpecRollout(drafter=SmallLMDrafter(lm, streaming_heads=...))) or drafter='self:L' "
@@ -216,7 +131,7 @@ class SpecRollout:
         self.sequence_trainer = None
         self._pending_part: DrafterState | None = None  # loaded from a checkpoint before the trainer exists
         self._recent_sequences: deque[list[int]] = deque(maxlen=RECENT_SEQUENCES)
-        self.feature_buffer = FeatureBuffer(self.config.drafter_buffer_mb << 20) if self._online_head else None
+        self.feature_buffer = FeatureBuffer(self.config.training.drafter_buffer_mb << 20) if self._online_head else None
         self.drafter_training = drafter_training
         self.drafter_trainer = None  # DrafterTrainer, made at the first rollout (it needs the policy's embeddings)
         self._engine: RolloutEngine | None = None
@@ -228,7 +143,7 @@ class SpecRollout:
         self.last_stats: RolloutStats | None = None
         self.history: list[RolloutStats] = []
         self._pending_state: dict[str, Any] | None = None  # loaded from a checkpoint, applied at start
-        self.catch_up = CatchUp(CatchUpConfig(**(self.config.catch_up or {})))
+        self.catch_up = CatchUp(self.config.training.catch_up)
         self._calls_at_step = (-1, 0)  # (global step, rollout calls made at it - 1): position-noise seeds
 
     # -- TRL entry point -------------------------------------------------------------------
@@ -236,7 +151,7 @@ class SpecRollout:
         tokenizer = self.tokenizer or trainer.processing_class
         prompt_ids = self.tokenize_prompts(prompts, tokenizer, trainer)
         params = self._request_params(self.sampling or sampling_params_from_trl(trainer.args), len(prompt_ids), trainer)
-        if self.config.workers:
+        if self.config.workers.num_workers:
             return self._call_workers(prompt_ids, params, tokenizer, trainer)
         start = time.perf_counter()
         with self._policy(trainer) as model:
@@ -246,7 +161,7 @@ class SpecRollout:
                 engine = self._plain_engine(model, tokenizer, seed=self._seed(trainer))
             before = dict(engine.stats.as_dict())
             before_steps = dict(engine.stats.strategy_steps)
-            outputs = engine.generate(prompt_ids, params, progress=self.config.progress)
+            outputs = engine.generate(prompt_ids, params, progress=self.config.engine.progress)
         elapsed = time.perf_counter() - start
         completion_ids = [o.completion_ids for o in outputs]
         now = engine.stats.as_dict()
@@ -294,10 +209,10 @@ class SpecRollout:
             if self._coordinator is None:
                 self._coordinator = RolloutCoordinator(
                     model,
-                    self.config.rollout_config(self._seed(trainer)),
+                    self.config.engine_config(self._seed(trainer)),
                     sorted(self._eos_ids(model, tokenizer)),
                     drafter=self.drafter,
-                    config=self.config.workers_options(),
+                    config=self.config.workers,
                     training=self.drafter_training,
                     policy_version=step,
                 )
@@ -309,7 +224,7 @@ class SpecRollout:
         report = self._coordinator.generate(prompt_ids, params)
         elapsed = time.perf_counter() - start
         completion_ids = [o.completion_ids for o in report.outputs]
-        self._record(completion_ids, elapsed, report.stats, report.strategy_steps, self.config.strategy, trainer)
+        self._record(completion_ids, elapsed, report.stats, report.strategy_steps, self.config.engine.strategy, trainer)
         self._record_spot_training(report, trainer)
         self._catch_up()
         return self._trl_outputs(report.outputs)
@@ -345,7 +260,7 @@ class SpecRollout:
         """An engine without the drafter for a rollout whose policy the drafter does not fit (kept
         while the policy object is the same)."""
         if self._plain is None or self._plain[0] != id(model):
-            cfg = replace(self.config.rollout_config(seed), strategy="none")
+            cfg = replace(self.config.engine_config(seed), strategy="none")
             engine = RolloutEngine(model, cfg, eos_token_ids=self._eos_ids(model, tokenizer), tokenizer=tokenizer)
             self._plain = (id(model), engine)
         return self._plain[1]
@@ -418,7 +333,7 @@ class SpecRollout:
 
     def _self_adapter_layers(self, drafter: Any) -> int | None:
         """L of drafter ``"self:L"`` when it has an exit adapter (``self_adapter_rank``), else None."""
-        rank = self.config.self_adapter_rank
+        rank = self.config.training.self_adapter_rank
         if rank is None:
             return None
         if not isinstance(drafter, str):
@@ -495,7 +410,7 @@ class SpecRollout:
         """The engine for ``model``, rebuilt only when the model object changes."""
         if self._engine is None or self._engine_model_id != id(model):
             eos = self._eos_ids(model, tokenizer)
-            cfg = self.config.rollout_config(seed)
+            cfg = self.config.engine_config(seed)
             drafter = self.drafter
             if self._online_head:
                 from ..drafter.eagle3 import Eagle3Drafter
@@ -519,7 +434,7 @@ class SpecRollout:
                 from ..drafter.self_spec import ExitAdapter, SelfSpecDrafter
 
                 if self.adapter is None:
-                    self.adapter = ExitAdapter(model.config.hidden_size, self.config.self_adapter_rank)
+                    self.adapter = ExitAdapter(model.config.hidden_size, self.config.training.self_adapter_rank)
                     if self._pending_part is not None:
                         self._pending_part.load_into(self.adapter)
                 drafter = SelfSpecDrafter(
@@ -563,7 +478,7 @@ class SpecRollout:
         buffer keeps the most recent), or the streaming heads on the recent sequences."""
         start = time.perf_counter()
         if self._online_head:
-            losses = [r.loss for r in self.drafter_trainer.train(self.config.drafter_train_steps)]
+            losses = [r.loss for r in self.drafter_trainer.train(self.config.training.drafter_train_steps)]
         else:
             losses = self._train_on_sequences()
         stats = self.last_stats
@@ -600,7 +515,7 @@ class SpecRollout:
         if not sequences:
             return []
         self.sequence_trainer.optimizer.param_groups[0]["lr"] = lr * self.catch_up.lr_scale
-        return self.sequence_trainer.train(sequences, self.config.drafter_train_steps)
+        return self.sequence_trainer.train(sequences, self.config.training.drafter_train_steps)
 
     def _record_spot_training(self, report: RolloutReport, trainer: Any) -> None:
         stats = self.last_stats
@@ -688,7 +603,7 @@ class SpecRollout:
         )
         if self.drafter is not None:
             model_steps = sum(n for k, n in strategy_steps.items() if parse_strategy(k).uses_model_drafter)
-            adaptive = parse_strategy(self.config.strategy).adaptive
+            adaptive = parse_strategy(self.config.engine.strategy).adaptive
             stats.drafter_health = self.health.update(
                 stats.mean_accept_length,
                 model_steps,

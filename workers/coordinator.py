@@ -43,17 +43,18 @@ from typing import Any
 
 import torch
 
+from ..config_tree import require
 from ..drafter.eagle3 import Eagle3Head
 from ..drafter.eagle3.train import DrafterTrainingConfig
 from ..rollout.admission import RequestLimits, prepare_requests
 from ..rollout.params import RolloutConfig, SamplingParams
 from ..rollout.request import RequestOutput
+from .config import WorkersConfig
 from .length_predictor import LengthPredictor
 from .pool import PlacementError, WorkerPool
 from .rollout_round import RolloutRound, SchedulePlan, Versions, collect_chunk
 from .sharding import shard_requests
 from .spot import SpotTraining
-from .work_queue import ORDERS, SCHEDULES
 from .worker import DrafterState, RolloutWorker
 
 __all__ = [
@@ -72,108 +73,6 @@ logger = logging.getLogger(__name__)
 # stop then, it yields within one training step): back in time, its worker gets its share of the
 # rollout instead of joining late on work moved to it
 STOPPED_CHUNK_WAIT_S = 5.0
-
-
-@dataclass
-class WorkersConfig:
-    """How many rollout workers, where, and how they train the drafter in the tail."""
-
-    num_workers: int = 2
-    address: str | None = None  # Ray address to join; None: RAY_ADDRESS if set, else start a local Ray
-    num_cpus_per_worker: float = 1.0
-    num_gpus_per_worker: float | None = None  # None: 1 when CUDA is available, else 0
-    threads_per_worker: int | None = 1  # torch intra-op threads in each worker (None: leave as is)
-    spot_training: bool = True  # EAGLE-3 heads only
-    spot_steps_per_call: int = 4  # steps per training chunk (the coordinator can stop a chunk early)
-    max_spot_steps: int = 256  # per rollout
-    # when a rollout ends, a worker trains the head on while the trainer updates the policy (rollout
-    # workers wait then; free where they have accelerators of their own, taken from the trainer
-    # where they share its cores); the next rollout stops it first and waits for it (one step)
-    spot_in_update_gap: bool = True
-    # every n-th recorded sample a training worker gets is held out (0: none); a trained head is
-    # shipped to the engines only when it beats the drafting one there by more than the gain
-    # (accepted draft tokens per chain)
-    spot_holdout_every: int = 4
-    spot_ship_min_gain: float = 0.0
-    sample_buffer_mb: int = 256  # the coordinator's buffer of recorded training data
-    respawn_dead_workers: bool = True
-    max_shard_attempts: int = 3  # a request whose workers keep dying fails the rollout after this many tries
-    # how a rollout is dealt (tailspec.workers.work_queue): "divided" (a global queue that workers
-    # pull chunks from as they have room) or "static" (one fixed shard per worker, groups together)
-    schedule: str = "divided"
-    order: str = "predicted"  # "predicted": longest-predicted first (after one probe per new prompt) | "fifo"
-    chunk_size: int = 4  # requests per pull
-    inflight_per_worker: int | None = None  # requests a worker holds at once; None: its engine's max_num_seqs
-    rebalance: bool = True  # move requests from a busy worker to one that ran dry (tail rebalancing)
-    rebalance_min_tokens: int = 32  # only requests predicted at least this long are moved
-    length_history: int = 4  # rollouts of per-prompt completion lengths kept for length prediction
-    placement_timeout_s: float | None = 120.0  # fail (naming asked vs free resources) if workers cannot start
-    # Mirror-SD across workers (workers/draft_hosts.py): a worker idle in the tail drafts the mirror
-    # branches of one still decoding (before spot training takes it); needs a mirror strategy (or
-    # adaptive with mirror arms) and a drafter LM
-    draft_hosts: bool = False
-
-    def __post_init__(self) -> None:
-        checks = [
-            ("num_workers", isinstance(self.num_workers, int) and self.num_workers >= 1, "an int >= 1"),
-            ("num_cpus_per_worker", self.num_cpus_per_worker >= 0, "a number >= 0"),
-            (
-                "num_gpus_per_worker",
-                self.num_gpus_per_worker is None or self.num_gpus_per_worker >= 0,
-                "None or a number >= 0",
-            ),
-            (
-                "threads_per_worker",
-                self.threads_per_worker is None
-                or (isinstance(self.threads_per_worker, int) and self.threads_per_worker >= 1),
-                "None or an int >= 1",
-            ),
-            (
-                "spot_steps_per_call",
-                isinstance(self.spot_steps_per_call, int) and self.spot_steps_per_call >= 1,
-                "an int >= 1",
-            ),
-            ("max_spot_steps", isinstance(self.max_spot_steps, int) and self.max_spot_steps >= 0, "an int >= 0"),
-            ("spot_in_update_gap", isinstance(self.spot_in_update_gap, bool), "a bool"),
-            (
-                "spot_holdout_every",
-                isinstance(self.spot_holdout_every, int)
-                and (self.spot_holdout_every == 0 or self.spot_holdout_every >= 2),
-                "0 or an int >= 2",
-            ),
-            ("spot_ship_min_gain", self.spot_ship_min_gain >= 0, "a float >= 0"),
-            ("sample_buffer_mb", isinstance(self.sample_buffer_mb, int) and self.sample_buffer_mb >= 1, "an int >= 1"),
-            (
-                "max_shard_attempts",
-                isinstance(self.max_shard_attempts, int) and self.max_shard_attempts >= 1,
-                "an int >= 1",
-            ),
-        ]
-        checks += [
-            ("schedule", self.schedule in SCHEDULES, f"one of {SCHEDULES}"),
-            ("order", self.order in ORDERS, f"one of {ORDERS}"),
-            ("chunk_size", isinstance(self.chunk_size, int) and self.chunk_size >= 1, "an int >= 1"),
-            (
-                "inflight_per_worker",
-                self.inflight_per_worker is None
-                or (isinstance(self.inflight_per_worker, int) and self.inflight_per_worker >= 1),
-                "None or an int >= 1",
-            ),
-            (
-                "rebalance_min_tokens",
-                isinstance(self.rebalance_min_tokens, int) and self.rebalance_min_tokens >= 0,
-                "an int >= 0",
-            ),
-            ("length_history", isinstance(self.length_history, int) and self.length_history >= 0, "an int >= 0"),
-            (
-                "placement_timeout_s",
-                self.placement_timeout_s is None or self.placement_timeout_s > 0,
-                "None or a number > 0",
-            ),
-        ]
-        for name, ok, allowed in checks:
-            if not ok:
-                raise ValueError(f"WorkersConfig.{name} must be {allowed}, got {getattr(self, name)!r}")
 
 
 @dataclass
@@ -246,6 +145,12 @@ class RolloutCoordinator:
 
         self.on_event = on_event  # called with every event as it is recorded (logging, tests)
         self.config = c = config or WorkersConfig()
+        require(
+            c.num_workers >= 1,
+            "num_workers",
+            "an int >= 1 for a coordinator (0 is the in-process engine)",
+            c.num_workers,
+        )
         gpus = c.num_gpus_per_worker
         self.num_gpus = gpus if gpus is not None else (1.0 if torch.cuda.is_available() else 0.0)
         cpus = max(os.cpu_count() or 1, c.num_workers * c.num_cpus_per_worker)
@@ -391,7 +296,7 @@ class RolloutCoordinator:
             pool=self.pool,
             spot=self.spot,
             versions=self._versions(),
-            plan=self.schedule_plan(),
+            plan=SchedulePlan.of(self.config, self.rollout_config.max_num_seqs),
             predictor=self.predictor,
             max_attempts=self.config.max_shard_attempts,
             respawn=self.config.respawn_dead_workers,
@@ -420,17 +325,6 @@ class RolloutCoordinator:
             idle_worker_s=result.idle_worker_s,
             spot_busy_s=result.spot_busy_s,
             length_error=self.predictor.log.mean_rel_error,
-        )
-
-    def schedule_plan(self) -> SchedulePlan:
-        c = self.config
-        return SchedulePlan(
-            schedule=c.schedule,
-            order=c.order,
-            chunk_size=c.chunk_size,
-            inflight_per_worker=c.inflight_per_worker or self.rollout_config.max_num_seqs,
-            rebalance=c.rebalance,
-            rebalance_min_tokens=c.rebalance_min_tokens,
         )
 
     def _versions(self) -> Versions:

@@ -14,6 +14,7 @@ from typing import Any
 from ..rollout.handoff import InboxItem
 from ..rollout.params import SamplingParams
 from ..rollout.request import RequestOutput
+from .config import WorkersConfig
 from .draft_hosts import DraftHostPairs
 from .ledger import RequestLedger
 from .length_predictor import LengthPredictor
@@ -39,14 +40,27 @@ class Versions:
 
 @dataclass(frozen=True)
 class SchedulePlan:
-    """How a rollout's requests are dealt (see :mod:`tailspec.workers.work_queue`)."""
+    """How a rollout's requests are dealt (see :mod:`tailspec.workers.work_queue`): the schedule
+    fields of :class:`WorkersConfig`, with the in-flight limit resolved against the engines."""
 
-    schedule: str = "divided"
-    order: str = "predicted"
-    chunk_size: int = 4  # requests per pull: the granularity with which work is dealt
-    inflight_per_worker: int = 256  # requests a worker holds at once (divided); more wait in the queue
-    rebalance: bool = True  # move requests from a busy worker to one that ran dry
-    rebalance_min_tokens: int = 32  # move only requests predicted at least this long (None: unknown, moved)
+    schedule: str
+    order: str
+    chunk_size: int  # requests per pull: the granularity with which work is dealt
+    inflight_per_worker: int  # requests a worker holds at once (divided); more wait in the queue
+    rebalance: bool  # move requests from a busy worker to one that ran dry
+    rebalance_min_tokens: int  # move only requests predicted at least this long (None: unknown, moved)
+
+    @classmethod
+    def of(cls, config: WorkersConfig, max_num_seqs: int) -> SchedulePlan:
+        """``config``'s plan; a worker holds its engine's ``max_num_seqs`` unless the config caps it."""
+        return cls(
+            schedule=config.schedule,
+            order=config.order,
+            chunk_size=config.chunk_size,
+            inflight_per_worker=config.inflight_per_worker or max_num_seqs,
+            rebalance=config.rebalance,
+            rebalance_min_tokens=config.rebalance_min_tokens,
+        )
 
 
 @dataclass

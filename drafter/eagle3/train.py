@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from ...config_tree import require
 from ...distributed import single_process_environment
 from ...progress import progress_bar
 from .data import Eagle3Sample, FeatureBuffer
@@ -67,8 +68,7 @@ class DrafterTrainingConfig:
             ("focus", 0 <= self.focus <= 4, "a float in [0, 4]"),
         ]
         for name, ok, allowed in checks:
-            if not ok:
-                raise ValueError(f"DrafterTrainingConfig.{name} must be {allowed}, got {getattr(self, name)!r}")
+            require(ok, name, allowed, getattr(self, name))
 
 
 @dataclass

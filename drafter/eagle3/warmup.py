@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ...config_tree import coerce_subtrees, require
 from ...progress import progress_bar
 from ...rollout.engine import RolloutEngine
 from ...rollout.params import RolloutConfig, SamplingParams
@@ -39,10 +40,14 @@ class WarmupConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if not (isinstance(self.rounds, int) and self.rounds >= 1):
-            raise ValueError(f"WarmupConfig.rounds must be an int >= 1, got {self.rounds!r}")
-        if not (isinstance(self.steps_per_round, int) and self.steps_per_round >= 0):
-            raise ValueError(f"WarmupConfig.steps_per_round must be an int >= 0, got {self.steps_per_round!r}")
+        coerce_subtrees(self)
+        require(isinstance(self.rounds, int) and self.rounds >= 1, "rounds", "an int >= 1", self.rounds)
+        require(
+            isinstance(self.steps_per_round, int) and self.steps_per_round >= 0,
+            "steps_per_round",
+            "an int >= 0",
+            self.steps_per_round,
+        )
 
 
 @dataclass

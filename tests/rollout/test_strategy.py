@@ -46,7 +46,7 @@ def test_bad_strategies_name_the_problem(text, needle):
     with pytest.raises(ValueError, match="strategy") as err:
         parse_strategy(text)
     assert needle in str(err.value)
-    with pytest.raises(ValueError, match="RolloutConfig.strategy"):
+    with pytest.raises(ValueError, match="strategy is not valid"):
         RolloutConfig(strategy=text)
 
 

@@ -24,7 +24,9 @@ def rollout_steps(strategy: str, steps: int = 3) -> list[tuple[float, float]]:
     """Per RL step, the rollout's accept length and the share of its decode steps that ran a model
     drafter: 2 Ray workers, the policy synced after every step."""
     policy, tokenizer = load_tiny("policy")
-    cfg = DemoConfig(policy="tiny", strategy=strategy, drafter="small_lm", workers=2, spot_training=False)
+    cfg = DemoConfig().with_overrides(
+        policy="tiny", strategy=strategy, drafter="small_lm", workers=2, spot_training=False, drafter_train_steps=0
+    )
     rollout = _make_rollout(cfg)
     assert rollout.drafter is not None, f"{strategy}: the rollout was built without its drafter"
     rollout.model, rollout.sampling = policy, SamplingParams(temperature=1.0, max_new_tokens=64)

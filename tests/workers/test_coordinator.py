@@ -7,16 +7,18 @@ import pytest
 import torch
 from rollout_cases import coordinator, fresh_head, kinds, long_tail_batch, policy, single_engine
 
-from tailspec.rollout import SamplingParams
+from tailspec.rollout import RolloutConfig, SamplingParams
 from tailspec.testing import perturbed_copy
-from tailspec.workers import WorkersConfig
+from tailspec.workers import RolloutCoordinator, WorkersConfig
 
 
 def test_workers_config_is_validated():
-    with pytest.raises(ValueError, match="WorkersConfig.num_workers"):
-        WorkersConfig(num_workers=0)
-    with pytest.raises(ValueError, match="WorkersConfig.spot_steps_per_call"):
+    with pytest.raises(ValueError, match="num_workers must be an int >= 0"):
+        WorkersConfig(num_workers=-1)
+    with pytest.raises(ValueError, match="spot_steps_per_call must be an int >= 1"):
         WorkersConfig(spot_steps_per_call=0)
+    with pytest.raises(ValueError, match="num_workers must be an int >= 1 for a coordinator"):
+        RolloutCoordinator(None, RolloutConfig(), [0], config=WorkersConfig(num_workers=0))
 
 
 def test_results_equal_one_engine_and_spot_training_fills_the_tail(ray_local):

@@ -41,7 +41,7 @@ def test_workers_match_the_in_process_engine_and_sync_once_per_step(ray_local):
         drafter=head_for(policy),
         sampling=sampling,
         workers=2,
-        workers_config={"spot_steps_per_call": 2},
+        spot_steps_per_call=2,
     )
     for step in range(2):
         trainer.state.global_step = step

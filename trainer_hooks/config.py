@@ -1,0 +1,138 @@
+"""``SpecRolloutConfig``: one tree that holds every setting of a :class:`SpecRollout`.
+
+::
+
+    SpecRolloutConfig
+      engine:   RolloutConfig      (rollout/params.py: sizing, strategy, selector, mirror, kernels, ...)
+      workers:  WorkersConfig      (workers/config.py: 0 = in-process; Ray placement, schedule, spot training)
+      training: OnlineTrainingConfig  (the drafter's online training in the trainer's process; catch-up)
+      seed, position_noise, log_metrics
+
+Set a field by its dotted path (``SpecRollout(**{"engine.length_budget": 0.5})``, YAML's nesting,
+``tailspec demo --set rollout.engine.length_budget=0.5``) or, where only one field in the tree has
+that name, by the name alone (``SpecRollout(strategy="adaptive", length_budget=0.5, num_workers=2)``).
+``workers=N`` is short for ``workers.num_workers=N``. Errors name the field's dotted path.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from ..config_tree import ConfigError, apply_overrides, coerce_subtrees, require
+from ..drafter.catch_up import CatchUpConfig
+from ..rollout.params import RolloutConfig
+from ..workers.config import WorkersConfig
+
+__all__ = ["OnlineTrainingConfig", "SpecRolloutConfig"]
+
+# spellings of earlier releases: flat name -> dotted path (a FutureWarning names the new one)
+RENAMED = {"ray_address": "workers.address"}
+
+
+def _int_at_least(value: Any, low: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= low
+
+
+@dataclass
+class OnlineTrainingConfig:
+    """The drafter's training in the trainer's process after every rollout call, so it follows the
+    moving policy: an EAGLE-3 head on the features it recorded, a drafter LM's streaming heads on
+    the recent completions, ``self:L``'s exit adapter towards the policy's own distributions. (With
+    Ray workers an EAGLE-3 head trains on idle workers instead: ``workers.spot_training``.)
+    ``catch_up`` raises the learning rate while the accept length has fallen far below its best
+    (:mod:`tailspec.drafter.catch_up`; ``{"below": 0}`` turns it off), here and on workers alike."""
+
+    drafter_train_steps: int = 0  # training steps after every rollout call (0: off)
+    drafter_buffer_mb: int = 256  # the EAGLE-3 head's buffer of recorded features
+    self_adapter_rank: int | None = None  # drafter "self:L": an ExitAdapter of this rank, trained online
+    catch_up: CatchUpConfig = field(default_factory=CatchUpConfig)
+
+    def __post_init__(self) -> None:
+        coerce_subtrees(self)
+        if self.catch_up is None:
+            self.catch_up = CatchUpConfig()
+        require(
+            _int_at_least(self.drafter_train_steps, 0), "drafter_train_steps", "an int >= 0", self.drafter_train_steps
+        )
+        require(_int_at_least(self.drafter_buffer_mb, 1), "drafter_buffer_mb", "an int >= 1", self.drafter_buffer_mb)
+        require(
+            self.self_adapter_rank is None or _int_at_least(self.self_adapter_rank, 1),
+            "self_adapter_rank",
+            "None or an int >= 1",
+            self.self_adapter_rank,
+        )
+
+
+@dataclass
+class SpecRolloutConfig:
+    """TRL-style configuration of :class:`tailspec.SpecRollout` (see the module's docstring)."""
+
+    engine: RolloutConfig = field(default_factory=RolloutConfig)
+    workers: WorkersConfig = field(default_factory=lambda: WorkersConfig(num_workers=0))
+    training: OnlineTrainingConfig = field(default_factory=OnlineTrainingConfig)
+    seed: int | None = None  # the engines' sampling seed; None: the trainer's seed + process index
+    # sample with position-keyed noise (rollout/position_noise.py): each request gets a seed derived
+    # from (seed, global step, call, index), and its completion is then the same under every
+    # strategy, drafter and worker layout (a run reproducible with speculation off; drafters compared
+    # on one policy trajectory), at some cost in accepted draft tokens
+    position_noise: bool = False
+    log_metrics: bool = True  # rollout/* metrics into the trainer's logs (wandb, TensorBoard, ...)
+
+    def __post_init__(self) -> None:
+        coerce_subtrees(self)
+        require(
+            self.seed is None or (_int_at_least(self.seed, -(2**63)) and self.seed < 2**64),
+            "seed",
+            "None or an int in [-2**63, 2**64)",
+            self.seed,
+        )
+        require(isinstance(self.position_noise, bool), "position_noise", "a bool", self.position_noise)
+        require(isinstance(self.log_metrics, bool), "log_metrics", "a bool", self.log_metrics)
+        require(
+            self.engine.seed == RolloutConfig.seed,
+            "engine.seed",
+            "left at its default: SpecRollout seeds its engines from `seed` (None: the trainer's seed + process index)",
+            self.engine.seed,
+        )
+        require(
+            not (self.workers.num_workers and self.training.drafter_train_steps),
+            "training.drafter_train_steps",
+            "0 with Ray workers (workers.num_workers > 0): there the EAGLE-3 head trains on idle workers "
+            "(workers.spot_training, workers.max_spot_steps)",
+            self.training.drafter_train_steps,
+        )
+
+    def engine_config(self, seed: int) -> RolloutConfig:
+        """The engine's configuration with its sampling seed."""
+        return replace(self.engine, seed=seed)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> SpecRolloutConfig:
+        """From nested dicts (YAML); keys as :meth:`with_overrides` takes them."""
+        return cls().with_overrides(**data)
+
+    def with_overrides(self, **overrides: Any) -> SpecRolloutConfig:
+        """A copy with ``overrides`` set, each named by its dotted path or by a field name that only
+        one field in the tree has; ``workers=N`` is ``workers.num_workers=N``."""
+        return apply_overrides(self, _modern_names(overrides))
+
+
+def _modern_names(overrides: Mapping[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in overrides.items():
+        if key == "workers" and _int_at_least(value, 0):
+            key = "workers.num_workers"
+        elif key == "workers_config":
+            warnings.warn("SpecRollout(workers_config={...}) is now workers={...}", FutureWarning, stacklevel=4)
+            if value is not None and not isinstance(value, Mapping):
+                raise ConfigError("workers_config", f"must be a dict of WorkersConfig fields, got {value!r}")
+            out.update({f"workers.{k}": v for k, v in (value or {}).items()})
+            continue
+        elif key in RENAMED:
+            warnings.warn(f"SpecRollout({key}=...) is now {RENAMED[key]}", FutureWarning, stacklevel=4)
+            key = RENAMED[key]
+        out[key] = value
+    return out
