@@ -46,7 +46,7 @@ def test_sampling_params_validation(kwargs, field):
 def test_rollout_config_validation(kwargs, field):
     with pytest.raises(ValueError, match=field):
         RolloutConfig(**kwargs)
-    with pytest.raises(ValueError, match="unknown"):
+    with pytest.raises(ValueError, match="blok_size is not a field of RolloutConfig"):
         RolloutConfig.from_dict({"block_size": 4, "blok_size": 4})
 
 
