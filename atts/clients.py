@@ -59,7 +59,7 @@ class LocalEngineClient:
     def poll(self) -> list[tuple[int, RequestOutput]]:
         if not self._pending:
             return []
-        with self.engine._inference():  # re-entrant: free inside session()
+        with self.engine.inference():  # re-entrant: free inside session()
             finished = [i for i in self.engine.step() if i in self._pending]
         self._pending.difference_update(finished)
         return [(i, self.engine.pop_output(i)) for i in finished]
@@ -69,7 +69,7 @@ class LocalEngineClient:
 
     def session(self) -> contextlib.AbstractContextManager:
         """Keep the engine's inference mode on across many polls (cheaper than per step)."""
-        return self.engine._inference()
+        return self.engine.inference()
 
     @property
     def stats(self) -> dict[str, float]:
@@ -131,7 +131,7 @@ class EngineActor:
     def _loop(self) -> None:
         engine = self.engine
         try:
-            with engine._inference():
+            with engine.inference():
                 while not self._closed.is_set():
                     idle = not engine.has_unfinished()
                     try:

@@ -292,7 +292,7 @@ def test_adaptive_without_a_drafter_uses_model_free_arms_and_says_so(caplog):
     """Silently running adaptive without its drafter is how the demo's adaptive runs drafted at 9%
     acceptance (issue 39): the engine names the arms it dropped."""
     engine = RolloutEngine(cached_model("llama"), RolloutConfig(strategy="adaptive"))
-    with caplog.at_level("WARNING", logger="tailspec.rollout.engine"):
+    with caplog.at_level("WARNING", logger="tailspec.rollout.strategy_choice"):
         engine.generate(random_prompts(4, seed=2), SamplingParams(max_new_tokens=20, temperature=0.0))
     assert set(engine.stats.strategy_steps) <= {"none", "suffix:8,2,16"}
     assert "has no model drafter" in caplog.text and "chain:4" in caplog.text
@@ -383,9 +383,9 @@ def test_probe_steps_in_the_engine_draft_for_a_few_sequences_and_stay_lossless()
     drafted: list[int] = []
     propose = engine._spec_decode
 
-    def spy(batch, strategy, probe=None):
-        drafted.append((len(batch.seqs), probe))
-        return propose(batch, strategy, probe)
+    def spy(batch, plan):
+        drafted.append((len(batch.seqs), plan.probe))
+        return propose(batch, plan)
 
     engine._spec_decode = spy
     got = engine.generate(prompts, params)
@@ -629,7 +629,7 @@ def test_a_full_model_step_after_probes_only_is_flagged_as_a_switch():
     """A probe drafts for a few sequences, so the drafter still lags on the others: the first full
     step after it catches them up (on the demo's 56 sequences a ``chain:2`` step took 0.31 s
     instead of 0.15 s) and must not be judged as the arm's steady speed."""
-    from tailspec.rollout.engine import SWITCH_GAP
+    from tailspec.rollout.strategy_choice import SWITCH_GAP
 
     model = cached_model("qwen2")
     selector = {"probe_sequences": 2, "probe_from": 4, "prune_ratio": 0.0, "width_prune_ratio": 0.0, "seed": 1}
@@ -713,7 +713,7 @@ def test_the_engine_counts_reprobes_and_the_drafting_they_resume(caplog):
         return len(plans) == 5  # the step after the first re-probe resumed drafting
 
     engine.selector.plan, engine.selector.observe = plan, spy
-    with caplog.at_level("INFO", logger="tailspec.rollout.engine"):
+    with caplog.at_level("INFO", logger="tailspec.rollout.strategy_choice"):
         engine.generate(random_prompts(2, seed=3), SamplingParams(max_new_tokens=32, temperature=0.0))
     assert len(plans) > 9
     assert engine.stats.reprobes == 2 and engine.stats.reprobes_paying == 1
