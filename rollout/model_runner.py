@@ -12,7 +12,15 @@ from typing import Any
 
 import torch
 
-from .attention import METADATA_KWARG, AttentionMetadata, SequenceSlice, build_metadata, build_padded_metadata
+from ..kernels.dispatch import kernel_backend
+from .attention import (
+    METADATA_KWARG,
+    AttentionMetadata,
+    SequenceSlice,
+    build_metadata,
+    build_padded_metadata,
+    paged_attention_enabled,
+)
 from .graph_pool import GraphPool
 from .kv_cache import KVLayout, PagedKVCache
 
@@ -94,6 +102,36 @@ class ModelRunner:
             self.layout, num_blocks + (1 if graph_pool is not None else 0), block_size, cache_prefixes
         )
         self.scratch_slot = self.cache.allocator.allocate(1)[0] * block_size if graph_pool is not None else -1
+        self._weights_fingerprint: int | None = None
+        self._in_inference = False
+
+    def drop_stale_prefixes(self) -> None:
+        """Cached K/V is only valid for the weights that computed it: forget it when any parameter
+        was replaced or changed in place (optimizer steps and ``load_state_dict`` bump tensor
+        version counters)."""
+        fingerprint = hash(tuple((p.data_ptr(), p._version) for p in self.model.parameters()))
+        if fingerprint != self._weights_fingerprint:
+            if self._weights_fingerprint is not None:
+                self.cache.allocator.clear_prefixes()
+            self._weights_fingerprint = fingerprint
+
+    @contextmanager
+    def inference(self, kernels: str) -> Iterator[None]:
+        """no_grad + eval mode + paged attention (and the ``kernels`` backend) for the model,
+        restored afterwards. Re-entrant: a front end enters it around its steps, so a step inside
+        pays nothing."""
+        if self._in_inference:
+            yield
+            return
+        was_training = self.model.training
+        self.model.eval()
+        self._in_inference = True
+        try:
+            with torch.no_grad(), paged_attention_enabled(self.model), kernel_backend(kernels):
+                yield
+        finally:
+            self._in_inference = False
+            self.model.train(was_training)
 
     def forward(
         self,

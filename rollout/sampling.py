@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from .params import SamplingParams
+from .position_noise import keyed_scores
 
 
 @dataclass
@@ -157,6 +158,25 @@ def choose_tokens(
         scores, rows = keyed
         chosen = torch.where(rows, scores.argmax(dim=-1), chosen)
     return chosen
+
+
+def sample_next_tokens(
+    seqs: Sequence[Any], logits: torch.Tensor, fallback: torch.Generator
+) -> tuple[list[int], list[float]]:
+    """Each sequence's next token from its row of ``logits`` under its own sampling parameters,
+    and the token's logprob under the processed distribution. ``seqs`` are the engine's sequences
+    (their ``params``, ``generator`` and ``output_ids``); unseeded rows draw from ``fallback``."""
+    st = BatchSamplingTensors.from_params([s.params for s in seqs], logits.device)
+    logprobs = processed_logprobs(logits, st)
+    uniforms = None
+    if not st.all_greedy:
+        uniforms = draw_uniforms([s.generator for s in seqs], fallback).to(logits.device)
+    keyed = None
+    if any(s.params.position_keyed for s in seqs):
+        keyed = keyed_scores(logprobs, [s.params for s in seqs], [len(s.output_ids) for s in seqs])
+    chosen = choose_tokens(logprobs, st, uniforms, keyed)
+    chosen_lp = logprobs.gather(-1, chosen.unsqueeze(-1)).squeeze(-1)
+    return chosen.tolist(), chosen_lp.tolist()
 
 
 def draw_uniforms(

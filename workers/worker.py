@@ -354,33 +354,9 @@ class RolloutWorker:
         if self.head is None:
             raise RuntimeError(f"worker {self.index} has no EAGLE-3 head to train")
         self._chunk = self._stopped_upto + 1 if chunk is None else chunk
-        if self.train_buffer is None or self.train_buffer.max_bytes != buffer_bytes:
-            self.train_buffer = FeatureBuffer(buffer_bytes)
-        for sample in new_samples:
-            self._samples_received += 1
-            if holdout_every and self._samples_received % holdout_every == 0:
-                self.held_out.append(sample)
-                self._held_out_added += 1
-            else:
-                self.train_buffer.add(sample)
+        self._take_samples(new_samples, buffer_bytes, holdout_every)
         self._event("train_start", from_version=None if state is None else state.version, new=len(new_samples))
-        if self.train_head is None:  # trained apart from the drafting head, which changes only by broadcast
-            self.train_head = copy.deepcopy(self.head)
-            self.reference = copy.deepcopy(self.head)
-        if shipped is not None:
-            shipped.load_into(self.reference)
-        if state is not None:
-            state.load_into(self.train_head)
-            self.trainer = DrafterTrainer(
-                self.train_head, self.model.get_input_embeddings(), self.train_buffer, self.training_config
-            )
-            if state.optimizer is not None:
-                self.trainer.optimizer.load_state_dict(state.optimizer)
-            self.trainer.step_count = state.step
-        elif self.trainer is None:
-            raise RuntimeError(f"worker {self.index} has no trainer to continue; send a DrafterState")
-        self.trainer.buffer = self.train_buffer
-        self.trainer.lr_scale = lr_scale
+        self._prepare_trainer(state, shipped, lr_scale)
         judging = bool(holdout_every and self.held_out)
         against = int(self.reference.version)
         held_out = None
@@ -400,6 +376,40 @@ class RolloutWorker:
         judged = held_out is not None or not judging
         ship = bool(losses) and judged and (held_out is None or _beats(held_out, ship_min_gain))
         return self._train_result(losses, held_out, against, ship=ship, stopped=len(losses) < max_steps, judged=judged)
+
+    def _take_samples(self, new_samples: list[Eagle3Sample], buffer_bytes: int, holdout_every: int) -> None:
+        """Into the training buffer (``buffer_bytes``, newest kept), every ``holdout_every``-th (0:
+        none) into the held-out set instead."""
+        if self.train_buffer is None or self.train_buffer.max_bytes != buffer_bytes:
+            self.train_buffer = FeatureBuffer(buffer_bytes)
+        for sample in new_samples:
+            self._samples_received += 1
+            if holdout_every and self._samples_received % holdout_every == 0:
+                self.held_out.append(sample)
+                self._held_out_added += 1
+            else:
+                self.train_buffer.add(sample)
+
+    def _prepare_trainer(self, state: DrafterState | None, shipped: DrafterState | None, lr_scale: float) -> None:
+        """The copy that trains (apart from the drafting head, which changes only by broadcast), from
+        ``state`` or continuing; the reference to beat, set to ``shipped`` when sent."""
+        if self.train_head is None:
+            self.train_head = copy.deepcopy(self.head)
+            self.reference = copy.deepcopy(self.head)
+        if shipped is not None:
+            shipped.load_into(self.reference)
+        if state is not None:
+            state.load_into(self.train_head)
+            self.trainer = DrafterTrainer(
+                self.train_head, self.model.get_input_embeddings(), self.train_buffer, self.training_config
+            )
+            if state.optimizer is not None:
+                self.trainer.optimizer.load_state_dict(state.optimizer)
+            self.trainer.step_count = state.step
+        elif self.trainer is None:
+            raise RuntimeError(f"worker {self.index} has no trainer to continue; send a DrafterState")
+        self.trainer.buffer = self.train_buffer
+        self.trainer.lr_scale = lr_scale
 
     def _train_result(
         self,

@@ -55,7 +55,7 @@ def test_agreeing_prefix():
 def test_branch_view_reads_the_sequence_then_its_assumed_tokens():
     engine = RolloutEngine(cached_model("llama"), RolloutConfig())
     rid = engine.add_request([5, 6, 7], SamplingParams(max_new_tokens=3))
-    seq = engine._seqs[rid]
+    seq = engine.requests.seqs[rid]
     view = BranchView(seq, [8, 9])
     assert view.num_tokens == 5 and [view.token_at(i) for i in range(5)] == [5, 6, 7, 8, 9]
     assert view.output_ids == [8, 9] and view.seq_id == rid and view.generator is None

@@ -251,7 +251,7 @@ def test_a_branch_over_the_head_s_own_draft_continues_that_draft():
     rid = engine.add_request(random_prompts(1, seed=4)[0], SamplingParams(max_new_tokens=20, temperature=0.0))
     engine.step()  # the prefill: the drafter observes the prompt's features
     engine.step()  # one decode step: more features, one more token
-    seq = engine._seqs[rid]
+    seq = engine.requests.seqs[rid]
     with torch.no_grad():
         whole = drafter.propose([DraftRequest(seq, 7)], DraftShape(7))[0].tokens
         branch = drafter.propose_branches([DraftRequest(BranchView(seq, whole[:3]), 4)], DraftShape(4))[0].tokens

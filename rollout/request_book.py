@@ -1,0 +1,101 @@
+"""The engine's requests by id: admission into the scheduler, and what finishing, aborting or handing
+one over to another engine releases (the drafters' per-sequence state, the mirror's branches)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as Seq
+
+from ..draft_contract import Drafter
+from .admission import RequestLimits
+from .handoff import PartialRequest
+from .mirror_slot import MirrorSlot
+from .params import SamplingParams
+from .request import FinishReason, RequestOutput, SeqStatus, Sequence
+from .scheduler import Scheduler
+from .token_ids import token_id_list
+
+
+class RequestBook:
+    def __init__(
+        self,
+        scheduler: Scheduler,
+        limits: RequestLimits,
+        eos_ids: frozenset[int],
+        drafters: list[Drafter],
+        mirrors: MirrorSlot,
+    ) -> None:
+        self.scheduler, self.limits, self.eos_ids = scheduler, limits, eos_ids
+        self.drafters, self.mirrors = drafters, mirrors  # told when a sequence finishes or leaves
+        self.seqs: dict[int, Sequence] = {}
+        self._next_id = 0
+        self._next_group = 0
+
+    def add(
+        self,
+        prompt_ids: Seq[int],
+        params: SamplingParams | None = None,
+        *,
+        group: int | None = None,
+        resume: PartialRequest | None = None,
+        expected_length: float | None = None,
+    ) -> int:
+        params = params or SamplingParams()
+        prompt_ids = token_id_list(prompt_ids)
+        self.limits.check(prompt_ids, params)
+        stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_ids)
+        seq = Sequence(self._next_id, list(prompt_ids), params, stop_ids, group=None if resume else group)
+        seq.expected_length = expected_length
+        if resume is not None:
+            if list(resume.prompt_ids) != seq.prompt_ids or resume.params != params:
+                raise ValueError("resume: the partial request belongs to another prompt or other sampling params")
+            seq.resume_from(resume)
+        self._next_id += 1
+        self.seqs[seq.seq_id] = seq
+        self.scheduler.add(seq)
+        return seq.seq_id
+
+    def new_group(self) -> int:
+        self._next_group += 1
+        return self._next_group
+
+    def alive(self) -> list[int]:
+        return [s.seq_id for s in self.seqs.values() if s.status is not SeqStatus.FINISHED]
+
+    def abort(self, request_id: int) -> None:
+        seq = self.seqs.get(request_id)
+        if seq is not None and seq.status is not SeqStatus.FINISHED:
+            self.scheduler.abort(seq)
+            seq.finish_reason = seq.finish_reason or FinishReason.ABORT
+            self._forget(seq)
+
+    def discard(self, request_id: int) -> None:
+        self.abort(request_id)
+        self.seqs.pop(request_id, None)
+
+    def release(self, request_id: int) -> PartialRequest:
+        seq = self.seqs.get(request_id)
+        if seq is None or seq.status is SeqStatus.FINISHED:
+            raise ValueError(f"request {request_id} is not running here")
+        partial = seq.to_partial()
+        self.scheduler.abort(seq)
+        self._forget(seq)
+        del self.seqs[request_id]
+        return partial
+
+    def finish(self, seq: Sequence) -> None:
+        self.scheduler.finish(seq)
+        for drafter in self.drafters:
+            drafter.finished(seq)
+        self._forget(seq)
+
+    def _forget(self, seq: Sequence) -> None:
+        for drafter in self.drafters:
+            drafter.release(seq.seq_id)
+        self.mirrors.release(seq.seq_id)
+
+    def pop_output(self, request_id: int) -> RequestOutput:
+        seq = self.seqs[request_id]
+        if seq.status is not SeqStatus.FINISHED:
+            raise ValueError(f"request {request_id} has not finished")  # and stays retrievable
+        del self.seqs[request_id]
+        return seq.to_output()

@@ -1,0 +1,95 @@
+"""The engine's speculative decode step, as gpt-fast reads it: drafts -> target forward -> verify ->
+accept -> commit (the four functions of ``rollout/spec_step.py``); each sequence advances by its own
+accepted length. Why the output is exactly the target's: ``rollout/verify.py``.
+
+The drafts come from one of two sources behind :meth:`SpeculativeStep._drafts`: serially from the
+engine's drafters (chain, tree, suffix, hybrid; on the running mirror pipeline's drafter where one
+runs, ``MirrorSlot.serial_drafts``), or from the mirror pipeline, which drafts the next round's
+beside the verification forward (``rollout/mirror.py``). Which strategy a step runs is
+``StrategyChoice``'s; this module runs the step it is given.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import torch
+
+from ..draft_contract import Drafter, DraftTree
+from .feature_taps import FeatureTaps
+from .length_budget import drafting_mask, spread_mask
+from .mirror import MirrorPipeline
+from .mirror_slot import MirrorSlot
+from .model_runner import ModelRunner
+from .params import RolloutConfig
+from .request import Sequence
+from .spec_step import accept, commit, propose, verify
+from .speculative import pack_verify_batch, release_unused_blocks
+from .stats import EngineStats
+from .strategy import Strategy
+from .strategy_choice import StepPlan
+
+Forward = Callable[[list, list[int], list[int], list[int]], torch.Tensor]
+
+
+class SpeculativeStep:
+    def __init__(
+        self,
+        runner: ModelRunner,
+        config: RolloutConfig,
+        drafter_for: Callable[[Strategy], Drafter],
+        mirrors: MirrorSlot,
+        taps: FeatureTaps,
+        forward: Forward,
+        generator: torch.Generator,
+        stats: EngineStats,
+    ) -> None:
+        self.runner, self.config, self.drafter_for, self.mirrors = runner, config, drafter_for, mirrors
+        self.taps, self.forward, self.generator, self.stats = taps, forward, generator, stats
+
+    def __call__(self, seqs: list[Sequence], plan: StepPlan) -> list[Sequence]:
+        """Run one step of ``plan`` over ``seqs``; returns those that are done (for the engine to
+        finish). A ``plan.probe`` step drafts for that many sequences only, spread over the batch
+        (the selector's cheap first try of an arm on a large batch)."""
+        allocator, bs = self.runner.cache.allocator, self.config.block_size
+        strategy, mirror = self.mirrors.for_step(plan.strategy)
+        start = time.perf_counter()
+        drafting = drafting_mask(seqs, self.config.length_budget)
+        if plan.probe is not None:
+            drafting = [d and p for d, p in zip(drafting, spread_mask(len(seqs), plan.probe))]
+        trees, drafter = self._drafts(strategy, mirror, seqs, drafting)
+        drafted_at = time.perf_counter()
+        slices, tokens, positions = pack_verify_batch(seqs, trees)
+        bases = [seq.num_tokens for seq in seqs]
+        with self.mirrors.beside(mirror, self.runner, seqs, trees, strategy):
+            logits = self.forward(slices, tokens, positions, list(range(len(tokens))))
+        verified = verify(seqs, trees, logits, [s.num_new for s in slices], self.generator)
+        committed = commit(seqs, trees, verified, accept(trees, verified), self.runner.cache)
+        self.stats.generated_tokens += committed.emitted
+        if mirror is not None:
+            mirror.settle(seqs, trees, verified.verdicts, strategy, bases)
+        self.taps.observe(committed.observed, logits)  # before finishing: a recording drafter needs every feature
+        for seq, verdict in zip(seqs, verified.verdicts):
+            if mirror is None:
+                drafter.accepted(seq, len(verdict.path))
+            if not seq.done:
+                release_unused_blocks(seq, allocator, bs)
+        draft_s, verify_s = drafted_at - start, time.perf_counter() - drafted_at
+        self.stats.record_spec_step(
+            str(strategy), len(seqs), committed.drafted, committed.accepted, committed.emitted, draft_s, verify_s
+        )
+        return [seq for seq in seqs if seq.done]
+
+    def _drafts(
+        self, strategy: Strategy, mirror: MirrorPipeline | None, seqs: list[Sequence], drafting: list[bool]
+    ) -> tuple[list[DraftTree], Drafter]:
+        """A step's drafts and the drafter that made them."""
+        allocator, bs = self.runner.cache.allocator, self.config.block_size
+        if mirror is not None:
+            return mirror.drafts(seqs, strategy, allocator, bs, drafting), mirror.drafter
+        shared = self.mirrors.serial_drafts(strategy, seqs, allocator, bs, drafting)
+        if shared is not None:
+            return shared
+        drafter = self.drafter_for(strategy)
+        return propose(drafter, seqs, strategy.shape, allocator, bs, drafting), drafter
