@@ -30,14 +30,17 @@ def kill_when(ray, box, predicate):
     return hook
 
 
-@pytest.mark.parametrize("schedule", ["divided", "static"])
+BEFORE = ("before its first request", lambda e: e.kind == "shard")
+DURING = ("during its requests", lambda e: e.kind == "finished" and e.detail["left"] > 0)
+AFTER = ("after its last request", lambda e: e.kind == "finished" and e.detail["left"] == 0)
+
+
+# each kill point once, and the mid-rollout death (the one that re-runs work) under both schedules:
+# the schedules differ in how the dead worker's requests were dealt, not in what its death puts back
 @pytest.mark.parametrize(
-    "point, predicate",
-    [
-        ("before its first request", lambda e: e.kind == "shard"),
-        ("during its requests", lambda e: e.kind == "finished" and e.detail["left"] > 0),
-        ("after its last request", lambda e: e.kind == "finished" and e.detail["left"] == 0),
-    ],
+    "point, predicate, schedule",
+    [(*BEFORE, "divided"), (*DURING, "divided"), (*DURING, "static"), (*AFTER, "static")],
+    ids=["before-divided", "during-divided", "during-static", "after-static"],
 )
 def test_a_killed_worker_costs_only_its_unfinished_requests(ray_local, point, predicate, schedule):
     prompts, params = long_tail_batch()
