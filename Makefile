@@ -28,10 +28,12 @@ demo: $(STAMP)
 	$(VENV)/bin/tailspec demo
 
 # two test processes (pytest-xdist), a file's tests in one of them (module fixtures built once): the
-# suite's tests run one torch thread each, so on 2 cores this halves the wall time
+# suite's tests run one torch thread each, so on 2 cores this halves the wall time. Tests marked
+# `solo` judge what adaptive picks from measured step times: they run afterwards, alone.
 TEST_WORKERS ?= 2
 test: $(STAMP)
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not solo"
+	$(PY) -m pytest -q -m solo
 
 bench: $(STAMP)
 	$(VENV)/bin/tailspec bench

@@ -1,10 +1,18 @@
-"""The default :data:`tailspec.draft_contract.DrafterFactory`: what a user hands the engine as
-``drafter=`` (a tailspec ``Drafter``, an EAGLE-3 head for the target, or a smaller Hugging Face
-causal LM sharing the tokenizer) made into drafters, plus the built-in suffix drafter and the
-hybrid of both. Each is bound to the target's vocabulary here."""
+"""Drafters are built here and only here. The default :data:`tailspec.draft_contract.DrafterFactory`
+(:func:`build_drafters`) makes what a user hands the engine as ``drafter=`` into a :class:`Drafter`
+(:func:`as_drafter`), adds the built-in suffix drafter and the hybrid of both, and binds each to
+the target's vocabulary.
+
+What a user may hand over is a registry of kinds (:data:`DRAFTER_KINDS`, tried in order): a
+tailspec ``Drafter`` as it is, ``"self:L"`` (the target's own first L layers), an EAGLE-3 head (it
+drafts from the target's features), and any other ``torch.nn.Module`` (a smaller causal LM with its
+own paged KV cache). Each kind says how it is built and what keeps it from fitting a target.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -12,59 +20,125 @@ import torch
 from ..draft_contract import Drafter, DrafterSet
 
 
-def as_drafter(drafter: Any, target: torch.nn.Module, config: Any) -> Drafter:
-    """``drafter`` as a :class:`Drafter`: an ``Eagle3Head`` drafts from ``target``'s features, any
-    other ``torch.nn.Module`` is a small LM with its own paged KV cache, ``"self:L"`` the target's
-    own first L layers (a self-speculative drafter)."""
-    kv_tokens = config.draft_kv_cache_tokens or config.kv_cache_tokens
-    if isinstance(drafter, Drafter):
-        return drafter
-    if isinstance(drafter, str):
-        from .self_spec import SelfSpecDrafter
+@dataclass(frozen=True)
+class DraftSettings:
+    """How a drafter is built for an engine: its KV pool and block size, its seed, and the parts
+    online training hands it (``buffer``: an EAGLE-3 drafter records training samples into it;
+    ``adapter``: ``self:L`` drafts through this exit adapter). ``config``: the engine's
+    ``RolloutConfig`` (a drafter LM on CUDA replays captured graphs from a pool it sizes)."""
 
-        layers = parse_self_drafter(drafter)
-        return SelfSpecDrafter(
-            target, layers, kv_cache_tokens=kv_tokens, block_size=config.block_size, seed=config.seed
-        )
-    from .eagle3 import Eagle3Drafter, Eagle3Head
+    kv_cache_tokens: int
+    block_size: int
+    seed: int
+    buffer: Any = None
+    adapter: Any = None
+    config: Any = None
 
-    if isinstance(drafter, Eagle3Head):
-        return Eagle3Drafter(drafter, target, kv_cache_tokens=kv_tokens, block_size=config.block_size, seed=config.seed)
-    if isinstance(drafter, torch.nn.Module):
-        from ..rollout.graph_pool import graph_pool_for
-        from .small_lm import SmallLMDrafter
-
-        return SmallLMDrafter(
-            drafter,
-            kv_cache_tokens=kv_tokens,
-            block_size=config.block_size,
-            seed=config.seed,
-            # on CUDA, draft forwards replay captured graphs as the target's do (CPU keeps eager drafts)
-            graph_pool=graph_pool_for(drafter, config) if next(drafter.parameters()).is_cuda else None,
-        )
-    raise ValueError(f"drafter must be a tailspec Drafter or a torch.nn.Module, got {type(drafter).__name__}")
+    @classmethod
+    def of(cls, config: Any, **parts: Any) -> DraftSettings:
+        kv_tokens = config.draft_kv_cache_tokens or config.kv_cache_tokens
+        return cls(kv_tokens, config.block_size, parts.pop("seed", config.seed), config=config, **parts)
 
 
-def fit_problems(drafter: Any, target: torch.nn.Module, tokenizer: Any = None) -> list[str]:
-    """What keeps ``drafter`` (anything :func:`as_drafter` takes) from drafting for ``target`` as it
-    is now (vocabulary, hidden size, tapped or shared layers); empty when it fits. Checked at every
-    policy sync: the policy can change shape under a drafter bound to it (resized embeddings)."""
-    if drafter is None:
-        return []
-    if isinstance(drafter, Drafter):
-        return drafter.fit_problems(target, tokenizer)
-    if isinstance(drafter, str):
-        from .self_spec import exit_layer_problems
+@dataclass(frozen=True)
+class DrafterKind:
+    name: str
+    takes: Callable[[Any], bool]
+    build: Callable[[Any, torch.nn.Module, DraftSettings], Drafter]
+    fit_problems: Callable[[Any, torch.nn.Module, Any], list[str]]
 
-        return exit_layer_problems(target, parse_self_drafter(drafter))
+
+def _self_drafter(spec: str, target: torch.nn.Module, s: DraftSettings) -> Drafter:
+    from .self_spec import SelfSpecDrafter
+
+    layers = parse_self_drafter(spec)
+    return SelfSpecDrafter(
+        target, layers, adapter=s.adapter, kv_cache_tokens=s.kv_cache_tokens, block_size=s.block_size, seed=s.seed
+    )
+
+
+def _self_fit(spec: str, target: torch.nn.Module, tokenizer: Any) -> list[str]:
+    from .self_spec import exit_layer_problems
+
+    return exit_layer_problems(target, parse_self_drafter(spec))
+
+
+def _is_eagle3_head(spec: Any) -> bool:
     from .eagle3 import Eagle3Head
+
+    return isinstance(spec, Eagle3Head)
+
+
+def _eagle3_drafter(head: Any, target: torch.nn.Module, s: DraftSettings) -> Drafter:
+    from .eagle3 import Eagle3Drafter
+
+    return Eagle3Drafter(
+        head, target, kv_cache_tokens=s.kv_cache_tokens, block_size=s.block_size, seed=s.seed, buffer=s.buffer
+    )
+
+
+def _small_lm_drafter(lm: torch.nn.Module, target: torch.nn.Module, s: DraftSettings) -> Drafter:
+    from ..rollout.graph_pool import graph_pool_for
+    from .small_lm import SmallLMDrafter
+
+    on_cuda = s.config is not None and next(lm.parameters()).is_cuda
+    return SmallLMDrafter(
+        lm,
+        kv_cache_tokens=s.kv_cache_tokens,
+        block_size=s.block_size,
+        seed=s.seed,
+        # on CUDA, draft forwards replay captured graphs as the target's do (CPU keeps eager drafts)
+        graph_pool=graph_pool_for(lm, s.config) if on_cuda else None,
+    )
+
+
+def _small_lm_fit(lm: torch.nn.Module, target: torch.nn.Module, tokenizer: Any) -> list[str]:
     from .small_lm import output_rows, vocabulary_problem
 
-    if isinstance(drafter, Eagle3Head):
-        return drafter.config.target_problems(target.config)
     tokens = len(tokenizer) if tokenizer is not None else None
-    problem = vocabulary_problem(output_rows(target), output_rows(drafter), tokens)
+    problem = vocabulary_problem(output_rows(target), output_rows(lm), tokens)
     return [problem] if problem is not None else []
+
+
+DRAFTER_KINDS: list[DrafterKind] = [
+    DrafterKind(
+        "drafter",
+        lambda spec: isinstance(spec, Drafter),
+        lambda spec, target, s: spec,
+        lambda spec, target, tokenizer: spec.fit_problems(target, tokenizer),
+    ),
+    DrafterKind("self", lambda spec: isinstance(spec, str), _self_drafter, _self_fit),
+    DrafterKind(
+        "eagle3",
+        _is_eagle3_head,
+        _eagle3_drafter,
+        lambda head, target, tokenizer: head.config.target_problems(target.config),
+    ),
+    DrafterKind("small_lm", lambda spec: isinstance(spec, torch.nn.Module), _small_lm_drafter, _small_lm_fit),
+]
+
+
+def drafter_kind(spec: Any) -> DrafterKind:
+    """The registered kind that takes ``spec``."""
+    for kind in DRAFTER_KINDS:
+        if kind.takes(spec):
+            return kind
+    raise ValueError(f"drafter must be a tailspec Drafter or a torch.nn.Module, got {type(spec).__name__}")
+
+
+def as_drafter(spec: Any, target: torch.nn.Module, config: Any, **parts: Any) -> Drafter:
+    """``spec`` as a :class:`Drafter` for ``target`` under the engine's ``config``; ``parts``:
+    ``buffer``, ``adapter`` or ``seed`` (:class:`DraftSettings`)."""
+    return drafter_kind(spec).build(spec, target, DraftSettings.of(config, **parts))
+
+
+def fit_problems(spec: Any, target: torch.nn.Module, tokenizer: Any = None) -> list[str]:
+    """What keeps ``spec`` (anything :func:`as_drafter` takes) from drafting for ``target`` as it
+    is now (vocabulary, hidden size, tapped or shared layers); empty when it fits. Checked at every
+    policy sync: the policy can change shape under a drafter bound to it (resized embeddings)."""
+    if spec is None:
+        return []
+    return drafter_kind(spec).fit_problems(spec, target, tokenizer)
 
 
 def parse_self_drafter(spec: str) -> int:
@@ -81,6 +155,8 @@ def parse_self_drafter(spec: str) -> int:
 def build_drafters(
     drafter: Any, target: torch.nn.Module, config: Any, vocab_size: int, tokenizer: Any = None
 ) -> DrafterSet:
+    """The engine's drafters: the model drafter made from ``drafter`` (None without one), the
+    model-free suffix drafter, and the hybrid that fuses both (for ``hybrid`` strategies)."""
     from .hybrid import HybridDrafter
     from .suffix import SuffixDrafter
 

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from ..workers.worker import DrafterState
+from ..drafter.online import DrafterState
 
 FOLDER = "tailspec_rollout"
 
@@ -40,7 +40,7 @@ def save_rollout_state(state: dict[str, Any], checkpoint_dir: str | Path) -> Pat
         meta[key] = None
         if drafter is None:
             continue
-        save_file({k: v.contiguous() for k, v in drafter.head.items()}, str(folder / f"{key}.safetensors"))
+        save_file({k: v.contiguous() for k, v in drafter.weights.items()}, str(folder / f"{key}.safetensors"))
         meta[key] = {"version": drafter.version, "step": drafter.step}
         if drafter.optimizer is not None:
             torch.save(drafter.optimizer, folder / f"{key}_optimizer.pt")
@@ -66,7 +66,7 @@ def load_rollout_state(checkpoint_dir: str | Path) -> dict[str, Any] | None:
             continue
         optimizer_path = folder / f"{key}_optimizer.pt"
         state[key] = DrafterState(
-            head=load_file(str(folder / f"{key}.safetensors")),
+            weights=load_file(str(folder / f"{key}.safetensors")),
             version=int(saved["version"]),
             step=int(saved["step"]),
             optimizer=torch.load(optimizer_path, weights_only=False) if optimizer_path.exists() else None,

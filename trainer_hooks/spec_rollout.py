@@ -12,7 +12,6 @@ from __future__ import annotations
 import hashlib
 import logging
 import time
-from collections import deque
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field, replace
@@ -21,23 +20,17 @@ from typing import Any
 import torch
 
 from ..drafter.catch_up import CatchUp
+from ..drafter.online import DrafterState, online_training, trained_part
 from ..rollout.engine import RolloutEngine, eos_ids_of
 from ..rollout.params import SamplingParams
 from ..rollout.position_noise import derived_seed
 from ..rollout.strategy import parse_strategy
 from ..workers.coordinator import RolloutCoordinator, RolloutReport
-from ..workers.worker import DrafterState
 from .config import SpecRolloutConfig
 from .drafter_health import FIT_TO_CHECK, DrafterHealth
 from .sampling_from_trl import sampling_params_from_trl
 
 logger = logging.getLogger(__name__)
-
-# online training of a drafter part on token sequences (streaming heads, a self-speculative exit
-# adapter): the newest prompt + completion sequences it trains on, and its base learning rates
-RECENT_SEQUENCES = 256
-STREAMING_LR = 2e-3
-ADAPTER_LR = 1e-3
 
 
 @dataclass
@@ -112,28 +105,16 @@ class SpecRollout:
         self.sampling = sampling
         self.drafter = drafter
         self.health = DrafterHealth()
-        from ..drafter.eagle3 import Eagle3Head, FeatureBuffer
-
-        self._online_head = isinstance(drafter, Eagle3Head) and self.config.training.drafter_train_steps > 0
-        self._self_layers = self._self_adapter_layers(drafter)
-        self.adapter = None  # the self-speculative drafter's ExitAdapter, made with the first engine
-        self._sequence_trained = self.config.training.drafter_train_steps > 0 and (
-            getattr(drafter, "heads", None) is not None or self._self_layers is not None
+        training = self.config.training
+        # the drafter part trained here after every call (None: nothing trains in this process)
+        self.online = online_training(
+            drafter,
+            training.drafter_train_steps,
+            training.drafter_buffer_mb << 20,
+            training.self_adapter_rank,
+            drafter_training,
         )
-        if self.config.training.drafter_train_steps > 0 and not (self._online_head or self._sequence_trained):
-            raise ValueError(
-                "drafter_train_steps > 0 needs an EAGLE-3 head (SpecRollout(drafter=head)), a drafter LM with "
-                "streaming heads (SpecRollout(drafter=SmallLMDrafter(lm, streaming_heads=...))) or drafter='self:L' "
-                "with self_adapter_rank set"
-            )
-        # streaming heads or the exit adapter: their trainer (made at the first training) and the
-        # recent sequences it trains on
-        self.sequence_trainer = None
-        self._pending_part: DrafterState | None = None  # loaded from a checkpoint before the trainer exists
-        self._recent_sequences: deque[list[int]] = deque(maxlen=RECENT_SEQUENCES)
-        self.feature_buffer = FeatureBuffer(self.config.training.drafter_buffer_mb << 20) if self._online_head else None
         self.drafter_training = drafter_training
-        self.drafter_trainer = None  # DrafterTrainer, made at the first rollout (it needs the policy's embeddings)
         self._engine: RolloutEngine | None = None
         self._engine_model_id: int | None = None
         self._plain: tuple[int, RolloutEngine] | None = None  # (policy id, engine) while the drafter does not fit
@@ -171,12 +152,9 @@ class SpecRollout:
         }
         self._record(completion_ids, elapsed, counters, steps, str(engine.strategy), trainer)
         self._catch_up()
-        if self.health.misfit:  # the drafter sat this rollout out: nothing of it to train on
-            pass
-        elif self._online_head:
-            self._train_drafter(trainer)
-        elif self._sequence_trained:
-            self._recent_sequences.extend(p + c for p, c in zip(prompt_ids, completion_ids))
+        # a drafter that sat this rollout out (a misfit) has nothing of it to train on
+        if self.online is not None and self.config.training.drafter_train_steps and not self.health.misfit:
+            self.online.observe([p + c for p, c in zip(prompt_ids, completion_ids)])
             self._train_drafter(trainer)
         return self._trl_outputs(outputs)
 
@@ -289,9 +267,7 @@ class SpecRollout:
             return {**self._coordinator.state_dict(), "catch_up": self.catch_up.state_dict()}
         if self._engine is None and self._pending_state is not None:
             return self._pending_state
-        trained = self._trained_part()
-        trainer = self.drafter_trainer or self.sequence_trainer
-        drafter = DrafterState.of(trained, trainer) if trained is not None else None
+        drafter = self._drafter_state()
         engines = [self._engine.state_dict()] if self._engine is not None else []
         return {"engines": engines, "predictor": None, "drafter": drafter, "catch_up": self.catch_up.state_dict()}
 
@@ -300,18 +276,15 @@ class SpecRollout:
         ``drafter`` object); the rest when the engine or the workers start, or now if they run."""
         drafter = state.get("drafter")
         if drafter is not None:
-            trained = self._trained_part()
-            if trained is None and self._self_layers is None:
+            if self.online is not None:
+                self.online.load(drafter)  # weights now (once made), the optimizer with its trainer
+            elif (part := trained_part(self.drafter)) is not None:
+                drafter.load_into(part)
+            else:
                 raise ValueError(
                     "the saved rollout state has a drafter state (an EAGLE-3 head, streaming heads or an exit "
                     "adapter); this rollout drafts with none of them"
                 )
-            if trained is not None:  # an exit adapter not made yet loads it when it is (engine_for)
-                drafter.load_into(trained)
-            if trained is not self.drafter:  # streaming heads or adapter: the optimizer waits for their trainer
-                self._pending_part = drafter
-                if self.sequence_trainer is not None:
-                    self._apply_pending_part()
         self.catch_up.load_state_dict(state.get("catch_up"))
         self._pending_state = state
         if self._coordinator is not None:
@@ -320,37 +293,12 @@ class SpecRollout:
         elif self._engine is not None:
             self._apply_pending(self._engine)
 
-    def _trained_part(self) -> torch.nn.Module | None:
-        """What online training changes and a checkpoint keeps: the EAGLE-3 head, or a drafter
-        LM's streaming heads (None for any other drafter)."""
-        from ..drafter.eagle3 import Eagle3Head
-
-        if isinstance(self.drafter, Eagle3Head):
-            return self.drafter
-        if self._self_layers is not None:
-            return self.adapter
-        return getattr(self.drafter, "heads", None)
-
-    def _self_adapter_layers(self, drafter: Any) -> int | None:
-        """L of drafter ``"self:L"`` when it has an exit adapter (``self_adapter_rank``), else None."""
-        rank = self.config.training.self_adapter_rank
-        if rank is None:
-            return None
-        if not isinstance(drafter, str):
-            raise ValueError(f"self_adapter_rank is for drafter='self:L', got drafter={type(drafter).__name__}")
-        from ..drafter.factory import parse_self_drafter
-
-        if not (isinstance(rank, int) and rank >= 1):
-            raise ValueError(f"self_adapter_rank must be None or an int >= 1, got {rank!r}")
-        return parse_self_drafter(drafter)
-
-    def _apply_pending_part(self) -> None:
-        saved, self._pending_part = self._pending_part, None
-        if saved is None:
-            return
-        if saved.optimizer is not None:
-            self.sequence_trainer.optimizer.load_state_dict(saved.optimizer)
-        self.sequence_trainer.step_count = saved.step
+    def _drafter_state(self) -> DrafterState | None:
+        """What online training changes (or, untrained here, what a checkpoint still keeps)."""
+        if self.online is not None:
+            return self.online.state()
+        part = trained_part(self.drafter)
+        return DrafterState.of(part) if part is not None else None
 
     def _apply_pending(self, engine: RolloutEngine) -> None:
         state, self._pending_state = self._pending_state, None
@@ -358,11 +306,6 @@ class SpecRollout:
             return
         if state.get("engines"):
             engine.load_state_dict(state["engines"][0])
-        drafter = state.get("drafter")
-        if drafter is not None and self.drafter_trainer is not None:
-            if drafter.optimizer is not None:
-                self.drafter_trainer.optimizer.load_state_dict(drafter.optimizer)
-            self.drafter_trainer.step_count = drafter.step
 
     def close(self, *, wait: bool = True) -> None:
         """Stop the Ray workers (if any). ``wait=False``, on an interrupt, kills them at once and
@@ -412,39 +355,8 @@ class SpecRollout:
             eos = self._eos_ids(model, tokenizer)
             cfg = self.config.engine_config(seed)
             drafter = self.drafter
-            if self._online_head:
-                from ..drafter.eagle3 import Eagle3Drafter
-                from ..drafter.eagle3.train import DrafterTrainer
-
-                drafter = Eagle3Drafter(
-                    self.drafter,
-                    model,
-                    kv_cache_tokens=cfg.draft_kv_cache_tokens or cfg.kv_cache_tokens,
-                    block_size=cfg.block_size,
-                    seed=seed,
-                    buffer=self.feature_buffer,
-                )
-                if self.drafter_trainer is None:
-                    self.drafter_trainer = DrafterTrainer(
-                        self.drafter, model.get_input_embeddings(), self.feature_buffer, self.drafter_training
-                    )
-                else:
-                    self.drafter_trainer.embed = model.get_input_embeddings()
-            elif self._self_layers is not None:
-                from ..drafter.self_spec import ExitAdapter, SelfSpecDrafter
-
-                if self.adapter is None:
-                    self.adapter = ExitAdapter(model.config.hidden_size, self.config.training.self_adapter_rank)
-                    if self._pending_part is not None:
-                        self._pending_part.load_into(self.adapter)
-                drafter = SelfSpecDrafter(
-                    model,
-                    self._self_layers,
-                    adapter=self.adapter.to(next(model.parameters()).device),
-                    kv_cache_tokens=cfg.draft_kv_cache_tokens or cfg.kv_cache_tokens,
-                    block_size=cfg.block_size,
-                    seed=seed,
-                )
+            if self.online is not None:
+                drafter = self.online.engine_drafter(model, cfg)
             self._engine = RolloutEngine(model, cfg, eos_token_ids=eos, tokenizer=tokenizer, drafter=drafter)
             self._engine_model_id = id(model)
             self._apply_pending(self._engine)
@@ -465,8 +377,6 @@ class SpecRollout:
         stats.drafter_lr_scale = scale
         if self._coordinator is not None:
             self._coordinator.set_drafter_lr_scale(scale)
-        if self.drafter_trainer is not None:
-            self.drafter_trainer.lr_scale = scale
 
     @property
     def drafter_lr_scale(self) -> float:
@@ -474,16 +384,12 @@ class SpecRollout:
         return self.catch_up.lr_scale
 
     def _train_drafter(self, trainer: Any) -> None:
-        """Online training after a rollout: the EAGLE-3 head on what the rollouts recorded (the
-        buffer keeps the most recent), or the streaming heads on the recent sequences."""
+        """Online training after a rollout (``drafter/online.py``), at the catch-up rate."""
         start = time.perf_counter()
-        if self._online_head:
-            losses = [r.loss for r in self.drafter_trainer.train(self.config.training.drafter_train_steps)]
-        else:
-            losses = self._train_on_sequences()
+        losses = self.online.train(self.config.training.drafter_train_steps, self.catch_up.lr_scale)
         stats = self.last_stats
         stats.drafter_train_s = time.perf_counter() - start
-        stats.drafter_version = int(getattr(self._trained_part(), "version", 0))
+        stats.drafter_version = int(self.online.part.version)
         if losses:
             stats.drafter_loss = sum(losses) / len(losses)
         metrics = getattr(trainer, "_metrics", None)
@@ -492,30 +398,6 @@ class SpecRollout:
             metrics[mode]["drafter/loss"].append(stats.drafter_loss)
             metrics[mode]["drafter/version"].append(float(stats.drafter_version))
             metrics[mode]["drafter/train_s"].append(stats.drafter_train_s)
-
-    def _train_on_sequences(self) -> list[float]:
-        """Streaming heads on the recent completions, or the exit adapter towards the policy's own
-        distributions over them, at the catch-up rate."""
-        if self.sequence_trainer is None:
-            if self._self_layers is not None:
-                from ..drafter.self_spec import ExitAdapterTrainer
-
-                self.sequence_trainer = ExitAdapterTrainer(self._engine.model, self.adapter, self._self_layers)
-            else:
-                from ..drafter.streaming import StreamingHeadTrainer
-
-                self.sequence_trainer = StreamingHeadTrainer(self.drafter.model, self.drafter.heads)
-            self._apply_pending_part()
-        if self._self_layers is not None:
-            self.sequence_trainer.target = self._engine.model  # the teacher: the policy as it is now
-            minimum, lr = 1, ADAPTER_LR
-        else:
-            minimum, lr = len(self.drafter.heads) + 3, STREAMING_LR
-        sequences = [s for s in self._recent_sequences if len(s) >= minimum]
-        if not sequences:
-            return []
-        self.sequence_trainer.optimizer.param_groups[0]["lr"] = lr * self.catch_up.lr_scale
-        return self.sequence_trainer.train(sequences, self.config.training.drafter_train_steps)
 
     def _record_spot_training(self, report: RolloutReport, trainer: Any) -> None:
         stats = self.last_stats

@@ -46,6 +46,7 @@ import torch
 from ..config_tree import require
 from ..drafter.eagle3 import Eagle3Head
 from ..drafter.eagle3.train import DrafterTrainingConfig
+from ..drafter.online import DrafterState
 from ..rollout.admission import RequestLimits, prepare_requests
 from ..rollout.params import RolloutConfig, SamplingParams
 from ..rollout.request import RequestOutput
@@ -55,7 +56,7 @@ from .pool import PlacementError, WorkerPool
 from .rollout_round import RolloutRound, SchedulePlan, Versions, collect_chunk
 from .sharding import shard_requests
 from .spot import SpotTraining
-from .worker import DrafterState, RolloutWorker
+from .worker import RolloutWorker
 
 __all__ = [
     "CoordinatorEvent",

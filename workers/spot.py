@@ -34,7 +34,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..drafter.eagle3.data import Eagle3Sample
-from .worker import DrafterState, TrainResult
+from ..drafter.online import DrafterState
+from .worker import TrainResult
 
 logger = logging.getLogger(__name__)
 

@@ -23,9 +23,11 @@ from typing import Any
 import torch
 
 from ..draft_contract import Portable
-from ..drafter.eagle3 import Eagle3Drafter, Eagle3Head, FeatureBuffer
+from ..drafter.eagle3 import Eagle3Head, FeatureBuffer
 from ..drafter.eagle3.data import Eagle3Sample
 from ..drafter.eagle3.train import DrafterTrainer, DrafterTrainingConfig, held_out_acceptance
+from ..drafter.factory import as_drafter
+from ..drafter.online import DrafterState
 from ..rollout.engine import RolloutEngine
 from ..rollout.handoff import InboxItem, PartialRequest, RequestInbox
 from ..rollout.params import RolloutConfig
@@ -47,30 +49,6 @@ STAT_KEYS = (
 
 
 HELD_OUT_SAMPLES = 24  # the newest held-out samples heads are compared on: what the policy writes now
-
-
-@dataclass
-class DrafterState:
-    """Everything needed to continue training an EAGLE-3 head elsewhere (versioned); a drafter
-    LM's streaming heads are kept the same way (``SpecRollout`` checkpoints)."""
-
-    head: dict[str, torch.Tensor]
-    version: int
-    step: int = 0
-    optimizer: dict[str, Any] | None = None
-
-    @classmethod
-    def of(cls, head: Eagle3Head, trainer: DrafterTrainer | None = None) -> DrafterState:
-        return cls(
-            head={k: v.detach().cpu().clone() for k, v in head.state_dict().items()},
-            version=int(head.version),
-            step=trainer.step_count if trainer is not None else 0,
-            optimizer=trainer.optimizer.state_dict() if trainer is not None else None,
-        )
-
-    def load_into(self, head: Eagle3Head) -> None:
-        head.load_state_dict(self.head)
-        head.version = self.version
 
 
 @dataclass
@@ -184,13 +162,8 @@ class RolloutWorker:
         if self.head is not None:
             if drafter_state is not None:
                 drafter_state.load_into(self.head)
-            engine_drafter = Eagle3Drafter(
-                self.head,
-                self.model,
-                kv_cache_tokens=rollout_config.draft_kv_cache_tokens or rollout_config.kv_cache_tokens,
-                block_size=rollout_config.block_size,
-                seed=rollout_config.seed,
-                buffer=FeatureBuffer(self.sample_buffer_bytes),
+            engine_drafter = as_drafter(
+                self.head, self.model, rollout_config, buffer=FeatureBuffer(self.sample_buffer_bytes)
             )
         self.eagle_drafter = engine_drafter if self.head is not None else None
         self.engine = RolloutEngine(self.model, rollout_config, eos_token_ids=eos_token_ids, drafter=engine_drafter)

@@ -17,8 +17,8 @@ from ...config_tree import coerce_subtrees, require
 from ...progress import progress_bar
 from ...rollout.engine import RolloutEngine
 from ...rollout.params import RolloutConfig, SamplingParams
+from ..factory import as_drafter
 from .data import FeatureBuffer
-from .drafter import Eagle3Drafter
 from .model import Eagle3Config, Eagle3Head, vocab_from_counts
 from .train import DrafterTrainer, DrafterTrainingConfig
 
@@ -88,10 +88,9 @@ def warmup_head(
     chunks = [prompts[i :: cfg.rounds] for i in range(cfg.rounds)]
     for r, chunk in enumerate(progress_bar(chunks, desc="warm-up", unit="round", disable=not progress)):
         strategy = cfg.strategy if trainer is not None or trained else "none"
-        drafter = Eagle3Drafter(head, model, buffer=buffer, seed=cfg.seed + r)
-        engine = RolloutEngine(
-            model, RolloutConfig(strategy=strategy, seed=cfg.seed + r), drafter=drafter, eos_token_ids=eos_token_ids
-        )
+        engine_cfg = RolloutConfig(strategy=strategy, seed=cfg.seed + r)
+        drafter = as_drafter(head, model, engine_cfg, buffer=buffer)
+        engine = RolloutEngine(model, engine_cfg, drafter=drafter, eos_token_ids=eos_token_ids)
         start = time.perf_counter()
         outs = engine.generate(chunk, params)
         rollout_s = time.perf_counter() - start

@@ -61,7 +61,7 @@ def test_rollout_state_is_saved_with_checkpoints_and_restored_on_resume(common, 
         selector_before.choose(n) for n in (1, 2, 3, 8, 16, 64)
     ]
     assert engine.suffix_drafter.state_dict() == first.engine.suffix_drafter.state_dict()
-    assert second.drafter_trainer.step_count == saved["drafter"].step
+    assert second.online.trainer.step_count == saved["drafter"].step
 
 
 def test_resume_from_checkpoint_runs_on_warm(common):
@@ -82,8 +82,8 @@ def test_resume_from_checkpoint_runs_on_warm(common):
 def test_the_checkpoint_keeps_spot_trainings_unshipped_state_and_the_catch_up_rule(tmp_path):
     """Spot training's trained state is apart from the drafting one while it has not shipped; a
     resume from disk continues training from it, not from the shipped head."""
+    from tailspec.drafter.online import DrafterState
     from tailspec.trainer_hooks.rollout_state import save_rollout_state
-    from tailspec.workers.worker import DrafterState
 
     shipped = DrafterState({"w": torch.zeros(3)}, version=4, step=4)
     trained = DrafterState({"w": torch.ones(3)}, version=9, step=9, optimizer={"state": {}, "param_groups": []})
@@ -97,6 +97,6 @@ def test_the_checkpoint_keeps_spot_trainings_unshipped_state_and_the_catch_up_ru
     save_rollout_state(state, tmp_path)
     loaded = load_rollout_state(tmp_path)
     assert loaded["drafter"].version == 4 and loaded["drafter"].optimizer is None
-    assert loaded["drafter_trained"].version == 9 and torch.equal(loaded["drafter_trained"].head["w"], torch.ones(3))
+    assert loaded["drafter_trained"].version == 9 and torch.equal(loaded["drafter_trained"].weights["w"], torch.ones(3))
     assert loaded["drafter_trained"].optimizer == trained.optimizer
     assert loaded["catch_up"] == state["catch_up"] and loaded["engines"] == [{"x": 1}]

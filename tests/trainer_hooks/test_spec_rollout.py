@@ -153,7 +153,7 @@ def test_eagle3_head_drafts_and_trains_online_between_rollouts(task_tokenizer, t
         out = rollout(prompts, trainer)
         assert out["completion_ids"] == plain["completion_ids"]
         assert rollout.last_stats.drafter_version == 3 * (call + 1)
-    assert len(rollout.feature_buffer) == 2 * len(prompts)
+    assert len(rollout.online.buffer) == 2 * len(prompts)
     assert len(metrics["eval"]["drafter/loss"]) == 2
     with pytest.raises(ValueError, match="EAGLE-3 head .*, a drafter LM with streaming heads .* or drafter=.self:L."):
         SpecRollout(strategy="suffix", drafter_train_steps=2)
@@ -190,8 +190,8 @@ def test_streaming_heads_train_online_between_rollouts_and_resume(task_tokenizer
     resumed.load_state_dict(state)
     torch.testing.assert_close(fresh.blocks[0].weight, heads.blocks[0].weight)
     assert resumed(prompts, trainer)["completion_ids"] == plain["completion_ids"]
-    assert resumed.sequence_trainer.step_count == 6 + 3 and fresh.version == 6 + 3
-    assert resumed.sequence_trainer.optimizer.state_dict()["state"][0]["step"] == 6 + 3  # Adam moments carried over
+    assert resumed.online.trainer.step_count == 6 + 3 and fresh.version == 6 + 3
+    assert resumed.online.trainer.optimizer.state_dict()["state"][0]["step"] == 6 + 3  # Adam moments carried over
 
 
 def test_the_self_speculative_exit_adapter_trains_online_and_resumes(task_tokenizer, tiny_policy):
@@ -212,16 +212,16 @@ def test_the_self_speculative_exit_adapter_trains_online_and_resumes(task_tokeni
     losses = []
     for call in range(3):
         assert rollout(prompts, trainer)["completion_ids"] == plain["completion_ids"]
-        assert rollout.last_stats.drafter_version == rollout.adapter.version == 4 * (call + 1)
+        assert rollout.last_stats.drafter_version == rollout.online.adapter.version == 4 * (call + 1)
         losses.append(rollout.last_stats.drafter_loss)
     assert losses[-1] < losses[0]  # the early exit moves towards the full model's distribution
-    assert rollout.adapter.up.weight.abs().sum() > 0
+    assert rollout.online.adapter.up.weight.abs().sum() > 0
     state = rollout.state_dict()
 
     resumed = self_rollout()
     resumed.load_state_dict(state)
     assert resumed(prompts, trainer)["completion_ids"] == plain["completion_ids"]
-    assert resumed.sequence_trainer.step_count == 12 + 4 and resumed.adapter.version == 12 + 4
+    assert resumed.online.trainer.step_count == 12 + 4 and resumed.online.adapter.version == 12 + 4
     with pytest.raises(ValueError, match="self_adapter_rank is for drafter='self:L'"):
         SpecRollout(strategy="suffix", self_adapter_rank=8)
     with pytest.raises(ValueError, match="self_adapter_rank must be None or an int >= 1"):
@@ -308,7 +308,7 @@ def test_catch_up_raises_the_online_heads_learning_rate_after_a_fall(task_tokeni
     rollout.catch_up.load_state_dict({"reference": 50.0})
     rollout(convs, trainer)
     assert rollout.last_stats.drafter_lr_scale == 5.0 and rollout.drafter_lr_scale == 5.0
-    assert rollout.drafter_trainer.optimizer.param_groups[0]["lr"] == pytest.approx(5e-4)
+    assert rollout.online.trainer.optimizer.param_groups[0]["lr"] == pytest.approx(5e-4)
     assert rollout.state_dict()["catch_up"]["lr_scale"] == 5.0
     with pytest.raises(ValueError, match="catch_up"):
         SpecRollout(catch_up={"threshold": 0.5})

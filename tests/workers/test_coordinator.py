@@ -200,7 +200,7 @@ def test_the_drafting_head_trained_in_place_is_published_not_reverted(ray_local)
     coord.publish_drafter(head)
     assert coord.drafter_state.version == 11 and head.version == 11
     for key, value in trained.items():
-        assert torch.equal(coord.drafter_state.head[key], value), key
+        assert torch.equal(coord.drafter_state.weights[key], value), key
         assert torch.equal(head.state_dict()[key], value), key
     assert {v[1] for v in coord.worker_versions().values()} == {11}
     coord.shutdown()

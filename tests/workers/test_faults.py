@@ -85,7 +85,7 @@ def test_neither_a_policy_sync_nor_the_next_rollout_waits_long_for_a_training_ch
     want = [o.completion_ids for o in single_engine(prompts, params, model=new_policy)]
     coord = coordinator(spot_training=False)
     trainer = min(coord.workers)
-    newer = DrafterState(coord.drafter_state.head, coord.drafter_state.version + 5)
+    newer = DrafterState(coord.drafter_state.weights, coord.drafter_state.version + 5)
     gate = tmp_path / "chunk_may_return"
 
     @ray_local.remote(num_cpus=0)  # the workers hold every CPU of the local instance

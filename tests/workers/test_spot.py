@@ -31,7 +31,7 @@ def sample(n=4, width=8):
 
 
 def state(version):
-    return DrafterState(head={}, version=version)
+    return DrafterState(weights={}, version=version)
 
 
 def spot(**overrides):
