@@ -56,3 +56,29 @@ def test_drafters_declare_their_optional_capabilities(policy):
         assert isinstance(drafters.model, Portable) and isinstance(drafters.model, Versioned)
         assert isinstance(drafters.suffix, Stateful) and not isinstance(drafters.suffix, Portable)
         assert not isinstance(drafters.hybrid, (Portable, Versioned))
+
+
+def test_every_drafter_kind_is_built_by_the_registry_with_the_engines_settings(policy):
+    """What a user hands over picks its kind by type; the kind builds it with the engine's KV pool,
+    block size and seed, and the parts online training gives it (a recording buffer, an adapter)."""
+    from tailspec.drafter.eagle3 import Eagle3Drafter, FeatureBuffer
+    from tailspec.drafter.factory import drafter_kind
+    from tailspec.drafter.self_spec import ExitAdapter, SelfSpecDrafter
+    from tailspec.drafter.small_lm import SmallLMDrafter
+
+    lm = tiny_random_model("llama", seed=2, num_layers=1)
+    head = Eagle3Head(Eagle3Config.for_target(policy.config))
+    built = as_drafter(lm, policy, RolloutConfig())
+    assert [drafter_kind(s).name for s in (built, "self:2", head, lm)] == ["drafter", "self", "eagle3", "small_lm"]
+    assert as_drafter(built, policy, RolloutConfig()) is built  # a Drafter is taken as it is
+    config = RolloutConfig(block_size=8, kv_cache_tokens=512, draft_kv_cache_tokens=256, seed=7)
+    buffer = FeatureBuffer(1 << 20)
+    eagle = as_drafter(head, policy, config, buffer=buffer)
+    assert isinstance(eagle, Eagle3Drafter) and eagle.buffer is buffer
+    adapter = ExitAdapter(policy.config.hidden_size, 2)
+    selfish = as_drafter("self:2", policy, config, adapter=adapter, seed=3)
+    assert isinstance(selfish, SelfSpecDrafter) and selfish.adapter is adapter
+    small = as_drafter(lm, policy, config)
+    assert type(small) is SmallLMDrafter and (small.block_size, small.allocator.num_free, small.seed) == (8, 32, 7)
+    with pytest.raises(ValueError, match="drafter must be a tailspec Drafter or a torch.nn.Module, got int"):
+        as_drafter(3, policy, config)
