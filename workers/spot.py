@@ -20,8 +20,9 @@ goodput for model arms) keep the version they have. A stop cuts the comparison s
 yields within one training step): the state is then *unjudged*, and the next chunk compares before
 it trains, shipping at once if the state wins.
 
-Actors are passed in (anything with ``train_drafter.remote`` / ``stop_training.remote``), so
-the decisions are tested without Ray.
+A chunk runs on the worker's :class:`~tailspec.workers.spot_chunk.SpotTrainer` (the training
+copy, the held-out samples, the judgement). Actors are passed in (anything with
+``train_drafter.remote`` / ``stop_training.remote``), so the decisions are tested without Ray.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from typing import Any
 
 from ..drafter.eagle3.data import Eagle3Sample
 from ..drafter.online import DrafterState
-from .worker import TrainResult
+from .spot_chunk import TrainResult
 
 logger = logging.getLogger(__name__)
 

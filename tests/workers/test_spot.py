@@ -8,7 +8,7 @@ import torch
 from tailspec.drafter.eagle3.data import Eagle3Sample
 from tailspec.workers import DrafterState
 from tailspec.workers.spot import SampleBuffer, SpotTraining
-from tailspec.workers.worker import TrainResult
+from tailspec.workers.spot_chunk import TrainResult
 
 
 @dataclass
@@ -194,12 +194,12 @@ def test_a_worker_holds_out_every_nth_sample_and_compares_the_heads_on_them():
     worker, head, samples = spot_worker(prompts=8, max_new_tokens=24)
     start = DrafterState.of(head)
     result = worker.train_drafter(start, samples, 3, 1 << 30, holdout_every=4, shipped=start)
-    assert len(worker.held_out) == 2 and len(worker.train_buffer) == 6
+    assert len(worker.spot.held_out) == 2 and len(worker.spot.train_buffer) == 6
     assert len(result.losses) == 3 and result.held_out_against == 0
     shipped_acc, trained_acc = result.held_out
     assert 0.0 <= shipped_acc <= 4.0 and 0.0 <= trained_acc <= 4.0
     assert result.ship == (trained_acc > shipped_acc)
-    assert worker.reference.version == (3 if result.ship else 0)
+    assert worker.spot.reference.version == (3 if result.ship else 0)
     never = worker.train_drafter(None, [], 2, 1 << 30, holdout_every=4, ship_min_gain=5.0)  # cannot beat by 5
     assert not never.ship and never.held_out is not None
     plain = worker.train_drafter(None, [], 2, 1 << 30)  # nothing held out asked: no comparison, it ships
@@ -242,23 +242,23 @@ def test_a_stop_during_the_comparison_leaves_the_state_unjudged_and_the_next_chu
     worker, head, samples = spot_worker(prompts=8, max_new_tokens=24)
     start = DrafterState.of(head)
     worker.train_drafter(start, samples, 1, 1 << 30, holdout_every=4, shipped=start, ship_min_gain=5.0)
-    train = worker.trainer.train
+    train = worker.spot.trainer.train
 
     def train_then_stop(*args, **kwargs):  # the stop arrives while the last step runs
         results = train(*args, **kwargs)
         worker.stop_training()
         return results
 
-    worker.trainer.train = train_then_stop
+    worker.spot.trainer.train = train_then_stop
     cut = worker.train_drafter(None, [], 2, 1 << 30, holdout_every=4, ship_min_gain=-10.0)
     assert len(cut.losses) == 2 and cut.held_out is None and not cut.judged and not cut.ship
-    assert worker.reference.version == 0  # the copy to beat is unchanged
-    worker.trainer.train = train
+    assert worker.spot.reference.version == 0  # the copy to beat is unchanged
+    worker.spot.trainer.train = train
     lost = worker.train_drafter(None, [], 2, 1 << 30, holdout_every=4, ship_min_gain=5.0, judge_first=True)
     assert lost.judged and not lost.ship and len(lost.losses) == 2  # judged first, lost, trained on
     won = worker.train_drafter(None, [], 2, 1 << 30, holdout_every=4, ship_min_gain=-10.0, judge_first=True)
     assert won.judged and won.ship and won.losses == [] and won.held_out is not None  # ships as it is
-    assert won.state.version == lost.state.version == worker.reference.version
+    assert won.state.version == lost.state.version == worker.spot.reference.version
 
 
 def test_a_stop_that_overtakes_its_chunk_still_stops_it_and_an_old_stop_stops_no_later_chunk():
