@@ -186,7 +186,14 @@ class RolloutEngine:
         """Queue a request; ``resume`` continues one released by another engine (:meth:`release`);
         ``expected_length`` (a predicted completion length) steers the length-aware draft budget
         (``RolloutConfig.length_budget``), never the output; ``group`` marks a prompt group."""
-        return self.requests.add(prompt_ids, params, group=group, resume=resume, expected_length=expected_length)
+        params = params or SamplingParams()
+        seq = self.requests.new_sequence(prompt_ids, params, group=None if resume else group)
+        seq.expected_length = expected_length
+        if resume is not None:
+            if list(resume.prompt_ids) != seq.prompt_ids or resume.params != params:
+                raise ValueError("resume: the partial request belongs to another prompt or other sampling params")
+            seq.resume_from(resume)
+        return self.requests.admit(seq)
 
     def new_group(self) -> int:
         return self.requests.new_group()

@@ -30,26 +30,16 @@ class RequestBook:
         self._next_id = 0
         self._next_group = 0
 
-    def add(
-        self,
-        prompt_ids: Seq[int],
-        params: SamplingParams | None = None,
-        *,
-        group: int | None = None,
-        resume: PartialRequest | None = None,
-        expected_length: float | None = None,
-    ) -> int:
-        params = params or SamplingParams()
+    def new_sequence(self, prompt_ids: Seq[int], params: SamplingParams, group: int | None) -> Sequence:
+        """A sequence for a request, validated (``ValueError`` naming the problem) and numbered."""
         prompt_ids = token_id_list(prompt_ids)
         self.limits.check(prompt_ids, params)
         stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_ids)
-        seq = Sequence(self._next_id, list(prompt_ids), params, stop_ids, group=None if resume else group)
-        seq.expected_length = expected_length
-        if resume is not None:
-            if list(resume.prompt_ids) != seq.prompt_ids or resume.params != params:
-                raise ValueError("resume: the partial request belongs to another prompt or other sampling params")
-            seq.resume_from(resume)
+        seq = Sequence(self._next_id, list(prompt_ids), params, stop_ids, group=group)
         self._next_id += 1
+        return seq
+
+    def admit(self, seq: Sequence) -> int:
         self.seqs[seq.seq_id] = seq
         self.scheduler.add(seq)
         return seq.seq_id
