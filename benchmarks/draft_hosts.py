@@ -122,9 +122,8 @@ def measure_draft_hosts(cfg: DraftHostBenchConfig) -> DraftHostResult:
                 r = results[arm]
                 r.seconds.append(time.perf_counter() - start)
                 r.tokens.append(sum(len(o.completion_ids) for o in report.outputs))
-                r.tail_s.append(report.stats["tail_time_s"])
-                steps = report.stats.get("spec_seq_steps", 0)
-                r.accept_length = report.stats.get("spec_emitted_tokens", 0) / steps if steps else 1.0
+                r.tail_s.append(report.counts.tail_time_s)
+                r.accept_length = report.counts.mean_accept_length
                 logger.info("draft-host bench pass %d %s: %.2f s, %d tokens", p, arm, r.seconds[-1], r.tokens[-1])
             base = results[BASELINE]
             for r in results.values():

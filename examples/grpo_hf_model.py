@@ -6,7 +6,8 @@
     ray job submit --address http://HEAD:8265 --working-dir . -- \\
         python examples/grpo_hf_model.py --config configs/grpo_hf_ray_multi_gpu.yaml
 
-Any config field can be overridden: ``--set max_steps=10 --set strategy=suffix``. ``model`` and
+Any config field can be overridden: ``--set max_steps=10 --set strategy=suffix``, and any field of
+the rollout by its dotted path: ``--set rollout.engine.length_budget=0.5``. ``model`` and
 ``dataset`` accept hub names or local paths (a local dataset is a JSON/JSONL file with ``question``
 and ``answer`` fields; a GSM8K-style answer ends with ``#### <number>``). The reward is 1 when the
 last number in the completion equals the reference number.
@@ -17,10 +18,13 @@ from __future__ import annotations
 import argparse
 import os
 import re
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import yaml
+
+from tailspec.config_tree import apply_overrides, coerce_subtrees, parse_assignments, require
+from tailspec.trainer_hooks.config import SpecRolloutConfig
 
 
 @dataclass
@@ -40,7 +44,6 @@ class HFGRPOConfig:
     temperature: float = 1.0
     bf16: bool = True
     gradient_checkpointing: bool = True
-    strategy: str = "adaptive"  # none | chain:K | tree:D,K,B | suffix | hybrid | adaptive
     drafter: str = "eagle3"  # eagle3: a head warmed up on the model's rollouts before RL | none
     warmup_prompts: int = 256
     warmup_steps: int = 400
@@ -50,50 +53,57 @@ class HFGRPOConfig:
     # workers, each new version is sent to them and they do no spot training of their own)
     drafter_data: str = "rollout"
     export: str | None = "sglang"  # export the trained head for sglang | vllm | null
-    kv_cache_tokens: int = 262144
-    workers: int = 0  # Ray rollout workers (one per GPU on a cluster); 0 = colocated engine
-    ray_address: str | None = None
     deepspeed: str | None = None  # zero2 | zero3 | a DeepSpeed JSON path
     wandb: bool = True
     wandb_mode: str = "offline"
     seed: int = 0
+    # the rollout (tailspec.SpecRolloutConfig), nested under `rollout:` in YAML: the strategy
+    # (engine.strategy), the KV pool, Ray workers (workers.num_workers: one per GPU on a cluster; 0 =
+    # the colocated engine) and every other engine or worker field
+    rollout: SpecRolloutConfig = field(
+        default_factory=lambda: SpecRolloutConfig().with_overrides(strategy="adaptive", kv_cache_tokens=262144)
+    )
 
     def __post_init__(self) -> None:
-        if self.export not in (None, "sglang", "vllm"):
-            raise ValueError(f"export must be null, 'sglang' or 'vllm', got {self.export!r}")
-        if self.drafter not in ("eagle3", "none"):
-            raise ValueError(f"drafter must be 'eagle3' or 'none', got {self.drafter!r}")
-        if self.drafter_data not in ("rollout", "trainer"):
-            raise ValueError(f"drafter_data must be 'rollout' or 'trainer', got {self.drafter_data!r}")
-        for name in ("max_steps", "num_generations", "prompts_per_step", "max_completion_length"):
-            if not (isinstance(getattr(self, name), int) and getattr(self, name) >= 1):
-                raise ValueError(f"{name} must be an int >= 1, got {getattr(self, name)!r}")
+        coerce_subtrees(self)
+        require(self.export in (None, "sglang", "vllm"), "export", "null, 'sglang' or 'vllm'", self.export)
+        require(self.drafter in ("eagle3", "none"), "drafter", "'eagle3' or 'none'", self.drafter)
+        require(
+            self.drafter_data in ("rollout", "trainer"), "drafter_data", "'rollout' or 'trainer'", self.drafter_data
+        )
+        for name, low in (
+            ("max_steps", 1),
+            ("num_generations", 2),
+            ("prompts_per_step", 1),
+            ("max_completion_length", 1),
+        ):
+            value = getattr(self, name)
+            require(isinstance(value, int) and value >= low, name, f"an int >= {low}", value)
         from tailspec.rollout.strategy import parse_strategy
 
-        if self.drafter == "none" and parse_strategy(self.strategy).uses_model_drafter:
-            raise ValueError(
-                f"strategy {self.strategy!r} drafts with a model; set drafter: eagle3 (or strategy: suffix)"
-            )
-        if self.num_generations < 2:
-            raise ValueError(f"num_generations must be >= 2 (GRPO needs a group), got {self.num_generations}")
+        require(
+            self.drafter != "none" or not parse_strategy(self.strategy).uses_model_drafter,
+            "rollout.engine.strategy",
+            "one without a model drafter when drafter is 'none' (set drafter: eagle3, or strategy: suffix); it "
+            "drafts with a model",
+            self.strategy,
+        )
+
+    @property
+    def strategy(self) -> str:
+        return self.rollout.engine.strategy
+
+    @property
+    def workers(self) -> int:
+        return self.rollout.workers.num_workers
 
     @classmethod
     def from_yaml(cls, path: str | Path, overrides: list[str] | None = None) -> HFGRPOConfig:
+        """The config a YAML file describes, then ``--set`` assignments; a key is a field of this
+        config, a dotted path into ``rollout`` (``rollout.engine.length_budget``) or a name only one
+        rollout field has (``strategy``, ``kv_cache_tokens``, ``num_workers``)."""
         data = yaml.safe_load(Path(path).read_text()) or {}
-        for item in overrides or []:
-            key, _, value = item.partition("=")
-            data[key] = yaml.safe_load(value)
-        types = {f.name: str(f.type) for f in fields(cls)}
-        unknown = sorted(set(data) - set(types))
-        if unknown:
-            raise ValueError(f"unknown config key(s) {unknown}; allowed: {sorted(types)}")
-        for key, value in data.items():  # YAML 1.1 reads 1e-6 as a string
-            if types[key] == "float" and isinstance(value, (int, str)) and not isinstance(value, bool):
-                try:
-                    data[key] = float(value)
-                except ValueError as e:
-                    raise ValueError(f"{key} must be a number, got {value!r}") from e
-        return cls(**data)
+        return apply_overrides(cls(), {**data, **parse_assignments(overrides or [])})
 
 
 _NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
@@ -208,15 +218,11 @@ def main(argv: list[str] | None = None) -> dict:
         seed=cfg.seed,
         **deepspeed_training_args(cfg.deepspeed),  # {} without DeepSpeed
     )
+    online = head is not None and cfg.workers == 0 and cfg.drafter_data == "rollout"
     rollout = tailspec.SpecRollout(
-        strategy=cfg.strategy,
+        config=cfg.rollout,
         drafter=head,
-        drafter_train_steps=(
-            cfg.drafter_train_steps if (head is not None and cfg.workers == 0 and cfg.drafter_data == "rollout") else 0
-        ),
-        kv_cache_tokens=cfg.kv_cache_tokens,
-        workers=cfg.workers,
-        address=cfg.ray_address,
+        drafter_train_steps=cfg.drafter_train_steps if online else 0,
         spot_training=cfg.drafter_data == "rollout",  # on workers: the head trains on idle ones
     )
     trainer = tailspec.GRPOTrainer(
@@ -242,7 +248,7 @@ def main(argv: list[str] | None = None) -> dict:
         "steps": trainer.state.global_step,
         "rewards": rewards,
         "drafter_version": head.version if head is not None else None,
-        "config": asdict(replace(cfg)),
+        "config": asdict(cfg),
     }
 
 

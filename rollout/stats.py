@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 from .speculative import SpecStepRecord
 
@@ -20,7 +20,11 @@ class StepRecord:
 
 
 @dataclass
-class EngineStats:
+class EngineCounts:
+    """What an engine counted: its running totals, or what a span of its work added (``after -
+    before``), summed over engines with ``+``. The one record that goes from an engine to the
+    trainer's logs, in this process or from Ray workers through the coordinator."""
+
     steps: int = 0
     prefill_steps: int = 0
     decode_steps: int = 0
@@ -45,18 +49,60 @@ class EngineStats:
     tail_time_s: float = 0.0
     decode_time_s: float = 0.0
     decode_model_time_s: float = 0.0  # target forwards inside decode steps (the rest: drafting and bookkeeping)
+    strategy_steps: dict[str, int] = field(default_factory=dict)  # decode steps per strategy
+
+    def counts(self) -> EngineCounts:
+        """A copy of the counts alone (an :class:`EngineStats` drops its logs)."""
+        return EngineCounts(**{name: _copied(getattr(self, name)) for name in _COUNT_NAMES})
+
+    def __sub__(self, earlier: EngineCounts) -> EngineCounts:
+        steps = {k: v - earlier.strategy_steps.get(k, 0) for k, v in self.strategy_steps.items()}
+        return EngineCounts(
+            **{name: getattr(self, name) - getattr(earlier, name) for name in _NUMBERS},
+            strategy_steps={k: v for k, v in steps.items() if v > 0},
+        )
+
+    def __add__(self, other: EngineCounts) -> EngineCounts:
+        steps = dict(self.strategy_steps)
+        for k, v in other.strategy_steps.items():
+            steps[k] = steps.get(k, 0) + v
+        return EngineCounts(
+            **{name: getattr(self, name) + getattr(other, name) for name in _NUMBERS}, strategy_steps=steps
+        )
+
+    @property
+    def mean_accept_length(self) -> float:
+        """Tokens a sequence gained per speculative step (1.0 without one)."""
+        return self.spec_emitted_tokens / self.spec_seq_steps if self.spec_seq_steps else 1.0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted_tokens / self.drafted_tokens if self.drafted_tokens else 0.0
+
+
+_COUNT_NAMES = tuple(f.name for f in fields(EngineCounts))
+_NUMBERS = tuple(name for name in _COUNT_NAMES if name != "strategy_steps")
+
+
+def _copied(value):
+    return dict(value) if isinstance(value, dict) else value
+
+
+@dataclass
+class EngineStats(EngineCounts):
+    """An engine's running counts and its recent per-step logs (``RolloutEngine.stats``)."""
+
     batch_sizes: list[int] = field(default_factory=list)
     spec_log: deque[SpecStepRecord] = field(default_factory=lambda: deque(maxlen=4096))
     step_log: deque[StepRecord] = field(default_factory=lambda: deque(maxlen=65536))
-    strategy_steps: dict[str, int] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, float]:
         skip = ("batch_sizes", "spec_log", "step_log", "strategy_steps")
         d = {k: v for k, v in self.__dict__.items() if k not in skip}
         d["mean_decode_batch"] = sum(self.batch_sizes) / len(self.batch_sizes) if self.batch_sizes else 0.0
         d["tokens_per_s"] = self.generated_tokens / self.wall_time_s if self.wall_time_s else 0.0
-        d["acceptance_rate"] = self.accepted_tokens / self.drafted_tokens if self.drafted_tokens else 0.0
-        d["mean_accept_length"] = self.spec_emitted_tokens / self.spec_seq_steps if self.spec_seq_steps else 1.0
+        d["acceptance_rate"] = self.acceptance_rate
+        d["mean_accept_length"] = self.mean_accept_length
         return d
 
     def record_spec_step(

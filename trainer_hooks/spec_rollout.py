@@ -24,6 +24,7 @@ from ..drafter.online import DrafterState, online_training, trained_part
 from ..rollout.engine import RolloutEngine, eos_ids_of
 from ..rollout.params import SamplingParams
 from ..rollout.position_noise import derived_seed
+from ..rollout.stats import EngineCounts
 from ..rollout.strategy import parse_strategy
 from ..workers.coordinator import RolloutCoordinator, RolloutReport
 from .config import SpecRolloutConfig
@@ -140,17 +141,11 @@ class SpecRollout:
                 engine = self.engine_for(model, tokenizer, seed=self._seed(trainer))
             else:  # lossless without the drafter; DrafterHealth warns and scores the rollout 0
                 engine = self._plain_engine(model, tokenizer, seed=self._seed(trainer))
-            before = dict(engine.stats.as_dict())
-            before_steps = dict(engine.stats.strategy_steps)
+            before = engine.stats.counts()
             outputs = engine.generate(prompt_ids, params, progress=self.config.engine.progress)
         elapsed = time.perf_counter() - start
         completion_ids = [o.completion_ids for o in outputs]
-        now = engine.stats.as_dict()
-        counters = {k: now[k] - before[k] for k in now if isinstance(now[k], (int, float))}
-        steps = {
-            k: v - before_steps.get(k, 0) for k, v in engine.stats.strategy_steps.items() if v > before_steps.get(k, 0)
-        }
-        self._record(completion_ids, elapsed, counters, steps, str(engine.strategy), trainer)
+        self._record(completion_ids, elapsed, engine.stats.counts() - before, str(engine.strategy), trainer)
         self._catch_up()
         # a drafter that sat this rollout out (a misfit) has nothing of it to train on
         if self.online is not None and self.config.training.drafter_train_steps and not self.health.misfit:
@@ -202,7 +197,7 @@ class SpecRollout:
         report = self._coordinator.generate(prompt_ids, params)
         elapsed = time.perf_counter() - start
         completion_ids = [o.completion_ids for o in report.outputs]
-        self._record(completion_ids, elapsed, report.stats, report.strategy_steps, self.config.engine.strategy, trainer)
+        self._record(completion_ids, elapsed, report.counts, self.config.engine.strategy, trainer)
         self._record_spot_training(report, trainer)
         self._catch_up()
         return self._trl_outputs(report.outputs)
@@ -455,16 +450,14 @@ class SpecRollout:
         self,
         completion_ids: list[list[int]],
         elapsed: float,
-        counters: dict[str, float],
-        strategy_steps: dict[str, int],
+        counts: EngineCounts,
         strategy: str,
         trainer: Any,
     ) -> None:
-        """Stats of one rollout call from the engine counters it moved (one engine or summed over
-        workers), into ``last_stats``/``history`` and the trainer's metrics."""
+        """Stats of one rollout call from what the engine counted meanwhile (one engine, or summed
+        over workers), into ``last_stats``/``history`` and the trainer's metrics."""
         lengths = [len(c) for c in completion_ids]
         total = sum(lengths)
-        seq_steps = counters.get("spec_seq_steps", 0)
         stats = RolloutStats(
             num_prompts=len(lengths),
             completion_tokens=total,
@@ -472,26 +465,26 @@ class SpecRollout:
             tokens_per_s=total / elapsed if elapsed > 0 else 0.0,
             mean_completion_length=total / max(1, len(lengths)),
             max_completion_length=max(lengths, default=0),
-            preemptions=int(counters.get("preemptions", 0)),
+            preemptions=counts.preemptions,
             strategy=strategy,
-            drafted_tokens=int(counters.get("drafted_tokens", 0)),
-            accepted_tokens=int(counters.get("accepted_tokens", 0)),
-            mean_accept_length=counters.get("spec_emitted_tokens", 0) / seq_steps if seq_steps else 1.0,
-            draft_time_s=counters.get("draft_time_s", 0.0),
-            verify_time_s=counters.get("verify_time_s", 0.0),
-            tail_time_s=counters.get("tail_time_s", 0.0),
-            strategy_steps=dict(strategy_steps),
+            drafted_tokens=counts.drafted_tokens,
+            accepted_tokens=counts.accepted_tokens,
+            mean_accept_length=counts.mean_accept_length,
+            draft_time_s=counts.draft_time_s,
+            verify_time_s=counts.verify_time_s,
+            tail_time_s=counts.tail_time_s,
+            strategy_steps=dict(counts.strategy_steps),
             completions_digest=completions_digest(completion_ids),
         )
         if self.drafter is not None:
-            model_steps = sum(n for k, n in strategy_steps.items() if parse_strategy(k).uses_model_drafter)
+            model_steps = sum(n for k, n in counts.strategy_steps.items() if parse_strategy(k).uses_model_drafter)
             adaptive = parse_strategy(self.config.engine.strategy).adaptive
             stats.drafter_health = self.health.update(
                 stats.mean_accept_length,
                 model_steps,
                 adaptive,
-                int(counters.get("reprobes", 0)),
-                int(counters.get("reprobes_paying", 0)),
+                counts.reprobes,
+                counts.reprobes_paying,
             )
         self.last_stats = stats
         self.history.append(stats)

@@ -50,6 +50,7 @@ from ..drafter.online import DrafterState
 from ..rollout.admission import RequestLimits, prepare_requests
 from ..rollout.params import RolloutConfig, SamplingParams
 from ..rollout.request import RequestOutput
+from ..rollout.stats import EngineCounts
 from .config import WorkersConfig
 from .length_predictor import LengthPredictor
 from .pool import PlacementError, WorkerPool
@@ -90,8 +91,7 @@ class RolloutReport:
     """What one :meth:`RolloutCoordinator.generate` call did, summed over workers."""
 
     outputs: list[RequestOutput]
-    stats: dict[str, float]  # engine counters (STAT_KEYS), summed
-    strategy_steps: dict[str, int]
+    counts: EngineCounts  # what the engines counted, summed over the workers
     seconds: float
     spot_steps: int  # training steps collected since the last report (a chunk still stopping counts next call)
     spot_losses: list[float]
@@ -310,8 +310,7 @@ class RolloutCoordinator:
         tally = self.spot.take_tally()
         return RolloutReport(
             outputs=result.outputs,
-            stats=result.stats,
-            strategy_steps=result.strategy_steps,
+            counts=result.counts,
             seconds=time.perf_counter() - start,
             spot_steps=tally.steps,
             spot_losses=tally.losses,

@@ -14,6 +14,7 @@ from typing import Any
 from ..rollout.handoff import InboxItem
 from ..rollout.params import SamplingParams
 from ..rollout.request import RequestOutput
+from ..rollout.stats import EngineCounts
 from .config import WorkersConfig
 from .draft_hosts import DraftHostPairs
 from .ledger import RequestLedger
@@ -22,7 +23,7 @@ from .pool import WorkerPool
 from .sharding import shard_requests
 from .spot import SpotTraining
 from .work_queue import Task, WorkQueue
-from .worker import STAT_KEYS, FinishedRequests, ReleasedRequests, ShardEnd
+from .worker import FinishedRequests, ReleasedRequests, ShardEnd
 
 logger = logging.getLogger(__name__)
 
@@ -66,8 +67,7 @@ class SchedulePlan:
 @dataclass
 class RoundResult:
     outputs: list[RequestOutput]
-    stats: dict[str, float] = field(default_factory=lambda: dict.fromkeys(STAT_KEYS, 0.0))
-    strategy_steps: dict[str, int] = field(default_factory=dict)
+    counts: EngineCounts = field(default_factory=EngineCounts)  # summed over the workers' sessions
     died: int = 0
     rerun: int = 0  # requests generated again because their worker died before finishing them
     moved: int = 0  # requests continued on another worker (tail rebalancing)
@@ -378,10 +378,7 @@ class RolloutRound:
         self._event("released", worker, requests=len(tasks), generated=generated, held=len(self.ledger.on(worker)))
 
     def _add_counts(self, end: ShardEnd) -> None:
-        for k in STAT_KEYS:
-            self.result.stats[k] += end.stats[k]
-        for k, v in end.strategy_steps.items():
-            self.result.strategy_steps[k] = self.result.strategy_steps.get(k, 0) + v
+        self.result.counts = self.result.counts + end.counts
         if end.samples:
             self.spot.buffer.add(end.samples)
 

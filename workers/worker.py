@@ -30,21 +30,10 @@ from ..rollout.engine import RolloutEngine
 from ..rollout.handoff import InboxItem, PartialRequest, RequestInbox
 from ..rollout.params import RolloutConfig
 from ..rollout.request import RequestOutput
+from ..rollout.stats import EngineCounts
 from .spot_chunk import SpotTrainer, TrainResult
 
 logger = logging.getLogger(__name__)
-
-STAT_KEYS = (
-    "generated_tokens",
-    "drafted_tokens",
-    "accepted_tokens",
-    "spec_emitted_tokens",
-    "spec_seq_steps",
-    "draft_time_s",
-    "verify_time_s",
-    "tail_time_s",
-    "preemptions",
-)
 
 
 @dataclass
@@ -80,8 +69,7 @@ class ShardEnd:
     worker: int
     requests: int
     samples: list[Eagle3Sample]  # EAGLE-3 training data recorded while generating
-    stats: dict[str, float]  # engine counters for this call (deltas)
-    strategy_steps: dict[str, int]
+    counts: EngineCounts  # what the engine counted in this session
     seconds: float
     policy_version: int
     drafter_version: int | None
@@ -175,8 +163,7 @@ class RolloutWorker:
             self._inbox = inbox
         self._event("generate_start", requests=len(items), policy=self.policy_version)
         start = time.perf_counter()
-        before = self.engine.stats.as_dict()
-        before_steps = dict(self.engine.stats.strategy_steps)
+        before = self.engine.stats.counts()
         served = 0
         try:
             for update in self.engine.serve(inbox):
@@ -188,7 +175,7 @@ class RolloutWorker:
         finally:
             with self._lock:
                 self._inbox = None
-        yield self._session_end(served, before, before_steps, time.perf_counter() - start)
+        yield self._session_end(served, before, time.perf_counter() - start)
 
     def submit(self, items: list[InboxItem]) -> int:
         """More requests for the running session (they start at its next step)."""
@@ -206,8 +193,7 @@ class RolloutWorker:
         with self._lock:
             (self._inbox or self._early).close(total)
 
-    def _session_end(self, served: int, before: dict, before_steps: dict, seconds: float) -> ShardEnd:
-        after = self.engine.stats.as_dict()
+    def _session_end(self, served: int, before: EngineCounts, seconds: float) -> ShardEnd:
         samples: list[Eagle3Sample] = []
         if self.eagle_drafter is not None:  # hand the recorded data over and start a fresh buffer
             samples = self.eagle_drafter.buffer.samples()
@@ -217,12 +203,7 @@ class RolloutWorker:
             worker=self.index,
             requests=served,
             samples=samples,
-            stats={k: after[k] - before[k] for k in STAT_KEYS},
-            strategy_steps={
-                k: v - before_steps.get(k, 0)
-                for k, v in self.engine.stats.strategy_steps.items()
-                if v > before_steps.get(k, 0)
-            },
+            counts=self.engine.stats.counts() - before,
             seconds=seconds,
             policy_version=self.policy_version,
             drafter_version=int(self.head.version) if self.head is not None else None,

@@ -105,7 +105,7 @@ def warmup_head(
                 completions=len(outs),
                 tokens=sum(len(o.completion_ids) for o in outs),
                 rollout_s=rollout_s,
-                accept_length=engine.stats.as_dict()["mean_accept_length"],
+                accept_length=engine.stats.mean_accept_length,
                 loss_first=results[0].loss if results else float("nan"),
                 loss_last=results[-1].loss if results else float("nan"),
                 train_s=time.perf_counter() - start,

@@ -77,7 +77,7 @@ def test_position_keyed_samples_are_plain_decodings_even_speculated_and_moved(ra
     coord = coordinator(spot_training=False, order="fifo", rebalance_min_tokens=0)
     report = coord.generate(prompts, params)
     assert [o.completion_ids for o in report.outputs] == want
-    assert report.requests_moved > 0 and report.stats["drafted_tokens"] > 0
+    assert report.requests_moved > 0 and report.counts.drafted_tokens > 0
     coord.shutdown()
 
 
