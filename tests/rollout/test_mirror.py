@@ -292,7 +292,6 @@ def mirror_joint_counts(strategy: str, kind: str, params: SamplingParams, execut
         ("mirror:chain:1,k=0", "target", SETTINGS[1], "process"),
         ("mirror:chain:1,k=1", "eagle3", SETTINGS[0], "thread"),
         ("mirror:chain:1,k=0", "eagle3", SETTINGS[2], "inline"),
-        ("mirror:chain:1,k=1", "eagle3", SETTINGS[0], "process"),
     ],
     ids=[
         "chain-good-T1",
@@ -305,7 +304,6 @@ def mirror_joint_counts(strategy: str, kind: str, params: SamplingParams, execut
         "continuation-process",
         "eagle3-thread",
         "eagle3-continuation",
-        "eagle3-process",
     ],
 )
 def test_mirror_samples_follow_the_target(strategy, kind, params, executor):
