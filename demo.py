@@ -21,7 +21,7 @@ import yaml
 from .config_tree import ConfigError, apply_overrides, coerce_subtrees, field_paths, require
 from .progress import is_terminal, quiet_library_bars
 from .rollout.strategy import parse_strategy
-from .trainer_hooks.config import RENAMED, SpecRolloutConfig
+from .trainer_hooks.config import RENAMED, SpecRolloutConfig, WithRollout
 
 if TYPE_CHECKING:
     from .drafter.eagle3.train import DrafterTrainingConfig
@@ -44,7 +44,7 @@ def _int_at_least(value: Any, low: int) -> bool:
 
 
 @dataclass
-class DemoConfig:
+class DemoConfig(WithRollout):
     policy: str = "tiny"  # a shipped policy with its drafters: tiny (4 x 256, quick) | deep (24 x 256, realistic)
     # a directory of other weights for that policy (save_pretrained, same tokenizer), e.g. fine-tuned to
     # another response format; None: the shipped weights
@@ -146,16 +146,6 @@ class DemoConfig:
             "0 with drafter small_lm (the shipped drafter LM has no streaming heads to train online)",
             steps,
         )
-
-    @property
-    def strategy(self) -> str:
-        """The rollout's strategy (``rollout.engine.strategy``)."""
-        return self.rollout.engine.strategy
-
-    @property
-    def num_workers(self) -> int:
-        """Ray rollout workers (``rollout.workers.num_workers``); 0: the in-process engine."""
-        return self.rollout.workers.num_workers
 
     def with_overrides(self, **overrides: Any) -> DemoConfig:
         """A copy with ``overrides`` set: the demo's own fields by name, the rollout's by dotted path

@@ -24,11 +24,11 @@ from pathlib import Path
 import yaml
 
 from tailspec.config_tree import apply_overrides, coerce_subtrees, parse_assignments, require
-from tailspec.trainer_hooks.config import SpecRolloutConfig
+from tailspec.trainer_hooks.config import SpecRolloutConfig, WithRollout
 
 
 @dataclass
-class HFGRPOConfig:
+class HFGRPOConfig(WithRollout):
     model: str = "Qwen/Qwen2.5-0.5B-Instruct"
     dataset: str = "openai/gsm8k"
     dataset_config: str | None = "main"
@@ -88,14 +88,6 @@ class HFGRPOConfig:
             "drafts with a model",
             self.strategy,
         )
-
-    @property
-    def strategy(self) -> str:
-        return self.rollout.engine.strategy
-
-    @property
-    def workers(self) -> int:
-        return self.rollout.workers.num_workers
 
     @classmethod
     def from_yaml(cls, path: str | Path, overrides: list[str] | None = None) -> HFGRPOConfig:
@@ -196,7 +188,7 @@ def main(argv: list[str] | None = None) -> dict:
     dtype = torch.bfloat16 if (cfg.bf16 and cuda) else torch.float32
     tokenizer = AutoTokenizer.from_pretrained(cfg.model)
     model = AutoModelForCausalLM.from_pretrained(cfg.model, dtype=dtype)
-    if cuda and cfg.workers == 0 and cfg.deepspeed is None:
+    if cuda and cfg.num_workers == 0 and cfg.deepspeed is None:
         model = model.to("cuda")
     dataset = load_prompts(cfg)
     head = warm_up_head(cfg, model, tokenizer, dataset) if cfg.drafter == "eagle3" and cfg.strategy != "none" else None
@@ -218,7 +210,7 @@ def main(argv: list[str] | None = None) -> dict:
         seed=cfg.seed,
         **deepspeed_training_args(cfg.deepspeed),  # {} without DeepSpeed
     )
-    online = head is not None and cfg.workers == 0 and cfg.drafter_data == "rollout"
+    online = head is not None and cfg.num_workers == 0 and cfg.drafter_data == "rollout"
     rollout = tailspec.SpecRollout(
         config=cfg.rollout,
         drafter=head,

@@ -8,20 +8,43 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 from collections.abc import Sequence as Seq
-from typing import TYPE_CHECKING
+from contextlib import AbstractContextManager
+from typing import Any, Protocol
 
 from ..progress import progress_bar
-from .admission import prepare_requests
-from .handoff import InboxItem, RequestInbox, ServeUpdate
+from .admission import RequestLimits, prepare_requests
+from .handoff import InboxItem, PartialRequest, RequestInbox, ServeUpdate
 from .params import SamplingParams
 from .request import RequestOutput
+from .stats import EngineStats
 
-if TYPE_CHECKING:
-    from .engine import RolloutEngine
+
+class SteppedEngine(Protocol):
+    """What the front ends drive: :class:`tailspec.rollout.RolloutEngine`'s step-wise API."""
+
+    limits: RequestLimits
+    config: Any  # its RolloutConfig (``progress``)
+    stats: EngineStats
+
+    def add_request(self, prompt_ids: Seq[int], params: SamplingParams | None = None, **options: Any) -> int: ...
+
+    def new_group(self) -> int: ...
+
+    def step(self) -> list[int]: ...
+
+    def has_unfinished(self) -> bool: ...
+
+    def pop_output(self, request_id: int) -> RequestOutput: ...
+
+    def release(self, request_id: int) -> PartialRequest: ...
+
+    def discard(self, request_id: int) -> None: ...
+
+    def inference(self) -> AbstractContextManager[None]: ...
 
 
 def generate(
-    engine: RolloutEngine,
+    engine: SteppedEngine,
     prompts: Seq[Seq[int]],
     params: SamplingParams | Seq[SamplingParams] | None = None,
     *,
@@ -39,7 +62,7 @@ def generate(
 
 
 def generate_stream(
-    engine: RolloutEngine,
+    engine: SteppedEngine,
     prompts: Seq[Seq[int]],
     params: SamplingParams | Seq[SamplingParams] | None = None,
     *,
@@ -56,7 +79,7 @@ def generate_stream(
 
 
 def _stream_finished(
-    engine: RolloutEngine, index_of: dict[int, int], show: bool
+    engine: SteppedEngine, index_of: dict[int, int], show: bool
 ) -> Iterator[list[tuple[int, RequestOutput]]]:
     bar = progress_bar(total=len(index_of), desc="rollout", unit="seq", disable=not show, leave=False)
     start = time.perf_counter()
@@ -77,7 +100,7 @@ def _stream_finished(
         engine.stats.wall_time_s += time.perf_counter() - start
 
 
-def serve(engine: RolloutEngine, inbox: RequestInbox, *, idle_wait_s: float = 0.5) -> Iterator[ServeUpdate]:
+def serve(engine: SteppedEngine, inbox: RequestInbox, *, idle_wait_s: float = 0.5) -> Iterator[ServeUpdate]:
     """Serve what arrives in ``inbox`` until it is closed and everything taken has finished or been
     given back: requests join the running batch at the next step (continuous batching across
     submissions); a step's finished and released requests are yielded together, under their inbox
@@ -110,7 +133,7 @@ def serve(engine: RolloutEngine, inbox: RequestInbox, *, idle_wait_s: float = 0.
         engine.stats.wall_time_s += time.perf_counter() - start
 
 
-def _admit(engine: RolloutEngine, items: list[InboxItem], key_of: dict[int, int]) -> None:
+def _admit(engine: SteppedEngine, items: list[InboxItem], key_of: dict[int, int]) -> None:
     """Add ``items`` (recording request id -> item key); fresh requests of one prompt form a group."""
     counts: dict[tuple[int, ...], int] = {}
     for item in items:

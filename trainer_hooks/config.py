@@ -26,7 +26,7 @@ from ..drafter.catch_up import CatchUpConfig
 from ..rollout.params import RolloutConfig
 from ..workers.config import WorkersConfig
 
-__all__ = ["OnlineTrainingConfig", "SpecRolloutConfig"]
+__all__ = ["OnlineTrainingConfig", "SpecRolloutConfig", "WithRollout"]
 
 # spellings of earlier releases: flat name -> dotted path (a FutureWarning names the new one)
 RENAMED = {"ray_address": "workers.address"}
@@ -136,3 +136,20 @@ def _modern_names(overrides: Mapping[str, Any]) -> dict[str, Any]:
             key = RENAMED[key]
         out[key] = value
     return out
+
+
+class WithRollout:
+    """A config that holds a ``rollout: SpecRolloutConfig`` (the demo's, the examples'), with its
+    strategy and worker count read through."""
+
+    rollout: SpecRolloutConfig
+
+    @property
+    def strategy(self) -> str:
+        """The rollout's strategy (``rollout.engine.strategy``)."""
+        return self.rollout.engine.strategy
+
+    @property
+    def num_workers(self) -> int:
+        """Ray rollout workers (``rollout.workers.num_workers``); 0: the in-process engine."""
+        return self.rollout.workers.num_workers
