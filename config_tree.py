@@ -30,6 +30,8 @@ __all__ = [
     "build",
     "coerce_subtrees",
     "field_paths",
+    "int_at_least",
+    "is_int",
     "parse_assignments",
     "require",
 ]
@@ -47,6 +49,15 @@ class ConfigError(ValueError):
         return ConfigError(f"{prefix}.{self.path}" if self.path else prefix, self.problem)
 
 
+def is_int(value: Any) -> bool:
+    """An int and not a bool (``True`` is an int to Python, not to a config)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def int_at_least(value: Any, low: int) -> bool:
+    return is_int(value) and value >= low
+
+
 def require(ok: bool, name: str, allowed: str, value: Any) -> None:
     """Raise ``ConfigError`` "``name`` must be ``allowed``, got ``value``" unless ``ok``."""
     if not ok:
@@ -54,20 +65,25 @@ def require(ok: bool, name: str, allowed: str, value: Any) -> None:
 
 
 @functools.cache
-def _subtree_types(cls: type) -> dict[str, type]:
-    """The fields of ``cls`` whose declared type is a dataclass (``X`` or ``X | None``)."""
+def _field_types(cls: type) -> dict[str, tuple[Any, ...]]:
+    """Each init field's declared types: ``(X,)``, or the members of ``X | Y``."""
     hints = typing.get_type_hints(cls)
-    found = {}
+    out = {}
     for f in dataclasses.fields(cls):
         hint = hints[f.name]
-        options = (
-            typing.get_args(hint)
-            if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union
-            else (hint,)
-        )
+        union = isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union
+        out[f.name] = typing.get_args(hint) if union else (hint,)
+    return out
+
+
+@functools.cache
+def _subtree_types(cls: type) -> dict[str, type]:
+    """The fields of ``cls`` whose declared type is a dataclass (``X`` or ``X | None``)."""
+    found = {}
+    for name, options in _field_types(cls).items():
         nodes = [t for t in options if dataclasses.is_dataclass(t)]
         if nodes:
-            found[f.name] = nodes[0]
+            found[name] = nodes[0]
     return found
 
 
@@ -86,12 +102,8 @@ def _check_keys(cls: type, data: Mapping[str, Any], path: str) -> None:
             raise ConfigError(where, f"is not a field of {cls.__name__}; its fields: {', '.join(known)}")
 
 
-@functools.cache
 def _float_fields(cls: type) -> frozenset[str]:
-    hints = typing.get_type_hints(cls)
-    return frozenset(
-        f.name for f in dataclasses.fields(cls) if float in (typing.get_args(hints[f.name]) or (hints[f.name],))
-    )
+    return frozenset(name for name, options in _field_types(cls).items() if float in options)
 
 
 def _floats_read_as_strings(cls: type, data: Mapping[str, Any]) -> dict[str, Any]:

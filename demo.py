@@ -18,10 +18,10 @@ from typing import TYPE_CHECKING, Any
 
 import yaml
 
-from .config_tree import ConfigError, apply_overrides, coerce_subtrees, field_paths, require
+from .config_tree import ConfigError, apply_overrides, coerce_subtrees, int_at_least, require
 from .progress import is_terminal, quiet_library_bars
 from .rollout.strategy import parse_strategy
-from .trainer_hooks.config import RENAMED, SpecRolloutConfig, WithRollout
+from .trainer_hooks.config import SpecRolloutConfig, WithRollout
 
 if TYPE_CHECKING:
     from .drafter.eagle3.train import DrafterTrainingConfig
@@ -33,14 +33,6 @@ def demo_rollout() -> SpecRolloutConfig:
     """The demo's rollout unless its config says otherwise: adaptive speculation in-process, the
     EAGLE-3 head trained online after every rollout; on workers, at most 64 spot steps per rollout."""
     return SpecRolloutConfig().with_overrides(strategy="adaptive", drafter_train_steps=8, max_spot_steps=64)
-
-
-# what names a rollout field without its dotted path: its own name, or a spelling SpecRollout still takes
-ROLLOUT_NAMES = frozenset(field_paths(SpecRolloutConfig)) | {"workers_config", *RENAMED}
-
-
-def _int_at_least(value: Any, low: int) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= low
 
 
 @dataclass
@@ -98,9 +90,9 @@ class DemoConfig(WithRollout):
             self.policy_dir,
         )
         for name, low in (("max_steps", 1), ("num_generations", 2), ("prompts_per_step", 1), ("warmup_prompts", 1)):
-            require(_int_at_least(getattr(self, name), low), name, f"an int >= {low}", getattr(self, name))
+            require(int_at_least(getattr(self, name), low), name, f"an int >= {low}", getattr(self, name))
         for name in ("drafter_from_trainer", "warmup_steps"):
-            require(_int_at_least(getattr(self, name), 0), name, "an int >= 0", getattr(self, name))
+            require(int_at_least(getattr(self, name), 0), name, "an int >= 0", getattr(self, name))
         self._check_problems()
         self._check_drafter()
         require(self.export in (None, "sglang", "vllm"), "export", "null, 'sglang' or 'vllm'", self.export)
@@ -160,7 +152,7 @@ class DemoConfig(WithRollout):
                 rollout[rest] = value
             elif head in own_names or key == "rollout":
                 own[key] = value
-            elif key in ROLLOUT_NAMES:
+            elif SpecRolloutConfig.takes(key):
                 rollout[key] = value
             else:
                 raise ConfigError(key, "is not a field of DemoConfig or of any config below it")

@@ -5,8 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from ..config_tree import require
-from ..rollout.params import _is_int
+from ..config_tree import is_int, require
 
 TAKEOVER_MODES = ("split", "online")
 
@@ -44,26 +43,26 @@ class ATTSConfig:
     def __post_init__(self) -> None:
         a = self.alpha
         require(isinstance(a, (int, float)) and not isinstance(a, bool) and 0 < a < 1, "alpha", "in (0, 1)", a)
-        require(_is_int(self.num_samples) and self.num_samples >= 1, "num_samples", "an int >= 1", self.num_samples)
-        require(_is_int(self.chunk_tokens) and self.chunk_tokens >= 1, "chunk_tokens", "an int >= 1", self.chunk_tokens)
+        require(is_int(self.num_samples) and self.num_samples >= 1, "num_samples", "an int >= 1", self.num_samples)
+        require(is_int(self.chunk_tokens) and self.chunk_tokens >= 1, "chunk_tokens", "an int >= 1", self.chunk_tokens)
         try:
             delimiters = tuple(self.delimiter_ids)
         except TypeError:
             delimiters = None
         require(
-            delimiters is not None and all(_is_int(d) and d >= 0 for d in delimiters),
+            delimiters is not None and all(is_int(d) and d >= 0 for d in delimiters),
             "delimiter_ids",
             "a sequence of token ids >= 0",
             self.delimiter_ids,
         )
         object.__setattr__(self, "delimiter_ids", delimiters)
         require(
-            _is_int(self.max_new_tokens) and self.max_new_tokens >= 1,
+            is_int(self.max_new_tokens) and self.max_new_tokens >= 1,
             "max_new_tokens",
             "an int >= 1",
             self.max_new_tokens,
         )
-        require(_is_int(self.max_turns) and self.max_turns >= 1, "max_turns", "an int >= 1", self.max_turns)
+        require(is_int(self.max_turns) and self.max_turns >= 1, "max_turns", "an int >= 1", self.max_turns)
         t = self.temperature
         require(
             isinstance(t, (int, float)) and not isinstance(t, bool) and math.isfinite(t) and t >= 0,
@@ -75,4 +74,4 @@ class ATTSConfig:
         require(self.mode in TAKEOVER_MODES, "mode", f"one of {TAKEOVER_MODES}", self.mode)
         s = self.online_step
         require(isinstance(s, (int, float)) and not isinstance(s, bool) and 0 < s < 1, "online_step", "in (0, 1)", s)
-        require(_is_int(self.seed) and 0 <= self.seed < 2**62, "seed", "an int in [0, 2**62)", self.seed)
+        require(is_int(self.seed) and 0 <= self.seed < 2**62, "seed", "an int in [0, 2**62)", self.seed)

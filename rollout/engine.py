@@ -20,7 +20,7 @@ from contextlib import AbstractContextManager
 
 import torch
 
-from ..draft_contract import Drafter, Stateful, Versioned, drafter_factory
+from ..draft_contract import Drafter, Stateful, drafter_factory
 from . import serving
 from .admission import RequestLimits, eos_ids_of, prepare_requests
 from .attention import SequenceSlice
@@ -97,9 +97,7 @@ class RolloutEngine:
                 "prefix_caching does not work with a model drafter yet (the drafter would miss the cached "
                 "prefix); use prefix_caching=False or a model-free strategy (suffix)"
             )
-        versioned = self.drafter if isinstance(self.drafter, Versioned) else None
-        version = (lambda: versioned.version) if versioned is not None else (lambda: 0)
-        self.choice = StrategyChoice(self.config, self.drafter is not None, version if self.drafter else None)
+        self.choice = StrategyChoice(self.config, self.drafter)
         self.mirrors = MirrorSlot(model, self.drafter, self.config.mirror)
         notified = [d for d in (self.drafter, self.suffix_drafter) if d is not None]  # of finished sequences
         self.requests = RequestBook(self.scheduler, self.limits, self.eos_ids, notified, self.mirrors)

@@ -10,24 +10,19 @@ import math
 from dataclasses import dataclass, replace
 from typing import Any
 
-from ..config_tree import ConfigError, build, coerce_subtrees, require
+from ..config_tree import ConfigError, build, coerce_subtrees, is_int, require
 from ..kernels.dispatch import BACKEND_CHOICES
 from .draft_executor import EXECUTORS
 from .selector import SelectorConfig
 from .strategy import parse_strategy
 from .token_ids import token_id_list
 
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
 # what torch.Generator.manual_seed accepts; checked here so a bad seed is refused up front
-_SEED_RANGE = "an int in [-2**63, 2**64)"
+SEED_RANGE = "an int in [-2**63, 2**64)"
 
 
-def _valid_seed(value: Any) -> bool:
-    return _is_int(value) and -(2**63) <= value < 2**64
+def valid_seed(value: Any) -> bool:
+    return is_int(value) and -(2**63) <= value < 2**64
 
 
 NOISE_SOURCES = ("stream", "position")
@@ -72,13 +67,13 @@ class SamplingParams:
             "a finite number >= 0 (0 = greedy)",
             t,
         )
-        require(_is_int(self.top_k) and self.top_k >= 0, "top_k", "an int >= 0 (0 = off)", self.top_k)
+        require(is_int(self.top_k) and self.top_k >= 0, "top_k", "an int >= 0 (0 = off)", self.top_k)
         p = self.top_p
         require(isinstance(p, (int, float)) and 0 < p <= 1, "top_p", "in (0, 1]", p)
         m = self.min_p
         require(isinstance(m, (int, float)) and 0 <= m <= 1, "min_p", "in [0, 1]", m)
         require(
-            _is_int(self.max_new_tokens) and self.max_new_tokens >= 1,
+            is_int(self.max_new_tokens) and self.max_new_tokens >= 1,
             "max_new_tokens",
             "an int >= 1",
             self.max_new_tokens,
@@ -94,7 +89,7 @@ class SamplingParams:
             self.stop_token_ids,
         )
         object.__setattr__(self, "stop_token_ids", stops)
-        require(self.seed is None or _valid_seed(self.seed), "seed", f"None or {_SEED_RANGE}", self.seed)
+        require(self.seed is None or valid_seed(self.seed), "seed", f"None or {SEED_RANGE}", self.seed)
         require(self.noise in NOISE_SOURCES, "noise", f"one of {NOISE_SOURCES}", self.noise)
         require(
             self.noise != "position" or self.seed is not None or self.temperature == 0,
@@ -103,7 +98,7 @@ class SamplingParams:
             self.seed,
         )
         require(
-            _is_int(self.prompt_logprobs) and self.prompt_logprobs >= 0,
+            is_int(self.prompt_logprobs) and self.prompt_logprobs >= 0,
             "prompt_logprobs",
             "an int >= 0 (0 = off)",
             self.prompt_logprobs,
@@ -143,20 +138,20 @@ class MirrorConfig:
 
     def __post_init__(self) -> None:
         require(
-            self.exit_layer is None or (_is_int(self.exit_layer) and self.exit_layer >= 1),
+            self.exit_layer is None or (is_int(self.exit_layer) and self.exit_layer >= 1),
             "exit_layer",
             "None or an int >= 1 (below the target's layer count)",
             self.exit_layer,
         )
         require(self.executor in EXECUTORS, "executor", f"one of {EXECUTORS}", self.executor)
         require(
-            _is_int(self.draft_threads) and self.draft_threads >= 1,
+            is_int(self.draft_threads) and self.draft_threads >= 1,
             "draft_threads",
             "an int >= 1",
             self.draft_threads,
         )
         require(
-            self.threads is None or (_is_int(self.threads) and self.threads > self.draft_threads),
+            self.threads is None or (is_int(self.threads) and self.threads > self.draft_threads),
             "threads",
             f"None or an int > draft_threads ({self.draft_threads})",
             self.threads,
@@ -208,32 +203,32 @@ class RolloutConfig:
         require(isinstance(self.mixed_batches, bool), "mixed_batches", "a bool", self.mixed_batches)
         require(isinstance(self.prefix_caching, bool), "prefix_caching", "a bool", self.prefix_caching)
         require(
-            _is_int(self.block_size) and 1 <= self.block_size <= 1024,
+            is_int(self.block_size) and 1 <= self.block_size <= 1024,
             "block_size",
             "an int in [1, 1024]",
             self.block_size,
         )
         require(
-            self.num_blocks is None or (_is_int(self.num_blocks) and self.num_blocks >= 1),
+            self.num_blocks is None or (is_int(self.num_blocks) and self.num_blocks >= 1),
             "num_blocks",
             "None or an int >= 1",
             self.num_blocks,
         )
         require(
-            _is_int(self.kv_cache_tokens) and self.kv_cache_tokens >= self.block_size,
+            is_int(self.kv_cache_tokens) and self.kv_cache_tokens >= self.block_size,
             "kv_cache_tokens",
             f"an int >= block_size ({self.block_size})",
             self.kv_cache_tokens,
         )
-        require(_is_int(self.max_num_seqs) and self.max_num_seqs >= 1, "max_num_seqs", "an int >= 1", self.max_num_seqs)
+        require(is_int(self.max_num_seqs) and self.max_num_seqs >= 1, "max_num_seqs", "an int >= 1", self.max_num_seqs)
         require(
-            _is_int(self.max_prefill_tokens) and self.max_prefill_tokens >= 1,
+            is_int(self.max_prefill_tokens) and self.max_prefill_tokens >= 1,
             "max_prefill_tokens",
             "an int >= 1",
             self.max_prefill_tokens,
         )
         require(
-            self.max_model_len is None or (_is_int(self.max_model_len) and self.max_model_len >= 2),
+            self.max_model_len is None or (is_int(self.max_model_len) and self.max_model_len >= 2),
             "max_model_len",
             "None or an int >= 2",
             self.max_model_len,
@@ -246,18 +241,18 @@ class RolloutConfig:
             raise ConfigError("strategy", f"is not valid: {e}") from None
         require(
             self.draft_kv_cache_tokens is None
-            or (_is_int(self.draft_kv_cache_tokens) and self.draft_kv_cache_tokens >= self.block_size),
+            or (is_int(self.draft_kv_cache_tokens) and self.draft_kv_cache_tokens >= self.block_size),
             "draft_kv_cache_tokens",
             f"None or an int >= block_size ({self.block_size})",
             self.draft_kv_cache_tokens,
         )
         require(
-            _is_int(self.suffix_history_tokens) and self.suffix_history_tokens >= 0,
+            is_int(self.suffix_history_tokens) and self.suffix_history_tokens >= 0,
             "suffix_history_tokens",
             "an int >= 0",
             self.suffix_history_tokens,
         )
-        require(_valid_seed(self.seed), "seed", _SEED_RANGE, self.seed)
+        require(valid_seed(self.seed), "seed", SEED_RANGE, self.seed)
         require(0 < self.tail_fraction <= 1, "tail_fraction", "a float in (0, 1]", self.tail_fraction)
         require(
             isinstance(self.length_budget, (int, float)) and 0 <= self.length_budget <= 1,
@@ -273,7 +268,7 @@ class RolloutConfig:
         )
         require(self.kernels in BACKEND_CHOICES, "kernels", "'auto', 'triton' or 'torch'", self.kernels)
         require(
-            _is_int(self.graph_memory_mb) and self.graph_memory_mb >= 1,
+            is_int(self.graph_memory_mb) and self.graph_memory_mb >= 1,
             "graph_memory_mb",
             "an int >= 1",
             self.graph_memory_mb,

@@ -8,10 +8,10 @@ The engine asks :meth:`StrategyChoice.plan` before a decode step and hands the s
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from ..draft_contract import Drafter, Versioned
 from .params import RolloutConfig
 from .selector import StrategySelector
 from .stats import EngineStats
@@ -39,12 +39,11 @@ class StrategyChoice:
     per step; the selector is made on first need and kept across calls and strategy changes
     (what it measured is the engine's learned state)."""
 
-    def __init__(
-        self, config: RolloutConfig, has_model_drafter: bool, drafter_version: Callable[[], int] | None
-    ) -> None:
+    def __init__(self, config: RolloutConfig, drafter: Drafter | None) -> None:
         self.config = config
-        self.has_model_drafter = has_model_drafter
-        self.drafter_version = drafter_version  # None: no model drafter
+        self.has_model_drafter = drafter is not None
+        # a drafter trained online changes version: the selector then forgets (most of) what its arms measured
+        self._versioned = drafter if isinstance(drafter, Versioned) else None
         self.strategy = Strategy("none")
         self.selector: StrategySelector | None = None
         self._model_drafter_gap = SWITCH_GAP  # decode steps since the model drafter last drafted
@@ -84,8 +83,8 @@ class StrategyChoice:
     def plan(self, num_active: int) -> StepPlan:
         strategy, probe, reprobe = self.strategy, None, False
         if strategy.adaptive:
-            if self.drafter_version is not None:
-                self.selector.on_drafter_version(self.drafter_version())
+            if self.has_model_drafter:
+                self.selector.on_drafter_version(self._versioned.version if self._versioned is not None else 0)
             choice = self.selector.plan(num_active)
             strategy, probe, reprobe = choice.strategy, choice.drafting, choice.reprobe
         gap = self._model_drafter_gap if probe is not None else self._full_draft_gap

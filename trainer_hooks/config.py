@@ -21,19 +21,15 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from ..config_tree import ConfigError, apply_overrides, coerce_subtrees, require
+from ..config_tree import ConfigError, apply_overrides, coerce_subtrees, field_paths, int_at_least, require
 from ..drafter.catch_up import CatchUpConfig
-from ..rollout.params import RolloutConfig
+from ..rollout.params import SEED_RANGE, RolloutConfig, valid_seed
 from ..workers.config import WorkersConfig
 
 __all__ = ["OnlineTrainingConfig", "SpecRolloutConfig", "WithRollout"]
 
 # spellings of earlier releases: flat name -> dotted path (a FutureWarning names the new one)
 RENAMED = {"ray_address": "workers.address"}
-
-
-def _int_at_least(value: Any, low: int) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= low
 
 
 @dataclass
@@ -55,11 +51,11 @@ class OnlineTrainingConfig:
         if self.catch_up is None:
             self.catch_up = CatchUpConfig()
         require(
-            _int_at_least(self.drafter_train_steps, 0), "drafter_train_steps", "an int >= 0", self.drafter_train_steps
+            int_at_least(self.drafter_train_steps, 0), "drafter_train_steps", "an int >= 0", self.drafter_train_steps
         )
-        require(_int_at_least(self.drafter_buffer_mb, 1), "drafter_buffer_mb", "an int >= 1", self.drafter_buffer_mb)
+        require(int_at_least(self.drafter_buffer_mb, 1), "drafter_buffer_mb", "an int >= 1", self.drafter_buffer_mb)
         require(
-            self.self_adapter_rank is None or _int_at_least(self.self_adapter_rank, 1),
+            self.self_adapter_rank is None or int_at_least(self.self_adapter_rank, 1),
             "self_adapter_rank",
             "None or an int >= 1",
             self.self_adapter_rank,
@@ -83,12 +79,7 @@ class SpecRolloutConfig:
 
     def __post_init__(self) -> None:
         coerce_subtrees(self)
-        require(
-            self.seed is None or (_int_at_least(self.seed, -(2**63)) and self.seed < 2**64),
-            "seed",
-            "None or an int in [-2**63, 2**64)",
-            self.seed,
-        )
+        require(self.seed is None or valid_seed(self.seed), "seed", f"None or {SEED_RANGE}", self.seed)
         require(isinstance(self.position_noise, bool), "position_noise", "a bool", self.position_noise)
         require(isinstance(self.log_metrics, bool), "log_metrics", "a bool", self.log_metrics)
         require(
@@ -110,6 +101,12 @@ class SpecRolloutConfig:
         return replace(self.engine, seed=seed)
 
     @classmethod
+    def takes(cls, name: str) -> bool:
+        """Whether :meth:`with_overrides` takes ``name`` without a dotted path: a field's own name
+        somewhere in the tree, or a spelling of earlier releases."""
+        return name in field_paths(cls) or name in RENAMED or name == "workers_config"
+
+    @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> SpecRolloutConfig:
         """From nested dicts (YAML); keys as :meth:`with_overrides` takes them."""
         return cls().with_overrides(**data)
@@ -123,7 +120,7 @@ class SpecRolloutConfig:
 def _modern_names(overrides: Mapping[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for key, value in overrides.items():
-        if key == "workers" and _int_at_least(value, 0):
+        if key == "workers" and int_at_least(value, 0):
             key = "workers.num_workers"
         elif key == "workers_config":
             warnings.warn("SpecRollout(workers_config={...}) is now workers={...}", FutureWarning, stacklevel=4)

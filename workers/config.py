@@ -4,16 +4,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..config_tree import require
+from ..config_tree import int_at_least, require
 from .work_queue import ORDERS, SCHEDULES
 
 
-def _int_at_least(value, low: int) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= low
-
-
 def _none_or_int_at_least(value, low: int) -> bool:
-    return value is None or _int_at_least(value, low)
+    return value is None or int_at_least(value, low)
 
 
 def _number_at_least(value, low: float) -> bool:
@@ -67,7 +63,7 @@ class WorkersConfig:
 
     def _placement_checks(self) -> list[tuple[str, bool, str]]:
         return [
-            ("num_workers", _int_at_least(self.num_workers, 0), "an int >= 0 (0: no workers, the in-process engine)"),
+            ("num_workers", int_at_least(self.num_workers, 0), "an int >= 0 (0: no workers, the in-process engine)"),
             ("num_cpus_per_worker", _number_at_least(self.num_cpus_per_worker, 0), "a number >= 0"),
             (
                 "num_gpus_per_worker",
@@ -76,7 +72,7 @@ class WorkersConfig:
             ),
             ("threads_per_worker", _none_or_int_at_least(self.threads_per_worker, 1), "None or an int >= 1"),
             ("respawn_dead_workers", isinstance(self.respawn_dead_workers, bool), "a bool"),
-            ("max_shard_attempts", _int_at_least(self.max_shard_attempts, 1), "an int >= 1"),
+            ("max_shard_attempts", int_at_least(self.max_shard_attempts, 1), "an int >= 1"),
             (
                 "placement_timeout_s",
                 self.placement_timeout_s is None
@@ -89,25 +85,25 @@ class WorkersConfig:
     def _training_checks(self) -> list[tuple[str, bool, str]]:
         return [
             ("spot_training", isinstance(self.spot_training, bool), "a bool"),
-            ("spot_steps_per_call", _int_at_least(self.spot_steps_per_call, 1), "an int >= 1"),
-            ("max_spot_steps", _int_at_least(self.max_spot_steps, 0), "an int >= 0"),
+            ("spot_steps_per_call", int_at_least(self.spot_steps_per_call, 1), "an int >= 1"),
+            ("max_spot_steps", int_at_least(self.max_spot_steps, 0), "an int >= 0"),
             ("spot_in_update_gap", isinstance(self.spot_in_update_gap, bool), "a bool"),
             (
                 "spot_holdout_every",
-                _int_at_least(self.spot_holdout_every, 0) and self.spot_holdout_every != 1,
+                int_at_least(self.spot_holdout_every, 0) and self.spot_holdout_every != 1,
                 "0 or an int >= 2",
             ),
             ("spot_ship_min_gain", _number_at_least(self.spot_ship_min_gain, 0), "a float >= 0"),
-            ("sample_buffer_mb", _int_at_least(self.sample_buffer_mb, 1), "an int >= 1"),
+            ("sample_buffer_mb", int_at_least(self.sample_buffer_mb, 1), "an int >= 1"),
         ]
 
     def _schedule_checks(self) -> list[tuple[str, bool, str]]:
         return [
             ("schedule", self.schedule in SCHEDULES, f"one of {SCHEDULES}"),
             ("order", self.order in ORDERS, f"one of {ORDERS}"),
-            ("chunk_size", _int_at_least(self.chunk_size, 1), "an int >= 1"),
+            ("chunk_size", int_at_least(self.chunk_size, 1), "an int >= 1"),
             ("inflight_per_worker", _none_or_int_at_least(self.inflight_per_worker, 1), "None or an int >= 1"),
             ("rebalance", isinstance(self.rebalance, bool), "a bool"),
-            ("rebalance_min_tokens", _int_at_least(self.rebalance_min_tokens, 0), "an int >= 0"),
-            ("length_history", _int_at_least(self.length_history, 0), "an int >= 0"),
+            ("rebalance_min_tokens", int_at_least(self.rebalance_min_tokens, 0), "an int >= 0"),
+            ("length_history", int_at_least(self.length_history, 0), "an int >= 0"),
         ]
