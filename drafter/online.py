@@ -8,6 +8,8 @@ call :meth:`OnlineTraining.train` takes a few steps on what the rollout produced
 kind                   trains                      on
 =====================  ==========================  ============================================
 :class:`HeadTraining`  an EAGLE-3 head             the target features its drafter recorded
+``DraftLMTraining``    a drafter LM's weights      the policy's completions (distilled), behind
+                       (no streaming heads)        the held-out gate of ``drafter/learning.py``
 ``StreamingHeads...``  a drafter LM's streaming     the recent prompt + completion sequences
                        heads
 ``ExitAdapter...``     ``self:L``'s exit adapter   the policy's own next-token distributions
@@ -106,8 +108,8 @@ class OnlineTraining(ABC):
         trainer to ``policy``."""
 
     @abstractmethod
-    def observe(self, sequences: Sequence[list[int]]) -> None:
-        """The rollout's prompt + completion sequences."""
+    def observe(self, prompts: Sequence[list[int]], completions: Sequence[list[int]]) -> None:
+        """The rollout's prompts and their completions."""
 
     @abstractmethod
     def train(self, steps: int, lr_scale: float) -> list[float]:
@@ -157,12 +159,77 @@ class HeadTraining(OnlineTraining):
             self.trainer.embed = embed
         return as_drafter(self.head, policy, config, buffer=self.buffer)
 
-    def observe(self, sequences: Sequence[list[int]]) -> None:
+    def observe(self, prompts: Sequence[list[int]], completions: Sequence[list[int]]) -> None:
         """Nothing to keep: the engine's drafter recorded the features while it drafted."""
 
     def train(self, steps: int, lr_scale: float) -> list[float]:
         self.trainer.lr_scale = lr_scale
         return [r.loss for r in self.trainer.train(steps)]
+
+
+class DraftLMTraining(OnlineTraining):
+    """A drafter LM's own weights (``SmallLMDrafter`` without streaming heads), distilled on the
+    policy's completions (``drafter/lm_training.py``). A copy trains; after every call it is
+    compared with the drafting LM on held-out completions (every ``holdout_every``-th, never
+    trained on) and replaces it only when it drafts better by more than ``min_gain`` accepted
+    tokens per chain: the gate spot training on workers applies (``drafter/learning.py``)."""
+
+    def __init__(
+        self, drafter: Any, buffer_bytes: int, training: Any = None, holdout_every: int = 4, min_gain: float = 0.0
+    ) -> None:
+        from .learning import DraftLMLearner, PartLearning
+
+        super().__init__()
+        self.drafter, self.buffer_bytes = drafter, buffer_bytes
+        self.holdout_every, self.min_gain = holdout_every, min_gain
+        self.learning = PartLearning(drafter.lm, DraftLMLearner(training))
+        self.last_held_out: tuple[float, float] | None = None  # (drafting, trained) at the last call
+        self.shipped = 0  # calls whose trained copy replaced the drafting LM
+
+    @property
+    def part(self) -> TrainedPart:
+        return self.drafter.lm
+
+    def engine_drafter(self, policy: nn.Module, config: Any) -> Any:
+        return self.drafter
+
+    def observe(self, prompts: Sequence[list[int]], completions: Sequence[list[int]]) -> None:
+        from .lm_training import sequence_samples
+
+        self.learning.take(sequence_samples(prompts, completions), self.buffer_bytes, self.holdout_every)
+
+    def train(self, steps: int, lr_scale: float) -> list[float]:
+        from .learning import beats
+
+        learning = self.learning
+        if learning.trainer is None:  # from the drafting LM (and a loaded checkpoint's optimizer)
+            start = DrafterState.of(self.part)
+            if self._pending is not None:
+                start.step, start.optimizer = self._pending.step, self._pending.optimizer
+            self._pending = None
+            learning.prepare(start, start, lr_scale)
+            self.trainer = learning.trainer
+        else:
+            learning.prepare(None, None, lr_scale)
+        losses = [r.loss for r in learning.train(steps)]
+        self.last_held_out = learning.compare() if losses and learning.judging else None
+        if losses and (self.last_held_out is None or beats(self.last_held_out, self.min_gain)):
+            learning.shipped()
+            DrafterState.of(learning.train_part).load_into(self.part)
+            self.shipped += 1
+        return losses
+
+    def state(self) -> DrafterState | None:
+        """The drafting LM's weights and version, with the trainer's step and optimizer."""
+        return DrafterState.of(self.part, self.trainer)
+
+    def load(self, state: DrafterState) -> None:
+        """The LM's weights now; the training copies start from them, the optimizer with them."""
+        from .learning import PartLearning
+
+        state.load_into(self.part)
+        self.learning = PartLearning(self.part, self.learning.learner)
+        self.trainer, self._pending = None, state
 
 
 class _SequenceTraining(OnlineTraining):
@@ -174,8 +241,8 @@ class _SequenceTraining(OnlineTraining):
         super().__init__()
         self.recent: deque[list[int]] = deque(maxlen=RECENT_SEQUENCES)
 
-    def observe(self, sequences: Sequence[list[int]]) -> None:
-        self.recent.extend(sequences)
+    def observe(self, prompts: Sequence[list[int]], completions: Sequence[list[int]]) -> None:
+        self.recent.extend(p + c for p, c in zip(prompts, completions))
 
     @property
     @abstractmethod
@@ -262,24 +329,33 @@ class ExitAdapterTraining(_SequenceTraining):
 
 
 def trained_part(drafter: Any) -> TrainedPart | None:
-    """The part of a drafter a checkpoint keeps even when it does not train here: an EAGLE-3 head
-    (spot training on workers trains it too), a drafter LM's streaming heads; else None."""
+    """The part of a drafter a checkpoint keeps even when it does not train here (spot training on
+    workers may train it): an EAGLE-3 head, a drafter LM's streaming heads, else its LM; else None."""
     from .eagle3 import Eagle3Head
     from .small_lm import SmallLMDrafter
 
     if isinstance(drafter, Eagle3Head):
         return drafter
     if isinstance(drafter, SmallLMDrafter):
-        return drafter.heads
+        return drafter.heads if drafter.heads is not None else drafter.lm
     return None
 
 
 def online_training(
-    drafter: Any, steps: int, buffer_bytes: int, adapter_rank: int | None, training: Any = None
+    drafter: Any,
+    steps: int,
+    buffer_bytes: int,
+    adapter_rank: int | None,
+    training: Any = None,
+    *,
+    holdout_every: int = 4,
+    ship_min_gain: float = 0.0,
 ) -> OnlineTraining | None:
     """The online training for what a user handed the rollout as ``drafter`` with
     ``drafter_train_steps=steps``: None when nothing trains here. ``self:L`` with an
-    ``adapter_rank`` drafts through its exit adapter (trained when ``steps > 0``)."""
+    ``adapter_rank`` drafts through its exit adapter (trained when ``steps > 0``). A drafter LM
+    trains its streaming heads if it has them, else its own weights behind the held-out gate
+    (``holdout_every``, ``ship_min_gain``)."""
     from .eagle3 import Eagle3Head
     from .factory import parse_self_drafter
     from .small_lm import SmallLMDrafter
@@ -292,10 +368,11 @@ def online_training(
         return None
     if isinstance(drafter, Eagle3Head):
         return HeadTraining(drafter, buffer_bytes, training)
-    if isinstance(drafter, SmallLMDrafter) and drafter.heads is not None:
-        return StreamingHeadsTraining(drafter)
+    if isinstance(drafter, SmallLMDrafter):
+        if drafter.heads is not None:
+            return StreamingHeadsTraining(drafter)
+        return DraftLMTraining(drafter, buffer_bytes, training, holdout_every, ship_min_gain)
     raise ValueError(
-        "drafter_train_steps > 0 needs an EAGLE-3 head (SpecRollout(drafter=head)), a drafter LM with "
-        "streaming heads (SpecRollout(drafter=SmallLMDrafter(lm, streaming_heads=...))) or drafter='self:L' "
-        "with self_adapter_rank set"
+        "drafter_train_steps > 0 needs an EAGLE-3 head (SpecRollout(drafter=head)), a drafter LM "
+        "(SpecRollout(drafter=SmallLMDrafter(lm))) or drafter='self:L' with self_adapter_rank set"
     )

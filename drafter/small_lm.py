@@ -38,6 +38,7 @@ from ..rollout.kv_cache import blocks_for
 from ..rollout.model_runner import ModelRunner
 from .base import Drafter, DraftRequest, DraftShape, DraftTree
 from .draft_sampling import ChainDrafts, draft_generator
+from .lm_training import VersionedLM
 from .streaming import StreamingHeads
 from .tree_search import LevelInput, grow_trees
 
@@ -106,6 +107,7 @@ class SmallLMDrafter(Drafter):
         if not (isinstance(kv_cache_tokens, int) and kv_cache_tokens >= block_size):
             raise ValueError(f"kv_cache_tokens must be an int >= block_size ({block_size}), got {kv_cache_tokens!r}")
         self.model = model
+        self.lm = VersionedLM(model)  # the LM as a trained part (online training: drafter/lm_training.py)
         self.tokenizer = tokenizer
         self.block_size = block_size
         # with a graph pool (the engine gives one on CUDA), draft forwards replay captured graphs
@@ -224,8 +226,8 @@ class SmallLMDrafter(Drafter):
 
     @property
     def version(self) -> int:
-        """Training steps of the streaming heads (the drafter LM itself is not trained here)."""
-        return self.heads.version if self.heads is not None else 0
+        """Training steps of the LM and of the streaming heads: moves whenever the weights do."""
+        return self.lm.version + (self.heads.version if self.heads is not None else 0)
 
     def shipped_weights(self) -> torch.nn.Module:
         """What a copy in a draft process follows: the model, and the streaming heads with it."""

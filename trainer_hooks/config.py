@@ -35,15 +35,19 @@ RENAMED = {"ray_address": "workers.address"}
 @dataclass
 class OnlineTrainingConfig:
     """The drafter's training in the trainer's process after every rollout call, so it follows the
-    moving policy: an EAGLE-3 head on the features it recorded, a drafter LM's streaming heads on
-    the recent completions, ``self:L``'s exit adapter towards the policy's own distributions. (With
-    Ray workers an EAGLE-3 head trains on idle workers instead: ``workers.spot_training``.)
+    moving policy: an EAGLE-3 head on the features it recorded, a drafter LM on the policy's
+    completions (its own weights, shipped only when they beat the drafting ones on every
+    ``holdout_every``-th completion, held out, by more than ``ship_min_gain``; or its streaming heads
+    if it has them), ``self:L``'s exit adapter towards the policy's own distributions. (With Ray
+    workers an EAGLE-3 head or a drafter LM trains on idle workers instead: ``workers.spot_training``.)
     ``catch_up`` raises the learning rate while the accept length has fallen far below its best
     (:mod:`tailspec.drafter.catch_up`; ``{"below": 0}`` turns it off), here and on workers alike."""
 
     drafter_train_steps: int = 0  # training steps after every rollout call (0: off)
     drafter_buffer_mb: int = 256  # the EAGLE-3 head's buffer of recorded features
     self_adapter_rank: int | None = None  # drafter "self:L": an ExitAdapter of this rank, trained online
+    holdout_every: int = 4  # drafter LM: every n-th completion is held out to judge a trained copy (0: none)
+    ship_min_gain: float = 0.0  # drafter LM: accepted tokens per chain a trained copy must win by to ship
     catch_up: CatchUpConfig = field(default_factory=CatchUpConfig)
 
     def __post_init__(self) -> None:
@@ -54,6 +58,18 @@ class OnlineTrainingConfig:
             int_at_least(self.drafter_train_steps, 0), "drafter_train_steps", "an int >= 0", self.drafter_train_steps
         )
         require(int_at_least(self.drafter_buffer_mb, 1), "drafter_buffer_mb", "an int >= 1", self.drafter_buffer_mb)
+        require(
+            int_at_least(self.holdout_every, 0) and self.holdout_every != 1,
+            "holdout_every",
+            "0 or an int >= 2",
+            self.holdout_every,
+        )
+        require(
+            isinstance(self.ship_min_gain, (int, float)) and self.ship_min_gain >= 0,
+            "ship_min_gain",
+            "a float >= 0",
+            self.ship_min_gain,
+        )
         require(
             self.self_adapter_rank is None or int_at_least(self.self_adapter_rank, 1),
             "self_adapter_rank",

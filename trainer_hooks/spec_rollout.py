@@ -114,6 +114,8 @@ class SpecRollout:
             training.drafter_buffer_mb << 20,
             training.self_adapter_rank,
             drafter_training,
+            holdout_every=training.holdout_every,
+            ship_min_gain=training.ship_min_gain,
         )
         self.drafter_training = drafter_training
         self._engine: RolloutEngine | None = None
@@ -149,7 +151,7 @@ class SpecRollout:
         self._catch_up()
         # a drafter that sat this rollout out (a misfit) has nothing of it to train on
         if self.online is not None and self.config.training.drafter_train_steps and not self.health.misfit:
-            self.online.observe([p + c for p, c in zip(prompt_ids, completion_ids)])
+            self.online.observe(prompt_ids, completion_ids)
             self._train_drafter(trainer)
         return self._trl_outputs(outputs)
 

@@ -45,8 +45,8 @@ import torch
 
 from ..config_tree import require
 from ..drafter.eagle3 import Eagle3Head
-from ..drafter.eagle3.train import DrafterTrainingConfig
-from ..drafter.online import DrafterState
+from ..drafter.learning import learner_for
+from ..drafter.online import DrafterState, TrainedPart
 from ..rollout.admission import RequestLimits, prepare_requests
 from ..rollout.params import RolloutConfig, SamplingParams
 from ..rollout.request import RequestOutput
@@ -138,7 +138,7 @@ class RolloutCoordinator:
         eos_token_ids: Sequence[int],
         drafter: Any = None,
         config: WorkersConfig | None = None,
-        training: DrafterTrainingConfig | None = None,
+        training: Any = None,
         policy_version: int = 0,
         on_event: Callable[[CoordinatorEvent], None] | None = None,
     ) -> None:
@@ -160,10 +160,13 @@ class RolloutCoordinator:
         self.eos_token_ids = list(eos_token_ids)
         self.limits = RequestLimits.of(model, rollout_config)
         self.training = training
-        self.head = drafter if isinstance(drafter, Eagle3Head) else None
+        # what spot training trains (an EAGLE-3 head, a drafter LM's weights; None: nothing); the
+        # driver's copy follows every broadcast version (for checkpoints and export)
+        learning = learner_for(drafter, model, training)
+        self.part: TrainedPart | None = learning[0] if learning is not None else None
         self.events: list[CoordinatorEvent] = []
         self.spot = SpotTraining(
-            DrafterState.of(self.head) if self.head is not None else None,
+            DrafterState.of(self.part) if self.part is not None else None,
             enabled=c.spot_training,
             steps_per_chunk=c.spot_steps_per_call,
             max_steps_per_rollout=c.max_spot_steps,
@@ -199,7 +202,7 @@ class RolloutCoordinator:
 
     @property
     def drafter_state(self) -> DrafterState | None:
-        """The drafting head's state (what the next rollout drafts with; spot training may hold a
+        """The drafting part's state (what the next rollout drafts with; spot training may hold a
         newer trained one that has not earned shipping yet)."""
         return self.spot.shipped
 
@@ -375,7 +378,7 @@ class RolloutCoordinator:
     def state_dict(self) -> dict[str, Any]:
         """What the workers and the coordinator learned, for a checkpoint: each worker's engine
         state (selector, suffix history), the length predictor, and the newest drafter state
-        (weights, optimizer, step, version; None without an EAGLE-3 head). Waits for a training
+        (weights, optimizer, step, version; None without a trained part). Waits for a training
         chunk still stopping, so no trained state is left out."""
         import ray
 
@@ -404,8 +407,11 @@ class RolloutCoordinator:
             self.predictor.load_state_dict(state["predictor"])
         drafter = state.get("drafter")
         if drafter is not None:
-            if self.head is None:
-                raise ValueError("the saved rollout state has a drafter state but this coordinator drafts with no head")
+            if self.part is None:
+                raise ValueError(
+                    "the saved rollout state has a drafter state but this coordinator drafts with no trained part "
+                    "(an EAGLE-3 head or a drafter LM)"
+                )
             self.settle()
             self.spot.publish(drafter)
             if state.get("drafter_trained") is not None:
@@ -421,24 +427,23 @@ class RolloutCoordinator:
         """Make ``head`` (trained outside the workers, e.g. by ``DrafterFromTrainer`` in the
         trainer process) the drafter every worker uses from the next rollout on. Spot training, if
         on, continues from it; the workers' optimizer states belong to the replaced version."""
-        if self.head is None:
+        if not isinstance(self.part, Eagle3Head):
             raise ValueError("this coordinator drafts with no EAGLE-3 head; there is nothing to replace")
         # taken first: settling broadcasts the version it replaces, which loads that version into the
         # coordinator's head, and that is ``head`` itself when the trainer trains the drafting head
         published = DrafterState.of(head)
         self.settle()  # a training chunk that finished meanwhile must not overwrite the new state
         self.spot.publish(published)
-        published.load_into(self.head)  # back in the trainer's head at once (the broadcast follows)
+        published.load_into(self.part)  # back in the trainer's head at once (the broadcast follows)
         self._needs_broadcast = True
         self._event("drafter_published", version=self.drafter_state.version)
 
     def _broadcast_drafter(self) -> None:
         """Every worker not training drafts with the newest version from the next rollout on; the
-        driver's head object follows too (for checkpoints and export)."""
-
+        driver's part follows too (for checkpoints and export)."""
         state = self.drafter_state
         state_ref = self._drafter_ref_of(state)
         for index in self.pool.call_all("set_drafter", state_ref, skip=self.spot.training_worker):
             self.pool.set_held(index, drafter=state.version)
-        state.load_into(self.head)
+        state.load_into(self.part)
         self._event("drafter_broadcast", version=state.version)

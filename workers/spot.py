@@ -1,4 +1,5 @@
-"""TLT-style spot training: the EAGLE-3 head trains on workers the long tail leaves idle.
+"""TLT-style spot training: the drafter's trained part (an EAGLE-3 head, or a drafter LM's own
+weights) trains on workers the long tail leaves idle.
 
 :class:`SpotTraining` decides when a chunk of training steps starts (a worker is idle while
 another still generates, nothing waits to be generated, data is there, the rollout's step budget
@@ -34,7 +35,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..drafter.eagle3.data import Eagle3Sample
 from ..drafter.online import DrafterState
 from .spot_chunk import TrainResult
 
@@ -68,11 +68,11 @@ class SampleBuffer:
 
     def __init__(self, max_bytes: int) -> None:
         self.max_bytes = max_bytes
-        self.items: deque[tuple[int, Eagle3Sample]] = deque()  # (id, sample), oldest first
+        self.items: deque[tuple[int, Any]] = deque()  # (id, sample), oldest first
         self.nbytes = 0
         self.next_id = 0
 
-    def add(self, samples: list[Eagle3Sample]) -> None:
+    def add(self, samples: list[Any]) -> None:
         for s in samples:
             if s.nbytes > self.max_bytes:
                 continue
@@ -82,7 +82,7 @@ class SampleBuffer:
             while self.nbytes > self.max_bytes:
                 self.nbytes -= self.items.popleft()[1].nbytes
 
-    def newer_than(self, sample_id: int) -> list[Eagle3Sample]:
+    def newer_than(self, sample_id: int) -> list[Any]:
         return [s for i, s in self.items if i > sample_id]
 
     def __len__(self) -> int:
@@ -102,7 +102,7 @@ class SpotTraining:
         holdout_every: int = 0,
         ship_min_gain: float = 0.0,
     ) -> None:
-        self.state = state  # the newest trained drafter state (None: no EAGLE-3 head, nothing to train)
+        self.state = state  # the newest trained drafter state (None: no trained part, nothing to train)
         self.shipped = state  # the state the engines draft with
         self.holdout_every = holdout_every
         self.ship_min_gain = ship_min_gain
@@ -159,7 +159,7 @@ class SpotTraining:
         """The last trainer if idle (it holds the optimizer state), else the lowest index."""
         return self._last_trainer if self._last_trainer in idle else min(idle)
 
-    def chunk_args(self, worker: int, steps: int | None = None) -> tuple[DrafterState | None, list[Eagle3Sample], int]:
+    def chunk_args(self, worker: int, steps: int | None = None) -> tuple[DrafterState | None, list[Any], int]:
         """(state to start from, or None when the worker's trainer holds the newest; the samples
         it has not been sent; the step count: ``steps`` or ``steps_per_chunk``, within the
         rollout's budget) for a chunk on ``worker``; marks the samples sent."""

@@ -1,7 +1,8 @@
 """``RolloutWorker``: one engine (a policy copy and a drafter) in a Ray actor.
 
-Spot training updates a copy of the EAGLE-3 head; the head the engine drafts with changes only
-when the coordinator broadcasts a version, so all workers always draft with the same one.
+Spot training updates a copy of the drafter's trained part (an EAGLE-3 head, or a drafter LM's
+weights); the part the engine drafts with changes only when the coordinator broadcasts a version,
+so all workers always draft with the same one.
 
 The class is plain Python; :class:`tailspec.workers.RolloutCoordinator` wraps it with
 ``ray.remote`` (threaded, so ``stop_training`` can arrive while ``train_drafter`` runs). Every
@@ -22,9 +23,9 @@ import torch
 
 from ..draft_contract import Portable
 from ..drafter.eagle3 import Eagle3Head, FeatureBuffer
-from ..drafter.eagle3.data import Eagle3Sample
-from ..drafter.eagle3.train import DrafterTrainingConfig
 from ..drafter.factory import as_drafter
+from ..drafter.learning import learner_for
+from ..drafter.lm_training import SequenceSample
 from ..drafter.online import DrafterState
 from ..rollout.engine import RolloutEngine
 from ..rollout.handoff import InboxItem, PartialRequest, RequestInbox
@@ -68,7 +69,8 @@ class ShardEnd:
 
     worker: int
     requests: int
-    samples: list[Eagle3Sample]  # EAGLE-3 training data recorded while generating
+    # training data recorded while generating: EAGLE-3 features, or the finished requests' sequences
+    samples: list[Any]
     counts: EngineCounts  # what the engine counted in this session
     seconds: float
     policy_version: int
@@ -76,7 +78,7 @@ class ShardEnd:
 
 
 class RolloutWorker:
-    """An engine on a policy copy; optionally trains the EAGLE-3 head between rollouts' work."""
+    """An engine on a policy copy; optionally trains the drafter's trained part between rollouts' work."""
 
     def __init__(
         self,
@@ -86,7 +88,7 @@ class RolloutWorker:
         eos_token_ids: list[int],
         drafter: Any = None,
         drafter_state: DrafterState | None = None,
-        training_config: DrafterTrainingConfig | None = None,
+        training_config: Any = None,
         policy_version: int = 0,
         num_threads: int | None = None,
         sample_buffer_mb: int = 64,
@@ -104,19 +106,22 @@ class RolloutWorker:
         self._lock = threading.Lock()
         self._inbox: RequestInbox | None = None  # the running serving session's
         self._early = RequestInbox()  # calls for the next session that arrive before it starts
-        self.head: Eagle3Head | None = drafter if isinstance(drafter, Eagle3Head) else None
         self._draft_host: tuple[int, Any] | None = None  # (pairing, SequencedHost): drafting for a busy peer
         self._hosted_commands = 0
+        # the part spot training trains (an EAGLE-3 head, a drafter LM's weights) and how it learns
+        learning = learner_for(drafter, self.model, training_config)
+        self.part, learner = learning if learning is not None else (None, None)
+        if self.part is not None and drafter_state is not None:
+            drafter_state.load_into(self.part)
         engine_drafter = drafter
-        if self.head is not None:
-            if drafter_state is not None:
-                drafter_state.load_into(self.head)
-            engine_drafter = as_drafter(
-                self.head, self.model, rollout_config, buffer=FeatureBuffer(self.sample_buffer_bytes)
-            )
-        self.eagle_drafter = engine_drafter if self.head is not None else None
-        # the worker's side of spot training (workers/spot_chunk.py), with a head to train
-        self.spot = SpotTrainer(index, self.head, self.model, training_config, self._event) if self.head else None
+        self.eagle_drafter = None  # an EAGLE-3 head's engine drafter records the features it trains on
+        if isinstance(drafter, Eagle3Head):
+            buffer = FeatureBuffer(self.sample_buffer_bytes)
+            engine_drafter = self.eagle_drafter = as_drafter(drafter, self.model, rollout_config, buffer=buffer)
+        self.records_sequences = learner is not None and learner.records == "sequences"
+        self._sequences: list[SequenceSample] = []  # the finished requests' of this session
+        # the worker's side of spot training (workers/spot_chunk.py), with a part to train
+        self.spot = SpotTrainer(index, self.part, learner, self._event) if self.part is not None else None
         self.engine = RolloutEngine(self.model, rollout_config, eos_token_ids=eos_token_ids, drafter=engine_drafter)
 
     # -- bookkeeping -----------------------------------------------------------------------
@@ -133,7 +138,7 @@ class RolloutWorker:
 
     def versions(self) -> tuple[int, int | None]:
         """(policy version, drafter version)."""
-        return self.policy_version, (int(self.head.version) if self.head is not None else None)
+        return self.policy_version, (int(self.part.version) if self.part is not None else None)
 
     # -- rollout work ------------------------------------------------------------------------
     def serve_stream(
@@ -169,6 +174,8 @@ class RolloutWorker:
             for update in self.engine.serve(inbox):
                 if update.finished:
                     served += len(update.finished)
+                    if self.records_sequences:
+                        self._sequences += [SequenceSample.of(o.prompt_ids, o.completion_ids) for _, o in update.finished]
                     yield FinishedRequests(self.index, [k for k, _ in update.finished], [o for _, o in update.finished])
                 if update.released:
                     yield ReleasedRequests(self.index, [k for k, _ in update.released], [p for _, p in update.released])
@@ -194,10 +201,12 @@ class RolloutWorker:
             (self._inbox or self._early).close(total)
 
     def _session_end(self, served: int, before: EngineCounts, seconds: float) -> ShardEnd:
-        samples: list[Eagle3Sample] = []
+        samples: list[Any] = []
         if self.eagle_drafter is not None:  # hand the recorded data over and start a fresh buffer
             samples = self.eagle_drafter.buffer.samples()
             self.eagle_drafter.buffer = FeatureBuffer(self.sample_buffer_bytes)
+        elif self.records_sequences:
+            samples, self._sequences = [s for s in self._sequences if s.num_tokens > s.prompt_len], []
         self._event("generate_end", requests=served, samples=len(samples))
         return ShardEnd(
             worker=self.index,
@@ -206,7 +215,7 @@ class RolloutWorker:
             counts=self.engine.stats.counts() - before,
             seconds=seconds,
             policy_version=self.policy_version,
-            drafter_version=int(self.head.version) if self.head is not None else None,
+            drafter_version=int(self.part.version) if self.part is not None else None,
         )
 
     def engine_state(self) -> dict:
@@ -230,9 +239,9 @@ class RolloutWorker:
         return version
 
     def set_drafter(self, state: DrafterState) -> int:
-        if self.head is None:
-            raise RuntimeError(f"worker {self.index} has no EAGLE-3 head to load a drafter state into")
-        state.load_into(self.head)  # the drafting head; spot training's copy and optimizer stay as they are
+        if self.part is None:
+            raise RuntimeError(f"worker {self.index} has no trained drafter part to load a drafter state into")
+        state.load_into(self.part)  # the drafting part; spot training's copy and optimizer stay as they are
         self._event("drafter", version=state.version)
         return state.version
 
@@ -240,7 +249,7 @@ class RolloutWorker:
     def train_drafter(self, *args: Any, **kwargs: Any) -> TrainResult:
         """One spot-training chunk on this worker (:meth:`SpotTrainer.train`)."""
         if self.spot is None:
-            raise RuntimeError(f"worker {self.index} has no EAGLE-3 head to train")
+            raise RuntimeError(f"worker {self.index} has no drafter part to train (an EAGLE-3 head or a drafter LM)")
         return self.spot.train(*args, **kwargs)
 
     def stop_training(self, chunk: int | None = None) -> None:

@@ -64,7 +64,7 @@ def test_sequence_trained_parts_train_on_the_recent_sequences_at_the_catch_up_ra
     lm = tiny_random_model("llama", seed=2, num_layers=1)
     online = StreamingHeadsTraining(SmallLMDrafter(lm, streaming_heads=random_heads(lm, 2)))
     assert online.train(2, 1.0) == [] and online.trainer is not None  # nothing long enough seen yet
-    online.observe([[3, 4, 5, 6, 7, 8, 9, 10], [1, 2]])
+    online.observe([[3, 4, 5], [1]], [[6, 7, 8, 9, 10], [2]])
     assert len(online.train(2, lr_scale=5.0)) == 2
     assert online.trainer.optimizer.param_groups[0]["lr"] == pytest.approx(5 * STREAMING_LR)
     state = online.state()

@@ -5,7 +5,7 @@ recorded events, never from timing."""
 
 import pytest
 import torch
-from rollout_cases import coordinator, fresh_head, kinds, long_tail_batch, policy, single_engine
+from rollout_cases import CONFIG, EOS, coordinator, fresh_head, kinds, long_tail_batch, policy, single_engine
 
 from tailspec.rollout import RolloutConfig, SamplingParams
 from tailspec.testing import perturbed_copy
@@ -57,7 +57,7 @@ def test_results_equal_one_engine_and_spot_training_fills_the_tail(ray_local):
     versions = coord.worker_versions()
     assert len({v for _, v in versions.values()}) == 1  # every worker drafts with one version
     (version,) = {v for _, v in versions.values()}
-    assert version == coord.head.version == coord.drafter_state.version > 0
+    assert version == coord.part.version == coord.drafter_state.version > 0
     assert sum(e.detail["steps"] for e in done) == version  # the head started at version 0
     recorded = sum(e.detail["samples"] for e in kinds(coord.events, "shard_done"))
     for worker_events in coord.worker_events().values():
@@ -191,7 +191,7 @@ def test_the_drafting_head_trained_in_place_is_published_not_reverted(ray_local)
     prompts, params = long_tail_batch()
     coord = coordinator(spot_training=False)
     coord.generate(prompts, params)  # leaves a broadcast pending
-    head = coord.head
+    head = coord.part
     with torch.no_grad():
         for p in head.parameters():
             p.add_(0.01)
@@ -216,9 +216,9 @@ def test_a_head_trained_elsewhere_reaches_every_worker(ray_local):
     trained.version = 7
     coord.publish_drafter(trained)
     assert {v[1] for v in coord.worker_versions().values()} == {7}
-    assert coord.head.version == 7 and kinds(coord.events, "drafter_published")
+    assert coord.part.version == 7 and kinds(coord.events, "drafter_published")
     for key, value in trained.state_dict().items():
-        assert torch.equal(coord.head.state_dict()[key], value), key
+        assert torch.equal(coord.part.state_dict()[key], value), key
     report = coord.generate(prompts, params)
     assert [o.completion_ids for o in report.outputs] == [o.completion_ids for o in single_engine(prompts, params)]
     assert report.drafter_version == 7
@@ -243,4 +243,30 @@ def test_a_trained_head_that_does_not_beat_the_drafting_one_is_not_shipped(ray_l
     assert {v for _, v in coord.worker_versions().values()} == {0}
     state = coord.state_dict()
     assert state["drafter"].version == 0 and state["drafter_trained"].version == coord.spot.state.version
+    coord.shutdown()
+
+
+def test_a_drafter_lm_trains_on_idle_workers_and_ships_to_every_worker(ray_local):
+    """The drafter LM on the spot path: trained on the finished completions while a worker idles in
+    the tail, shipped past the gate, drafted with by every worker; completions stay the plain ones."""
+    from tailspec.drafter.lm_training import DraftLMTrainingConfig
+    from tailspec.drafter.small_lm import SmallLMDrafter
+    from tailspec.testing import tiny_random_model
+
+    prompts, params = long_tail_batch()
+    want = single_engine(prompts, params)
+    drafter = SmallLMDrafter(tiny_random_model("qwen2", seed=2, num_layers=1))
+    config = WorkersConfig(num_workers=2, spot_steps_per_call=2, schedule="static", spot_holdout_every=0)
+    training = DraftLMTrainingConfig(batch_size=4, max_tokens=128)
+    coord = RolloutCoordinator(policy(), CONFIG, [EOS], drafter=drafter, config=config, training=training)
+    steps = 0
+    for _ in range(2):
+        report = coord.generate(prompts, params)
+        assert [o.completion_ids for o in report.outputs] == [o.completion_ids for o in want]
+        steps += report.spot_steps
+    coord.settle()
+    assert steps > 0 and kinds(coord.events, "spot_done")
+    (version,) = {v for _, v in coord.worker_versions().values()}
+    assert version == coord.drafter_state.version == coord.part.version == drafter.lm.version > 0
+    assert sum(e.detail["samples"] for e in kinds(coord.events, "shard_done")) == 2 * len(prompts)
     coord.shutdown()

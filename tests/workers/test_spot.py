@@ -194,12 +194,12 @@ def test_a_worker_holds_out_every_nth_sample_and_compares_the_heads_on_them():
     worker, head, samples = spot_worker(prompts=8, max_new_tokens=24)
     start = DrafterState.of(head)
     result = worker.train_drafter(start, samples, 3, 1 << 30, holdout_every=4, shipped=start)
-    assert len(worker.spot.held_out) == 2 and len(worker.spot.train_buffer) == 6
+    assert len(worker.spot.learning.held_out) == 2 and len(worker.spot.learning.train_buffer) == 6
     assert len(result.losses) == 3 and result.held_out_against == 0
     shipped_acc, trained_acc = result.held_out
     assert 0.0 <= shipped_acc <= 4.0 and 0.0 <= trained_acc <= 4.0
     assert result.ship == (trained_acc > shipped_acc)
-    assert worker.spot.reference.version == (3 if result.ship else 0)
+    assert worker.spot.learning.reference.version == (3 if result.ship else 0)
     never = worker.train_drafter(None, [], 2, 1 << 30, holdout_every=4, ship_min_gain=5.0)  # cannot beat by 5
     assert not never.ship and never.held_out is not None
     plain = worker.train_drafter(None, [], 2, 1 << 30)  # nothing held out asked: no comparison, it ships
@@ -242,23 +242,23 @@ def test_a_stop_during_the_comparison_leaves_the_state_unjudged_and_the_next_chu
     worker, head, samples = spot_worker(prompts=8, max_new_tokens=24)
     start = DrafterState.of(head)
     worker.train_drafter(start, samples, 1, 1 << 30, holdout_every=4, shipped=start, ship_min_gain=5.0)
-    train = worker.spot.trainer.train
+    train = worker.spot.learning.trainer.train
 
     def train_then_stop(*args, **kwargs):  # the stop arrives while the last step runs
         results = train(*args, **kwargs)
         worker.stop_training()
         return results
 
-    worker.spot.trainer.train = train_then_stop
+    worker.spot.learning.trainer.train = train_then_stop
     cut = worker.train_drafter(None, [], 2, 1 << 30, holdout_every=4, ship_min_gain=-10.0)
     assert len(cut.losses) == 2 and cut.held_out is None and not cut.judged and not cut.ship
-    assert worker.spot.reference.version == 0  # the copy to beat is unchanged
-    worker.spot.trainer.train = train
+    assert worker.spot.learning.reference.version == 0  # the copy to beat is unchanged
+    worker.spot.learning.trainer.train = train
     lost = worker.train_drafter(None, [], 2, 1 << 30, holdout_every=4, ship_min_gain=5.0, judge_first=True)
     assert lost.judged and not lost.ship and len(lost.losses) == 2  # judged first, lost, trained on
     won = worker.train_drafter(None, [], 2, 1 << 30, holdout_every=4, ship_min_gain=-10.0, judge_first=True)
     assert won.judged and won.ship and won.losses == [] and won.held_out is not None  # ships as it is
-    assert won.state.version == lost.state.version == worker.spot.reference.version
+    assert won.state.version == lost.state.version == worker.spot.learning.reference.version
 
 
 def test_a_stop_that_overtakes_its_chunk_still_stops_it_and_an_old_stop_stops_no_later_chunk():
@@ -285,3 +285,39 @@ def test_a_chunk_in_the_update_gap_gets_the_rollouts_step_budget_left():
     assert not s.can_train()  # budget spent until the next rollout
     s.start_rollout()
     assert s.can_train()
+
+
+def test_a_worker_with_a_drafter_lm_records_its_completions_and_trains_a_copy_of_the_lm():
+    """The drafter LM on the spot-training path (the actor class called directly, no Ray): the
+    session hands over its finished sequences, a chunk trains a copy behind the held-out gate, and
+    the drafting LM changes only when the coordinator's broadcast loads a state."""
+    from tailspec.drafter.lm_training import DraftLMTrainingConfig, SequenceSample
+    from tailspec.drafter.small_lm import SmallLMDrafter
+    from tailspec.rollout import RolloutConfig, SamplingParams
+    from tailspec.rollout.handoff import InboxItem
+    from tailspec.testing import random_prompts, tiny_random_model
+    from tailspec.workers.worker import RolloutWorker
+
+    model = tiny_random_model("qwen2", seed=1)
+    drafter = SmallLMDrafter(tiny_random_model("qwen2", seed=2, num_layers=1))
+    training = DraftLMTrainingConfig(learning_rate=1e-3, batch_size=4)
+    worker = RolloutWorker(
+        0, model, RolloutConfig(strategy="chain:3"), eos_token_ids=[1], drafter=drafter, training_config=training
+    )
+    assert worker.part is drafter.lm
+    params = SamplingParams(temperature=0.0, max_new_tokens=20, ignore_eos=True)
+    items = [InboxItem(k, p, params) for k, p in enumerate(random_prompts(8, seed=4))]
+    *finished, end = list(worker.serve_stream(items, total=len(items)))
+    assert all(isinstance(s, SequenceSample) for s in end.samples) and len(end.samples) == 8
+    by_key = {k: o for f in finished for k, o in zip(f.indices, f.outputs)}
+    assert sorted(s.tokens.tolist() for s in end.samples) == sorted(o.prompt_ids + o.completion_ids for o in by_key.values())
+    start = DrafterState.of(drafter.lm)
+    result = worker.train_drafter(start, end.samples, 3, 1 << 30, holdout_every=4, shipped=start, ship_min_gain=-10.0)
+    assert len(result.losses) == 3 and result.ship and result.held_out is not None
+    assert result.state.version == 3 and drafter.version == 0  # the drafting LM waits for the broadcast
+    worker.set_drafter(result.state)
+    assert drafter.version == 3 and worker.versions() == (0, 3)
+    trained = result.state.weights
+    assert all(torch.equal(v, trained[f"model.{k}"]) for k, v in drafter.model.state_dict().items())
+    _, end = list(worker.serve_stream(items[:2], total=2))[-2:]
+    assert end.drafter_version == 3 and len(end.samples) == 2

@@ -1,0 +1,212 @@
+"""The drafter LM learns the moving policy: distilled on the policy's recent completions.
+
+A rollout's completions are draws from the policy's processed distribution, so next-token cross
+entropy on them is, in expectation, the forward KL from that distribution to the drafter's: the
+distillation objective, without the target forward that soft labels would need (the engine returns
+only each emitted token's logprob). Loss counts completion tokens only (what the drafter drafts);
+the prompt is context.
+
+:class:`DraftLMTrainer` mirrors the EAGLE-3 head's ``DrafterTrainer`` (a step at a time from a
+buffer, ``lr_scale`` for catch-up, ``should_stop`` between steps), and :func:`lm_held_out_acceptance`
+its ``held_out_acceptance``: accepted draft tokens per greedy chain, read off one teacher-forced
+forward per sequence, so the spot-training gate compares drafter LMs as it compares heads.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ..config_tree import require
+from .eagle3.data import FeatureBuffer
+from .eagle3.train import TrainStepResult
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class SequenceSample:
+    """A prompt + completion the policy wrote: what a drafter LM trains on."""
+
+    tokens: torch.Tensor  # [T] int32
+    prompt_len: int
+
+    @classmethod
+    def of(cls, prompt: Sequence[int], completion: Sequence[int]) -> SequenceSample:
+        return cls(torch.tensor([*prompt, *completion], dtype=torch.int32), len(prompt))
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.tokens.numel())
+
+    @property
+    def nbytes(self) -> int:
+        return self.tokens.numel() * self.tokens.element_size()
+
+
+def sequence_samples(prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[int]]) -> list[SequenceSample]:
+    """The samples of a rollout's requests that completed at least one token."""
+    return [SequenceSample.of(p, c) for p, c in zip(prompts, completions) if c]
+
+
+class VersionedLM(nn.Module):
+    """A drafter LM as a trained part: the model, and a ``version`` every training step bumps (the
+    engine's selector re-measures its arms, workers know which weights they draft with)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+        self.version = 0
+
+
+@dataclass
+class DraftLMTrainingConfig:
+    """TRL-style configuration of :class:`DraftLMTrainer`."""
+
+    learning_rate: float = 1e-4
+    weight_decay: float = 0.0
+    batch_size: int = 8  # sequences per step
+    max_tokens: int = 512  # longer sequences train on a random window of this many tokens
+    max_grad_norm: float = 1.0
+    depth: int = 4  # the chain depth the held-out gate scores
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        checks = [
+            ("learning_rate", self.learning_rate > 0, "a float > 0"),
+            ("weight_decay", self.weight_decay >= 0, "a float >= 0"),
+            ("batch_size", isinstance(self.batch_size, int) and 1 <= self.batch_size <= 4096, "an int in [1, 4096]"),
+            ("max_tokens", isinstance(self.max_tokens, int) and self.max_tokens >= 2, "an int >= 2"),
+            ("max_grad_norm", self.max_grad_norm > 0, "a float > 0"),
+            ("depth", isinstance(self.depth, int) and 1 <= self.depth <= 16, "an int in [1, 16]"),
+        ]
+        for name, ok, allowed in checks:
+            require(ok, name, allowed, getattr(self, name))
+
+
+def _window(sample: SequenceSample, max_tokens: int, rng: random.Random) -> tuple[int, int]:
+    """[start, end) of the tokens to train on: all, or a random window holding completion tokens."""
+    n = sample.num_tokens
+    if n <= max_tokens:
+        return 0, n
+    start = rng.randint(max(0, min(sample.prompt_len - 1, n - max_tokens)), n - max_tokens)
+    return start, start + max_tokens
+
+
+def _batch(samples: list[SequenceSample], max_tokens: int, rng: random.Random, device: torch.device):
+    """(input ids [B, T], attention mask [B, T], target ids [B, T - 1] with -100 where no
+    completion token is predicted)."""
+    windows = [_window(s, max_tokens, rng) for s in samples]
+    width = max(end - start for start, end in windows)
+    ids = torch.zeros(len(samples), width, dtype=torch.long)
+    mask = torch.zeros(len(samples), width, dtype=torch.long)
+    targets = torch.full((len(samples), width - 1), -100, dtype=torch.long)
+    for row, (s, (start, end)) in enumerate(zip(samples, windows)):
+        tokens = s.tokens[start:end].long()
+        ids[row, : len(tokens)] = tokens
+        mask[row, : len(tokens)] = 1
+        first = max(s.prompt_len - start, 1)  # the first completion token's index in the window
+        targets[row, first - 1 : len(tokens) - 1] = tokens[first:]
+    return ids.to(device), mask.to(device), targets.to(device)
+
+
+def _logits(model: nn.Module, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    return model(input_ids=ids, attention_mask=mask, use_cache=False).logits[:, :-1].float()
+
+
+@torch.no_grad()
+def lm_held_out_acceptance(
+    model: nn.Module,
+    samples: list[SequenceSample],
+    depth: int,
+    max_tokens: int = 512,
+    *,
+    should_stop: Callable[[], bool] | None = None,
+) -> float | None:
+    """Draft tokens a greedy chain of ``depth`` would get accepted per round on ``samples``: from
+    every completion position, how many of the drafter's next top-1 tokens in a row equal the
+    tokens that were emitted (0..``depth``); teacher-forced, which is what a greedy chain sees
+    while it matches. ``should_stop()`` is checked before each batch of 8: None when it said stop."""
+    if not samples:
+        raise ValueError("lm_held_out_acceptance needs at least one sample")
+    device = next(model.parameters()).device
+    was_training = model.training
+    model.eval()
+    try:
+        accepted, positions = 0.0, 0
+        for i in range(0, len(samples), 8):
+            if should_stop is not None and should_stop():
+                return None
+            ids, mask, targets = _batch(samples[i : i + 8], max_tokens, random.Random(0), device)
+            valid = targets != -100
+            right = (_logits(model, ids, mask).argmax(-1) == targets) & valid
+            alive = valid.clone()
+            for k in range(depth):  # alive[t]: the drafts from t matched k + 1 tokens in a row
+                shifted = torch.zeros_like(right)
+                shifted[:, : right.shape[1] - k] = right[:, k:]
+                alive &= shifted
+                accepted += float(alive.sum())
+            positions += int(valid.sum())
+        return accepted / max(positions, 1)
+    finally:
+        model.train(was_training)
+
+
+class DraftLMTrainer:
+    """Trains a :class:`VersionedLM` from a buffer of :class:`SequenceSample` s, a step at a time.
+
+    Each step is whole or not at all (gradients cleared first, the optimizer steps last), so an
+    exception leaves the previous step's weights and optimizer state."""
+
+    def __init__(self, part: VersionedLM, buffer: FeatureBuffer, config: DraftLMTrainingConfig | None = None) -> None:
+        self.part = part
+        self.buffer = buffer
+        self.config = c = config or DraftLMTrainingConfig()
+        self.optimizer = torch.optim.AdamW(part.parameters(), lr=c.learning_rate, weight_decay=c.weight_decay)
+        self.rng = random.Random(c.seed)
+        self.step_count = 0
+        self.lr_scale = 1.0  # catch-up (drafter/catch_up.py); set on every step
+
+    def train_step(self) -> TrainStepResult:
+        start = time.perf_counter()
+        c, model = self.config, self.part.model
+        drawn = self.buffer.sample(c.batch_size, self.rng)
+        ids, mask, targets = _batch(drawn, c.max_tokens, self.rng, next(model.parameters()).device)
+        for group in self.optimizer.param_groups:
+            group["lr"] = c.learning_rate * self.lr_scale
+        was_training = model.training
+        model.train()
+        self.optimizer.zero_grad()
+        try:
+            logits = _logits(model, ids, mask)
+            loss = nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+            count = int((targets != -100).sum())
+            accuracy = float(((logits.argmax(-1) == targets) & (targets != -100)).sum()) / max(count, 1)
+            if count:
+                loss.backward()
+                nn.utils.clip_grad_norm_(self.part.parameters(), c.max_grad_norm)
+                self.optimizer.step()
+                self.step_count += 1
+                self.part.version += 1
+        finally:
+            self.optimizer.zero_grad()
+            model.train(was_training)
+        return TrainStepResult(self.step_count, float(loss.detach()), [accuracy], count, time.perf_counter() - start)
+
+    def train(self, num_steps: int, *, should_stop: Callable[[], bool] | None = None) -> list[TrainStepResult]:
+        """Up to ``num_steps`` steps; ``should_stop()`` is checked before each one (yield to rollouts)."""
+        require(isinstance(num_steps, int) and num_steps >= 0, "num_steps", "an int >= 0", num_steps)
+        results = []
+        for _ in range(num_steps):
+            if should_stop is not None and should_stop():
+                break
+            results.append(self.train_step())
+        if results:
+            logger.info("drafter LM: %d steps, loss %.3f -> %.3f", len(results), results[0].loss, results[-1].loss)
+        return results
