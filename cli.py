@@ -151,6 +151,8 @@ def _bench(args: argparse.Namespace) -> int:
         print(run_e2e_section(Path(args.out), quick=args.quick))
     elif args.section == "drift":
         print(run_drift_section(Path(args.out), quick=args.quick, policy=args.policy))
+    elif args.section == "drift_lm":
+        print(run_drift_section(Path(args.out), quick=args.quick, policy=args.policy, drafter="small_lm"))
     elif args.section == "schedule":
         print(run_schedule_section(Path(args.out), quick=args.quick, policy=args.policy))
     elif args.section == "mirror":
@@ -353,6 +355,7 @@ def build_parser() -> argparse.ArgumentParser:
             "atts",
             "schedule",
             "drift",
+            "drift_lm",
             "mirror",
             "draft_hosts",
             "grpo_path",

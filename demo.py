@@ -131,13 +131,6 @@ class DemoConfig(WithRollout):
             "'eagle3', 'small_lm' or 'self:L'",
             self.drafter,
         )
-        steps = self.rollout.training.drafter_train_steps
-        require(
-            not steps or self.drafter != "small_lm",
-            "rollout.training.drafter_train_steps",
-            "0 with drafter small_lm (the shipped drafter LM has no streaming heads to train online)",
-            steps,
-        )
 
     def with_overrides(self, **overrides: Any) -> DemoConfig:
         """A copy with ``overrides`` set: the demo's own fields by name, the rollout's by dotted path
@@ -226,16 +219,20 @@ def _is_self_drafter(name: str) -> bool:
     return kind == "self" and layers.isdigit() and int(layers) >= 1
 
 
-def _make_rollout(cfg: DemoConfig, head=None):
+def _make_rollout(cfg: DemoConfig, start: Any = None):
+    """The demo's ``SpecRollout``: the drafter ``cfg.drafter`` names, from ``start`` (an EAGLE-3
+    head or a drafter LM to continue from) instead of the shipped one when given."""
     from .drafter.eagle3.train import DrafterTrainingConfig
+    from .drafter.lm_training import DraftLMTrainingConfig
     from .tasks.sft import load_shipped, load_shipped_eagle3
     from .trainer_hooks.spec_rollout import SpecRollout
 
     rollout = cfg.rollout
     if not parse_strategy(cfg.strategy).wants_model_drafter:  # adaptive wants one: its chain/tree/mirror arms
         return SpecRollout(config=rollout.with_overrides(drafter_train_steps=0))  # no drafter to train
-    if cfg.drafter == "small_lm":
-        return SpecRollout(config=rollout, drafter=load_shipped(cfg.policy, "drafter")[0])
+    if cfg.drafter == "small_lm":  # distilled on the policy's completions: in-process or on idle workers
+        lm = start if start is not None else load_shipped(cfg.policy, "drafter")[0]
+        return SpecRollout(config=rollout, drafter=lm, drafter_training=DraftLMTrainingConfig(seed=cfg.seed))
     if _is_self_drafter(cfg.drafter):
         return SpecRollout(config=rollout, drafter=cfg.drafter)
     # A spot chunk yields to a rollout before its next step, so one step is the longest it can hold
@@ -243,7 +240,7 @@ def _make_rollout(cfg: DemoConfig, head=None):
     # learning rate, as they continue from an already warmed-up head.
     offline = DrafterTrainingConfig(batch_size=8, max_tokens=512, seed=cfg.seed)
     training = _online_training(cfg) if cfg.num_workers else offline
-    head = head if head is not None else load_shipped_eagle3(cfg.policy)
+    head = start if start is not None else load_shipped_eagle3(cfg.policy)
     return SpecRollout(config=rollout, drafter=head, drafter_training=training)
 
 
@@ -384,7 +381,7 @@ def _plain_twin(cfg: DemoConfig) -> Any:
 def _grpo_run(
     cfg: DemoConfig,
     out: Path,
-    head=None,
+    start: Any = None,
     label: str = "tailspec",
     callbacks: list | None = None,
     catch_up: dict | None = None,
@@ -423,7 +420,7 @@ def _grpo_run(
         **deepspeed_training_args(cfg.deepspeed),
     )
     printer = _step_printer()
-    rollout = _make_rollout(cfg, head)
+    rollout = _make_rollout(cfg, start)
     rollout.catch_up.load_state_dict(catch_up)
     paired = PairedRollout(rollout, _plain_twin(cfg)) if cfg.baseline else None
     trainer = GRPOTrainer(
@@ -516,11 +513,14 @@ def _summarize(cfg: DemoConfig, rows: list[dict[str, Any]], rollout: Any, wall: 
     if cfg.num_workers:
         summary["workers"] = cfg.num_workers
         summary["spot_train_steps"] = sum(s.spot_train_steps for s in rollout.history)
+        summary["spot_shipped"] = sum(s.spot_shipped for s in rollout.history)
+        summary["drafter_version_per_step"] = [s.drafter_version for s in rollout.history]
         summary["policy_syncs"] = rollout.policy_syncs
         summary["workers_died"] = sum(s.workers_died for s in rollout.history)
     losses = [s.drafter_loss for s in rollout.history if s.drafter_loss is not None]
-    if losses:
+    if rollout.history and rollout.history[-1].drafter_version is not None:
         summary["drafter_version"] = rollout.history[-1].drafter_version
+    if losses:
         summary[f"drafter_loss_first_{k}"], summary[f"drafter_loss_last_{k}"] = _first_last(losses, k)
     return summary
 
@@ -535,6 +535,13 @@ def strategy_mix(steps: dict[str, int], top: int = 3) -> str:
     return shown + (" ..." if len(ranked) > top else "")
 
 
+def _drafter_cell(stats: Any) -> str:
+    """The drafting version after a rollout, and how many training chunks shipped during it (``v12 +2``)."""
+    if stats.drafter_version is None:
+        return "-"
+    return f"v{stats.drafter_version}" + (f" +{stats.spot_shipped}" if stats.spot_shipped else "")
+
+
 def _print_comparison(rows: list[dict[str, Any]], paired: PairedRollout, strategy: str) -> list[float]:
     """Per step, the main rollout against its plain-decoding twin of the same step: times,
     throughput, their ratio, whether the completions were the same, the accept length and the
@@ -543,7 +550,7 @@ def _print_comparison(rows: list[dict[str, Any]], paired: PairedRollout, strateg
     print(f"\n== per step: {strategy} vs no speculation (the same step's prompts and policy weights) ==")
     print(
         f"{'step':>4}  {'reward':>7}  {'rollout s':>9} {'(none)':>7}  {'tok/s':>6} {'(none)':>6}  "
-        f"{'ratio':>6}  {'same':>4}  {'accept':>6}  strategies"
+        f"{'ratio':>6}  {'same':>4}  {'accept':>6}  {'drafter':>7}  strategies"
     )
     ratios = []
     for i, (r, main, twin) in enumerate(zip(rows, paired.main.history, paired.twin.history)):
@@ -554,25 +561,25 @@ def _print_comparison(rows: list[dict[str, Any]], paired: PairedRollout, strateg
         print(
             f"{r['step']:>4}  {r['reward']:>7.3f}  {main.time_s:>9.2f} {twin.time_s:>7.2f}  "
             f"{main.tokens_per_s:>6.0f} {twin.tokens_per_s:>6.0f}  {ratio:>5.2f}x  {same:>4}  {accept}  "
-            f"{strategy_mix(main.strategy_steps)}"
+            f"{_drafter_cell(main):>7}  {strategy_mix(main.strategy_steps)}"
         )
     return ratios
 
 
 def run_demo_with_rollout(
-    cfg: DemoConfig, callbacks: list | None = None, head: Any = None, catch_up: dict | None = None
+    cfg: DemoConfig, callbacks: list | None = None, start: Any = None, catch_up: dict | None = None
 ) -> tuple[dict[str, Any], Any]:
     """:func:`run_demo`, also returning the ``SpecRollout`` of the main run (its per-call
     ``history``, coordinator). With ``warmup_steps``, ``baseline`` and ``export`` it is the whole
-    story: warm the drafter up, train, compare with no speculation, export the drafter. ``head``:
-    an EAGLE-3 head to start from instead of the shipped one, ``catch_up`` the catch-up rule's
+    story: warm the drafter up, train, compare with no speculation, export the drafter. ``start``:
+    the drafter (an EAGLE-3 head, a drafter LM) to start from instead of the shipped one, ``catch_up`` the catch-up rule's
     state (benchmarks carry both across runs, as one continuing run would)."""
     out = _prepare_environment(cfg)
     print(f"tailspec demo: GRPO on the chain-sum task, config {asdict(cfg)}", flush=True)
     uses_head = parse_strategy(cfg.strategy).wants_model_drafter and cfg.drafter == "eagle3"
-    if head is None and uses_head and cfg.warmup_steps:
-        head = _warm_up(cfg)
-    rows, rollout, paired, wall, run_name = _grpo_run(cfg, out, head, callbacks=callbacks, catch_up=catch_up)
+    if start is None and uses_head and cfg.warmup_steps:
+        start = _warm_up(cfg)
+    rows, rollout, paired, wall, run_name = _grpo_run(cfg, out, start, callbacks=callbacks, catch_up=catch_up)
     summary = _summarize(cfg, rows, rollout, wall)
     wandb_runs = [run_name]
     if paired is not None:
@@ -597,6 +604,12 @@ def run_demo_with_rollout(
         summary["exported_drafter"] = str(
             export_checkpoint(rollout.drafter, out / f"drafter_{cfg.export}", format=cfg.export)
         )
+    elif cfg.export and cfg.drafter == "small_lm" and rollout.drafter is not None:
+        # the drafter LM as it learned the policy: a Hugging Face checkpoint (safetensors), the
+        # draft model SGLang's and vLLM's draft-model speculative decoding load
+        path = out / "drafter_lm"
+        rollout.drafter.save_pretrained(path, safe_serialization=True)
+        summary["exported_drafter"] = str(path)
     k = _window(len(rows))
     first, last = summary[f"reward_first_{k}"], summary[f"reward_last_{k}"]
     rise = f"reward, mean of the first vs last {k} steps: {first:.3f} -> {last:.3f}"
@@ -612,7 +625,7 @@ def run_demo_with_rollout(
     width = max(len(key) for key in summary)
     for key, value in summary.items():
         if isinstance(value, list):
-            value = " ".join(f"{v:.2f}" for v in value)
+            value = " ".join(f"{v:.2f}" if isinstance(v, float) else str(v) for v in value)
         print(f"{key:>{width}}: {value:.3f}" if isinstance(value, float) else f"{key:>{width}}: {value}")
     if cfg.wandb:
         runs = ", ".join(wandb_runs)

@@ -34,7 +34,7 @@ from .report import plot_panels
 
 logger = logging.getLogger(__name__)
 
-ARMS = {
+HEAD_ARMS = {
     "frozen": dict(spot_training=False, drafter_from_trainer=0),
     "spot training": dict(spot_training=True, drafter_from_trainer=0),
     # the same training, never shipped: the drafter stays the frozen one, so against the frozen arm
@@ -44,6 +44,28 @@ ARMS = {
     "both": dict(spot_training=True, drafter_from_trainer=4),
     # the policy's own first layers (7 of the deep policy's 24: where its early exit first agrees 70%)
     "self-speculative": dict(spot_training=False, drafter_from_trainer=0, drafter="self:{layers}"),
+}
+# the drafter LM: frozen, distilled on the policy's completions on idle workers (past the held-out
+# gate), and the same training never shipped (its cost at equal drafter)
+LM_ARMS = {name: HEAD_ARMS[name] for name in ("frozen", "spot training", "spot, never shipped")}
+ARMS = {"eagle3": HEAD_ARMS, "small_lm": LM_ARMS}
+
+ARM_TEXT = {
+    "frozen": "the drafter *frozen*",
+    "spot training": "trained by *spot training* on workers idle in the tail and through the trainer's update "
+    "(a trained version ships only when it beats the drafting one on held-out samples)",
+    "spot, never shipped": "*spot, never shipped*: the same training with nothing shipped, so its drafter and "
+    "rollouts are the frozen arm's and its extra rollout time is what training adds",
+    "DrafterFromTrainer": "trained by *DrafterFromTrainer* on the trainer's loss forwards (4 steps after every "
+    "optimizer step, published to the workers)",
+    "both": "*both*",
+    "self-speculative": "*self-speculative*: no head, the policy's own first layers (7 of 24 on the deep policy; "
+    "its final norm and LM head, no adapter) as the drafter, which moves with the policy and is never trained",
+}
+DRAFTER_TEXT = {
+    "eagle3": "the shipped EAGLE-3 head (trained: on the target features it recorded)",
+    "small_lm": "the shipped drafter LM (4 layers x 256; trained: all its weights, distilled on the policy's "
+    "completions, `drafter/lm_training.py`)",
 }
 
 NOT_SHIFTED = {"spot, never shipped"}  # its drafter is the frozen arm's: the shift would repeat that arm
@@ -61,7 +83,8 @@ class DriftBenchConfig:
     max_completion_length: int = 256
     probes: int = 8
     probe_tokens: int = 48
-    arms: tuple[str, ...] = tuple(ARMS)
+    drafter: str = "eagle3"  # whose arms: the EAGLE-3 head's ("eagle3") or the drafter LM's ("small_lm")
+    arms: tuple[str, ...] | None = None  # None: every arm of the drafter's
     seed: int = 0
     # position-keyed sampling: every arm's rollouts, and so its policy trajectory, are the same
     # (checked per step by a digest of the completions); False: each arm samples its own trajectory
@@ -162,16 +185,25 @@ class PolicyDrift(TrainerCallback):
         self.tokens_changed.append(differ / max(total, 1))
 
 
+def arms_of(cfg: DriftBenchConfig) -> tuple[str, ...]:
+    if cfg.drafter not in ARMS:
+        raise ValueError(f"drafter must be one of {sorted(ARMS)}, got {cfg.drafter!r}")
+    arms = tuple(ARMS[cfg.drafter]) if cfg.arms is None else cfg.arms
+    unknown = [a for a in arms if a not in ARMS[cfg.drafter]]
+    if unknown:
+        raise ValueError(f"arms {unknown} are not arms of drafter {cfg.drafter!r}: {sorted(ARMS[cfg.drafter])}")
+    return arms
+
+
 def _arm_config(base, arm: str, self_layers: int):
-    settings = {k: v.format(layers=self_layers) if k == "drafter" else v for k, v in ARMS[arm].items()}
+    settings = {k: v.format(layers=self_layers) if k == "drafter" else v for k, v in HEAD_ARMS[arm].items()}
     return base.with_overrides(**settings)
 
 
-def _eagle3_head(rollout):
-    """The rollout's EAGLE-3 head as the run left it (a copy), or None (a drafter without one)."""
-    from ..drafter.eagle3 import Eagle3Head
-
-    return copy.deepcopy(rollout.drafter) if isinstance(rollout.drafter, Eagle3Head) else None
+def _trained_drafter(rollout):
+    """The rollout's drafter as the run left it (a copy of the head or the drafter LM), or None (a
+    drafter named by a string, which holds no weights of its own)."""
+    return copy.deepcopy(rollout.drafter) if isinstance(rollout.drafter, torch.nn.Module) else None
 
 
 def shift_format(cfg: DriftBenchConfig, problems, tokenizer) -> FormatShift:
@@ -232,7 +264,7 @@ def measure_drift(cfg: DriftBenchConfig) -> tuple[list[DriftRun], FormatShift | 
         # their last bits with the drafts packed beside them (measured: arms parted at step 12 with it on)
         importance_sampling=not cfg.position_noise,
         strategy="chain:4",
-        drafter="eagle3",
+        drafter=cfg.drafter,
         workers=2,
         drafter_train_steps=0,
         wandb=False,
@@ -241,13 +273,13 @@ def measure_drift(cfg: DriftBenchConfig) -> tuple[list[DriftRun], FormatShift | 
         export=None,
         output_dir=cfg.output_dir,
     )
-    runs, heads, catch_ups = [], {}, {}
-    for arm in cfg.arms:
+    runs, drafters, catch_ups = [], {}, {}
+    for arm in arms_of(cfg):
         drift, clock = PolicyDrift(probes, eos, cfg.probe_tokens), StepClock()
         with torch.random.fork_rng():
             summary, rollout = run_demo_with_rollout(_arm_config(base, arm, self_layers), callbacks=[clock, drift])
         history = rollout.history
-        heads[arm] = _eagle3_head(rollout)
+        drafters[arm] = _trained_drafter(rollout)
         catch_ups[arm] = rollout.catch_up.state_dict()
         runs.append(
             DriftRun(
@@ -277,7 +309,7 @@ def measure_drift(cfg: DriftBenchConfig) -> tuple[list[DriftRun], FormatShift | 
             continue
         with torch.random.fork_rng():
             _, rollout = run_demo_with_rollout(
-                _arm_config(shifted, run.arm, self_layers), head=heads[run.arm], catch_up=catch_ups[run.arm]
+                _arm_config(shifted, run.arm, self_layers), start=drafters[run.arm], catch_up=catch_ups[run.arm]
             )
         run.shift_accept_length = [h.mean_accept_length for h in rollout.history]
         run.shift_spot_steps = [h.spot_train_steps for h in rollout.history]
@@ -381,7 +413,7 @@ def shift_table(runs: list[DriftRun], recover: float = 0.8, within: int = 5) -> 
         before = _mean(r.accept_length[-3:])
         after = r.shift_accept_length
         at = after[min(within, len(after)) - 1]
-        settings = ARMS.get(r.arm, {})
+        settings = HEAD_ARMS.get(r.arm, {})
         trains = settings.get("spot_training") or settings.get("drafter_from_trainer")
         caught_up = f"{sum(x > 1 for x in r.shift_lr_scale)} of {len(r.shift_lr_scale)}" if trains else "-"
         back = next((i + 1 for i, a in enumerate(after) if a >= recover * before), None)
@@ -436,19 +468,12 @@ def drift_section(runs: list[DriftRun], cfg: DriftBenchConfig, plot_name: str, s
         if frozen is not None and frozen.reward
         else ""
     )
+    arms = "; ".join(ARM_TEXT[r.arm] for r in runs)
     text = (
         f"GRPO on the shipped {cfg.policy} policy for {cfg.steps} RL steps ({cfg.prompts_per_step} sampled "
         f"chain-sum prompts x {cfg.num_generations} samples per step, learning rate {cfg.learning_rate:g}, "
-        f"at most {cfg.max_completion_length} tokens), 2 Ray workers, `chain:4` drafts from the shipped "
-        "EAGLE-3 head, the same seeds in every arm: the head *frozen*; trained by *spot training* on "
-        "workers idle in the tail and through the trainer's update (a trained version ships only when it "
-        "beats the drafting one on held-out samples); *spot, never shipped*: the same training with nothing "
-        "shipped, so its "
-        "drafter and rollouts are the frozen arm's and its extra rollout time is what training adds; "
-        "trained by *DrafterFromTrainer* on the trainer's loss forwards (4 steps "
-        "after every optimizer step, published to the workers); *both*; and *self-speculative*: no head, the "
-        "policy's own first layers (7 of 24 on the deep policy; its final norm and LM head, no adapter) as "
-        "the drafter, which moves with the policy and is never trained (Mirror-SD issue, item 5). "
+        f"at most {cfg.max_completion_length} tokens), 2 Ray workers, `chain:4` drafts from "
+        f"{DRAFTER_TEXT[cfg.drafter]}, the same seeds in every arm: {arms}. "
         f"{trajectory}{rewards} The policy's move: the greedy "
         f"completions of {cfg.probes} held-out probe prompts ({cfg.probe_tokens} tokens) after each step against "
         f"the starting policy's.\n\n{drift_table(runs)}\n\n![drift]({plot_name})\n\n"

@@ -160,18 +160,22 @@ def run_spot_training_section(out: Path, quick: bool = False, seed: int = 0) -> 
 
 
 DRIFT_TITLE = "The drafter and a moving policy: frozen vs online heads"
+DRIFT_LM_TITLE = "The drafter LM and a moving policy: frozen vs distilled online"
 
 
-def run_drift_section(out: Path, quick: bool = False, policy: str = "deep") -> str:
-    """Only the drift comparison (a GRPO run per arm, then the format shift), written into ``out`` in place."""
-    cfg = dataclasses.replace(DriftBenchConfig.quick() if quick else DriftBenchConfig(), policy=policy)
+def run_drift_section(out: Path, quick: bool = False, policy: str = "deep", drafter: str = "eagle3") -> str:
+    """Only the drift comparison (a GRPO run per arm, then the format shift), written into ``out`` in
+    place: the EAGLE-3 head's arms, or with ``drafter="small_lm"`` the drafter LM's (own section)."""
+    base = DriftBenchConfig.quick() if quick else DriftBenchConfig()
+    cfg = dataclasses.replace(base, policy=policy, drafter=drafter)
     runs, shift = measure_drift(cfg)
+    lm = drafter == "small_lm"
     return _write_policy_section(
         out,
         quick,
         policy,
-        "drift",
-        DRIFT_TITLE,
+        "drift_lm" if lm else "drift",
+        DRIFT_LM_TITLE if lm else DRIFT_TITLE,
         lambda path: plot_drift(runs, path),
         lambda plot: drift_section(runs, cfg, plot, shift),
         drift_table(runs) + ("\n\n" + shift_table(runs) if shift is not None else ""),
@@ -333,6 +337,9 @@ def run_bench(out: Path, quick: bool = False, seed: int = 1234) -> str:
     drift_cfg = DriftBenchConfig.quick() if quick else DriftBenchConfig()
     drift_runs, drift_shift = measure_drift(drift_cfg)
     plot_drift(drift_runs, docs / f"bench_drift_{drift_cfg.policy}.png")
+    drift_lm_cfg = dataclasses.replace(drift_cfg, drafter="small_lm")
+    drift_lm_runs, drift_lm_shift = measure_drift(drift_lm_cfg)
+    plot_drift(drift_lm_runs, docs / f"bench_drift_lm_{drift_cfg.policy}.png")
     spot_runs = measure_spot_training(3 if quick else 8, workers=2, seed=0, quick=quick)
     plot_spot(spot_runs, docs / "bench_spot_training.png")
     e2e_runs = measure_e2e(3 if quick else 10, seed=0, quick=quick)
@@ -343,6 +350,7 @@ def run_bench(out: Path, quick: bool = False, seed: int = 1234) -> str:
     tables = [sweeps["deep"][1], deep_adaptive_tab, *(atts_table(rows) for _, rows, _ in deep_atts)]
     tables.append(schedule_table(schedule_result))
     tables.append(drift_table(drift_runs))
+    tables.append(drift_table(drift_lm_runs))
     tables.append(sweeps["tiny"][1])
     tables += [table, spec_table, eagle_tab, adaptive_tab, spot_table(spot_runs), e2e_table(e2e_runs)]
     tables.append(atts_table(atts_rows))
@@ -365,6 +373,10 @@ def run_bench(out: Path, quick: bool = False, seed: int = 1234) -> str:
             ),
             (SCHEDULE_TITLE, schedule_section(schedule_result, "bench_schedule_deep.png")),
             (DRIFT_TITLE, drift_section(drift_runs, drift_cfg, f"bench_drift_{drift_cfg.policy}.png", drift_shift)),
+            (
+                DRIFT_LM_TITLE,
+                drift_section(drift_lm_runs, drift_lm_cfg, f"bench_drift_lm_{drift_cfg.policy}.png", drift_lm_shift),
+            ),
             (sweep_title("tiny"), sweeps["tiny"][0]),
             ("Rollout throughput: tailspec engine vs HF generate", section),
             ("Speculative decoding: strategies vs no speculation", spec_section),

@@ -28,7 +28,7 @@ from torch import nn
 
 from .eagle3.data import FeatureBuffer
 from .eagle3.train import TrainStepResult
-from .lm_training import DraftLMTrainer, DraftLMTrainingConfig, lm_held_out_acceptance
+from .lm_training import DraftLMTrainer, DraftLMTrainingConfig, lm_held_out_acceptance, versioned_lm
 from .online import DrafterState, PartOptimizerHolder, TrainedPart
 
 HELD_OUT_SAMPLES = 24  # the newest held-out samples parts are compared on: what the policy writes now
@@ -97,9 +97,10 @@ class DraftLMLearner:
         return lm_held_out_acceptance(part.model, samples, c.depth, c.max_tokens, should_stop=should_stop)
 
 
-def learner_for(drafter: Any, policy: nn.Module, training: Any = None) -> tuple[TrainedPart, Learner] | None:
+def learner_for(drafter: Any, policy: nn.Module | None, training: Any = None) -> tuple[TrainedPart, Learner] | None:
     """The part of ``drafter`` that trains apart from the drafting copy, and its learner: an EAGLE-3
-    head, or a drafter LM without streaming heads (its whole LM); None for other drafters.
+    head, or a drafter LM without streaming heads (its whole LM; a ``SmallLMDrafter`` or the bare
+    model); None for other drafters.
     ``training``: the learner's config (``DrafterTrainingConfig`` for a head,
     ``DraftLMTrainingConfig`` for a drafter LM; None: the defaults)."""
     from .eagle3 import Eagle3Head
@@ -111,6 +112,9 @@ def learner_for(drafter: Any, policy: nn.Module, training: Any = None) -> tuple[
     if isinstance(drafter, SmallLMDrafter) and drafter.heads is None:
         _check_config(training, "DraftLMTrainingConfig", "a drafter LM")
         return drafter.lm, DraftLMLearner(training)
+    if isinstance(drafter, nn.Module):  # a bare drafter LM: each engine builds its SmallLMDrafter on it
+        _check_config(training, "DraftLMTrainingConfig", "a drafter LM")
+        return versioned_lm(drafter), DraftLMLearner(training)
     return None
 
 

@@ -57,12 +57,28 @@ def sequence_samples(prompts: Sequence[Sequence[int]], completions: Sequence[Seq
 
 class VersionedLM(nn.Module):
     """A drafter LM as a trained part: the model, and a ``version`` every training step bumps (the
-    engine's selector re-measures its arms, workers know which weights they draft with)."""
+    engine's selector re-measures its arms, workers know which weights they draft with). One per
+    model: :func:`versioned_lm`."""
 
     def __init__(self, model: nn.Module) -> None:
         super().__init__()
         self.model = model
         self.version = 0
+
+
+_PART = "_tailspec_versioned_lm"
+
+
+def versioned_lm(model: nn.Module) -> VersionedLM:
+    """The :class:`VersionedLM` of ``model``, made at the first call: every drafter built on the model
+    and every trainer of it share one version (a user hands the rollout the bare LM, and each
+    engine builds its own drafter on it). Kept in the model's ``__dict__``, outside its modules, so
+    it travels with the model through pickling and copies and never enters its ``state_dict``."""
+    part = model.__dict__.get(_PART)
+    if part is None:
+        part = VersionedLM(model)
+        object.__setattr__(model, _PART, part)
+    return part
 
 
 @dataclass

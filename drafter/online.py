@@ -168,7 +168,7 @@ class HeadTraining(OnlineTraining):
 
 
 class DraftLMTraining(OnlineTraining):
-    """A drafter LM's own weights (``SmallLMDrafter`` without streaming heads), distilled on the
+    """A drafter LM's own weights (the bare LM, or a ``SmallLMDrafter`` without streaming heads), distilled on the
     policy's completions (``drafter/lm_training.py``). A copy trains; after every call it is
     compared with the drafting LM on held-out completions (every ``holdout_every``-th, never
     trained on) and replaces it only when it drafts better by more than ``min_gain`` accepted
@@ -177,18 +177,19 @@ class DraftLMTraining(OnlineTraining):
     def __init__(
         self, drafter: Any, buffer_bytes: int, training: Any = None, holdout_every: int = 4, min_gain: float = 0.0
     ) -> None:
-        from .learning import DraftLMLearner, PartLearning
+        from .learning import PartLearning, learner_for
 
         super().__init__()
-        self.drafter, self.buffer_bytes = drafter, buffer_bytes
+        self.drafter, self.buffer_bytes = drafter, buffer_bytes  # a SmallLMDrafter, or the bare LM
         self.holdout_every, self.min_gain = holdout_every, min_gain
-        self.learning = PartLearning(drafter.lm, DraftLMLearner(training))
+        part, learner = learner_for(drafter, None, training)
+        self.learning = PartLearning(part, learner)
         self.last_held_out: tuple[float, float] | None = None  # (drafting, trained) at the last call
         self.shipped = 0  # calls whose trained copy replaced the drafting LM
 
     @property
     def part(self) -> TrainedPart:
-        return self.drafter.lm
+        return self.learning.part
 
     def engine_drafter(self, policy: nn.Module, config: Any) -> Any:
         return self.drafter
@@ -338,6 +339,10 @@ def trained_part(drafter: Any) -> TrainedPart | None:
         return drafter
     if isinstance(drafter, SmallLMDrafter):
         return drafter.heads if drafter.heads is not None else drafter.lm
+    if isinstance(drafter, nn.Module):
+        from .lm_training import versioned_lm
+
+        return versioned_lm(drafter)
     return None
 
 
@@ -368,11 +373,11 @@ def online_training(
         return None
     if isinstance(drafter, Eagle3Head):
         return HeadTraining(drafter, buffer_bytes, training)
-    if isinstance(drafter, SmallLMDrafter):
-        if drafter.heads is not None:
-            return StreamingHeadsTraining(drafter)
+    if isinstance(drafter, SmallLMDrafter) and drafter.heads is not None:
+        return StreamingHeadsTraining(drafter)
+    if isinstance(drafter, (SmallLMDrafter, nn.Module)):
         return DraftLMTraining(drafter, buffer_bytes, training, holdout_every, ship_min_gain)
     raise ValueError(
         "drafter_train_steps > 0 needs an EAGLE-3 head (SpecRollout(drafter=head)), a drafter LM "
-        "(SpecRollout(drafter=SmallLMDrafter(lm))) or drafter='self:L' with self_adapter_rank set"
+        "(SpecRollout(drafter=lm) or a SmallLMDrafter) or drafter='self:L' with self_adapter_rank set"
     )

@@ -27,7 +27,7 @@ class WorkersConfig:
     num_cpus_per_worker: float = 1.0
     num_gpus_per_worker: float | None = None  # None: 1 when CUDA is available, else 0
     threads_per_worker: int | None = 1  # torch intra-op threads in each worker (None: leave as is)
-    spot_training: bool = True  # EAGLE-3 heads only
+    spot_training: bool = True  # an EAGLE-3 head or a drafter LM (no streaming heads) trains on idle workers
     spot_steps_per_call: int = 4  # steps per training chunk (the coordinator can stop a chunk early)
     max_spot_steps: int = 256  # per rollout
     # when a rollout ends, a worker trains the head on while the trainer updates the policy (rollout

@@ -9,6 +9,7 @@ from tailspec.drafter.eagle3 import Eagle3Config, Eagle3Drafter, Eagle3Head
 from tailspec.drafter.online import (
     STREAMING_LR,
     DrafterState,
+    DraftLMTraining,
     ExitAdapterTraining,
     HeadTraining,
     StreamingHeadsTraining,
@@ -32,8 +33,9 @@ def test_the_kind_follows_the_drafter_and_nothing_trains_without_steps(policy):
     assert isinstance(online_training(streaming, 4, 1 << 20, None), StreamingHeadsTraining)
     assert isinstance(online_training("self:2", 0, 1 << 20, 8), ExitAdapterTraining)  # drafts through its adapter
     assert online_training(head, 0, 1 << 20, None) is None
+    assert isinstance(online_training(lm, 4, 1 << 20, None), DraftLMTraining)  # the bare LM: its own weights
     with pytest.raises(ValueError, match="drafter_train_steps > 0 needs an EAGLE-3 head"):
-        online_training(lm, 4, 1 << 20, None)
+        online_training("self:2", 4, 1 << 20, None)
     with pytest.raises(ValueError, match="self_adapter_rank is for drafter='self:L'"):
         online_training(head, 4, 1 << 20, 8)
 

@@ -155,7 +155,7 @@ def test_eagle3_head_drafts_and_trains_online_between_rollouts(task_tokenizer, t
         assert rollout.last_stats.drafter_version == 3 * (call + 1)
     assert len(rollout.online.buffer) == 2 * len(prompts)
     assert len(metrics["eval"]["drafter/loss"]) == 2
-    with pytest.raises(ValueError, match="EAGLE-3 head .*, a drafter LM with streaming heads .* or drafter=.self:L."):
+    with pytest.raises(ValueError, match="EAGLE-3 head .*, a drafter LM .* or drafter=.self:L."):
         SpecRollout(strategy="suffix", drafter_train_steps=2)
 
 
@@ -192,6 +192,39 @@ def test_streaming_heads_train_online_between_rollouts_and_resume(task_tokenizer
     assert resumed(prompts, trainer)["completion_ids"] == plain["completion_ids"]
     assert resumed.online.trainer.step_count == 6 + 3 and fresh.version == 6 + 3
     assert resumed.online.trainer.optimizer.state_dict()["state"][0]["step"] == 6 + 3  # Adam moments carried over
+
+
+def test_a_bare_drafter_lm_is_distilled_online_behind_the_held_out_gate_and_resumes(task_tokenizer, tiny_policy):
+    """SpecRollout(drafter=lm, drafter_train_steps=N): the drafter LM's own weights train N steps
+    on the completions after every call (a copy; it replaces the drafting LM only past the held-out
+    gate), rollouts stay lossless, and a checkpoint carries the drafting LM and the optimizer."""
+    from tailspec.drafter.lm_training import DraftLMTrainingConfig, versioned_lm
+    from tailspec.testing import perturbed_copy
+
+    convs = [[{"role": "user", "content": f"add {i} {i + 2} {i + 1}"}] for i in range(4)]
+    prompts = [c for c in convs for _ in range(2)]
+    trainer, metrics = _greedy_trainer(task_tokenizer, tiny_policy)
+    plain = SpecRollout(model=tiny_policy)(prompts, trainer)
+    lm = perturbed_copy(tiny_policy, noise=0.3, seed=3)
+    training = DraftLMTrainingConfig(learning_rate=1e-3, batch_size=4)
+    rollout = SpecRollout(
+        model=tiny_policy, strategy="chain:3", drafter=lm, drafter_train_steps=3, drafter_training=training
+    )
+    rollout.online.min_gain = -10.0  # every trained copy ships: the drafting LM follows training
+    for call in range(2):
+        assert rollout(prompts, trainer)["completion_ids"] == plain["completion_ids"]
+        assert rollout.last_stats.drafter_version == versioned_lm(lm).version == 3 * (call + 1)
+    assert rollout.online.shipped == 2 and rollout.online.last_held_out is not None
+    assert len(metrics["eval"]["drafter/loss"]) == 2
+    state = rollout.state_dict()
+    assert state["drafter"].version == 6 and state["drafter"].step == 6
+
+    fresh = perturbed_copy(tiny_policy, noise=0.3, seed=4)
+    resumed = SpecRollout(model=tiny_policy, strategy="chain:3", drafter=fresh, drafter_train_steps=3)
+    resumed.load_state_dict(state)
+    assert all(torch.equal(v, lm.state_dict()[k]) for k, v in fresh.state_dict().items())
+    assert resumed(prompts, trainer)["completion_ids"] == plain["completion_ids"]
+    assert resumed.online.trainer.step_count == 6 + 3
 
 
 def test_the_self_speculative_exit_adapter_trains_online_and_resumes(task_tokenizer, tiny_policy):

@@ -24,7 +24,7 @@ def test_state_round_trips_through_a_checkpoint_into_new_workers(ray_local, tmp_
     second.load_state_dict(loaded)
     assert second.drafter_state.version == state["drafter"].version
     assert {v for _, v in second.worker_versions().values()} == {state["drafter"].version}
-    assert all(torch.equal(second.head.state_dict()[k], v) for k, v in state["drafter"].weights.items())
+    assert all(torch.equal(second.part.state_dict()[k], v) for k, v in state["drafter"].weights.items())
     again = second.state_dict()
     assert again["engines"] == state["engines"] and again["predictor"] == state["predictor"]
     assert second.predictor.predict(prompts[0]) is not None  # it knows the prompts' lengths
