@@ -631,5 +631,6 @@ def run_demo_with_rollout(
         runs = ", ".join(wandb_runs)
         print(f"{'wandb runs (offline)':>{width}}: {runs} in {out / 'wandb'}  (upload with `wandb sync`)")
     if "exported_drafter" in summary:
-        print(f"{'exported drafter':>{width}}: {summary['exported_drafter']}  ({cfg.export} EAGLE-3 layout)")
+        layout = f"{cfg.export} EAGLE-3 layout" if uses_head else "Hugging Face checkpoint, a draft model for SGLang or vLLM"
+        print(f"{'exported drafter':>{width}}: {summary['exported_drafter']}  ({layout})")
     return summary, rollout

@@ -41,18 +41,21 @@ def pattern_samples(n: int, prompt_len: int = 3, length: int = 24) -> list[Seque
 
 
 def brute_force_acceptance(model, samples, depth) -> float:
-    """Per completion position: the greedy chain run against the emitted tokens, one forward per prefix."""
-    accepted = positions = 0
+    """Per completion position, by enumeration: the chance a chain sampled from the drafter matches
+    the emitted tokens for exactly j drafts, times j (one forward per sequence, prefixes by hand)."""
+    accepted = positions = 0.0
     for s in samples:
         tokens = s.tokens.long().tolist()
         with torch.no_grad():
-            top = model(input_ids=torch.tensor([tokens])).logits[0].argmax(-1).tolist()
+            probs = torch.softmax(model(input_ids=torch.tensor([tokens])).logits[0].float(), -1)
         for t in range(s.prompt_len - 1, len(tokens) - 1):
             positions += 1
-            for k in range(depth):
-                if t + k + 1 >= len(tokens) or top[t + k] != tokens[t + k + 1]:
+            run = 1.0
+            for j in range(1, depth + 1):  # P(at least j matched) = product of the first j chances
+                if t + j >= len(tokens):
                     break
-                accepted += 1
+                run *= float(probs[t + j - 1, tokens[t + j]])
+                accepted += run  # E[matched] = sum over j of P(at least j)
     return accepted / positions
 
 
