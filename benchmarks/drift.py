@@ -46,8 +46,13 @@ HEAD_ARMS = {
     "self-speculative": dict(spot_training=False, drafter_from_trainer=0, drafter="self:{layers}"),
 }
 # the drafter LM: frozen, distilled on the policy's completions on idle workers (past the held-out
-# gate), and the same training never shipped (its cost at equal drafter)
-LM_ARMS = {name: HEAD_ARMS[name] for name in ("frozen", "spot training", "spot, never shipped")}
+# gate), the same training never shipped (its cost at equal drafter), and trained in the trainer's
+# process with 16 steps after every rollout (past the same gate): what more steps than the idle time
+# gives would buy
+LM_ARMS = {
+    **{name: HEAD_ARMS[name] for name in ("frozen", "spot training", "spot, never shipped")},
+    "in-process, 16 steps": dict(spot_training=False, drafter_from_trainer=0, workers=0, drafter_train_steps=16),
+}
 ARMS = {"eagle3": HEAD_ARMS, "small_lm": LM_ARMS}
 
 ARM_TEXT = {
@@ -59,6 +64,8 @@ ARM_TEXT = {
     "DrafterFromTrainer": "trained by *DrafterFromTrainer* on the trainer's loss forwards (4 steps after every "
     "optimizer step, published to the workers)",
     "both": "*both*",
+    "in-process, 16 steps": "*in-process, 16 steps*: no workers, the drafter trained in the trainer's process for 16 "
+    "steps after every rollout (past the same held-out gate): not bound by idle time",
     "self-speculative": "*self-speculative*: no head, the policy's own first layers (7 of 24 on the deep policy; "
     "its final norm and LM head, no adapter) as the drafter, which moves with the policy and is never trained",
 }
@@ -196,7 +203,7 @@ def arms_of(cfg: DriftBenchConfig) -> tuple[str, ...]:
 
 
 def _arm_config(base, arm: str, self_layers: int):
-    settings = {k: v.format(layers=self_layers) if k == "drafter" else v for k, v in HEAD_ARMS[arm].items()}
+    settings = {k: v.format(layers=self_layers) if k == "drafter" else v for k, v in ARMS[base.drafter][arm].items()}
     return base.with_overrides(**settings)
 
 
@@ -413,8 +420,8 @@ def shift_table(runs: list[DriftRun], recover: float = 0.8, within: int = 5) -> 
         before = _mean(r.accept_length[-3:])
         after = r.shift_accept_length
         at = after[min(within, len(after)) - 1]
-        settings = HEAD_ARMS.get(r.arm, {})
-        trains = settings.get("spot_training") or settings.get("drafter_from_trainer")
+        settings = {**HEAD_ARMS, **LM_ARMS}.get(r.arm, {})
+        trains = any(settings.get(k) for k in ("spot_training", "drafter_from_trainer", "drafter_train_steps"))
         caught_up = f"{sum(x > 1 for x in r.shift_lr_scale)} of {len(r.shift_lr_scale)}" if trains else "-"
         back = next((i + 1 for i, a in enumerate(after) if a >= recover * before), None)
         lines.append(

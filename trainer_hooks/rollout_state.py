@@ -4,8 +4,8 @@ each engine's adaptive-selector measurements and suffix-drafter history, and the
 predictor's per-prompt history (JSON).
 
 Layout of ``<checkpoint>/tailspec_rollout/``: ``state.json``, ``drafter.safetensors`` and
-``drafter_optimizer.pt`` (the last two only with an EAGLE-3 head or a drafter LM's streaming heads;
-the optimizer only once trained),
+``drafter_optimizer.pt`` (the last two only with a trained part: an EAGLE-3 head, a drafter LM or
+its streaming heads, an exit adapter; the optimizer only once trained),
 and ``drafter_trained.*`` likewise for spot training's trained state while it has not shipped.
 """
 

@@ -225,6 +225,10 @@ def test_a_bare_drafter_lm_is_distilled_online_behind_the_held_out_gate_and_resu
     assert all(torch.equal(v, lm.state_dict()[k]) for k, v in fresh.state_dict().items())
     assert resumed(prompts, trainer)["completion_ids"] == plain["completion_ids"]
     assert resumed.online.trainer.step_count == 6 + 3
+    with pytest.raises(ValueError, match="training.holdout_every must be 0 or an int >= 2, got 1"):
+        SpecRollout(drafter=lm, drafter_train_steps=3, holdout_every=1)
+    with pytest.raises(ValueError, match="ship_min_gain must be a float >= 0"):
+        SpecRollout(drafter=lm, drafter_train_steps=3, ship_min_gain=-1.0)
 
 
 def test_the_self_speculative_exit_adapter_trains_online_and_resumes(task_tokenizer, tiny_policy):
