@@ -92,6 +92,9 @@ class DraftLMTrainingConfig:
     batch_size: int = 4  # sequences per step
     max_tokens: int = 256  # longer sequences train on a random window of this many tokens
     max_grad_norm: float = 1.0
+    # steps draw from the newest this many sequences (the buffer keeps more): what the policy writes
+    # now, not a uniform draw over every rollout since the start (96: the last 4 RL steps of 24)
+    recent: int = 96
     depth: int = 4  # the chain depth the held-out gate scores
     seed: int = 0
 
@@ -102,6 +105,7 @@ class DraftLMTrainingConfig:
             ("batch_size", isinstance(self.batch_size, int) and 1 <= self.batch_size <= 4096, "an int in [1, 4096]"),
             ("max_tokens", isinstance(self.max_tokens, int) and self.max_tokens >= 2, "an int >= 2"),
             ("max_grad_norm", self.max_grad_norm > 0, "a float > 0"),
+            ("recent", isinstance(self.recent, int) and self.recent >= 1, "an int >= 1"),
             ("depth", isinstance(self.depth, int) and 1 <= self.depth <= 16, "an int in [1, 16]"),
         ]
         for name, ok, allowed in checks:
@@ -198,7 +202,10 @@ class DraftLMTrainer:
     def train_step(self) -> TrainStepResult:
         start = time.perf_counter()
         c, model = self.config, self.part.model
-        drawn = self.buffer.sample(c.batch_size, self.rng)
+        newest = self.buffer.samples()[-c.recent :]
+        if not newest:
+            raise ValueError("the drafter LM's buffer is empty; it trains on the policy's completions")
+        drawn = [newest[self.rng.randrange(len(newest))] for _ in range(c.batch_size)]
         ids, mask, targets = _batch(drawn, c.max_tokens, self.rng, next(model.parameters()).device)
         for group in self.optimizer.param_groups:
             group["lr"] = c.learning_rate * self.lr_scale

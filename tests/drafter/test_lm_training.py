@@ -98,9 +98,25 @@ def test_training_distils_the_completions_and_bumps_the_version_per_step():
     assert trainer.train(5, should_stop=lambda: True) == []
 
 
+def test_steps_draw_from_the_newest_sequences_only():
+    part = VersionedLM(lm())
+    buffer = FeatureBuffer(1 << 20)
+    old, new = pattern_samples(20), pattern_samples(4, length=12)
+    for s in old + new:
+        buffer.add(s)
+    trainer = DraftLMTrainer(part, buffer, DraftLMTrainingConfig(recent=4, batch_size=2))
+    seen = []  # the range of every draw
+    draw = trainer.rng.randrange
+    trainer.rng.randrange = lambda n: seen.append(n) or draw(n)
+    trainer.train(3)
+    assert seen and set(seen) == {4}  # drawn among the 4 newest, never the 20 older ones
+
+
 def test_bad_settings_name_the_field():
     with pytest.raises(ConfigError, match="depth must be an int in \\[1, 16\\]"):
         DraftLMTrainingConfig(depth=0)
+    with pytest.raises(ConfigError, match="recent must be an int >= 1"):
+        DraftLMTrainingConfig(recent=0)
     with pytest.raises(ConfigError, match="learning_rate must be a float > 0"):
         DraftLMTrainingConfig(learning_rate=0.0)
     drafter = SmallLMDrafter(lm())
