@@ -462,7 +462,7 @@ def drift_section(runs: list[DriftRun], cfg: DriftBenchConfig, plot_name: str, s
         "Sampling is position-keyed (`SpecRolloutConfig.position_noise`): a completion is a function of "
         "the policy, the prompt and its seed, whatever drafts it, so every arm generates the same "
         "rollouts, takes the same GRPO steps and follows one policy trajectory (the last column counts "
-        "the steps whose completions hash equal to the frozen arm's); the heads are compared on the "
+        "the steps whose completions hash equal to the frozen arm's); the drafters are compared on the "
         "same text. Acceptance is that of Gumbel-coupled drafts, a little below rejection sampling's."
         if cfg.position_noise
         else "Each arm samples its own RL trajectory (rejection-sampled drafts draw other, equally likely "

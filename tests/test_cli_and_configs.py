@@ -114,7 +114,7 @@ def test_demo_tells_the_whole_story(tmp_path, capsys):
         assert "\r" not in stream and "is deprecated" not in stream
     assert "drafter warm-up: 4 rollouts" in printed
     assert "per step: chain:3 vs no speculation" in printed
-    assert "accept  strategies" in printed and "chain:3 100%" in printed  # per step: accept length, mix
+    assert "accept  drafter  strategies" in printed and "chain:3 100%" in printed  # per step: accept length, mix
     assert "reward, mean of the first vs last 1 steps:" in printed
     assert "plain decoding emitted the same completions at 2 of 2 steps" in printed
     assert summary["same_completions_steps"] == "2 of 2" and summary["run_speedup"] > 0
