@@ -572,8 +572,9 @@ def run_demo_with_rollout(
     """:func:`run_demo`, also returning the ``SpecRollout`` of the main run (its per-call
     ``history``, coordinator). With ``warmup_steps``, ``baseline`` and ``export`` it is the whole
     story: warm the drafter up, train, compare with no speculation, export the drafter. ``start``:
-    the drafter (an EAGLE-3 head, a drafter LM) to start from instead of the shipped one, ``catch_up`` the catch-up rule's
-    state (benchmarks carry both across runs, as one continuing run would)."""
+    the drafter (an EAGLE-3 head, a drafter LM) to start from instead of the shipped one,
+    ``catch_up`` the catch-up rule's state (benchmarks carry both across runs, as one continuing
+    run would)."""
     out = _prepare_environment(cfg)
     print(f"tailspec demo: GRPO on the chain-sum task, config {asdict(cfg)}", flush=True)
     uses_head = parse_strategy(cfg.strategy).wants_model_drafter and cfg.drafter == "eagle3"
@@ -631,6 +632,8 @@ def run_demo_with_rollout(
         runs = ", ".join(wandb_runs)
         print(f"{'wandb runs (offline)':>{width}}: {runs} in {out / 'wandb'}  (upload with `wandb sync`)")
     if "exported_drafter" in summary:
-        layout = f"{cfg.export} EAGLE-3 layout" if uses_head else "Hugging Face checkpoint, a draft model for SGLang or vLLM"
+        layout = (
+            f"{cfg.export} EAGLE-3 layout" if uses_head else "Hugging Face checkpoint, a draft model for SGLang or vLLM"
+        )
         print(f"{'exported drafter':>{width}}: {summary['exported_drafter']}  ({layout})")
     return summary, rollout

@@ -29,7 +29,7 @@ from torch import nn
 from .eagle3.data import FeatureBuffer
 from .eagle3.train import TrainStepResult
 from .lm_training import DraftLMTrainer, DraftLMTrainingConfig, lm_held_out_acceptance, versioned_lm
-from .online import DrafterState, PartOptimizerHolder, TrainedPart
+from .state import DrafterState, PartOptimizerHolder, TrainedPart
 
 HELD_OUT_SAMPLES = 24  # the newest held-out samples parts are compared on: what the policy writes now
 

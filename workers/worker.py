@@ -175,7 +175,9 @@ class RolloutWorker:
                 if update.finished:
                     served += len(update.finished)
                     if self.records_sequences:
-                        self._sequences += [SequenceSample.of(o.prompt_ids, o.completion_ids) for _, o in update.finished]
+                        self._sequences += [
+                            SequenceSample.of(o.prompt_ids, o.completion_ids) for _, o in update.finished
+                        ]
                     yield FinishedRequests(self.index, [k for k, _ in update.finished], [o for _, o in update.finished])
                 if update.released:
                     yield ReleasedRequests(self.index, [k for k, _ in update.released], [p for _, p in update.released])

@@ -18,7 +18,7 @@ from tailspec.drafter.lm_training import (
     lm_held_out_acceptance,
     sequence_samples,
 )
-from tailspec.drafter.online import DraftLMTraining, DrafterState, online_training
+from tailspec.drafter.online import DrafterState, DraftLMTraining, online_training
 from tailspec.drafter.small_lm import SmallLMDrafter
 from tailspec.testing import tiny_random_model
 
@@ -129,7 +129,9 @@ def test_in_process_the_drafter_lm_ships_only_what_beats_it_on_held_out_completi
     online = online_training(drafter, 4, 1 << 20, None, DraftLMTrainingConfig(learning_rate=3e-3), holdout_every=4)
     assert isinstance(online, DraftLMTraining) and online.part is drafter.lm
     samples = pattern_samples(32)
-    online.observe([s.tokens[: s.prompt_len].tolist() for s in samples], [s.tokens[s.prompt_len :].tolist() for s in samples])
+    online.observe(
+        [s.tokens[: s.prompt_len].tolist() for s in samples], [s.tokens[s.prompt_len :].tolist() for s in samples]
+    )
     assert len(online.learning.held_out) == 8 and len(online.learning.train_buffer) == 24
     start = {k: v.clone() for k, v in drafter.model.state_dict().items()}
     online.min_gain = 100.0  # no trained copy can win by that much: the drafting LM stays as it was

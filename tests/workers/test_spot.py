@@ -310,7 +310,9 @@ def test_a_worker_with_a_drafter_lm_records_its_completions_and_trains_a_copy_of
     *finished, end = list(worker.serve_stream(items, total=len(items)))
     assert all(isinstance(s, SequenceSample) for s in end.samples) and len(end.samples) == 8
     by_key = {k: o for f in finished for k, o in zip(f.indices, f.outputs)}
-    assert sorted(s.tokens.tolist() for s in end.samples) == sorted(o.prompt_ids + o.completion_ids for o in by_key.values())
+    assert sorted(s.tokens.tolist() for s in end.samples) == sorted(
+        o.prompt_ids + o.completion_ids for o in by_key.values()
+    )
     start = DrafterState.of(drafter.lm)
     result = worker.train_drafter(start, end.samples, 3, 1 << 30, holdout_every=4, shipped=start, ship_min_gain=-10.0)
     assert len(result.losses) == 3 and result.ship and result.held_out is not None
