@@ -197,10 +197,12 @@ class PartLearning:
         trained = self.learner.score(self.train_part, samples, should_stop)
         return None if trained is None else (self._reference_score[1], trained)
 
-    def shipped(self) -> None:
-        """The trained copy is the one to beat from now on."""
-        self.reference.load_state_dict(self.train_part.state_dict())
-        self.reference.version = self.train_part.version
+    def shipped(self, *into: TrainedPart) -> None:
+        """The trained copy is the one to beat from now on; its weights and version also go
+        ``into`` the given parts (the drafting one, where it lives in this process)."""
+        for part in (self.reference, *into):
+            part.load_state_dict(self.train_part.state_dict())
+            part.version = self.train_part.version
 
     def trained_state(self) -> DrafterState:
         return DrafterState.of(self.train_part, self.trainer)

@@ -169,8 +169,7 @@ class DraftLMTraining(OnlineTraining):
         losses = [r.loss for r in learning.train(steps)]
         self.last_held_out = learning.compare() if losses and learning.judging else None
         if losses and (self.last_held_out is None or beats(self.last_held_out, self.min_gain)):
-            learning.shipped()
-            DrafterState.of(learning.train_part).load_into(self.part)
+            learning.shipped(self.part)
             self.shipped += 1
         return losses
 
