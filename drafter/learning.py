@@ -3,37 +3,41 @@
 A :class:`Learner` is what differs between kinds of trained part: the samples it records, its
 trainer, and its held-out score (accepted draft tokens per greedy chain):
 
-===================  ==============================  =========================================
-learner              trains                          on
-===================  ==============================  =========================================
-:class:`Eagle3...`   an EAGLE-3 head                 target features its drafter recorded
-:class:`DraftLM...`  a drafter LM (whole)            the policy's prompt + completion sequences
-===================  ==============================  =========================================
+=======================  ==========================  ============================================
+learner                  trains                      on (held-out score)
+=======================  ==========================  ============================================
+:class:`Eagle3Learner`   an EAGLE-3 head             target features its drafter recorded
+                                                     (top-1 chain acceptance)
+:class:`DraftLMLearner`  a drafter LM (whole)        the policy's prompt + completion sequences
+                                                     (expected accepted run of a sampled chain)
+``StreamingHeads...``    a drafter LM's streaming    the same sequences (expected run of the
+                         heads (the LM frozen)       streamed chain)
+``ExitAdapterLearner``   ``self:L``'s exit adapter   the same sequences, towards the policy's own
+                                                     distributions (expected run of the early exit)
+=======================  ==========================  ============================================
 
 :class:`PartLearning` is what is the same: a training copy of the drafting part and its trainer,
 the samples it trains on, every n-th sample held out instead, and a copy of the shipped part that
 a trained one must beat on them by more than a gain before it ships. Spot training on Ray workers
 (``workers/spot_chunk.py``) and online training in the trainer's process (``drafter/online.py``)
-both run on it, so the drafter LM and the head pass the same gate.
+both run on it, so every trainable part passes the same gate.
 """
 
 from __future__ import annotations
 
 import copy
 from collections import deque
-from collections.abc import Callable
 from typing import Any, ClassVar, Protocol
 
 from torch import nn
 
 from .eagle3.data import FeatureBuffer
 from .eagle3.train import TrainStepResult
+from .fitting import PartFitConfig, SequenceFitTrainer, StopCheck
 from .lm_training import DraftLMTrainer, DraftLMTrainingConfig, lm_held_out_acceptance, versioned_lm
 from .state import DrafterState, PartOptimizerHolder, TrainedPart
 
 HELD_OUT_SAMPLES = 24  # the newest held-out samples parts are compared on: what the policy writes now
-
-StopCheck = Callable[[], bool]
 
 
 class StepTrainer(PartOptimizerHolder, Protocol):
@@ -97,28 +101,106 @@ class DraftLMLearner:
         return lm_held_out_acceptance(part.model, samples, c.depth, c.max_tokens, should_stop=should_stop)
 
 
+STREAMING_LR = 2e-3  # the base learning rates of the small parts (PartFitConfig.learning_rate=None)
+ADAPTER_LR = 1e-3
+
+
+class StreamingHeadsLearner:
+    """A drafter LM's streaming heads; the LM (``model``) is not trained."""
+
+    records = "sequences"
+
+    def __init__(self, model: nn.Module, training: PartFitConfig | None = None) -> None:
+        self.model = model
+        self.training = training or PartFitConfig()
+
+    def trainer(self, part: TrainedPart, buffer: FeatureBuffer) -> StepTrainer:
+        from .streaming import StreamingHeadTrainer
+
+        c = self.training
+        lr = c.learning_rate or STREAMING_LR
+        fit = StreamingHeadTrainer(self.model, part, lr=lr, rows=c.rows, seed=c.seed)
+        return SequenceFitTrainer(fit, buffer, c, lr, minimum=len(part) + 3)
+
+    def score(self, part: TrainedPart, samples: list[Any], should_stop: StopCheck | None) -> float | None:
+        from .streaming import streamed_held_out_acceptance
+
+        c = self.training
+        return streamed_held_out_acceptance(self.model, part, samples, c.depth, c.max_tokens, should_stop=should_stop)
+
+
+class ExitAdapterLearner:
+    """``self:L``'s exit adapter, towards the next-token distributions of ``policy`` (the teacher:
+    set ``policy`` to the policy as it is at each call; the trainers it made follow it)."""
+
+    records = "sequences"
+
+    def __init__(self, policy: nn.Module, num_layers: int, training: PartFitConfig | None = None) -> None:
+        self.num_layers = num_layers
+        self.training = training or PartFitConfig()
+        self._fits: list[Any] = []
+        self.policy = policy
+
+    @property
+    def policy(self) -> nn.Module:
+        return self._policy
+
+    @policy.setter
+    def policy(self, policy: nn.Module) -> None:
+        self._policy = policy
+        for fit in self._fits:
+            fit.target = policy
+
+    def trainer(self, part: TrainedPart, buffer: FeatureBuffer) -> StepTrainer:
+        from .self_spec import ExitAdapterTrainer
+
+        c = self.training
+        lr = c.learning_rate or ADAPTER_LR
+        fit = ExitAdapterTrainer(self.policy, part, self.num_layers, lr=lr, rows=c.rows, seed=c.seed)
+        self._fits = [fit]  # the newest trainer is the one that trains
+        return SequenceFitTrainer(fit, buffer, c, lr, minimum=2)
+
+    def score(self, part: TrainedPart, samples: list[Any], should_stop: StopCheck | None) -> float | None:
+        from .self_spec import adapted_held_out_acceptance
+
+        c = self.training
+        return adapted_held_out_acceptance(
+            self.policy, self.num_layers, part, samples, c.depth, c.max_tokens, should_stop=should_stop
+        )
+
+
 def learner_for(drafter: Any, policy: nn.Module | None, training: Any = None) -> tuple[TrainedPart, Learner] | None:
     """The part of ``drafter`` that trains apart from the drafting copy, and its learner: an EAGLE-3
-    head, or a drafter LM without streaming heads (its whole LM; a ``SmallLMDrafter`` or the bare
-    model); None for other drafters.
+    head; a ``SelfSpecDrafter``'s exit adapter; a drafter LM's streaming heads if it has them, else
+    its whole LM (a ``SmallLMDrafter`` or the bare model); None for other drafters.
     ``training``: the learner's config (``DrafterTrainingConfig`` for a head,
-    ``DraftLMTrainingConfig`` for a drafter LM; None: the defaults)."""
+    ``DraftLMTrainingConfig`` for a drafter LM, ``PartFitConfig`` for streaming heads or an exit
+    adapter; None: the defaults)."""
     from .eagle3 import Eagle3Head
+    from .self_spec import SelfSpecDrafter
     from .small_lm import SmallLMDrafter
 
     if isinstance(drafter, Eagle3Head):
-        _check_config(training, "DrafterTrainingConfig", "an EAGLE-3 head")
+        check_training_config(training, "DrafterTrainingConfig", "an EAGLE-3 head")
         return drafter, Eagle3Learner(policy, training)
-    if isinstance(drafter, SmallLMDrafter) and drafter.heads is None:
-        _check_config(training, "DraftLMTrainingConfig", "a drafter LM")
+    if isinstance(drafter, SelfSpecDrafter):
+        if drafter.adapter is None:
+            return None
+        check_training_config(training, "PartFitConfig", "an exit adapter")
+        return drafter.adapter, ExitAdapterLearner(policy, drafter.num_layers, training)
+    if isinstance(drafter, SmallLMDrafter) and drafter.heads is not None:
+        check_training_config(training, "PartFitConfig", "streaming heads")
+        return drafter.heads, StreamingHeadsLearner(drafter.model, training)
+    if isinstance(drafter, SmallLMDrafter):
+        check_training_config(training, "DraftLMTrainingConfig", "a drafter LM")
         return drafter.lm, DraftLMLearner(training)
     if isinstance(drafter, nn.Module):  # a bare drafter LM: each engine builds its SmallLMDrafter on it
-        _check_config(training, "DraftLMTrainingConfig", "a drafter LM")
+        check_training_config(training, "DraftLMTrainingConfig", "a drafter LM")
         return versioned_lm(drafter), DraftLMLearner(training)
     return None
 
 
-def _check_config(training: Any, expected: str, what: str) -> None:
+def check_training_config(training: Any, expected: str, what: str) -> None:
     if training is not None and type(training).__name__ != expected:
         raise ValueError(f"drafter_training for {what} must be a {expected}, got {type(training).__name__}")
 

@@ -112,7 +112,7 @@ class DraftLMTrainingConfig:
             require(ok, name, allowed, getattr(self, name))
 
 
-def _window(sample: SequenceSample, max_tokens: int, rng: random.Random) -> tuple[int, int]:
+def window(sample: SequenceSample, max_tokens: int, rng: random.Random) -> tuple[int, int]:
     """[start, end) of the tokens to train on: all, or a random window holding completion tokens."""
     n = sample.num_tokens
     if n <= max_tokens:
@@ -124,7 +124,7 @@ def _window(sample: SequenceSample, max_tokens: int, rng: random.Random) -> tupl
 def _batch(samples: list[SequenceSample], max_tokens: int, rng: random.Random, device: torch.device):
     """(input ids [B, T], attention mask [B, T], target ids [B, T - 1] with -100 where no
     completion token is predicted)."""
-    windows = [_window(s, max_tokens, rng) for s in samples]
+    windows = [window(s, max_tokens, rng) for s in samples]
     width = max(end - start for start, end in windows)
     ids = torch.zeros(len(samples), width, dtype=torch.long)
     mask = torch.zeros(len(samples), width, dtype=torch.long)
@@ -142,24 +142,42 @@ def _logits(model: nn.Module, ids: torch.Tensor, mask: torch.Tensor) -> torch.Te
     return model(input_ids=ids, attention_mask=mask, use_cache=False).logits[:, :-1].float()
 
 
+def shifted(x: torch.Tensor, k: int) -> torch.Tensor:
+    """``x[:, t + k]`` at every ``t`` of ``x`` ``[B, T]``, 0 past the end."""
+    out = torch.zeros_like(x)
+    out[:, : x.shape[1] - k] = x[:, k:]
+    return out
+
+
+def drawn_probs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """``[B, T]``: the probability ``logits`` give each target token, 0 where there is none (-100)."""
+    valid = targets != -100
+    probs = torch.softmax(logits, dim=-1).gather(-1, targets.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+    return probs * valid
+
+
+# step_probs(ids, mask, targets) -> [B, T - 1, depth]: at each position t, the chance that the k-th
+# draft token from t is the emitted one (teacher-forced), 0 past the end
+StepProbs = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
 @torch.no_grad()
-def lm_held_out_acceptance(
+def held_out_run(
     model: nn.Module,
     samples: list[SequenceSample],
-    depth: int,
-    max_tokens: int = 512,
-    *,
+    step_probs: StepProbs,
+    max_tokens: int,
     should_stop: Callable[[], bool] | None = None,
 ) -> float | None:
-    """Draft tokens a chain of ``depth`` is expected to get accepted per round on ``samples``, from
-    every completion position: the sum over ``k`` of the chance that the drafter, sampling from its
-    distribution, draws the next ``k`` emitted tokens in a row (teacher-forced: the product of its
-    probabilities of them; 0..``depth``). That is the exact expectation where the target's token
-    is certain (greedy), and it rewards a drafter that puts more mass where the policy writes, so
-    it tells two close drafters apart where counting top-1 matches ties. ``should_stop()`` is
-    checked before each batch of 8: None when it said stop."""
+    """Draft tokens a chain is expected to get accepted per round on ``samples``, from every
+    completion position: the sum over ``k`` of the chance that the drafter, sampling, draws the
+    next ``k`` emitted tokens in a row (the product of ``step_probs``' first ``k``). That is the
+    exact expectation where the target's token is certain (greedy), and it rewards a drafter that
+    puts more mass where the policy writes, so it tells two close drafters apart where counting
+    top-1 matches ties. ``model`` is put in eval mode meanwhile; ``should_stop()`` is checked
+    before each batch of 8: None when it said stop."""
     if not samples:
-        raise ValueError("lm_held_out_acceptance needs at least one sample")
+        raise ValueError("a held-out score needs at least one sample")
     device = next(model.parameters()).device
     was_training = model.training
     model.eval()
@@ -169,19 +187,33 @@ def lm_held_out_acceptance(
             if should_stop is not None and should_stop():
                 return None
             ids, mask, targets = _batch(samples[i : i + 8], max_tokens, random.Random(0), device)
-            valid = targets != -100
-            probs = torch.softmax(_logits(model, ids, mask), dim=-1)
-            drawn = probs.gather(-1, targets.clamp(min=0).unsqueeze(-1)).squeeze(-1) * valid  # 0 past the end
-            chain = valid.float()
-            for k in range(depth):  # chain[t]: the chance the drafts from t match k + 1 tokens in a row
-                shifted = torch.zeros_like(drawn)
-                shifted[:, : drawn.shape[1] - k] = drawn[:, k:]
-                chain = chain * shifted
-                accepted += float(chain.sum())
-            positions += int(valid.sum())
+            run = (targets != -100).float()
+            steps = step_probs(ids, mask, targets)
+            for k in range(steps.shape[-1]):
+                run = run * steps[..., k]
+                accepted += float(run.sum())
+            positions += int((targets != -100).sum())
         return accepted / max(positions, 1)
     finally:
         model.train(was_training)
+
+
+def lm_held_out_acceptance(
+    model: nn.Module,
+    samples: list[SequenceSample],
+    depth: int,
+    max_tokens: int = 512,
+    *,
+    should_stop: Callable[[], bool] | None = None,
+) -> float | None:
+    """:func:`held_out_run` of a drafter LM's chains of ``depth``: the ``k``-th draft token from
+    ``t`` is the LM's guess at ``t + k``, after the ``k`` tokens before it."""
+
+    def step_probs(ids: torch.Tensor, mask: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        drawn = drawn_probs(_logits(model, ids, mask), targets)
+        return torch.stack([shifted(drawn, k) for k in range(depth)], dim=-1)
+
+    return held_out_run(model, samples, step_probs, max_tokens, should_stop)
 
 
 class DraftLMTrainer:

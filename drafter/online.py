@@ -4,41 +4,36 @@ calls it without asking what kind of drafter it has.
 RL moves the policy every step; a drafter that stays put drafts worse each time. After every rollout
 call :meth:`OnlineTraining.train` takes a few steps on what the rollout produced:
 
-=====================  ==========================  ============================================
-kind                   trains                      on
-=====================  ==========================  ============================================
-:class:`HeadTraining`  an EAGLE-3 head             the target features its drafter recorded
-``DraftLMTraining``    a drafter LM's weights      the policy's completions (distilled), behind
-                       (no streaming heads)        the held-out gate of ``drafter/learning.py``
-``StreamingHeads...``  a drafter LM's streaming     the recent prompt + completion sequences
-                       heads
-``ExitAdapter...``     ``self:L``'s exit adapter   the policy's own next-token distributions
-                                                   over the recent sequences
-=====================  ==========================  ============================================
+========================  ===========================  ==========================================
+kind                      trains                       on
+========================  ===========================  ==========================================
+:class:`HeadTraining`     an EAGLE-3 head (in place)   the target features its drafter recorded
+:class:`DraftLMTraining`  a drafter LM's weights, or   the policy's completions, a copy shipped
+                          its streaming heads          only when it wins on held-out ones
+:class:`ExitAdapter...`   ``self:L``'s exit adapter    the same, towards the policy's own
+                                                       next-token distributions
+========================  ===========================  ==========================================
 
-:func:`online_training` picks the kind; :class:`DrafterState` is what any of them keeps in a
-checkpoint or sends to a Ray worker (weights, version, the trainer's step and optimizer).
+The last two are :class:`GatedTraining`: the learning path and held-out gate of
+``drafter/learning.py`` that spot training on Ray workers runs too. :func:`online_training` picks
+the kind; :class:`DrafterState` is what any of them keeps in a checkpoint or sends to a Ray worker
+(weights, version, the trainer's step and optimizer).
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections import deque
 from collections.abc import Sequence
 from typing import Any
 
 from torch import nn
 
 from ..draft_contract import Drafter
+from .learning import Learner, PartLearning, beats, learner_for
+from .lm_training import sequence_samples
 from .state import DrafterState, PartOptimizerHolder, TrainedPart
 
 __all__ = ["DrafterState", "OnlineTraining", "PartOptimizerHolder", "TrainedPart", "online_training", "trained_part"]
-
-# sequence-trained parts (streaming heads, an exit adapter): the newest prompt + completion
-# sequences they train on, and their base learning rates
-RECENT_SEQUENCES = 256
-STREAMING_LR = 2e-3
-ADAPTER_LR = 1e-3
 
 
 class OnlineTraining(ABC):
@@ -121,43 +116,36 @@ class HeadTraining(OnlineTraining):
         return [r.loss for r in self.trainer.train(steps)]
 
 
-class DraftLMTraining(OnlineTraining):
-    """A drafter LM's own weights (the bare LM, or a ``SmallLMDrafter`` without streaming heads), distilled on the
-    policy's completions (``drafter/lm_training.py``). A copy trains; after every call it is
-    compared with the drafting LM on held-out completions (every ``holdout_every``-th, never
+class GatedTraining(OnlineTraining):
+    """A part trained on the policy's completions as spot training trains it
+    (:class:`~tailspec.drafter.learning.PartLearning`): a copy trains; after every call it is
+    compared with the drafting part on held-out completions (every ``holdout_every``-th, never
     trained on) and replaces it only when it drafts better by more than ``min_gain`` accepted
-    tokens per chain: the gate spot training on workers applies (``drafter/learning.py``)."""
+    tokens per chain. A subclass sets :attr:`learning` (at once, or with its first engine)."""
 
-    def __init__(
-        self, drafter: Any, buffer_bytes: int, training: Any = None, holdout_every: int = 4, min_gain: float = 0.0
-    ) -> None:
-        from .learning import PartLearning, learner_for
-
+    def __init__(self, buffer_bytes: int, holdout_every: int = 4, min_gain: float = 0.0) -> None:
         super().__init__()
-        self.drafter, self.buffer_bytes = drafter, buffer_bytes  # a SmallLMDrafter, or the bare LM
-        self.holdout_every, self.min_gain = holdout_every, min_gain
-        part, learner = learner_for(drafter, None, training)
-        self.learning = PartLearning(part, learner)
+        self.buffer_bytes, self.holdout_every, self.min_gain = buffer_bytes, holdout_every, min_gain
+        self.learning: PartLearning | None = None
         self.last_held_out: tuple[float, float] | None = None  # (drafting, trained) at the last call
-        self.shipped = 0  # calls whose trained copy replaced the drafting LM
+        self.shipped = 0  # calls whose trained copy replaced the drafting part
 
     @property
-    def part(self) -> TrainedPart:
-        return self.learning.part
+    def part(self) -> TrainedPart | None:
+        return self.learning.part if self.learning is not None else None
 
-    def engine_drafter(self, policy: nn.Module, config: Any) -> Any:
-        return self.drafter
+    def _learn(self, part: TrainedPart, learner: Learner) -> None:
+        """Learn ``part`` with ``learner``; a checkpoint loaded before the part existed goes into it."""
+        self.learning = PartLearning(part, learner)
+        if self._pending is not None:
+            self._pending.load_into(part)
 
     def observe(self, prompts: Sequence[list[int]], completions: Sequence[list[int]]) -> None:
-        from .lm_training import sequence_samples
-
         self.learning.take(sequence_samples(prompts, completions), self.buffer_bytes, self.holdout_every)
 
     def train(self, steps: int, lr_scale: float) -> list[float]:
-        from .learning import beats
-
         learning = self.learning
-        if learning.trainer is None:  # from the drafting LM (and a loaded checkpoint's optimizer)
+        if learning.trainer is None:  # from the drafting part (and a loaded checkpoint's optimizer)
             start = DrafterState.of(self.part)
             if self._pending is not None:
                 start.step, start.optimizer = self._pending.step, self._pending.optimizer
@@ -174,112 +162,71 @@ class DraftLMTraining(OnlineTraining):
         return losses
 
     def state(self) -> DrafterState | None:
-        """The drafting LM's weights and version, with the trainer's step and optimizer."""
-        return DrafterState.of(self.part, self.trainer)
+        """The drafting part's weights and version, with the trainer's step and optimizer."""
+        part = self.part
+        if part is None:  # not made yet: what was loaded, unchanged
+            return self._pending
+        return DrafterState.of(part, self.trainer)
 
     def load(self, state: DrafterState) -> None:
-        """The LM's weights now; the training copies start from them, the optimizer with them."""
-        from .learning import PartLearning
-
-        state.load_into(self.part)
-        self.learning = PartLearning(self.part, self.learning.learner)
+        """The part's weights now (or when it is made); the training copies start from them, the
+        optimizer with them."""
         self.trainer, self._pending = None, state
+        if self.learning is not None:
+            state.load_into(self.part)
+            self.learning = PartLearning(self.part, self.learning.learner)
 
 
-class _SequenceTraining(OnlineTraining):
-    """A part trained on the recent prompt + completion sequences (at least ``minimum`` tokens)."""
+class DraftLMTraining(GatedTraining):
+    """A drafter LM's streaming heads if it has them (``SmallLMDrafter(lm, streaming_heads=...)``),
+    else its own weights (the bare LM, or a ``SmallLMDrafter``), distilled on the policy's
+    completions (``drafter/lm_training.py``, ``drafter/streaming.py``)."""
 
-    base_lr: float
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.recent: deque[list[int]] = deque(maxlen=RECENT_SEQUENCES)
-
-    def observe(self, prompts: Sequence[list[int]], completions: Sequence[list[int]]) -> None:
-        self.recent.extend(p + c for p, c in zip(prompts, completions))
-
-    @property
-    @abstractmethod
-    def minimum(self) -> int: ...
-
-    @abstractmethod
-    def _make_trainer(self) -> PartOptimizerHolder: ...
-
-    def train(self, steps: int, lr_scale: float) -> list[float]:
-        if self.trainer is None:
-            self.trainer = self._make_trainer()
-            self._apply_pending()
-        sequences = [s for s in self.recent if len(s) >= self.minimum]
-        if not sequences:
-            return []
-        self.trainer.optimizer.param_groups[0]["lr"] = self.base_lr * lr_scale
-        return self.trainer.train(sequences, steps)
-
-
-class StreamingHeadsTraining(_SequenceTraining):
-    """A drafter LM's streaming heads (``SmallLMDrafter(lm, streaming_heads=...)``)."""
-
-    base_lr = STREAMING_LR
-
-    def __init__(self, drafter: Any) -> None:
-        super().__init__()
-        self.drafter = drafter
-
-    @property
-    def part(self) -> TrainedPart:
-        return self.drafter.heads
-
-    @property
-    def minimum(self) -> int:
-        return len(self.drafter.heads) + 3
+    def __init__(
+        self, drafter: Any, buffer_bytes: int, training: Any = None, holdout_every: int = 4, min_gain: float = 0.0
+    ) -> None:
+        super().__init__(buffer_bytes, holdout_every, min_gain)
+        self.drafter = drafter  # a SmallLMDrafter, or the bare LM
+        self._learn(*learner_for(drafter, None, training))
 
     def engine_drafter(self, policy: nn.Module, config: Any) -> Any:
         return self.drafter
 
-    def _make_trainer(self) -> PartOptimizerHolder:
-        from .streaming import StreamingHeadTrainer
 
-        return StreamingHeadTrainer(self.drafter.model, self.drafter.heads)
-
-
-class ExitAdapterTraining(_SequenceTraining):
+class ExitAdapterTraining(GatedTraining):
     """``self:L``'s exit adapter of rank ``rank`` (Kangaroo), trained towards the policy's own
     next-token distributions, the policy as it is at each call being the teacher."""
 
-    base_lr = ADAPTER_LR
-    minimum = 1
+    def __init__(
+        self,
+        layers: int,
+        rank: int,
+        buffer_bytes: int = 64 << 20,
+        training: Any = None,
+        holdout_every: int = 4,
+        min_gain: float = 0.0,
+    ) -> None:
+        from .learning import check_training_config
 
-    def __init__(self, layers: int, rank: int) -> None:
-        super().__init__()
-        self.layers, self.rank = layers, rank
-        self.adapter: nn.Module | None = None  # made with the first engine (it needs the hidden size)
-        self.policy: nn.Module | None = None
+        super().__init__(buffer_bytes, holdout_every, min_gain)
+        check_training_config(training, "PartFitConfig", "an exit adapter")
+        self.layers, self.rank, self.training = layers, rank, training
 
     @property
-    def part(self) -> TrainedPart | None:
-        return self.adapter
+    def adapter(self) -> nn.Module | None:
+        return self.part
 
     def engine_drafter(self, policy: nn.Module, config: Any) -> Drafter:
         from .factory import as_drafter
+        from .learning import ExitAdapterLearner
         from .self_spec import ExitAdapter
 
-        if self.adapter is None:
-            self.adapter = ExitAdapter(policy.config.hidden_size, self.rank)
-            if self._pending is not None:
-                self._pending.load_into(self.adapter)
-        self.policy = policy
-        adapter = self.adapter.to(next(policy.parameters()).device)
+        if self.learning is None:  # made with the first engine: it needs the hidden size
+            adapter = ExitAdapter(policy.config.hidden_size, self.rank)
+            self._learn(adapter, ExitAdapterLearner(policy, self.layers, self.training))
+        self.learning.learner.policy = policy  # the teacher: the policy as it is now
+        adapter = self.part.to(next(policy.parameters()).device)
         return as_drafter(f"self:{self.layers}", policy, config, adapter=adapter)
-
-    def _make_trainer(self) -> PartOptimizerHolder:
-        from .self_spec import ExitAdapterTrainer
-
-        return ExitAdapterTrainer(self.policy, self.adapter, self.layers)
-
-    def train(self, steps: int, lr_scale: float) -> list[float]:
-        if self.trainer is not None:
-            self.trainer.target = self.policy  # the teacher: the policy as it is now
-        return super().train(steps, lr_scale)
 
 
 def trained_part(drafter: Any) -> TrainedPart | None:
@@ -312,8 +259,8 @@ def online_training(
     """The online training for what a user handed the rollout as ``drafter`` with
     ``drafter_train_steps=steps``: None when nothing trains here. ``self:L`` with an
     ``adapter_rank`` drafts through its exit adapter (trained when ``steps > 0``). A drafter LM
-    trains its streaming heads if it has them, else its own weights behind the held-out gate
-    (``holdout_every``, ``ship_min_gain``)."""
+    trains its streaming heads if it has them, else its own weights. All but an EAGLE-3 head ship
+    behind the held-out gate (``holdout_every``, ``ship_min_gain``)."""
     from .eagle3 import Eagle3Head
     from .factory import parse_self_drafter
     from .small_lm import SmallLMDrafter
@@ -321,13 +268,12 @@ def online_training(
     if adapter_rank is not None:
         if not isinstance(drafter, str):
             raise ValueError(f"self_adapter_rank is for drafter='self:L', got drafter={type(drafter).__name__}")
-        return ExitAdapterTraining(parse_self_drafter(drafter), adapter_rank)
+        layers = parse_self_drafter(drafter)
+        return ExitAdapterTraining(layers, adapter_rank, buffer_bytes, training, holdout_every, ship_min_gain)
     if steps == 0:
         return None
     if isinstance(drafter, Eagle3Head):
         return HeadTraining(drafter, buffer_bytes, training)
-    if isinstance(drafter, SmallLMDrafter) and drafter.heads is not None:
-        return StreamingHeadsTraining(drafter)
     if isinstance(drafter, (SmallLMDrafter, nn.Module)):
         return DraftLMTraining(drafter, buffer_bytes, training, holdout_every, ship_min_gain)
     raise ValueError(

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import copy
 import logging
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from functools import partial
 
 import torch
@@ -20,7 +21,8 @@ from torch import nn
 
 from ..rollout.early_exit import check_exit_layer, final_norm
 from ..rollout.model_runner import capture_layer_inputs
-from .fitting import PartTrainer, frozen
+from .fitting import PartTrainer, StopCheck, frozen
+from .lm_training import SequenceSample, lm_held_out_acceptance
 from .small_lm import SmallLMDrafter
 
 logger = logging.getLogger(__name__)
@@ -138,10 +140,9 @@ def fit_adapter(
 
 class ExitAdapterTrainer(PartTrainer):
     """Trains an :class:`ExitAdapter` towards the target's own next-token distributions and keeps
-    its optimizer between calls: offline once (:func:`fit_adapter`) or online, a few steps after
-    every rollout on the recent sequences (``SpecRollout(drafter="self:L", self_adapter_rank=R,
-    drafter_train_steps=N)``), the teacher being the policy as it is then. Every step bumps
-    ``adapter.version``."""
+    its optimizer between calls: offline once (:func:`fit_adapter`) or online behind the held-out
+    gate, a few steps after every rollout on the recent sequences (``SpecRollout(drafter="self:L",
+    self_adapter_rank=R, drafter_train_steps=N)``), the teacher being the policy as it is then."""
 
     def __init__(
         self,
@@ -151,6 +152,7 @@ class ExitAdapterTrainer(PartTrainer):
         *,
         lr: float = 1e-3,
         batch_size: int = 8,
+        rows: int | None = None,
         seed: int = 0,
     ) -> None:
         check_exit_layer(target, num_layers)
@@ -159,10 +161,11 @@ class ExitAdapterTrainer(PartTrainer):
         self.target = target  # the teacher; point it at the current policy object when that changes
         self.adapter = adapter
         self.num_layers = num_layers
-        self.batch_rows = batch_size * 32
-        super().__init__(adapter, lr, seed)
+        super().__init__(adapter, lr, seed, rows if rows is not None else batch_size * 32)
 
-    def examples(self, sequences: Sequence[Sequence[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    def examples(
+        self, sequences: Sequence[Sequence[int]], should_stop: StopCheck | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The hidden states after ``num_layers`` layers and the full model's next-token log-probs."""
         if not sequences:
             raise ValueError("the exit adapter needs at least one sequence to train on")
@@ -173,6 +176,8 @@ class ExitAdapterTrainer(PartTrainer):
         try:
             with torch.no_grad(), capture_layer_inputs(target, [self.num_layers]) as captured:
                 for tokens in sequences:
+                    if should_stop is not None and should_stop():
+                        return None
                     ids = torch.tensor([list(tokens)], dtype=torch.long, device=device)
                     teachers.append(torch.log_softmax(target(input_ids=ids).logits[0].float(), dim=-1))
                     hiddens.append(captured[self.num_layers][0].detach())
@@ -180,16 +185,32 @@ class ExitAdapterTrainer(PartTrainer):
             target.train(was_training)
         return torch.cat(hiddens), torch.cat(teachers)
 
-    def train(self, sequences: Sequence[Sequence[int]], steps: int) -> list[float]:
-        """``steps`` optimizer steps on rows drawn from ``sequences``; the loss of each."""
-        hidden, teacher = self.examples(sequences)
+    @contextmanager
+    def fitting(self) -> Iterator[None]:
+        with frozen(final_norm(self.target), self.target.get_output_embeddings()):
+            yield
+
+    def loss(self, examples: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """KL from the full model's next-token distribution to the early exit's."""
+        hidden, teacher = examples
         norm, head = final_norm(self.target), self.target.get_output_embeddings()
         device = next(self.target.parameters()).device
-        losses = []
-        with frozen(norm, head):
-            for _ in range(steps):
-                pick = self.rows(hidden.shape[0], self.batch_rows)
-                student = torch.log_softmax(head(norm(self.adapter(hidden[pick].to(device)))).float(), dim=-1)
-                loss = nn.functional.kl_div(student, teacher[pick], log_target=True, reduction="batchmean")
-                losses.append(self.step(loss))
-        return losses
+        pick = self.rows(hidden.shape[0], self.batch_rows)
+        student = torch.log_softmax(head(norm(self.adapter(hidden[pick].to(device)))).float(), dim=-1)
+        return nn.functional.kl_div(student, teacher[pick], log_target=True, reduction="batchmean")
+
+
+def adapted_held_out_acceptance(
+    target: nn.Module,
+    num_layers: int,
+    adapter: ExitAdapter,
+    samples: list[SequenceSample],
+    depth: int,
+    max_tokens: int = 512,
+    *,
+    should_stop: StopCheck | None = None,
+) -> float | None:
+    """:func:`~tailspec.drafter.lm_training.lm_held_out_acceptance` of the self-speculative drafter
+    that ``adapter`` makes of ``target``'s first ``num_layers`` layers."""
+    shallow = shallow_model(target, num_layers, adapter)
+    return lm_held_out_acceptance(shallow, samples, depth, max_tokens, should_stop=should_stop)

@@ -12,13 +12,15 @@ whatever the heads say; they only change how often drafts are accepted.
 from __future__ import annotations
 
 import io
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 
 import torch
 from torch import nn
 
 from ..rollout.model_runner import model_device_dtype
-from .fitting import PartTrainer, frozen
+from .fitting import PartTrainer, StopCheck, frozen
+from .lm_training import SequenceSample, drawn_probs, held_out_run, shifted
 
 
 class StreamingHeads(nn.Module):
@@ -56,6 +58,14 @@ class StreamingHeads(nn.Module):
 
 def lm_head_inputs(model: nn.Module, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``(hidden states the LM head reads, logits)`` of one plain forward over ``ids`` ``[1, T]``."""
+    hidden, logits = batched_lm_head_inputs(model, ids)
+    return hidden[0], logits[0]
+
+
+def batched_lm_head_inputs(
+    model: nn.Module, ids: torch.Tensor, mask: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(hidden states the LM head reads [B, T, H], logits [B, T, V])`` of one forward over ``ids``."""
     captured = {}
 
     def hook(module, args):
@@ -63,10 +73,10 @@ def lm_head_inputs(model: nn.Module, ids: torch.Tensor) -> tuple[torch.Tensor, t
 
     handle = model.get_output_embeddings().register_forward_pre_hook(hook)
     try:
-        logits = model(input_ids=ids).logits
+        logits = model(input_ids=ids, attention_mask=mask, use_cache=False).logits
     finally:
         handle.remove()
-    return captured["hidden"][0], logits[0]
+    return captured["hidden"], logits
 
 
 def fit_streaming_heads(
@@ -85,24 +95,58 @@ def fit_streaming_heads(
     return StreamingHeadTrainer(model, heads, lr=lr, rows=rows, seed=seed).train(sequences, steps)
 
 
+def streamed_held_out_acceptance(
+    model: nn.Module,
+    heads: StreamingHeads,
+    samples: list[SequenceSample],
+    depth: int,
+    max_tokens: int = 512,
+    *,
+    should_stop: StopCheck | None = None,
+) -> float | None:
+    """:func:`~tailspec.drafter.lm_training.held_out_run` of a streamed chain of ``depth``: one
+    drafter forward at ``t`` drafts ``t + 1`` (the LM head) and ``t + 2 + j`` (head ``j``), the
+    next forward reads the position after the last of them, and so on (how
+    ``SmallLMDrafter`` drafts a chain with streaming heads)."""
+    block = len(heads) + 1
+    head = model.get_output_embeddings()
+
+    def step_probs(ids: torch.Tensor, mask: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        hidden, logits = batched_lm_head_inputs(model, ids, mask)
+        hidden = hidden[:, :-1]
+        drawn = [drawn_probs(logits[:, :-1].float(), targets)]  # the LM head: token t + 1
+        for j in range(len(heads)):  # head j: token t + 2 + j, the target j + 1 positions on
+            guess = head(heads.hidden(j, hidden).to(head.weight.dtype)).float()
+            drawn.append(drawn_probs(guess, shifted_targets(targets, j + 1)))
+        return torch.stack([shifted(drawn[k % block], k - k % block) for k in range(depth)], dim=-1)
+
+    return held_out_run(model, samples, step_probs, max_tokens, should_stop)
+
+
+def shifted_targets(targets: torch.Tensor, k: int) -> torch.Tensor:
+    """``targets[:, t + k]`` at every ``t``, -100 past the end."""
+    out = torch.full_like(targets, -100)
+    out[:, : targets.shape[1] - k] = targets[:, k:]
+    return out
+
+
 class StreamingHeadTrainer(PartTrainer):
     """Trains streaming heads on the policy's own token sequences and keeps its optimizer between
-    calls: offline once (:func:`fit_streaming_heads`), or online, a few steps after every rollout
-    on the recent ones (``SpecRollout(drafter=..., drafter_train_steps=N)``), so the heads follow
-    the moving policy. Every step bumps ``heads.version`` (the selector then re-measures the
-    drafter's arms; a draft process re-ships the weights)."""
+    calls: offline once (:func:`fit_streaming_heads`), or online behind the held-out gate (the
+    recent completions after every rollout, ``SpecRollout(drafter=..., drafter_train_steps=N)``,
+    or spot training on idle Ray workers), so the heads follow the moving policy. The drafter LM
+    is not changed."""
 
     def __init__(self, model: nn.Module, heads: StreamingHeads, *, lr: float = 2e-3, rows: int = 256, seed: int = 0):
-        if not (isinstance(rows, int) and rows >= 1):
-            raise ValueError(f"rows must be an int >= 1, got {rows!r}")
         self.model = model
         self.heads = heads
-        self.batch_rows = rows
         self.device, _ = model_device_dtype(model)
         heads.to(self.device)
-        super().__init__(heads, lr, seed)
+        super().__init__(heads, lr, seed, rows)
 
-    def examples(self, sequences: Sequence[Sequence[int]]) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    def examples(
+        self, sequences: Sequence[Sequence[int]], should_stop: StopCheck | None = None
+    ) -> tuple[torch.Tensor, list[torch.Tensor]] | None:
         """The drafter's LM-head inputs at every position with a label for each head, and the labels."""
         if not sequences:
             raise ValueError("streaming heads need at least one sequence to train on")
@@ -113,6 +157,8 @@ class StreamingHeadTrainer(PartTrainer):
         try:
             with torch.no_grad():
                 for tokens in sequences:
+                    if should_stop is not None and should_stop():
+                        return None
                     ids = torch.tensor([list(tokens)], dtype=torch.long, device=self.device)
                     n = len(tokens) - 1 - n_heads
                     if n <= 0:
@@ -127,24 +173,22 @@ class StreamingHeadTrainer(PartTrainer):
             raise ValueError(f"streaming heads need sequences longer than {n_heads + 2} tokens")
         return torch.cat(inputs), [torch.cat(label) for label in labels]
 
-    def train(self, sequences: Sequence[Sequence[int]], steps: int) -> list[float]:
-        """``steps`` optimizer steps on rows drawn from ``sequences``; the mean loss of each."""
-        x, ys = self.examples(sequences)
-        head = self.model.get_output_embeddings()
+    @contextmanager
+    def fitting(self) -> Iterator[None]:
         was_training = self.heads.training
         self.heads.train()
-        losses = []
         try:
-            with frozen(head):
-                for _ in range(steps):
-                    pick = self.rows(x.shape[0], self.batch_rows).to(self.device)
-                    loss = sum(
-                        nn.functional.cross_entropy(
-                            head(self.heads.hidden(j, x[pick]).to(head.weight.dtype)).float(), ys[j][pick]
-                        )
-                        for j in range(len(self.heads))
-                    ) / len(self.heads)
-                    losses.append(self.step(loss))
+            with frozen(self.model.get_output_embeddings()):
+                yield
         finally:
             self.heads.train(was_training)
-        return losses
+
+    def loss(self, examples: tuple[torch.Tensor, list[torch.Tensor]]) -> torch.Tensor:
+        """Cross entropy of every head's guess, averaged over the heads."""
+        x, ys = examples
+        head = self.model.get_output_embeddings()
+        pick = self.rows(x.shape[0], self.batch_rows).to(self.device)
+        return sum(
+            nn.functional.cross_entropy(head(self.heads.hidden(j, x[pick]).to(head.weight.dtype)).float(), ys[j][pick])
+            for j in range(len(self.heads))
+        ) / len(self.heads)

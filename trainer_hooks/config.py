@@ -38,16 +38,19 @@ class OnlineTrainingConfig:
     moving policy: an EAGLE-3 head on the features it recorded, a drafter LM on the policy's
     completions (its own weights, shipped only when they beat the drafting ones on every
     ``holdout_every``-th completion, held out, by more than ``ship_min_gain``; or its streaming heads
-    if it has them), ``self:L``'s exit adapter towards the policy's own distributions. (With Ray
-    workers an EAGLE-3 head or a drafter LM trains on idle workers instead: ``workers.spot_training``.)
+    if it has them, behind the same gate), ``self:L``'s exit adapter towards the policy's own
+    distributions (the same gate). (With Ray workers an EAGLE-3 head, a drafter LM or its streaming
+    heads trains on idle workers instead: ``workers.spot_training``.)
     ``catch_up`` raises the learning rate while the accept length has fallen far below its best
     (:mod:`tailspec.drafter.catch_up`; ``{"below": 0}`` turns it off), here and on workers alike."""
 
     drafter_train_steps: int = 0  # training steps after every rollout call (0: off)
     drafter_buffer_mb: int = 256  # the EAGLE-3 head's buffer of recorded features
     self_adapter_rank: int | None = None  # drafter "self:L": an ExitAdapter of this rank, trained online
-    holdout_every: int = 4  # drafter LM: every n-th completion is held out to judge a trained copy (0: none)
-    ship_min_gain: float = 0.0  # drafter LM: accepted tokens per chain a trained copy must win by to ship
+    # all but an EAGLE-3 head: every n-th completion is held out to judge a trained copy (0: none), and
+    # the accepted tokens per chain a trained copy must win by to ship
+    holdout_every: int = 4
+    ship_min_gain: float = 0.0
     catch_up: CatchUpConfig = field(default_factory=CatchUpConfig)
 
     def __post_init__(self) -> None:
@@ -107,9 +110,17 @@ class SpecRolloutConfig:
         require(
             not (self.workers.num_workers and self.training.drafter_train_steps),
             "training.drafter_train_steps",
-            "0 with Ray workers (workers.num_workers > 0): there the EAGLE-3 head trains on idle workers "
-            "(workers.spot_training, workers.max_spot_steps)",
+            "0 with Ray workers (workers.num_workers > 0): there the drafter's trained part (an EAGLE-3 head, "
+            "a drafter LM or its streaming heads) trains on idle workers (workers.spot_training, "
+            "workers.max_spot_steps)",
             self.training.drafter_train_steps,
+        )
+        require(
+            not (self.workers.num_workers and self.training.self_adapter_rank is not None),
+            "training.self_adapter_rank",
+            "None with Ray workers (workers.num_workers > 0): the exit adapter drafts and trains in the "
+            "trainer's process; the workers' self:L drafts without one",
+            self.training.self_adapter_rank,
         )
 
     def engine_config(self, seed: int) -> RolloutConfig:

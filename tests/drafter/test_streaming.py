@@ -115,3 +115,37 @@ def _head_accuracy(model, heads, sequences) -> float:
 def test_bad_head_counts_are_refused():
     with pytest.raises(ValueError, match=r"streaming heads must be an int in \[1, 8\]"):
         StreamingHeads(64, 0)
+
+
+@pytest.mark.parametrize("num_heads,depth", [(1, 5), (2, 4), (3, 2)])
+def test_the_streamed_held_out_score_equals_an_enumeration_of_the_streamed_chain(num_heads, depth):
+    """A streamed chain from t: the forward at t drafts t + 1 (LM head) and t + 2 + j (head j); the
+    next forward reads position t + heads + 1. The score sums, over completion positions, the chance
+    that a chain sampled this way matches at least k emitted tokens, for k up to ``depth``."""
+    from tailspec.drafter.lm_training import SequenceSample
+    from tailspec.drafter.streaming import streamed_held_out_acceptance
+
+    drafter = streaming_drafter("llama", num_heads)
+    model, heads = drafter.model, drafter.heads
+    samples = [SequenceSample.of(p, c) for p, c in [([5, 6, 7], [8, 9, 10, 11, 12, 13]), ([3, 4], [9, 2, 7, 7, 1])]]
+    head = model.get_output_embeddings()
+    accepted = positions = 0.0
+    for s in samples:
+        tokens = s.tokens.long().tolist()
+        with torch.no_grad():
+            hidden, logits = lm_head_inputs(model, torch.tensor([tokens]))
+            guesses = [torch.softmax(logits.float(), -1)]
+            guesses += [torch.softmax(head(heads.hidden(j, hidden)).float(), -1) for j in range(num_heads)]
+        for t in range(s.prompt_len - 1, len(tokens) - 1):
+            positions += 1
+            run = 1.0
+            for k in range(depth):
+                forward_at, offset = t + (k // (num_heads + 1)) * (num_heads + 1), k % (num_heads + 1)
+                drafted = forward_at + 1 + offset  # the token this draft guesses
+                if drafted >= len(tokens):
+                    break
+                run *= float(guesses[offset][forward_at, tokens[drafted]])
+                accepted += run
+    score = streamed_held_out_acceptance(model, heads, samples, depth)
+    assert score == pytest.approx(accepted / positions, rel=1e-5)
+    assert streamed_held_out_acceptance(model, heads, samples, depth, should_stop=lambda: True) is None

@@ -87,6 +87,7 @@ def test_dotted_paths_yaml_and_flat_names_build_the_same_tree():
         ({"catch_up": {"below": 1.5}}, r"^training\.catch_up\.below must be"),
         ({"catch_up": {"threshold": 0.5}}, r"^training\.catch_up\.threshold is not a field of CatchUpConfig"),
         ({"workers": 2, "drafter_train_steps": 4}, r"^training\.drafter_train_steps must be 0 with Ray workers"),
+        ({"workers": 2, "self_adapter_rank": 8}, r"^training\.self_adapter_rank must be None with Ray workers"),
         ({"engine.seed": 3}, r"^engine\.seed must be left at its default: SpecRollout seeds its engines from `seed`"),
         ({"strategy": "chain:0"}, r"^engine\.strategy is not valid"),
         ({"no_such_field": 1}, r"^no_such_field is not a field of SpecRolloutConfig or of any config below it"),

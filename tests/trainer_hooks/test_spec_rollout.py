@@ -161,8 +161,9 @@ def test_eagle3_head_drafts_and_trains_online_between_rollouts(task_tokenizer, t
 
 def test_streaming_heads_train_online_between_rollouts_and_resume(task_tokenizer, tiny_policy):
     """SpecRollout(drafter=SmallLMDrafter(lm, streaming_heads=...), drafter_train_steps=N): rollouts
-    stay lossless while the heads take N steps on the recent completions after every call; a
-    checkpoint's state carries the heads and their optimizer into a new rollout."""
+    stay lossless while a copy of the heads takes N steps on the recent completions after every call
+    and ships past the held-out gate; a checkpoint's state carries the heads and their optimizer
+    into a new rollout."""
     from tailspec.drafter.small_lm import SmallLMDrafter
     from tailspec.drafter.streaming import StreamingHeads
     from tailspec.testing import perturbed_copy
@@ -176,7 +177,9 @@ def test_streaming_heads_train_online_between_rollouts_and_resume(task_tokenizer
     def rollout_with_heads() -> tuple[SpecRollout, StreamingHeads]:
         heads = StreamingHeads(lm.config.hidden_size, 1)
         drafter = SmallLMDrafter(lm, streaming_heads=heads)
-        return SpecRollout(model=tiny_policy, strategy="chain:3", drafter=drafter, drafter_train_steps=3), heads
+        rollout = SpecRollout(model=tiny_policy, strategy="chain:3", drafter=drafter, drafter_train_steps=3)
+        rollout.online.min_gain = -10.0  # every trained copy ships: the drafting heads follow training
+        return rollout, heads
 
     rollout, heads = rollout_with_heads()
     for call in range(2):
@@ -234,16 +237,19 @@ def test_a_bare_drafter_lm_is_distilled_online_behind_the_held_out_gate_and_resu
 def test_the_self_speculative_exit_adapter_trains_online_and_resumes(task_tokenizer, tiny_policy):
     """SpecRollout(drafter="self:L", self_adapter_rank=R, drafter_train_steps=N): the policy's own
     first L layers draft through an exit adapter that trains N steps towards the policy's next-token
-    distributions after every call, losslessly; a checkpoint carries it and its optimizer."""
+    distributions after every call (a copy, shipped past the held-out gate), losslessly; a
+    checkpoint carries it and its optimizer."""
     convs = [[{"role": "user", "content": f"add {i} {i + 1} {i + 3}"}] for i in range(3)]
     prompts = [c for c in convs for _ in range(2)]
     trainer, metrics = _greedy_trainer(task_tokenizer, tiny_policy)
     plain = SpecRollout(model=tiny_policy)(prompts, trainer)
 
     def self_rollout() -> SpecRollout:
-        return SpecRollout(
+        rollout = SpecRollout(
             model=tiny_policy, strategy="chain:3", drafter="self:1", self_adapter_rank=8, drafter_train_steps=4
         )
+        rollout.online.min_gain = -10.0  # every trained copy ships: the drafting adapter follows training
+        return rollout
 
     rollout = self_rollout()
     losses = []

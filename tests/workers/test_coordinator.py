@@ -246,18 +246,27 @@ def test_a_trained_head_that_does_not_beat_the_drafting_one_is_not_shipped(ray_l
     coord.shutdown()
 
 
-def test_a_drafter_lm_trains_on_idle_workers_and_ships_to_every_worker(ray_local):
-    """The drafter LM on the spot path: trained on the finished completions while a worker idles in
-    the tail, shipped past the gate, drafted with by every worker; completions stay the plain ones."""
+@pytest.mark.parametrize("part", ["lm", "streaming heads"])
+def test_a_drafter_lm_trains_on_idle_workers_and_ships_to_every_worker(ray_local, part):
+    """The drafter LM on the spot path (its weights, or its streaming heads with the LM frozen):
+    trained on the finished completions while a worker idles in the tail, shipped past the gate,
+    drafted with by every worker; completions stay the plain ones."""
+    from tailspec.drafter.fitting import PartFitConfig
     from tailspec.drafter.lm_training import DraftLMTrainingConfig
     from tailspec.drafter.small_lm import SmallLMDrafter
+    from tailspec.drafter.streaming import StreamingHeads
     from tailspec.testing import tiny_random_model
 
     prompts, params = long_tail_batch()
     want = single_engine(prompts, params)
-    drafter = SmallLMDrafter(tiny_random_model("qwen2", seed=2, num_layers=1))
+    lm = tiny_random_model("qwen2", seed=2, num_layers=1)
+    if part == "lm":
+        drafter, training = SmallLMDrafter(lm), DraftLMTrainingConfig(batch_size=4, max_tokens=128)
+    else:
+        drafter = SmallLMDrafter(lm, streaming_heads=StreamingHeads(lm.config.hidden_size, 2))
+        training = PartFitConfig(rows=64, max_tokens=128)
+    trained = drafter.lm if part == "lm" else drafter.heads
     config = WorkersConfig(num_workers=2, spot_steps_per_call=2, schedule="static", spot_holdout_every=0)
-    training = DraftLMTrainingConfig(batch_size=4, max_tokens=128)
     coord = RolloutCoordinator(policy(), CONFIG, [EOS], drafter=drafter, config=config, training=training)
     steps = 0
     for _ in range(2):
@@ -267,6 +276,6 @@ def test_a_drafter_lm_trains_on_idle_workers_and_ships_to_every_worker(ray_local
     coord.settle()
     assert steps > 0 and kinds(coord.events, "spot_done")
     (version,) = {v for _, v in coord.worker_versions().values()}
-    assert version == coord.drafter_state.version == coord.part.version == drafter.lm.version > 0
+    assert version == coord.drafter_state.version == coord.part.version == trained.version > 0
     assert sum(e.detail["samples"] for e in kinds(coord.events, "shard_done")) == 2 * len(prompts)
     coord.shutdown()

@@ -323,3 +323,38 @@ def test_a_worker_with_a_drafter_lm_records_its_completions_and_trains_a_copy_of
     assert all(torch.equal(v, trained[f"model.{k}"]) for k, v in drafter.model.state_dict().items())
     _, end = list(worker.serve_stream(items[:2], total=2))[-2:]
     assert end.drafter_version == 3 and len(end.samples) == 2
+
+
+def test_a_worker_with_streaming_heads_trains_a_copy_of_the_heads_and_leaves_the_lm_alone():
+    """Streaming heads on the spot-training path: the worker records the finished sequences, a
+    chunk trains a copy of the heads (the drafter LM frozen) judged by the streamed chain's
+    held-out score, and the drafting heads change only on the broadcast."""
+    from tailspec.drafter.fitting import PartFitConfig
+    from tailspec.drafter.small_lm import SmallLMDrafter
+    from tailspec.drafter.streaming import StreamingHeads
+    from tailspec.rollout import RolloutConfig, SamplingParams
+    from tailspec.rollout.handoff import InboxItem
+    from tailspec.testing import random_prompts, tiny_random_model
+    from tailspec.workers.worker import RolloutWorker
+
+    model = tiny_random_model("qwen2", seed=1)
+    lm = tiny_random_model("qwen2", seed=2, num_layers=1)
+    drafter = SmallLMDrafter(lm, streaming_heads=StreamingHeads(lm.config.hidden_size, 2))
+    worker = RolloutWorker(
+        0, model, RolloutConfig(strategy="chain:3"), eos_token_ids=[1], drafter=drafter, training_config=PartFitConfig()
+    )
+    assert worker.part is drafter.heads and worker.records_sequences
+    lm_before = {k: v.clone() for k, v in lm.state_dict().items()}
+    params = SamplingParams(temperature=0.0, max_new_tokens=20, ignore_eos=True)
+    items = [InboxItem(k, p, params) for k, p in enumerate(random_prompts(8, seed=4))]
+    *_, end = list(worker.serve_stream(items, total=len(items)))
+    assert len(end.samples) == 8
+    start = DrafterState.of(drafter.heads)
+    result = worker.train_drafter(start, end.samples, 3, 1 << 30, holdout_every=4, shipped=start, ship_min_gain=-10.0)
+    assert len(result.losses) == 3 and result.ship and result.held_out is not None
+    assert result.state.version == 3 and drafter.heads.version == 0  # the drafting heads wait for the broadcast
+    worker.set_drafter(result.state)
+    assert drafter.version == 3 and worker.versions() == (0, 3)
+    torch.testing.assert_close(drafter.heads.blocks[0].weight, result.state.weights["blocks.0.weight"])
+    assert drafter.heads.blocks[0].weight.abs().sum() > 0  # zero-initialised, trained since
+    assert all(torch.equal(v, lm_before[k]) for k, v in lm.state_dict().items())  # the LM is not trained
