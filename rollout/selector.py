@@ -48,9 +48,16 @@ their tokens (a *switch*): its time is set aside while the arm has a steady one 
 (judged by its catch-ups, a model arm tried now and then on the demo's 56 sequences lost to plain
 decoding there for good, while it runs 1.2x plain decoding once running).
 
-When the model drafter's weights change (``on_drafter_version``), the samples of the arms that
-use it are decayed (only the newest ``decay_keep`` stay) or reset; state persists across
-``generate`` calls (RL steps) otherwise, and can be saved with ``state_dict``.
+When the model drafter's weights change (``on_drafter_version``), what its arms measured may no
+longer hold. By default (``drafter_update="detect"``) their samples are kept and marked as the old
+version's; once the new version has ``detect_evidence`` drafting sequence-steps of its own on an
+arm, its acceptance there is compared with the old samples': off by more than ``drift_tolerance``
+(relative), the old samples are dropped, else they stay and age out of the window as usual. A
+version that moved the drafter little (a copy shipped past the held-out gate every few steps)
+then costs no re-exploration, and one that moved it much is re-measured within a few steps. The
+step times never go stale (the drafter's architecture is the same). ``"decay"`` keeps only the
+newest ``decay_keep`` samples at once, ``"reset"`` none. State persists across ``generate`` calls
+(RL steps) otherwise, and can be saved with ``state_dict``.
 """
 
 from __future__ import annotations
@@ -74,6 +81,9 @@ DEFAULT_ARMS = ("none", "chain:2", "chain:4", "tree:4,2,8", "suffix", "hybrid:4,
 STATE_VERSION = 2
 
 
+DRAFTER_UPDATES = ("detect", "decay", "reset")
+
+
 @dataclass
 class SelectorConfig:
     arms: tuple[str, ...] = DEFAULT_ARMS
@@ -92,8 +102,11 @@ class SelectorConfig:
     # where plain decoding wins a bucket, the best drafting arm is probed again after this many plain
     # steps there (0: never): a drafter that caught up with the policy is found again
     reprobe_every: int = 256
-    drafter_update: str = "decay"  # what a new drafter version does to model-drafter arms: decay | reset
+    # what a new drafter version does to model-drafter arms: detect | decay | reset (see the module doc)
+    drafter_update: str = "detect"
     decay_keep: int = 4
+    detect_evidence: int = 32  # drafting sequence-steps of a new version before its acceptance is compared
+    drift_tolerance: float = 0.1  # relative acceptance change that drops an arm's old-version samples
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -125,8 +138,10 @@ class SelectorConfig:
                 "an int >= 0",
             ),
             ("speculate_up_to", self.speculate_up_to is None or self.speculate_up_to >= 0, "None or an int >= 0"),
-            ("drafter_update", self.drafter_update in ("decay", "reset"), "'decay' or 'reset'"),
+            ("drafter_update", self.drafter_update in DRAFTER_UPDATES, f"one of {DRAFTER_UPDATES}"),
             ("decay_keep", isinstance(self.decay_keep, int) and self.decay_keep >= 0, "an int >= 0"),
+            ("detect_evidence", isinstance(self.detect_evidence, int) and self.detect_evidence >= 1, "an int >= 1"),
+            ("drift_tolerance", 0 <= self.drift_tolerance, "a float >= 0"),
             ("prune_ratio", 0 <= self.prune_ratio <= 1, "a float in [0, 1]"),
             ("width_prune_ratio", 0 <= self.width_prune_ratio <= 1, "a float in [0, 1]"),
             ("probe_sequences", isinstance(self.probe_sequences, int) and self.probe_sequences >= 0, "an int >= 0"),
@@ -206,6 +221,7 @@ class ArmStats:
 
     samples: deque[Sample] = field(default_factory=deque)
     trials: int = 0  # all-time, for reporting
+    stale: int = 0  # the oldest samples that belong to an earlier drafter version ("detect")
     _timed: list[Sample] | None = field(default=None, repr=False)
 
     @property
@@ -248,13 +264,21 @@ class ArmStats:
     def switched_only(self) -> bool:
         return bool(self.samples) and all(x.switch for x in self.samples)
 
+    @property
+    def fresh(self) -> list[Sample]:
+        """The samples of the current drafter version (all, unless a new version is being judged)."""
+        return list(self.samples)[self.stale :]
+
     def add(self, sample: Sample) -> None:
+        if len(self.samples) == self.samples.maxlen and self.stale:  # the oldest, a stale one, drops out
+            self.stale -= 1
         self.samples.append(sample)
         self.trials += 1
         self._timed = None
 
     def replace(self, samples: list[Sample]) -> None:
         self.samples = deque(samples, maxlen=self.samples.maxlen)
+        self.stale = 0
         self._timed = None
 
     def keep_newest(self, keep: int) -> None:
@@ -528,6 +552,7 @@ class StrategySelector:
         stats = self._stats[b]
         if full:
             stats[arm].add(Sample(num_active, num_active, float(tokens), seconds, switch=switch))
+            self._judge_version(arm)
             return resumed
         drafting = max(drafting, 1)
         drafted_tokens = max(tokens - (num_active - drafting), drafting)
@@ -538,18 +563,53 @@ class StrategySelector:
             extra_verify_s = max(seconds - draft_seconds - plain_s, 0.0)
             full_s = plain_s + draft_seconds + extra_verify_s * num_active / drafting
         stats[arm].add(Sample(num_active, drafting, float(drafted_tokens), full_s, probe=True, switch=switch))
+        self._judge_version(arm)
         return False
 
     def on_drafter_version(self, version: int) -> None:
-        """The model drafter changed: forget (most of) what its arms measured."""
+        """The model drafter changed: mark what its arms measured as the old version's (``detect``),
+        or forget most (``decay``) or all of it (``reset``)."""
         if self.drafter_version is not None and version != self.drafter_version:
-            keep = 0 if self.config.drafter_update == "reset" else self.config.decay_keep
+            mode = self.config.drafter_update
             self._memo.clear()
             for stats in self._stats:
                 for arm, s in stats.items():
-                    if arm.uses_model_drafter:
-                        s.keep_newest(keep)
+                    if not arm.uses_model_drafter:
+                        continue
+                    if mode == "detect":
+                        s.stale = len(s.samples)
+                    else:
+                        s.keep_newest(0 if mode == "reset" else self.config.decay_keep)
         self.drafter_version = version
+
+    def _judge_version(self, arm: Strategy) -> None:
+        """Once the new drafter version has ``detect_evidence`` drafting sequence-steps on ``arm``
+        (all buckets), keep its old-version samples if its acceptance is within ``drift_tolerance``
+        of theirs, else drop them."""
+        stats = [s[arm] for s in self._stats]
+        if not any(s.stale for s in stats):
+            return
+        fresh = [x for s in stats for x in s.fresh]
+        fresh_drafting = sum(x.drafting for x in fresh)
+        if fresh_drafting < self.config.detect_evidence:
+            return
+        old = [x for s in stats for x in list(s.samples)[: s.stale]]
+        old_drafting = sum(x.drafting for x in old)
+        old_accept = sum(x.tokens for x in old) / max(old_drafting, 1)
+        new_accept = sum(x.tokens for x in fresh) / fresh_drafting
+        moved = abs(new_accept / old_accept - 1) > self.config.drift_tolerance if old_accept > 0 else True
+        for s in stats:
+            if moved:
+                s.replace(s.fresh)
+            s.stale = 0
+        if moved:
+            logger.debug(
+                "drafter version %s moved %s's acceptance %.2f -> %.2f: re-measuring it",
+                self.drafter_version,
+                arm,
+                old_accept,
+                new_accept,
+            )
 
     def best(self, num_active: int) -> Strategy | None:
         """The arm with the highest predicted goodput among those run in the bucket (None before any)."""
@@ -584,6 +644,7 @@ class StrategySelector:
                 for stats in self._stats
             ],
             "trials": [{str(a): s.trials for a, s in stats.items()} for stats in self._stats],
+            "stale": [{str(a): s.stale for a, s in stats.items() if s.stale} for stats in self._stats],
             "rng": [version, list(internal), gauss],
         }
 
@@ -599,9 +660,11 @@ class StrategySelector:
             return
         self.drafter_version = state["drafter_version"]
         self._memo.clear()
-        for stats, saved, tried in zip(self._stats, state["samples"], state["trials"]):
+        stale = state.get("stale", [{} for _ in self._stats])  # states saved before "detect" have none
+        for stats, saved, tried, marked in zip(self._stats, state["samples"], state["trials"], stale):
             for arm, s in stats.items():
                 s.replace([Sample(*row) for row in saved[str(arm)]])
                 s.trials = tried.get(str(arm), len(s.samples))
+                s.stale = marked.get(str(arm), 0)
         version, internal, gauss = state["rng"]
         self._rng.setstate((version, tuple(internal), gauss))

@@ -104,6 +104,39 @@ def test_a_new_drafter_version_decays_or_resets_model_arms():
             assert counts[arm] == before[arm]
 
 
+def test_a_new_drafter_version_is_re_measured_only_where_its_acceptance_moved():
+    """``detect`` (the default): a new version's arms keep their samples until the version has 32
+    drafting sequence-steps of its own; within 10% of the old acceptance they stay, beyond it they
+    are dropped. Arms without the model drafter are never touched; a checkpoint keeps the marks."""
+    selector = StrategySelector(SelectorConfig(arms=ARMS))
+    chain4, none = parse_strategy("chain:4"), parse_strategy("none")
+
+    def count(arm):
+        return selector.estimates()[16][str(arm)][1]
+
+    def steps(k, accept):
+        for _ in range(k):
+            selector.observe(12, chain4, tokens=12 * accept, seconds=0.1)
+
+    selector.observe(12, none, tokens=12, seconds=0.05)
+    steps(10, 3.2)
+    selector.on_drafter_version(1)  # the first version seen: nothing to re-measure
+    selector.on_drafter_version(2)
+    steps(2, 3.3)  # 24 sequence-steps of the new version: not judged yet
+    assert count(chain4) == 12 and selector.acceptance(chain4) == pytest.approx((10 * 3.2 + 2 * 3.3) / 12)
+    restored = StrategySelector(SelectorConfig(arms=ARMS))
+    restored.load_state_dict(selector.state_dict())
+    steps(1, 3.3)  # 36: 3% above the old samples' acceptance, so they stay
+    assert count(chain4) == 13 and count(none) == 1
+    selector.on_drafter_version(3)
+    steps(3, 2.0)  # 38% below: the old version's samples go
+    assert count(chain4) == 3 and selector.acceptance(chain4) == pytest.approx(2.0) and count(none) == 1
+    restored.observe(12, chain4, tokens=12 * 2.0, seconds=0.1)  # the restored one still judges version 2:
+    assert restored.estimates()[16]["chain:4"][1] == 3  # its 3 steps are 10.4% below, so the 10 old go
+    with pytest.raises(ValueError, match="drafter_update must be one of"):
+        SelectorConfig(drafter_update="forget")
+
+
 def test_state_round_trip_and_validation():
     selector = StrategySelector(SelectorConfig(arms=ARMS))
     run(selector, 200, simulated_goodput, random.Random(4))
