@@ -47,11 +47,14 @@ HEAD_ARMS = {
 }
 # the drafter LM: frozen, distilled on the policy's completions on idle workers (past the held-out
 # gate), the same training never shipped (its cost at equal drafter), and trained in the trainer's
-# process with 16 steps after every rollout (past the same gate): what more steps than the idle time
-# gives would buy
+# process with 16 or 32 steps after every rollout (past the same gate): what more steps than the idle
+# time gives would buy
 LM_ARMS = {
     **{name: HEAD_ARMS[name] for name in ("frozen", "spot training", "spot, never shipped")},
-    "in-process, 16 steps": dict(spot_training=False, drafter_from_trainer=0, workers=0, drafter_train_steps=16),
+    **{
+        f"in-process, {n} steps": dict(spot_training=False, drafter_from_trainer=0, workers=0, drafter_train_steps=n)
+        for n in (16, 32)
+    },
 }
 ARMS = {"eagle3": HEAD_ARMS, "small_lm": LM_ARMS}
 
@@ -64,8 +67,11 @@ ARM_TEXT = {
     "DrafterFromTrainer": "trained by *DrafterFromTrainer* on the trainer's loss forwards (4 steps after every "
     "optimizer step, published to the workers)",
     "both": "*both*",
-    "in-process, 16 steps": "*in-process, 16 steps*: no workers, the drafter trained in the trainer's process for 16 "
-    "steps after every rollout (past the same held-out gate): not bound by idle time",
+    **{
+        f"in-process, {n} steps": f"*in-process, {n} steps*: no workers, the drafter trained in the trainer's process "
+        f"for {n} steps after every rollout (past the same held-out gate): not bound by idle time"
+        for n in (16, 32)
+    },
     "self-speculative": "*self-speculative*: no head, the policy's own first layers (7 of 24 on the deep policy; "
     "its final norm and LM head, no adapter) as the drafter, which moves with the policy and is never trained",
 }
