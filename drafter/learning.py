@@ -138,7 +138,7 @@ class ExitAdapterLearner:
     def __init__(self, policy: nn.Module, num_layers: int, training: PartFitConfig | None = None) -> None:
         self.num_layers = num_layers
         self.training = training or PartFitConfig()
-        self._fits: list[Any] = []
+        self._fit: Any = None  # the newest trainer's fit: the one that trains
         self.policy = policy
 
     @property
@@ -148,17 +148,16 @@ class ExitAdapterLearner:
     @policy.setter
     def policy(self, policy: nn.Module) -> None:
         self._policy = policy
-        for fit in self._fits:
-            fit.target = policy
+        if self._fit is not None:
+            self._fit.target = policy
 
     def trainer(self, part: TrainedPart, buffer: FeatureBuffer) -> StepTrainer:
         from .self_spec import ExitAdapterTrainer
 
         c = self.training
         lr = c.learning_rate or ADAPTER_LR
-        fit = ExitAdapterTrainer(self.policy, part, self.num_layers, lr=lr, rows=c.rows, seed=c.seed)
-        self._fits = [fit]  # the newest trainer is the one that trains
-        return SequenceFitTrainer(fit, buffer, c, lr, minimum=2)
+        self._fit = ExitAdapterTrainer(self.policy, part, self.num_layers, lr=lr, rows=c.rows, seed=c.seed)
+        return SequenceFitTrainer(self._fit, buffer, c, lr, minimum=2)
 
     def score(self, part: TrainedPart, samples: list[Any], should_stop: StopCheck | None) -> float | None:
         from .self_spec import adapted_held_out_acceptance

@@ -29,7 +29,7 @@ from typing import Any
 from torch import nn
 
 from ..draft_contract import Drafter
-from .learning import Learner, PartLearning, beats, learner_for
+from .learning import Learner, PartLearning, beats, check_training_config, learner_for
 from .lm_training import sequence_samples
 from .state import DrafterState, PartOptimizerHolder, TrainedPart
 
@@ -206,8 +206,6 @@ class ExitAdapterTraining(GatedTraining):
         holdout_every: int = 4,
         min_gain: float = 0.0,
     ) -> None:
-        from .learning import check_training_config
-
         super().__init__(buffer_bytes, holdout_every, min_gain)
         check_training_config(training, "PartFitConfig", "an exit adapter")
         self.layers, self.rank, self.training = layers, rank, training
