@@ -142,9 +142,9 @@ def _logits(model: nn.Module, ids: torch.Tensor, mask: torch.Tensor) -> torch.Te
     return model(input_ids=ids, attention_mask=mask, use_cache=False).logits[:, :-1].float()
 
 
-def shifted(x: torch.Tensor, k: int) -> torch.Tensor:
-    """``x[:, t + k]`` at every ``t`` of ``x`` ``[B, T]``, 0 past the end."""
-    out = torch.zeros_like(x)
+def shifted(x: torch.Tensor, k: int, fill: float = 0) -> torch.Tensor:
+    """``x[:, t + k]`` at every ``t`` of ``x`` ``[B, T]``, ``fill`` past the end."""
+    out = torch.full_like(x, fill)
     out[:, : x.shape[1] - k] = x[:, k:]
     return out
 

@@ -117,17 +117,10 @@ def streamed_held_out_acceptance(
         drawn = [drawn_probs(logits[:, :-1].float(), targets)]  # the LM head: token t + 1
         for j in range(len(heads)):  # head j: token t + 2 + j, the target j + 1 positions on
             guess = head(heads.hidden(j, hidden).to(head.weight.dtype)).float()
-            drawn.append(drawn_probs(guess, shifted_targets(targets, j + 1)))
+            drawn.append(drawn_probs(guess, shifted(targets, j + 1, fill=-100)))
         return torch.stack([shifted(drawn[k % block], k - k % block) for k in range(depth)], dim=-1)
 
     return held_out_run(model, samples, step_probs, max_tokens, should_stop)
-
-
-def shifted_targets(targets: torch.Tensor, k: int) -> torch.Tensor:
-    """``targets[:, t + k]`` at every ``t``, -100 past the end."""
-    out = torch.full_like(targets, -100)
-    out[:, : targets.shape[1] - k] = targets[:, k:]
-    return out
 
 
 class StreamingHeadTrainer(PartTrainer):
