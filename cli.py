@@ -132,6 +132,7 @@ def _bench(args: argparse.Namespace) -> int:
         run_spot_training_section,
         run_sweep_section,
     )
+    from .benchmarks.selector_sim import run_selector_sim_section
     from .benchmarks.user_path import run_user_path_section
 
     _writable_parent(args.out, "--out")
@@ -163,6 +164,8 @@ def _bench(args: argparse.Namespace) -> int:
         print(run_grpo_path_section(Path(args.out), quick=args.quick, policy=args.policy))
     elif args.section == "user_path":
         print(run_user_path_section(Path(args.out), quick=args.quick))
+    elif args.section == "selector_sim":
+        print(run_selector_sim_section(Path(args.out), seeds=2 if args.quick else 5))
     else:
         print(run_bench(Path(args.out), quick=args.quick))
     print(f"wrote {args.out}")
@@ -360,6 +363,7 @@ def build_parser() -> argparse.ArgumentParser:
             "draft_hosts",
             "grpo_path",
             "user_path",
+            "selector_sim",
         ],
         default="all",
         help="all: rewrite the whole report; any other: only that section, in place",

@@ -9,7 +9,6 @@ from pathlib import Path
 import torch
 
 from ..rollout.params import RolloutConfig, SamplingParams
-from ..rollout.selector import SelectorConfig
 from ..tasks.sft import count_parameters, load_tiny, load_tiny_eagle3
 from .adaptive import (
     bucket_weighted,
@@ -51,6 +50,7 @@ logger = logging.getLogger(__name__)
 
 SPOT_TITLE = "Spot drafter training on Ray workers"
 E2E_TITLE = "GRPO end to end: stock TRL vs tailspec"
+ORACLE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 1024)  # batch-size buckets the per-bucket oracle picks an arm for
 ADAPTIVE_TITLE = "Adaptive strategy selection on a long-tail rollout"
 
 
@@ -535,7 +535,7 @@ def long_tail_section(
     uniform = measure_uniform(model, head, prompts, params.with_updates(max_new_tokens=64 if quick else 128), eos)
     table = long_tail_table(results)
     uniform_table = long_tail_table(uniform)
-    bounds = SelectorConfig().bucket_bounds
+    bounds = ORACLE_BUCKETS
     oracle = oracle_bound(results, bounds)
     weighted = bucket_weighted(results, bounds)
     weighted_table = "\n".join(

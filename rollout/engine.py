@@ -24,10 +24,13 @@ from ..draft_contract import Drafter, Stateful, drafter_factory
 from . import serving
 from .admission import RequestLimits, eos_ids_of, prepare_requests
 from .attention import SequenceSlice
+from .calibration import calibrate_costs
+from .cost_model import StepCosts
 from .draft_executor import DraftExecutor
 from .feature_taps import FeatureTaps
 from .graph_pool import capture_seconds, graph_pool_for
 from .handoff import PartialRequest, RequestInbox, ServeUpdate
+from .length_budget import tokens_to_go
 from .mirror import MirrorPipeline
 from .mirror_slot import MirrorSlot
 from .model_runner import ModelRunner
@@ -37,11 +40,11 @@ from .request import RequestOutput, Sequence
 from .request_book import RequestBook
 from .sampling import sample_next_tokens, store_prompt_logprobs
 from .scheduler import ScheduledBatch, Scheduler, StepKind
-from .selector import StrategySelector
+from .selector import SelectorConfig, StrategySelector
 from .speculation import SpeculativeStep
 from .stats import EngineStats, StepRecord
 from .strategy import Strategy
-from .strategy_choice import StepPlan, StrategyChoice
+from .strategy_choice import DrafterLag, StepOutcome, StrategyChoice
 
 __all__ = ["EngineStats", "RequestLimits", "RolloutEngine", "StepRecord", "eos_ids_of", "prepare_requests"]
 
@@ -97,7 +100,8 @@ class RolloutEngine:
                 "prefix_caching does not work with a model drafter yet (the drafter would miss the cached "
                 "prefix); use prefix_caching=False or a model-free strategy (suffix)"
             )
-        self.choice = StrategyChoice(self.config, self.drafter)
+        self.choice = StrategyChoice(self.config, self.drafter, self._calibrate)
+        self.lag = DrafterLag()
         self.mirrors = MirrorSlot(model, self.drafter, self.config.mirror)
         notified = [d for d in (self.drafter, self.suffix_drafter) if d is not None]  # of finished sequences
         self.requests = RequestBook(self.scheduler, self.limits, self.eos_ids, notified, self.mirrors)
@@ -162,6 +166,11 @@ class RolloutEngine:
         if state.get("suffix") is not None and isinstance(self.suffix_drafter, Stateful):
             self.suffix_drafter.load_state_dict(state["suffix"])
 
+    def _calibrate(self, config: SelectorConfig, arms: Seq[Strategy]) -> StepCosts:
+        """The adaptive selector's step costs, timed on this engine's model (``rollout/calibration.py``)."""
+        cfg = self.config
+        return calibrate_costs(self.runner, config, arms, cfg.block_size, cfg.max_num_seqs, cfg.kernels)
+
     def _drafter_for(self, strategy: Strategy) -> Drafter:
         if strategy.kind == "suffix":
             return self.suffix_drafter
@@ -218,6 +227,9 @@ class RolloutEngine:
         """Run one scheduled forward; return the ids of requests that finished in it."""
         if self.mirrors.switch_pending:
             self.mirrors.switch_between_steps(self.requests.alive(), self.mirror_capable)
+        if not self.scheduler.running:
+            self.choice.between_rollouts()
+            self.lag.clear()
         if self.config.prefix_caching and self.scheduler.waiting:  # only admission reads the cache
             self.runner.drop_stale_prefixes()
         mixed = self.config.mixed_batches and not self.strategy.speculative and not self.strategy.adaptive
@@ -282,18 +294,27 @@ class RolloutEngine:
         The step's own ``.tolist()`` of the sampled tokens already waits for the device, so the
         goodput measurement adds no synchronisation of its own."""
         n, stats = len(batch.seqs), self.stats
-        plan = self.choice.plan(n)
+        plan = self.choice.plan(n, tokens_to_go(batch.seqs), self.lag.of(batch.seqs))
         self.mirrors.split_threads(plan.strategy)
         before, model_before, draft_before = stats.generated_tokens, stats.model_time_s, stats.draft_time_s
         captured_before = capture_seconds()
         start = time.perf_counter()
-        finished = self._spec_decode(batch, plan) if plan.strategy.speculative else self._decode(batch)
+        verified = None
+        if plan.strategy.speculative:
+            verified = self.speculate(batch.seqs, plan.strategy)
+            finished = self._finish(verified.done)
+        else:
+            finished = self._decode(batch)
         seconds = time.perf_counter() - start
         stats.decode_model_time_s += stats.model_time_s - model_before
         emitted = stats.generated_tokens - before
-        # the arm is judged by what its steps cost once their graphs are held, not by a capture
+        if plan.strategy.uses_model_drafter:
+            self.lag.drafted(batch.seqs)
+        # an arm is judged by what its steps cost once their graphs are held, not by a capture
         steady = seconds - (capture_seconds() - captured_before)
-        self.choice.record(plan, n, emitted, steady, stats.draft_time_s - draft_before, stats)
+        draft_s = stats.draft_time_s - draft_before
+        outcome = StepOutcome(steady, draft_s, *((verified.drafted, verified.accepted) if verified else (None, None)))
+        self.choice.record(plan, n, outcome)
         self._peak_active = max(self._peak_active, n)
         in_tail = n <= self.config.tail_fraction * self._peak_active
         stats.record_decode_step(StepRecord(n, str(plan.strategy), emitted, seconds, in_tail))
@@ -332,9 +353,7 @@ class RolloutEngine:
                 finished.append(seq.seq_id)
         return finished
 
-    def _spec_decode(self, batch: ScheduledBatch, plan: StepPlan) -> list[int]:
-        """A speculative step (``rollout/speculation.py``), then finish the sequences that are done."""
-        done = self.speculate(batch.seqs, plan)
+    def _finish(self, done: list[Sequence]) -> list[int]:
         for seq in done:
             self.requests.finish(seq)
         return [seq.seq_id for seq in done]

@@ -9,8 +9,8 @@ the longer a completion runs, the longer it is likely to run on). A sequence wit
 counts as the longest. The sequences whose expected
 remaining length is at least ``ratio`` times the batch's longest draft in full.
 
-``spread_mask`` picks the few sequences that draft in the selector's probe step (an arm's first,
-cheap try on a large batch).
+``tokens_to_go`` sums the same expectation over a batch: the work ``adaptive`` weighs a drafter's
+catch-up against.
 """
 
 from __future__ import annotations
@@ -40,9 +40,7 @@ def drafting_mask(seqs: Seq[Sequence], ratio: float) -> list[bool]:
     return [r >= ratio * longest for r in remaining]
 
 
-def spread_mask(n: int, m: int) -> list[bool]:
-    """``m`` of ``n`` sequences, evenly spread over the batch (a probe step's drafting sequences)."""
-    if m >= n:
-        return [True] * n
-    chosen = {(i * n) // m for i in range(m)}
-    return [i in chosen for i in range(n)]
+def tokens_to_go(seqs: Seq[Sequence]) -> int:
+    """Tokens the batch is expected to generate still: each sequence's expected remaining length,
+    or what its ``max_new_tokens`` leaves without a prediction."""
+    return sum(int(min(expected_remaining(s), s.params.max_new_tokens - len(s.output_ids))) for s in seqs)

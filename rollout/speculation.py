@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
 from ..draft_contract import Drafter, DraftTree
 from .feature_taps import FeatureTaps
-from .length_budget import drafting_mask, spread_mask
+from .length_budget import drafting_mask
 from .mirror import MirrorPipeline
 from .mirror_slot import MirrorSlot
 from .model_runner import ModelRunner
@@ -28,9 +29,18 @@ from .spec_step import accept, commit, propose, verify
 from .speculative import pack_verify_batch, release_unused_blocks
 from .stats import EngineStats
 from .strategy import Strategy
-from .strategy_choice import StepPlan
 
 Forward = Callable[[list, list[int], list[int], list[int]], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class Speculated:
+    """A speculative step's result: the sequences that are done (for the engine to finish), and
+    per sequence the draft tokens verified and how many were accepted (what ``adaptive`` learns)."""
+
+    done: list[Sequence]
+    drafted: list[int]
+    accepted: list[int]
 
 
 class SpeculativeStep:
@@ -48,16 +58,12 @@ class SpeculativeStep:
         self.runner, self.config, self.drafter_for, self.mirrors = runner, config, drafter_for, mirrors
         self.taps, self.forward, self.generator, self.stats = taps, forward, generator, stats
 
-    def __call__(self, seqs: list[Sequence], plan: StepPlan) -> list[Sequence]:
-        """Run one step of ``plan`` over ``seqs``; returns those that are done (for the engine to
-        finish). A ``plan.probe`` step drafts for that many sequences only, spread over the batch
-        (the selector's cheap first try of an arm on a large batch)."""
+    def __call__(self, seqs: list[Sequence], strategy: Strategy) -> Speculated:
+        """Run one step of ``strategy`` over ``seqs``."""
         allocator, bs = self.runner.cache.allocator, self.config.block_size
-        strategy, mirror = self.mirrors.for_step(plan.strategy)
+        strategy, mirror = self.mirrors.for_step(strategy)
         start = time.perf_counter()
         drafting = drafting_mask(seqs, self.config.length_budget)
-        if plan.probe is not None:
-            drafting = [d and p for d, p in zip(drafting, spread_mask(len(seqs), plan.probe))]
         trees, drafter = self._drafts(strategy, mirror, seqs, drafting)
         drafted_at = time.perf_counter()
         slices, tokens, positions = pack_verify_batch(seqs, trees)
@@ -79,7 +85,8 @@ class SpeculativeStep:
         self.stats.record_spec_step(
             str(strategy), len(seqs), committed.drafted, committed.accepted, committed.emitted, draft_s, verify_s
         )
-        return [seq for seq in seqs if seq.done]
+        done = [seq for seq in seqs if seq.done]
+        return Speculated(done, [len(t) for t in trees], [len(v.path) for v in verified.verdicts])
 
     def _drafts(
         self, strategy: Strategy, mirror: MirrorPipeline | None, seqs: list[Sequence], drafting: list[bool]

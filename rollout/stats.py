@@ -43,8 +43,6 @@ class EngineCounts:
     spec_seq_steps: int = 0  # sequence-steps inside speculative steps
     draft_time_s: float = 0.0
     verify_time_s: float = 0.0
-    reprobes: int = 0  # adaptive: drafting arms probed again where plain decoding had won
-    reprobes_paying: int = 0  # ... after which the arm was predicted to beat plain decoding there
     tail_steps: int = 0
     tail_time_s: float = 0.0
     decode_time_s: float = 0.0

@@ -1,37 +1,67 @@
 """Which strategy each decode step runs: the configured one, or, for ``adaptive``, the selector's
-pick from measured goodput (``rollout/selector.py``), with what each step teaches it.
+pick from calibrated step costs and pooled acceptance (``rollout/selector.py``), with what each
+step teaches it.
 
 The engine asks :meth:`StrategyChoice.plan` before a decode step and hands the step's outcome to
-:meth:`StrategyChoice.record` after it; it never talks to the selector itself.
+:meth:`StrategyChoice.record` after it; it never talks to the selector itself. The selector's
+step costs are calibrated when it is made (``calibrate``: the engine's forward timer), and again
+between rollouts once the arms run far off them.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from ..draft_contract import Drafter, Versioned
+from .cost_model import StepCosts
 from .params import RolloutConfig
-from .selector import StrategySelector
-from .stats import EngineStats
+from .selector import SelectorConfig, StrategySelector
 from .strategy import Strategy, parse_strategy
 
 logger = logging.getLogger(__name__)
-SWITCH_GAP = 4  # a model-drafter step after this many steps without the drafter is a switch (its catch-up)
+
+Calibrate = Callable[[SelectorConfig, Sequence[Strategy]], StepCosts]
 
 
 @dataclass(frozen=True)
 class StepPlan:
-    """A decode step's strategy. ``probe``: only that many sequences draft (the selector's cheap
-    first try of an arm on a large batch). ``reprobe``: a drafting arm tried again where plain
-    decoding had won. ``switch``: the model drafter's first step after several without it (it
-    pays the drafter's catch-up on their tokens, a cost of switching, not of the arm)."""
+    """A decode step's strategy, and the tokens its model drafter must catch up on first
+    (emitted by steps of other arms since it last drafted)."""
 
     strategy: Strategy
-    probe: int | None = None
-    reprobe: bool = False
-    switch: bool = False
+    lag_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class StepOutcome:
+    """What a decode step did: its steady seconds (a graph capture's taken out), the drafting's
+    share, and per sequence the draft tokens verified and accepted (None for a plain step)."""
+
+    seconds: float
+    draft_seconds: float = 0.0
+    drafted: list[int] | None = None
+    accepted: list[int] | None = None
+
+
+class DrafterLag:
+    """Tokens each running sequence emitted since the model drafter last drafted for it: what a
+    step of a model arm must catch up on first (finished sequences owe nothing)."""
+
+    def __init__(self) -> None:
+        self._seen: dict[int, int] = {}  # seq id -> its tokens when the drafter last drafted for it
+
+    def of(self, seqs: Sequence) -> int:
+        return sum(s.num_tokens - self._seen.setdefault(s.seq_id, s.num_tokens) for s in seqs)
+
+    def drafted(self, seqs: Sequence) -> None:
+        for s in seqs:
+            self._seen[s.seq_id] = s.num_tokens
+
+    def clear(self) -> None:
+        self._seen.clear()
 
 
 class StrategyChoice:
@@ -39,15 +69,14 @@ class StrategyChoice:
     per step; the selector is made on first need and kept across calls and strategy changes
     (what it measured is the engine's learned state)."""
 
-    def __init__(self, config: RolloutConfig, drafter: Drafter | None) -> None:
+    def __init__(self, config: RolloutConfig, drafter: Drafter | None, calibrate: Calibrate) -> None:
         self.config = config
         self.has_model_drafter = drafter is not None
-        # a drafter trained online changes version: the selector then forgets (most of) what its arms measured
+        # a drafter trained online changes version: what its arms measured then counts less
         self._versioned = drafter if isinstance(drafter, Versioned) else None
+        self._calibrate = calibrate
         self.strategy = Strategy("none")
         self.selector: StrategySelector | None = None
-        self._model_drafter_gap = SWITCH_GAP  # decode steps since the model drafter last drafted
-        self._full_draft_gap = SWITCH_GAP  # ... since it last drafted for every sequence (not a probe)
 
     def set(self, strategy: str | Strategy) -> Strategy:
         parsed = parse_strategy(strategy)
@@ -78,40 +107,43 @@ class StrategyChoice:
                     [str(a) for a in self.selector.arms],
                     [str(a) for a in self.selector.dropped_arms],
                 )
+            self.calibrate()
         return self.selector
 
-    def plan(self, num_active: int) -> StepPlan:
-        strategy, probe, reprobe = self.strategy, None, False
+    def calibrate(self) -> None:
+        """Measure the selector's step costs (again)."""
+        self.selector.use_costs(self._calibrate(self.selector.config, self.selector.arms))
+
+    def between_rollouts(self) -> None:
+        """Nothing runs: step costs that drifted far from the calibration are measured again."""
+        if self.selector is not None and self.strategy.adaptive and self.selector.needs_recalibration:
+            logger.info(
+                "adaptive: steps ran %.2fx off the calibrated costs; calibrating again", self.selector.costs.drift()
+            )
+            self.calibrate()
+
+    def plan(self, num_active: int, tokens_to_go: int, lag_tokens: int = 0) -> StepPlan:
+        """The strategy of a step of ``num_active`` sequences expected to generate ``tokens_to_go``
+        more, whose model drafter missed ``lag_tokens`` of their tokens (:class:`DrafterLag`)."""
+        strategy = self.strategy
         if strategy.adaptive:
             if self.has_model_drafter:
                 self.selector.on_drafter_version(self._versioned.version if self._versioned is not None else 0)
-            choice = self.selector.plan(num_active)
-            strategy, probe, reprobe = choice.strategy, choice.drafting, choice.reprobe
-        gap = self._model_drafter_gap if probe is not None else self._full_draft_gap
-        return StepPlan(strategy, probe, reprobe, switch=strategy.uses_model_drafter and gap >= SWITCH_GAP)
+            strategy = self.selector.choose(num_active, tokens_to_go, lag_tokens)
+        return StepPlan(strategy, lag_tokens if strategy.uses_model_drafter else 0)
 
-    def record(
-        self, plan: StepPlan, num_active: int, emitted: int, seconds: float, draft_s: float, stats: EngineStats
-    ) -> None:
-        """What a step of ``plan`` did: ``emitted`` tokens in ``seconds`` of steady step time (a
-        graph capture's time taken out), ``draft_s`` of them drafting."""
+    def record(self, plan: StepPlan, num_active: int, outcome: StepOutcome) -> None:
+        """What a step of ``plan`` on ``num_active`` sequences did."""
         if self.selector is not None and self.strategy.adaptive:
-            resumed = self.selector.observe(
-                num_active, plan.strategy, emitted, seconds, plan.probe, draft_s, plan.switch
+            self.selector.observe(
+                plan.strategy,
+                num_active,
+                outcome.seconds,
+                outcome.draft_seconds,
+                outcome.drafted,
+                outcome.accepted,
+                plan.lag_tokens,
             )
-            stats.reprobes += plan.reprobe
-            if resumed:
-                stats.reprobes_paying += 1
-                logger.info(
-                    "adaptive: drafting (%s) resumes on %d sequences, where plain decoding had won until a "
-                    "periodic probe found it paying again",
-                    plan.strategy,
-                    num_active,
-                )
-        model_step = plan.strategy.uses_model_drafter
-        self._model_drafter_gap = 0 if model_step else self._model_drafter_gap + 1
-        # a probe drafts for a few sequences only: the others' drafter state still lags
-        self._full_draft_gap = 0 if model_step and plan.probe is None else self._full_draft_gap + 1
 
     def state_dict(self) -> dict[str, Any] | None:
         return self.selector.state_dict() if self.selector is not None else None

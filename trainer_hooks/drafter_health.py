@@ -9,10 +9,8 @@ when
 - the drafter does not fit the policy synced for the rollout (vocabulary, hidden size, tapped or
   shared layers; :meth:`DrafterHealth.fit`, called at every sync): the rollout decodes without it;
 - a drafter that drafted well falls under ``floor`` x its best gain;
-- ``adaptive`` has a model drafter and ran none of its arms in a whole rollout (the selector ruled
-  every drafting arm out);
-- ``adaptive``'s periodic probes, where plain decoding had won, found a drafting arm paying again
-  (the selector had ruled out drafting that pays: a drafter that caught up, or slowed steps).
+- ``adaptive`` has a model drafter and ran none of its arms in a whole rollout (the selector
+  predicted every drafting arm slower than plain decoding).
 """
 
 from __future__ import annotations
@@ -31,11 +29,6 @@ FIT_TO_CHECK = (
     "a policy whose embeddings were resized (added tokens) needs a drafter with the same vocabulary "
     "(resize the drafter LM's embeddings too, or warm up a new EAGLE-3 head: `tailspec drafter warmup`); "
     "a drafter made for another model cannot draft for this one"
-)
-REPROBE_TO_CHECK = (
-    "nothing is lost (speculation resumed there), but if it repeats every rollout the step times the "
-    "selector measures are disturbed (other processes on the machine?) or the drafter lags the policy "
-    "between syncs (train it online)"
 )
 
 
@@ -60,13 +53,9 @@ class DrafterHealth:
         accept_length: float,
         model_drafter_steps: int,
         adaptive: bool,
-        reprobes: int = 0,
-        reprobes_paying: int = 0,
     ) -> float:
         """Score one rollout: ``accept_length`` (tokens per sequence per speculative step) of its
-        model-drafter steps, ``model_drafter_steps`` decode steps that drafted with the model;
-        ``reprobes`` drafting arms ``adaptive`` probed again where plain decoding had won, of which
-        ``reprobes_paying`` were predicted to pay then."""
+        model-drafter steps, ``model_drafter_steps`` decode steps that drafted with the model."""
         problems: dict[str, str] = {}
         if self.misfit:
             score = 0.0
@@ -79,7 +68,8 @@ class DrafterHealth:
             if adaptive:
                 problems["ruled_out"] = (
                     "strategy 'adaptive' ran none of its model-drafter arms in this rollout (the selector "
-                    f"ruled them all out; best accept length so far {self.best:.2f}); {WHAT_TO_CHECK}"
+                    f"predicted them all slower than plain decoding; best accept length so far {self.best:.2f}); "
+                    f"{WHAT_TO_CHECK}"
                 )
         else:
             self.best = max(self.best, accept_length)
@@ -89,11 +79,6 @@ class DrafterHealth:
                     f"the drafter's accept length fell to {accept_length:.2f} from a best of {self.best:.2f} "
                     f"in this run (under {self.floor:.0%} of its gain); {WHAT_TO_CHECK}"
                 )
-        if adaptive and reprobes_paying:
-            problems["reprobe"] = (
-                f"strategy 'adaptive' had ruled out drafting at some batch sizes, and {reprobes_paying} of "
-                f"{reprobes} periodic probes there found a drafting arm paying again; {REPROBE_TO_CHECK}"
-            )
         for kind, message in problems.items():
             if kind not in self._warned:
                 logger.warning("drafter health: %s", message)

@@ -481,13 +481,7 @@ class SpecRollout:
         if self.drafter is not None:
             model_steps = sum(n for k, n in counts.strategy_steps.items() if parse_strategy(k).uses_model_drafter)
             adaptive = parse_strategy(self.config.engine.strategy).adaptive
-            stats.drafter_health = self.health.update(
-                stats.mean_accept_length,
-                model_steps,
-                adaptive,
-                counts.reprobes,
-                counts.reprobes_paying,
-            )
+            stats.drafter_health = self.health.update(stats.mean_accept_length, model_steps, adaptive)
         self.last_stats = stats
         self.history.append(stats)
         logger.info(

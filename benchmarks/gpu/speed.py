@@ -78,7 +78,7 @@ class Contenders:
                 for k, v in engine.stats.strategy_steps.items()
                 if v > steps_before.get(k, 0)
             },
-            "selector_estimates": engine.selector.estimates() if engine.selector is not None else None,
+            "selector_state": engine.selector.state_dict() if engine.selector is not None else None,
             "completions": [o.completion_ids for o in outs],
         }
 

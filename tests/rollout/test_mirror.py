@@ -371,10 +371,12 @@ def test_the_spare_core_goes_to_the_draft_on_mirror_steps_and_to_the_target_othe
     monkeypatch.setattr(torch, "set_num_threads", calls.append)
     config = RolloutConfig(
         strategy="adaptive",
-        selector={"arms": ["none", "mirror:chain:2,k=0"], "min_trials": 2},
+        selector={"arms": ["none", "mirror:chain:2,k=0"]},
         mirror=MirrorConfig(executor="inline", threads=2, draft_threads=1),
     )
     engine = RolloutEngine(cached_model("llama"), config, drafter=good_drafter("llama"))
+    arms, steps = engine.selector.arms, iter(range(10**6))
+    engine.selector.choose = lambda n, remaining, lag: arms[next(steps) % 2]  # both arms, in turn
     engine.generate(random_prompts(3, seed=4), SamplingParams(max_new_tokens=12, temperature=0.0))
     by_strategy = {}
     for record, threads in zip(engine.stats.step_log, calls):

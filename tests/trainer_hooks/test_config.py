@@ -23,7 +23,7 @@ ENGINE_SETTINGS = {  # a value other than the default for every engine field a u
     "strategy": "suffix",
     "draft_kv_cache_tokens": 2048,
     "suffix_history_tokens": 1000,
-    "selector": {"window": 8},
+    "selector": {"version_weight": 0.25},
     "mirror": {"executor": "inline"},
     "mixed_batches": True,
     "prefix_caching": True,
@@ -55,22 +55,27 @@ def test_every_engine_field_reaches_the_engine_by_name(task_tokenizer, tiny_poli
 
 
 def test_dotted_paths_yaml_and_flat_names_build_the_same_tree():
-    flat = SpecRolloutConfig().with_overrides(length_budget=0.5, num_workers=2, spot_training=False, window=8)
+    flat = SpecRolloutConfig().with_overrides(
+        length_budget=0.5, num_workers=2, spot_training=False, version_weight=0.25
+    )
     dotted = SpecRolloutConfig().with_overrides(
         **{
             "engine.length_budget": 0.5,
             "workers.num_workers": 2,
             "workers.spot_training": False,
-            "engine.selector.window": 8,
+            "engine.selector.version_weight": 0.25,
         }
     )
     nested = SpecRolloutConfig.from_dict(
         yaml.safe_load(
-            "engine: {length_budget: 0.5, selector: {window: 8}}\nworkers: {num_workers: 2, spot_training: false}"
+            "engine: {length_budget: 0.5, selector: {version_weight: 0.25}}\n"
+            "workers: {num_workers: 2, spot_training: false}"
         )
     )
     assigned = SpecRolloutConfig().with_overrides(
-        **parse_assignments(["length_budget=0.5", "workers.num_workers=2", "spot_training=false", "window=8"])
+        **parse_assignments(
+            ["length_budget=0.5", "workers.num_workers=2", "spot_training=false", "version_weight=0.25"]
+        )
     )
     assert flat == dotted == nested == assigned
     assert nested.workers.max_spot_steps == WorkersConfig().max_spot_steps  # the rest stays at its default
@@ -81,7 +86,7 @@ def test_dotted_paths_yaml_and_flat_names_build_the_same_tree():
     "overrides, message",
     [
         ({"block_size": 0}, r"^engine\.block_size must be an int in \[1, 1024\], got 0$"),
-        ({"window": 0}, r"^engine\.selector\.window must be an int >= 1"),
+        ({"calibration_repeats": 0}, r"^engine\.selector\.calibration_repeats must be an int in \[1, 20\]"),
         ({"mirror": {"executor": "gpu"}}, r"^engine\.mirror\.executor must be one of"),
         ({"workers": {"schedule": "round-robin"}}, r"^workers\.schedule must be one of"),
         ({"catch_up": {"below": 1.5}}, r"^training\.catch_up\.below must be"),
@@ -102,7 +107,7 @@ def test_names_resolve_without_ambiguity():
     """A field named alone must mean one field: the engine's, the selector's, the mirror's, the
     workers' and the training settings share no name but ``seed``, where the top level's own wins."""
     shared = {name: paths for name, paths in field_paths(SpecRolloutConfig).items() if len(paths) > 1}
-    assert shared == {"seed": ["engine.selector.seed", "engine.seed", "seed"]}
+    assert shared == {"seed": ["engine.seed", "seed"]}
     assert SpecRolloutConfig().with_overrides(seed=3).seed == 3
 
 

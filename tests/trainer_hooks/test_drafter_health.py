@@ -46,12 +46,3 @@ def test_a_drafter_that_does_not_fit_the_synced_policy_scores_zero_and_says_what
     assert "does not fit the policy synced" in caplog.text and "512" in caplog.text and "resize" in caplog.text
     health.fit([])
     assert health.update(4.0, 30, adaptive=True) == 1.0
-
-
-def test_reprobes_that_find_drafting_paying_again_are_reported(caplog):
-    health = DrafterHealth()
-    with caplog.at_level("WARNING", logger="tailspec.trainer_hooks.drafter_health"):
-        health.update(4.0, 30, adaptive=True, reprobes=2, reprobes_paying=0)  # the probes confirmed plain
-        assert not caplog.records
-        assert health.update(4.0, 30, adaptive=True, reprobes=3, reprobes_paying=1) == 1.0
-    assert "1 of 3 periodic probes there found a drafting arm paying again" in caplog.text

@@ -43,7 +43,7 @@ def test_rollout_state_is_saved_with_checkpoints_and_restored_on_resume(common, 
     assert (checkpoint / FOLDER / "drafter.safetensors").exists()
     assert saved["drafter"].version == first.drafter.version > 0 and saved["drafter"].optimizer is not None
     selector_before = copy.deepcopy(first.engine.selector)
-    assert selector_before.estimates(), "the selector should have measured arms in two rollouts"
+    assert selector_before.acceptance.counts, "the selector should have measured arms in two rollouts"
 
     policy = make_policy()  # a fresh process: the same starting policy, a different head
     policy.load_state_dict(common["model"].state_dict())
@@ -56,9 +56,10 @@ def test_rollout_state_is_saved_with_checkpoints_and_restored_on_resume(common, 
     assert resumed == _accept_length(policy, first.drafter, task_tokenizer)
     # the selector and the suffix history: restored when the engine starts, choosing as before
     engine = second.engine_for(policy, task_tokenizer, seed=0)
-    assert engine.selector.state_dict() == selector_before.state_dict()
-    assert [engine.selector.choose(n) for n in (1, 2, 3, 8, 16, 64)] == [
-        selector_before.choose(n) for n in (1, 2, 3, 8, 16, 64)
+    assert engine.selector.state_dict() == selector_before.state_dict()  # all but the forward table, re-timed
+    arms = engine.selector.arms
+    assert [engine.selector.acceptance.expected(a) for a in arms] == [
+        selector_before.acceptance.expected(a) for a in arms
     ]
     assert engine.suffix_drafter.state_dict() == first.engine.suffix_drafter.state_dict()
     assert second.online.trainer.step_count == saved["drafter"].step
@@ -76,7 +77,7 @@ def test_resume_from_checkpoint_runs_on_warm(common):
     trainer.train(resume_from_checkpoint=True)  # the last checkpoint of output_dir
     assert trainer.state.global_step == 3 and len(second.history) == 1
     assert second.drafter.version == version + 2  # continued from the saved version, two more steps
-    assert sum(n for row in second.engine.selector.estimates().values() for _, n in row.values()) > 0
+    assert sum(second.engine.selector.acceptance.evidence(a) for a in second.engine.selector.arms if a.speculative) > 0
 
 
 def test_the_checkpoint_keeps_spot_trainings_unshipped_state_and_the_catch_up_rule(tmp_path):

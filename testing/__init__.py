@@ -138,7 +138,7 @@ def hf_greedy(model, prompt: list[int], max_new_tokens: int, eos_id: int = 1) ->
 
 def processed_probs(logits: torch.Tensor, params) -> torch.Tensor:
     """Each row's processed distribution (``params``: a ``SamplingParams``), float64 on the CPU."""
-    from .rollout.sampling import BatchSamplingTensors, processed_logprobs
+    from ..rollout.sampling import BatchSamplingTensors, processed_logprobs
 
     st = BatchSamplingTensors.from_params([params] * logits.shape[0], logits.device)
     return processed_logprobs(logits.float(), st).exp().double().cpu()

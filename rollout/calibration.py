@@ -1,0 +1,94 @@
+"""Times the target's verification forward per shape for the selector's cost model
+(``rollout/cost_model.py``), on scratch KV blocks taken from the free pool and given back.
+
+Under a graph pool each shape is padded to its bucket and run once before timing (the capture), so
+what is timed are replays, and the graphs a rollout needs are held before it starts.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+
+import torch
+
+from .attention import SequenceSlice
+from .cost_model import ForwardTable, Pad, StepCosts, calibrate, calibration_shapes
+from .kv_cache import blocks_for
+from .model_runner import ModelRunner
+from .selector import SelectorConfig
+from .strategy import Strategy
+
+logger = logging.getLogger(__name__)
+
+CONTEXT = 128  # cached tokens per scratch sequence: a short context, as a rollout's first steps see
+
+
+def graph_padding(runner: ModelRunner, context: int) -> Pad | None:
+    """The shape a forward of ``(n, t)`` runs as: its graph bucket, or itself without graphs."""
+    pool = runner.graph_pool
+    if pool is None:
+        return None
+
+    def pad(n: int, t: int) -> tuple[int, int]:
+        key = pool.key_for(n, t, context + t)
+        return (key.batch, key.tokens) if key is not None and key.tokens <= pool.token_buckets[-1] else (n, t)
+
+    return pad
+
+
+def forward_timer(runner: ModelRunner, block_size: int, context: int) -> Callable[[int, int], float]:
+    """``time(n, t)``: seconds of one forward of ``n`` sequences with ``t`` new tokens each."""
+    allocator, on_cuda = runner.cache.allocator, runner.device.type == "cuda"
+
+    def time_forward(n: int, t: int) -> float:
+        per_seq = blocks_for(context + t, block_size)
+        blocks = allocator.allocate(n * per_seq)
+        try:
+            slices = [SequenceSlice(blocks[i * per_seq : (i + 1) * per_seq], context, t) for i in range(n)]
+            positions = [context + j for _ in range(n) for j in range(t)]
+            if on_cuda:
+                torch.cuda.synchronize(runner.device)
+            start = time.perf_counter()
+            runner.forward(slices, [0] * (n * t), positions, list(range(n * t)))
+            if on_cuda:
+                torch.cuda.synchronize(runner.device)
+            return time.perf_counter() - start
+        finally:
+            allocator.free(blocks)
+
+    return time_forward
+
+
+def calibrate_costs(
+    runner: ModelRunner,
+    config: SelectorConfig,
+    arms: Sequence[Strategy],
+    block_size: int,
+    max_num_seqs: int,
+    kernels: str,
+) -> StepCosts:
+    """Time every verification width of ``arms`` at batch sizes up to what the free KV blocks hold."""
+    widths = sorted({1 + a.max_draft_nodes for a in arms})
+    free = runner.cache.allocator.num_free
+    context = min(CONTEXT, max(free * block_size - widths[-1] - block_size, 0))  # a small cache: shorter
+    fits = lambda shape: shape[0] * blocks_for(context + shape[1], block_size) <= free  # noqa: E731
+    max_batch = max(1, min(max_num_seqs, free // blocks_for(context + widths[-1], block_size)))
+    pad = graph_padding(runner, context)
+    shapes = [s for s in calibration_shapes(widths, max_batch, config.calibration_rows, pad) if fits(s)]
+    timer = forward_timer(runner, block_size, context)
+    start = time.perf_counter()
+    with runner.inference(kernels):
+        if pad is not None:
+            for shape in shapes:  # capture first: the timings are replays
+                timer(*shape)
+        measured = calibrate(timer, shapes, config.calibration_repeats)
+    logger.info(
+        "adaptive: calibrated %d forward shapes (batch <= %d, widths %s) in %.2fs",
+        len(shapes),
+        max_batch,
+        widths,
+        time.perf_counter() - start,
+    )
+    return StepCosts(ForwardTable(measured, pad))

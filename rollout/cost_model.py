@@ -1,0 +1,214 @@
+"""Predicted seconds of a decode step of each arm, measured once instead of learned by trying arms.
+
+A step of arm ``a`` on ``n`` sequences is the target's verification forward (``n`` sequences of
+``1 + a``'s draft nodes each) plus the drafting. Step costs belong to the hardware and the shapes,
+which RL does not move, so:
+
+* the **forward** is timed once per shape at calibration (:func:`calibrate`: the median of a few
+  runs per shape, after the graph pool captured it), and interpolated between measured batch sizes
+  and token widths (:class:`ForwardTable`); under CUDA graphs a shape is first padded to its
+  bucket, so step time is the step function the replays really are;
+* **drafting** is a drafter's forward per draft level, costed as ``ratio x`` the target's forward
+  over the same rows (``model``: one scalar per engine, learned from the first step that drafts and
+  every one after, pooled over all arms of that drafter); the suffix drafter's host cost is
+  ``ratio x`` a one-token forward per drafted node; a model drafter's **catch-up** after steps of
+  other arms is ``ratio x`` a forward over the tokens it missed;
+* online, each arm only has a **correction** factor (measured / predicted step time), shrunk
+  towards 1 and robust to outliers (median of clipped log ratios).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from bisect import bisect_left
+from collections import deque
+from collections.abc import Callable, Iterable
+
+from .strategy import Strategy
+
+Shape = tuple[int, int]  # (sequences, tokens per sequence)
+Pad = Callable[[int, int], Shape]
+
+
+def _interpolate(xs: list[int], ys: list[float], x: float) -> float:
+    """Piecewise-linear through ``(xs, ys)`` (sorted xs, non-decreasing ys); the first value below
+    the first point, the last segment's slope past the last point."""
+    if x <= xs[0]:
+        return ys[0]
+    if len(xs) == 1:
+        return ys[0] * x / xs[0]
+    i = min(bisect_left(xs, x), len(xs) - 1)
+    x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
+    return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+
+
+def monotone(ys: list[float]) -> list[float]:
+    """The closest non-decreasing sequence (pool adjacent violators): a forward never gets cheaper
+    with more rows, so a noisy timing below an earlier one is averaged with it, not trusted."""
+    blocks: list[list[float]] = []  # [sum, count]
+    for y in ys:
+        blocks.append([y, 1])
+        while len(blocks) > 1 and blocks[-2][0] / blocks[-2][1] > blocks[-1][0] / blocks[-1][1]:
+            total, count = blocks.pop()
+            blocks[-1][0] += total
+            blocks[-1][1] += count
+    return [total / count for total, count in blocks for _ in range(int(count))]
+
+
+class ForwardTable:
+    """Seconds of a target forward per measured ``(sequences, tokens)`` shape, interpolated in the
+    batch size for each measured width, then between widths; ``pad`` maps a shape to the one that
+    actually runs (a graph bucket), so predictions there are the measured replays."""
+
+    def __init__(self, seconds: dict[Shape, float], pad: Pad | None = None) -> None:
+        if not seconds:
+            raise ValueError("a forward table needs at least one measured shape")
+        self.measured = dict(seconds)
+        self.pad = pad
+        columns: dict[int, tuple[list[int], list[float]]] = {}
+        for (n, t), s in sorted(seconds.items()):
+            column = columns.setdefault(t, ([], []))
+            column[0].append(n)
+            column[1].append(s)
+        self._columns = {t: (ns, monotone(ys)) for t, (ns, ys) in columns.items()}
+        self._widths = sorted(self._columns)
+
+    def seconds(self, n: int, t: int) -> float:
+        if self.pad is not None:
+            n, t = self.pad(n, t)
+        at = monotone([_interpolate(*self._columns[w], n) for w in self._widths])
+        return _interpolate(self._widths, at, t)
+
+
+def batch_grid(max_batch: int) -> list[int]:
+    """1, 2, 4, ... up to ``max_batch``, and ``max_batch`` itself."""
+    grid = [1 << i for i in range(max(max_batch, 1).bit_length()) if 1 << i <= max_batch]
+    return sorted({*grid, max(max_batch, 1)})
+
+
+def calibration_shapes(widths: Iterable[int], max_batch: int, max_rows: int, pad: Pad | None = None) -> list[Shape]:
+    """The shapes to time: every width the arms verify, at batch sizes doubling up to ``max_batch``.
+    Without graphs (``pad`` None), only while the forward stays within ``max_rows`` rows (at least
+    two batch sizes per width, so the table extrapolates; beyond them a CPU forward grows linearly
+    in its rows); with graphs, every bucket, each of which a rollout would otherwise capture."""
+    shapes: set[Shape] = set()
+    for t in sorted(set(widths)):
+        grid = batch_grid(max_batch)
+        kept = [n for i, n in enumerate(grid) if i < 2 or n * t <= max_rows or pad is not None]
+        shapes |= {pad(n, t) if pad is not None else (n, t) for n in kept}
+    return sorted(shapes, key=lambda s: (s[1], s[0]))
+
+
+def calibrate(time_forward: Callable[[int, int], float], shapes: Iterable[Shape], repeats: int) -> dict[Shape, float]:
+    """The median of ``repeats`` timings of each shape (``time_forward(n, t)`` -> seconds)."""
+    return {shape: statistics.median(time_forward(*shape) for _ in range(repeats)) for shape in shapes}
+
+
+class Ratio:
+    """A multiplicative factor from recent measured/predicted ratios: the median of their logs
+    (each clipped to ``clip`` x either way, if given), shrunk towards ``prior`` as if it were
+    ``weight`` more."""
+
+    def __init__(self, prior: float, weight: float, window: int = 32, clip: float | None = None) -> None:
+        self.prior, self.weight = prior, weight
+        self.clip = math.log(clip) if clip is not None else math.inf
+        self.logs: deque[float] = deque(maxlen=window)
+
+    def add(self, measured: float, predicted: float) -> None:
+        if measured > 0 and predicted > 0:
+            self.logs.append(max(-self.clip, min(self.clip, math.log(measured / predicted))))
+
+    @property
+    def value(self) -> float:
+        m = len(self.logs)
+        if not m:
+            return self.prior
+        return math.exp((m * statistics.median(self.logs) + self.weight * math.log(self.prior)) / (m + self.weight))
+
+    def state(self) -> list[float]:
+        return [self.prior, *self.logs]
+
+    def load(self, state: list[float]) -> None:
+        self.prior = state[0]
+        self.logs.clear()
+        self.logs.extend(state[1:])
+
+
+class StepCosts:
+    """Predicted seconds of each arm's step: the calibrated forward, the drafting ratios, and a
+    correction per arm (see the module doc)."""
+
+    def __init__(self, table: ForwardTable) -> None:
+        self.table = table
+        # priors until the first measurement: a drafter level a tenth of the target's forward,
+        # a suffix node a hundredth of a one-token step, a catch-up token a fifth of a verified row
+        self.draft = {"model": Ratio(0.1, 0.5), "suffix": Ratio(0.01, 0.5), "catch_up": Ratio(0.2, 0.5)}
+        self.correction: dict[Strategy, Ratio] = {}
+
+    def _model_unit(self, arm: Strategy, n: int) -> float:
+        """The target's seconds for one of ``arm``'s draft levels over ``n`` sequences."""
+        shape = arm.shape
+        width = math.ceil(shape.max_nodes / shape.depth)
+        return shape.depth * self.table.seconds(n * width, 1)
+
+    def _suffix_unit(self, arm: Strategy, n: int) -> float:
+        return n * arm.shape.max_nodes * self.table.seconds(1, 1)
+
+    def base_seconds(self, arm: Strategy, n: int) -> float:
+        """Uncorrected: the verification forward plus the drafting."""
+        seconds = self.table.seconds(n, 1 + arm.max_draft_nodes)
+        if arm.uses_model_drafter:
+            seconds += self.draft["model"].value * self._model_unit(arm, n)
+        if "suffix" in arm.drafters:
+            seconds += self.draft["suffix"].value * self._suffix_unit(arm, n)
+        return seconds
+
+    def seconds(self, arm: Strategy, n: int) -> float:
+        return self.base_seconds(arm, n) * self.correction_of(arm).value
+
+    def catch_up_seconds(self, lag_tokens: int) -> float:
+        """A model drafter's catch-up on ``lag_tokens`` tokens it did not see (0: none)."""
+        return self.draft["catch_up"].value * self.table.seconds(lag_tokens, 1) if lag_tokens else 0.0
+
+    def correction_of(self, arm: Strategy) -> Ratio:
+        if arm not in self.correction:
+            self.correction[arm] = Ratio(1.0, 8.0, clip=3.0)
+        return self.correction[arm]
+
+    def observe(self, arm: Strategy, n: int, seconds: float, draft_seconds: float, lag_tokens: int) -> None:
+        """A step of ``arm`` on ``n`` sequences took ``seconds``, ``draft_seconds`` of them drafting,
+        after ``lag_tokens`` tokens its model drafter had to catch up on."""
+        pure = arm.kind in ("chain", "tree")  # drafting by the model drafter alone, serially
+        if lag_tokens and arm.uses_model_drafter:
+            if pure:
+                catch_up = draft_seconds - self.draft["model"].value * self._model_unit(arm, n)
+                self.draft["catch_up"].add(catch_up, self.table.seconds(lag_tokens, 1))
+            return  # a switch: the arm's own costs are judged on steady steps
+        if pure:
+            self.draft["model"].add(draft_seconds, self._model_unit(arm, n))
+        elif arm.kind == "suffix":
+            self.draft["suffix"].add(draft_seconds, self._suffix_unit(arm, n))
+        self.correction_of(arm).add(seconds, self.base_seconds(arm, n))
+
+    def drift(self) -> float:
+        """How far, as a factor >= 1, the median arm's correction is from 1 (the table is stale when
+        every arm runs slower or faster than it says: another load on the machine, a clock change)."""
+        values = [r.value for r in self.correction.values() if r.logs]
+        if not values:
+            return 1.0
+        middle = statistics.median(values)
+        return max(middle, 1 / middle)
+
+    def state_dict(self) -> dict:
+        return {
+            "draft": {k: r.state() for k, r in self.draft.items()},
+            "correction": {str(a): r.state() for a, r in self.correction.items()},
+        }
+
+    def load_state_dict(self, state: dict, arms: Iterable[Strategy]) -> None:
+        for key, saved in state["draft"].items():
+            self.draft[key].load(saved)
+        for arm in arms:
+            if str(arm) in state["correction"]:
+                self.correction_of(arm).load(state["correction"][str(arm)])
