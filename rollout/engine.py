@@ -166,10 +166,10 @@ class RolloutEngine:
         if state.get("suffix") is not None and isinstance(self.suffix_drafter, Stateful):
             self.suffix_drafter.load_state_dict(state["suffix"])
 
-    def _calibrate(self, config: SelectorConfig, arms: Seq[Strategy]) -> StepCosts:
+    def _calibrate(self, config: SelectorConfig, arms: Seq[Strategy], fresh: bool) -> StepCosts:
         """The adaptive selector's step costs, timed on this engine's model (``rollout/calibration.py``)."""
         cfg = self.config
-        return calibrate_costs(self.runner, config, arms, cfg.block_size, cfg.max_num_seqs, cfg.kernels)
+        return calibrate_costs(self.runner, config, arms, cfg.block_size, cfg.max_num_seqs, cfg.kernels, fresh)
 
     def _drafter_for(self, strategy: Strategy) -> Drafter:
         if strategy.kind == "suffix":

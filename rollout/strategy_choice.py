@@ -23,7 +23,7 @@ from .strategy import Strategy, parse_strategy
 
 logger = logging.getLogger(__name__)
 
-Calibrate = Callable[[SelectorConfig, Sequence[Strategy]], StepCosts]
+Calibrate = Callable[[SelectorConfig, Sequence[Strategy], bool], StepCosts]  # (config, arms, fresh)
 
 
 @dataclass(frozen=True)
@@ -107,12 +107,12 @@ class StrategyChoice:
                     [str(a) for a in self.selector.arms],
                     [str(a) for a in self.selector.dropped_arms],
                 )
-            self.calibrate()
+            self.calibrate(fresh=False)
         return self.selector
 
-    def calibrate(self) -> None:
-        """Measure the selector's step costs (again)."""
-        self.selector.use_costs(self._calibrate(self.selector.config, self.selector.arms))
+    def calibrate(self, fresh: bool = True) -> None:
+        """Measure the selector's step costs (``fresh``: even where this process measured them)."""
+        self.selector.use_costs(self._calibrate(self.selector.config, self.selector.arms, fresh))
 
     def between_rollouts(self) -> None:
         """Nothing runs: step costs that drifted far from the calibration are measured again."""

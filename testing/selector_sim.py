@@ -133,7 +133,7 @@ def _choice(regime: Regime, arms: tuple[str, ...], max_batch: int, rng: np.rando
     def time_forward(n: int, t: int) -> float:
         return regime.forward(n, t) * _noise(regime, rng)
 
-    def calibrated(config: SelectorConfig, strategies) -> StepCosts:
+    def calibrated(config: SelectorConfig, strategies, fresh: bool) -> StepCosts:
         widths = [1 + a.max_draft_nodes for a in strategies]
         pad = graph_pad if regime.padded else None
         shapes = calibration_shapes(widths, max_batch, config.calibration_rows, pad)

@@ -47,6 +47,7 @@ from ..config_tree import require
 from ..drafter.eagle3 import Eagle3Head
 from ..drafter.learning import learner_for
 from ..drafter.online import DrafterState, TrainedPart
+from ..rollout.acceptance import AcceptanceBook
 from ..rollout.admission import RequestLimits, prepare_requests
 from ..rollout.params import RolloutConfig, SamplingParams
 from ..rollout.request import RequestOutput
@@ -309,6 +310,7 @@ class RolloutCoordinator:
             train_in_gap=self.config.spot_in_update_gap,
         )
         result = round_.run()
+        self._pool_acceptance()
         self._needs_broadcast = self.drafter_state is not None
         tally = self.spot.take_tally()
         return RolloutReport(
@@ -329,6 +331,27 @@ class RolloutCoordinator:
             spot_busy_s=result.spot_busy_s,
             length_error=self.predictor.log.mean_rel_error,
         )
+
+    def _pool_acceptance(self) -> None:
+        """Every worker's adaptive selector adopts the average of the workers' acceptance books, so
+        what one worker's drafts measured informs the others' next rollout (the worker training
+        spot steps is left out: it is busy, and gets the next average)."""
+        import ray
+
+        skip = self.spot.training_worker
+        books = []
+        for index, actor in list(self.workers.items()):
+            if index == skip:
+                continue
+            try:
+                book = ray.get(actor.acceptance_book.remote())
+            except ray.exceptions.RayActorError as e:
+                self.pool.mark_dead(index, e)
+                continue
+            if book is not None:
+                books.append(book)
+        if len(books) > 1:
+            self.pool.call_all("merge_acceptance", AcceptanceBook.merged(books), skip=skip)
 
     def _versions(self) -> Versions:
         """The versions this rollout generates with: the newest policy and drafter state."""

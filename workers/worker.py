@@ -227,6 +227,16 @@ class RolloutWorker:
     def load_engine_state(self, state: dict) -> None:
         self.engine.load_state_dict(state)
 
+    def acceptance_book(self) -> dict | None:
+        """The adaptive selector's acceptance counts (``AcceptanceBook.state_dict``), None without one."""
+        selector = self.engine.selector
+        return selector.acceptance.state_dict() if selector is not None else None
+
+    def merge_acceptance(self, merged: dict) -> None:
+        """Adopt the acceptance book the coordinator averaged over every worker's."""
+        if self.engine.selector is not None:
+            self.engine.selector.merge_acceptance(merged)
+
     def set_length_budget(self, ratio: float) -> None:
         """Turn the engine's length-aware draft budget on (``ratio`` in (0, 1]) or off (0)."""
         if not (isinstance(ratio, (int, float)) and 0 <= ratio <= 1):

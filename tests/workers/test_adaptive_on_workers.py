@@ -11,6 +11,7 @@ from collections import defaultdict
 from types import SimpleNamespace
 
 import pytest
+import ray
 import torch
 
 from tailspec.demo import DemoConfig, _make_rollout
@@ -53,6 +54,9 @@ def rollout_steps(strategy: str, steps: int = 3) -> list[tuple[float, float]]:
             model_steps = sum(n for k, n in stats.strategy_steps.items() if parse_strategy(k).uses_model_drafter)
             lengths.append((stats.mean_accept_length, model_steps / max(sum(stats.strategy_steps.values()), 1)))
             assert rollout.last_stats.drafter_health is not None
+            if strategy == "adaptive":  # after each rollout the workers hold one averaged acceptance book
+                books = [ray.get(w.acceptance_book.remote()) for w in rollout.coordinator.workers.values()]
+                assert len(books) == 2 and books[0] == books[1] and books[0]
         assert len(trainer._metrics["eval"]["rollout/drafter_health"]) == steps
     finally:
         if rollout.coordinator is not None:
