@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.tailspec-installed
 
-.PHONY: demo test bench lint clean-venv gpu-check gpu-rehearse
+.PHONY: demo test bench lint clean-venv gpu-check gpu-selector gpu-rehearse
 
 # The GPU check (docs/GPU.md) runs on a lent GPU's image as it is: python3 with torch, triton and
 # transformers, and none of trl, ray, deepspeed or wandb. The tree goes on PYTHONPATH as `tailspec`.
@@ -48,6 +48,13 @@ gpu-check:
 	$(LINK_TREE)
 	PYTHONPATH=$(GPU_PATH) PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 python3 -m tailspec.benchmarks.gpu --out $(GPU_OUT)
 
+# adaptive on the GPU (issue 46): calibration, predicted against measured step times, adaptive
+# against every fixed arm of its arm set; its own command, since the pack above fills its budget
+gpu-selector:
+	$(LINK_TREE)
+	PYTHONPATH=$(GPU_PATH) PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 python3 -m tailspec.benchmarks.gpu --stages selector \
+		--out $(GPU_OUT)-selector
+
 $(REHEARSE_STAMP): Makefile
 	test -x $(REHEARSE_PY) || $(PYTHON) -m venv $(REHEARSE_VENV)
 	$(REHEARSE_PY) -m pip install -q $(IMAGE_PACKAGES)
@@ -56,4 +63,4 @@ $(REHEARSE_STAMP): Makefile
 gpu-rehearse: $(REHEARSE_STAMP)
 	$(LINK_TREE)
 	PYTHONPATH=$(GPU_PATH) PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 $(REHEARSE_PY) -m tailspec.benchmarks.gpu --rehearse \
-		--out outputs/gpu-rehearse
+		--stages env,correctness,graphs,kernels,speed,gpu_tests,selector --out outputs/gpu-rehearse

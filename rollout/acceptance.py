@@ -16,9 +16,15 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from ..draft_contract import DraftTree
 from .strategy import Strategy
 
 PRIOR_HAZARD = 0.5  # a drafted token's acceptance before any evidence, weighted as one sequence-step
+
+
+def prior_expected(depth: int) -> float:
+    """Tokens a sequence-step emits before any evidence: every draft level accepted at ``PRIOR_HAZARD``."""
+    return 1.0 + sum(PRIOR_HAZARD**j for j in range(1, depth + 1))
 
 
 @dataclass
@@ -59,12 +65,33 @@ class ArmCounts:
         self.emitted += 1 + accepted
         self.steps += 1
 
-    def expected(self, nodes: int, depth: int) -> float:
-        return (self.emitted + 1 + PRIOR_HAZARD * depth) / (self.steps + 1)
+    def expected(self, prior: float) -> float:
+        """Tokens per drafting sequence-step, ``prior`` weighted as one sequence-step."""
+        return (self.emitted + prior) / (self.steps + 1)
 
     @property
     def evidence(self) -> float:
         return self.steps
+
+
+def first_branch(tree: DraftTree, path: list[int]) -> tuple[int, int]:
+    """How deep ``tree``'s first branch goes (the first child at every level: what its drafter's
+    chain would have drafted) and how much of it the accepted ``path`` (node indices) kept."""
+    branch, node = [], -1
+    while kids := tree.children[node + 1]:
+        node = kids[0]
+        branch.append(node)
+    kept = 0
+    while kept < min(len(branch), len(path)) and branch[kept] == path[kept]:
+        kept += 1
+    return len(branch), kept
+
+
+def _chain_key_of_tree(arm: Strategy) -> str | None:
+    """The chain table a tree arm's first branch teaches (its drafter's), if any."""
+    if arm.kind == "tree" or (arm.kind == "mirror" and not arm.shape.is_chain):
+        return "chain-chain"
+    return "suffix-chain" if arm.kind == "suffix" and not arm.shape.is_chain else None
 
 
 def book_key(arm: Strategy) -> str:
@@ -86,12 +113,25 @@ class AcceptanceBook:
             self.counts[key] = ChainCounts() if key.endswith("-chain") else ArmCounts()
         return self.counts[key]
 
-    def observe(self, arm: Strategy, drafted: list[int], accepted: list[int]) -> None:
-        """One verified step: per sequence, the draft tokens it got verified and how many were kept."""
+    def observe(
+        self,
+        arm: Strategy,
+        drafted: list[int],
+        accepted: list[int],
+        branches: list[tuple[int, int]] | None = None,
+    ) -> None:
+        """One verified step: per sequence, the draft tokens it got verified and how many were kept,
+        and (trees) its first branch's depth and kept length, which teach the drafter's chains."""
         counts = self._counts(arm)
         for d, a in zip(drafted, accepted):
             if d > 0:
                 counts.add(d, a)
+        chain_key = _chain_key_of_tree(arm)
+        if branches is not None and chain_key is not None:
+            chain = self.counts.setdefault(chain_key, ChainCounts())
+            for d, a in branches:
+                if d > 0:
+                    chain.add(d, a)
 
     def expected(self, arm: Strategy, optimism: float = 0.0) -> float:
         """Tokens a drafting sequence-step of ``arm`` emits; with ``optimism``, moved towards the
@@ -103,8 +143,9 @@ class AcceptanceBook:
         counts, depth = self._counts(arm), arm.shape.depth
         if isinstance(counts, ChainCounts):
             mean = counts.expected(depth)
-        else:
-            mean = counts.expected(arm.max_draft_nodes, depth)
+        else:  # a tree's first branch is its drafter's chain: what that chain accepts is its prior
+            chain = self.counts.get("chain-chain" if arm.uses_model_drafter else "suffix-chain")
+            mean = counts.expected(chain.expected(depth) if isinstance(chain, ChainCounts) else prior_expected(depth))
         if optimism <= 0:
             return mean
         return mean + (1.0 + depth - mean) * optimism / (optimism + counts.evidence)

@@ -313,7 +313,9 @@ class RolloutEngine:
         # an arm is judged by what its steps cost once their graphs are held, not by a capture
         steady = seconds - (capture_seconds() - captured_before)
         draft_s = stats.draft_time_s - draft_before
-        outcome = StepOutcome(steady, draft_s, *((verified.drafted, verified.accepted) if verified else (None, None)))
+        outcome = StepOutcome(steady, draft_s)
+        if verified is not None:
+            outcome = StepOutcome(steady, draft_s, verified.drafted, verified.accepted, verified.branches)
         self.choice.record(plan, n, outcome)
         self._peak_active = max(self._peak_active, n)
         in_tail = n <= self.config.tail_fraction * self._peak_active

@@ -12,8 +12,8 @@ step), and ``catch_up`` what a model drafter pays for the tokens it missed while
 switch to a model arm happens only when its gain over the remaining work beats that. The arm with
 the least predicted time runs. Uncertainty is handled on acceptance only, the costs being
 measured: an arm's expected tokens are moved towards its best case as if that were ``optimism``
-more sequence-steps of evidence, so an arm never drafted is tried once where it could win, and one
-step of any chain arm teaches every depth of its drafter.
+more sequence-steps of evidence, so an arm never drafted is tried once where it could win; one step
+of any chain arm teaches every depth of its drafter, and a tree starts from its drafter's chain.
 There is no exploration schedule, no bucket and no probe.
 
 A new model-drafter version weighs what its arms measured by ``version_weight`` (acceptance only;
@@ -41,7 +41,7 @@ STATE_VERSION = 3
 @dataclass
 class SelectorConfig:
     arms: tuple[str, ...] = DEFAULT_ARMS
-    optimism: float = 1.0  # sequence-steps of evidence an arm's best case weighs (0: point estimates only)
+    optimism: float = 0.25  # sequence-steps of evidence an arm's best case weighs (0: point estimates only)
     version_weight: float = 0.5  # what a drafter's earlier versions measured counts this x at each new one
     calibration_rows: int = 256  # calibration times forwards of up to this many rows (linear beyond)
     calibration_repeats: int = 3  # timings per calibrated shape (their median)
@@ -131,16 +131,17 @@ class StrategySelector:
         drafted: list[int] | None = None,
         accepted: list[int] | None = None,
         lag_tokens: int = 0,
+        branches: list[tuple[int, int]] | None = None,
     ) -> None:
         """A step of ``arm`` on ``n`` sequences took ``seconds`` (``draft_seconds`` drafting, after
         ``lag_tokens`` tokens of catch-up); per sequence, ``drafted`` draft tokens were verified
-        and ``accepted`` kept."""
+        and ``accepted`` kept, and its tree's first branch went ``branches`` (depth, kept) deep."""
         if arm not in self.arms or seconds <= 0 or n < 1:
             return
         if self.costs is not None:
             self.costs.observe(arm, n, seconds, draft_seconds, lag_tokens)
         if arm.speculative and drafted is not None:
-            self.acceptance.observe(arm, drafted, accepted)
+            self.acceptance.observe(arm, drafted, accepted, branches)
 
     def on_drafter_version(self, version: int) -> None:
         """The model drafter changed weights: what its arms measured counts ``version_weight`` x."""

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from ..draft_contract import Drafter, DraftTree
+from .acceptance import first_branch
 from .feature_taps import FeatureTaps
 from .length_budget import drafting_mask
 from .mirror import MirrorPipeline
@@ -41,6 +42,7 @@ class Speculated:
     done: list[Sequence]
     drafted: list[int]
     accepted: list[int]
+    branches: list[tuple[int, int]]  # per sequence: its tree's first branch's depth, and how much of it was kept
 
 
 class SpeculativeStep:
@@ -86,7 +88,9 @@ class SpeculativeStep:
             str(strategy), len(seqs), committed.drafted, committed.accepted, committed.emitted, draft_s, verify_s
         )
         done = [seq for seq in seqs if seq.done]
-        return Speculated(done, [len(t) for t in trees], [len(v.path) for v in verified.verdicts])
+        paths = [v.path for v in verified.verdicts]
+        branches = [first_branch(t, p) for t, p in zip(trees, paths)]
+        return Speculated(done, [len(t) for t in trees], [len(p) for p in paths], branches)
 
     def _drafts(
         self, strategy: Strategy, mirror: MirrorPipeline | None, seqs: list[Sequence], drafting: list[bool]

@@ -38,12 +38,14 @@ class StepPlan:
 @dataclass(frozen=True)
 class StepOutcome:
     """What a decode step did: its steady seconds (a graph capture's taken out), the drafting's
-    share, and per sequence the draft tokens verified and accepted (None for a plain step)."""
+    share, and per sequence the draft tokens verified and accepted, and its tree's first branch
+    (depth, kept) (None for a plain step)."""
 
     seconds: float
     draft_seconds: float = 0.0
     drafted: list[int] | None = None
     accepted: list[int] | None = None
+    branches: list[tuple[int, int]] | None = None
 
 
 class DrafterLag:
@@ -143,6 +145,7 @@ class StrategyChoice:
                 outcome.drafted,
                 outcome.accepted,
                 plan.lag_tokens,
+                outcome.branches,
             )
 
     def state_dict(self) -> dict[str, Any] | None:

@@ -6,8 +6,9 @@ import pytest
 from conftest import cached_model, random_prompts
 
 from tailspec.config_tree import ConfigError
+from tailspec.draft_contract import DraftTree
 from tailspec.rollout import RolloutConfig, RolloutEngine, SamplingParams
-from tailspec.rollout.acceptance import AcceptanceBook
+from tailspec.rollout.acceptance import AcceptanceBook, first_branch
 from tailspec.rollout.cost_model import ForwardTable, StepCosts
 from tailspec.rollout.selector import SelectorConfig, StrategySelector
 from tailspec.rollout.strategy import parse_strategy
@@ -63,10 +64,31 @@ def test_one_chain_arm_teaches_every_depth_of_its_drafter():
     assert book.evidence(S("chain:2")) == 1000 and book.evidence(S("tree:4,2,8")) == 0
     book.observe(S("chain:2"), [2, 1, 0], [0, 1, 0])  # a sequence that did not draft adds nothing
     assert book.evidence(S("chain:4")) == 1002
-    # a tree keeps its own counter; an unseen arm is worth its prior, and optimism only adds
+    # a tree keeps its own counter, with its drafter's chain of the same depth as its prior (the
+    # tree's first branch is that chain); optimism moves an arm towards its best case
+    assert book.expected(S("tree:4,2,8")) == pytest.approx(book.expected(S("chain:4")))
     book.observe(S("tree:4,2,8"), [8, 8], [3, 1])
-    assert book.expected(S("tree:4,2,8")) == pytest.approx((6 + 1 + 2) / 3)
-    assert book.expected(S("hybrid"), optimism=1.0) > book.expected(S("hybrid")) > 1
+    assert book.expected(S("tree:4,2,8")) == pytest.approx((4 + 2 + book.expected(S("chain:4"))) / 3)
+    assert book.expected(S("suffix")) == pytest.approx(1 + sum(0.5**j for j in range(1, 9)))  # nothing known
+    assert book.expected(S("suffix"), optimism=1.0) == 9  # never drafted: its best case
+    book.observe(S("suffix"), [16], [0])
+    assert 9 > book.expected(S("suffix"), optimism=1.0) > book.expected(S("suffix"))
+
+
+def test_a_trees_first_branch_teaches_its_drafters_chains():
+    """A tree's first child at every level is what its drafter's chain drafts, so how much of that
+    branch the accepted path kept is what the chain would have kept: a tree arm's steps tell the
+    selector what ``chain:K`` accepts without running it."""
+    tree = DraftTree([5, 6, 7, 8, 9], [-1, -1, 0, 0, 2])  # first branch: nodes 0 -> 2 -> 4
+    assert first_branch(tree, [0, 2, 4]) == (3, 3)
+    assert first_branch(tree, [0, 3]) == (3, 1)  # left the first branch at depth 2
+    assert first_branch(tree, [1]) == (3, 0)
+    assert first_branch(DraftTree.chain([1, 2, 3]), [0, 1]) == (3, 2)
+    book = AcceptanceBook()
+    book.observe(S("tree:4,2,8"), [8] * 100, [3] * 100, [(4, 3)] * 100)
+    assert book.evidence(S("chain:4")) == 100
+    assert book.expected(S("chain:2")) == pytest.approx(3.0, abs=0.02)
+    assert book.expected(S("chain:4")) == pytest.approx(4.0, abs=0.05)  # the fourth level never kept
 
 
 def test_versions_fade_and_workers_merge_by_averaging():
@@ -220,11 +242,12 @@ def spy_on(engine) -> list[dict]:
     seen = []
     observe = engine.selector.observe
 
-    def spy(arm, n, seconds, draft_seconds=0.0, drafted=None, accepted=None, lag_tokens=0):
+    def spy(arm, n, seconds, draft_seconds=0.0, drafted=None, accepted=None, lag_tokens=0, branches=None):
         seen.append(
             {"arm": arm, "n": n, "seconds": seconds, "drafted": drafted, "accepted": accepted, "lag": lag_tokens}
         )
-        observe(arm, n, seconds, draft_seconds, drafted, accepted, lag_tokens)
+        seen[-1]["branches"] = branches
+        observe(arm, n, seconds, draft_seconds, drafted, accepted, lag_tokens, branches)
 
     engine.selector.observe = spy
     return seen
@@ -243,6 +266,7 @@ def test_the_engine_reports_each_sequences_draft_and_what_a_model_drafter_caught
     assert spec and all(len(s["drafted"]) == s["n"] == len(s["accepted"]) for s in spec)
     assert all(0 <= a <= d for s in spec for d, a in zip(s["drafted"], s["accepted"]))
     assert all(d <= s["arm"].max_draft_nodes for s in spec for d in s["drafted"])
+    assert all(k <= a and k <= depth for s in spec for (depth, k), a in zip(s["branches"], s["accepted"]))
     lag, sizes = 0, set()
     for s in seen:  # a model arm's step catches up on what its sequences emitted since the drafter's last
         if s["arm"].uses_model_drafter:

@@ -1,0 +1,124 @@
+"""The selector stage: ``adaptive``'s calibration and choice on the GPU (issue 46, item 5).
+
+On the grown policy with the drafter LM: how long calibration takes, the step time it predicts
+for every arm of its own arm set against the step time that arm's engine measures at batch 1, 16
+and 64, graph captures during timed runs, and ``adaptive`` against every fixed arm of its arm set
+at those batch sizes and on a long-tail rollout, contenders interleaved, at least two repeats each
+(METHOD.md of the device entry): medians and spread.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from ...rollout.graph_pool import capture_seconds
+from ...rollout.params import SamplingParams
+from ...rollout.selector import DEFAULT_ARMS
+from ...rollout.strategy import parse_strategy
+from ...tasks.sft import load_shipped
+from ..policies import task_prompts
+from .common import Stage, device, graph_backend, median, timed
+from .speed import Contenders, grow
+
+REPEATS = 2
+
+
+def predicted_against_measured(engine, adaptive, batch: int) -> tuple[float, float] | None:
+    """The adaptive selector's predicted seconds of ``engine``'s arm on ``batch`` sequences, and the
+    median measured decode step of that engine with ``batch`` running (None if it ran none)."""
+    arm = parse_strategy(engine.config.strategy)
+    steps = [r.seconds for r in engine.stats.step_log if r.num_active == batch]
+    if not steps:
+        return None
+    return adaptive.selector.costs.seconds(arm, batch), median(steps)
+
+
+def run(stage: Stage) -> None:
+    dev = device()
+    dtype = torch.bfloat16 if torch.cuda.is_available() else torch.float32
+    graphs = graph_backend()
+    size = stage.size
+    drafter, tokenizer = load_shipped("deep", "drafter", dtype=dtype)
+    drafter = drafter.to(dev)
+    batches = size.spec_batches
+    prompts = task_prompts(tokenizer, max(batches), seed=41)
+    warm = task_prompts(tokenizer, max(batches), seed=42)
+    with stage.part("grow", 20) as ok:
+        if not ok:
+            return
+        policy = grow(stage, dev, dtype, prompts)
+    contenders = Contenders(policy, drafter, tokenizer)
+    arms = [*DEFAULT_ARMS, "adaptive"]
+    with stage.part("calibration", 15) as ok:
+        if ok:
+            adaptive = contenders.engine("adaptive", graphs)
+            start, captured = time.perf_counter(), capture_seconds()
+            adaptive.choice.calibrate(fresh=True)
+            stage.record(
+                "calibration",
+                {
+                    "seconds": round(time.perf_counter() - start, 3),
+                    "capture_s": round(capture_seconds() - captured, 3),
+                    "shapes": len(adaptive.selector.costs.table.measured),
+                },
+            )
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=size.max_new_tokens)
+    tail_prompts = task_prompts(tokenizer, size.long_tail_prompts, seed=43)
+    tail_params = [
+        SamplingParams(temperature=1.0, max_new_tokens=2 * size.max_new_tokens, noise="position", seed=500 + i)
+        for i in range(len(tail_prompts))
+    ]
+    workloads = [(str(b), prompts[:b], greedy, warm[:b]) for b in batches]
+    workloads.append(("long tail", tail_prompts, tail_params, warm[: len(tail_prompts)]))
+    seconds: dict[tuple[str, str], list[float]] = {}
+    captures: dict[str, float] = {}
+    for name, batch_prompts, params, warm_prompts in workloads:
+        with stage.part(f"{name}: adaptive against its arms", 6 * len(arms)) as ok:
+            if not ok:
+                continue
+            for arm in arms:  # warm: graphs captured, the selector measured, kernels compiled
+                contenders.engine(arm, graphs).generate(warm_prompts, params)
+            for rep in range(REPEATS):
+                order = arms[rep % len(arms) :] + arms[: rep % len(arms)]
+                for arm in order:
+                    engine = contenders.engine(arm, graphs)
+                    before = capture_seconds()
+                    _, s = timed(lambda e=engine: e.generate(batch_prompts, params))
+                    seconds.setdefault((name, arm), []).append(s)
+                    if arm == "adaptive":
+                        captures[name] = captures.get(name, 0.0) + capture_seconds() - before
+            stage.record("seconds", {f"{w} / {a}": v for (w, a), v in seconds.items()})
+    summary, predictions = {}, {}
+    for name, *_ in workloads:
+        runs = {a: median(seconds[(name, a)]) for a in arms if (name, a) in seconds}
+        fixed = {a: s for a, s in runs.items() if a != "adaptive"}
+        if "adaptive" not in runs or not fixed:
+            continue
+        best = min(fixed, key=fixed.get)
+        ratio = fixed[best] / runs["adaptive"]
+        spread = [min(seconds[(name, a)][r] for a in fixed) / seconds[(name, "adaptive")][r] for r in range(REPEATS)]
+        summary[name] = {
+            "adaptive / best fixed": round(ratio, 3),
+            "per repeat (against that repeat's fastest arm)": [round(x, 3) for x in spread],
+            "best fixed": best,
+            "captures in adaptive's timed runs (s)": round(captures.get(name, 0.0), 3),
+        }
+        stage.check(f"{name}: adaptive at least 0.97x the best fixed arm ({best})", ratio >= 0.97, f"{ratio:.3f}")
+        stage.check(f"{name}: no graph capture in adaptive's timed runs", captures.get(name, 0.0) < 1e-3)
+    adaptive = contenders.engines.get(("adaptive", graphs, "auto"))
+    if adaptive is not None:
+        for b in batches:
+            for arm in DEFAULT_ARMS:
+                engine = contenders.engines.get((arm, graphs, "auto"))
+                pair = predicted_against_measured(engine, adaptive, b) if engine is not None else None
+                if pair is not None:
+                    predictions[f"{arm} batch {b}"] = {"predicted_ms": 1e3 * pair[0], "measured_ms": 1e3 * pair[1]}
+        off = [abs(p["predicted_ms"] / p["measured_ms"] - 1) for p in predictions.values()]
+        stage.check(
+            "predicted step times within 10% of measured", bool(off) and max(off) <= 0.1, f"worst {max(off or [0]):.1%}"
+        )
+    stage.record("predicted_vs_measured", predictions)
+    stage.record("headline", summary)
+    contenders.close()
