@@ -85,7 +85,7 @@ def run(stage: Stage) -> None:
                 for arm in order:
                     engine = contenders.engine(arm, graphs)
                     before = capture_seconds()
-                    _, s = timed(lambda e=engine: e.generate(batch_prompts, params))
+                    _, s = timed(lambda e=engine, p=batch_prompts, q=params: e.generate(p, q))
                     seconds.setdefault((name, arm), []).append(s)
                     if arm == "adaptive":
                         captures[name] = captures.get(name, 0.0) + capture_seconds() - before
