@@ -90,24 +90,51 @@ def is_packed(model_dir: str | Path) -> bool:
     return not (model_dir / WEIGHTS_FILE).exists() and (model_dir / PACKED_FILE).exists()
 
 
+def _restored(model_dir: Path) -> tuple[dict, bytes]:
+    """The packed weights' metadata and exact bytes; a ``ValueError`` naming the file and what to do
+    when the pack is damaged, truncated, of the wrong size or hash, or its index is missing."""
+    packed, index = model_dir / PACKED_FILE, model_dir / PACKED_META
+    fix = "restore the folder from the checkout (git checkout -- <folder>) or from where you downloaded it"
+    try:
+        meta = json.loads(index.read_text())
+        stride, size, digest = int(meta["stride"]), int(meta["size"]), str(meta["sha256"])
+    except FileNotFoundError:
+        raise ValueError(f"{index} is missing: {packed} cannot be unpacked without it; {fix}") from None
+    except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
+        raise ValueError(f"{index} is not a valid plane index ({e}); {fix}") from None
+    try:
+        planes = lzma.decompress(packed.read_bytes())
+    except (lzma.LZMAError, EOFError) as e:
+        raise ValueError(f"{packed} is damaged or truncated ({e}); {fix}") from None
+    if len(planes) != size:
+        raise ValueError(f"{packed} holds {len(planes)} bytes where {index} says {size}; {fix}")
+    data = from_planes(planes, stride, size)
+    if _sha256(data) != digest:
+        raise ValueError(f"{packed} is corrupted: its SHA-256 differs from {index}'s; {fix}")
+    return meta, data
+
+
 def unpacked_dir(model_dir: str | Path) -> Path:
-    """A directory with ``model_dir``'s files and its exact ``model.safetensors`` (see the module doc)."""
+    """A directory with ``model_dir``'s files and its exact ``model.safetensors`` (see the module doc).
+    A damaged pack is refused before anything is written to the cache."""
     model_dir = Path(model_dir)
     if (model_dir / WEIGHTS_FILE).exists():
         return model_dir
     if not (model_dir / PACKED_FILE).exists():
         raise FileNotFoundError(f"{model_dir} holds neither {WEIGHTS_FILE} nor {PACKED_FILE}")
-    meta = json.loads((model_dir / PACKED_META).read_text())
+    try:
+        digest = json.loads((model_dir / PACKED_META).read_text())["sha256"]
+        target = cache_root() / "weights" / f"{model_dir.name}-{digest[:16]}"
+        if (target / WEIGHTS_FILE).exists():
+            return target
+    except (OSError, ValueError, KeyError, TypeError):
+        pass  # _restored says what is wrong
+    meta, data = _restored(model_dir)
     target = cache_root() / "weights" / f"{model_dir.name}-{meta['sha256'][:16]}"
-    if (target / WEIGHTS_FILE).exists():
-        return target
     target.mkdir(parents=True, exist_ok=True)
     for item in model_dir.iterdir():
         if item.is_file() and item.name not in (PACKED_FILE, PACKED_META):
             shutil.copyfile(item, target / item.name)
-    data = from_planes(lzma.decompress((model_dir / PACKED_FILE).read_bytes()), meta["stride"], meta["size"])
-    if _sha256(data) != meta["sha256"]:
-        raise ValueError(f"{model_dir / PACKED_FILE} is corrupted: its SHA-256 differs from {PACKED_META}'s")
     # written beside and renamed: concurrent loaders (Ray workers) never read half a file
     fd, tmp = tempfile.mkstemp(dir=target, suffix=".part")
     with os.fdopen(fd, "wb") as f:

@@ -45,6 +45,40 @@ def test_a_corrupted_pack_is_refused(model_dir):
         sw.unpacked_dir(model_dir)
 
 
+@pytest.mark.parametrize("damage", ["truncated", "garbage", "no index", "bad index", "wrong size"])
+def test_a_damaged_pack_is_a_clear_error_and_leaves_nothing_in_the_cache(model_dir, tmp_path, damage):
+    sw.pack(model_dir)
+    packed, index = model_dir / sw.PACKED_FILE, model_dir / sw.PACKED_META
+    if damage == "truncated":
+        packed.write_bytes(packed.read_bytes()[:-40])
+    elif damage == "garbage":
+        packed.write_bytes(b"not xz at all")
+    elif damage == "no index":
+        index.unlink()
+    elif damage == "bad index":
+        index.write_text("{")
+    else:
+        meta = json.loads(index.read_text())
+        index.write_text(json.dumps({**meta, "size": meta["size"] + 1}))
+    with pytest.raises(ValueError) as caught:
+        sw.unpacked_dir(model_dir)
+    message = str(caught.value)
+    assert str(model_dir) in message and "git checkout" in message
+    cache = tmp_path / "cache"
+    assert not cache.exists() or not any(p.is_file() for p in cache.rglob("*"))
+
+
+def test_the_cli_says_so_in_one_line(model_dir, capsys):
+    from tailspec.cli import main
+
+    sw.pack(model_dir)
+    packed = model_dir / sw.PACKED_FILE
+    packed.write_bytes(packed.read_bytes()[:-40])
+    assert main(["drafter", "export", "--checkpoint", str(model_dir), "--format", "sglang", "--out", "o"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "damaged or truncated" in err and "Traceback" not in err and len(err.splitlines()) == 1
+
+
 def test_a_plain_directory_is_used_as_it_is(model_dir):
     assert sw.unpacked_dir(model_dir) == model_dir
     with pytest.raises(FileNotFoundError, match="neither"):
