@@ -22,6 +22,7 @@ _EXPORTS = {
     "WorkersConfig": "tailspec.workers.config",
     "GRPOTrainer": "tailspec.trainer_hooks.grpo_trainer",
     "DrafterFromTrainer": "tailspec.trainer_hooks.drafter_from_trainer",
+    "weights_location": "tailspec.packed_weights",
 }
 
 __all__ = [*_EXPORTS, "__version__"]

@@ -114,6 +114,16 @@ def _restored(model_dir: Path) -> tuple[dict, bytes]:
     return meta, data
 
 
+def _copy_side_files(model_dir: Path, target: Path) -> None:
+    """Every file of ``model_dir`` but the pack (config, tokenizer, ...) into ``target``, where it
+    is missing or differs."""
+    for item in model_dir.iterdir():
+        if item.is_file() and item.name not in (PACKED_FILE, PACKED_META):
+            copy = target / item.name
+            if not copy.exists() or copy.read_bytes() != item.read_bytes():
+                shutil.copyfile(item, copy)
+
+
 def unpacked_dir(model_dir: str | Path) -> Path:
     """A directory with ``model_dir``'s files and its exact ``model.safetensors`` (see the module doc).
     A damaged pack is refused before anything is written to the cache."""
@@ -126,15 +136,14 @@ def unpacked_dir(model_dir: str | Path) -> Path:
         digest = json.loads((model_dir / PACKED_META).read_text())["sha256"]
         target = cache_root() / "weights" / f"{model_dir.name}-{digest[:16]}"
         if (target / WEIGHTS_FILE).exists():
+            _copy_side_files(model_dir, target)  # a tokenizer added to the folder since it was unpacked
             return target
     except (OSError, ValueError, KeyError, TypeError):
         pass  # _restored says what is wrong
     meta, data = _restored(model_dir)
     target = cache_root() / "weights" / f"{model_dir.name}-{meta['sha256'][:16]}"
     target.mkdir(parents=True, exist_ok=True)
-    for item in model_dir.iterdir():
-        if item.is_file() and item.name not in (PACKED_FILE, PACKED_META):
-            shutil.copyfile(item, target / item.name)
+    _copy_side_files(model_dir, target)
     # written beside and renamed: concurrent loaders (Ray workers) never read half a file
     fd, tmp = tempfile.mkstemp(dir=target, suffix=".part")
     with os.fdopen(fd, "wb") as f:

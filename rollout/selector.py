@@ -43,7 +43,7 @@ class SelectorConfig:
     arms: tuple[str, ...] = DEFAULT_ARMS
     optimism: float = 0.25  # sequence-steps of evidence an arm's best case weighs (0: point estimates only)
     version_weight: float = 0.5  # what a drafter's earlier versions measured counts this x at each new one
-    calibration_rows: int = 256  # calibration times forwards of up to this many rows (linear beyond)
+    calibration_rows: int = 64  # without graphs, calibration times forwards of up to this many rows (linear beyond)
     calibration_repeats: int = 3  # timings per calibrated shape (their median)
     recalibrate_at: float = 2.0  # recalibrate (between rollouts) once the arms run this x off the table
 
