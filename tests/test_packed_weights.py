@@ -101,4 +101,3 @@ def test_every_shipped_model_is_packed_in_16_bits(name):
         tensors = load_file(sw.unpacked_dir(d) / sw.WEIGHTS_FILE)
         wide = [k for k, t in tensors.items() if t.is_floating_point() and t.element_size() > 2]
         assert not wide, f"{d}: {wide} stored wider than 16 bits"
-
