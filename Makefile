@@ -64,4 +64,4 @@ $(REHEARSE_STAMP): Makefile
 gpu-rehearse: $(REHEARSE_STAMP)
 	$(LINK_TREE)
 	PYTHONPATH=$(GPU_PATH) PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 $(REHEARSE_PY) -m tailspec.benchmarks.gpu --rehearse \
-		--stages env,correctness,graphs,kernels,speed,gpu_tests,selector --out outputs/gpu-rehearse
+		--out outputs/gpu-rehearse
