@@ -294,7 +294,8 @@ class RolloutEngine:
         The step's own ``.tolist()`` of the sampled tokens already waits for the device, so the
         goodput measurement adds no synchronisation of its own."""
         n, stats = len(batch.seqs), self.stats
-        plan = self.choice.plan(n, tokens_to_go(batch.seqs), self.lag.of(batch.seqs))
+        adaptive = self.strategy.adaptive  # only adaptive weighs the remaining work and a catch-up
+        plan = self.choice.plan(n, *((tokens_to_go(batch.seqs), self.lag.of(batch.seqs)) if adaptive else (n, 0)))
         self.mirrors.split_threads(plan.strategy)
         before, model_before, draft_before = stats.generated_tokens, stats.model_time_s, stats.draft_time_s
         captured_before = capture_seconds()
@@ -308,7 +309,7 @@ class RolloutEngine:
         seconds = time.perf_counter() - start
         stats.decode_model_time_s += stats.model_time_s - model_before
         emitted = stats.generated_tokens - before
-        if plan.strategy.uses_model_drafter:
+        if adaptive and plan.strategy.uses_model_drafter:
             self.lag.drafted(batch.seqs)
         # an arm is judged by what its steps cost once their graphs are held, not by a capture
         steady = seconds - (capture_seconds() - captured_before)
