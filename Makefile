@@ -54,7 +54,7 @@ gpu-check:
 gpu-selector:
 	$(LINK_TREE)
 	PYTHONPATH=$(GPU_PATH) PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 python3 -m tailspec.benchmarks.gpu --stages selector \
-		--out $(GPU_OUT)-selector
+		--out $(GPU_OUT)/selector
 
 $(REHEARSE_STAMP): Makefile
 	test -x $(REHEARSE_PY) || $(PYTHON) -m venv $(REHEARSE_VENV)

@@ -9,10 +9,12 @@ which RL does not move, so:
   and token widths (:class:`ForwardTable`); under CUDA graphs a shape is first padded to its
   bucket, so step time is the step function the replays really are;
 * **drafting** is a drafter's forward per draft level, costed as ``ratio x`` the target's forward
-  over the same rows (``model``: one scalar per engine, learned from the first step that drafts and
-  every one after, pooled over all arms of that drafter); the suffix drafter's host cost is
-  ``ratio x`` a one-token forward per drafted node; a model drafter's **catch-up** after steps of
-  other arms is ``ratio x`` a forward over the tokens it missed;
+  over the same rows (``model``: learned from the first step that drafts and every one after,
+  pooled over all arms of that drafter, and kept per power-of-two batch bucket, since a drafter's
+  host work grows with the batch faster than a GPU forward does: :class:`BatchRatio`); the suffix
+  drafter's host cost is ``ratio x`` a one-token forward per drafted node, per bucket too; a model
+  drafter's **catch-up** on tokens it has not seen (a new sequence's prompt, steps of other arms)
+  is ``ratio x`` a forward over them;
 * online, each arm only has a **correction** factor (measured / predicted step time), shrunk
   towards 1 and robust to outliers (median of clipped log ratios).
 """
@@ -135,6 +137,55 @@ class Ratio:
         self.logs.extend(state[1:])
 
 
+def batch_bucket(n: int) -> int:
+    """Batch sizes 1, 2-3, 4-7, ... share a bucket (its log2, rounded down)."""
+    return max(n, 1).bit_length() - 1
+
+
+class BatchRatio:
+    """A :class:`Ratio` that depends on the batch size. Drafting does not scale as the target's
+    forward does (on a GPU the drafter's per-sequence host work grows with the batch while the
+    target's forward barely does), so the factor is kept per power-of-two batch bucket, each
+    bucket's median shrunk towards the ratio pooled over all of them as if that were
+    ``bucket_weight`` more steps; a bucket never measured reads its measured neighbours
+    (interpolated in log n, the nearest one past either end), or the pooled ratio if none is."""
+
+    def __init__(self, prior: float, weight: float, bucket_weight: float = 1.0, window: int = 32) -> None:
+        self.pooled = Ratio(prior, weight, window)
+        self.bucket_weight, self.window = bucket_weight, window
+        self.buckets: dict[int, deque[float]] = {}
+
+    def add(self, n: int, measured: float, predicted: float) -> None:
+        if measured > 0 and predicted > 0:
+            self.pooled.add(measured, predicted)
+            self.buckets.setdefault(batch_bucket(n), deque(maxlen=self.window)).append(math.log(measured / predicted))
+
+    def _log_of(self, bucket: int, pooled: float) -> float:
+        logs = self.buckets[bucket]
+        return (len(logs) * statistics.median(logs) + self.bucket_weight * pooled) / (len(logs) + self.bucket_weight)
+
+    def value(self, n: int) -> float:
+        pooled = math.log(self.pooled.value)
+        own = batch_bucket(n)
+        if own in self.buckets or not self.buckets:
+            return math.exp(self._log_of(own, pooled) if self.buckets else pooled)
+        known = sorted(self.buckets)
+        x = math.log2(max(n, 1))
+        below, above = [b for b in known if b < x], [b for b in known if b > x]
+        if not below or not above:
+            return math.exp(self._log_of((below or above)[-1 if below else 0], pooled))
+        b0, b1 = below[-1], above[0]
+        y0, y1 = self._log_of(b0, pooled), self._log_of(b1, pooled)
+        return math.exp(y0 + (y1 - y0) * (x - b0) / (b1 - b0))
+
+    def state(self) -> dict:
+        return {"pooled": self.pooled.state(), "buckets": {str(b): list(v) for b, v in self.buckets.items()}}
+
+    def load(self, state: dict) -> None:
+        self.pooled.load(state["pooled"])
+        self.buckets = {int(b): deque(v, maxlen=self.window) for b, v in state["buckets"].items()}
+
+
 class StepCosts:
     """Predicted seconds of each arm's step: the calibrated forward, the drafting ratios, and a
     correction per arm (see the module doc)."""
@@ -143,8 +194,10 @@ class StepCosts:
         self.table = table
         # priors until the first measurement: a drafter level a tenth of the target's forward,
         # a suffix node a hundredth of a one-token step, a catch-up token a fifth of a verified row
-        self.draft = {"model": Ratio(0.1, 0.5), "suffix": Ratio(0.01, 0.5), "catch_up": Ratio(0.2, 0.5)}
+        self.draft = {"model": BatchRatio(0.1, 0.5), "suffix": BatchRatio(0.01, 0.5)}
+        self.catch_up = Ratio(0.2, 0.5)
         self.correction: dict[Strategy, Ratio] = {}
+        self._warm: set[tuple[Strategy, int]] = set()  # (arm, batch bucket) pairs past their first step
 
     def _model_unit(self, arm: Strategy, n: int) -> float:
         """The target's seconds for one of ``arm``'s draft levels over ``n`` sequences."""
@@ -159,9 +212,9 @@ class StepCosts:
         """Uncorrected: the verification forward plus the drafting."""
         seconds = self.table.seconds(n, 1 + arm.max_draft_nodes)
         if arm.uses_model_drafter:
-            seconds += self.draft["model"].value * self._model_unit(arm, n)
+            seconds += self.draft["model"].value(n) * self._model_unit(arm, n)
         if "suffix" in arm.drafters:
-            seconds += self.draft["suffix"].value * self._suffix_unit(arm, n)
+            seconds += self.draft["suffix"].value(n) * self._suffix_unit(arm, n)
         return seconds
 
     def seconds(self, arm: Strategy, n: int) -> float:
@@ -169,7 +222,7 @@ class StepCosts:
 
     def catch_up_seconds(self, lag_tokens: int) -> float:
         """A model drafter's catch-up on ``lag_tokens`` tokens it did not see (0: none)."""
-        return self.draft["catch_up"].value * self.table.seconds(lag_tokens, 1) if lag_tokens else 0.0
+        return self.catch_up.value * self.table.seconds(lag_tokens, 1) if lag_tokens else 0.0
 
     def correction_of(self, arm: Strategy) -> Ratio:
         if arm not in self.correction:
@@ -178,17 +231,23 @@ class StepCosts:
 
     def observe(self, arm: Strategy, n: int, seconds: float, draft_seconds: float, lag_tokens: int) -> None:
         """A step of ``arm`` on ``n`` sequences took ``seconds``, ``draft_seconds`` of them drafting,
-        after ``lag_tokens`` tokens its model drafter had to catch up on."""
+        after ``lag_tokens`` tokens its model drafter had to catch up on. An arm's first step at a
+        batch bucket teaches nothing: it pays what a shape's first use pays once (a kernel's
+        compilation, the allocator's growth), and one such step read as the arm's cost would keep
+        the arm from ever running there again."""
+        if (arm, batch_bucket(n)) not in self._warm:
+            self._warm.add((arm, batch_bucket(n)))
+            return
         pure = arm.kind in ("chain", "tree")  # drafting by the model drafter alone, serially
         if lag_tokens and arm.uses_model_drafter:
             if pure:
-                catch_up = draft_seconds - self.draft["model"].value * self._model_unit(arm, n)
-                self.draft["catch_up"].add(catch_up, self.table.seconds(lag_tokens, 1))
+                catch_up = draft_seconds - self.draft["model"].value(n) * self._model_unit(arm, n)
+                self.catch_up.add(catch_up, self.table.seconds(lag_tokens, 1))
             return  # a switch: the arm's own costs are judged on steady steps
         if pure:
-            self.draft["model"].add(draft_seconds, self._model_unit(arm, n))
+            self.draft["model"].add(n, draft_seconds, self._model_unit(arm, n))
         elif arm.kind == "suffix":
-            self.draft["suffix"].add(draft_seconds, self._suffix_unit(arm, n))
+            self.draft["suffix"].add(n, draft_seconds, self._suffix_unit(arm, n))
         self.correction_of(arm).add(seconds, self.base_seconds(arm, n))
 
     def drift(self) -> float:
@@ -203,12 +262,14 @@ class StepCosts:
     def state_dict(self) -> dict:
         return {
             "draft": {k: r.state() for k, r in self.draft.items()},
+            "catch_up": self.catch_up.state(),
             "correction": {str(a): r.state() for a, r in self.correction.items()},
         }
 
     def load_state_dict(self, state: dict, arms: Iterable[Strategy]) -> None:
         for key, saved in state["draft"].items():
             self.draft[key].load(saved)
+        self.catch_up.load(state["catch_up"])
         for arm in arms:
             if str(arm) in state["correction"]:
                 self.correction_of(arm).load(state["correction"][str(arm)])

@@ -311,12 +311,13 @@ class RolloutEngine:
         emitted = stats.generated_tokens - before
         if adaptive and plan.strategy.uses_model_drafter:
             self.lag.drafted(batch.seqs)
-        # an arm is judged by what its steps cost once their graphs are held, not by a capture
-        steady = seconds - (capture_seconds() - captured_before)
+        # an arm is judged by what its steps cost once their graphs (the target's and the
+        # drafter's) are held: a step that captured teaches acceptance only
+        captured = capture_seconds() > captured_before
         draft_s = stats.draft_time_s - draft_before
-        outcome = StepOutcome(steady, draft_s)
+        outcome = StepOutcome(seconds, draft_s, captured)
         if verified is not None:
-            outcome = StepOutcome(steady, draft_s, verified.drafted, verified.accepted, verified.branches)
+            outcome = StepOutcome(seconds, draft_s, captured, verified.drafted, verified.accepted, verified.branches)
         self.choice.record(plan, n, outcome)
         self._peak_active = max(self._peak_active, n)
         in_tail = n <= self.config.tail_fraction * self._peak_active

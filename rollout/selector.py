@@ -35,7 +35,7 @@ from .strategy import Strategy, parse_strategy
 logger = logging.getLogger(__name__)
 
 DEFAULT_ARMS = ("none", "chain:2", "chain:4", "tree:4,2,8", "suffix", "hybrid:4,2,12")
-STATE_VERSION = 3
+STATE_VERSION = 4
 
 
 @dataclass
@@ -132,13 +132,16 @@ class StrategySelector:
         accepted: list[int] | None = None,
         lag_tokens: int = 0,
         branches: list[tuple[int, int]] | None = None,
+        timed: bool = True,
     ) -> None:
         """A step of ``arm`` on ``n`` sequences took ``seconds`` (``draft_seconds`` drafting, after
         ``lag_tokens`` tokens of catch-up); per sequence, ``drafted`` draft tokens were verified
-        and ``accepted`` kept, and its tree's first branch went ``branches`` (depth, kept) deep."""
+        and ``accepted`` kept, and its tree's first branch went ``branches`` (depth, kept) deep.
+        ``timed`` False: its times are not the arm's (a graph was captured in it), only its
+        acceptance counts."""
         if arm not in self.arms or seconds <= 0 or n < 1:
             return
-        if self.costs is not None:
+        if self.costs is not None and timed:
             self.costs.observe(arm, n, seconds, draft_seconds, lag_tokens)
         if arm.speculative and drafted is not None:
             self.acceptance.observe(arm, drafted, accepted, branches)
@@ -187,5 +190,5 @@ class StrategySelector:
         previous = self.costs.state_dict() if self.costs is not None else self._saved_costs
         self.costs = costs
         if previous is not None:
-            previous = {"draft": previous["draft"], "correction": {}}  # the new table starts uncorrected
+            previous = {**previous, "correction": {}}  # the new table starts uncorrected
             costs.load_state_dict(previous, self.arms)

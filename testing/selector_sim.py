@@ -70,6 +70,10 @@ REGIMES = {
     "crossover": Regime(
         "crossover", 5e-3, 0.0, True, 0.6e-3, 3e-6, 4e-6, 2e-5, GPU_HAZARD, capture_s=0.08, compute_row_s=0.3e-3
     ),
+    # the H100 of docs/GPU.md (2026-11-27): the drafter LM's per-sequence host work grows with the
+    # batch much faster than the target's bandwidth-bound forward, so chain arms win batch 1 and
+    # lose large batches, and one drafting ratio for all batch sizes mispredicts both ends
+    "gpu_host": Regime("gpu_host", 4e-3, 8e-5, True, 1.3e-3, 1.2e-4, 4e-6, 2e-5, GPU_HAZARD, capture_s=0.08),
     "noisy": Regime(
         "noisy", 4.5e-3, 2e-6, True, 0.6e-3, 3e-6, 4e-6, 2e-5, GPU_HAZARD, capture_s=0.08, noise=0.25, spikes=0.05
     ),
@@ -158,10 +162,13 @@ class Contender:
     picks: dict[str, int] = field(default_factory=dict)  # adaptive: steps per arm
 
 
+PROMPT = 128  # tokens of each prompt, which a model drafter catches up on at its first draft
+
+
 def _drain(regime, contender, worker, lengths, hazards, version0, rng, max_new) -> float:
     """One worker's share of a rollout; returns its seconds."""
     remaining = lengths.copy()
-    generated = np.zeros_like(lengths)
+    generated = np.full_like(lengths, PROMPT)  # a sequence's tokens, its prompt's included
     seen = np.zeros_like(lengths)  # tokens of each sequence the model drafter has caught up on
     total, step = 0.0, 0
     arms = [parse_strategy(a) for a in DEFAULT_ARMS]
@@ -175,7 +182,7 @@ def _drain(regime, contender, worker, lengths, hazards, version0, rng, max_new) 
         elif contender.arm is None:
             selector = worker.choice.selector
             worker.drafter.version = version
-            to_go = int((max_new - generated[active]).sum())
+            to_go = int((PROMPT + max_new - generated[active]).sum())
             plan = worker.choice.plan(n, to_go, lag)
             arm = plan.strategy
             point = selector.predictions(n, to_go, lag, optimism=0.0)[0].arm
@@ -198,10 +205,10 @@ def _drain(regime, contender, worker, lengths, hazards, version0, rng, max_new) 
         remaining[active] -= emitted
         generated[active] += emitted
         if worker.choice is not None:
-            outcome = StepOutcome(seconds, draft)
+            outcome = StepOutcome(seconds, draft, capture > 0)
             if arm.speculative:
                 drafted = np.where(depth > 0, depth if arm.shape.is_chain else arm.max_draft_nodes, 0)
-                outcome = StepOutcome(seconds, draft, drafted.tolist(), accepted.tolist())
+                outcome = StepOutcome(seconds, draft, capture > 0, drafted.tolist(), accepted.tolist())
             worker.choice.record(plan, n, outcome)
             contender.picks[str(arm)] = contender.picks.get(str(arm), 0) + 1
         if arm.uses_model_drafter:

@@ -31,8 +31,9 @@ def count_tokens(rows: list[list[int]], eos: int) -> int:
 class Contenders:
     """Engines kept across batch sizes (their graph pools and selectors warm), plus HF ``generate``."""
 
-    def __init__(self, policy, drafter, tokenizer) -> None:
+    def __init__(self, policy, drafter, tokenizer, max_num_seqs: int = 256) -> None:
         self.policy, self.drafter, self.tokenizer = policy, drafter, tokenizer
+        self.max_num_seqs = max_num_seqs  # adaptive calibrates every batch bucket up to it
         self.engines: dict[tuple[str, str, str], RolloutEngine] = {}
         self.eos = tokenizer.eos_token_id
 
@@ -43,7 +44,7 @@ class Contenders:
                 strategy=strategy,
                 graph_backend=graphs,
                 kernels=kernels,
-                max_num_seqs=256,
+                max_num_seqs=self.max_num_seqs,
                 mirror=mirror_config(),
             )
             drafter = None if strategy == "none" else self.drafter

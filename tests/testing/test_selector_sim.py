@@ -5,7 +5,7 @@ import pytest
 from tailspec.testing.selector_sim import REGIMES, simulate, worst_case
 
 
-@pytest.mark.parametrize("regime, seeds", [("gpu", 5), ("cpu", 2), ("crossover", 3)])
+@pytest.mark.parametrize("regime, seeds", [("gpu", 5), ("gpu_host", 2), ("cpu", 2), ("crossover", 3)])
 def test_adaptive_keeps_up_with_the_best_fixed_arm_and_the_oracle(regime, seeds):
     verdicts = worst_case(regime, range(seeds))
     for v in verdicts:
@@ -32,4 +32,4 @@ def test_every_contender_generates_the_same_rollouts():
     assert set(results) == {"none", "chain:2", "chain:4", "tree:4,2,8", "suffix", "hybrid:4,2,12", "adaptive", "oracle"}
     assert all(len(c.seconds) == 2 and all(s > 0 for s in c.seconds) for c in results.values())
     assert sum(results["none"].seconds) > sum(results["chain:4"].seconds)  # drafting pays on this GPU
-    assert set(REGIMES) == {"gpu", "cpu", "crossover", "noisy", "drifting"}
+    assert set(REGIMES) == {"gpu", "gpu_host", "cpu", "crossover", "noisy", "drifting"}
