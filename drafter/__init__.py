@@ -5,7 +5,7 @@ with its own paged KV cache; ``SuffixDrafter`` drafts from n-gram statistics of 
 and earlier completions.
 """
 
-from .base import Drafter, DraftRequest, DraftShape, DraftTree
+from ..draft_contract import Drafter, DraftRequest, DraftShape, DraftTree
 from .small_lm import SmallLMDrafter
 from .suffix import SuffixDrafter
 

@@ -7,10 +7,10 @@ from collections.abc import Sequence
 
 import torch
 
+from ..draft_contract import DraftRequest, DraftTree
 from ..rollout.position_noise import keyed_scores
 from ..rollout.request import Sequence as EngineSequence
 from ..rollout.sampling import BatchSamplingTensors, draw_uniforms, processed_logprobs, sample_from_logprobs
-from .base import DraftRequest, DraftTree
 
 DRAFT_SEED_OFFSET = 0x9E3779B97F4A7C15
 

@@ -160,4 +160,4 @@ class SequenceFitTrainer:
         losses = self.fit.train(sequences, num_steps, should_stop)
         each = (time.perf_counter() - start) / max(len(losses), 1)
         first = self.fit.step_count - len(losses)
-        return [TrainStepResult(first + i + 1, loss, [], self.fit.batch_rows, each) for i, loss in enumerate(losses)]
+        return [TrainStepResult(first + i + 1, loss, [], each) for i, loss in enumerate(losses)]

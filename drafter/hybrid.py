@@ -10,8 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence as Seq
 
-from ..draft_contract import SequenceView
-from .base import Drafter, DraftRequest, DraftShape, DraftTree
+from ..draft_contract import Drafter, DraftRequest, DraftShape, DraftTree, SequenceView
 
 
 def merge_trees(first: DraftTree, second: DraftTree, budget: int) -> DraftTree:

@@ -258,7 +258,7 @@ class DraftLMTrainer:
         finally:
             self.optimizer.zero_grad()
             model.train(was_training)
-        return TrainStepResult(self.step_count, float(loss.detach()), [accuracy], count, time.perf_counter() - start)
+        return TrainStepResult(self.step_count, float(loss.detach()), [accuracy], time.perf_counter() - start)
 
     def train(self, num_steps: int, *, should_stop: Callable[[], bool] | None = None) -> list[TrainStepResult]:
         """Up to ``num_steps`` steps; ``should_stop()`` is checked before each one (yield to rollouts)."""

@@ -30,13 +30,12 @@ from functools import partial
 
 import torch
 
-from ..draft_contract import SequenceView
+from ..draft_contract import Drafter, DraftRequest, DraftShape, DraftTree, SequenceView
 from ..rollout.attention import SequenceSlice, paged_attention_enabled
 from ..rollout.draft_executor import weights_bytes
 from ..rollout.graph_pool import GraphPool
 from ..rollout.kv_cache import blocks_for
 from ..rollout.model_runner import ModelRunner
-from .base import Drafter, DraftRequest, DraftShape, DraftTree
 from .draft_sampling import ChainDrafts, draft_generator
 from .lm_training import versioned_lm
 from .streaming import StreamingHeads

@@ -26,8 +26,7 @@ from collections import OrderedDict, deque
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
-from ..draft_contract import SequenceView
-from .base import Drafter, DraftRequest, DraftShape, DraftTree
+from ..draft_contract import Drafter, DraftRequest, DraftShape, DraftTree, SequenceView
 
 
 class NgramIndex:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import DraftRequest, DraftShape, DraftTree
+from ..draft_contract import DraftRequest, DraftShape, DraftTree
 
 
 @dataclass

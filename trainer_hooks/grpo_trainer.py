@@ -38,10 +38,6 @@ class RolloutWeightSync:
         if hook is not None:
             hook(self.trainer)
 
-    @property
-    def num_syncs(self) -> int:
-        return len(self.synced_steps)
-
 
 class GRPOTrainer(trl.GRPOTrainer):
     """``trl.GRPOTrainer`` with a tailspec rollout.

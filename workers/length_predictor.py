@@ -28,10 +28,6 @@ class PredictionLog:
             self.pairs.append((predicted, actual))
 
     @property
-    def mean_abs_error(self) -> float:
-        return sum(abs(p - a) for p, a in self.pairs) / len(self.pairs) if self.pairs else math.nan
-
-    @property
     def mean_rel_error(self) -> float:
         """Mean of |predicted - actual| / actual."""
         return sum(abs(p - a) / max(a, 1) for p, a in self.pairs) / len(self.pairs) if self.pairs else math.nan

@@ -270,11 +270,6 @@ class RolloutWorker:
             self.spot.stop(chunk)
 
     # -- Mirror-SD across workers ------------------------------------------------------------
-    def can_host_drafts(self) -> bool:
-        """Whether this worker's engine drafts mirror branches with a drafter that can run in a
-        peer (a drafter LM; an EAGLE-3 head reads this worker's target features and cannot)."""
-        return self.engine.mirror_capable
-
     def use_draft_host(self, host: Any | None, pairing: int = 0) -> bool:
         """Draft this worker's mirror branches on ``host`` (another worker's actor, idle in the
         tail) from the next step on; None: on this worker's own executor again. False (and nothing

@@ -31,11 +31,10 @@ from functools import partial
 
 import torch
 
-from ...draft_contract import SequenceView
+from ...draft_contract import Drafter, DraftRequest, DraftShape, DraftTree, SequenceView
 from ...rollout.attention import METADATA_KWARG, SequenceSlice, build_metadata, paged_attention_forward
 from ...rollout.kv_cache import KVLayout, PagedKVCache, blocks_for
 from ...rollout.model_runner import model_device_dtype
-from ..base import Drafter, DraftRequest, DraftShape, DraftTree
 from ..draft_sampling import ChainDrafts, draft_generator
 from ..tree_search import LevelInput, grow_trees
 from .data import FeatureBuffer, SequenceRecorder

@@ -76,7 +76,6 @@ class TrainStepResult:
     step: int
     loss: float
     accuracy: list[float]  # top-1 agreement with the emitted token, per unrolled step
-    num_predictions: int
     time_s: float
 
 
@@ -363,7 +362,7 @@ class DrafterTrainer:
         finally:
             self.stepper.zero_grad()
             self.head.train(was_training)
-        result = TrainStepResult(self.step_count, float(loss.detach()), accuracy, count, time.perf_counter() - start)
+        result = TrainStepResult(self.step_count, float(loss.detach()), accuracy, time.perf_counter() - start)
         self.history.append(result)
         return result
 

@@ -1,4 +1,4 @@
-from tailspec.drafter.base import DraftTree
+from tailspec.draft_contract import DraftTree
 from tailspec.drafter.hybrid import merge_trees
 
 

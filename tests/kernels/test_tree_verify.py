@@ -5,7 +5,7 @@ Without CUDA the kernel runs in Triton's interpreter."""
 import pytest
 import torch
 
-from tailspec.drafter.base import DraftTree
+from tailspec.draft_contract import DraftTree
 from tailspec.kernels.tree_verify import pack_trees
 from tailspec.rollout.verify import verify_batch
 

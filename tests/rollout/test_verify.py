@@ -6,7 +6,7 @@ import pytest
 import torch
 from conftest import chi_square_pvalue
 
-from tailspec.drafter.base import DraftTree
+from tailspec.draft_contract import DraftTree
 from tailspec.rollout import verify as verify_module
 from tailspec.rollout.verify import residual, verify_greedy, verify_sampled
 

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from tailspec.drafter.base import DraftShape, DraftTree
+from tailspec.draft_contract import DraftShape, DraftTree
 
 
 def test_tree_structure_helpers():
