@@ -117,57 +117,24 @@ def _demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_sections() -> dict:
+    """The registered benchmark sections; none in a wheel, which leaves benchmarks/ out (there
+    ``tailspec bench`` says in one line that it needs the checkout)."""
+    try:
+        from .benchmarks.sections import SECTIONS
+    except ImportError:
+        return {}
+    return SECTIONS
+
+
 def _bench(args: argparse.Namespace) -> int:
     _from_checkout("`tailspec bench`")
-    from .benchmarks.grpo_path import run_grpo_path_section
-    from .benchmarks.run import (
-        run_adaptive_section,
-        run_atts_section,
-        run_bench,
-        run_draft_hosts_section,
-        run_drift_section,
-        run_e2e_section,
-        run_mirror_section,
-        run_schedule_section,
-        run_spot_training_section,
-        run_sweep_section,
-    )
-    from .benchmarks.selector_sim import run_selector_sim_section
-    from .benchmarks.user_path import run_user_path_section
+    from .benchmarks.run import run_bench
+    from .benchmarks.sections import SECTIONS
 
     _writable_parent(args.out, "--out")
-    if args.section == "adaptive":
-        print(
-            run_adaptive_section(
-                Path(args.out), quick=args.quick, policy=args.policy, threads=args.threads, drafter=args.drafter
-            )
-        )
-    elif args.section == "sweep":
-        print(run_sweep_section(Path(args.out), quick=args.quick, policy=args.policy, threads=args.threads))
-    elif args.section == "atts":
-        print(run_atts_section(Path(args.out), quick=args.quick, policy=args.policy))
-    elif args.section == "spot_training":
-        print(run_spot_training_section(Path(args.out), quick=args.quick))
-    elif args.section == "e2e":
-        print(run_e2e_section(Path(args.out), quick=args.quick))
-    elif args.section == "drift":
-        print(run_drift_section(Path(args.out), quick=args.quick, policy=args.policy))
-    elif args.section == "drift_lm":
-        print(run_drift_section(Path(args.out), quick=args.quick, policy=args.policy, drafter="small_lm"))
-    elif args.section == "schedule":
-        print(run_schedule_section(Path(args.out), quick=args.quick, policy=args.policy))
-    elif args.section == "mirror":
-        print(run_mirror_section(Path(args.out), quick=args.quick, policy=args.policy))
-    elif args.section == "draft_hosts":
-        print(run_draft_hosts_section(Path(args.out), quick=args.quick, policy=args.policy))
-    elif args.section == "grpo_path":
-        print(run_grpo_path_section(Path(args.out), quick=args.quick, policy=args.policy))
-    elif args.section == "user_path":
-        print(run_user_path_section(Path(args.out), quick=args.quick))
-    elif args.section == "selector_sim":
-        print(run_selector_sim_section(Path(args.out), seeds=2 if args.quick else 5))
-    else:
-        print(run_bench(Path(args.out), quick=args.quick))
+    out = Path(args.out)
+    print(SECTIONS[args.section].run(out, args) if args.section != "all" else run_bench(out, quick=args.quick))
     print(f"wrote {args.out}")
     return 0
 
@@ -347,26 +314,14 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="benchmarks side by side; writes docs/BENCHMARKS.md")
     bench.add_argument("--out", default="docs/BENCHMARKS.md")
     bench.add_argument("--quick", action="store_true", help="fewer prompts (for a smoke run)")
+    sections = _bench_sections()
     bench.add_argument(
         "--section",
-        choices=[
-            "all",
-            "sweep",
-            "adaptive",
-            "spot_training",
-            "e2e",
-            "atts",
-            "schedule",
-            "drift",
-            "drift_lm",
-            "mirror",
-            "draft_hosts",
-            "grpo_path",
-            "user_path",
-            "selector_sim",
-        ],
+        choices=["all", *sections] if sections else None,
         default="all",
-        help="all: rewrite the whole report; any other: only that section, in place",
+        help="all: rewrite the whole report; any other: only that section, in place ("
+        + "; ".join(f"{s.name}: {s.about}" for s in sections.values())
+        + ")",
     )
     bench.add_argument(
         "--policy",

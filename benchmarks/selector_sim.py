@@ -30,9 +30,11 @@ def selector_sim_table(verdicts: dict[str, list[Verdict]]) -> str:
     return "\n".join(rows)
 
 
-def run_selector_sim_section(out: Path, seeds: int = 5) -> str:
+def run_selector_sim_section(out: Path, quick: bool = False) -> str:
+    """Every regime over 5 seeds (2 with ``quick``), written into ``out`` in place."""
     from .report import replace_section
 
+    seeds = 2 if quick else 5
     verdicts = {regime: worst_case(regime, range(seeds)) for regime in REGIMES}
     table = selector_sim_table(verdicts)
     body = (

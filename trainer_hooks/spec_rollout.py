@@ -78,6 +78,22 @@ def completions_digest(completion_ids: list[list[int]]) -> str:
     return h.hexdigest()
 
 
+def global_step(trainer: Any) -> int:
+    """The trainer's global step (0 before training starts, or for a trainer without a state)."""
+    return int(getattr(getattr(trainer, "state", None), "global_step", 0) or 0)
+
+
+@dataclass
+class _Rollout:
+    """What a rollout gave, wherever it ran: outputs in prompt order, the engines' counters, the
+    strategy it ran, and the workers' report (None in-process)."""
+
+    outputs: list
+    counts: EngineCounts
+    strategy: str
+    report: RolloutReport | None = None
+
+
 class SpecRollout:
     """Callable meeting TRL's ``rollout_func(prompts, trainer) -> dict`` contract.
 
@@ -132,12 +148,32 @@ class SpecRollout:
 
     # -- TRL entry point -------------------------------------------------------------------
     def __call__(self, prompts: list, trainer: Any) -> dict[str, list]:
+        """One rollout, whatever runs it (this process's engine or the Ray workers): time it,
+        record it, adjust the drafter's catch-up, train the drafter on it, return TRL's dict."""
         tokenizer = self.tokenizer or trainer.processing_class
         prompt_ids = self.tokenize_prompts(prompts, tokenizer, trainer)
         params = self._request_params(self.sampling or sampling_params_from_trl(trainer.args), len(prompt_ids), trainer)
-        if self.config.workers.num_workers:
-            return self._call_workers(prompt_ids, params, tokenizer, trainer)
         start = time.perf_counter()
+        if self.config.workers.num_workers:
+            rollout = self._on_workers(prompt_ids, params, tokenizer, trainer)
+        else:
+            rollout = self._in_process(prompt_ids, params, tokenizer, trainer)
+        elapsed = time.perf_counter() - start
+        completion_ids = [o.completion_ids for o in rollout.outputs]
+        self._record(completion_ids, elapsed, rollout.counts, rollout.strategy, trainer)
+        if rollout.report is not None:
+            self._record_spot_training(rollout.report, trainer)
+        self._catch_up()
+        # in-process, the drafter learns here (on workers, in their idle time); a drafter that sat
+        # this rollout out (a misfit) has nothing of it to train on
+        in_process = rollout.report is None and self.online is not None and not self.health.misfit
+        if in_process and self.config.training.drafter_train_steps:
+            self.online.observe(prompt_ids, completion_ids)
+            self._train_drafter(trainer)
+        return self._trl_outputs(rollout.outputs)
+
+    def _in_process(self, prompt_ids: list[list[int]], params, tokenizer: Any, trainer: Any) -> _Rollout:
+        """The rollout on this process's engine, on the trainer's live module."""
         with self._policy(trainer) as model:
             if self._fits(model, tokenizer):
                 engine = self.engine_for(model, tokenizer, seed=self._seed(trainer))
@@ -145,40 +181,11 @@ class SpecRollout:
                 engine = self._plain_engine(model, tokenizer, seed=self._seed(trainer))
             before = engine.stats.counts()
             outputs = engine.generate(prompt_ids, params, progress=self.config.engine.progress)
-        elapsed = time.perf_counter() - start
-        completion_ids = [o.completion_ids for o in outputs]
-        self._record(completion_ids, elapsed, engine.stats.counts() - before, str(engine.strategy), trainer)
-        self._catch_up()
-        # a drafter that sat this rollout out (a misfit) has nothing of it to train on
-        if self.online is not None and self.config.training.drafter_train_steps and not self.health.misfit:
-            self.online.observe(prompt_ids, completion_ids)
-            self._train_drafter(trainer)
-        return self._trl_outputs(outputs)
+        return _Rollout(outputs, engine.stats.counts() - before, str(engine.strategy))
 
-    def _request_params(self, params: SamplingParams, n: int, trainer: Any) -> SamplingParams | list[SamplingParams]:
-        """``params`` for every request, or with ``position_noise`` one copy per request with its
-        own derived seed (the call's place in the run: the trainer's global step, then the calls
-        made at that step)."""
-        if not self.config.position_noise:
-            return params
-        step = int(getattr(getattr(trainer, "state", None), "global_step", 0) or 0)
-        call = self._calls_at_step[1] + 1 if self._calls_at_step[0] == step else 0
-        self._calls_at_step = (step, call)
-        base = self._seed(trainer) if params.seed is None else params.seed
-        return [params.with_updates(noise="position", seed=derived_seed(base, step, call, i)) for i in range(n)]
-
-    @staticmethod
-    def _trl_outputs(outputs: list) -> dict[str, list]:
-        return {
-            "prompt_ids": [o.prompt_ids for o in outputs],
-            "completion_ids": [o.completion_ids for o in outputs],
-            "logprobs": [o.logprobs for o in outputs],
-        }
-
-    def _call_workers(self, prompt_ids: list[list[int]], params: SamplingParams, tokenizer: Any, trainer: Any):
+    def _on_workers(self, prompt_ids: list[list[int]], params, tokenizer: Any, trainer: Any) -> _Rollout:
         """The rollout on Ray workers; the policy goes to them once per global step."""
-        step = int(getattr(getattr(trainer, "state", None), "global_step", 0) or 0)
-        start = time.perf_counter()
+        step = global_step(trainer)
         with self._policy(trainer) as model:
             self._require_fit(model, tokenizer)
             if self._coordinator is None:
@@ -197,19 +204,34 @@ class SpecRollout:
             else:
                 self.policy_syncs += self._coordinator.sync_policy(model, step)
         report = self._coordinator.generate(prompt_ids, params)
-        elapsed = time.perf_counter() - start
-        completion_ids = [o.completion_ids for o in report.outputs]
-        self._record(completion_ids, elapsed, report.counts, self.config.engine.strategy, trainer)
-        self._record_spot_training(report, trainer)
-        self._catch_up()
-        return self._trl_outputs(report.outputs)
+        return _Rollout(report.outputs, report.counts, self.config.engine.strategy, report)
+
+    def _request_params(self, params: SamplingParams, n: int, trainer: Any) -> SamplingParams | list[SamplingParams]:
+        """``params`` for every request, or with ``position_noise`` one copy per request with its
+        own derived seed (the call's place in the run: the trainer's global step, then the calls
+        made at that step)."""
+        if not self.config.position_noise:
+            return params
+        step = global_step(trainer)
+        call = self._calls_at_step[1] + 1 if self._calls_at_step[0] == step else 0
+        self._calls_at_step = (step, call)
+        base = self._seed(trainer) if params.seed is None else params.seed
+        return [params.with_updates(noise="position", seed=derived_seed(base, step, call, i)) for i in range(n)]
+
+    @staticmethod
+    def _trl_outputs(outputs: list) -> dict[str, list]:
+        return {
+            "prompt_ids": [o.prompt_ids for o in outputs],
+            "completion_ids": [o.completion_ids for o in outputs],
+            "logprobs": [o.logprobs for o in outputs],
+        }
 
     def sync_weights(self, trainer: Any) -> None:
         """New policy weights (once per global step, called by ``tailspec.GRPOTrainer``): sent to
         the Ray workers; nothing to do for the colocated engine, which runs on the live module."""
         if self._coordinator is None:
             return
-        step = int(getattr(getattr(trainer, "state", None), "global_step", 0) or 0)
+        step = global_step(trainer)
         with self._policy(trainer) as model:
             self._require_fit(model, self.tokenizer or getattr(trainer, "processing_class", None))
             self.policy_syncs += self._coordinator.sync_policy(model, step)
