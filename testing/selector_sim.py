@@ -52,6 +52,7 @@ class Regime:
     drift: float = 0.0  # the model drafter's acceptance moves by up to this (relative) per version
     version_every: int = 0  # steps between drafter versions inside a rollout (0: one per rollout)
     compute_row_s: float = 0.0  # a roofline: past forward_s / compute_row_s rows a forward is compute-bound
+    tree_level: float = 1.0  # a tree's draft level costs this x a chain level of as many rows (host ranking)
 
     def forward(self, n: int, t: int) -> float:
         if self.padded:
@@ -72,8 +73,11 @@ REGIMES = {
     ),
     # the H100 of docs/GPU.md (2026-11-27): the drafter LM's per-sequence host work grows with the
     # batch much faster than the target's bandwidth-bound forward, so chain arms win batch 1 and
-    # lose large batches, and one drafting ratio for all batch sizes mispredicts both ends
-    "gpu_host": Regime("gpu_host", 4e-3, 8e-5, True, 1.3e-3, 1.2e-4, 4e-6, 2e-5, GPU_HAZARD, capture_s=0.08),
+    # lose large batches, and one drafting ratio for all batch sizes mispredicts both ends; a
+    # tree's level costs more than a chain's of as many rows (its branches ranked on the host)
+    "gpu_host": Regime(
+        "gpu_host", 4e-3, 8e-5, True, 1.3e-3, 1.2e-4, 4e-6, 2e-5, GPU_HAZARD, capture_s=0.08, tree_level=1.6
+    ),
     "noisy": Regime(
         "noisy", 4.5e-3, 2e-6, True, 0.6e-3, 3e-6, 4e-6, 2e-5, GPU_HAZARD, capture_s=0.08, noise=0.25, spikes=0.05
     ),
@@ -118,7 +122,8 @@ def _true_seconds(regime: Regime, arm: Strategy, n: int, lag: int) -> tuple[floa
     seconds, draft = regime.forward(n, 1 + arm.max_draft_nodes), 0.0
     if arm.uses_model_drafter:
         width = math.ceil(arm.shape.max_nodes / arm.shape.depth)
-        draft += arm.shape.depth * (regime.level_s + regime.level_row_s * n * width)
+        level = arm.shape.depth * (regime.level_s + regime.level_row_s * n * width)
+        draft += level * (1.0 if arm.shape.is_chain else regime.tree_level)
         if lag:
             draft += regime.level_s + regime.catch_up_token_s * lag
     if "suffix" in arm.drafters:
