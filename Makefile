@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.tailspec-installed
 
-.PHONY: demo test bench lint clean-venv gpu-check gpu-selector gpu-rehearse
+.PHONY: demo test bench lint clean-venv gpu-check gpu-selector gpu-train gpu-wheels gpu-rehearse
 
 # The GPU check (docs/GPU.md) runs on a lent GPU's image as it is: python3 with torch, triton and
 # transformers, and none of trl, ray, deepspeed or wandb. The tree goes on PYTHONPATH as `tailspec`.
@@ -16,7 +16,11 @@ REHEARSE_VENV := .venv-gpu-rehearse
 REHEARSE_PY   := $(REHEARSE_VENV)/bin/python
 REHEARSE_STAMP := $(REHEARSE_VENV)/.installed
 IMAGE_PACKAGES := torch==2.13.0 transformers==5.17.0 triton==3.6.0 tokenizers safetensors numpy pyyaml jinja2 \
-                  tqdm pytest pytest-timeout
+                  tqdm pytest pytest-timeout accelerate==1.15.0 pandas pyarrow psutil xxhash fsspec requests httpx
+# what the training stage needs and the image lacks: carried as wheels (make gpu-wheels), installed --no-deps
+TRAIN_WHEELS := trl==1.16.0 datasets==4.7.0 dill==0.4.0 multiprocess==0.70.18
+WHEEL_PLATFORMS := --python-version 3.12 --implementation cp --platform manylinux_2_28_x86_64 \
+                   --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64
 
 # Everything the project promises is installed, DeepSpeed included, so only GPU tests skip on CPU.
 $(STAMP): pyproject.toml Makefile
@@ -56,9 +60,21 @@ gpu-selector:
 	PYTHONPATH=$(GPU_PATH) PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 python3 -m tailspec.benchmarks.gpu --stages selector \
 		--out $(GPU_OUT)/selector
 
+# the training stage on the GPU (issue 49): GRPO with SpecRollout; needs `make gpu-wheels` first and
+# .whl carried with the call
+gpu-train:
+	$(LINK_TREE)
+	PYTHONPATH=$(GPU_PATH) PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 python3 -m tailspec.benchmarks.gpu --stages training \
+		--out $(GPU_OUT)/training
+
+# the image's Python (3.12) wheels of TRAIN_WHEELS into .whl/ (ignored; about 1.7 MB)
+gpu-wheels:
+	python3 -m pip download -q --no-deps --only-binary=:all: $(WHEEL_PLATFORMS) -d .whl $(TRAIN_WHEELS)
+
 $(REHEARSE_STAMP): Makefile
 	test -x $(REHEARSE_PY) || $(PYTHON) -m venv $(REHEARSE_VENV)
 	$(REHEARSE_PY) -m pip install -q $(IMAGE_PACKAGES)
+	$(REHEARSE_PY) -m pip install -q --no-deps $(TRAIN_WHEELS)
 	touch $(REHEARSE_STAMP)
 
 gpu-rehearse: $(REHEARSE_STAMP)

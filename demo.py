@@ -41,6 +41,7 @@ class DemoConfig(WithRollout):
     # a directory of other weights for that policy (save_pretrained, same tokenizer), e.g. fine-tuned to
     # another response format; None: the shipped weights
     policy_dir: str | None = None
+    device: str = "cpu"  # cpu | cuda: where the trainer runs (cuda: fp32 master weights under bf16 autocast)
     max_steps: int = 20
     num_generations: int = 8
     prompts_per_step: int = 4
@@ -93,6 +94,7 @@ class DemoConfig(WithRollout):
             require(int_at_least(getattr(self, name), low), name, f"an int >= {low}", getattr(self, name))
         for name in ("drafter_from_trainer", "warmup_steps"):
             require(int_at_least(getattr(self, name), 0), name, "an int >= 0", getattr(self, name))
+        require(self.device in ("cpu", "cuda"), "device", "'cpu' or 'cuda'", self.device)
         self._check_problems()
         self._check_drafter()
         require(self.export in (None, "sglang", "vllm"), "export", "null, 'sglang' or 'vllm'", self.export)
@@ -232,6 +234,7 @@ def _make_rollout(cfg: DemoConfig, start: Any = None):
         return SpecRollout(config=rollout.with_overrides(drafter_train_steps=0))  # no drafter to train
     if cfg.drafter == "small_lm":  # distilled on the policy's completions: in-process or on idle workers
         lm = start if start is not None else load_shipped(cfg.policy, "drafter")[0]
+        lm = lm.to(cfg.device)  # drafts and trains beside the policy
         return SpecRollout(config=rollout, drafter=lm, drafter_training=DraftLMTrainingConfig(seed=cfg.seed))
     if _is_self_drafter(cfg.drafter):
         return SpecRollout(config=rollout, drafter=cfg.drafter)
@@ -372,7 +375,12 @@ class PairedRollout:
 def _plain_twin(cfg: DemoConfig) -> Any:
     """The baseline's plain-decoding rollout, placed as the main one (its workers reserve no cores:
     they idle while the main one's run), logging nothing to the trainer."""
-    overrides: dict[str, Any] = {"strategy": "none", "log_metrics": False, "drafter_train_steps": 0}
+    overrides: dict[str, Any] = {
+        "strategy": "none",
+        "log_metrics": False,
+        "drafter_train_steps": 0,
+        "self_adapter_rank": None,  # no drafter, so no exit adapter to train
+    }
     if cfg.num_workers:
         overrides["num_cpus_per_worker"] = 0.0
     return _make_rollout(cfg.with_overrides(**overrides))
@@ -413,8 +421,10 @@ def _grpo_run(
         save_strategy="no",
         report_to=["wandb"] if cfg.wandb else [],
         run_name=run_name,
-        use_cpu=True,
-        bf16=False,  # TRL defaults to bf16 autocast; on CPUs without native bf16 it is ~10x slower than fp32
+        use_cpu=cfg.device == "cpu",
+        # TRL defaults to bf16 autocast: on a GPU that is what users run; on CPUs without native bf16
+        # it is ~10x slower than fp32
+        bf16=cfg.device == "cuda",
         seed=cfg.seed,
         shuffle_dataset=not cfg.problems,
         **deepspeed_training_args(cfg.deepspeed),
@@ -584,9 +594,11 @@ def run_demo_with_rollout(
     summary = _summarize(cfg, rows, rollout, wall)
     wandb_runs = [run_name]
     if paired is not None:
-        ratios = [r for r in _print_comparison(rows, paired, cfg.strategy) if r == r]
+        per_step = _print_comparison(rows, paired, cfg.strategy)  # nan where the twin emitted nothing
+        ratios = [r for r in per_step if r == r]
         if ratios:
             summary["rollout_ratio_median_per_step"] = statistics.median(ratios)
+            summary["rollout_ratio_per_step"] = per_step
         twin = paired.twin.history
         base_time, base_tokens = sum(s.time_s for s in twin), sum(s.completion_tokens for s in twin)
         summary["baseline_rollout_time_s"] = base_time
