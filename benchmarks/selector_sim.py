@@ -45,8 +45,12 @@ def run_selector_sim_section(out: Path, quick: bool = False) -> str:
         "step's batch size) drain the same rollouts; a rollout's time is its slower worker's. Regimes: "
         "`gpu` (flat forward, graph buckets, an 80 ms capture per new shape), `cpu` (every row costs the "
         "same), `crossover` (a GPU past its roofline at ~17 rows: the best arm changes with the batch "
-        "size), `noisy` (`gpu` with log-normal sigma 0.25 and 5% of steps at 2x), `drifting` (the model "
-        f"drafter's acceptance moves +-15% per version, a version every 40 steps). Targets: {TARGETS}.\n\n"
+        "size), `gpu_host` (the H100 of docs/GPU.md: the drafter's host work grows with the batch faster "
+        "than the target's forward, and a tree's draft level costs 1.6x a chain's), `noisy` (`gpu` with "
+        "log-normal sigma 0.25 and 5% of steps at 2x), `drifting` (the model drafter's acceptance moves "
+        "+-15% per version, a version every 40 steps). Every model drafter catches up on a 128-token "
+        "prompt at its first draft of a sequence (since 2026-11-27; the first rollout pays for learning "
+        f"that cost). Targets: {TARGETS}.\n\n"
         f"{table}"
     )
     replace_section(out, SELECTOR_SIM_TITLE, body, "tailspec bench --section selector_sim")

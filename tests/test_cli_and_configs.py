@@ -36,7 +36,21 @@ def test_demo_yaml_loads_and_validates(tmp_path):
         DemoConfig(num_generations=1)
     with pytest.raises(ValueError, match="rollout.engine.strategy is not valid"):
         DemoConfig().with_overrides(strategy="chain:0")
+    with pytest.raises(ValueError, match="device"):
+        DemoConfig(device="tpu")
     assert build_parser().parse_args(["demo", "--strategy", "suffix"]).strategy == "suffix"
+
+
+def test_the_plain_twin_of_a_self_drafting_demo_trains_no_exit_adapter():
+    """The twin decodes plainly: the main run's exit adapter is not the twin's to train (it has no
+    drafter, and an adapter without one is an error)."""
+    from tailspec.demo import _plain_twin
+
+    cfg = DemoConfig(policy="tiny", drafter="self:2", baseline=True).with_overrides(
+        **{"rollout.training.self_adapter_rank": 4, "rollout.workers.num_workers": 0}
+    )
+    twin = _plain_twin(cfg)
+    assert twin.config.engine.strategy == "none" and twin.config.training.self_adapter_rank is None
 
 
 def test_demo_runs_a_speculative_grpo_step(tmp_path):
