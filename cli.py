@@ -284,7 +284,16 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tailspec", description=__doc__)
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = parser.add_subparsers(dest="command", required=True)
+    _add_demo(sub)
+    _add_bench(sub)
+    _add_atts(sub)
+    _add_drafter(sub)
+    _add_models(sub)
+    return parser
 
+
+def _add_demo(sub) -> None:
+    """The `demo` command."""
     demo = sub.add_parser("demo", help="a short GRPO run with tailspec rollouts on the tiny task (CPU)")
     demo.add_argument("--config", help="YAML demo config (default: the shipped configs/demo_cpu.yaml)")
     demo.add_argument("--steps", type=POSITIVE, help="number of GRPO steps")
@@ -311,6 +320,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     demo.set_defaults(func=_demo)
 
+
+def _add_bench(sub) -> None:
+    """The `bench` command."""
     bench = sub.add_parser("bench", help="benchmarks side by side; writes docs/BENCHMARKS.md")
     bench.add_argument("--out", default="docs/BENCHMARKS.md")
     bench.add_argument("--quick", action="store_true", help="fewer prompts (for a smoke run)")
@@ -335,6 +347,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench.set_defaults(func=_bench)
 
+
+def _add_atts(sub) -> None:
+    """The `atts` command."""
     atts = sub.add_parser(
         "atts",
         help="ATTS on the chain-sum task: draft chunks, conformal takeover by the target, vs target-only and sync",
@@ -362,6 +377,9 @@ def build_parser() -> argparse.ArgumentParser:
     atts.add_argument("--out", help="also write the ATTS section of this report (e.g. docs/BENCHMARKS.md)")
     atts.set_defaults(func=_atts)
 
+
+def _add_drafter(sub) -> None:
+    """The `drafter warmup` and `drafter export` commands."""
     drafter = sub.add_parser("drafter", help="EAGLE-3 drafter heads: warm-up training and export")
     dsub = drafter.add_subparsers(dest="drafter_command", required=True)
     warm = dsub.add_parser("warmup", help="train a head offline from a policy's rollouts before RL starts")
@@ -387,6 +405,9 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--out", required=True)
     export.set_defaults(func=_drafter_export)
 
+
+def _add_models(sub) -> None:
+    """The `train-tiny`, `train-deep` and `pack-assets` commands."""
     tiny = sub.add_parser(
         "train-tiny",
         help="SFT recipe for the shipped tiny policy and drafter (options: tailspec train-tiny --help)",
@@ -406,7 +427,6 @@ def build_parser() -> argparse.ArgumentParser:
     )
     pack.add_argument("--assets", default=None, help="the assets directory (default: the shipped one)")
     pack.set_defaults(func=_pack_assets)
-    return parser
 
 
 def _pack_assets(args: argparse.Namespace) -> int:

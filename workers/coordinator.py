@@ -166,16 +166,7 @@ class RolloutCoordinator:
         learning = learner_for(drafter, model, training)
         self.part: TrainedPart | None = learning[0] if learning is not None else None
         self.events: list[CoordinatorEvent] = []
-        self.spot = SpotTraining(
-            DrafterState.of(self.part) if self.part is not None else None,
-            enabled=c.spot_training,
-            steps_per_chunk=c.spot_steps_per_call,
-            max_steps_per_rollout=c.max_spot_steps,
-            buffer_bytes=c.sample_buffer_mb << 20,
-            event=self._event,
-            holdout_every=c.spot_holdout_every,
-            ship_min_gain=c.spot_ship_min_gain,
-        )
+        self.spot = self._spot_training(c)
         self.policy_version = policy_version
         self._model_ref = ray.put(model)
         self._model_version = policy_version  # the weights in _model_ref
@@ -195,6 +186,19 @@ class RolloutCoordinator:
         )
         self.predictor = LengthPredictor(window=c.length_history)
         self.pool.fill(c.num_workers)
+
+    def _spot_training(self, c: WorkersConfig) -> SpotTraining:
+        """Spot training of ``self.part`` (nothing to train: a state of None) on idle workers."""
+        return SpotTraining(
+            DrafterState.of(self.part) if self.part is not None else None,
+            enabled=c.spot_training,
+            steps_per_chunk=c.spot_steps_per_call,
+            max_steps_per_rollout=c.max_spot_steps,
+            buffer_bytes=c.sample_buffer_mb << 20,
+            event=self._event,
+            holdout_every=c.spot_holdout_every,
+            ship_min_gain=c.spot_ship_min_gain,
+        )
 
     @property
     def workers(self) -> dict[int, Any]:

@@ -12,6 +12,7 @@ suffix drafter, which indexes every earlier rollout, the whole answer.
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass, field
 
 import torch
 
@@ -37,110 +38,144 @@ def predicted_against_measured(engine, adaptive, batch: int) -> tuple[float, flo
     return adaptive.selector.costs.seconds(arm, batch), median(steps)
 
 
+@dataclass
+class Timings:
+    """Per (workload, contender): seconds of each timed run and of graph captures inside it; per
+    workload: ``adaptive``'s decode steps per arm over its timed runs."""
+
+    seconds: dict[tuple[str, str], list[float]] = field(default_factory=dict)
+    captures: dict[tuple[str, str], list[float]] = field(default_factory=dict)
+    mix: dict[str, dict[str, int]] = field(default_factory=dict)
+
+    def add(self, workload: str, arm: str, seconds: float, captured: float, steps: dict[str, int]) -> None:
+        self.seconds.setdefault((workload, arm), []).append(seconds)
+        self.captures.setdefault((workload, arm), []).append(captured)
+        if arm == "adaptive":
+            mix = self.mix.setdefault(workload, {})
+            for k, v in steps.items():
+                mix[k] = mix.get(k, 0) + v
+
+    def record(self, stage: Stage) -> None:
+        stage.record("seconds", {f"{w} / {a}": v for (w, a), v in self.seconds.items()})
+        stage.record("captures_s", {f"{w} / {a}": [round(x, 3) for x in v] for (w, a), v in self.captures.items()})
+        stage.record("adaptive_strategy_steps", self.mix)
+
+
+def calibrate(stage: Stage, contenders: Contenders, graphs: str) -> None:
+    adaptive = contenders.engine("adaptive", graphs)
+    start, captured = time.perf_counter(), capture_seconds()
+    adaptive.choice.calibrate(fresh=True)
+    stage.record(
+        "calibration",
+        {
+            "seconds": round(time.perf_counter() - start, 3),
+            "capture_s": round(capture_seconds() - captured, 3),
+            "shapes": len(adaptive.selector.costs.table.measured),
+        },
+    )
+
+
+def workloads(size, tokenizer, batches, repeats: int) -> list[tuple[str, list]]:
+    """Per workload, (prompts, params) of the warm-up and then of each timed repeat: fresh prompts and
+    seeds every time (the suffix drafter indexes every earlier rollout)."""
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=size.max_new_tokens)
+    prompt_sets = [task_prompts(tokenizer, max(batches), seed=41 + r) for r in range(repeats + 1)]
+    out = [(str(b), [(p[:b], greedy) for p in prompt_sets]) for b in batches]
+    n = size.long_tail_prompts
+    tail = []
+    for r in range(repeats + 1):
+        seeds = range(500 + 1000 * r, 500 + 1000 * r + n)
+        params = [
+            SamplingParams(temperature=1.0, max_new_tokens=2 * size.max_new_tokens, noise="position", seed=s)
+            for s in seeds
+        ]
+        tail.append((task_prompts(tokenizer, n, seed=143 + r), params))
+    return [*out, ("long tail", tail)]
+
+
+def time_workload(contenders: Contenders, graphs: str, arms, name: str, runs, repeats: int, timings: Timings) -> None:
+    """Warm every contender up, then time each repeat, contenders interleaved (rotated per repeat)."""
+    for arm in arms:  # warm: graphs captured, the selector measured, kernels compiled
+        contenders.engine(arm, graphs).generate(*runs[0])
+    for rep in range(repeats):
+        for arm in arms[rep % len(arms) :] + arms[: rep % len(arms)]:
+            engine = contenders.engine(arm, graphs)
+            before, steps = capture_seconds(), dict(engine.stats.strategy_steps)
+            _, s = timed(lambda e=engine, r=runs[rep + 1]: e.generate(*r))
+            ran = {k: v - steps.get(k, 0) for k, v in engine.stats.strategy_steps.items() if v > steps.get(k, 0)}
+            timings.add(name, arm, s, capture_seconds() - before, ran)
+
+
+def judge(stage: Stage, name: str, arms, repeats: int, timings: Timings) -> dict:
+    """``adaptive`` against the best fixed arm on workload ``name``, with and without captures."""
+    seconds, captures = timings.seconds, timings.captures
+    # steady: each run without the seconds its graph pools spent capturing (a training run of
+    # hundreds of rollouts pays each capture once)
+    steady = {a: [s - c for s, c in zip(seconds[(name, a)], captures[(name, a)])] for a in arms if (name, a) in seconds}
+    summary: dict = {"strategy steps of adaptive": timings.mix.get(name, {})}
+    for label, runs in (("", {a: seconds[(name, a)] for a in steady}), ("steady ", steady)):
+        fixed = {a: median(v) for a, v in runs.items() if a != "adaptive"}
+        best = min(fixed, key=fixed.get)
+        ratio = fixed[best] / median(runs["adaptive"])
+        per_repeat = [min(runs[a][r] for a in fixed) / runs["adaptive"][r] for r in range(repeats)]
+        summary[f"{label}adaptive / best fixed ({best})"] = round(ratio, 3)
+        summary[f"{label}per repeat, against that repeat's fastest"] = [round(x, 3) for x in per_repeat]
+        stage.target(
+            f"{name}: {label}adaptive at least 0.97x the best fixed arm ({best})", ratio >= 0.97, f"{ratio:.3f}"
+        )
+    adaptive_captures = sum(captures[(name, "adaptive")])
+    summary["captures in adaptive's timed runs (s)"] = round(adaptive_captures, 3)
+    most = max(sum(v) for (w, a), v in captures.items() if w == name and a != "adaptive")
+    summary["most captures of a fixed arm's timed runs (s)"] = round(most, 3)
+    stage.target(f"{name}: no graph capture in adaptive's timed runs", adaptive_captures < 1e-3)
+    return summary
+
+
+def predictions(stage: Stage, contenders: Contenders, graphs: str, batches) -> dict:
+    """What ``adaptive`` predicts for each arm's step against what that arm's engine measured."""
+    out: dict = {}
+    adaptive = contenders.engines.get(("adaptive", graphs, "auto"))
+    if adaptive is None:
+        return out
+    for b in batches:
+        for arm in DEFAULT_ARMS:
+            engine = contenders.engines.get((arm, graphs, "auto"))
+            pair = predicted_against_measured(engine, adaptive, b) if engine is not None else None
+            if pair is not None:
+                out[f"{arm} batch {b}"] = {"predicted_ms": 1e3 * pair[0], "measured_ms": 1e3 * pair[1]}
+    off = [abs(p["predicted_ms"] / p["measured_ms"] - 1) for p in out.values()]
+    stage.target(
+        "predicted step times within 10% of measured", bool(off) and max(off) <= 0.1, f"worst {max(off or [0]):.1%}"
+    )
+    return out
+
+
 def run(stage: Stage) -> None:
     dev = device()
     dtype = torch.bfloat16 if torch.cuda.is_available() else torch.float32
-    graphs = graph_backend()
-    size = stage.size
+    graphs, size = graph_backend(), stage.size
     drafter, tokenizer = load_shipped("deep", "drafter", dtype=dtype)
-    drafter = drafter.to(dev)
     full = size.name == "full"
     repeats, batches = (REPEATS, size.spec_batches) if full else (1, size.spec_batches[:1])
-    # prompt sets: index 0 warms up, 1.. are the timed repeats
-    prompt_sets = [task_prompts(tokenizer, max(batches), seed=41 + r) for r in range(repeats + 1)]
+    loads = workloads(size, tokenizer, batches, repeats)
     with stage.part("grow", 20) as ok:
         if not ok:
             return
-        policy = grow(stage, dev, dtype, prompt_sets[0])
-    contenders = Contenders(policy, drafter, tokenizer, max_num_seqs=max(*batches, size.long_tail_prompts))
+        policy = grow(stage, dev, dtype, task_prompts(tokenizer, 4, seed=41))
+    contenders = Contenders(policy, drafter.to(dev), tokenizer, max_num_seqs=max(*batches, size.long_tail_prompts))
     arms = [*DEFAULT_ARMS, "adaptive"]
     with stage.part("calibration", 15) as ok:
         if ok:
-            adaptive = contenders.engine("adaptive", graphs)
-            start, captured = time.perf_counter(), capture_seconds()
-            adaptive.choice.calibrate(fresh=True)
-            stage.record(
-                "calibration",
-                {
-                    "seconds": round(time.perf_counter() - start, 3),
-                    "capture_s": round(capture_seconds() - captured, 3),
-                    "shapes": len(adaptive.selector.costs.table.measured),
-                },
-            )
-    greedy = SamplingParams(temperature=0.0, max_new_tokens=size.max_new_tokens)
-    n_tail = size.long_tail_prompts
-
-    def tail_params(r: int) -> list[SamplingParams]:
-        return [
-            SamplingParams(temperature=1.0, max_new_tokens=2 * size.max_new_tokens, noise="position", seed=s)
-            for s in range(500 + 1000 * r, 500 + 1000 * r + n_tail)
-        ]
-
-    # per workload: (prompts, params) of the warm-up, then of each timed repeat
-    workloads = [(str(b), [(p[:b], greedy) for p in prompt_sets]) for b in batches]
-    tail_sets = [task_prompts(tokenizer, n_tail, seed=143 + r) for r in range(repeats + 1)]
-    workloads.append(("long tail", [(p, tail_params(r)) for r, p in enumerate(tail_sets)]))
-    seconds: dict[tuple[str, str], list[float]] = {}
-    captures: dict[tuple[str, str], list[float]] = {}  # per timed run: seconds spent capturing graphs
-    mix: dict[str, dict[str, int]] = {}  # adaptive's decode steps per arm over a workload's timed runs
-    for name, runs in workloads:
+            calibrate(stage, contenders, graphs)
+    timings = Timings()
+    for name, runs in loads:
         with stage.part(f"{name}: adaptive against its arms", 8 * len(arms)) as ok:
-            if not ok:
-                continue
-            for arm in arms:  # warm: graphs captured, the selector measured, kernels compiled
-                contenders.engine(arm, graphs).generate(*runs[0])
-            for rep in range(repeats):
-                order = arms[rep % len(arms) :] + arms[: rep % len(arms)]
-                for arm in order:
-                    engine = contenders.engine(arm, graphs)
-                    before, steps = capture_seconds(), dict(engine.stats.strategy_steps)
-                    _, s = timed(lambda e=engine, r=runs[rep + 1]: e.generate(*r))
-                    seconds.setdefault((name, arm), []).append(s)
-                    captures.setdefault((name, arm), []).append(capture_seconds() - before)
-                    if arm == "adaptive":
-                        for k, v in engine.stats.strategy_steps.items():
-                            if v > steps.get(k, 0):
-                                mix.setdefault(name, {})[k] = mix.get(name, {}).get(k, 0) + v - steps.get(k, 0)
-            stage.record("seconds", {f"{w} / {a}": v for (w, a), v in seconds.items()})
-            stage.record("captures_s", {f"{w} / {a}": [round(x, 3) for x in v] for (w, a), v in captures.items()})
-            stage.record("adaptive_strategy_steps", mix)
-    summary, predictions = {}, {}
-    for name, _ in workloads:
-        if (name, "adaptive") not in seconds or len(seconds) < 2:
-            continue
-        # steady: each run without the seconds its graph pools spent capturing (a training run of
-        # hundreds of rollouts pays each capture once)
-        steady = {
-            a: [s - c for s, c in zip(seconds[(name, a)], captures[(name, a)])] for a in arms if (name, a) in seconds
-        }
-        summary[name] = {"strategy steps of adaptive": mix.get(name, {})}
-        for label, runs in (("", {a: seconds[(name, a)] for a in steady}), ("steady ", steady)):
-            fixed = {a: median(v) for a, v in runs.items() if a != "adaptive"}
-            best = min(fixed, key=fixed.get)
-            ratio = fixed[best] / median(runs["adaptive"])
-            per_repeat = [min(runs[a][r] for a in fixed) / runs["adaptive"][r] for r in range(repeats)]
-            summary[name][f"{label}adaptive / best fixed ({best})"] = round(ratio, 3)
-            summary[name][f"{label}per repeat, against that repeat's fastest"] = [round(x, 3) for x in per_repeat]
-            stage.target(
-                f"{name}: {label}adaptive at least 0.97x the best fixed arm ({best})", ratio >= 0.97, f"{ratio:.3f}"
-            )
-        adaptive_captures = sum(captures[(name, "adaptive")])
-        summary[name]["captures in adaptive's timed runs (s)"] = round(adaptive_captures, 3)
-        most = max(sum(v) for (w, a), v in captures.items() if w == name and a != "adaptive")
-        summary[name]["most captures of a fixed arm's timed runs (s)"] = round(most, 3)
-        stage.target(f"{name}: no graph capture in adaptive's timed runs", adaptive_captures < 1e-3)
-    adaptive = contenders.engines.get(("adaptive", graphs, "auto"))
-    if adaptive is not None:
-        for b in batches:
-            for arm in DEFAULT_ARMS:
-                engine = contenders.engines.get((arm, graphs, "auto"))
-                pair = predicted_against_measured(engine, adaptive, b) if engine is not None else None
-                if pair is not None:
-                    predictions[f"{arm} batch {b}"] = {"predicted_ms": 1e3 * pair[0], "measured_ms": 1e3 * pair[1]}
-        off = [abs(p["predicted_ms"] / p["measured_ms"] - 1) for p in predictions.values()]
-        stage.target(
-            "predicted step times within 10% of measured", bool(off) and max(off) <= 0.1, f"worst {max(off or [0]):.1%}"
-        )
-    stage.record("predicted_vs_measured", predictions)
+            if ok:
+                time_workload(contenders, graphs, arms, name, runs, repeats, timings)
+                timings.record(stage)
+    summary = {
+        name: judge(stage, name, arms, repeats, timings) for name, _ in loads if (name, "adaptive") in timings.seconds
+    }
+    stage.record("predicted_vs_measured", predictions(stage, contenders, graphs, batches))
     stage.record("headline", summary)
     contenders.close()
