@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.tailspec-installed
 
-.PHONY: demo test bench lint clean-venv gpu-check gpu-selector gpu-train gpu-wheels gpu-rehearse
+.PHONY: demo test bench lint clean-venv gpu-check gpu-selector gpu-train gpu-attention gpu-wheels gpu-rehearse
 
 # The GPU check (docs/GPU.md) runs on a lent GPU's image as it is: python3 with torch, triton and
 # transformers, and none of trl, ray, deepspeed or wandb. The tree goes on PYTHONPATH as `tailspec`.
@@ -66,6 +66,12 @@ gpu-train:
 	$(LINK_TREE)
 	PYTHONPATH=$(GPU_PATH) PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 python3 -m tailspec.benchmarks.gpu --stages training \
 		--out $(GPU_OUT)/training
+
+# the split-KV decode attention against gather + SDPA at contexts of 512 to 32k (issue 48)
+gpu-attention:
+	$(LINK_TREE)
+	PYTHONPATH=$(GPU_PATH) PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 python3 -m tailspec.benchmarks.gpu --stages attention \
+		--out $(GPU_OUT)/attention
 
 # the image's Python (3.12) wheels of TRAIN_WHEELS into .whl/ (ignored; about 1.7 MB)
 gpu-wheels:

@@ -12,6 +12,7 @@ around each run. Outputs are compared too, so a fast wrong kernel cannot go unno
 from __future__ import annotations
 
 import logging
+import statistics
 import time
 import types
 from collections.abc import Callable, Sequence
@@ -221,6 +222,76 @@ def engine_table(timings: Sequence[EngineTiming]) -> str:
             f"{'yes' if t.same_output else 'NO'} |"
         )
     return "\n".join(lines)
+
+
+def measure_split_kv(
+    device: torch.device,
+    num_seqs: int,
+    context: int,
+    new_tokens: int,
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    repeats: int,
+    passes: int = 3,
+    block_size: int = 16,
+    seed: int = 0,
+) -> dict:
+    """The split-KV kernel (issue 48) against the engine's gather + SDPA for one layer's attention
+    over ``num_seqs`` sequences of ``context`` cached tokens, in every variant (block of keys x
+    split count around the automatic one), contenders interleaved over ``passes`` passes: medians
+    of the passes' medians, the relative error against a float64 reference, and the split kernel's
+    achieved bytes/s (each K/V element of the context read once)."""
+    from ..kernels.paged_attention import paged_attention_split_kv, split_count
+
+    g = torch.Generator().manual_seed(seed)
+    per_seq = -(-(context + new_tokens) // block_size)
+    layout = KVLayout(num_layers=1, num_kv_heads=kv_heads, head_dim=head_dim, dtype=dtype, device=device)
+    cache = PagedKVCache(layout, num_seqs * per_seq, block_size)
+    cache.k[0].copy_(torch.randn(cache.k[0].shape, generator=g).to(device, dtype))
+    cache.v[0].copy_(torch.randn(cache.v[0].shape, generator=g).to(device, dtype))
+    order = torch.randperm(num_seqs * per_seq, generator=g).tolist()
+    slices = [SequenceSlice(order[i * per_seq : (i + 1) * per_seq], context, new_tokens) for i in range(num_seqs)]
+    positions = torch.arange(context, context + new_tokens).repeat(num_seqs).to(device)
+    total = num_seqs * new_tokens
+    q = torch.randn(1, heads, total, head_dim, generator=g).to(device, dtype)
+    k_new = torch.randn(1, kv_heads, total, head_dim, generator=g).to(device, dtype)
+    v_new = torch.randn(1, kv_heads, total, head_dim, generator=g).to(device, dtype)
+    module = types.SimpleNamespace(layer_idx=0)
+    torch_meta = build_metadata(cache, slices, positions, kernels="torch")
+    plan = build_metadata(cache, slices, positions, kernels="triton").plan
+    paged_attention_forward(module, q, k_new, v_new, None, tailspec_attn=torch_meta)  # writes the new K/V
+    q_packed = q[0].transpose(0, 1).contiguous()
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
+    contenders: dict[str, Callable[[], object]] = {
+        "gather+sdpa": lambda: paged_attention_forward(module, q, k_new, v_new, None, tailspec_attn=torch_meta)
+    }
+    for block_n in (32, 64, 128):
+        auto = split_count(num_seqs, kv_heads, plan.block_tables.shape[1] * block_size, sms, block_n)
+        for splits in sorted({max(1, auto // 2), auto, auto * 2}):
+            contenders[f"split-kv n{block_n} s{splits}"] = lambda b=block_n, s=splits: paged_attention_split_kv(
+                q_packed, cache.k[0], cache.v[0], plan, num_splits=s, block_n=b
+            )
+    ms: dict[str, list[float]] = {name: [] for name in contenders}
+    for _ in range(passes):
+        for name, fn in contenders.items():
+            ms[name].append(_median_ms(fn, device, repeats))
+    medians = {name: statistics.median(v) for name, v in ms.items()}
+    best = min((n for n in medians if n != "gather+sdpa"), key=medians.get)
+    want = paged_attention_reference(q_packed.double(), cache.k[0].double(), cache.v[0].double(), plan)
+    got = contenders[best]().double()
+    bytes_read = 2 * num_seqs * (context + new_tokens) * kv_heads * head_dim * cache.k[0].element_size()
+    return {
+        "shape": f"{num_seqs} seqs, context {context}, {'decode' if new_tokens == 1 else f'verify {new_tokens}'}, "
+        f"{heads}/{kv_heads} heads x {head_dim}, {str(dtype)[6:]}",
+        "ms": {k: round(v, 4) for k, v in medians.items()},
+        "spread_ms": {k: [round(min(v), 4), round(max(v), 4)] for k, v in ms.items()},
+        "best": best,
+        "best_vs_gather": round(medians["gather+sdpa"] / medians[best], 3),
+        "best_gb_s": round(bytes_read / (medians[best] / 1e3) / 1e9, 1),
+        "rel_error": float((got - want).norm() / want.norm()),
+    }
 
 
 def run_kernel_bench(

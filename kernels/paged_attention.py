@@ -178,5 +178,92 @@ def paged_attention_triton(
     return out
 
 
+def split_count(num_seqs: int, kv_heads: int, max_context: int, num_sms: int, block_n: int) -> int:
+    """Splits of the context per (sequence, KV head): enough programs to give every SM two, no
+    split shorter than four key blocks, a power of two up to 64. It depends only on the launch's
+    shapes (a captured graph's bucket), so the grid is static."""
+    want = max(1, -(-2 * num_sms // max(1, num_seqs * kv_heads)))
+    longest = max(1, max_context // (4 * block_n))
+    splits = min(want, longest, 64)
+    return 1 << (splits.bit_length() - 1)
+
+
+def paged_attention_split_kv(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    plan: PagedAttentionPlan,
+    scale: float | None = None,
+    sliding_window: int | None = None,
+    num_splits: int | None = None,
+    block_n: int = 64,
+) -> torch.Tensor:
+    """The split-KV Triton kernel (``kernels/_triton_split_kv.py``: a program per sequence, KV
+    head and context split, the group's query heads in one ``tl.dot``; a merge by log-sum-exp) over
+    the inputs of :func:`paged_attention_reference`. ``num_splits`` (a power of two): None picks it
+    from the shapes and the SM count (:func:`split_count`)."""
+    from ._triton_split_kv import merge_splits_kernel, split_kv_attention_kernel
+
+    num_rows, heads, head_dim = query.shape
+    kv_heads = k_cache.shape[1]
+    if heads % kv_heads:
+        raise ValueError(f"{heads} query heads are not a multiple of {kv_heads} KV heads")
+    group = heads // kv_heads
+    scale = scale if scale is not None else 1.0 / math.sqrt(head_dim)
+    num_seqs = plan.block_tables.shape[0]
+    if num_splits is None:
+        sms = torch.cuda.get_device_properties(query.device).multi_processor_count if query.is_cuda else 8
+        num_splits = split_count(num_seqs, kv_heads, plan.block_tables.shape[1] * plan.block_size, sms, block_n)
+    if num_splits < 1 or num_splits & (num_splits - 1):
+        raise ValueError(f"num_splits must be a power of two >= 1, got {num_splits}")
+    f32 = {"dtype": torch.float32, "device": query.device}
+    parts = torch.empty(num_splits, num_rows, heads, head_dim, **f32)
+    maxima = torch.full((num_splits, num_rows, heads), float("-inf"), **f32)
+    sums = torch.empty(num_splits, num_rows, heads, **f32)
+    tree = plan.tree_mask
+    block_d = max(16, 1 << (head_dim - 1).bit_length())
+    split_kv_attention_kernel[(num_seqs, kv_heads, num_splits)](
+        query,
+        k_cache,
+        v_cache,
+        parts,
+        maxima,
+        sums,
+        plan.block_tables,
+        plan.cached_lens,
+        plan.query_lens,
+        plan.query_start,
+        tree if tree is not None else plan.query_lens,  # unread without a tree
+        plan.query_positions,
+        float(scale),
+        int(sliding_window or 0),
+        head_dim,
+        plan.block_size,
+        plan.block_tables.shape[1],
+        tree.shape[1] if tree is not None else 1,
+        num_rows,
+        heads,
+        query.stride(0),
+        query.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        GROUP=group,
+        NUM_SPLITS=num_splits,
+        HAS_TREE=tree is not None,
+        HAS_WINDOW=sliding_window is not None,
+        IEEE=k_cache.dtype == torch.float32,
+        BLOCK_M=max(16, 1 << (plan.max_query_len * group - 1).bit_length()),
+        BLOCK_N=block_n,
+        BLOCK_D=block_d,
+    )
+    out = torch.empty(num_rows, heads, head_dim, **f32)
+    merge_splits_kernel[(num_rows, heads)](
+        parts, maxima, sums, out, num_rows, heads, head_dim, NUM_SPLITS=num_splits, BLOCK_D=block_d
+    )
+    return out
+
+
 def triton_cdiv(a: int, b: int) -> int:
     return -(-a // b)

@@ -26,6 +26,7 @@ BUDGETS = {
     "gpu_tests": 50,
     "selector": 190,
     "training": 300,
+    "attention": 150,
 }
 PACK = (
     "env",
@@ -34,7 +35,8 @@ PACK = (
     "kernels",
     "speed",
     "gpu_tests",
-)  # make gpu-check; `selector`: make gpu-selector; `training`: make gpu-train; the rehearsal runs every stage
+)  # make gpu-check; `selector`: make gpu-selector; `training`: make gpu-train; `attention`: make gpu-attention;
+# the rehearsal runs every stage
 GRACE_S = 25  # past its budget a stage's child is killed (the budget itself is checked between parts)
 
 

@@ -61,9 +61,10 @@ def plan_of(slices, block_size, positions=None) -> PagedAttentionPlan:
     )
 
 
-@pytest.mark.parametrize("block_size", [1, 4, 16])
-@pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 4, 16), (4, 2, 16), (8, 2, 24)])
-@pytest.mark.parametrize("trees", [False, True])
+@pytest.mark.parametrize(
+    "block_size,heads,kv_heads,head_dim,trees",
+    [(1, 8, 2, 24, True), (1, 4, 2, 16, False), (4, 4, 4, 16, False), (4, 8, 2, 24, True), (16, 4, 2, 16, True)],
+)
 def test_kernel_equals_reference(block_size, heads, kv_heads, head_dim, trees):
     g = torch.Generator().manual_seed(block_size * 100 + heads * 10 + head_dim + trees)
     num_blocks = 4 * 100 // block_size + 8

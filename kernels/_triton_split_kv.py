@@ -1,0 +1,180 @@
+"""Triton source of the split-KV paged attention (imported only when first used).
+
+Decode and verification have few queries per sequence (1 to 1 + draft tokens) and long contexts,
+so one program per (sequence, query head), as ``_triton_attention.py`` launches, leaves most of a
+GPU idle at small batches and reads every K/V block once per query head of a group. Here:
+
+* a program serves one (sequence, KV head, split): every query row of that sequence for every
+  query head of the KV head's group is one row of its tile (``BLOCK_M`` >= new tokens x group), so
+  each K/V block is read once per group and the scores are one ``tl.dot`` in the cache's dtype
+  (fp32 accumulation);
+* the context is cut into ``NUM_SPLITS`` ranges of whole ``BLOCK_N`` key blocks, each with its own
+  online softmax, written as unnormalised partial outputs with their row maxima and sums;
+* a second kernel merges a row's splits (log-sum-exp weights). ``NUM_SPLITS`` is a launch
+  constant, so the grid is static under CUDA graphs; a split past a sequence's context writes an
+  empty partial (max -inf, sum 0) that the merge weighs 0.
+
+Visibility is the paged kernel's: every cached key, among the new tokens the causal prefix or the
+tree mask's ancestors, and an optional sliding window. See ``kernels/paged_attention.py``.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def split_kv_attention_kernel(
+    q_ptr,  # [T, H, D]
+    k_cache_ptr,  # [slots, KVH, D]
+    v_cache_ptr,
+    part_out_ptr,  # [S, T, H, D] f32 unnormalised
+    part_max_ptr,  # [S, T, H] f32
+    part_sum_ptr,  # [S, T, H] f32
+    block_tables_ptr,  # [B, max_blocks] i32
+    cached_lens_ptr,  # [B] i32
+    query_lens_ptr,  # [B] i32
+    query_start_ptr,  # [B] i32
+    tree_mask_ptr,  # [B, MQ, MQ] u8 (HAS_TREE)
+    query_pos_ptr,  # [T] i32 (HAS_WINDOW)
+    scale,
+    window,
+    head_dim,
+    block_size,
+    max_blocks,
+    mask_q,
+    num_rows,
+    num_heads,
+    stride_qt,
+    stride_qh,
+    stride_ks,
+    stride_kh,
+    stride_vs,
+    stride_vh,
+    GROUP: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    HAS_TREE: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    IEEE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    b = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    cached = tl.load(cached_lens_ptr + b)
+    q_len = tl.load(query_lens_ptr + b)
+    q_start = tl.load(query_start_ptr + b)
+
+    tile = tl.arange(0, BLOCK_M)
+    token = tile // GROUP  # the new token of each tile row ...
+    head = kv_head * GROUP + tile % GROUP  # ... and its query head
+    row_ok = token < q_len
+    dims = tl.arange(0, BLOCK_D)
+    dim_ok = dims < head_dim
+    packed = (q_start + token).to(tl.int64)
+    q = tl.load(
+        q_ptr + packed[:, None] * stride_qt + head[:, None] * stride_qh + dims[None, :],
+        mask=row_ok[:, None] & dim_ok[None, :],
+        other=0.0,
+    )
+    if HAS_WINDOW:
+        q_pos = tl.load(query_pos_ptr + packed, mask=row_ok, other=0)
+
+    context = cached + q_len
+    per_split = tl.cdiv(tl.cdiv(context, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    key_begin = split * per_split
+    key_end = tl.minimum(key_begin + per_split, context)
+    m = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
+    denom = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
+    table = block_tables_ptr + b.to(tl.int64) * max_blocks
+    for start in range(key_begin, key_end, BLOCK_N):
+        keys = start + tl.arange(0, BLOCK_N)
+        key_ok = keys < key_end
+        block = tl.load(table + keys // block_size, mask=key_ok, other=0)
+        slots = block.to(tl.int64) * block_size + keys % block_size
+        kv_mask = key_ok[:, None] & dim_ok[None, :]
+        k = tl.load(
+            k_cache_ptr + slots[:, None] * stride_ks + kv_head * stride_kh + dims[None, :], mask=kv_mask, other=0.0
+        )
+        if IEEE:  # an fp32 cache: exact fp32 products, as the torch path computes
+            scores = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
+        else:  # bf16/fp16 operands on the tensor cores, fp32 accumulation
+            scores = tl.dot(q.to(k.dtype), tl.trans(k))
+        scores = scores * scale
+
+        new = keys - cached  # index among this forward's new tokens (< 0: cached)
+        if HAS_TREE:
+            in_new = (new >= 0) & key_ok
+            allowed = tl.load(
+                tree_mask_ptr + b.to(tl.int64) * mask_q * mask_q + token[:, None] * mask_q + new[None, :],
+                mask=row_ok[:, None] & in_new[None, :],
+                other=0,
+            )
+            visible = (new[None, :] < 0) | (allowed != 0)
+        else:
+            visible = new[None, :] <= token[:, None]
+        visible = visible & key_ok[None, :] & row_ok[:, None]
+        if HAS_WINDOW:
+            visible = visible & ((q_pos[:, None] - keys[None, :]) < window)
+        scores = tl.where(visible, scores, float("-inf"))
+
+        m_new = tl.maximum(m, tl.max(scores, axis=1))
+        safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing visible yet
+        probs = tl.exp(scores - safe[:, None])
+        rescale = tl.exp(m - safe)
+        denom = denom * rescale + tl.sum(probs, axis=1)
+        v = tl.load(
+            v_cache_ptr + slots[:, None] * stride_vs + kv_head * stride_vh + dims[None, :], mask=kv_mask, other=0.0
+        )
+        if IEEE:
+            acc = acc * rescale[:, None] + tl.dot(probs, v.to(tl.float32), input_precision="ieee")
+        else:
+            acc = acc * rescale[:, None] + tl.dot(probs.to(v.dtype), v)
+        m = m_new
+
+    part = (split.to(tl.int64) * num_rows + packed) * num_heads + head
+    tl.store(part_out_ptr + part[:, None] * head_dim + dims[None, :], acc, mask=row_ok[:, None] & dim_ok[None, :])
+    tl.store(part_max_ptr + part, m, mask=row_ok)
+    tl.store(part_sum_ptr + part, denom, mask=row_ok)
+
+
+@triton.jit
+def merge_splits_kernel(
+    part_out_ptr,  # [S, T, H, D]
+    part_max_ptr,  # [S, T, H]
+    part_sum_ptr,
+    out_ptr,  # [T, H, D] f32
+    num_rows,
+    num_heads,
+    head_dim,
+    NUM_SPLITS: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """One (row, head): its splits' partials merged. Maxima start at -inf (the launcher fills
+    them), so a split that saw no key, and a row of no sequence, weigh 0 and their other partials
+    (never written) are not read: such a row's output is 0."""
+    row = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    splits = tl.arange(0, NUM_SPLITS)
+    at = (splits.to(tl.int64) * num_rows + row) * num_heads + head
+    maxima = tl.load(part_max_ptr + at)
+    seen = maxima > float("-inf")
+    top = tl.max(maxima, axis=0)
+    top = tl.where(top == float("-inf"), 0.0, top)
+    weights = tl.where(seen, tl.exp(maxima - top), 0.0)
+    sums = tl.load(part_sum_ptr + at, mask=seen, other=0.0)
+    total = tl.sum(weights * sums, axis=0)
+    dims = tl.arange(0, BLOCK_D)
+    dim_ok = dims < head_dim
+    parts = tl.load(
+        part_out_ptr + at[:, None] * head_dim + dims[None, :], mask=seen[:, None] & dim_ok[None, :], other=0.0
+    )
+    merged = tl.sum(parts * weights[:, None], axis=0) / tl.where(total > 0, total, 1.0)
+    tl.store(out_ptr + (row * num_heads + head) * head_dim + dims, merged, mask=dim_ok)
+
+
+__all__ = ["merge_splits_kernel", "split_kv_attention_kernel"]
