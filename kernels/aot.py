@@ -2,7 +2,8 @@
 
 ``python -m tailspec.kernels.aot --arch 90`` compiles every kernel variant the launchers use
 (verification; attention for fp32/bf16/fp16 caches, with and without tree masks and sliding
-windows) to a cubin with Triton's bundled ``ptxas`` and prints the cubin sizes as JSON. It checks
+windows; the split-KV attention and its merge) to a cubin with Triton's bundled ``ptxas`` and
+prints the cubin sizes as JSON. It checks
 that the kernels are valid compiled Triton, which the CPU interpreter does not, and warms
 Triton's cache on a build machine. Needs ``TRITON_INTERPRET`` unset.
 """
@@ -64,6 +65,43 @@ def compile_kernels(arch: int, head_dim: int = 128, group: int = 4) -> dict[str,
                 src = ASTSource(paged_attention_kernel, signature, constexprs)
                 name = f"attention[{dtype}{',tree' if tree else ''}{',window' if window else ''}]"
                 sizes[name] = len(triton.compile(src, target=target).asm["cubin"])
+    sizes |= _split_kv(triton, target, ASTSource, head_dim, group, block_d)
+    return sizes
+
+
+def _split_kv(triton, target, source, head_dim: int, group: int, block_d: int) -> dict[str, int]:
+    """The split-KV attention and its merge: decode (one new token per sequence) on fp32 (ieee
+    dots) and bf16 caches, tree verification (17 new tokens) on bf16; 16 splits (the split count
+    only scales an offset)."""
+    from ._triton_split_kv import merge_splits_kernel, split_kv_attention_kernel
+
+    sizes = {}
+    for dtype, ieee, new_tokens, tree in (
+        ("fp32", True, 1, False),
+        ("bf16", False, 1, False),
+        ("bf16", False, 17, True),
+    ):
+        constexprs = {
+            "GROUP": group,
+            "NUM_SPLITS": 16,
+            "HAS_TREE": tree,
+            "HAS_WINDOW": False,
+            "IEEE": ieee,
+            "BLOCK_M": max(16, 1 << (new_tokens * group - 1).bit_length()),
+            "BLOCK_N": 64,
+            "BLOCK_D": block_d,
+        }
+        pointers = {"q_ptr": f"*{dtype}", "k_cache_ptr": f"*{dtype}", "v_cache_ptr": f"*{dtype}"}
+        pointers |= {p: "*fp32" for p in ("part_out_ptr", "part_max_ptr", "part_sum_ptr")} | {"tree_mask_ptr": "*u8"}
+        src = source(
+            split_kv_attention_kernel, _signature(split_kv_attention_kernel, pointers, {"scale": "fp32"}), constexprs
+        )
+        sizes[f"split_kv[{dtype},{new_tokens} new]"] = len(triton.compile(src, target=target).asm["cubin"])
+    pointers = {p: "*fp32" for p in ("part_out_ptr", "part_max_ptr", "part_sum_ptr", "out_ptr")}
+    src = source(
+        merge_splits_kernel, _signature(merge_splits_kernel, pointers, {}), {"NUM_SPLITS": 16, "BLOCK_D": block_d}
+    )
+    sizes["merge_splits"] = len(triton.compile(src, target=target).asm["cubin"])
     return sizes
 
 

@@ -11,7 +11,7 @@ import pytest
 pytest.importorskip("triton")
 
 
-@pytest.mark.parametrize("arch", [80, 90])
+@pytest.mark.parametrize("arch", [90])  # the lent H100/H200; `--arch 80` compiles the same sources for an A100
 def test_every_kernel_variant_compiles(arch, tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_CACHE_DIR"] = str(tmp_path)  # compile for real, not from a warm cache
@@ -25,6 +25,7 @@ def test_every_kernel_variant_compiles(arch, tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     sizes = json.loads(out.stdout)
     assert "verify" in sizes and sum(k.startswith("attention[") for k in sizes) == 12
+    assert sum(k.startswith("split_kv[") for k in sizes) == 3 and "merge_splits" in sizes
     assert all(size > 1000 for size in sizes.values())
 
 
