@@ -150,6 +150,26 @@ def predictions(stage: Stage, contenders: Contenders, graphs: str, batches) -> d
     return out
 
 
+def rankings(adaptive, batches, max_new_tokens: int) -> dict:
+    """How ``adaptive`` ranks its arms at the end, at each batch size with a full rollout's work
+    left: per arm its predicted step seconds, expected tokens per sequence-step (point estimate
+    and with optimism) and predicted finish; what it picks and why, for the next look."""
+    out = {}
+    for b in batches:
+        ranked = adaptive.selector.predictions(b, b * max_new_tokens)
+        out[f"batch {b}"] = [
+            {
+                "arm": str(p.arm),
+                "step_ms": round(1e3 * p.seconds, 3),
+                "expected": round(p.expected, 3),
+                "hopeful": round(p.hopeful, 3),
+                "finish_s": round(p.finish_s, 4),
+            }
+            for p in ranked
+        ]
+    return out
+
+
 def run(stage: Stage) -> None:
     dev = device()
     dtype = torch.bfloat16 if torch.cuda.is_available() else torch.float32
@@ -177,5 +197,8 @@ def run(stage: Stage) -> None:
         name: judge(stage, name, arms, repeats, timings) for name, _ in loads if (name, "adaptive") in timings.seconds
     }
     stage.record("predicted_vs_measured", predictions(stage, contenders, graphs, batches))
+    adaptive = contenders.engines.get(("adaptive", graphs, "auto"))
+    if adaptive is not None:
+        stage.record("rankings", rankings(adaptive, batches, size.max_new_tokens))
     stage.record("headline", summary)
     contenders.close()
