@@ -19,7 +19,7 @@ from ..drafter.small_lm import SmallLMDrafter
 from ..drafter.streaming import StreamingHeads, fit_streaming_heads
 from ..rollout import RolloutConfig, RolloutEngine, SamplingParams
 from ..rollout.early_exit import exit_agreement
-from ..rollout.selector import DEFAULT_ARMS, SelectorConfig
+from ..rollout.params import DEFAULT_ARMS, SelectorConfig
 from .policies import BenchPolicy, task_prompts, torch_threads
 from .report import pyplot, save_figure
 

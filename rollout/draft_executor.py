@@ -42,10 +42,9 @@ from typing import Any
 import torch
 
 from ..draft_contract import BranchView, Drafter, DraftRequest, DraftShape, DraftTree, Portable, SequenceView
+from .params import EXECUTORS
 
 logger = logging.getLogger(__name__)
-
-EXECUTORS = ("auto", "inline", "thread", "stream", "device", "process", "ray")
 
 
 class ExecutorError(RuntimeError):

@@ -12,10 +12,46 @@ from typing import Any
 
 from ..config_tree import ConfigError, build, coerce_subtrees, is_int, require
 from ..kernels.dispatch import BACKEND_CHOICES
-from .draft_executor import EXECUTORS
-from .selector import SelectorConfig
 from .strategy import parse_strategy
 from .token_ids import token_id_list
+
+EXECUTORS = ("auto", "inline", "thread", "stream", "device", "process", "ray")  # rollout/draft_executor.py
+
+DEFAULT_ARMS = ("none", "chain:2", "chain:4", "tree:4,2,8", "suffix", "hybrid:4,2,12")
+
+
+@dataclass
+class SelectorConfig:
+    arms: tuple[str, ...] = DEFAULT_ARMS
+    optimism: float = 0.25  # sequence-steps of evidence an arm's best case weighs (0: point estimates only)
+    version_weight: float = 0.5  # what a drafter's earlier versions measured counts this x at each new one
+    calibration_rows: int = 64  # without graphs, calibration times forwards of up to this many rows (linear beyond)
+    calibration_repeats: int = 3  # timings per calibrated shape (their median)
+    recalibrate_at: float = 2.0  # recalibrate (between rollouts) once the arms run this x off the table
+
+    def __post_init__(self) -> None:
+        self.arms = tuple(self.arms)
+        require(bool(self.arms), "arms", "at least one strategy", self.arms)
+        for arm in self.arms:
+            try:
+                adaptive = parse_strategy(arm).adaptive
+            except ValueError as e:
+                raise ConfigError("arms", f"holds {arm!r}, which is not valid: {e}") from None
+            require(not adaptive, "arms", "strategies other than 'adaptive'", self.arms)
+        checks = [
+            ("optimism", isinstance(self.optimism, (int, float)) and self.optimism >= 0, "a float >= 0"),
+            ("version_weight", 0 <= self.version_weight <= 1, "a float in [0, 1]"),
+            ("calibration_rows", isinstance(self.calibration_rows, int) and self.calibration_rows >= 1, "an int >= 1"),
+            (
+                "calibration_repeats",
+                isinstance(self.calibration_repeats, int) and 1 <= self.calibration_repeats <= 20,
+                "an int in [1, 20]",
+            ),
+            ("recalibrate_at", self.recalibrate_at > 1, "a float > 1"),
+        ]
+        for name, ok, allowed in checks:
+            require(ok, name, allowed, getattr(self, name))
+
 
 # what torch.Generator.manual_seed accepts; checked here so a bad seed is refused up front
 SEED_RANGE = "an int in [-2**63, 2**64)"

@@ -27,48 +27,15 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
-from ..config_tree import ConfigError, require
+from ..config_tree import require
 from .acceptance import AcceptanceBook, book_key
 from .cost_model import StepCosts
+from .params import SelectorConfig
 from .strategy import Strategy, parse_strategy
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_ARMS = ("none", "chain:2", "chain:4", "tree:4,2,8", "suffix", "hybrid:4,2,12")
 STATE_VERSION = 4
-
-
-@dataclass
-class SelectorConfig:
-    arms: tuple[str, ...] = DEFAULT_ARMS
-    optimism: float = 0.25  # sequence-steps of evidence an arm's best case weighs (0: point estimates only)
-    version_weight: float = 0.5  # what a drafter's earlier versions measured counts this x at each new one
-    calibration_rows: int = 64  # without graphs, calibration times forwards of up to this many rows (linear beyond)
-    calibration_repeats: int = 3  # timings per calibrated shape (their median)
-    recalibrate_at: float = 2.0  # recalibrate (between rollouts) once the arms run this x off the table
-
-    def __post_init__(self) -> None:
-        self.arms = tuple(self.arms)
-        require(bool(self.arms), "arms", "at least one strategy", self.arms)
-        for arm in self.arms:
-            try:
-                adaptive = parse_strategy(arm).adaptive
-            except ValueError as e:
-                raise ConfigError("arms", f"holds {arm!r}, which is not valid: {e}") from None
-            require(not adaptive, "arms", "strategies other than 'adaptive'", self.arms)
-        checks = [
-            ("optimism", isinstance(self.optimism, (int, float)) and self.optimism >= 0, "a float >= 0"),
-            ("version_weight", 0 <= self.version_weight <= 1, "a float in [0, 1]"),
-            ("calibration_rows", isinstance(self.calibration_rows, int) and self.calibration_rows >= 1, "an int >= 1"),
-            (
-                "calibration_repeats",
-                isinstance(self.calibration_repeats, int) and 1 <= self.calibration_repeats <= 20,
-                "an int in [1, 20]",
-            ),
-            ("recalibrate_at", self.recalibrate_at > 1, "a float > 1"),
-        ]
-        for name, ok, allowed in checks:
-            require(ok, name, allowed, getattr(self, name))
 
 
 @dataclass(frozen=True)

@@ -22,8 +22,7 @@ import numpy as np
 from ..rollout.acceptance import AcceptanceBook
 from ..rollout.cost_model import ForwardTable, StepCosts, calibrate, calibration_shapes
 from ..rollout.graph_pool import _round_up
-from ..rollout.params import RolloutConfig
-from ..rollout.selector import DEFAULT_ARMS, SelectorConfig
+from ..rollout.params import DEFAULT_ARMS, RolloutConfig, SelectorConfig
 from ..rollout.strategy import Strategy, parse_strategy
 from ..rollout.strategy_choice import StepOutcome, StrategyChoice
 
