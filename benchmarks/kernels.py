@@ -112,6 +112,26 @@ def measure_verify(
     return KernelTiming("verify (sampled)", shape, torch_ms, triton_ms, float(mismatches))
 
 
+def _attention_case(device, num_seqs, context, new_tokens, heads, kv_heads, head_dim, dtype, block_size, seed):
+    """One layer's paged cache of ``num_seqs`` sequences of ``context`` random cached tokens on
+    shuffled blocks, and ``new_tokens`` random queries, keys and values per sequence: (cache,
+    slices, positions, q, k, v), the new tensors in the engine's ``[1, heads, T, head_dim]``."""
+    g = torch.Generator().manual_seed(seed)
+    per_seq = -(-(context + new_tokens) // block_size)
+    layout = KVLayout(num_layers=1, num_kv_heads=kv_heads, head_dim=head_dim, dtype=dtype, device=device)
+    cache = PagedKVCache(layout, num_seqs * per_seq, block_size)
+    cache.k[0].copy_(torch.randn(cache.k[0].shape, generator=g).to(device, dtype))
+    cache.v[0].copy_(torch.randn(cache.v[0].shape, generator=g).to(device, dtype))
+    order = torch.randperm(num_seqs * per_seq, generator=g).tolist()
+    slices = [SequenceSlice(order[i * per_seq : (i + 1) * per_seq], context, new_tokens) for i in range(num_seqs)]
+    positions = torch.arange(context, context + new_tokens).repeat(num_seqs).to(device)
+    total = num_seqs * new_tokens
+    q = torch.randn(1, heads, total, head_dim, generator=g).to(device, dtype)
+    k = torch.randn(1, kv_heads, total, head_dim, generator=g).to(device, dtype)
+    v = torch.randn(1, kv_heads, total, head_dim, generator=g).to(device, dtype)
+    return cache, slices, positions, q, k, v
+
+
 def measure_attention(
     device: torch.device,
     num_seqs: int,
@@ -127,20 +147,9 @@ def measure_attention(
 ) -> KernelTiming:
     """The engine's attention call for one layer (K/V write + attention): dense gather + SDPA
     (torch) against the kernel over block tables (triton)."""
-    g = torch.Generator().manual_seed(seed)
-    per_seq = -(-(context + new_tokens) // block_size)
-    num_blocks = num_seqs * per_seq
-    layout = KVLayout(num_layers=1, num_kv_heads=kv_heads, head_dim=head_dim, dtype=dtype, device=device)
-    cache = PagedKVCache(layout, num_blocks, block_size)
-    cache.k[0].copy_(torch.randn(cache.k[0].shape, generator=g).to(device, dtype))
-    cache.v[0].copy_(torch.randn(cache.v[0].shape, generator=g).to(device, dtype))
-    order = torch.randperm(num_blocks, generator=g).tolist()
-    slices = [SequenceSlice(order[i * per_seq : (i + 1) * per_seq], context, new_tokens) for i in range(num_seqs)]
-    positions = torch.arange(context, context + new_tokens).repeat(num_seqs).to(device)
-    total = num_seqs * new_tokens
-    q = torch.randn(1, heads, total, head_dim, generator=g).to(device, dtype)
-    k = torch.randn(1, kv_heads, total, head_dim, generator=g).to(device, dtype)
-    v = torch.randn(1, kv_heads, total, head_dim, generator=g).to(device, dtype)
+    cache, slices, positions, q, k, v = _attention_case(
+        device, num_seqs, context, new_tokens, heads, kv_heads, head_dim, dtype, block_size, seed
+    )
     module = types.SimpleNamespace(layer_idx=0)
     metas = {b: build_metadata(cache, slices, positions, kernels=b) for b in ("torch", "triton")}
     outs = {}
@@ -245,19 +254,9 @@ def measure_split_kv(
     achieved bytes/s (each K/V element of the context read once)."""
     from ..kernels.paged_attention import paged_attention_split_kv, split_count
 
-    g = torch.Generator().manual_seed(seed)
-    per_seq = -(-(context + new_tokens) // block_size)
-    layout = KVLayout(num_layers=1, num_kv_heads=kv_heads, head_dim=head_dim, dtype=dtype, device=device)
-    cache = PagedKVCache(layout, num_seqs * per_seq, block_size)
-    cache.k[0].copy_(torch.randn(cache.k[0].shape, generator=g).to(device, dtype))
-    cache.v[0].copy_(torch.randn(cache.v[0].shape, generator=g).to(device, dtype))
-    order = torch.randperm(num_seqs * per_seq, generator=g).tolist()
-    slices = [SequenceSlice(order[i * per_seq : (i + 1) * per_seq], context, new_tokens) for i in range(num_seqs)]
-    positions = torch.arange(context, context + new_tokens).repeat(num_seqs).to(device)
-    total = num_seqs * new_tokens
-    q = torch.randn(1, heads, total, head_dim, generator=g).to(device, dtype)
-    k_new = torch.randn(1, kv_heads, total, head_dim, generator=g).to(device, dtype)
-    v_new = torch.randn(1, kv_heads, total, head_dim, generator=g).to(device, dtype)
+    cache, slices, positions, q, k_new, v_new = _attention_case(
+        device, num_seqs, context, new_tokens, heads, kv_heads, head_dim, dtype, block_size, seed
+    )
     module = types.SimpleNamespace(layer_idx=0)
     torch_meta = build_metadata(cache, slices, positions, kernels="torch")
     plan = build_metadata(cache, slices, positions, kernels="triton").plan

@@ -15,6 +15,41 @@ import triton.language as tl
 
 
 @triton.jit
+def visible_keys(
+    keys,
+    key_ok,
+    rows,
+    row_ok,
+    cached,
+    q_pos,
+    window,
+    tree_mask_ptr,
+    b,
+    mask_q,
+    HAS_TREE: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+):
+    """Which ``keys`` (a block of context positions) each query row (its index among the
+    sequence's new tokens) sees: every cached key; among the new tokens the causal prefix, or with
+    a tree mask the row's ancestors; within ``window`` of the row's position if given."""
+    new = keys - cached  # index among this forward's new tokens (< 0: cached)
+    if HAS_TREE:
+        in_new = (new >= 0) & key_ok
+        allowed = tl.load(
+            tree_mask_ptr + b.to(tl.int64) * mask_q * mask_q + rows[:, None] * mask_q + new[None, :],
+            mask=row_ok[:, None] & in_new[None, :],
+            other=0,
+        )
+        visible = (new[None, :] < 0) | (allowed != 0)
+    else:
+        visible = new[None, :] <= rows[:, None]
+    visible = visible & key_ok[None, :] & row_ok[:, None]
+    if HAS_WINDOW:
+        visible = visible & ((q_pos[:, None] - keys[None, :]) < window)
+    return visible
+
+
+@triton.jit
 def paged_attention_kernel(
     q_ptr,  # [T, H, D]
     k_cache_ptr,  # [slots, KVH, D]
@@ -65,6 +100,7 @@ def paged_attention_kernel(
         mask=row_ok[:, None] & dim_ok[None, :],
         other=0.0,
     ).to(tl.float32)
+    q_pos = rows  # read only with a window
     if HAS_WINDOW:
         q_pos = tl.load(query_pos_ptr + packed_rows, mask=row_ok, other=0)
 
@@ -85,20 +121,9 @@ def paged_attention_kernel(
         ).to(tl.float32)
         scores = tl.dot(q, tl.trans(k), input_precision="ieee") * scale  # [BLOCK_Q, BLOCK_N]
 
-        new = keys - cached  # index among this forward's new tokens (< 0: cached)
-        if HAS_TREE:
-            in_new = (new >= 0) & key_ok
-            allowed = tl.load(
-                tree_mask_ptr + b.to(tl.int64) * mask_q * mask_q + rows[:, None] * mask_q + new[None, :],
-                mask=row_ok[:, None] & in_new[None, :],
-                other=0,
-            )
-            visible = (new[None, :] < 0) | (allowed != 0)
-        else:
-            visible = new[None, :] <= rows[:, None]
-        visible = visible & key_ok[None, :] & row_ok[:, None]
-        if HAS_WINDOW:
-            visible = visible & ((q_pos[:, None] - keys[None, :]) < window)
+        visible = visible_keys(
+            keys, key_ok, rows, row_ok, cached, q_pos, window, tree_mask_ptr, b, mask_q, HAS_TREE, HAS_WINDOW
+        )
         scores = tl.where(visible, scores, float("-inf"))
 
         m_new = tl.maximum(m, tl.max(scores, axis=1))
@@ -119,4 +144,4 @@ def paged_attention_kernel(
     )
 
 
-__all__ = ["paged_attention_kernel"]
+__all__ = ["paged_attention_kernel", "visible_keys"]

@@ -23,6 +23,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from ._triton_attention import visible_keys
+
 
 @triton.jit
 def split_kv_attention_kernel(
@@ -80,6 +82,7 @@ def split_kv_attention_kernel(
         mask=row_ok[:, None] & dim_ok[None, :],
         other=0.0,
     )
+    q_pos = token  # read only with a window
     if HAS_WINDOW:
         q_pos = tl.load(query_pos_ptr + packed, mask=row_ok, other=0)
 
@@ -106,20 +109,9 @@ def split_kv_attention_kernel(
             scores = tl.dot(q.to(k.dtype), tl.trans(k))
         scores = scores * scale
 
-        new = keys - cached  # index among this forward's new tokens (< 0: cached)
-        if HAS_TREE:
-            in_new = (new >= 0) & key_ok
-            allowed = tl.load(
-                tree_mask_ptr + b.to(tl.int64) * mask_q * mask_q + token[:, None] * mask_q + new[None, :],
-                mask=row_ok[:, None] & in_new[None, :],
-                other=0,
-            )
-            visible = (new[None, :] < 0) | (allowed != 0)
-        else:
-            visible = new[None, :] <= token[:, None]
-        visible = visible & key_ok[None, :] & row_ok[:, None]
-        if HAS_WINDOW:
-            visible = visible & ((q_pos[:, None] - keys[None, :]) < window)
+        visible = visible_keys(
+            keys, key_ok, token, row_ok, cached, q_pos, window, tree_mask_ptr, b, mask_q, HAS_TREE, HAS_WINDOW
+        )
         scores = tl.where(visible, scores, float("-inf"))
 
         m_new = tl.maximum(m, tl.max(scores, axis=1))

@@ -141,31 +141,15 @@ def paged_attention_triton(
     out = torch.zeros(num_rows, heads, head_dim, dtype=torch.float32, device=query.device)
     num_seqs = plan.block_tables.shape[0]
     tree = plan.tree_mask
-    mask_q = tree.shape[1] if tree is not None else 1
     grid = (num_seqs, heads, triton_cdiv(plan.max_query_len, block_q))
     paged_attention_kernel[grid](
         query,
         k_cache,
         v_cache,
         out,
-        plan.block_tables,
-        plan.cached_lens,
-        plan.query_lens,
-        plan.query_start,
-        tree if tree is not None else plan.query_lens,  # unread without a tree
-        plan.query_positions,
-        float(scale),
-        int(sliding_window or 0),
-        head_dim,
-        plan.block_size,
-        plan.block_tables.shape[1],
-        mask_q,
-        query.stride(0),
-        query.stride(1),
-        k_cache.stride(0),
-        k_cache.stride(1),
-        v_cache.stride(0),
-        v_cache.stride(1),
+        *_plan_args(plan),
+        *_shape_args(plan, scale, sliding_window, head_dim),
+        *_stride_args(query, k_cache, v_cache),
         out.stride(0),
         out.stride(1),
         GROUP=heads // kv_heads,
@@ -229,26 +213,11 @@ def paged_attention_split_kv(
         parts,
         maxima,
         sums,
-        plan.block_tables,
-        plan.cached_lens,
-        plan.query_lens,
-        plan.query_start,
-        tree if tree is not None else plan.query_lens,  # unread without a tree
-        plan.query_positions,
-        float(scale),
-        int(sliding_window or 0),
-        head_dim,
-        plan.block_size,
-        plan.block_tables.shape[1],
-        tree.shape[1] if tree is not None else 1,
+        *_plan_args(plan),
+        *_shape_args(plan, scale, sliding_window, head_dim),
         num_rows,
         heads,
-        query.stride(0),
-        query.stride(1),
-        k_cache.stride(0),
-        k_cache.stride(1),
-        v_cache.stride(0),
-        v_cache.stride(1),
+        *_stride_args(query, k_cache, v_cache),
         GROUP=group,
         NUM_SPLITS=num_splits,
         HAS_TREE=tree is not None,
@@ -263,6 +232,22 @@ def paged_attention_split_kv(
         parts, maxima, sums, out, num_rows, heads, head_dim, NUM_SPLITS=num_splits, BLOCK_D=block_d
     )
     return out
+
+
+def _plan_args(plan: PagedAttentionPlan) -> tuple[torch.Tensor, ...]:
+    """The plan's tensors in the kernels' order (a stand-in where there is no tree: never read)."""
+    tree = plan.tree_mask if plan.tree_mask is not None else plan.query_lens
+    return plan.block_tables, plan.cached_lens, plan.query_lens, plan.query_start, tree, plan.query_positions
+
+
+def _shape_args(plan: PagedAttentionPlan, scale: float, window: int | None, head_dim: int) -> tuple:
+    """scale, window, head_dim, block_size, max_blocks, mask_q, in the kernels' order."""
+    mask_q = plan.tree_mask.shape[1] if plan.tree_mask is not None else 1
+    return float(scale), int(window or 0), head_dim, plan.block_size, plan.block_tables.shape[1], mask_q
+
+
+def _stride_args(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[int, ...]:
+    return query.stride(0), query.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1)
 
 
 def triton_cdiv(a: int, b: int) -> int:
