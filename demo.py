@@ -592,37 +592,53 @@ def run_demo_with_rollout(
         start = _warm_up(cfg)
     rows, rollout, paired, wall, run_name = _grpo_run(cfg, out, start, callbacks=callbacks, catch_up=catch_up)
     summary = _summarize(cfg, rows, rollout, wall)
-    wandb_runs = [run_name]
     if paired is not None:
-        per_step = _print_comparison(rows, paired, cfg.strategy)  # nan where the twin emitted nothing
-        ratios = [r for r in per_step if r == r]
-        if ratios:
-            summary["rollout_ratio_median_per_step"] = statistics.median(ratios)
-            summary["rollout_ratio_per_step"] = per_step
-        twin = paired.twin.history
-        base_time, base_tokens = sum(s.time_s for s in twin), sum(s.completion_tokens for s in twin)
-        summary["baseline_rollout_time_s"] = base_time
-        summary["baseline_rollout_tokens_per_s"] = base_tokens / base_time if base_time else 0.0
-        if summary["baseline_rollout_tokens_per_s"]:
-            ratio = summary["rollout_tokens_per_s"] / summary["baseline_rollout_tokens_per_s"]
-            summary["rollout_throughput_vs_none"] = ratio
-        # the whole run's wall time with either rollout alone: the same training, one rollout per step
-        summary["run_wall_s_speculative"] = wall - base_time
-        summary["run_wall_s_plain"] = wall - summary["rollout_time_s"]
-        summary["run_speedup"] = summary["run_wall_s_plain"] / summary["run_wall_s_speculative"]
-        summary["same_completions_steps"] = f"{sum(paired.same_completions)} of {len(paired.same_completions)}"
+        summary |= _against_twin(cfg, rows, paired, summary, wall)
+    exported = _export_drafter(cfg, rollout, out, uses_head)
+    if exported is not None:
+        summary["exported_drafter"] = exported
+    _print_summary(cfg, rows, summary, paired, out, run_name, uses_head)
+    return summary, rollout
+
+
+def _against_twin(cfg: DemoConfig, rows: list[dict[str, Any]], paired: PairedRollout, summary: dict, wall: float):
+    """Per step and over the run, the main rollout against its plain-decoding twin (printed per step)."""
+    out: dict[str, Any] = {}
+    per_step = _print_comparison(rows, paired, cfg.strategy)  # nan where the twin emitted nothing
+    ratios = [r for r in per_step if r == r]
+    if ratios:
+        out["rollout_ratio_median_per_step"] = statistics.median(ratios)
+        out["rollout_ratio_per_step"] = per_step
+    twin = paired.twin.history
+    base_time, base_tokens = sum(s.time_s for s in twin), sum(s.completion_tokens for s in twin)
+    out["baseline_rollout_time_s"] = base_time
+    out["baseline_rollout_tokens_per_s"] = base_tokens / base_time if base_time else 0.0
+    if out["baseline_rollout_tokens_per_s"]:
+        out["rollout_throughput_vs_none"] = summary["rollout_tokens_per_s"] / out["baseline_rollout_tokens_per_s"]
+    # the whole run's wall time with either rollout alone: the same training, one rollout per step
+    out["run_wall_s_speculative"] = wall - base_time
+    out["run_wall_s_plain"] = wall - summary["rollout_time_s"]
+    out["run_speedup"] = out["run_wall_s_plain"] / out["run_wall_s_speculative"]
+    out["same_completions_steps"] = f"{sum(paired.same_completions)} of {len(paired.same_completions)}"
+    return out
+
+
+def _export_drafter(cfg: DemoConfig, rollout: Any, out: Path, uses_head: bool) -> str | None:
+    """The trained drafter, exported where ``cfg.export`` asks (None: nothing exported)."""
     if cfg.export and uses_head:
         from .drafter.eagle3.checkpoint import export_checkpoint
 
-        summary["exported_drafter"] = str(
-            export_checkpoint(rollout.drafter, out / f"drafter_{cfg.export}", format=cfg.export)
-        )
-    elif cfg.export and cfg.drafter == "small_lm" and rollout.drafter is not None:
+        return str(export_checkpoint(rollout.drafter, out / f"drafter_{cfg.export}", format=cfg.export))
+    if cfg.export and cfg.drafter == "small_lm" and rollout.drafter is not None:
         # the drafter LM as it learned the policy: a Hugging Face checkpoint (safetensors), the
         # draft model SGLang's and vLLM's draft-model speculative decoding load
         path = out / "drafter_lm"
         rollout.drafter.save_pretrained(path, safe_serialization=True)
-        summary["exported_drafter"] = str(path)
+        return str(path)
+    return None
+
+
+def _print_summary(cfg, rows, summary: dict, paired, out: Path, run_name: str, uses_head: bool) -> None:
     k = _window(len(rows))
     first, last = summary[f"reward_first_{k}"], summary[f"reward_last_{k}"]
     rise = f"reward, mean of the first vs last {k} steps: {first:.3f} -> {last:.3f}"
@@ -641,11 +657,9 @@ def run_demo_with_rollout(
             value = " ".join(f"{v:.2f}" if isinstance(v, float) else str(v) for v in value)
         print(f"{key:>{width}}: {value:.3f}" if isinstance(value, float) else f"{key:>{width}}: {value}")
     if cfg.wandb:
-        runs = ", ".join(wandb_runs)
-        print(f"{'wandb runs (offline)':>{width}}: {runs} in {out / 'wandb'}  (upload with `wandb sync`)")
+        print(f"{'wandb runs (offline)':>{width}}: {run_name} in {out / 'wandb'}  (upload with `wandb sync`)")
     if "exported_drafter" in summary:
         layout = (
             f"{cfg.export} EAGLE-3 layout" if uses_head else "Hugging Face checkpoint, a draft model for SGLang or vLLM"
         )
         print(f"{'exported drafter':>{width}}: {summary['exported_drafter']}  ({layout})")
-    return summary, rollout
