@@ -19,8 +19,10 @@ import torch.nn.functional as F
 from transformers import AttentionInterface, PretrainedConfig
 
 from ..kernels.dispatch import resolve_backend
-from ..kernels.paged_attention import PagedAttentionPlan, paged_attention_triton
+from ..kernels.paged_attention import PagedAttentionPlan, paged_attention_split_kv, paged_attention_triton
 from .kv_cache import PagedKVCache
+
+SPLIT_KV_MAX_NEW = 32  # new tokens per sequence up to which the split-KV kernel serves a Triton plan
 
 ATTN_IMPLEMENTATION = "tailspec_paged"
 METADATA_KWARG = "tailspec_attn"
@@ -204,9 +206,10 @@ def paged_attention_forward(
 
     num_heads, head_dim = query.shape[1], query.shape[3]
     if meta.plan is not None:
-        out = paged_attention_triton(
-            query[0].transpose(0, 1), k_cache, v_cache, meta.plan, scaling, sliding_window
-        )  # [T, H, D]
+        # decode and verification (a few new tokens per sequence over a long context): the split-KV
+        # kernel; prefill: one program per 16 new tokens and query head
+        kernel = paged_attention_split_kv if meta.plan.max_query_len <= SPLIT_KV_MAX_NEW else paged_attention_triton
+        out = kernel(query[0].transpose(0, 1), k_cache, v_cache, meta.plan, scaling, sliding_window)  # [T, H, D]
         return out.unsqueeze(0).to(query.dtype), None
     b, q = meta.num_seqs, meta.max_new
     ctx_shape = (*meta.gather_slots.shape, kv_heads, head_dim)
