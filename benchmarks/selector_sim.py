@@ -48,9 +48,9 @@ def run_selector_sim_section(out: Path, quick: bool = False) -> str:
         "size), `gpu_host` (the H100 of docs/GPU.md: the drafter's host work grows with the batch faster "
         "than the target's forward, and a tree's draft level costs 1.6x a chain's), `noisy` (`gpu` with "
         "log-normal sigma 0.25 and 5% of steps at 2x), `drifting` (the model drafter's acceptance moves "
-        "+-15% per version, a version every 40 steps). Every model drafter catches up on a 128-token "
-        "prompt at its first draft of a sequence (since 2026-11-27; the first rollout pays for learning "
-        f"that cost). Targets: {TARGETS}.\n\n"
+        "+-15% per version, a version every 40 steps). Every model drafter feeds a 128-token "
+        "prompt at its first draft of a sequence (since 2026-11-27), a one-off step that teaches no "
+        f"costs, as in the engine. Targets: {TARGETS}.\n\n"
         f"{table}"
     )
     replace_section(out, SELECTOR_SIM_TITLE, body, "tailspec bench --section selector_sim")

@@ -13,8 +13,8 @@ which RL does not move, so:
   pooled over all arms of that drafter, and kept per power-of-two batch bucket, since a drafter's
   host work grows with the batch faster than a GPU forward does: :class:`BatchRatio`); the suffix
   drafter's host cost is ``ratio x`` a one-token forward per drafted node, per bucket too; a model
-  drafter's **catch-up** on tokens it has not seen (a new sequence's prompt, steps of other arms)
-  is ``ratio x`` a forward over them;
+  drafter's **catch-up** on the tokens steps of other arms emitted is ``ratio x`` a forward over
+  them;
 * online, each arm only has a **correction** factor (measured / predicted step time), shrunk
   towards 1 and robust to outliers (median of clipped log ratios).
 """

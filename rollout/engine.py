@@ -296,6 +296,7 @@ class RolloutEngine:
         n, stats = len(batch.seqs), self.stats
         adaptive = self.strategy.adaptive  # only adaptive weighs the remaining work and a catch-up
         plan = self.choice.plan(n, *((tokens_to_go(batch.seqs), self.lag.of(batch.seqs)) if adaptive else (n, 0)))
+        meets_prompts = adaptive and plan.strategy.uses_model_drafter and self.lag.meets_new(batch.seqs)
         self.mirrors.split_threads(plan.strategy)
         before, model_before, draft_before = stats.generated_tokens, stats.model_time_s, stats.draft_time_s
         captured_before = capture_seconds()
@@ -311,13 +312,13 @@ class RolloutEngine:
         emitted = stats.generated_tokens - before
         if adaptive and plan.strategy.uses_model_drafter:
             self.lag.drafted(batch.seqs)
-        # an arm is judged by what its steps cost once their graphs (the target's and the
-        # drafter's) are held: a step that captured teaches acceptance only
-        captured = capture_seconds() > captured_before
+        # an arm is judged by its steady steps: one that captured a graph (the target's or the
+        # drafter's) or fed the model drafter a prompt teaches acceptance only
+        one_off = meets_prompts or capture_seconds() > captured_before
         draft_s = stats.draft_time_s - draft_before
-        outcome = StepOutcome(seconds, draft_s, captured)
+        outcome = StepOutcome(seconds, draft_s, one_off)
         if verified is not None:
-            outcome = StepOutcome(seconds, draft_s, captured, verified.drafted, verified.accepted, verified.branches)
+            outcome = StepOutcome(seconds, draft_s, one_off, verified.drafted, verified.accepted, verified.branches)
         self.choice.record(plan, n, outcome)
         self._peak_active = max(self._peak_active, n)
         in_tail = n <= self.config.tail_fraction * self._peak_active

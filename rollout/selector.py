@@ -104,8 +104,8 @@ class StrategySelector:
         """A step of ``arm`` on ``n`` sequences took ``seconds`` (``draft_seconds`` drafting, after
         ``lag_tokens`` tokens of catch-up); per sequence, ``drafted`` draft tokens were verified
         and ``accepted`` kept, and its tree's first branch went ``branches`` (depth, kept) deep.
-        ``timed`` False: its times are not the arm's (a graph was captured in it), only its
-        acceptance counts."""
+        ``timed`` False: its times are not the arm's (it paid a one-time cost: a graph capture, a
+        model drafter's first look at a prompt), only its acceptance counts."""
         if arm not in self.arms or seconds <= 0 or n < 1:
             return
         if self.costs is not None and timed:

@@ -37,28 +37,35 @@ class StepPlan:
 
 @dataclass(frozen=True)
 class StepOutcome:
-    """What a decode step did: its seconds, the drafting's share, whether a graph was captured in
-    it (then neither time is the arm's), and per sequence the draft tokens verified and accepted,
-    and its tree's first branch (depth, kept) (None for a plain step)."""
+    """What a decode step did: its seconds, the drafting's share, whether it paid a one-time cost
+    (a graph captured, a model drafter's first look at a sequence's prompt: then neither time is the
+    arm's), and per sequence the draft tokens verified and accepted, and its tree's first branch
+    (depth, kept) (None for a plain step)."""
 
     seconds: float
     draft_seconds: float = 0.0
-    captured: bool = False
+    one_off: bool = False
     drafted: list[int] | None = None
     accepted: list[int] | None = None
     branches: list[tuple[int, int]] | None = None
 
 
 class DrafterLag:
-    """Tokens of each running sequence the model drafter has not seen: what a step of a model arm
-    must catch up on first. A model drafter meets a sequence's prompt at its first draft for it,
-    so a new sequence owes all its tokens; finished sequences owe nothing."""
+    """Tokens each running sequence emitted since the model drafter last drafted for it: what a
+    step of a model arm must catch up on first, and only a model arm, since steps of other arms
+    made it (finished sequences owe nothing). A sequence's prompt is not counted: every arm that
+    drafts with the model pays it once, at its first draft of the sequence, whichever arm ran
+    before; such a step is a one-off (:meth:`meets_new`) and teaches no costs."""
 
     def __init__(self) -> None:
         self._seen: dict[int, int] = {}  # seq id -> its tokens when the drafter last drafted for it
 
     def of(self, seqs: Sequence) -> int:
-        return sum(s.num_tokens - self._seen.get(s.seq_id, 0) for s in seqs)
+        return sum(s.num_tokens - self._seen.get(s.seq_id, s.num_tokens) for s in seqs)
+
+    def meets_new(self, seqs: Sequence) -> bool:
+        """Whether the model drafter has not drafted yet for one of ``seqs`` (it feeds the prompt)."""
+        return any(s.seq_id not in self._seen for s in seqs)
 
     def drafted(self, seqs: Sequence) -> None:
         for s in seqs:
@@ -148,7 +155,7 @@ class StrategyChoice:
                 outcome.accepted,
                 plan.lag_tokens,
                 outcome.branches,
-                timed=not outcome.captured,
+                timed=not outcome.one_off,
             )
 
     def state_dict(self) -> dict[str, Any] | None:

@@ -180,16 +180,18 @@ def _drain(regime, contender, worker, lengths, hazards, version0, rng, max_new) 
         n = int(active.size)
         version = version0 + (step // regime.version_every if regime.version_every else 0)
         hazard = hazards[min(version, len(hazards) - 1)]
-        lag = int((generated[active] - seen[active]).sum())
+        lag = int((generated[active] - seen[active]).sum())  # what a model arm feeds first, prompts included
+        met = seen[active] > 0  # the engine's DrafterLag owes only what sequences the drafter met emitted since
+        owed = int((generated[active] - seen[active])[met].sum())
         if contender.name == "oracle":
             arm = max(arms, key=lambda a: n * _expected_emit(a, hazard) / _true_seconds(regime, a, n, 0)[0])
         elif contender.arm is None:
             selector = worker.choice.selector
             worker.drafter.version = version
             to_go = int((PROMPT + max_new - generated[active]).sum())
-            plan = worker.choice.plan(n, to_go, lag)
+            plan = worker.choice.plan(n, to_go, owed)
             arm = plan.strategy
-            point = selector.predictions(n, to_go, lag, optimism=0.0)[0].arm
+            point = selector.predictions(n, to_go, owed, optimism=0.0)[0].arm
             contender.off_first += arm != point
         else:
             arm = contender.arm
@@ -209,10 +211,11 @@ def _drain(regime, contender, worker, lengths, hazards, version0, rng, max_new) 
         remaining[active] -= emitted
         generated[active] += emitted
         if worker.choice is not None:
-            outcome = StepOutcome(seconds, draft, capture > 0)
+            one_off = capture > 0 or (arm.uses_model_drafter and not met.all())  # as the engine marks them
+            outcome = StepOutcome(seconds, draft, one_off)
             if arm.speculative:
                 drafted = np.where(depth > 0, depth if arm.shape.is_chain else arm.max_draft_nodes, 0)
-                outcome = StepOutcome(seconds, draft, capture > 0, drafted.tolist(), accepted.tolist())
+                outcome = StepOutcome(seconds, draft, one_off, drafted.tolist(), accepted.tolist())
             worker.choice.record(plan, n, outcome)
             contender.picks[str(arm)] = contender.picks.get(str(arm), 0) + 1
         if arm.uses_model_drafter:
