@@ -165,15 +165,16 @@ class BatchRatio:
         return (len(logs) * statistics.median(logs) + self.bucket_weight * pooled) / (len(logs) + self.bucket_weight)
 
     def value(self, n: int) -> float:
+        if not self.buckets:
+            return self.pooled.value
         pooled = math.log(self.pooled.value)
-        own = batch_bucket(n)
-        if own in self.buckets or not self.buckets:
-            return math.exp(self._log_of(own, pooled) if self.buckets else pooled)
-        known = sorted(self.buckets)
+        if batch_bucket(n) in self.buckets:
+            return math.exp(self._log_of(batch_bucket(n), pooled))
         x = math.log2(max(n, 1))
-        below, above = [b for b in known if b < x], [b for b in known if b > x]
-        if not below or not above:
-            return math.exp(self._log_of((below or above)[-1 if below else 0], pooled))
+        below = [b for b in sorted(self.buckets) if b < x]
+        above = [b for b in sorted(self.buckets) if b > x]
+        if not below or not above:  # past either end: the nearest measured bucket
+            return math.exp(self._log_of(below[-1] if below else above[0], pooled))
         b0, b1 = below[-1], above[0]
         y0, y1 = self._log_of(b0, pooled), self._log_of(b1, pooled)
         return math.exp(y0 + (y1 - y0) * (x - b0) / (b1 - b0))

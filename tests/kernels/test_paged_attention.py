@@ -61,12 +61,10 @@ def plan_of(slices, block_size, positions=None) -> PagedAttentionPlan:
     )
 
 
-@pytest.mark.parametrize(
-    "block_size,heads,kv_heads,head_dim,trees",
-    [(1, 8, 2, 24, True), (1, 4, 2, 16, False), (4, 4, 4, 16, False), (4, 8, 2, 24, True), (16, 4, 2, 16, True)],
-)
-def test_kernel_equals_reference(block_size, heads, kv_heads, head_dim, trees):
-    g = torch.Generator().manual_seed(block_size * 100 + heads * 10 + head_dim + trees)
+def random_case(seed: int, block_size: int, heads: int, kv_heads: int, head_dim: int, trees: bool):
+    """Five sequences of random cached and new lengths (trees on every other one), their plan,
+    and random queries and caches: (q, k, v, plan)."""
+    g = torch.Generator().manual_seed(seed)
     num_blocks = 4 * 100 // block_size + 8
     slices = random_slices(g, 5, block_size, num_blocks, trees)
     slots = num_blocks * block_size
@@ -74,6 +72,16 @@ def test_kernel_equals_reference(block_size, heads, kv_heads, head_dim, trees):
     v = torch.randn(slots, kv_heads, head_dim, generator=g)
     plan = plan_of(slices, block_size)
     q = torch.randn(plan.query_positions.shape[0], heads, head_dim, generator=g)
+    return q, k, v, plan
+
+
+@pytest.mark.parametrize(
+    "block_size,heads,kv_heads,head_dim,trees",
+    [(1, 8, 2, 24, True), (1, 4, 2, 16, False), (4, 4, 4, 16, False), (4, 8, 2, 24, True), (16, 4, 2, 16, True)],
+)
+def test_kernel_equals_reference(block_size, heads, kv_heads, head_dim, trees):
+    seed = block_size * 100 + heads * 10 + head_dim + trees
+    q, k, v, plan = random_case(seed, block_size, heads, kv_heads, head_dim, trees)
     for window in (None, 9):
         want = paged_attention_reference(q, k, v, plan, 0.3, window)
         got = paged_attention_triton(q, k, v, plan, 0.3, window)

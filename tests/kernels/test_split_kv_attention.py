@@ -5,7 +5,7 @@ the kernels run in Triton's interpreter."""
 
 import pytest
 import torch
-from test_paged_attention import plan_of, random_slices
+from test_paged_attention import random_case
 
 from tailspec.kernels.paged_attention import (
     PagedAttentionPlan,
@@ -23,14 +23,8 @@ CPU = torch.device("cpu")
     [(1, 8, 2, 24, 16, True), (2, 8, 2, 24, 16, False), (8, 4, 4, 16, 4, False), (8, 6, 2, 32, 1, True)],
 )
 def test_split_kv_equals_reference(splits, heads, kv_heads, head_dim, block_size, trees):
-    g = torch.Generator().manual_seed(splits * 1000 + heads * 10 + head_dim + trees)
-    num_blocks = 4 * 100 // block_size + 8
-    slices = random_slices(g, 5, block_size, num_blocks, trees)
-    slots = num_blocks * block_size
-    k = torch.randn(slots, kv_heads, head_dim, generator=g)
-    v = torch.randn(slots, kv_heads, head_dim, generator=g)
-    plan = plan_of(slices, block_size)
-    q = torch.randn(plan.query_positions.shape[0], heads, head_dim, generator=g)
+    seed = splits * 1000 + heads * 10 + head_dim + trees
+    q, k, v, plan = random_case(seed, block_size, heads, kv_heads, head_dim, trees)
     for window in (None, 9):
         want = paged_attention_reference(q, k, v, plan, 0.3, window)
         got = paged_attention_split_kv(q, k, v, plan, 0.3, window, num_splits=splits, block_n=16)
