@@ -43,7 +43,7 @@ from .sft import (
     load_shipped,
     long_problems,
 )
-from .tokenizer import build_tokenizer, chat_ids
+from .tokenizer import build_tokenizer, chat_ids, save_beside
 
 logger = logging.getLogger(__name__)
 
@@ -201,6 +201,7 @@ class DeepRecipe:
 def _save_fp16(model: torch.nn.Module, out: Path) -> None:
     """Weights on disk in fp16 (half the bytes); :func:`load_shipped` loads them as fp32."""
     copy.deepcopy(model).to(torch.float16).save_pretrained(out, safe_serialization=True)
+    save_beside(out)
 
 
 def _finetune(model, recipe: DeepRecipe, steps: int, lr: float, tokenizer, out: Path, desc: str, teacher=None) -> None:
@@ -289,7 +290,6 @@ def run_recipe(
     start = time.perf_counter()
     log = _log_command(out, command, stages)
     tiny, tokenizer = load_shipped("tiny", "policy")
-    build_tokenizer().save_pretrained(out / "tokenizer")
     if "policy" in stages:
         grown = grow_depth(tiny, recipe.num_layers, seed=recipe.seed)
         _finetune(grown, recipe, recipe.finetune_steps, recipe.finetune_lr, tokenizer, out / "policy", "fine-tune deep")
@@ -376,8 +376,8 @@ stays for tests). Made on a CPU with no model hub and no external data by (in or
 
 (on {_machine()}; torch {torch.__version__}, transformers {transformers.__version__}; fine-tuning
 {ft.get("wall_s", 0) / 60:.0f} min, distillation {dist.get("wall_s", 0) / 60:.0f} min, head warm-up
-{sum(r["rollout_s"] + r["train_s"] for r in rounds) / 60:.0f} min). Files: `tokenizer/` (the tiny task's), `policy/`,
-`drafter/` (fp16 safetensors, packed losslessly as `model.safetensors.planes.xz` by `tailspec pack-assets`,
+{sum(r["rollout_s"] + r["train_s"] for r in rounds) / 60:.0f} min). Files: `policy/`,
+`drafter/` (whole checkpoints with the tiny task's tokenizer; fp16 safetensors, packed losslessly as `model.safetensors.planes.xz` by `tailspec pack-assets`,
 loaded as fp32 by `tailspec.tasks.sft.load_shipped("deep", "policy" | "drafter")`),
 `eagle3/` (tailspec EAGLE-3 checkpoint, `load_shipped_eagle3("deep")`), `costs.json`, `recipe_log.json`, and per
 model `eval.json` and `sft_metrics.json` (loss curve and recipe).

@@ -33,7 +33,7 @@ from transformers import AutoModelForCausalLM, PreTrainedTokenizerBase, Qwen2Con
 from ..packed_weights import unpacked_dir
 from ..progress import progress_bar
 from .chain_sum import LAYOUTS, ChainSumConfig, ChainSumProblem, extract_answer, sample_problem, sample_problems
-from .tokenizer import build_tokenizer, chat_ids
+from .tokenizer import build_tokenizer, chat_ids, save_beside
 
 logger = logging.getLogger(__name__)
 
@@ -321,6 +321,7 @@ def fit_model(
     if out_dir is not None:
         Path(out_dir).mkdir(parents=True, exist_ok=True)
         model.save_pretrained(out_dir, safe_serialization=True)
+        save_beside(out_dir)
     return metrics
 
 
@@ -459,8 +460,9 @@ def load_shipped(name: str = "tiny", kind: str = "policy", dtype: torch.dtype = 
     root = assets_dir(name)
     if not (root / kind / "config.json").exists():
         raise FileNotFoundError(f"no shipped {kind} at {root / kind}; make it with `{_RECIPES[name]}`")
-    tokenizer = AutoTokenizer.from_pretrained(root / "tokenizer")
-    model = AutoModelForCausalLM.from_pretrained(unpacked_dir(root / kind), dtype=dtype)
+    folder = unpacked_dir(root / kind)  # a whole checkpoint: config, tokenizer, weights
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype)
     return model.eval(), tokenizer
 
 
@@ -493,7 +495,7 @@ external data, by:
 
 (seed {seed}, {threads} CPU thread(s), {precision}, torch {torch_version}, transformers {tf_version};
 wall times on {machine}).
-Files: `tokenizer/`, `policy/`, `drafter/` (each model: `model.safetensors`, `config.json`,
+Files: `policy/`, `drafter/` (each a whole checkpoint: `model.safetensors`, `config.json`, the tokenizer,
 `generation_config.json`, `sft_metrics.json` with the loss curve and config, `eval.json`).
 Load them with `tailspec.tasks.sft.load_tiny("policy")` / `load_tiny("drafter")`; `tailspec pack-assets`
 stores them for shipping (fp16, packed losslessly as `model.safetensors.planes.xz`).
@@ -597,7 +599,6 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     task = ChainSumConfig()
     tokenizer = build_tokenizer()
-    tokenizer.save_pretrained(out / "tokenizer")
 
     eval_seed, long_seed = 10_000 + args.seed, 20_000 + args.seed  # training streams use args.seed
     problems = sample_problems(args.eval_problems, seed=eval_seed, cfg=task)

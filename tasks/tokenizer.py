@@ -5,6 +5,12 @@ ids 0-4 (``<|pad|>`` is 0). Plain ``tokenizer(text)`` adds nothing (no BOS/EOS),
 ``decode`` joins characters without inserting spaces, so ``decode(encode(s)) == s`` for any
 string over the character set. Characters outside the set map to ``<|unk|>``.
 
+It is written as a byte-level BPE without merges: each character's token is named by the GPT-2
+byte alphabet (``" "`` is ``Ġ``, ``"\n"`` is ``Ċ``). The shipped models are Qwen2, for which
+transformers 5 loads ``Qwen2Tokenizer`` from a model folder whatever ``tokenizer_config.json``
+says; that class rebuilds a byte-level pre-tokenizer over the saved vocabulary, so only byte-level
+names give it the same ids as this tokenizer (with plain names it silently drops spaces).
+
 The chat template renders ``<|user|>{question}<|assistant|>{response}<|eos|>``. In transformers
 5.x ``apply_chat_template(..., tokenize=True)`` returns a ``BatchEncoding`` (``return_dict``
 defaults to True); :func:`chat_ids` returns the plain list of ids.
@@ -12,9 +18,10 @@ defaults to True); :func:`chat_ids` returns the plain list of ids.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
-from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 PAD, EOS, USER, ASSISTANT, UNK = "<|pad|>", "<|eos|>", "<|user|>", "<|assistant|>", "<|unk|>"
@@ -35,12 +42,14 @@ CHAT_TEMPLATE = (
 
 def build_tokenizer() -> PreTrainedTokenizerFast:
     """The character-level tokenizer (deterministic: same vocabulary and ids on every call)."""
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS)}
     for ch in CHARACTERS:
-        vocab[ch] = len(vocab)
-    core = Tokenizer(models.WordLevel(vocab, unk_token=UNK))
-    core.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")  # every character, "\n" included
-    core.decoder = decoders.Fuse()
+        ((name, _),) = byte_level.pre_tokenize_str(ch)
+        vocab[name] = len(vocab)
+    core = Tokenizer(models.BPE(vocab, merges=[], unk_token=UNK))
+    core.pre_tokenizer = byte_level
+    core.decoder = decoders.ByteLevel()
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=core,
         pad_token=PAD,
@@ -53,6 +62,12 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
     )
     tokenizer.chat_template = CHAT_TEMPLATE
     return tokenizer
+
+
+def save_beside(model_dir: str | Path) -> None:
+    """The tokenizer's files into a model folder, so that the folder is a whole Hugging Face
+    checkpoint (``AutoTokenizer.from_pretrained`` and ``AutoModelForCausalLM.from_pretrained``)."""
+    build_tokenizer().save_pretrained(model_dir)
 
 
 def chat_ids(

@@ -92,7 +92,7 @@ def test_quick_recipe_writes_every_asset(tmp_path):
         assert "task" in json.loads((tmp_path / kind / "eval.json").read_text())
     assert json.loads((tmp_path / "policy" / "config.json").read_text())["num_hidden_layers"] == 8
     assert (tmp_path / "eagle3" / "model.safetensors").exists()
-    assert (tmp_path / "tokenizer" / "tokenizer.json").exists()
+    assert (tmp_path / "policy" / "tokenizer.json").exists() and (tmp_path / "drafter" / "chat_template.jinja").exists()
     costs = json.loads((tmp_path / "costs.json").read_text())
     assert set(costs) == {"deep policy", "tiny policy"}
     card = (tmp_path / "MODEL_CARD.md").read_text()

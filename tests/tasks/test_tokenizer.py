@@ -86,3 +86,30 @@ def test_save_and_load(tok, tmp_path):
     text = "3+5=8 8+2=10 answer 10"
     assert loaded(text)["input_ids"] == tok(text)["input_ids"]
     assert loaded.decode(loaded(text)["input_ids"]) == text
+
+
+@pytest.mark.parametrize("folder", ["tiny/policy", "tiny/drafter", "deep/policy", "deep/drafter"])
+def test_shipped_folders_load_as_hugging_face_checkpoints(tok, folder):
+    """A user's two calls on the one documented location give the task's ids and a model that
+    continues a task prompt (transformers 5 picks ``Qwen2Tokenizer`` from the config for these)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from tailspec import weights_location
+    from tailspec.tasks.sft import assets_dir
+
+    location = weights_location(assets_dir(folder.split("/")[0]) / folder.split("/")[1])
+    user_tok = AutoTokenizer.from_pretrained(location)
+    model = AutoModelForCausalLM.from_pretrained(location).eval()
+    problems = sample_problems(8, seed=3)
+    for text in [p.question for p in problems] + [p.solution for p in problems] + ["a , b . c ? (d) e:f\ng#h"]:
+        assert user_tok(text)["input_ids"] == tok(text)["input_ids"], text
+        assert user_tok.decode(user_tok(text)["input_ids"]) == text
+    prompt = chat_ids(user_tok, [{"role": "user", "content": problems[0].question}], add_generation_prompt=True)
+    assert prompt == chat_ids(tok, [{"role": "user", "content": problems[0].question}], add_generation_prompt=True)
+    assert (user_tok.pad_token_id, user_tok.eos_token_id) == (tok.pad_token_id, tok.eos_token_id)
+    assert model.config.vocab_size >= len(tok)
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=6, do_sample=False, pad_token_id=tok.pad_token_id)
+    new = out[0, len(prompt) :].tolist()
+    assert tok.unk_token_id not in new and user_tok.decode(new) == tok.decode(new)
