@@ -5,7 +5,7 @@ last emitted token (not yet in the target's KV cache). A chain is a tree in whic
 one child. Node ``i`` was drawn from ``draft_probs[i]`` (the drafter's processed distribution at
 its parent) when the drafter samples, or chosen deterministically (``draft_probs is None``: the
 verifier treats each node as a one-hot draft, which is exact for any deterministic rule, e.g.
-top-k children or n-gram lookups). Verification (``tailspec.rollout.verify``) makes the output
+top-k children or n-gram lookups). Verification (``tailspec.rollout.spec.verify``) makes the output
 distribution exactly the target's whatever the drafter proposes; drafters only affect speed.
 
 ``rollout/`` depends on this module and on nothing in ``drafter/``: the engine gets its drafters
@@ -146,7 +146,7 @@ class SequenceView(Protocol):
 class BranchView:
     """A sequence as it would stand if this round kept ``extra`` (drafted tokens assumed accepted,
     then the assumed correction or bonus token): what a drafter drafts the next round from while the
-    target is still verifying this one (Mirror-SD, ``rollout/mirror.py``). Draws for its drafts come
+    target is still verifying this one (Mirror-SD, ``rollout/mirror/pipeline.py``). Draws for its drafts come
     from the drafter's own stream (``generator`` is None), never the request's."""
 
     generator = None

@@ -132,7 +132,7 @@ def measure_head_cost(model: torch.nn.Module, head: Eagle3Head, context: int = 6
     import time
 
     from ..drafter.eagle3 import Eagle3Drafter
-    from ..rollout.attention import SequenceSlice
+    from ..rollout.model.attention import SequenceSlice
 
     drafter = Eagle3Drafter(head, model, kv_cache_tokens=4 * (context + 16), block_size=16)
     table = drafter.cache.allocator.allocate(drafter.cache.num_blocks)

@@ -22,11 +22,11 @@ import torch
 
 from ..draft_contract import DraftTree
 from ..kernels.paged_attention import PagedAttentionPlan, paged_attention_reference
-from ..rollout.attention import SequenceSlice, build_metadata, paged_attention_forward
 from ..rollout.engine import RolloutEngine
-from ..rollout.kv_cache import KVLayout, PagedKVCache
+from ..rollout.model.attention import SequenceSlice, build_metadata, paged_attention_forward
+from ..rollout.model.kv_cache import KVLayout, PagedKVCache
 from ..rollout.params import RolloutConfig, SamplingParams
-from ..rollout.verify import verify_batch
+from ..rollout.spec.verify import verify_batch
 
 logger = logging.getLogger(__name__)
 
@@ -334,7 +334,7 @@ def kernels_section(timings: Sequence[KernelTiming], engine: Sequence[EngineTimi
     parts = [
         f"Device: {device}. Median of repeated runs after a warm-up that compiles the kernels; the "
         "torch column is what the engine runs without the kernels (verification: the per-sequence "
-        "rule of `rollout/verify.py`; attention: gather over the block tables + SDPA).",
+        "rule of `rollout/spec/verify.py`; attention: gather over the block tables + SDPA).",
         "",
         kernel_table(timings),
     ]

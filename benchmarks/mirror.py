@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from ..drafter.small_lm import SmallLMDrafter
 from ..drafter.streaming import StreamingHeads, fit_streaming_heads
 from ..rollout import RolloutConfig, RolloutEngine, SamplingParams
-from ..rollout.early_exit import exit_agreement
+from ..rollout.model.early_exit import exit_agreement
 from ..rollout.params import DEFAULT_ARMS, SelectorConfig
 from .policies import BenchPolicy, task_prompts, torch_threads
 from .report import pyplot, save_figure
@@ -155,7 +155,7 @@ def _fit_heads(policy: BenchPolicy, cfg: MirrorBenchConfig) -> tuple[StreamingHe
 
 
 def _round_trips(engines: dict[str, RolloutEngine]) -> dict[str, float]:
-    from ..rollout.draft_executor import round_trip_s
+    from ..rollout.mirror.executors import round_trip_s
 
     out = {}
     for engine in engines.values():

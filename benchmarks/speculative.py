@@ -165,8 +165,8 @@ def measure_forward_cost(
 ) -> list[ForwardCost]:
     """Median time of one batch-1 forward over ``context`` cached tokens with ``q`` new tokens:
     what verifying a draft of ``q - 1`` tokens costs relative to one plain decode step."""
-    from ..rollout.attention import SequenceSlice, paged_attention_enabled
-    from ..rollout.model_runner import ModelRunner
+    from ..rollout.model.attention import SequenceSlice, paged_attention_enabled
+    from ..rollout.model.runner import ModelRunner
 
     block = 16
     num_blocks = (context + max(query_tokens)) // block + 2

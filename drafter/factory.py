@@ -78,7 +78,7 @@ def _eagle3_drafter(head: Any, target: torch.nn.Module, s: DraftSettings) -> Dra
 
 
 def _small_lm_drafter(lm: torch.nn.Module, target: torch.nn.Module, s: DraftSettings) -> Drafter:
-    from ..rollout.graph_pool import graph_pool_for
+    from ..rollout.model.graph_pool import graph_pool_for
     from .small_lm import SmallLMDrafter
 
     on_cuda = s.config is not None and next(lm.parameters()).is_cuda

@@ -19,8 +19,8 @@ from functools import partial
 import torch
 from torch import nn
 
-from ..rollout.early_exit import check_exit_layer, final_norm
-from ..rollout.model_runner import capture_layer_inputs
+from ..rollout.model.early_exit import check_exit_layer, final_norm
+from ..rollout.model.runner import capture_layer_inputs
 from .fitting import PartTrainer, StopCheck, frozen
 from .lm_training import SequenceSample, lm_held_out_acceptance
 from .small_lm import SmallLMDrafter

@@ -31,11 +31,11 @@ from functools import partial
 import torch
 
 from ..draft_contract import Drafter, DraftRequest, DraftShape, DraftTree, SequenceView
-from ..rollout.attention import SequenceSlice, paged_attention_enabled
-from ..rollout.draft_executor import weights_bytes
-from ..rollout.graph_pool import GraphPool
-from ..rollout.kv_cache import blocks_for
-from ..rollout.model_runner import ModelRunner
+from ..rollout.mirror.executors import weights_bytes
+from ..rollout.model.attention import SequenceSlice, paged_attention_enabled
+from ..rollout.model.graph_pool import GraphPool
+from ..rollout.model.kv_cache import blocks_for
+from ..rollout.model.runner import ModelRunner
 from .draft_sampling import ChainDrafts, draft_generator
 from .lm_training import versioned_lm
 from .streaming import StreamingHeads
@@ -213,7 +213,7 @@ class SmallLMDrafter(Drafter):
     def rebuild(self) -> Callable[[], SmallLMDrafter]:
         """A picklable builder of a fresh drafter over a copy of this one's model (its class, config
         and weights; no state): what a draft executor in another process runs
-        (``rollout/draft_executor.py``, which sends later weight changes with ``load_weights``)."""
+        (``rollout/mirror/executors.py``, which sends later weight changes with ``load_weights``)."""
         kv_tokens = self.runner.cache.allocator.num_blocks * self.block_size
         structure, weights = self.model_structure(), weights_bytes(self.model)
         heads = (self.heads.hidden_size, len(self.heads), self.heads.state_bytes()) if self.heads is not None else None

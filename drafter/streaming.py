@@ -18,7 +18,7 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-from ..rollout.model_runner import model_device_dtype
+from ..rollout.model.runner import model_device_dtype
 from .fitting import PartTrainer, StopCheck, frozen
 from .lm_training import SequenceSample, drawn_probs, held_out_run, shifted
 

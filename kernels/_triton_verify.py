@@ -2,7 +2,7 @@
 
 One program verifies one sequence's draft tree: the greedy walk, or recursive rejection sampling
 over siblings with residuals, and the final (correction or bonus) token by inverse CDF. The rule
-and its arithmetic are those of ``tailspec.rollout.verify`` (the torch reference); the residual
+and its arithmetic are those of ``tailspec.rollout.spec.verify`` (the torch reference); the residual
 being built lives in a per-sequence scratch row. See ``kernels/tree_verify.py`` for the layout.
 """
 

@@ -5,7 +5,7 @@ sequence a block table, how many tokens were cached before the forward, how many
 (queries) it has and where they start in the packed rows, and optionally a ``[Q, Q]`` mask among
 the new tokens (tree verification; default causal). :func:`paged_attention_reference` is the
 plain torch definition; :func:`paged_attention_triton` launches the Triton kernel. The engine's
-own torch path (``tailspec.rollout.attention``, gather + SDPA) computes the same function.
+own torch path (``tailspec.rollout.model.attention``, gather + SDPA) computes the same function.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ Sequence ``b``'s tree of ``n`` nodes owns ``n + 1`` consecutive scored rows star
 verification forward. Its nodes are stored from ``node_start[b]``; ``first_child`` (per row) and
 ``next_sibling`` (per node) encode the tree in sibling order. ``uniforms`` is aligned with the
 rows: ``uniforms[row_start + c]`` decides node ``c`` and ``uniforms[row_start + n]`` draws the
-final token, so the kernel and the torch reference (``tailspec.rollout.verify``) consume the
+final token, so the kernel and the torch reference (``tailspec.rollout.spec.verify``) consume the
 same random draws and agree exactly on every decision.
 """
 

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .kv_cache import blocks_for
+from .model.kv_cache import blocks_for
 from .params import RolloutConfig, SamplingParams
 from .token_ids import token_id_list
 
@@ -38,7 +38,7 @@ class RequestLimits:
 
     @classmethod
     def of(cls, model: torch.nn.Module, config: RolloutConfig) -> RequestLimits:
-        from .model_runner import model_vocab_size
+        from .model.runner import model_vocab_size
 
         max_len = config.max_model_len or int(getattr(model.config, "max_position_embeddings", 1 << 30))
         return cls(model_vocab_size(model), max_len, config.block_size, config.total_blocks)

@@ -22,29 +22,29 @@ import torch
 
 from ..draft_contract import Drafter, Stateful, drafter_factory
 from . import serving
+from .adaptive.calibration import calibrate_costs
+from .adaptive.choice import DrafterLag, StepOutcome, StrategyChoice
+from .adaptive.cost_model import StepCosts
+from .adaptive.selector import SelectorConfig, StrategySelector
 from .admission import RequestLimits, eos_ids_of, prepare_requests
-from .attention import SequenceSlice
-from .calibration import calibrate_costs
-from .cost_model import StepCosts
-from .draft_executor import DraftExecutor
+from .decode_step import SpeculativeStep
 from .feature_taps import FeatureTaps
-from .graph_pool import capture_seconds, graph_pool_for
 from .handoff import PartialRequest, RequestInbox, ServeUpdate
-from .length_budget import tokens_to_go
-from .mirror import MirrorPipeline
-from .mirror_slot import MirrorSlot
-from .model_runner import ModelRunner
+from .mirror.executors import DraftExecutor
+from .mirror.pipeline import MirrorPipeline
+from .mirror.slot import MirrorSlot
+from .model.attention import SequenceSlice
+from .model.graph_pool import capture_seconds, graph_pool_for
+from .model.runner import ModelRunner
 from .params import RolloutConfig, SamplingParams
 from .prefill import commit_prefill, pack_prefill
 from .request import RequestOutput, Sequence
 from .request_book import RequestBook
 from .sampling import sample_next_tokens, store_prompt_logprobs
 from .scheduler import ScheduledBatch, Scheduler, StepKind
-from .selector import SelectorConfig, StrategySelector
-from .speculation import SpeculativeStep
+from .spec.length_budget import tokens_to_go
 from .stats import EngineStats, StepRecord
 from .strategy import Strategy
-from .strategy_choice import DrafterLag, StepOutcome, StrategyChoice
 
 __all__ = ["EngineStats", "RequestLimits", "RolloutEngine", "StepRecord", "eos_ids_of", "prepare_requests"]
 
@@ -145,7 +145,7 @@ class RolloutEngine:
         return self.mirrors.hostable(self.choice.arms, bool(self.taps.layers))
 
     def use_draft_executor(self, executor: DraftExecutor | None) -> None:
-        """Mirror steps draft on ``executor`` (a :class:`PeerExecutor`: another worker's draft host)
+        """Mirror steps draft on ``executor`` (a ``workers.draft_hosts.PeerExecutor``: another worker's draft host)
         from the next step on; None: on the engine's own executor again. Safe to call from another
         thread: the switch happens between steps."""
         self.mirrors.use_executor(executor)
@@ -167,7 +167,7 @@ class RolloutEngine:
             self.suffix_drafter.load_state_dict(state["suffix"])
 
     def _calibrate(self, config: SelectorConfig, arms: Seq[Strategy], fresh: bool) -> StepCosts:
-        """The adaptive selector's step costs, timed on this engine's model (``rollout/calibration.py``)."""
+        """The adaptive selector's step costs, timed on this engine's model (``rollout/adaptive/calibration.py``)."""
         cfg = self.config
         return calibrate_costs(self.runner, config, arms, cfg.block_size, cfg.max_num_seqs, cfg.kernels, fresh)
 

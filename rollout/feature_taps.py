@@ -8,8 +8,8 @@ from __future__ import annotations
 import torch
 
 from ..draft_contract import Drafter
-from .mirror_slot import MirrorSlot
-from .model_runner import ModelRunner
+from .mirror.slot import MirrorSlot
+from .model.runner import ModelRunner
 from .prefill import Observed
 
 

@@ -15,7 +15,7 @@ from ..kernels.dispatch import BACKEND_CHOICES
 from .strategy import parse_strategy
 from .token_ids import token_id_list
 
-EXECUTORS = ("auto", "inline", "thread", "stream", "device", "process", "ray")  # rollout/draft_executor.py
+EXECUTORS = ("auto", "inline", "thread", "stream", "device", "process", "ray")  # rollout/mirror/executors.py
 
 DEFAULT_ARMS = ("none", "chain:2", "chain:4", "tree:4,2,8", "suffix", "hybrid:4,2,12")
 
@@ -155,10 +155,10 @@ class SamplingParams:
 
 @dataclass
 class MirrorConfig:
-    """How mirror strategies (``mirror:S,k=N``, ``rollout/mirror.py``) draft beside the target.
+    """How mirror strategies (``mirror:S,k=N``, ``rollout/mirror/pipeline.py``) draft beside the target.
 
     ``exit_layer``: decoder layers the target runs before its early exit (None = half of them).
-    ``executor``: where the drafter runs beside it (``rollout/draft_executor.py``): ``auto``
+    ``executor``: where the drafter runs beside it (``rollout/mirror/executors.py``): ``auto``
     (``stream``/``device`` on CUDA, ``process`` on CPU), ``inline``, ``thread``, ``stream``,
     ``device``, ``process`` or ``ray`` (an actor on the running Ray cluster).
     ``draft_threads``: torch threads of the ``process`` and ``ray`` executors.
@@ -221,7 +221,7 @@ class RolloutConfig:
     # the same tokens (multi-turn, ATTS); dropped whenever the model's parameters change
     prefix_caching: bool = False
     tail_fraction: float = 0.25  # a step is "in the tail" when active sequences <= this x the wave's peak
-    # length-aware draft budget (rollout/length_budget.py): in a speculative step only sequences whose
+    # length-aware draft budget (rollout/spec/length_budget.py): in a speculative step only sequences whose
     # expected remaining length is >= this x the batch's longest draft (0 = every sequence drafts);
     # needs predicted lengths (the Ray coordinator sends its length predictor's with every request)
     length_budget: float = 0.0

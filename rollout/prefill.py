@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from .attention import SequenceSlice
+from .model.attention import SequenceSlice
 from .request import Sequence
 from .scheduler import ScheduledBatch
 

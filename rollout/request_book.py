@@ -8,7 +8,7 @@ from collections.abc import Sequence as Seq
 from ..draft_contract import Drafter
 from .admission import RequestLimits
 from .handoff import PartialRequest
-from .mirror_slot import MirrorSlot
+from .mirror.slot import MirrorSlot
 from .params import SamplingParams
 from .request import FinishReason, RequestOutput, SeqStatus, Sequence
 from .scheduler import Scheduler

@@ -15,7 +15,7 @@ import enum
 from collections import deque
 from dataclasses import dataclass, field
 
-from .kv_cache import BlockAllocator, blocks_for, prefix_hashes
+from .model.kv_cache import BlockAllocator, blocks_for, prefix_hashes
 from .request import SeqStatus, Sequence
 
 

@@ -5,7 +5,18 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field, fields
 
-from .speculative import SpecStepRecord
+
+@dataclass
+class SpecStepRecord:
+    """What one speculative step did (kept in ``EngineStats.spec_log``)."""
+
+    strategy: str
+    batch_size: int
+    drafted: int
+    accepted: int
+    emitted: int
+    draft_s: float
+    verify_s: float
 
 
 @dataclass(frozen=True)

@@ -15,9 +15,9 @@
                          drafted serially when needed, and meanwhile the next round's draft
                          made beside the verification forward: the drafter's own continuation
                          of a chain, and N guesses from the target's early exit
-                         (``rollout/mirror.py``; N in [0, 4])
+                         (``rollout/mirror/pipeline.py``; N in [0, 4])
 ``adaptive``             a per-step choice among arms (``RolloutConfig.selector.arms``)
-                         by measured goodput (:mod:`tailspec.rollout.selector`)
+                         by measured goodput (:mod:`tailspec.rollout.adaptive.selector`)
 =======================  ===========================================================
 
 One strategy runs per batch step; the engine can switch between steps

@@ -43,7 +43,7 @@ from .sft import (
     load_shipped,
     long_problems,
 )
-from .tokenizer import build_tokenizer, chat_ids, save_beside
+from .tokenizer import chat_ids, save_beside
 
 logger = logging.getLogger(__name__)
 
@@ -377,7 +377,8 @@ stays for tests). Made on a CPU with no model hub and no external data by (in or
 (on {_machine()}; torch {torch.__version__}, transformers {transformers.__version__}; fine-tuning
 {ft.get("wall_s", 0) / 60:.0f} min, distillation {dist.get("wall_s", 0) / 60:.0f} min, head warm-up
 {sum(r["rollout_s"] + r["train_s"] for r in rounds) / 60:.0f} min). Files: `policy/`,
-`drafter/` (whole checkpoints with the tiny task's tokenizer; fp16 safetensors, packed losslessly as `model.safetensors.planes.xz` by `tailspec pack-assets`,
+`drafter/` (whole checkpoints with the tiny task's tokenizer; fp16 safetensors, packed losslessly as
+`model.safetensors.planes.xz` by `tailspec pack-assets`,
 loaded as fp32 by `tailspec.tasks.sft.load_shipped("deep", "policy" | "drafter")`),
 `eagle3/` (tailspec EAGLE-3 checkpoint, `load_shipped_eagle3("deep")`), `costs.json`, `recipe_log.json`, and per
 model `eval.json` and `sft_metrics.json` (loss curve and recipe).

@@ -19,12 +19,12 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..rollout.acceptance import AcceptanceBook
-from ..rollout.cost_model import ForwardTable, StepCosts, calibrate, calibration_shapes
-from ..rollout.graph_pool import _round_up
+from ..rollout.adaptive.acceptance import AcceptanceBook
+from ..rollout.adaptive.choice import StepOutcome, StrategyChoice
+from ..rollout.adaptive.cost_model import ForwardTable, StepCosts, calibrate, calibration_shapes
+from ..rollout.model.graph_pool import _round_up
 from ..rollout.params import DEFAULT_ARMS, RolloutConfig, SelectorConfig
 from ..rollout.strategy import Strategy, parse_strategy
-from ..rollout.strategy_choice import StepOutcome, StrategyChoice
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32)

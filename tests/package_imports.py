@@ -7,6 +7,13 @@ import ast
 def imported_units(source: str, package: list[str]) -> set[str]:
     """The units (top-level modules or packages of tailspec, e.g. ``rollout``) that ``source``, a
     module of the package ``package`` (``["tailspec", "rollout"]``), imports."""
+    return {t[0] for t in imported_modules(source, package)}
+
+
+def imported_modules(source: str, package: list[str]) -> set[tuple[str, ...]]:
+    """What ``source`` imports from tailspec, as dotted paths under it (``("rollout", "model",
+    "runner")``; for ``from .x import name`` the path ends with ``x``, or with ``name`` when it
+    imports from a package's face)."""
     targets = []
     for node in ast.walk(ast.parse(source)):
         if isinstance(node, ast.ImportFrom) and node.level:
@@ -19,4 +26,4 @@ def imported_units(source: str, package: list[str]) -> set[str]:
             targets.append(node.module.split("."))
         elif isinstance(node, ast.Import):
             targets += [alias.name.split(".") for alias in node.names if alias.name.startswith("tailspec.")]
-    return {t[1] for t in targets if len(t) > 1}
+    return {tuple(t[1:]) for t in targets if len(t) > 1}

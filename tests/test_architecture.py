@@ -4,7 +4,7 @@ runs back up and no circle can form between units."""
 
 from pathlib import Path
 
-from package_imports import imported_units
+from package_imports import imported_modules, imported_units
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -59,3 +59,35 @@ def test_no_import_runs_back_up():
 def test_the_rollout_engine_reaches_drafters_only_by_name():
     """rollout/ never imports drafter/: the contract names the factory, imported when first needed."""
     assert not any("drafter" in _imported_units(rel) for rel in _modules() if rel.parts[0] == "rollout")
+
+
+# rollout/'s rooms: model/ at the ground (it imports no other rollout module), the step loop's
+# modules at the top, and between them spec/, mirror/ (over spec/) and adaptive/
+STEP_LOOP = {"engine", "serving", "decode_step", "request_book", "feature_taps", "prefill"}
+NOT_FROM = {
+    "spec": {"mirror", "adaptive", *STEP_LOOP},
+    "mirror": {"adaptive", *STEP_LOOP},
+    "adaptive": {"spec", "mirror", *STEP_LOOP},
+}
+
+
+def _rollout_imports(rel: Path) -> set[str]:
+    """The rollout modules or subpackages (first name under rollout/) that ``rel`` imports."""
+    found = imported_modules((ROOT / rel).read_text(), ["tailspec", *rel.parent.parts])
+    return {t[1] for t in found if t[0] == "rollout" and len(t) > 1}
+
+
+def test_rollout_rooms_import_downwards():
+    wrong = []
+    for rel in _modules():
+        if rel.parts[0] == "rollout" and len(rel.parts) == 3:
+            room, imported = rel.parts[1], _rollout_imports(rel) - {rel.parts[1]}
+            for name in imported if room == "model" else imported & NOT_FROM[room]:
+                wrong.append(f"{rel} imports rollout.{name}")
+    assert not wrong, "\n".join(wrong)
+
+
+def test_rollout_config_imports_no_implementation():
+    """params.py and strategy.py (what users configure) import only each other and token ids."""
+    for name in ("params", "strategy"):
+        assert _rollout_imports(Path("rollout") / f"{name}.py") <= {"params", "strategy", "token_ids"}, name

@@ -47,7 +47,7 @@ from ..config_tree import require
 from ..drafter.eagle3 import Eagle3Head
 from ..drafter.learning import learner_for
 from ..drafter.online import DrafterState, TrainedPart
-from ..rollout.acceptance import AcceptanceBook
+from ..rollout.adaptive.acceptance import AcceptanceBook
 from ..rollout.admission import RequestLimits, prepare_requests
 from ..rollout.params import RolloutConfig, SamplingParams
 from ..rollout.request import RequestOutput

@@ -1,7 +1,7 @@
 """Mirror-SD across workers: a worker the long tail leaves idle drafts for one that still decodes.
 
 A worker whose engine runs mirror steps drafts its next round's branches beside its verification
-forward (``rollout/mirror.py``); where that worker has no spare compute of its own (a GPU busy
+forward (``rollout/mirror/pipeline.py``); where that worker has no spare compute of its own (a GPU busy
 with the target), the branches can be drafted by a worker that has finished its rollout work.
 :class:`DraftHostPairs` makes those pairs during a rollout: each idle worker (while no work
 waits) hosts the busiest unpaired worker's drafts; a pair ends when the busy worker's session
@@ -16,6 +16,9 @@ import itertools
 import logging
 from collections.abc import Callable, Iterable
 from typing import Any
+
+from ..draft_contract import Drafter
+from ..rollout.mirror.executors import ActorExecutor
 
 logger = logging.getLogger(__name__)
 
@@ -81,3 +84,23 @@ class DraftHostPairs:
     def unpair_all(self) -> set[int]:
         """End every pair; returns the freed hosts."""
         return {h for h in (self.unpair(w) for w in list(self.host_of)) if h is not None}
+
+
+class PeerExecutor(ActorExecutor):
+    """Drafts on a draft host inside another rollout worker (``RolloutWorker.host_drafts``), one
+    that has finished its rollout work while this one still decodes: its spare CPU or GPU drafts
+    this worker's branches. ``pairing`` names the pairing (the host starts a fresh drafter for a
+    new one); commands are numbered, since the host is a threaded actor. Closing leaves the
+    worker running; only the host's drafter state is dropped (at the next pairing)."""
+
+    name = "peer"
+    failure = "the peer draft host failed"
+
+    def __init__(self, actor: Any, pairing: int, source: Drafter | None = None) -> None:
+        super().__init__(source)
+        self._actor = actor
+        self.pairing = pairing
+        self._numbers = itertools.count()
+
+    def _send(self, command: str, args: tuple) -> Any:
+        return self._actor.host_drafts.remote(self.pairing, next(self._numbers), command, args)

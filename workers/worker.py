@@ -274,7 +274,7 @@ class RolloutWorker:
         """Draft this worker's mirror branches on ``host`` (another worker's actor, idle in the
         tail) from the next step on; None: on this worker's own executor again. False (and nothing
         changes) when this worker's engine has no mirror steps to hand over."""
-        from ..rollout.draft_executor import PeerExecutor
+        from .draft_hosts import PeerExecutor
 
         if host is None:
             self.engine.use_draft_executor(None)
@@ -289,7 +289,7 @@ class RolloutWorker:
     def host_drafts(self, pairing: int, number: int, command: str, args: tuple):
         """One command of a busy worker's :class:`PeerExecutor`: this worker's spare compute drafts
         that worker's branches, with a drafter built from its own copy (fresh for each pairing)."""
-        from ..rollout.draft_executor import ExecutorError, SequencedHost
+        from ..rollout.mirror.executors import ExecutorError, SequencedHost
 
         with self._lock:
             if self._draft_host is None or self._draft_host[0] < pairing:

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ...rollout.graph_pool import capture_seconds
+from ...rollout.model.graph_pool import capture_seconds
 from ...rollout.params import DEFAULT_ARMS, SamplingParams
 from ...rollout.strategy import parse_strategy
 from ...tasks.sft import load_shipped

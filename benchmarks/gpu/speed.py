@@ -13,7 +13,7 @@ import torch
 
 from ...kernels.dispatch import KERNELS, resolve_backend
 from ...rollout.engine import RolloutEngine
-from ...rollout.graph_pool import capture_seconds
+from ...rollout.model.graph_pool import capture_seconds
 from ...rollout.params import RolloutConfig, SamplingParams
 from ...tasks.grow import grow_policy
 from ...tasks.sft import load_shipped

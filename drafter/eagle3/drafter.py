@@ -32,9 +32,9 @@ from functools import partial
 import torch
 
 from ...draft_contract import Drafter, DraftRequest, DraftShape, DraftTree, SequenceView
-from ...rollout.attention import METADATA_KWARG, SequenceSlice, build_metadata, paged_attention_forward
-from ...rollout.kv_cache import KVLayout, PagedKVCache, blocks_for
-from ...rollout.model_runner import model_device_dtype
+from ...rollout.model.attention import METADATA_KWARG, SequenceSlice, build_metadata, paged_attention_forward
+from ...rollout.model.kv_cache import KVLayout, PagedKVCache, blocks_for
+from ...rollout.model.runner import model_device_dtype
 from ..draft_sampling import ChainDrafts, draft_generator
 from ..tree_search import LevelInput, grow_trees
 from .data import FeatureBuffer, SequenceRecorder

@@ -9,8 +9,13 @@ import pytest
 import torch
 
 from tailspec.kernels.paged_attention import PagedAttentionPlan, paged_attention_reference, paged_attention_triton
-from tailspec.rollout.attention import SequenceSlice, build_metadata, build_padded_metadata, paged_attention_forward
-from tailspec.rollout.kv_cache import KVLayout, PagedKVCache
+from tailspec.rollout.model.attention import (
+    SequenceSlice,
+    build_metadata,
+    build_padded_metadata,
+    paged_attention_forward,
+)
+from tailspec.rollout.model.kv_cache import KVLayout, PagedKVCache
 
 pytest.importorskip("triton")
 

@@ -1,4 +1,4 @@
-"""The fused Triton verification kernel against the torch reference (``rollout/verify.py``):
+"""The fused Triton verification kernel against the torch reference (``rollout/spec/verify.py``):
 given the same random draws, every accept decision, accepted path and final token is equal.
 Without CUDA the kernel runs in Triton's interpreter."""
 
@@ -7,7 +7,7 @@ import torch
 
 from tailspec.draft_contract import DraftTree
 from tailspec.kernels.tree_verify import pack_trees
-from tailspec.rollout.verify import verify_batch
+from tailspec.rollout.spec.verify import verify_batch
 
 pytest.importorskip("triton")
 

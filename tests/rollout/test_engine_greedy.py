@@ -9,7 +9,7 @@ import torch
 from conftest import EOS, cached_model, hf_greedy, random_prompts
 
 from tailspec.rollout import RolloutConfig, RolloutEngine, SamplingParams
-from tailspec.rollout.kv_cache import blocks_for
+from tailspec.rollout.model.kv_cache import blocks_for
 from tailspec.testing import ARCHITECTURES
 
 MAX_NEW = 24

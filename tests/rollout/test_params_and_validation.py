@@ -6,7 +6,7 @@ import torch
 from conftest import EOS, VOCAB, cached_model, hf_greedy, random_prompts
 
 from tailspec.rollout import RolloutConfig, RolloutEngine, SamplingParams
-from tailspec.rollout.kv_cache import blocks_for
+from tailspec.rollout.model.kv_cache import blocks_for
 
 MAX_NEW = 16
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=MAX_NEW)

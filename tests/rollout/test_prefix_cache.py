@@ -6,7 +6,7 @@ import torch
 from conftest import cached_model, hf_greedy, random_prompts
 
 from tailspec.rollout import RolloutConfig, RolloutEngine, SamplingParams
-from tailspec.rollout.kv_cache import BlockAllocator, prefix_hashes
+from tailspec.rollout.model.kv_cache import BlockAllocator, prefix_hashes
 
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=10)
 

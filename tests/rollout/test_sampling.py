@@ -16,7 +16,7 @@ from transformers.generation.logits_process import (
 )
 
 from tailspec.rollout import RolloutConfig, RolloutEngine, SamplingParams
-from tailspec.rollout.kv_cache import blocks_for
+from tailspec.rollout.model.kv_cache import blocks_for
 from tailspec.rollout.sampling import (
     BatchSamplingTensors,
     choose_tokens,

@@ -15,7 +15,7 @@ from conftest import chi_square_pvalue
 from tailspec.drafter.eagle3 import Eagle3Config, Eagle3Drafter, Eagle3Head
 from tailspec.kernels.dispatch import kernel_backend
 from tailspec.rollout import RolloutConfig, RolloutEngine, SamplingParams
-from tailspec.rollout import verify as verify_module
+from tailspec.rollout.spec import verify as verify_module
 from tailspec.testing import exact_joint_of_tokens_2_and_3 as exact_joint
 from tailspec.testing import perturbed_copy, processed_probs, tiny_random_model
 

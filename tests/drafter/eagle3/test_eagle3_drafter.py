@@ -161,7 +161,7 @@ def test_paged_drafting_equals_the_unrolled_training_forward():
             for k in range(1, steps):
                 if t + k + 1 >= n:
                     break
-                from tailspec.rollout.attention import SequenceSlice
+                from tailspec.rollout.model.attention import SequenceSlice
 
                 position = t + k
                 hidden, logits = drafter._run(

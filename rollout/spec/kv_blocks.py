@@ -12,27 +12,13 @@ hands the blocks that held rejected drafts back to the pool.
 from __future__ import annotations
 
 from collections.abc import Sequence as Seq
-from dataclasses import dataclass
 
 import torch
 
-from ..draft_contract import DraftShape, DraftTree
-from .attention import SequenceSlice
-from .kv_cache import BlockAllocator, PagedKVCache, blocks_for, slot_of
-from .request import Sequence
-
-
-@dataclass
-class SpecStepRecord:
-    """What one speculative step did (the adaptive selector learns from these)."""
-
-    strategy: str
-    batch_size: int
-    drafted: int
-    accepted: int
-    emitted: int
-    draft_s: float
-    verify_s: float
+from ...draft_contract import DraftShape, DraftTree
+from ..model.attention import SequenceSlice
+from ..model.kv_cache import BlockAllocator, PagedKVCache, blocks_for, slot_of
+from ..request import Sequence
 
 
 def max_draft_depth(seq: Sequence, shape: DraftShape) -> int:

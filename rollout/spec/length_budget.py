@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence as Seq
 
-from .request import Sequence
+from ..request import Sequence
 
 
 def expected_remaining(seq: Sequence) -> float:

@@ -15,15 +15,15 @@ from contextlib import contextmanager, nullcontext
 
 import torch
 
-from ..draft_contract import Drafter, DraftTree, Portable
-from .draft_executor import DraftExecutor, ExecutorError, make_executor
-from .early_exit import check_exit_layer
-from .kv_cache import BlockAllocator
-from .mirror import MirrorPipeline
-from .model_runner import ModelRunner, decoder_layers, model_device_dtype
-from .params import MirrorConfig
-from .request import Sequence
-from .strategy import Strategy
+from ...draft_contract import Drafter, DraftTree, Portable
+from ..model.early_exit import check_exit_layer
+from ..model.kv_cache import BlockAllocator
+from ..model.runner import ModelRunner, decoder_layers, model_device_dtype
+from ..params import MirrorConfig
+from ..request import Sequence
+from ..strategy import Strategy
+from .executors import DraftExecutor, ExecutorError, make_executor
+from .pipeline import MirrorPipeline
 
 
 class MirrorSlot:

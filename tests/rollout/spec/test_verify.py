@@ -7,8 +7,8 @@ import torch
 from conftest import chi_square_pvalue
 
 from tailspec.draft_contract import DraftTree
-from tailspec.rollout import verify as verify_module
-from tailspec.rollout.verify import residual, verify_greedy, verify_sampled
+from tailspec.rollout.spec import verify as verify_module
+from tailspec.rollout.spec.verify import residual, verify_greedy, verify_sampled
 
 V = 6
 N = 12000  # samples per check: enough that both wrong rules below fail by a wide margin

@@ -1,5 +1,5 @@
 """Which strategy each decode step runs: the configured one, or, for ``adaptive``, the selector's
-pick from calibrated step costs and pooled acceptance (``rollout/selector.py``), with what each
+pick from calibrated step costs and pooled acceptance (``rollout/adaptive/selector.py``), with what each
 step teaches it.
 
 The engine asks :meth:`StrategyChoice.plan` before a decode step and hands the step's outcome to
@@ -15,11 +15,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ..draft_contract import Drafter, Versioned
+from ...draft_contract import Drafter, Versioned
+from ..params import RolloutConfig
+from ..strategy import Strategy, parse_strategy
 from .cost_model import StepCosts
-from .params import RolloutConfig
 from .selector import SelectorConfig, StrategySelector
-from .strategy import Strategy, parse_strategy
 
 logger = logging.getLogger(__name__)
 

@@ -6,7 +6,7 @@ import torch
 from conftest import cached_model, random_prompts
 
 from tailspec.rollout import RolloutConfig, RolloutEngine, SamplingParams
-from tailspec.rollout.graph_pool import EagerBackend, GraphKey, GraphPool
+from tailspec.rollout.model.graph_pool import EagerBackend, GraphKey, GraphPool
 from tailspec.testing import perturbed_copy
 
 

@@ -12,7 +12,7 @@ from test_spec_greedy import good_drafter
 
 from tailspec.drafter.small_lm import SmallLMDrafter
 from tailspec.rollout import RolloutConfig, RolloutEngine, SamplingParams
-from tailspec.rollout.draft_executor import ExecutorError, InlineExecutor, SequencedHost
+from tailspec.rollout.mirror.executors import ExecutorError, InlineExecutor, SequencedHost
 from tailspec.rollout.params import MirrorConfig
 
 ARCH = "llama"
@@ -111,7 +111,7 @@ def test_a_sequenced_host_handles_commands_in_the_order_they_were_sent():
 
 
 def test_a_drafter_that_cannot_be_rebuilt_elsewhere_is_refused_a_process_by_name():
-    from tailspec.rollout.draft_executor import make_executor
+    from tailspec.rollout.mirror.executors import make_executor
 
     drafter = SmallLMDrafter(good_drafter(ARCH))
     for kind in ("process", "ray"):
@@ -206,7 +206,7 @@ def test_a_draft_process_that_dies_while_starting_is_an_error_within_seconds():
     import functools
     import os
 
-    from tailspec.rollout.draft_executor import ProcessExecutor
+    from tailspec.rollout.mirror.executors import ProcessExecutor
 
     with pytest.raises(ExecutorError, match=r"died \(exit code 3\)"):  # not "did not start within"
         ProcessExecutor(functools.partial(os._exit, 3), start_timeout_s=3600)

@@ -3,7 +3,7 @@
 In the same forward that is running (no second pass over the early layers), a pre-hook on layer
 ``L`` takes the hidden states of the rows asked for, applies the model's own final norm and LM
 head (Kangaroo / LayerSkip style, with no adapter), and hands the ``k`` best tokens per row to a
-callback before layers ``L .. N-1`` run. Mirror speculative decoding (``rollout/mirror.py``)
+callback before layers ``L .. N-1`` run. Mirror speculative decoding (``rollout/mirror/pipeline.py``)
 starts drafting from this signal while the rest of the forward runs.
 """
 
@@ -14,7 +14,7 @@ from contextlib import contextmanager
 
 import torch
 
-from .model_runner import decoder_layers, decoder_of
+from .runner import decoder_layers, decoder_of
 
 
 def final_norm(model: torch.nn.Module) -> torch.nn.Module:

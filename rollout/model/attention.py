@@ -18,8 +18,8 @@ import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface, PretrainedConfig
 
-from ..kernels.dispatch import resolve_backend
-from ..kernels.paged_attention import PagedAttentionPlan, paged_attention_split_kv, paged_attention_triton
+from ...kernels.dispatch import resolve_backend
+from ...kernels.paged_attention import PagedAttentionPlan, paged_attention_split_kv, paged_attention_triton
 from .kv_cache import PagedKVCache
 
 SPLIT_KV_MAX_NEW = 32  # new tokens per sequence up to which the split-KV kernel serves a Triton plan

@@ -3,13 +3,13 @@
 A mirror step (strategy ``mirror:S,k=N``) runs like any speculative step, with two additions:
 
 1. **overlap**: beside the verification forward the draft executor
-   (``rollout/draft_executor.py``) drafts *branches*, each a whole draft of shape ``S`` for the
+   (``rollout/mirror/executors.py``) drafts *branches*, each a whole draft of shape ``S`` for the
    sequence as it would stand if the round emitted some guessed tokens:
 
    * from the start of the forward, the drafter's own **continuation** of each chain
      (PEARL-style post-verify): assume the chain is accepted whole and let the drafter go on, its
      own next token standing for the target's bonus token;
-   * at the forward's **early exit** (after ``exit_layer`` layers, ``rollout/early_exit.py``)
+   * at the forward's **early exit** (after ``exit_layer`` layers, ``rollout/model/early_exit.py``)
      ``N`` more guesses from the target's own top candidates (:func:`plan_branches`: the whole
      draft plus a bonus candidate, and with ``N > 1`` the rejection the early exit predicts).
 2. **settle**: after verification, a branch whose assumed tokens are exactly the tokens the round
@@ -36,14 +36,14 @@ from collections.abc import Sequence as Seq
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
-from ..draft_contract import BranchView, Drafter, DraftRequest, DraftShape, DraftTree
-from .draft_executor import DraftExecutor, ExecutorError
-from .early_exit import EarlyExit
-from .kv_cache import BlockAllocator
-from .request import Sequence
-from .spec_step import propose
-from .speculative import fit_draft, max_draft_depth
-from .strategy import Strategy
+from ...draft_contract import BranchView, Drafter, DraftRequest, DraftShape, DraftTree
+from ..model.early_exit import EarlyExit
+from ..model.kv_cache import BlockAllocator
+from ..request import Sequence
+from ..spec.kv_blocks import fit_draft, max_draft_depth
+from ..spec.step import propose
+from ..strategy import Strategy
+from .executors import DraftExecutor, ExecutorError
 
 logger = logging.getLogger(__name__)
 

@@ -1,5 +1,5 @@
 """Times the target's verification forward per shape for the selector's cost model
-(``rollout/cost_model.py``), on scratch KV blocks taken from the free pool and given back.
+(``rollout/adaptive/cost_model.py``), on scratch KV blocks taken from the free pool and given back.
 
 Under a graph pool each shape is padded to its bucket and run once before timing (the capture), so
 what is timed are replays, and the graphs a rollout needs are held before it starts.
@@ -13,12 +13,12 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from .attention import SequenceSlice
+from ..model.attention import SequenceSlice
+from ..model.kv_cache import blocks_for
+from ..model.runner import ModelRunner
+from ..strategy import Strategy
 from .cost_model import ForwardTable, Pad, StepCosts, calibrate, calibration_shapes
-from .kv_cache import blocks_for
-from .model_runner import ModelRunner
 from .selector import SelectorConfig
-from .strategy import Strategy
 
 logger = logging.getLogger(__name__)
 

@@ -27,7 +27,7 @@ from bisect import bisect_left
 from collections import deque
 from collections.abc import Callable, Iterable
 
-from .strategy import Strategy
+from ..strategy import Strategy
 
 Shape = tuple[int, int]  # (sequences, tokens per sequence)
 Pad = Callable[[int, int], Shape]

@@ -7,7 +7,7 @@
              must observe
 
 The engine runs the target forward between ``propose`` and ``verify`` and finishes sequences
-after ``commit``. Why the output is exactly the target's: ``rollout/verify.py``.
+after ``commit``. Why the output is exactly the target's: ``rollout/spec/verify.py``.
 """
 
 from __future__ import annotations
@@ -18,12 +18,12 @@ from itertools import accumulate
 
 import torch
 
-from ..draft_contract import EMPTY_DRAFT, Drafter, DraftRequest, DraftShape, DraftTree
-from .kv_cache import BlockAllocator, PagedKVCache
-from .position_noise import keyed_scores
-from .request import Sequence
-from .sampling import BatchSamplingTensors, draw_uniforms, processed_logprobs
-from .speculative import fit_draft, keep_accepted_kv, max_draft_depth
+from ...draft_contract import EMPTY_DRAFT, Drafter, DraftRequest, DraftShape, DraftTree
+from ..model.kv_cache import BlockAllocator, PagedKVCache
+from ..position_noise import keyed_scores
+from ..request import Sequence
+from ..sampling import BatchSamplingTensors, draw_uniforms, processed_logprobs
+from .kv_blocks import fit_draft, keep_accepted_kv, max_draft_depth
 from .verify import Verdict, verify_batch
 
 

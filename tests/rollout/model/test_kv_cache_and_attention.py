@@ -2,9 +2,9 @@ import pytest
 import torch
 from conftest import cached_model
 
-from tailspec.rollout.attention import SequenceSlice, build_metadata, paged_attention_enabled
-from tailspec.rollout.kv_cache import BlockAllocator, KVLayout, OutOfBlocks, PagedKVCache, blocks_for
-from tailspec.rollout.model_runner import ModelRunner
+from tailspec.rollout.model.attention import SequenceSlice, build_metadata, paged_attention_enabled
+from tailspec.rollout.model.kv_cache import BlockAllocator, KVLayout, OutOfBlocks, PagedKVCache, blocks_for
+from tailspec.rollout.model.runner import ModelRunner
 
 
 def test_allocator_refcounts():

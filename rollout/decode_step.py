@@ -1,11 +1,11 @@
 """The engine's speculative decode step, as gpt-fast reads it: drafts -> target forward -> verify ->
-accept -> commit (the four functions of ``rollout/spec_step.py``); each sequence advances by its own
-accepted length. Why the output is exactly the target's: ``rollout/verify.py``.
+accept -> commit (the four functions of ``rollout/spec/step.py``); each sequence advances by its own
+accepted length. Why the output is exactly the target's: ``rollout/spec/verify.py``.
 
 The drafts come from one of two sources behind :meth:`SpeculativeStep._drafts`: serially from the
 engine's drafters (chain, tree, suffix, hybrid; on the running mirror pipeline's drafter where one
 runs, ``MirrorSlot.serial_drafts``), or from the mirror pipeline, which drafts the next round's
-beside the verification forward (``rollout/mirror.py``). Which strategy a step runs is
+beside the verification forward (``rollout/mirror/pipeline.py``). Which strategy a step runs is
 ``StrategyChoice``'s; this module runs the step it is given.
 """
 
@@ -18,16 +18,16 @@ from dataclasses import dataclass
 import torch
 
 from ..draft_contract import Drafter, DraftTree
-from .acceptance import first_branch
+from .adaptive.acceptance import first_branch
 from .feature_taps import FeatureTaps
-from .length_budget import drafting_mask
-from .mirror import MirrorPipeline
-from .mirror_slot import MirrorSlot
-from .model_runner import ModelRunner
+from .mirror.pipeline import MirrorPipeline
+from .mirror.slot import MirrorSlot
+from .model.runner import ModelRunner
 from .params import RolloutConfig
 from .request import Sequence
-from .spec_step import accept, commit, propose, verify
-from .speculative import pack_verify_batch, release_unused_blocks
+from .spec.kv_blocks import pack_verify_batch, release_unused_blocks
+from .spec.length_budget import drafting_mask
+from .spec.step import accept, commit, propose, verify
 from .stats import EngineStats
 from .strategy import Strategy
 

@@ -1,4 +1,4 @@
-"""Where a model drafter runs when it drafts beside the target (Mirror-SD, ``rollout/mirror.py``).
+"""Where a model drafter runs when it drafts beside the target (Mirror-SD, ``rollout/mirror/pipeline.py``).
 
 An executor offers the drafter for the engine's ordinary synchronous calls (``drafter``), and
 ``start`` / ``finish`` to draft a set of branches while the caller goes on with the target's
@@ -18,15 +18,14 @@ forward. Only tokens, sampling parameters and the drafted trees cross; never KV.
              on a spare core
 ``ray``      a Ray actor anywhere on the cluster holding its own copy of the drafter: another
              machine's idle CPU or GPU (round trips cost more: ``round_trip_s``)
-(peer)       :class:`PeerExecutor`, not chosen by config: a draft host inside another rollout
-             worker that has finished its work (the coordinator pairs them in the tail)
+(peer)       ``workers.draft_hosts.PeerExecutor``, not chosen by config: a draft host inside
+             another rollout worker that has finished its work (the coordinator pairs them)
 ===========  =================================================================================
 """
 
 from __future__ import annotations
 
 import io
-import itertools
 import logging
 import queue
 import sys
@@ -41,8 +40,8 @@ from typing import Any
 
 import torch
 
-from ..draft_contract import BranchView, Drafter, DraftRequest, DraftShape, DraftTree, Portable, SequenceView
-from .params import EXECUTORS
+from ...draft_contract import BranchView, Drafter, DraftRequest, DraftShape, DraftTree, Portable, SequenceView
+from ..params import EXECUTORS
 
 logger = logging.getLogger(__name__)
 
@@ -448,7 +447,7 @@ class ProcessExecutor(_HostExecutor):
         self._conn.close()
 
 
-class _ActorExecutor(_HostExecutor):
+class ActorExecutor(_HostExecutor):
     """A host reached by Ray actor calls: ``_send`` submits one command and returns its ref."""
 
     failure = "the draft actor failed"
@@ -483,7 +482,7 @@ class _ActorExecutor(_HostExecutor):
             raise ExecutorError(f"{self.failure}: {e}") from e
 
 
-class RayExecutor(_ActorExecutor):
+class RayExecutor(ActorExecutor):
     """A Ray actor running ``build()``'s drafter (on any node of the cluster with ``threads`` free
     CPUs, or ``num_gpus``): the same commands as the draft process, as actor calls (Ray keeps one
     caller's calls to an actor in order)."""
@@ -519,26 +518,6 @@ class RayExecutor(_ActorExecutor):
             self._ray.kill(self._actor)
         except Exception:
             logger.debug("draft actor already gone")
-
-
-class PeerExecutor(_ActorExecutor):
-    """Drafts on a draft host inside another rollout worker (``RolloutWorker.host_drafts``), one
-    that has finished its rollout work while this one still decodes: its spare CPU or GPU drafts
-    this worker's branches. ``pairing`` names the pairing (the host starts a fresh drafter for a
-    new one); commands are numbered, since the host is a threaded actor. Closing leaves the
-    worker running; only the host's drafter state is dropped (at the next pairing)."""
-
-    name = "peer"
-    failure = "the peer draft host failed"
-
-    def __init__(self, actor: Any, pairing: int, source: Drafter | None = None) -> None:
-        super().__init__(source)
-        self._actor = actor
-        self.pairing = pairing
-        self._numbers = itertools.count()
-
-    def _send(self, command: str, args: tuple) -> Any:
-        return self._actor.host_drafts.remote(self.pairing, next(self._numbers), command, args)
 
 
 def weights_bytes(model: torch.nn.Module) -> bytes:

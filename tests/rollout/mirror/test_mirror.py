@@ -12,9 +12,9 @@ from test_spec_sampling import drafter as eagle3_or_model
 from tailspec.draft_contract import BranchView, DraftRequest, DraftShape, DraftTree
 from tailspec.drafter.small_lm import SmallLMDrafter
 from tailspec.rollout import RolloutConfig, RolloutEngine, SamplingParams
-from tailspec.rollout.draft_executor import ExecutorError, ProcessExecutor, SeqSnapshot
-from tailspec.rollout.early_exit import EarlyExit, exit_agreement
-from tailspec.rollout.mirror import agreeing_prefix, plan_branches
+from tailspec.rollout.mirror.executors import ExecutorError, ProcessExecutor, SeqSnapshot
+from tailspec.rollout.mirror.pipeline import agreeing_prefix, plan_branches
+from tailspec.rollout.model.early_exit import EarlyExit, exit_agreement
 from tailspec.rollout.params import MirrorConfig
 from tailspec.testing import ARCHITECTURES, perturbed_copy
 
@@ -315,7 +315,7 @@ def test_the_check_rejects_a_wrong_residual_on_the_mirror_path(monkeypatch):
     """Any draft chosen independently of the verification's draws is verified exactly, so what can
     break a mirror step is the verification it feeds; resampling from the target instead of the
     residual after a rejection biases the output, and the check above catches it."""
-    from tailspec.rollout import verify as verify_module
+    from tailspec.rollout.spec import verify as verify_module
 
     monkeypatch.setattr(verify_module, "residual", lambda p, q, token: p)
     params = SETTINGS[0]
@@ -343,7 +343,7 @@ def test_greedy_mirror_on_cuda_matches_plain_decoding(executor):
 
 def test_greedy_mirror_through_a_ray_actor_matches_plain_decoding(ray_local):
     """The draft host as a Ray actor (a finished worker's CPU or GPU elsewhere in the cluster)."""
-    from tailspec.rollout.draft_executor import RayExecutor, round_trip_s
+    from tailspec.rollout.mirror.executors import RayExecutor, round_trip_s
 
     arch = "llama"
     prompts = random_prompts(4, seed=8)

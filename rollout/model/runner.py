@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from ..kernels.dispatch import kernel_backend
+from ...kernels.dispatch import kernel_backend
 from .attention import (
     METADATA_KWARG,
     AttentionMetadata,

@@ -5,9 +5,9 @@ predicted to finish that work in
 
     catch_up(a) + remaining * seconds(a, n) / (n * expected(a))
 
-where ``seconds`` is the step's cost (``rollout/cost_model.py``: the verification forward timed
+where ``seconds`` is the step's cost (``rollout/adaptive/cost_model.py``: the verification forward timed
 once per shape at calibration, the drafting as a ratio of it, a correction per arm), ``expected``
-the tokens a sequence-step emits (``rollout/acceptance.py``: pooled per drafter from every verified
+the tokens a sequence-step emits (``rollout/adaptive/acceptance.py``: pooled per drafter from every verified
 step), and ``catch_up`` what a model drafter pays for the tokens it missed while other arms ran: a
 switch to a model arm happens only when its gain over the remaining work beats that. The arm with
 the least predicted time runs. Uncertainty is handled on acceptance only, the costs being
@@ -27,11 +27,11 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
-from ..config_tree import require
+from ...config_tree import require
+from ..params import SelectorConfig
+from ..strategy import Strategy, parse_strategy
 from .acceptance import AcceptanceBook, book_key
 from .cost_model import StepCosts
-from .params import SelectorConfig
-from .strategy import Strategy, parse_strategy
 
 logger = logging.getLogger(__name__)
 

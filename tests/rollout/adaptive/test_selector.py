@@ -8,9 +8,9 @@ from conftest import cached_model, random_prompts
 from tailspec.config_tree import ConfigError
 from tailspec.draft_contract import DraftTree
 from tailspec.rollout import RolloutConfig, RolloutEngine, SamplingParams
-from tailspec.rollout.acceptance import AcceptanceBook, first_branch
-from tailspec.rollout.cost_model import ForwardTable, StepCosts
-from tailspec.rollout.selector import SelectorConfig, StrategySelector
+from tailspec.rollout.adaptive.acceptance import AcceptanceBook, first_branch
+from tailspec.rollout.adaptive.cost_model import ForwardTable, StepCosts
+from tailspec.rollout.adaptive.selector import SelectorConfig, StrategySelector
 from tailspec.rollout.strategy import parse_strategy
 from tailspec.testing import perturbed_copy
 
@@ -250,7 +250,7 @@ def test_adaptive_engine_matches_plain_decoding(arch):
 def test_adaptive_without_a_drafter_uses_model_free_arms_and_says_so(caplog):
     """Silently running adaptive without its drafter is how the demo's adaptive runs drafted at 9%
     acceptance (issue 39): the engine names the arms it dropped."""
-    with caplog.at_level("WARNING", logger="tailspec.rollout.strategy_choice"):
+    with caplog.at_level("WARNING", logger="tailspec.rollout.adaptive.choice"):
         engine = RolloutEngine(cached_model("llama"), RolloutConfig(strategy="adaptive"))
         engine.generate(random_prompts(4, seed=2), SamplingParams(max_new_tokens=20, temperature=0.0))
     assert set(engine.stats.strategy_steps) <= {"none", "suffix:8,2,16"}
@@ -314,7 +314,7 @@ def test_calibration_captures_the_graphs_and_one_off_steps_teach_no_costs(monkey
     captures (the target's or the drafter's graphs) teaches the selector acceptance, not costs."""
     import time as clock
 
-    from tailspec.rollout import graph_pool
+    from tailspec.rollout.model import graph_pool
 
     captured = []
 

@@ -16,8 +16,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from ..draft_contract import DraftTree
-from .strategy import Strategy
+from ...draft_contract import DraftTree
+from ..strategy import Strategy
 
 PRIOR_HAZARD = 0.5  # a drafted token's acceptance before any evidence, weighted as one sequence-step
 

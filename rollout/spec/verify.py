@@ -22,9 +22,9 @@ from dataclasses import dataclass
 
 import torch
 
-from ..draft_contract import DraftTree
-from ..kernels.dispatch import resolve_backend
-from .sampling import sample_from_probs
+from ...draft_contract import DraftTree
+from ...kernels.dispatch import resolve_backend
+from ..sampling import sample_from_probs
 
 
 @dataclass
@@ -128,7 +128,7 @@ def verify_batch(
 def _verify_batch_triton(
     trees: Sequence[DraftTree], logprobs: torch.Tensor, greedy: Sequence[bool], uniforms: torch.Tensor
 ) -> list[Verdict]:
-    from ..kernels.tree_verify import pack_trees, verify_trees_triton
+    from ...kernels.tree_verify import pack_trees, verify_trees_triton
 
     device = logprobs.device
     packed = pack_trees(trees, logprobs.shape[-1], device)

@@ -7,8 +7,8 @@ import pytest
 from conftest import EOS, cached_model, random_prompts
 
 from tailspec.rollout import RolloutConfig, RolloutEngine, SamplingParams
-from tailspec.rollout.length_budget import drafting_mask, expected_remaining
 from tailspec.rollout.request import Sequence
+from tailspec.rollout.spec.length_budget import drafting_mask, expected_remaining
 
 
 def _seq(expected, generated=0, max_new=100):
