@@ -225,7 +225,7 @@ def _make_rollout(cfg: DemoConfig, start: Any = None):
     """The demo's ``SpecRollout``: the drafter ``cfg.drafter`` names, from ``start`` (an EAGLE-3
     head or a drafter LM to continue from) instead of the shipped one when given."""
     from .drafter.eagle3.train import DrafterTrainingConfig
-    from .drafter.lm_training import DraftLMTrainingConfig
+    from .drafter.lm_trainer import DraftLMTrainingConfig
     from .tasks.sft import load_shipped, load_shipped_eagle3
     from .trainer_hooks.spec_rollout import SpecRollout
 

@@ -78,7 +78,7 @@ ARM_TEXT = {
 DRAFTER_TEXT = {
     "eagle3": "the shipped EAGLE-3 head (trained: on the target features it recorded)",
     "small_lm": "the shipped drafter LM (4 layers x 256; trained: all its weights, distilled on the policy's "
-    "completions, `drafter/lm_training.py`)",
+    "completions, `drafter/lm_trainer.py`)",
 }
 
 NOT_SHIFTED = {"spot, never shipped"}  # its drafter is the frozen arm's: the shift would repeat that arm

@@ -21,8 +21,8 @@ from torch import nn
 
 from ..rollout.model.early_exit import check_exit_layer, final_norm
 from ..rollout.model.runner import capture_layer_inputs
-from .fitting import PartTrainer, StopCheck, frozen
-from .lm_training import SequenceSample, lm_held_out_acceptance
+from .lm_trainer import SequenceSample, lm_held_out_acceptance
+from .part_trainer import PartTrainer, StopCheck, frozen
 from .small_lm import SmallLMDrafter
 
 logger = logging.getLogger(__name__)
@@ -210,7 +210,7 @@ def adapted_held_out_acceptance(
     *,
     should_stop: StopCheck | None = None,
 ) -> float | None:
-    """:func:`~tailspec.drafter.lm_training.lm_held_out_acceptance` of the self-speculative drafter
+    """:func:`~tailspec.drafter.lm_trainer.lm_held_out_acceptance` of the self-speculative drafter
     that ``adapter`` makes of ``target``'s first ``num_layers`` layers."""
     shallow = shallow_model(target, num_layers, adapter)
     return lm_held_out_acceptance(shallow, samples, depth, max_tokens, should_stop=should_stop)

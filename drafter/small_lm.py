@@ -37,7 +37,7 @@ from ..rollout.model.graph_pool import GraphPool
 from ..rollout.model.kv_cache import blocks_for
 from ..rollout.model.runner import ModelRunner
 from .draft_sampling import ChainDrafts, draft_generator
-from .lm_training import versioned_lm
+from .lm_trainer import versioned_lm
 from .streaming import StreamingHeads
 from .tree_search import LevelInput, grow_trees
 
@@ -106,7 +106,7 @@ class SmallLMDrafter(Drafter):
         if not (isinstance(kv_cache_tokens, int) and kv_cache_tokens >= block_size):
             raise ValueError(f"kv_cache_tokens must be an int >= block_size ({block_size}), got {kv_cache_tokens!r}")
         self.model = model
-        self.lm = versioned_lm(model)  # the LM as a trained part (online training: drafter/lm_training.py)
+        self.lm = versioned_lm(model)  # the LM as a trained part (online training: drafter/lm_trainer.py)
         self.tokenizer = tokenizer
         self.block_size = block_size
         # with a graph pool (the engine gives one on CUDA), draft forwards replay captured graphs

@@ -19,8 +19,8 @@ import torch
 from torch import nn
 
 from ..rollout.model.runner import model_device_dtype
-from .fitting import PartTrainer, StopCheck, frozen
-from .lm_training import SequenceSample, drawn_probs, held_out_run, shifted
+from .lm_trainer import SequenceSample, drawn_probs, held_out_run, shifted
+from .part_trainer import PartTrainer, StopCheck, frozen
 
 
 class StreamingHeads(nn.Module):
@@ -104,7 +104,7 @@ def streamed_held_out_acceptance(
     *,
     should_stop: StopCheck | None = None,
 ) -> float | None:
-    """:func:`~tailspec.drafter.lm_training.held_out_run` of a streamed chain of ``depth``: one
+    """:func:`~tailspec.drafter.lm_trainer.held_out_run` of a streamed chain of ``depth``: one
     drafter forward at ``t`` drafts ``t + 1`` (the LM head) and ``t + 2 + j`` (head ``j``), the
     next forward reads the position after the last of them, and so on (how
     ``SmallLMDrafter`` drafts a chain with streaming heads)."""

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from ..drafter.online import DrafterState
+from ..drafter.online_training import DrafterState
 
 FOLDER = "tailspec_rollout"
 

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from ..drafter.catch_up import CatchUp
-from ..drafter.online import DrafterState, online_training, trained_part
+from ..drafter.online_training import DrafterState, online_training, trained_part
 from ..rollout.engine import RolloutEngine, eos_ids_of
 from ..rollout.params import SamplingParams
 from ..rollout.position_noise import derived_seed
@@ -403,7 +403,7 @@ class SpecRollout:
         return self.catch_up.lr_scale
 
     def _train_drafter(self, trainer: Any) -> None:
-        """Online training after a rollout (``drafter/online.py``), at the catch-up rate."""
+        """Online training after a rollout (``drafter/online_training.py``), at the catch-up rate."""
         start = time.perf_counter()
         losses = self.online.train(self.config.training.drafter_train_steps, self.catch_up.lr_scale)
         stats = self.last_stats

@@ -45,8 +45,8 @@ import torch
 
 from ..config_tree import require
 from ..drafter.eagle3 import Eagle3Head
-from ..drafter.learning import learner_for
-from ..drafter.online import DrafterState, TrainedPart
+from ..drafter.online_training import DrafterState, TrainedPart
+from ..drafter.part_learning import learner_for
 from ..rollout.adaptive.acceptance import AcceptanceBook
 from ..rollout.admission import RequestLimits, prepare_requests
 from ..rollout.params import RolloutConfig, SamplingParams

@@ -35,7 +35,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..drafter.online import DrafterState
+from ..drafter.online_training import DrafterState
 from .spot_chunk import TrainResult
 
 logger = logging.getLogger(__name__)

@@ -2,12 +2,12 @@
 judgement that decides whether it ships.
 
 The coordinator's :class:`~tailspec.workers.spot.SpotTraining` decides when and where a chunk runs;
-the worker's :class:`SpotTrainer` runs it on a :class:`~tailspec.drafter.learning.PartLearning`: a
+the worker's :class:`SpotTrainer` runs it on a :class:`~tailspec.drafter.part_learning.PartLearning`: a
 copy of the part trains (the drafting part changes only when a state is broadcast), the samples it
 was sent (each once) go to its training buffer except every n-th, which it holds out, and a trained
 part is judged against a copy of the shipped one on those held-out samples (accepted draft tokens
 per chain): better by more than the gain, it ships. The part is an EAGLE-3 head or a drafter LM
-(``drafter/learning.py``). A stop names its chunk by number (it may arrive before the chunk's own
+(``drafter/part_learning.py``). A stop names its chunk by number (it may arrive before the chunk's own
 call) and cuts the steps and the comparison short within one training step.
 """
 
@@ -18,8 +18,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from ..drafter.learning import Learner, PartLearning, beats
-from ..drafter.online import DrafterState, TrainedPart
+from ..drafter.online_training import DrafterState, TrainedPart
+from ..drafter.part_learning import Learner, PartLearning, beats
 
 
 @dataclass

@@ -24,9 +24,9 @@ import torch
 from ..draft_contract import Portable
 from ..drafter.eagle3 import Eagle3Head, FeatureBuffer
 from ..drafter.factory import as_drafter
-from ..drafter.learning import learner_for
-from ..drafter.lm_training import SequenceSample
-from ..drafter.online import DrafterState
+from ..drafter.lm_trainer import SequenceSample
+from ..drafter.online_training import DrafterState
+from ..drafter.part_learning import learner_for
 from ..rollout.engine import RolloutEngine
 from ..rollout.handoff import InboxItem, PartialRequest, RequestInbox
 from ..rollout.params import RolloutConfig

@@ -122,7 +122,7 @@ def test_the_streamed_held_out_score_equals_an_enumeration_of_the_streamed_chain
     """A streamed chain from t: the forward at t drafts t + 1 (LM head) and t + 2 + j (head j); the
     next forward reads position t + heads + 1. The score sums, over completion positions, the chance
     that a chain sampled this way matches at least k emitted tokens, for k up to ``depth``."""
-    from tailspec.drafter.lm_training import SequenceSample
+    from tailspec.drafter.lm_trainer import SequenceSample
     from tailspec.drafter.streaming import streamed_held_out_acceptance
 
     drafter = streaming_drafter("llama", num_heads)

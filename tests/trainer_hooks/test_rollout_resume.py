@@ -83,7 +83,7 @@ def test_resume_from_checkpoint_runs_on_warm(common):
 def test_the_checkpoint_keeps_spot_trainings_unshipped_state_and_the_catch_up_rule(tmp_path):
     """Spot training's trained state is apart from the drafting one while it has not shipped; a
     resume from disk continues training from it, not from the shipped head."""
-    from tailspec.drafter.online import DrafterState
+    from tailspec.drafter.online_training import DrafterState
     from tailspec.trainer_hooks.rollout_state import save_rollout_state
 
     shipped = DrafterState({"w": torch.zeros(3)}, version=4, step=4)

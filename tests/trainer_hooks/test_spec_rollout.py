@@ -201,7 +201,7 @@ def test_a_bare_drafter_lm_is_distilled_online_behind_the_held_out_gate_and_resu
     """SpecRollout(drafter=lm, drafter_train_steps=N): the drafter LM's own weights train N steps
     on the completions after every call (a copy; it replaces the drafting LM only past the held-out
     gate), rollouts stay lossless, and a checkpoint carries the drafting LM and the optimizer."""
-    from tailspec.drafter.lm_training import DraftLMTrainingConfig, versioned_lm
+    from tailspec.drafter.lm_trainer import DraftLMTrainingConfig, versioned_lm
     from tailspec.testing import perturbed_copy
 
     convs = [[{"role": "user", "content": f"add {i} {i + 2} {i + 1}"}] for i in range(4)]

@@ -251,8 +251,8 @@ def test_a_drafter_lm_trains_on_idle_workers_and_ships_to_every_worker(ray_local
     """The drafter LM on the spot path (its weights, or its streaming heads with the LM frozen):
     trained on the finished completions while a worker idles in the tail, shipped past the gate,
     drafted with by every worker; completions stay the plain ones."""
-    from tailspec.drafter.fitting import PartFitConfig
-    from tailspec.drafter.lm_training import DraftLMTrainingConfig
+    from tailspec.drafter.lm_trainer import DraftLMTrainingConfig
+    from tailspec.drafter.part_trainer import PartFitConfig
     from tailspec.drafter.small_lm import SmallLMDrafter
     from tailspec.drafter.streaming import StreamingHeads
     from tailspec.testing import tiny_random_model

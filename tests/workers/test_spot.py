@@ -291,7 +291,7 @@ def test_a_worker_with_a_drafter_lm_records_its_completions_and_trains_a_copy_of
     """The drafter LM on the spot-training path (the actor class called directly, no Ray): the
     session hands over its finished sequences, a chunk trains a copy behind the held-out gate, and
     the drafting LM changes only when the coordinator's broadcast loads a state."""
-    from tailspec.drafter.lm_training import DraftLMTrainingConfig, SequenceSample
+    from tailspec.drafter.lm_trainer import DraftLMTrainingConfig, SequenceSample
     from tailspec.drafter.small_lm import SmallLMDrafter
     from tailspec.rollout import RolloutConfig, SamplingParams
     from tailspec.rollout.handoff import InboxItem
@@ -329,7 +329,7 @@ def test_a_worker_with_streaming_heads_trains_a_copy_of_the_heads_and_leaves_the
     """Streaming heads on the spot-training path: the worker records the finished sequences, a
     chunk trains a copy of the heads (the drafter LM frozen) judged by the streamed chain's
     held-out score, and the drafting heads change only on the broadcast."""
-    from tailspec.drafter.fitting import PartFitConfig
+    from tailspec.drafter.part_trainer import PartFitConfig
     from tailspec.drafter.small_lm import SmallLMDrafter
     from tailspec.drafter.streaming import StreamingHeads
     from tailspec.rollout import RolloutConfig, SamplingParams

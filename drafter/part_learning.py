@@ -19,7 +19,7 @@ learner                  trains                      on (held-out score)
 :class:`PartLearning` is what is the same: a training copy of the drafting part and its trainer,
 the samples it trains on, every n-th sample held out instead, and a copy of the shipped part that
 a trained one must beat on them by more than a gain before it ships. Spot training on Ray workers
-(``workers/spot_chunk.py``) and online training in the trainer's process (``drafter/online.py``)
+(``workers/spot_chunk.py``) and online training in the trainer's process (``drafter/online_training.py``)
 both run on it, so every trainable part passes the same gate.
 """
 
@@ -33,8 +33,8 @@ from torch import nn
 
 from .eagle3.data import FeatureBuffer
 from .eagle3.train import TrainStepResult
-from .fitting import PartFitConfig, SequenceFitTrainer, StopCheck
-from .lm_training import DraftLMTrainer, DraftLMTrainingConfig, lm_held_out_acceptance, versioned_lm
+from .lm_trainer import DraftLMTrainer, DraftLMTrainingConfig, lm_held_out_acceptance, versioned_lm
+from .part_trainer import PartFitConfig, SequenceFitTrainer, StopCheck
 from .state import DrafterState, PartOptimizerHolder, TrainedPart
 
 HELD_OUT_SAMPLES = 24  # the newest held-out samples parts are compared on: what the policy writes now
@@ -86,7 +86,7 @@ class Eagle3Learner:
 
 
 class DraftLMLearner:
-    """A drafter LM's own weights (:class:`~tailspec.drafter.lm_training.VersionedLM`)."""
+    """A drafter LM's own weights (:class:`~tailspec.drafter.lm_trainer.VersionedLM`)."""
 
     records = "sequences"
 

@@ -1,4 +1,4 @@
-"""drafter/online.py: one object trains whichever drafter part a rollout has, and carries it through
+"""drafter/online_training.py: one object trains whichever drafter part a rollout has, and carries it through
 a checkpoint: the weights at once, the optimizer when its trainer exists."""
 
 import pytest
@@ -6,15 +6,15 @@ import torch
 from test_streaming import random_heads
 
 from tailspec.drafter.eagle3 import Eagle3Config, Eagle3Drafter, Eagle3Head
-from tailspec.drafter.fitting import PartFitConfig
-from tailspec.drafter.learning import STREAMING_LR, ExitAdapterLearner, StreamingHeadsLearner
-from tailspec.drafter.online import (
+from tailspec.drafter.online_training import (
     DrafterState,
     DraftLMTraining,
     ExitAdapterTraining,
     HeadTraining,
     online_training,
 )
+from tailspec.drafter.part_learning import STREAMING_LR, ExitAdapterLearner, StreamingHeadsLearner
+from tailspec.drafter.part_trainer import PartFitConfig
 from tailspec.drafter.small_lm import SmallLMDrafter
 from tailspec.rollout import RolloutConfig, RolloutEngine, SamplingParams
 from tailspec.testing import tiny_random_model

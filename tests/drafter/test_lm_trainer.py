@@ -1,4 +1,4 @@
-"""drafter/lm_training.py and the drafter LM's online training: distilled on completions only,
+"""drafter/lm_trainer.py and the drafter LM's online training: distilled on completions only,
 scored by the accepted draft tokens a greedy chain would get, shipped only past the held-out gate."""
 
 import random
@@ -8,8 +8,7 @@ import torch
 
 from tailspec.config_tree import ConfigError
 from tailspec.drafter.eagle3.data import FeatureBuffer
-from tailspec.drafter.learning import DraftLMLearner, PartLearning, learner_for
-from tailspec.drafter.lm_training import (
+from tailspec.drafter.lm_trainer import (
     DraftLMTrainer,
     DraftLMTrainingConfig,
     SequenceSample,
@@ -18,7 +17,8 @@ from tailspec.drafter.lm_training import (
     lm_held_out_acceptance,
     sequence_samples,
 )
-from tailspec.drafter.online import DrafterState, DraftLMTraining, online_training
+from tailspec.drafter.online_training import DrafterState, DraftLMTraining, online_training
+from tailspec.drafter.part_learning import DraftLMLearner, PartLearning, learner_for
 from tailspec.drafter.small_lm import SmallLMDrafter
 from tailspec.testing import tiny_random_model
 

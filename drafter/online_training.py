@@ -15,7 +15,7 @@ kind                      trains                       on
 ========================  ===========================  ==========================================
 
 The last two are :class:`GatedTraining`: the learning path and held-out gate of
-``drafter/learning.py`` that spot training on Ray workers runs too. :func:`online_training` picks
+``drafter/part_learning.py`` that spot training on Ray workers runs too. :func:`online_training` picks
 the kind; :class:`DrafterState` is what any of them keeps in a checkpoint or sends to a Ray worker
 (weights, version, the trainer's step and optimizer).
 """
@@ -29,8 +29,8 @@ from typing import Any
 from torch import nn
 
 from ..draft_contract import Drafter
-from .learning import Learner, PartLearning, beats, check_training_config, learner_for
-from .lm_training import sequence_samples
+from .lm_trainer import sequence_samples
+from .part_learning import Learner, PartLearning, beats, check_training_config, learner_for
 from .state import DrafterState, PartOptimizerHolder, TrainedPart
 
 __all__ = ["DrafterState", "OnlineTraining", "PartOptimizerHolder", "TrainedPart", "online_training", "trained_part"]
@@ -118,7 +118,7 @@ class HeadTraining(OnlineTraining):
 
 class GatedTraining(OnlineTraining):
     """A part trained on the policy's completions as spot training trains it
-    (:class:`~tailspec.drafter.learning.PartLearning`): a copy trains; after every call it is
+    (:class:`~tailspec.drafter.part_learning.PartLearning`): a copy trains; after every call it is
     compared with the drafting part on held-out completions (every ``holdout_every``-th, never
     trained on) and replaces it only when it drafts better by more than ``min_gain`` accepted
     tokens per chain. A subclass sets :attr:`learning` (at once, or with its first engine)."""
@@ -180,7 +180,7 @@ class GatedTraining(OnlineTraining):
 class DraftLMTraining(GatedTraining):
     """A drafter LM's streaming heads if it has them (``SmallLMDrafter(lm, streaming_heads=...)``),
     else its own weights (the bare LM, or a ``SmallLMDrafter``), distilled on the policy's
-    completions (``drafter/lm_training.py``, ``drafter/streaming.py``)."""
+    completions (``drafter/lm_trainer.py``, ``drafter/streaming.py``)."""
 
     def __init__(
         self, drafter: Any, buffer_bytes: int, training: Any = None, holdout_every: int = 4, min_gain: float = 0.0
@@ -216,7 +216,7 @@ class ExitAdapterTraining(GatedTraining):
 
     def engine_drafter(self, policy: nn.Module, config: Any) -> Drafter:
         from .factory import as_drafter
-        from .learning import ExitAdapterLearner
+        from .part_learning import ExitAdapterLearner
         from .self_spec import ExitAdapter
 
         if self.learning is None:  # made with the first engine: it needs the hidden size
@@ -238,7 +238,7 @@ def trained_part(drafter: Any) -> TrainedPart | None:
     if isinstance(drafter, SmallLMDrafter):
         return drafter.heads if drafter.heads is not None else drafter.lm
     if isinstance(drafter, nn.Module):
-        from .lm_training import versioned_lm
+        from .lm_trainer import versioned_lm
 
         return versioned_lm(drafter)
     return None

@@ -1,6 +1,6 @@
 """What the fits of small drafter parts (streaming heads, an exit adapter) share: the trainer's
 loop (:class:`PartTrainer`), and its online form (:class:`SequenceFitTrainer`), steps drawn from a
-buffer of the policy's sequences, as the held-out gate of ``drafter/learning.py`` drives them."""
+buffer of the policy's sequences, as the held-out gate of ``drafter/part_learning.py`` drives them."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from torch import nn
 from ..config_tree import require
 from .eagle3.data import FeatureBuffer
 from .eagle3.train import TrainStepResult
-from .lm_training import SequenceSample, window
+from .lm_trainer import SequenceSample, window
 
 StopCheck = Callable[[], bool]
 
@@ -121,7 +121,7 @@ class PartFitConfig:
 
 class SequenceFitTrainer:
     """A :class:`PartTrainer`'s steps as the held-out gate takes them (its ``StepTrainer``): from a
-    buffer of :class:`~tailspec.drafter.lm_training.SequenceSample` s, at ``lr_scale`` x
+    buffer of :class:`~tailspec.drafter.lm_trainer.SequenceSample` s, at ``lr_scale`` x
     ``base_lr``, a call's examples read from the buffer's newest ``recent`` sequences (those of at
     least ``minimum`` tokens) before its steps."""
 
