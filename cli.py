@@ -129,12 +129,14 @@ def _bench_sections() -> dict:
 
 def _bench(args: argparse.Namespace) -> int:
     _from_checkout("`tailspec bench`")
-    from .benchmarks.run import run_bench
-    from .benchmarks.sections import SECTIONS
+    from .benchmarks.sections import SECTIONS, run_bench
 
     _writable_parent(args.out, "--out")
     out = Path(args.out)
-    print(SECTIONS[args.section].run(out, args) if args.section != "all" else run_bench(out, quick=args.quick))
+    if args.section == "all":
+        print(run_bench(out, quick=args.quick, threads=args.threads))
+    else:
+        print(SECTIONS[args.section].run(out, args))
     print(f"wrote {args.out}")
     return 0
 
@@ -331,7 +333,7 @@ def _add_bench(sub) -> None:
         "--section",
         choices=["all", *sections] if sections else None,
         default="all",
-        help="all: rewrite the whole report; any other: only that section, in place ("
+        help="all: every section, as `make bench` runs them; any other: only that section, in place ("
         + "; ".join(f"{s.name}: {s.about}" for s in sections.values())
         + ")",
     )

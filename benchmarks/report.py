@@ -88,23 +88,6 @@ def plot_throughput(results: Sequence[ThroughputResult], path: Path) -> None:
     save_figure(fig, path)
 
 
-def write_report(out: Path, sections: list[tuple[str, str]], command: str, workload: str) -> None:
-    stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    parts = [
-        "# Benchmarks",
-        "",
-        f"Written by `{command}` on {stamp}. Machine: {machine_line()}.",
-        "Every table is measured side by side in one run, on the same prompts and sampling parameters.",
-        "",
-        f"Workload: {workload}",
-        "",
-    ]
-    for title, body in sections:
-        parts += [f"## {title}", "", body, ""]
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text("\n".join(parts))
-
-
 def replace_section(out: Path, title: str, body: str, command: str) -> None:
     """Write one ``## title`` section of an existing report in place (appended if absent), noting
     the command that measured it; the other sections are left as they were."""

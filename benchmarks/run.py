@@ -32,7 +32,7 @@ from .eagle3 import eagle3_table, measure_eagle3, measure_head_cost, plot_eagle3
 from .kernels import NO_CUDA_SECTION, kernels_section, run_kernel_bench
 from .mirror import MirrorBenchConfig, measure_mirror, mirror_section, mirror_table, plot_mirror
 from .policies import BenchPolicy, task_prompts, torch_threads
-from .report import plot_throughput, replace_section, throughput_table, write_report
+from .report import plot_throughput, replace_section, throughput_table
 from .schedule import ScheduleBenchConfig, measure_schedule, plot_schedule, schedule_section, schedule_table
 from .speculative import (
     forward_cost_table,
@@ -292,18 +292,36 @@ def _atts_bench_configs(quick: bool, policy: str = "tiny") -> list[ATTSBenchConf
     return [base, dataclasses.replace(base, max_num_seqs=MEMORY_BOUND_SEQS)]
 
 
-def run_bench(out: Path, quick: bool = False, seed: int = 1234) -> str:
+THROUGHPUT_TITLE = "Rollout throughput: tailspec engine vs HF generate"
+SPECULATIVE_TITLE = "Speculative decoding: strategies vs no speculation"
+EAGLE3_TITLE = "EAGLE-3 head: before and after online training"
+KERNELS_TITLE = "Triton kernels"
+TINY_WORKLOAD = (
+    "Target: the shipped tiny policy (4 layers, where speculation cannot pay on a CPU); chain-sum prompts with "
+    "heavy-tailed answer lengths, T = 1.0, at most 384 new tokens, seed {seed}.\n\n"
+)
+
+
+def _command(name: str, quick: bool) -> str:
+    return f"tailspec bench --section {name}" + (" --quick" if quick else "")
+
+
+def _tiny_policy(seed: int):
+    """The shipped tiny policy, its tokenizer, the sampling parameters and 64 task prompts."""
     torch.manual_seed(seed)
     model, tokenizer = load_tiny("policy")
-    params = SamplingParams(temperature=1.0, max_new_tokens=384)
-    batch_sizes = (1, 8, 32)
+    return model, tokenizer, SamplingParams(temperature=1.0, max_new_tokens=384), task_prompts(tokenizer, 64, seed)
+
+
+def run_throughput_section(out: Path, quick: bool = False, seed: int = 1234) -> str:
+    """The engine (no speculation) against HF ``generate`` at batch 1, 8 and 32, in place."""
+    model, tokenizer, params, prompts = _tiny_policy(seed)
     per_size = {1: 4, 8: 16, 32: 32} if quick else {1: 16, 8: 32, 32: 64}
-    prompts = task_prompts(tokenizer, max(per_size.values()), seed)
     results = measure_throughput(
         model,
         prompts,
         params,
-        batch_sizes,
+        (1, 8, 32),
         per_size,
         eos_token_ids=[tokenizer.eos_token_id],
         pad_token_id=tokenizer.pad_token_id,
@@ -311,86 +329,39 @@ def run_bench(out: Path, quick: bool = False, seed: int = 1234) -> str:
         repeats=1 if quick else 2,
     )
     table = throughput_table(results)
-    docs = out.parent
-    plot_throughput(results, docs / "bench_throughput.png")
-    section = (
+    plot_throughput(results, out.parent / "bench_throughput.png")
+    body = TINY_WORKLOAD.format(seed=seed) + (
         "HF `generate` is called on left-padded batches exactly as `trl.GRPOTrainer` does without "
         "vLLM; tailspec runs the same batches through its engine (no speculation). "
         "Best of the repeats for each backend.\n\n"
         f"{table}\n\n![throughput](bench_throughput.png)"
     )
-    spec_section, spec_table = speculative_section(model, tokenizer, prompts, params, docs, quick, seed)
-    eagle_section, eagle_tab = eagle3_section(model, tokenizer, params, docs, quick, seed)
-    with torch_threads(1):  # as `tailspec bench --section adaptive` measures it
-        adaptive_section, adaptive_tab = long_tail_section(BenchPolicy.load("tiny"), params, docs, quick, seed)
-    sweeps = {name: sweep_section(name, docs, quick, seed) for name in ("deep", "tiny")}
-    with torch_threads(1):
-        deep_adaptive, deep_adaptive_tab = long_tail_section(BenchPolicy.load("deep"), params, docs, quick, seed)
-    deep_atts = []
-    for cfg in _atts_bench_configs(quick, "deep"):
-        rows, calibration = measure_atts(cfg)
-        plot_atts(rows, docs / atts_plot_name(cfg))
-        deep_atts.append((cfg, rows, calibration))
-    kernel_section = kernels_section_for_this_machine(model, tokenizer, quick)
-    schedule_result = measure_schedule(ScheduleBenchConfig.quick() if quick else ScheduleBenchConfig())
-    plot_schedule(schedule_result, docs / "bench_schedule_deep.png")
-    drift_cfg = DriftBenchConfig.quick() if quick else DriftBenchConfig()
-    drift_runs, drift_shift = measure_drift(drift_cfg)
-    plot_drift(drift_runs, docs / f"bench_drift_{drift_cfg.policy}.png")
-    drift_lm_cfg = dataclasses.replace(drift_cfg, drafter="small_lm")
-    drift_lm_runs, drift_lm_shift = measure_drift(drift_lm_cfg)
-    plot_drift(drift_lm_runs, docs / f"bench_drift_lm_{drift_cfg.policy}.png")
-    spot_runs = measure_spot_training(3 if quick else 8, workers=2, seed=0, quick=quick)
-    plot_spot(spot_runs, docs / "bench_spot_training.png")
-    e2e_runs = measure_e2e(3 if quick else 10, seed=0, quick=quick)
-    plot_e2e(e2e_runs, docs / "bench_e2e.png")
-    (atts_cfg,) = _atts_bench_configs(quick)
-    atts_rows, atts_calibration = measure_atts(atts_cfg)
-    plot_atts(atts_rows, docs / "bench_atts.png")
-    tables = [sweeps["deep"][1], deep_adaptive_tab, *(atts_table(rows) for _, rows, _ in deep_atts)]
-    tables.append(schedule_table(schedule_result))
-    tables.append(drift_table(drift_runs))
-    tables.append(drift_table(drift_lm_runs))
-    tables.append(sweeps["tiny"][1])
-    tables += [table, spec_table, eagle_tab, adaptive_tab, spot_table(spot_runs), e2e_table(e2e_runs)]
-    tables.append(atts_table(atts_rows))
-    table = "\n\n".join(tables)
-    workload = (
-        "the shipped deep chain-sum policy (24 layers, the shape where speculation pays) in the first three "
-        "sections, the shipped tiny one (4 layers, where it cannot) in the rest (Qwen2 architecture, fp32), "
-        f"chain-sum prompts with "
-        f"heavy-tailed answer lengths, T = 1.0, max_new_tokens = {params.max_new_tokens}, "
-        f"seed {seed}{' (quick mode)' if quick else ''}."
-    )
-    write_report(
-        out,
-        [
-            (sweep_title("deep"), sweeps["deep"][0]),
-            (adaptive_title("deep"), deep_adaptive),
-            *(
-                (atts_title(cfg), atts_section(rows, calibration, cfg, atts_plot_name(cfg)))
-                for cfg, rows, calibration in deep_atts
-            ),
-            (SCHEDULE_TITLE, schedule_section(schedule_result, "bench_schedule_deep.png")),
-            (DRIFT_TITLE, drift_section(drift_runs, drift_cfg, f"bench_drift_{drift_cfg.policy}.png", drift_shift)),
-            (
-                DRIFT_LM_TITLE,
-                drift_section(drift_lm_runs, drift_lm_cfg, f"bench_drift_lm_{drift_cfg.policy}.png", drift_lm_shift),
-            ),
-            (sweep_title("tiny"), sweeps["tiny"][0]),
-            ("Rollout throughput: tailspec engine vs HF generate", section),
-            ("Speculative decoding: strategies vs no speculation", spec_section),
-            ("EAGLE-3 head: before and after online training", eagle_section),
-            (ADAPTIVE_TITLE, adaptive_section),
-            ("Triton kernels", kernel_section),
-            (SPOT_TITLE, spot_section(spot_runs, "bench_spot_training.png")),
-            (E2E_TITLE, e2e_section(e2e_runs, "bench_e2e.png")),
-            (ATTS_TITLE, atts_section(atts_rows, atts_calibration, atts_cfg, "bench_atts.png")),
-        ],
-        command="tailspec bench" + (" --quick" if quick else ""),
-        workload=workload,
-    )
+    replace_section(out, THROUGHPUT_TITLE, body, _command("throughput", quick))
     return table
+
+
+def run_speculative_section(out: Path, quick: bool = False, seed: int = 1234) -> str:
+    """Every strategy against no speculation on the tiny policy, in place."""
+    model, tokenizer, params, prompts = _tiny_policy(seed)
+    body, table = speculative_section(model, tokenizer, prompts, params, out.parent, quick, seed)
+    replace_section(out, SPECULATIVE_TITLE, TINY_WORKLOAD.format(seed=seed) + body, _command("speculative", quick))
+    return table
+
+
+def run_eagle3_section(out: Path, quick: bool = False, seed: int = 1234) -> str:
+    """A fresh EAGLE-3 head before and after online training on the tiny policy, in place."""
+    model, tokenizer, params, _ = _tiny_policy(seed)
+    body, table = eagle3_section(model, tokenizer, params, out.parent, quick, seed)
+    replace_section(out, EAGLE3_TITLE, TINY_WORKLOAD.format(seed=seed) + body, _command("eagle3", quick))
+    return table
+
+
+def run_kernels_section(out: Path, quick: bool = False, seed: int = 1234) -> str:
+    """The Triton kernels against their references on CUDA (a note saying why not elsewhere), in place."""
+    model, tokenizer, _, _ = _tiny_policy(seed)
+    body = kernels_section_for_this_machine(model, tokenizer, quick)
+    replace_section(out, KERNELS_TITLE, body, _command("kernels", quick))
+    return body
 
 
 def kernels_section_for_this_machine(model, tokenizer, quick: bool) -> str:

@@ -1,4 +1,4 @@
-"""Rollout throughput of the tailspec engine against HF generate (what `make bench` runs).
+"""Every benchmark section, as `make bench` runs them (docs/BENCHMARKS.md).
 
 python examples/bench_rollout.py [--quick]
 """
@@ -6,7 +6,7 @@ python examples/bench_rollout.py [--quick]
 import argparse
 from pathlib import Path
 
-from tailspec.benchmarks.run import run_bench
+from tailspec.benchmarks.sections import run_bench
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser()
