@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import logging
 import os
-import statistics
 import sys
 import time
 import warnings
@@ -22,6 +21,7 @@ from .config_tree import ConfigError, apply_overrides, coerce_subtrees, int_at_l
 from .progress import is_terminal, quiet_library_bars
 from .rollout.strategy import parse_strategy
 from .trainer_hooks.config import SpecRolloutConfig, WithRollout
+from .trainer_hooks.paired_rollout import PairedRollout
 
 if TYPE_CHECKING:
     from .drafter.eagle3.train import DrafterTrainingConfig
@@ -320,58 +320,6 @@ def train_dataset(cfg: DemoConfig):
     return make_grpo_dataset(cfg.num_train_prompts, seed=cfg.seed, cfg=ChainSumConfig())
 
 
-class PairedRollout:
-    """The main rollout with a plain-decoding twin (the demo's ``baseline``).
-
-    At every call the twin rolls out the same prompts on the same policy weights, the two in
-    alternating order, so each RL step gets a same-step ratio (the twin's workers idle while the
-    main one's run, and the main one's drafter training through the update gap is stopped before
-    the twin starts). With position-keyed sampling the two must emit the same completions, which
-    is checked at every step: the lossless claim, per RL step. The trainer trains on the main
-    rollout's outputs and sees nothing of the twin (it logs no metrics); what the trainer asks of a
-    rollout besides (sync, close, state, a drafter trained beside it) goes to the main one."""
-
-    def __init__(self, main: Any, twin: Any) -> None:
-        self.main, self.twin = main, twin
-        self.same_completions: list[bool] = []  # per call: the twin's completions equal the main one's
-
-    def __call__(self, prompts: list, trainer: Any) -> dict[str, list]:
-        if len(self.same_completions) % 2 == 0:
-            self._run_twin(prompts, trainer)
-            out = self.main(prompts, trainer)
-        else:
-            out = self.main(prompts, trainer)
-            self._run_twin(prompts, trainer)
-        self.same_completions.append(self.main.last_stats.completions_digest == self.twin.last_stats.completions_digest)
-        return out
-
-    def _run_twin(self, prompts: list, trainer: Any) -> None:
-        if self.main.coordinator is not None:
-            self.main.coordinator.settle(wait=True)  # no drafter training beside the twin's rollout
-        self.twin(prompts, trainer)
-
-    def sync_weights(self, trainer: Any) -> None:
-        self.main.sync_weights(trainer)
-        self.twin.sync_weights(trainer)
-
-    def close(self, *, wait: bool = True) -> None:
-        self.twin.close(wait=wait)
-        self.main.close(wait=wait)
-
-    def state_dict(self) -> dict[str, Any]:
-        return self.main.state_dict()
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.main.load_state_dict(state)
-
-    def publish_drafter(self, head: Any) -> bool:
-        return self.main.publish_drafter(head)
-
-    @property
-    def drafter_lr_scale(self) -> float:  # read by DrafterFromTrainer
-        return self.main.drafter_lr_scale
-
-
 def _plain_twin(cfg: DemoConfig) -> Any:
     """The baseline's plain-decoding rollout, placed as the main one (its workers reserve no cores:
     they idle while the main one's run), logging nothing to the trainer."""
@@ -552,20 +500,17 @@ def _drafter_cell(stats: Any) -> str:
     return f"v{stats.drafter_version}" + (f" +{stats.spot_shipped}" if stats.spot_shipped else "")
 
 
-def _print_comparison(rows: list[dict[str, Any]], paired: PairedRollout, strategy: str) -> list[float]:
+def _print_comparison(rows: list[dict[str, Any]], paired: PairedRollout, strategy: str) -> None:
     """Per step, the main rollout against its plain-decoding twin of the same step: times,
     throughput, their ratio, whether the completions were the same, the accept length and the
-    strategy mix; returns the per-step throughput ratios (tokens/s, which is a ratio of times when
-    the completions are the same)."""
+    strategy mix."""
     print(f"\n== per step: {strategy} vs no speculation (the same step's prompts and policy weights) ==")
     print(
         f"{'step':>4}  {'reward':>7}  {'rollout s':>9} {'(none)':>7}  {'tok/s':>6} {'(none)':>6}  "
         f"{'ratio':>6}  {'same':>4}  {'accept':>6}  {'drafter':>7}  strategies"
     )
-    ratios = []
-    for i, (r, main, twin) in enumerate(zip(rows, paired.main.history, paired.twin.history)):
-        ratio = main.tokens_per_s / twin.tokens_per_s if twin.tokens_per_s else float("nan")
-        ratios.append(ratio)
+    steps = zip(rows, paired.main.history, paired.twin.history, paired.step_ratios())
+    for i, (r, main, twin, ratio) in enumerate(steps):
         accept = f"{r['accept_len']:>6.2f}" if r["accept_len"] is not None else f"{'-':>6}"
         same = "yes" if paired.same_completions[i] else "no"
         print(
@@ -573,7 +518,6 @@ def _print_comparison(rows: list[dict[str, Any]], paired: PairedRollout, strateg
             f"{main.tokens_per_s:>6.0f} {twin.tokens_per_s:>6.0f}  {ratio:>5.2f}x  {same:>4}  {accept}  "
             f"{_drafter_cell(main):>7}  {strategy_mix(main.strategy_steps)}"
         )
-    return ratios
 
 
 def run_demo_with_rollout(
@@ -593,7 +537,7 @@ def run_demo_with_rollout(
     rows, rollout, paired, wall, run_name = _grpo_run(cfg, out, start, callbacks=callbacks, catch_up=catch_up)
     summary = _summarize(cfg, rows, rollout, wall)
     if paired is not None:
-        summary |= _against_twin(cfg, rows, paired, summary, wall)
+        summary |= _against_twin(cfg, rows, paired, wall)
     exported = _export_drafter(cfg, rollout, out, uses_head)
     if exported is not None:
         summary["exported_drafter"] = exported
@@ -601,26 +545,10 @@ def run_demo_with_rollout(
     return summary, rollout
 
 
-def _against_twin(cfg: DemoConfig, rows: list[dict[str, Any]], paired: PairedRollout, summary: dict, wall: float):
-    """Per step and over the run, the main rollout against its plain-decoding twin (printed per step)."""
-    out: dict[str, Any] = {}
-    per_step = _print_comparison(rows, paired, cfg.strategy)  # nan where the twin emitted nothing
-    ratios = [r for r in per_step if r == r]
-    if ratios:
-        out["rollout_ratio_median_per_step"] = statistics.median(ratios)
-        out["rollout_ratio_per_step"] = per_step
-    twin = paired.twin.history
-    base_time, base_tokens = sum(s.time_s for s in twin), sum(s.completion_tokens for s in twin)
-    out["baseline_rollout_time_s"] = base_time
-    out["baseline_rollout_tokens_per_s"] = base_tokens / base_time if base_time else 0.0
-    if out["baseline_rollout_tokens_per_s"]:
-        out["rollout_throughput_vs_none"] = summary["rollout_tokens_per_s"] / out["baseline_rollout_tokens_per_s"]
-    # the whole run's wall time with either rollout alone: the same training, one rollout per step
-    out["run_wall_s_speculative"] = wall - base_time
-    out["run_wall_s_plain"] = wall - summary["rollout_time_s"]
-    out["run_speedup"] = out["run_wall_s_plain"] / out["run_wall_s_speculative"]
-    out["same_completions_steps"] = f"{sum(paired.same_completions)} of {len(paired.same_completions)}"
-    return out
+def _against_twin(cfg: DemoConfig, rows: list[dict[str, Any]], paired: PairedRollout, wall: float) -> dict:
+    """Per step (printed) and over the run, the main rollout against its plain-decoding twin."""
+    _print_comparison(rows, paired, cfg.strategy)
+    return paired.compare(wall)
 
 
 def _export_drafter(cfg: DemoConfig, rollout: Any, out: Path, uses_head: bool) -> str | None:
