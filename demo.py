@@ -347,36 +347,13 @@ def _grpo_run(
     ``callbacks`` join the trainer's (benchmarks measure through them); ``catch_up``: a catch-up
     rule's state to continue from (``SpecRollout.catch_up.state_dict()`` of an earlier run)."""
     from transformers.trainer_callback import ProgressCallback
-    from trl import GRPOConfig
 
     from .tasks.chain_sum import chain_sum_reward
-    from .trainer_hooks.deepspeed import deepspeed_training_args
     from .trainer_hooks.grpo_trainer import GRPOTrainer
 
     model, tokenizer = _policy(cfg)
-    dataset = train_dataset(cfg)
     run_name = f"demo-{label.replace(' ', '-')}-{int(time.time())}"
-    args = GRPOConfig(
-        output_dir=str(out),
-        per_device_train_batch_size=cfg.prompts_per_step * cfg.num_generations,
-        num_generations=cfg.num_generations,
-        max_completion_length=cfg.max_completion_length,
-        temperature=cfg.temperature,
-        learning_rate=cfg.learning_rate,
-        beta=cfg.beta,
-        max_steps=cfg.max_steps,
-        logging_steps=1,
-        save_strategy="no",
-        report_to=["wandb"] if cfg.wandb else [],
-        run_name=run_name,
-        use_cpu=cfg.device == "cpu",
-        # TRL defaults to bf16 autocast: on a GPU that is what users run; on CPUs without native bf16
-        # it is ~10x slower than fp32
-        bf16=cfg.device == "cuda",
-        seed=cfg.seed,
-        shuffle_dataset=not cfg.problems,
-        **deepspeed_training_args(cfg.deepspeed),
-    )
+    args, dataset = _grpo_config(cfg, out, run_name), train_dataset(cfg)
     printer = _step_printer()
     rollout = _make_rollout(cfg, start)
     rollout.catch_up.load_state_dict(catch_up)
@@ -415,6 +392,35 @@ def _grpo_run(
 
             wandb.finish(exit_code=exit_code)
     return printer.rows, rollout, paired, time.perf_counter() - start, run_name
+
+
+def _grpo_config(cfg: DemoConfig, out: Path, run_name: str):
+    """TRL's GRPOConfig for the demo's run."""
+    from trl import GRPOConfig
+
+    from .trainer_hooks.deepspeed import deepspeed_training_args
+
+    return GRPOConfig(
+        output_dir=str(out),
+        per_device_train_batch_size=cfg.prompts_per_step * cfg.num_generations,
+        num_generations=cfg.num_generations,
+        max_completion_length=cfg.max_completion_length,
+        temperature=cfg.temperature,
+        learning_rate=cfg.learning_rate,
+        beta=cfg.beta,
+        max_steps=cfg.max_steps,
+        logging_steps=1,
+        save_strategy="no",
+        report_to=["wandb"] if cfg.wandb else [],
+        run_name=run_name,
+        use_cpu=cfg.device == "cpu",
+        # TRL defaults to bf16 autocast: on a GPU that is what users run; on CPUs without native bf16
+        # it is ~10x slower than fp32
+        bf16=cfg.device == "cuda",
+        seed=cfg.seed,
+        shuffle_dataset=not cfg.problems,
+        **deepspeed_training_args(cfg.deepspeed),
+    )
 
 
 def _attach_drafter_from_trainer(cfg: DemoConfig, trainer, rollout) -> None:

@@ -256,13 +256,7 @@ def fit_model(
     torch.set_num_threads(sft_cfg.threads)
     torch.manual_seed(sft_cfg.seed)
     model.train()
-    decay = [p for p in model.parameters() if p.ndim >= 2]
-    no_decay = [p for p in model.parameters() if p.ndim < 2]
-    optimizer = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": sft_cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=sft_cfg.lr,
-        betas=(0.9, 0.98),
-    )
+    optimizer = _adamw(model, sft_cfg)
     batches = iter(SFTBatches(tokenizer, sft_cfg))
     losses: list[float] = []
     curve: list[dict[str, float]] = []
@@ -274,13 +268,7 @@ def fit_model(
         for group in optimizer.param_groups:
             group["lr"] = sft_cfg.lr_at(step)
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=sft_cfg.bf16):
-            if teacher is None:
-                loss = model(input_ids=input_ids, attention_mask=attention_mask, labels=labels).loss
-            else:
-                with torch.no_grad():
-                    teacher_logits = teacher(input_ids=input_ids, attention_mask=attention_mask).logits
-                logits = model(input_ids=input_ids, attention_mask=attention_mask).logits
-                loss = distillation_loss(logits, teacher_logits, labels)
+            loss = _sft_loss(model, teacher, input_ids, attention_mask, labels)
         if not torch.isfinite(loss):
             raise FloatingPointError(f"non-finite loss {loss.item()} at step {step}")
         optimizer.zero_grad(set_to_none=True)
@@ -291,23 +279,21 @@ def fit_model(
         seq_tokens += int(attention_mask.sum())
         loss_tokens += int((labels != -100).sum())
         if (step + 1) % sft_cfg.log_every == 0 or step + 1 == sft_cfg.steps:
-            window = losses[-sft_cfg.log_every :]
-            elapsed = time.perf_counter() - start
-            point = {"step": step + 1, "loss": sum(window) / len(window), "lr": sft_cfg.lr_at(step)}
-            curve.append(point)
-            bar.set_postfix(loss=f"{point['loss']:.4f}", tok_s=f"{seq_tokens / elapsed:.0f}")
-            logger.info(
-                "step %d/%d loss %.4f lr %.2e %.0f tok/s",
-                step + 1,
-                sft_cfg.steps,
-                point["loss"],
-                point["lr"],
-                seq_tokens / elapsed,
-            )
+            curve.append(_curve_point(sft_cfg, step, losses, seq_tokens / (time.perf_counter() - start), bar))
     wall = time.perf_counter() - start
     model.eval()
+    metrics = _fit_metrics(model, sft_cfg, losses, curve, seq_tokens, loss_tokens, wall)
+    if out_dir is not None:
+        Path(out_dir).mkdir(parents=True, exist_ok=True)
+        model.save_pretrained(out_dir, safe_serialization=True)
+        save_beside(out_dir)
+    return metrics
+
+
+def _fit_metrics(model, sft_cfg: SFTConfig, losses, curve, seq_tokens: int, loss_tokens: int, wall: float) -> dict:
+    """What :func:`fit_model` reports of a finished fit."""
     tail = losses[-min(len(losses), 50) :]
-    metrics: dict[str, Any] = {
+    return {
         "parameters": count_parameters(model),
         "steps": sft_cfg.steps,
         "first_loss": losses[0],
@@ -318,11 +304,38 @@ def fit_model(
         "wall_s": wall,
         "tokens_per_s": seq_tokens / wall,
     }
-    if out_dir is not None:
-        Path(out_dir).mkdir(parents=True, exist_ok=True)
-        model.save_pretrained(out_dir, safe_serialization=True)
-        save_beside(out_dir)
-    return metrics
+
+
+def _adamw(model: torch.nn.Module, sft_cfg: SFTConfig) -> torch.optim.AdamW:
+    """AdamW with weight decay on matrices only."""
+    decay = [p for p in model.parameters() if p.ndim >= 2]
+    no_decay = [p for p in model.parameters() if p.ndim < 2]
+    return torch.optim.AdamW(
+        [{"params": decay, "weight_decay": sft_cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=sft_cfg.lr,
+        betas=(0.9, 0.98),
+    )
+
+
+def _sft_loss(model, teacher, input_ids, attention_mask, labels) -> torch.Tensor:
+    """Cross-entropy on the response tokens, or without a teacher distillation against its logits."""
+    if teacher is None:
+        return model(input_ids=input_ids, attention_mask=attention_mask, labels=labels).loss
+    with torch.no_grad():
+        teacher_logits = teacher(input_ids=input_ids, attention_mask=attention_mask).logits
+    logits = model(input_ids=input_ids, attention_mask=attention_mask).logits
+    return distillation_loss(logits, teacher_logits, labels)
+
+
+def _curve_point(sft_cfg: SFTConfig, step: int, losses: list[float], tokens_per_s: float, bar) -> dict[str, float]:
+    """The loss curve's point at ``step`` (mean over the last ``log_every`` steps), shown and logged."""
+    window = losses[-sft_cfg.log_every :]
+    point = {"step": step + 1, "loss": sum(window) / len(window), "lr": sft_cfg.lr_at(step)}
+    bar.set_postfix(loss=f"{point['loss']:.4f}", tok_s=f"{tokens_per_s:.0f}")
+    logger.info(
+        "step %d/%d loss %.4f lr %.2e %.0f tok/s", step + 1, sft_cfg.steps, point["loss"], point["lr"], tokens_per_s
+    )
+    return point
 
 
 @torch.no_grad()
@@ -380,20 +393,8 @@ def evaluate_accuracy(
         raise ValueError("problems must not be empty")
     if backend not in ("hf", "engine"):
         raise ValueError(f"backend must be 'hf' or 'engine', got {backend!r}")
-    was_training = model.training
-    model.eval()
+    completions = _greedy_completions(model, tokenizer, problems, max_new_tokens, batch_size, progress, backend)
     eos = tokenizer.eos_token_id
-    # Similar lengths in a batch: the batch runs until its longest response ends.
-    order = sorted(range(len(problems)), key=lambda i: len(problems[i].terms))
-    prompts = [chat_ids(tokenizer, [{"role": "user", "content": problems[i].question}], True) for i in order]
-    if backend == "hf":
-        rows = _greedy_hf(model, tokenizer, prompts, max_new_tokens, batch_size, progress)
-    else:
-        rows = _greedy_engine(model, tokenizer, prompts, max_new_tokens)
-    completions = dict(zip(order, rows))
-    if was_training:
-        model.train()
-
     results = []
     for i, p in enumerate(problems):
         ids = completions[i]
@@ -424,6 +425,22 @@ def evaluate_accuracy(
         "mean_reference_tokens": sum(len(p.solution) + 1 for p in problems) / len(problems),
         **extra,
     }
+
+
+def _greedy_completions(model, tokenizer, problems, max_new_tokens, batch_size, progress, backend) -> dict[int, list]:
+    """Each problem's greedy completion ids (EOS kept), by problem index; the model's mode kept."""
+    was_training = model.training
+    model.eval()
+    # Similar lengths in a batch: the batch runs until its longest response ends.
+    order = sorted(range(len(problems)), key=lambda i: len(problems[i].terms))
+    prompts = [chat_ids(tokenizer, [{"role": "user", "content": problems[i].question}], True) for i in order]
+    if backend == "hf":
+        rows = _greedy_hf(model, tokenizer, prompts, max_new_tokens, batch_size, progress)
+    else:
+        rows = _greedy_engine(model, tokenizer, prompts, max_new_tokens)
+    if was_training:
+        model.train()
+    return dict(zip(order, rows))
 
 
 def long_problems(num: int, seed: int, task: ChainSumConfig) -> list[ChainSumProblem]:
@@ -587,6 +604,70 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _train_and_evaluate(name, spec, cfg: SFTConfig, tokenizer, out: Path, eval_sets, max_new_tokens: int, args):
+    """Train one model of the recipe, evaluate what was saved on both problem sets (written to its
+    ``eval.json``); its row of the card's training table and its two evaluation rows."""
+    problems, long_set = eval_sets
+    logger.info("training %s (%s) for %d steps", name, spec.describe(), cfg.steps)
+    metrics = train_model(spec, cfg, tokenizer, out / name, progress=not args.no_progress)
+    model = AutoModelForCausalLM.from_pretrained(out / name)  # evaluate what was saved
+    ev_start = time.perf_counter()
+    ev = evaluate_accuracy(model, tokenizer, problems, max_new_tokens, progress=not args.no_progress)
+    ev_long = evaluate_accuracy(model, tokenizer, long_set, max_new_tokens, progress=not args.no_progress)
+    ev_wall = time.perf_counter() - ev_start
+    (out / name / "eval.json").write_text(
+        json.dumps({"task": ev, "long_set": ev_long, "eval_wall_s": ev_wall}, indent=2) + "\n"
+    )
+    logger.info("%s: train %s", name, {k: v for k, v in metrics.items() if k != "loss_curve"})
+    logger.info("%s: eval task %s; long set %s (%.0f s)", name, ev, ev_long, ev_wall)
+    train_row = (
+        f"| {name} | {spec.describe()} | {metrics['parameters']:,} | {cfg.steps} | {cfg.lr:g} | "
+        f"{metrics['sequence_tokens']:,} | {metrics['final_loss']:.4f} | {metrics['wall_s'] / 60:.1f} min |"
+    )
+    return train_row, [_eval_row(name, "task", ev), _eval_row(name, "long set", ev_long)]
+
+
+def _model_card(args, cfg: SFTConfig, tokenizer, train_rows, eval_rows, eval_sets, max_new_tokens: int) -> str:
+    """The tiny models' card: the command, the task's distribution, the recipe and the tables."""
+    problems, long_set = eval_sets
+    task = cfg.task
+    probs = task.probabilities()
+    return MODEL_CARD.format(
+        command=_command(args),
+        seed=args.seed,
+        threads=args.threads,
+        machine=_machine(),
+        precision="fp32 weights, bf16 autocast" if cfg.bf16 else "fp32",
+        torch_version=torch.__version__,
+        tf_version=transformers.__version__,
+        tail_exponent=f"{task.tail_exponent:g}",
+        min_terms=task.min_terms,
+        body_max=task.long_min_terms - 1 if task.long_fraction > 0 else task.max_terms,
+        body_prob=f"{1 - task.long_fraction:g}",
+        long_min=task.long_min_terms,
+        max_terms=task.max_terms,
+        p_short=sum(p for n, p in probs.items() if n <= SHORT_MAX_TERMS),
+        p_long=sum(p for n, p in probs.items() if n >= LONG_MIN_TERMS),
+        max_solution=len(ChainSumProblem((9,) * task.max_terms).solution),
+        vocab=len(tokenizer),
+        uniform_pct=round(cfg.uniform_fraction * 100),
+        weight_decay=cfg.weight_decay,
+        warmup="min(100, steps / 10)",
+        min_lr_ratio=cfg.min_lr_ratio,
+        grad_clip=cfg.grad_clip,
+        batch_size=cfg.batch_size,
+        train_rows="\n".join(train_rows),
+        max_new_tokens=max_new_tokens,
+        num_problems=len(problems),
+        eval_seed=10_000 + args.seed,
+        num_short=sum(len(p.terms) <= SHORT_MAX_TERMS for p in problems),
+        num_long=sum(len(p.terms) >= LONG_MIN_TERMS for p in problems),
+        num_long_set=len(long_set),
+        long_seed=20_000 + args.seed,
+        eval_rows="\n".join(eval_rows),
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.quick:
@@ -600,9 +681,10 @@ def main(argv: list[str] | None = None) -> int:
     task = ChainSumConfig()
     tokenizer = build_tokenizer()
 
-    eval_seed, long_seed = 10_000 + args.seed, 20_000 + args.seed  # training streams use args.seed
-    problems = sample_problems(args.eval_problems, seed=eval_seed, cfg=task)
-    long_set = long_problems(args.long_eval_problems, seed=long_seed, task=task)
+    # evaluation streams of their own (training streams use args.seed); the card names them
+    problems = sample_problems(args.eval_problems, seed=10_000 + args.seed, cfg=task)
+    long_set = long_problems(args.long_eval_problems, seed=20_000 + args.seed, task=task)
+    eval_sets = (problems, long_set)
     runs = (
         ("policy", POLICY, args.policy_steps, args.policy_lr),
         ("drafter", DRAFTER, args.drafter_steps, args.drafter_lr),
@@ -619,61 +701,13 @@ def main(argv: list[str] | None = None) -> int:
             bf16=not args.no_bf16,
             task=task,
         )
-        logger.info("training %s (%s) for %d steps", name, spec.describe(), steps)
-        metrics = train_model(spec, cfg, tokenizer, out / name, progress=not args.no_progress)
-        model = AutoModelForCausalLM.from_pretrained(out / name)  # evaluate what was saved
-        ev_start = time.perf_counter()
-        ev = evaluate_accuracy(model, tokenizer, problems, max_new_tokens, progress=not args.no_progress)
-        ev_long = evaluate_accuracy(model, tokenizer, long_set, max_new_tokens, progress=not args.no_progress)
-        ev_wall = time.perf_counter() - ev_start
-        (out / name / "eval.json").write_text(
-            json.dumps({"task": ev, "long_set": ev_long, "eval_wall_s": ev_wall}, indent=2) + "\n"
+        train_row, evals = _train_and_evaluate(
+            name, spec, cfg, tokenizer, out, (problems, long_set), max_new_tokens, args
         )
-        logger.info("%s: train %s", name, {k: v for k, v in metrics.items() if k != "loss_curve"})
-        logger.info("%s: eval task %s; long set %s (%.0f s)", name, ev, ev_long, ev_wall)
-        train_rows.append(
-            f"| {name} | {spec.describe()} | {metrics['parameters']:,} | {steps} | {lr:g} | "
-            f"{metrics['sequence_tokens']:,} | {metrics['final_loss']:.4f} | {metrics['wall_s'] / 60:.1f} min |"
-        )
-        eval_rows += [_eval_row(name, "task", ev), _eval_row(name, "long set", ev_long)]
-
-    probs = task.probabilities()
-    (out / "MODEL_CARD.md").write_text(
-        MODEL_CARD.format(
-            command=_command(args),
-            seed=args.seed,
-            threads=args.threads,
-            machine=_machine(),
-            precision="fp32 weights, bf16 autocast" if cfg.bf16 else "fp32",
-            torch_version=torch.__version__,
-            tf_version=transformers.__version__,
-            tail_exponent=f"{task.tail_exponent:g}",
-            min_terms=task.min_terms,
-            body_max=task.long_min_terms - 1 if task.long_fraction > 0 else task.max_terms,
-            body_prob=f"{1 - task.long_fraction:g}",
-            long_min=task.long_min_terms,
-            max_terms=task.max_terms,
-            p_short=sum(p for n, p in probs.items() if n <= SHORT_MAX_TERMS),
-            p_long=sum(p for n, p in probs.items() if n >= LONG_MIN_TERMS),
-            max_solution=len(ChainSumProblem((9,) * task.max_terms).solution),
-            vocab=len(tokenizer),
-            uniform_pct=round(cfg.uniform_fraction * 100),
-            weight_decay=cfg.weight_decay,
-            warmup="min(100, steps / 10)",
-            min_lr_ratio=cfg.min_lr_ratio,
-            grad_clip=cfg.grad_clip,
-            batch_size=cfg.batch_size,
-            train_rows="\n".join(train_rows),
-            max_new_tokens=max_new_tokens,
-            num_problems=len(problems),
-            eval_seed=eval_seed,
-            num_short=sum(len(p.terms) <= SHORT_MAX_TERMS for p in problems),
-            num_long=sum(len(p.terms) >= LONG_MIN_TERMS for p in problems),
-            num_long_set=len(long_set),
-            long_seed=long_seed,
-            eval_rows="\n".join(eval_rows),
-        )
-    )
+        train_rows.append(train_row)
+        eval_rows += evals
+    card = _model_card(args, cfg, tokenizer, train_rows, eval_rows, eval_sets, max_new_tokens)
+    (out / "MODEL_CARD.md").write_text(card)
     print(f"wrote {out}")
     return 0
 

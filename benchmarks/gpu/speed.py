@@ -9,6 +9,8 @@ capture its graphs and compile its kernels, then once timed.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
 
 from ...kernels.dispatch import KERNELS, resolve_backend
@@ -197,19 +199,50 @@ def decode_floor_ms(model, context: int, copy_gbs: float) -> tuple[float, int]:
     return 1000 * (weights + kv) / (copy_gbs * 1e9), weights + kv
 
 
+@dataclass
+class SpeedRun:
+    """What the stage's parts share: the contenders, the prompts, the rows measured so far (recorded
+    as each one lands) and the headline figures."""
+
+    stage: Stage
+    contenders: Contenders
+    graphs: str
+    prompts: list
+    warm: list
+    greedy: SamplingParams
+    rows: list[dict] = field(default_factory=list)
+    headline: dict[str, str] = field(default_factory=dict)
+
+    def add(self, row: dict) -> None:
+        self.rows.append({k: v for k, v in row.items() if k != "completions"})
+        self.stage.record("rates", self.rows)
+
+    def measure(self, name: str, batch: int, rate) -> None:
+        with self.stage.part(f"{name} batch {batch}", 8) as ok:
+            if ok:
+                self.add({"contender": name, "batch": batch, **rate()})
+
+    def ratio(self, a: tuple, b: tuple) -> float | None:
+        rate = {(r["contender"], r["batch"]): r for r in self.rows}
+        return round(rate[a]["tok_s"] / rate[b]["tok_s"], 2) if a in rate and b in rate else None
+
+    def engine_rate(self, strategy: str, batch: int, graphs: str | None = None, **engine):
+        b = batch
+        return lambda: self.contenders.engine_rate(
+            strategy, graphs or self.graphs, self.prompts[:b], self.greedy, self.warm[:b], **engine
+        )
+
+
 def run(stage: Stage) -> None:
     dev = device()
     cuda = torch.cuda.is_available()
     dtype = torch.bfloat16 if cuda else torch.float32
-    graphs = graph_backend()
     kernels = {k: resolve_backend(dev, kernel=k) for k in KERNELS}
     stage.record("kernels", kernels)
-    other = "torch" if kernels["attention"] == "triton" else "triton"
     if not cuda:
         stage.skip("CUDA graphs, bf16", "needs CUDA: the eager bucket backend and fp32 stand in")
     size = stage.size
     drafter, tokenizer = load_shipped("deep", "drafter", dtype=dtype)  # the policy is grown in grow()
-    drafter = drafter.to(dev)
     prompts = task_prompts(tokenizer, max(size.speed_batches), seed=21)
     warm = task_prompts(tokenizer, max(size.speed_batches), seed=22)
     greedy = SamplingParams(temperature=0.0, max_new_tokens=size.max_new_tokens)
@@ -217,80 +250,75 @@ def run(stage: Stage) -> None:
         if not ok:
             return
         policy = grow(stage, dev, dtype, prompts)
-    contenders = Contenders(policy, drafter, tokenizer)
-    rows: list[dict] = []
-    headline: dict[str, str] = {}
-
-    def add(row: dict) -> None:
-        rows.append({k: v for k, v in row.items() if k != "completions"})
-        stage.record("rates", rows)
-
+    speed = SpeedRun(stage, Contenders(policy, drafter.to(dev), tokenizer), graph_backend(), prompts, warm, greedy)
     copy_gbs = copy_bandwidth_gbs(1 << 30 if cuda else 1 << 26)
     stage.record("copy_gbs", round(copy_gbs, 1))
-    for batch in size.speed_batches:
-        for name, measure in (
-            ("none graphs", lambda b=batch: contenders.engine_rate("none", graphs, prompts[:b], greedy, warm[:b])),
-            ("none eager", lambda b=batch: contenders.engine_rate("none", "none", prompts[:b], greedy, warm[:b])),
-            ("HF generate", lambda b=batch: contenders.hf_rate(prompts[:b], greedy)),
-            (
-                f"none graphs kernels={other}",
-                lambda b=batch: contenders.engine_rate("none", graphs, prompts[:b], greedy, warm[:b], kernels=other),
-            ),
-        ):
-            if name.endswith("kernels=triton") and not cuda:
-                stage.skip(f"{name} batch {batch}", "needs CUDA (Triton's interpreter times nothing)")
-                continue
-            with stage.part(f"{name} batch {batch}", 8) as ok:
-                if ok:
-                    add({"contender": name, "batch": batch, **measure()})
+    plain_decoding(speed, "torch" if kernels["attention"] == "triton" else "triton")
+    bandwidth_floor(speed, policy, copy_gbs)
+    stage.record("headline", speed.headline)
+    speculation(speed)
+    long_tail(stage, speed.contenders, tokenizer, speed.graphs, speed.add, speed.headline)
+    stage.record("headline", speed.headline)
+    with stage.part("profile of the batch-1 decode graph", 10, cuda_only=True) as ok:
+        if ok:
+            stage.record("batch1_replay_profile", replay_profile(speed.contenders.engine("none", speed.graphs)))
+    speed.contenders.close()
 
-    def ratio(a: tuple, b: tuple) -> float | None:
-        rate = {(r["contender"], r["batch"]): r for r in rows}
-        return round(rate[a]["tok_s"] / rate[b]["tok_s"], 2) if a in rate and b in rate else None
 
-    headline["graphs / eager, batch 1 (target >= 3x)"] = str(ratio(("none graphs", 1), ("none eager", 1)))
-    headline["none / HF generate, batch 1 (target >= 5x)"] = str(ratio(("none graphs", 1), ("HF generate", 1)))
-    b64 = 64 if 64 in size.speed_batches else max(size.speed_batches)
-    headline[f"none / HF generate, batch {b64} (target >= 2x)"] = str(ratio(("none graphs", b64), ("HF generate", b64)))
-    batch1 = next((r for r in rows if (r["contender"], r["batch"]) == ("none graphs", 1)), None)
-    if batch1 is not None:
-        context = len(prompts[0]) + size.max_new_tokens // 2
-        floor, nbytes = decode_floor_ms(policy, context, copy_gbs)
-        step = batch1["decode_step_ms"]
-        replay = replay_ms(contenders.engine("none", graphs))
-        stage.record(
-            "decode_floor", {"bytes_per_step": nbytes, "floor_ms": floor, "step_ms": step, "replay_ms": replay}
-        )
-        if replay is not None:
-            headline["batch-1 graph replay alone / floor"] = f"{replay / floor:.1f}x ({replay:.2f} ms)"
-        headline["batch-1 decode step / bandwidth floor (target <= 2x)"] = f"{step / floor:.1f}x ({step:.2f} ms)"
-    stage.record("headline", headline)
-    for batch in size.spec_batches:
+def plain_decoding(speed: SpeedRun, other_kernels: str) -> None:
+    """No speculation at every batch size: the engine with graphs and eager, HF ``generate``, and
+    the engine with the other attention kernels; the headline ratios against their targets."""
+    for batch in speed.stage.size.speed_batches:
+        speed.measure("none graphs", batch, speed.engine_rate("none", batch))
+        speed.measure("none eager", batch, speed.engine_rate("none", batch, graphs="none"))
+        speed.measure("HF generate", batch, lambda b=batch: speed.contenders.hf_rate(speed.prompts[:b], speed.greedy))
+        name = f"none graphs kernels={other_kernels}"
+        if other_kernels == "triton" and not torch.cuda.is_available():
+            speed.stage.skip(f"{name} batch {batch}", "needs CUDA (Triton's interpreter times nothing)")
+        else:
+            speed.measure(name, batch, speed.engine_rate("none", batch, kernels=other_kernels))
+    b64 = 64 if 64 in speed.stage.size.speed_batches else max(speed.stage.size.speed_batches)
+    speed.headline["graphs / eager, batch 1 (target >= 3x)"] = str(speed.ratio(("none graphs", 1), ("none eager", 1)))
+    speed.headline["none / HF generate, batch 1 (target >= 5x)"] = str(
+        speed.ratio(("none graphs", 1), ("HF generate", 1))
+    )
+    speed.headline[f"none / HF generate, batch {b64} (target >= 2x)"] = str(
+        speed.ratio(("none graphs", b64), ("HF generate", b64))
+    )
+
+
+def bandwidth_floor(speed: SpeedRun, policy, copy_gbs: float) -> None:
+    """The batch-1 decode step (and the graph replay alone) against the bytes it must read."""
+    batch1 = next((r for r in speed.rows if (r["contender"], r["batch"]) == ("none graphs", 1)), None)
+    if batch1 is None:
+        return
+    context = len(speed.prompts[0]) + speed.stage.size.max_new_tokens // 2
+    floor, nbytes = decode_floor_ms(policy, context, copy_gbs)
+    step = batch1["decode_step_ms"]
+    replay = replay_ms(speed.contenders.engine("none", speed.graphs))
+    speed.stage.record(
+        "decode_floor", {"bytes_per_step": nbytes, "floor_ms": floor, "step_ms": step, "replay_ms": replay}
+    )
+    if replay is not None:
+        speed.headline["batch-1 graph replay alone / floor"] = f"{replay / floor:.1f}x ({replay:.2f} ms)"
+    speed.headline["batch-1 decode step / bandwidth floor (target <= 2x)"] = f"{step / floor:.1f}x ({step:.2f} ms)"
+
+
+def speculation(speed: SpeedRun) -> None:
+    """Every speculative strategy against ``none`` at the speculative batch sizes (with the seconds
+    each spent capturing graphs inside its timed run)."""
+    for batch in speed.stage.size.spec_batches:
         for strategy in SPEC_STRATEGIES:
-            with stage.part(f"{strategy} batch {batch}", 8) as ok:
-                if ok:
-                    add(
-                        {
-                            "contender": strategy,
-                            "batch": batch,
-                            **contenders.engine_rate(strategy, graphs, prompts[:batch], greedy, warm[:batch]),
-                        }
-                    )
+            speed.measure(strategy, batch, speed.engine_rate(strategy, batch))
         for strategy in SPEC_STRATEGIES:
             target = " (target >= 2x)" if (strategy, batch) == ("chain:4", 1) else ""
             captured = next(
-                (r["capture_s_timed"] for r in rows if r["contender"] == strategy and r["batch"] == batch), 0
+                (r["capture_s_timed"] for r in speed.rows if r["contender"] == strategy and r["batch"] == batch), 0
             )
-            headline[f"{strategy} / none, batch {batch}{target}"] = str(
-                ratio((strategy, batch), ("none graphs", batch))
+            speed.headline[f"{strategy} / none, batch {batch}{target}"] = str(
+                speed.ratio((strategy, batch), ("none graphs", batch))
             ) + (f" ({captured:.2f} s capturing in the timed run)" if captured >= 0.01 else "")
-        stage.record("headline", headline)
-    long_tail(stage, contenders, tokenizer, graphs, add, headline)
-    stage.record("headline", headline)
-    with stage.part("profile of the batch-1 decode graph", 10, cuda_only=True) as ok:
-        if ok:
-            stage.record("batch1_replay_profile", replay_profile(contenders.engine("none", graphs)))
-    contenders.close()
+        speed.stage.record("headline", speed.headline)
 
 
 def long_tail(stage: Stage, contenders: Contenders, tokenizer, graphs: str, add, headline: dict) -> None:
