@@ -317,6 +317,19 @@ def run_recipe(
     ft = json.loads((out / "policy" / "sft_metrics.json").read_text())
     dist = json.loads((out / "drafter" / "sft_metrics.json").read_text())
 
+    evals, sizes = _evaluate(recipe, tokenizer, {"deep policy": policy, "drafter LM": drafter, "tiny policy": tiny})
+    for kind, key in (("policy", "deep policy"), ("drafter", "drafter LM")):
+        (out / kind / "eval.json").write_text(json.dumps(evals[key], indent=2) + "\n")
+    costs = {name: measure_shape_costs(m, threads=1) for name, m in (("deep policy", policy), ("tiny policy", tiny))}
+    (out / "costs.json").write_text(json.dumps({k: asdict(v) for k, v in costs.items()}, indent=2) + "\n")
+    wall = time.perf_counter() - start
+    (out / "MODEL_CARD.md").write_text(_card(recipe, log, policy, ft, dist, rounds, evals, costs, *sizes))
+    return {"evals": evals, "costs": costs, "wall_s": wall}
+
+
+def _evaluate(recipe: DeepRecipe, tokenizer, models: dict) -> tuple[dict[str, dict[str, Any]], tuple[int, int]]:
+    """Each model's greedy accuracy on the tiny card's task set and long set (the engine decodes);
+    and the two sets' sizes."""
     task = ChainSumConfig()
     problems = sample_problems(recipe.eval_problems, seed=10_000 + recipe.seed, cfg=task)  # the tiny card's sets
     long_set = (
@@ -325,33 +338,18 @@ def run_recipe(
         else []
     )
     evals: dict[str, dict[str, Any]] = {}
-    for name, model in (("deep policy", policy), ("drafter LM", drafter), ("tiny policy", tiny)):
+    for name, model in models.items():
         evals[name] = {"task": evaluate_accuracy(model, tokenizer, problems, recipe.max_new_tokens, backend="engine")}
         if long_set:
             evals[name]["long set"] = evaluate_accuracy(
                 model, tokenizer, long_set, recipe.max_new_tokens, backend="engine"
             )
         logger.info("%s: %s", name, evals[name])
-    for kind, key in (("policy", "deep policy"), ("drafter", "drafter LM")):
-        (out / kind / "eval.json").write_text(json.dumps(evals[key], indent=2) + "\n")
-    costs = {name: measure_shape_costs(m, threads=1) for name, m in (("deep policy", policy), ("tiny policy", tiny))}
-    (out / "costs.json").write_text(json.dumps({k: asdict(v) for k, v in costs.items()}, indent=2) + "\n")
-    wall = time.perf_counter() - start
-    (out / "MODEL_CARD.md").write_text(
-        _card(recipe, log, policy, ft, dist, rounds, evals, costs, len(problems), len(long_set))
-    )
-    return {"evals": evals, "costs": costs, "wall_s": wall}
+    return evals, (len(problems), len(long_set))
 
 
 def _card(recipe, log, policy, ft, dist, rounds, evals, costs, n_task, n_long) -> str:
     cfg = policy.config
-    eval_rows = [_eval_row(name, set_name, ev) for name, sets in evals.items() for set_name, ev in sets.items()]
-    cost_rows = [
-        f"| {name} | {c.one_token_ms:.2f} | {c.five_tokens_ms:.2f} ({c.verify5_ratio:.2f}x) | "
-        f"{c.layer_ms:.3f} ({c.layer_share:.1%}) | {c.batch16_one_token_ms:.2f} | "
-        f"{c.batch16_five_tokens_ms:.2f} ({c.batch16_verify5_ratio:.2f}x) |"
-        for name, c in costs.items()
-    ]
     round_rows = [
         f"| {r['round']} | {r['completions']} | {r['tokens']:,} | {r['accept_length']:.2f} | "
         f"{r['loss_first']:.3f} -> {r['loss_last']:.3f} | {r['train_s'] / 60:.1f} |"
@@ -404,7 +402,19 @@ model `eval.json` and `sft_metrics.json` (loss curve and recipe).
 |---:|---:|---:|---:|---|---:|
 {chr(10).join(round_rows)}
 
-## Greedy accuracy
+{_card_results(recipe, evals, costs, n_task, n_long)}"""
+
+
+def _card_results(recipe, evals, costs, n_task, n_long) -> str:
+    """The card's accuracy and cost tables."""
+    eval_rows = [_eval_row(name, set_name, ev) for name, sets in evals.items() for set_name, ev in sets.items()]
+    cost_rows = [
+        f"| {name} | {c.one_token_ms:.2f} | {c.five_tokens_ms:.2f} ({c.verify5_ratio:.2f}x) | "
+        f"{c.layer_ms:.3f} ({c.layer_share:.1%}) | {c.batch16_one_token_ms:.2f} | "
+        f"{c.batch16_five_tokens_ms:.2f} ({c.batch16_verify5_ratio:.2f}x) |"
+        for name, c in costs.items()
+    ]
+    return f"""## Greedy accuracy
 
 tailspec's engine, greedy (token-identical to HF `generate` in fp32), at most {recipe.max_new_tokens} new
 tokens, on the tiny model card's sets: "task" = {n_task} held-out problems from the task distribution (seed

@@ -61,6 +61,43 @@ def kept_layer_positions(old_layers: int, new_layers: int) -> list[int]:
     return [round(i * new_layers / old_layers) for i in range(old_layers)]
 
 
+def _put(grown: torch.nn.Module, name: str, value: torch.Tensor, zero_rest: bool) -> None:
+    """Copy ``value`` into the top-left block of ``grown``'s parameter ``name``; zero the rest if asked."""
+    target = grown.get_parameter(name)
+    if zero_rest:
+        target.zero_()
+    target[tuple(slice(0, n) for n in value.shape)] = value.to(target.device, target.dtype)
+
+
+def _zero_writes(grown: torch.nn.Module, prefix: str, value_of: dict[str, torch.Tensor] | None) -> None:
+    """The layer's projections that write to the residual stream: zero, or ``value_of``'s padded with zeros."""
+    for proj in _WRITES_STREAM:
+        name = f"{prefix}.{proj}.weight"
+        grown.get_parameter(name).zero_()
+        if value_of is not None:
+            _put(grown, name, value_of[name], zero_rest=True)
+        bias = f"{prefix}.{proj}.bias"
+        if bias in dict(grown.named_parameters()):
+            grown.get_parameter(bias).zero_()
+            if value_of is not None:
+                _put(grown, bias, value_of[bias], zero_rest=True)
+
+
+def _copy_layer(grown: torch.nn.Module, prefix: str, renamed: dict[str, torch.Tensor], scale: float) -> None:
+    """A kept layer's weights (``renamed`` to its new index) into ``grown``: what reads the stream,
+    the norms rescaled, per-head norms as they are, what writes it padded with zeros."""
+    for module in _READS_STREAM:
+        _put(grown, f"{prefix}.{module}.weight", renamed[f"{prefix}.{module}.weight"], zero_rest=False)
+        if f"{prefix}.{module}.bias" in renamed:
+            _put(grown, f"{prefix}.{module}.bias", renamed[f"{prefix}.{module}.bias"], zero_rest=False)
+    for norm in _NORMS:
+        _put(grown, f"{prefix}.{norm}.weight", renamed[f"{prefix}.{norm}.weight"] * scale, zero_rest=False)
+    for name, value in renamed.items():  # per-head norms (Qwen3's q_norm / k_norm) are copied as they are
+        if ".q_norm." in name or ".k_norm." in name:
+            _put(grown, name, value, zero_rest=True)
+    _zero_writes(grown, prefix, renamed)
+
+
 @torch.no_grad()
 def grow_policy(
     model: torch.nn.Module,
@@ -82,35 +119,16 @@ def grow_policy(
         grown = AutoModelForCausalLM.from_config(cfg, dtype=dtype, attn_implementation="sdpa")
     old_state = model.state_dict()
 
-    def put(name: str, value: torch.Tensor, zero_rest: bool) -> None:
-        """Copy ``value`` into the top-left block of parameter ``name``; zero the rest if asked."""
-        target = grown.get_parameter(name)
-        if zero_rest:
-            target.zero_()
-        target[tuple(slice(0, n) for n in value.shape)] = value.to(target.device, target.dtype)
-
-    def zero_writes(prefix: str, value_of: dict[str, torch.Tensor] | None) -> None:
-        for proj in _WRITES_STREAM:
-            name = f"{prefix}.{proj}.weight"
-            grown.get_parameter(name).zero_()
-            if value_of is not None:
-                put(name, value_of[name], zero_rest=True)
-            bias = f"{prefix}.{proj}.bias"
-            if bias in dict(grown.named_parameters()):
-                grown.get_parameter(bias).zero_()
-                if value_of is not None:
-                    put(bias, value_of[bias], zero_rest=True)
-
     embed = "model.embed_tokens.weight"
-    put(embed, old_state[embed], zero_rest=True)
-    put("model.norm.weight", old_state["model.norm.weight"] * scale, zero_rest=False)
+    _put(grown, embed, old_state[embed], zero_rest=True)
+    _put(grown, "model.norm.weight", old_state["model.norm.weight"] * scale, zero_rest=False)
     if not cfg.tie_word_embeddings:
-        put("lm_head.weight", old_state["lm_head.weight"], zero_rest=False)
+        _put(grown, "lm_head.weight", old_state["lm_head.weight"], zero_rest=False)
     positions = kept_layer_positions(model.config.num_hidden_layers, num_layers)
     for new_index in range(num_layers):
         prefix = f"model.layers.{new_index}"
         if new_index not in positions:
-            zero_writes(prefix, None)
+            _zero_writes(grown, prefix, None)
             continue
         old_prefix = f"model.layers.{positions.index(new_index)}"
         renamed = {
@@ -118,15 +136,6 @@ def grow_policy(
             for k, v in old_state.items()
             if k.startswith(old_prefix + ".")
         }
-        for module in _READS_STREAM:
-            put(f"{prefix}.{module}.weight", renamed[f"{prefix}.{module}.weight"], zero_rest=False)
-            if f"{prefix}.{module}.bias" in renamed:
-                put(f"{prefix}.{module}.bias", renamed[f"{prefix}.{module}.bias"], zero_rest=False)
-        for norm in _NORMS:
-            put(f"{prefix}.{norm}.weight", renamed[f"{prefix}.{norm}.weight"] * scale, zero_rest=False)
-        for name, value in renamed.items():  # per-head norms (Qwen3's q_norm / k_norm) are copied as they are
-            if ".q_norm." in name or ".k_norm." in name:
-                put(name, value, zero_rest=True)
-        zero_writes(prefix, renamed)
+        _copy_layer(grown, prefix, renamed, scale)
     grown.generation_config = copy.deepcopy(model.generation_config)
     return grown.eval()
