@@ -207,53 +207,19 @@ class ATTSRunner:
                 )
             policy = make_policy(calibration, self.config.alpha, self.config.mode, self.config.online_step)
         states = make_samples(prompts, self.config, self.eos_ids)
-        log = EventLog()
-        decisions: list[float] = []
-        inflight: dict[tuple[str, int], tuple[SampleState, Phase, ScoreRequest | None]] = {}
-
-        def send(client: EngineClient, state: SampleState, request, params, score: ScoreRequest | None = None) -> None:
-            inflight[(client.name, client.submit(request, params))] = (state, state.phase, score)
-
-        def next_draft(state: SampleState) -> None:
-            if state.done:
-                log.add(state, "finished")
-                bar.update(1)
-                return
-            log.add(state, "submit_draft")
-            send(self.draft, state, *state.draft_request())
-
         bar = progress_bar(total=len(states), desc="atts", unit="sample", disable=not self.progress, leave=False)
+        loop = _Loop(self.draft, self.target, policy, bar)
         with self.sessions(), bar:
             for state in states:
-                next_draft(state)
-            while inflight:
+                loop.next_draft(state)
+            while loop.inflight:
                 for client in (self.draft, self.target):
                     for ticket, output in client.poll():
-                        state, phase, score_request = inflight.pop((client.name, ticket))
-                        if phase is Phase.DRAFT:
-                            log.add(state, "drafted")
-                            request, params = state.on_draft(output.completion_ids)
-                            send(self.target, state, request.input_ids, params, request)
-                        elif phase is Phase.SCORE:
-                            score = state.on_score(score_request, output.prompt_logprobs or [])
-                            decisions.append(score)
-                            decision = policy.decide(score)
-                            log.add(state, "scored")
-                            state.on_decision(decision.takeover, decision.threshold, decision.level)
-                            if state.phase is Phase.TAKEOVER:
-                                log.add(state, "takeover")
-                                send(self.target, state, *state.takeover_request())
-                            else:
-                                log.add(state, "accepted")
-                                next_draft(state)
-                        else:
-                            state.on_takeover(output.completion_ids)
-                            log.add(state, "rewritten")
-                            next_draft(state)
-                log.tick += 1
+                        loop.on_output(client, ticket, output)
+                loop.log.tick += 1
         if not all(s.done for s in states):
             raise RuntimeError("ATTS loop ended with unfinished samples")
-        return collect(states, log, self.config, decisions)
+        return collect(states, loop.log, self.config, loop.decisions)
 
     def calibrate(self, prompts: Sequence[Sequence[int]]) -> ConformalCalibration:
         """Scores of every draft chunk of held-out ``prompts``, through exactly the test-time path
@@ -287,3 +253,51 @@ def sample_only(
     with client.session():
         outputs = wait_all(client, requests)
     return [o.completion_ids for o in outputs], time.perf_counter() - start
+
+
+class _Loop:
+    """One ATTS run's requests in flight: each sample goes draft -> score -> (accepted, or a
+    takeover by the target) -> next draft, as the engines answer."""
+
+    def __init__(self, draft: EngineClient, target: EngineClient, policy: TakeoverPolicy, bar) -> None:
+        self.draft, self.target, self.policy, self.bar = draft, target, policy, bar
+        self.log = EventLog()
+        self.decisions: list[float] = []
+        self.inflight: dict[tuple[str, int], tuple[SampleState, Phase, ScoreRequest | None]] = {}
+
+    def send(self, client: EngineClient, state: SampleState, request, params, score: ScoreRequest | None = None):
+        self.inflight[(client.name, client.submit(request, params))] = (state, state.phase, score)
+
+    def next_draft(self, state: SampleState) -> None:
+        if state.done:
+            self.log.add(state, "finished")
+            self.bar.update(1)
+            return
+        self.log.add(state, "submit_draft")
+        self.send(self.draft, state, *state.draft_request())
+
+    def on_output(self, client: EngineClient, ticket: int, output) -> None:
+        state, phase, score_request = self.inflight.pop((client.name, ticket))
+        if phase is Phase.DRAFT:
+            self.log.add(state, "drafted")
+            request, params = state.on_draft(output.completion_ids)
+            self.send(self.target, state, request.input_ids, params, request)
+        elif phase is Phase.SCORE:
+            self._on_score(state, score_request, output)
+        else:
+            state.on_takeover(output.completion_ids)
+            self.log.add(state, "rewritten")
+            self.next_draft(state)
+
+    def _on_score(self, state: SampleState, score_request: ScoreRequest | None, output) -> None:
+        score = state.on_score(score_request, output.prompt_logprobs or [])
+        self.decisions.append(score)
+        decision = self.policy.decide(score)
+        self.log.add(state, "scored")
+        state.on_decision(decision.takeover, decision.threshold, decision.level)
+        if state.phase is Phase.TAKEOVER:
+            self.log.add(state, "takeover")
+            self.send(self.target, state, *state.takeover_request())
+        else:
+            self.log.add(state, "accepted")
+            self.next_draft(state)

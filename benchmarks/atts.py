@@ -94,19 +94,9 @@ def _prompts(tokenizer, problems) -> list[list[int]]:
     return SpecRollout.tokenize_prompts([[{"role": "user", "content": p.question}] for p in problems], tokenizer)
 
 
-def measure_atts(cfg: ATTSBenchConfig, progress: bool = False) -> tuple[list[ATTSRow], ConformalCalibration]:
-    target_model, tokenizer = load_shipped(cfg.policy, "policy")
-    draft_model, draft_tokenizer = load_shipped(cfg.policy, "drafter")
-    task = ChainSumConfig()
-    calibration_problems = sample_problems(cfg.calibration_questions, seed=cfg.seed + 50_000, cfg=task)
-    problems = sample_problems(cfg.questions, seed=cfg.seed + 60_000, cfg=task)
-    calibration_prompts, prompts = _prompts(tokenizer, calibration_problems), _prompts(tokenizer, problems)
-    references = [p.answer for p in problems]
-    base = cfg.atts
-    rollout = RolloutConfig(
-        kv_cache_tokens=65536, max_num_seqs=cfg.max_num_seqs, mixed_batches=True, prefix_caching=True
-    )
-
+def _engines(cfg: ATTSBenchConfig, rollout: RolloutConfig, draft_pair, target_pair):
+    """The draft and target engines (in-process, or Ray actors with ``cfg.ray``) and what closes them."""
+    (draft_model, draft_tokenizer), (target_model, tokenizer) = draft_pair, target_pair
     closers: list[Callable[[], None]] = []
     if cfg.ray:
         from ..workers.coordinator import ensure_ray
@@ -122,6 +112,23 @@ def measure_atts(cfg: ATTSBenchConfig, progress: bool = False) -> tuple[list[ATT
     else:
         draft = RolloutEngine(draft_model, rollout, tokenizer=draft_tokenizer)
         target = RolloutEngine(target_model, rollout, tokenizer=tokenizer)
+    return draft, target, closers
+
+
+def measure_atts(cfg: ATTSBenchConfig, progress: bool = False) -> tuple[list[ATTSRow], ConformalCalibration]:
+    target_model, tokenizer = load_shipped(cfg.policy, "policy")
+    draft_model, draft_tokenizer = load_shipped(cfg.policy, "drafter")
+    task = ChainSumConfig()
+    calibration_problems = sample_problems(cfg.calibration_questions, seed=cfg.seed + 50_000, cfg=task)
+    problems = sample_problems(cfg.questions, seed=cfg.seed + 60_000, cfg=task)
+    calibration_prompts, prompts = _prompts(tokenizer, calibration_problems), _prompts(tokenizer, problems)
+    references = [p.answer for p in problems]
+    base = cfg.atts
+    rollout = RolloutConfig(
+        kv_cache_tokens=65536, max_num_seqs=cfg.max_num_seqs, mixed_batches=True, prefix_caching=True
+    )
+
+    draft, target, closers = _engines(cfg, rollout, (draft_model, draft_tokenizer), (target_model, tokenizer))
 
     def accuracy(completions: list[list[int]]) -> Accuracy:
         k = base.num_samples

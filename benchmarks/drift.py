@@ -255,16 +255,9 @@ def shift_format(cfg: DriftBenchConfig, problems, tokenizer) -> FormatShift:
     )
 
 
-def measure_drift(cfg: DriftBenchConfig) -> tuple[list[DriftRun], FormatShift | None]:
-    from ..tasks.sft import load_shipped
-
-    model, tokenizer = load_shipped(cfg.policy, "policy")
-    probe_problems = task_problems(cfg.probes, seed=cfg.seed + 4242)
-    probes = [list(p) for p in prompts_of(probe_problems, tokenizer)]
-    eos = sorted(eos_ids_of(model, tokenizer))
-    self_layers = max(1, model.config.num_hidden_layers * 7 // 24)
-    del model
-    base = DemoConfig().with_overrides(
+def _base_config(cfg: DriftBenchConfig) -> DemoConfig:
+    """The demo's config every arm starts from: a shared GRPO trajectory on 2 workers, no twin."""
+    return DemoConfig().with_overrides(
         policy=cfg.policy,
         max_steps=cfg.steps,
         prompts_per_step=cfg.prompts_per_step,
@@ -286,30 +279,44 @@ def measure_drift(cfg: DriftBenchConfig) -> tuple[list[DriftRun], FormatShift | 
         export=None,
         output_dir=cfg.output_dir,
     )
+
+
+def _drift_run(arm: str, history: list, drift: PolicyDrift, clock: StepClock, summary: dict) -> DriftRun:
+    """One arm's per-step record."""
+    return DriftRun(
+        arm,
+        [h.mean_accept_length for h in history],
+        [h.time_s for h in history],
+        [h.completion_tokens for h in history],
+        [h.spot_train_steps for h in history],
+        drift.greedy_changed,
+        drift.tokens_changed,
+        digests=[h.completions_digest for h in history],
+        idle_worker_s=[h.idle_worker_s for h in history],
+        spot_busy_s=[h.spot_busy_s for h in history],
+        reward=list(summary["reward_per_step"]),
+        step_s=clock.step_s,
+    )
+
+
+def measure_drift(cfg: DriftBenchConfig) -> tuple[list[DriftRun], FormatShift | None]:
+    from ..tasks.sft import load_shipped
+
+    model, tokenizer = load_shipped(cfg.policy, "policy")
+    probe_problems = task_problems(cfg.probes, seed=cfg.seed + 4242)
+    probes = [list(p) for p in prompts_of(probe_problems, tokenizer)]
+    eos = sorted(eos_ids_of(model, tokenizer))
+    self_layers = max(1, model.config.num_hidden_layers * 7 // 24)
+    del model
+    base = _base_config(cfg)
     runs, drafters, catch_ups = [], {}, {}
     for arm in arms_of(cfg):
         drift, clock = PolicyDrift(probes, eos, cfg.probe_tokens), StepClock()
         with torch.random.fork_rng():
             summary, rollout = run_demo_with_rollout(_arm_config(base, arm, self_layers), callbacks=[clock, drift])
-        history = rollout.history
         drafters[arm] = _trained_drafter(rollout)
         catch_ups[arm] = rollout.catch_up.state_dict()
-        runs.append(
-            DriftRun(
-                arm,
-                [h.mean_accept_length for h in history],
-                [h.time_s for h in history],
-                [h.completion_tokens for h in history],
-                [h.spot_train_steps for h in history],
-                drift.greedy_changed,
-                drift.tokens_changed,
-                digests=[h.completions_digest for h in history],
-                idle_worker_s=[h.idle_worker_s for h in history],
-                spot_busy_s=[h.spot_busy_s for h in history],
-                reward=list(summary["reward_per_step"]),
-                step_s=clock.step_s,
-            )
-        )
+        runs.append(_drift_run(arm, rollout.history, drift, clock, summary))
         logger.info("drift arm %s: accept %s", arm, runs[-1].accept_length)
         _save_run(runs[-1], cfg.output_dir)
     if cfg.shift_layout is None:

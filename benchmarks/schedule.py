@@ -159,6 +159,31 @@ def calibrate(model, eos: list[int], max_num_seqs: int, prompts: list[list[int]]
     return CostModel(tuple(sizes), tuple(decode), fixed, per_token, tuple(slopes), len(prompt))
 
 
+def _simulated(cfg: ScheduleBenchConfig, prompts, lengths: list[int], cost) -> tuple[dict, dict]:
+    """Each arm's simulated makespan on the measured workload at 2 workers, and on workloads scaled
+    to each of ``cfg.sim_workers`` workers (predicted lengths: each group's mean)."""
+    requests = [SimRequest(i, i // cfg.samples, len(prompts[i]), lengths[i]) for i in range(len(prompts))]
+    predicted = {g: statistics.mean(lengths[g * cfg.samples : (g + 1) * cfg.samples]) for g in range(cfg.problems)}
+    sim2 = {
+        arm: simulate(requests, 2, arm, cost, max_num_seqs=cfg.max_num_seqs, predicted=predicted).makespan
+        for arm in ARMS
+    }
+    groups = [lengths[g * cfg.samples : (g + 1) * cfg.samples] for g in range(cfg.problems)]
+    prompt_lens = [len(prompts[g * cfg.samples]) for g in range(cfg.problems)]
+    simulated = {}
+    for n in cfg.sim_workers:
+        work = scaled_workload(groups, prompt_lens, num_groups=cfg.problems * n // 2, seed=n)
+        pred = {}
+        for r in work:
+            pred.setdefault(r.group, []).append(r.length)
+        pred_mean = {g: statistics.mean(v) for g, v in pred.items()}
+        simulated[n] = {
+            arm: simulate(work, n, arm, cost, max_num_seqs=cfg.max_num_seqs, predicted=pred_mean).makespan
+            for arm in ARMS
+        }
+    return sim2, simulated
+
+
 def measure_schedule(cfg: ScheduleBenchConfig) -> ScheduleResult:
     from ..tasks.sft import load_shipped
     from ..workers import RolloutCoordinator, WorkersConfig
@@ -197,25 +222,7 @@ def measure_schedule(cfg: ScheduleBenchConfig) -> ScheduleResult:
         alone = engine.generate([prompts[longest]], [params[longest]])[0]
         bound = time.perf_counter() - t0
         cost = calibrate(model, eos, cfg.max_num_seqs, [list(p) for p in problems])
-    requests = [SimRequest(i, i // cfg.samples, len(prompts[i]), lengths[i]) for i in range(len(prompts))]
-    predicted = {g: statistics.mean(lengths[g * cfg.samples : (g + 1) * cfg.samples]) for g in range(cfg.problems)}
-    sim2 = {
-        arm: simulate(requests, 2, arm, cost, max_num_seqs=cfg.max_num_seqs, predicted=predicted).makespan
-        for arm in ARMS
-    }
-    groups = [lengths[g * cfg.samples : (g + 1) * cfg.samples] for g in range(cfg.problems)]
-    prompt_lens = [len(prompts[g * cfg.samples]) for g in range(cfg.problems)]
-    simulated = {}
-    for n in cfg.sim_workers:
-        work = scaled_workload(groups, prompt_lens, num_groups=cfg.problems * n // 2, seed=n)
-        pred = {}
-        for r in work:
-            pred.setdefault(r.group, []).append(r.length)
-        pred_mean = {g: statistics.mean(v) for g, v in pred.items()}
-        simulated[n] = {
-            arm: simulate(work, n, arm, cost, max_num_seqs=cfg.max_num_seqs, predicted=pred_mean).makespan
-            for arm in ARMS
-        }
+    sim2, simulated = _simulated(cfg, prompts, lengths, cost)
     logger.info("bound: request %d (%d tokens) alone %.2f s", longest, len(alone.completion_ids), bound)
     mean_context = statistics.fmean(len(p) + n / 2 for p, n in zip(prompts, lengths))
     per_token = cost.decode(cfg.max_num_seqs, mean_context) / cfg.max_num_seqs

@@ -167,32 +167,13 @@ def warm_up_head(cfg: HFGRPOConfig, model, tokenizer, dataset):
     return head
 
 
-def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", default="configs/grpo_hf_single_gpu.yaml")
-    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config field")
-    args = parser.parse_args(argv)
-    cfg = HFGRPOConfig.from_yaml(args.config, args.set)
-    if cfg.wandb:
-        os.environ.setdefault("WANDB_MODE", cfg.wandb_mode)
-    os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
-
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def grpo_config(cfg: HFGRPOConfig, cuda: bool):
+    """TRL's GRPOConfig for this run (bf16 and gradient checkpointing only on a GPU)."""
     from trl import GRPOConfig
 
-    import tailspec
     from tailspec.trainer_hooks.deepspeed import deepspeed_training_args
 
-    cuda = torch.cuda.is_available()
-    dtype = torch.bfloat16 if (cfg.bf16 and cuda) else torch.float32
-    tokenizer = AutoTokenizer.from_pretrained(cfg.model)
-    model = AutoModelForCausalLM.from_pretrained(cfg.model, dtype=dtype)
-    if cuda and cfg.num_workers == 0 and cfg.deepspeed is None:
-        model = model.to("cuda")
-    dataset = load_prompts(cfg)
-    head = warm_up_head(cfg, model, tokenizer, dataset) if cfg.drafter == "eagle3" and cfg.strategy != "none" else None
-    training = GRPOConfig(
+    return GRPOConfig(
         output_dir=cfg.output_dir,
         per_device_train_batch_size=cfg.prompts_per_step * cfg.num_generations,
         num_generations=cfg.num_generations,
@@ -210,6 +191,32 @@ def main(argv: list[str] | None = None) -> dict:
         seed=cfg.seed,
         **deepspeed_training_args(cfg.deepspeed),  # {} without DeepSpeed
     )
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", default="configs/grpo_hf_single_gpu.yaml")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config field")
+    args = parser.parse_args(argv)
+    cfg = HFGRPOConfig.from_yaml(args.config, args.set)
+    if cfg.wandb:
+        os.environ.setdefault("WANDB_MODE", cfg.wandb_mode)
+    os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    import tailspec
+
+    cuda = torch.cuda.is_available()
+    dtype = torch.bfloat16 if (cfg.bf16 and cuda) else torch.float32
+    tokenizer = AutoTokenizer.from_pretrained(cfg.model)
+    model = AutoModelForCausalLM.from_pretrained(cfg.model, dtype=dtype)
+    if cuda and cfg.num_workers == 0 and cfg.deepspeed is None:
+        model = model.to("cuda")
+    dataset = load_prompts(cfg)
+    head = warm_up_head(cfg, model, tokenizer, dataset) if cfg.drafter == "eagle3" and cfg.strategy != "none" else None
+    training = grpo_config(cfg, cuda)
     online = head is not None and cfg.num_workers == 0 and cfg.drafter_data == "rollout"
     rollout = tailspec.SpecRollout(
         config=cfg.rollout,
