@@ -50,38 +50,58 @@ def visible_keys(
 
 
 @triton.jit
+def kv_slots(table, keys, key_ok, block_size):
+    """The cache slot of each of ``keys`` (context positions), through the sequence's block table."""
+    block = tl.load(table + keys // block_size, mask=key_ok, other=0)
+    return block.to(tl.int64) * block_size + keys % block_size
+
+
+@triton.jit
+def load_kv(cache_ptr, slots, kv_head, stride_slot, stride_head, dims, mask):
+    """One KV head's K (or V) rows at ``slots``, as stored."""
+    return tl.load(
+        cache_ptr + slots[:, None] * stride_slot + kv_head * stride_head + dims[None, :], mask=mask, other=0.0
+    )
+
+
+@triton.jit
+def block_scores(q, k, scale, IEEE: tl.constexpr):
+    """``q @ k.T * scale``: exact fp32 products with ``IEEE`` (as the torch path computes), else the
+    cache's half precision on the tensor cores with fp32 accumulation."""
+    if IEEE:
+        scores = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
+    else:
+        scores = tl.dot(q.to(k.dtype), tl.trans(k))
+    return scores * scale
+
+
+@triton.jit
+def online_softmax_step(scores, v, m, denom, acc, IEEE: tl.constexpr):
+    """Folds one block of keys (``scores``, -inf where hidden, and their values ``v``) into each
+    row's running maximum ``m``, sum ``denom`` and unnormalised output ``acc``; a row with nothing
+    visible yet keeps m = -inf and sums 0."""
+    m_new = tl.maximum(m, tl.max(scores, axis=1))
+    safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    probs = tl.exp(scores - safe[:, None])
+    rescale = tl.exp(m - safe)
+    denom = denom * rescale + tl.sum(probs, axis=1)
+    if IEEE:
+        acc = acc * rescale[:, None] + tl.dot(probs, v.to(tl.float32), input_precision="ieee")
+    else:
+        acc = acc * rescale[:, None] + tl.dot(probs.to(v.dtype), v)
+    return m_new, denom, acc
+
+
+@triton.jit
 def paged_attention_kernel(
-    q_ptr,  # [T, H, D]
-    k_cache_ptr,  # [slots, KVH, D]
-    v_cache_ptr,
-    out_ptr,  # [T, H, D] f32
-    block_tables_ptr,  # [B, max_blocks] i32
-    cached_lens_ptr,  # [B] i32 tokens already cached before this forward
-    query_lens_ptr,  # [B] i32 new tokens this forward
-    query_start_ptr,  # [B] i32 packed row of each sequence's first new token
-    tree_mask_ptr,  # [B, MQ, MQ] u8 (HAS_TREE)
-    query_pos_ptr,  # [T] i32 positions (HAS_WINDOW)
-    scale,
-    window,
-    head_dim,
-    block_size,
-    max_blocks,
-    mask_q,
-    stride_qt,
-    stride_qh,
-    stride_ks,
-    stride_kh,
-    stride_vs,
-    stride_vh,
-    stride_ot,
-    stride_oh,
-    GROUP: tl.constexpr,
-    HAS_TREE: tl.constexpr,
-    HAS_WINDOW: tl.constexpr,
-    BLOCK_Q: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-):
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,  # [T, H, D]; [slots, KVH, D] each; [T, H, D] f32
+    block_tables_ptr, cached_lens_ptr, query_lens_ptr, query_start_ptr,  # [B, max_blocks]; [B] (all i32)
+    tree_mask_ptr, query_pos_ptr,  # [B, MQ, MQ] u8 (HAS_TREE); [T] i32 positions (HAS_WINDOW)
+    scale, window, head_dim, block_size, max_blocks, mask_q,
+    stride_qt, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_ot, stride_oh,
+    GROUP: tl.constexpr, HAS_TREE: tl.constexpr, HAS_WINDOW: tl.constexpr,
+    BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+):  # fmt: skip
     b = tl.program_id(0)
     h = tl.program_id(1)
     first = tl.program_id(2) * BLOCK_Q
@@ -106,35 +126,22 @@ def paged_attention_kernel(
 
     # new tokens only attend to earlier new tokens (causal or ancestors), so keys end at the last row
     key_end = tl.where(first < q_len, cached + tl.minimum(q_len, first + BLOCK_Q), 0)
-    m = tl.full((BLOCK_Q,), -1.0e30, dtype=tl.float32)
+    m = tl.full((BLOCK_Q,), float("-inf"), dtype=tl.float32)
     denom = tl.zeros((BLOCK_Q,), dtype=tl.float32)
     acc = tl.zeros((BLOCK_Q, BLOCK_D), dtype=tl.float32)
     table = block_tables_ptr + b.to(tl.int64) * max_blocks
     for start in range(0, key_end, BLOCK_N):
         keys = start + tl.arange(0, BLOCK_N)
         key_ok = keys < key_end
-        block = tl.load(table + keys // block_size, mask=key_ok, other=0)
-        slots = block.to(tl.int64) * block_size + keys % block_size
+        slots = kv_slots(table, keys, key_ok, block_size)
         kv_mask = key_ok[:, None] & dim_ok[None, :]
-        k = tl.load(
-            k_cache_ptr + slots[:, None] * stride_ks + kv_head * stride_kh + dims[None, :], mask=kv_mask, other=0.0
-        ).to(tl.float32)
-        scores = tl.dot(q, tl.trans(k), input_precision="ieee") * scale  # [BLOCK_Q, BLOCK_N]
-
+        k = load_kv(k_cache_ptr, slots, kv_head, stride_ks, stride_kh, dims, kv_mask)
         visible = visible_keys(
             keys, key_ok, rows, row_ok, cached, q_pos, window, tree_mask_ptr, b, mask_q, HAS_TREE, HAS_WINDOW
         )
-        scores = tl.where(visible, scores, float("-inf"))
-
-        m_new = tl.maximum(m, tl.max(scores, axis=1))
-        probs = tl.exp(scores - m_new[:, None])
-        rescale = tl.exp(m - m_new)
-        denom = denom * rescale + tl.sum(probs, axis=1)
-        v = tl.load(
-            v_cache_ptr + slots[:, None] * stride_vs + kv_head * stride_vh + dims[None, :], mask=kv_mask, other=0.0
-        ).to(tl.float32)
-        acc = acc * rescale[:, None] + tl.dot(probs, v, input_precision="ieee")
-        m = m_new
+        scores = tl.where(visible, block_scores(q, k, scale, True), float("-inf"))
+        v = load_kv(v_cache_ptr, slots, kv_head, stride_vs, stride_vh, dims, kv_mask)
+        m, denom, acc = online_softmax_step(scores, v, m, denom, acc, True)
 
     out = acc / tl.where(denom > 0, denom, 1.0)[:, None]
     tl.store(
@@ -144,4 +151,11 @@ def paged_attention_kernel(
     )
 
 
-__all__ = ["paged_attention_kernel", "visible_keys"]
+__all__ = [
+    "block_scores",
+    "kv_slots",
+    "load_kv",
+    "online_softmax_step",
+    "paged_attention_kernel",
+    "visible_keys",
+]

@@ -23,46 +23,20 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ._triton_attention import visible_keys
+from ._triton_attention import block_scores, kv_slots, load_kv, online_softmax_step, visible_keys
 
 
 @triton.jit
 def split_kv_attention_kernel(
-    q_ptr,  # [T, H, D]
-    k_cache_ptr,  # [slots, KVH, D]
-    v_cache_ptr,
-    part_out_ptr,  # [S, T, H, D] f32 unnormalised
-    part_max_ptr,  # [S, T, H] f32
-    part_sum_ptr,  # [S, T, H] f32
-    block_tables_ptr,  # [B, max_blocks] i32
-    cached_lens_ptr,  # [B] i32
-    query_lens_ptr,  # [B] i32
-    query_start_ptr,  # [B] i32
-    tree_mask_ptr,  # [B, MQ, MQ] u8 (HAS_TREE)
-    query_pos_ptr,  # [T] i32 (HAS_WINDOW)
-    scale,
-    window,
-    head_dim,
-    block_size,
-    max_blocks,
-    mask_q,
-    num_rows,
-    num_heads,
-    stride_qt,
-    stride_qh,
-    stride_ks,
-    stride_kh,
-    stride_vs,
-    stride_vh,
-    GROUP: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
-    HAS_TREE: tl.constexpr,
-    HAS_WINDOW: tl.constexpr,
-    IEEE: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-):
+    q_ptr, k_cache_ptr, v_cache_ptr,  # [T, H, D]; [slots, KVH, D] each
+    part_out_ptr, part_max_ptr, part_sum_ptr,  # [S, T, H, D] f32 unnormalised; [S, T, H] f32 each
+    block_tables_ptr, cached_lens_ptr, query_lens_ptr, query_start_ptr,  # [B, max_blocks]; [B] (all i32)
+    tree_mask_ptr, query_pos_ptr,  # [B, MQ, MQ] u8 (HAS_TREE); [T] i32 positions (HAS_WINDOW)
+    scale, window, head_dim, block_size, max_blocks, mask_q, num_rows, num_heads,
+    stride_qt, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh,
+    GROUP: tl.constexpr, NUM_SPLITS: tl.constexpr, HAS_TREE: tl.constexpr, HAS_WINDOW: tl.constexpr,
+    IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+):  # fmt: skip
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -97,36 +71,15 @@ def split_kv_attention_kernel(
     for start in range(key_begin, key_end, BLOCK_N):
         keys = start + tl.arange(0, BLOCK_N)
         key_ok = keys < key_end
-        block = tl.load(table + keys // block_size, mask=key_ok, other=0)
-        slots = block.to(tl.int64) * block_size + keys % block_size
+        slots = kv_slots(table, keys, key_ok, block_size)
         kv_mask = key_ok[:, None] & dim_ok[None, :]
-        k = tl.load(
-            k_cache_ptr + slots[:, None] * stride_ks + kv_head * stride_kh + dims[None, :], mask=kv_mask, other=0.0
-        )
-        if IEEE:  # an fp32 cache: exact fp32 products, as the torch path computes
-            scores = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
-        else:  # bf16/fp16 operands on the tensor cores, fp32 accumulation
-            scores = tl.dot(q.to(k.dtype), tl.trans(k))
-        scores = scores * scale
-
+        k = load_kv(k_cache_ptr, slots, kv_head, stride_ks, stride_kh, dims, kv_mask)
         visible = visible_keys(
             keys, key_ok, token, row_ok, cached, q_pos, window, tree_mask_ptr, b, mask_q, HAS_TREE, HAS_WINDOW
         )
-        scores = tl.where(visible, scores, float("-inf"))
-
-        m_new = tl.maximum(m, tl.max(scores, axis=1))
-        safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing visible yet
-        probs = tl.exp(scores - safe[:, None])
-        rescale = tl.exp(m - safe)
-        denom = denom * rescale + tl.sum(probs, axis=1)
-        v = tl.load(
-            v_cache_ptr + slots[:, None] * stride_vs + kv_head * stride_vh + dims[None, :], mask=kv_mask, other=0.0
-        )
-        if IEEE:
-            acc = acc * rescale[:, None] + tl.dot(probs, v.to(tl.float32), input_precision="ieee")
-        else:
-            acc = acc * rescale[:, None] + tl.dot(probs.to(v.dtype), v)
-        m = m_new
+        scores = tl.where(visible, block_scores(q, k, scale, IEEE), float("-inf"))
+        v = load_kv(v_cache_ptr, slots, kv_head, stride_vs, stride_vh, dims, kv_mask)
+        m, denom, acc = online_softmax_step(scores, v, m, denom, acc, IEEE)
 
     part = (split.to(tl.int64) * num_rows + packed) * num_heads + head
     tl.store(part_out_ptr + part[:, None] * head_dim + dims[None, :], acc, mask=row_ok[:, None] & dim_ok[None, :])

@@ -77,22 +77,13 @@ def verify_trees_kernel(
     draft_probs_ptr,  # [N, V] f32 draft distribution per node (rows of one-hot drafts unused)
     argmax_ptr,  # [R] i32 target argmax per row (greedy sequences)
     uniforms_ptr,  # [R] f64: row_start + c decides node c, row_start + n draws the final token
-    row_start_ptr,  # [B] i32 first row (the root) of each sequence
-    node_start_ptr,  # [B] i32 first node of each sequence
-    num_nodes_ptr,  # [B] i32
-    greedy_ptr,  # [B] i32
-    has_q_ptr,  # [B] i32 0 = deterministic drafts (one-hot q)
-    first_child_ptr,  # [R] i32 local node index of a row's first child, -1 = none
-    next_sibling_ptr,  # [N] i32 local node index, -1 = none
-    tokens_ptr,  # [N] i32
-    scratch_ptr,  # [B, V] f32
-    path_ptr,  # [B, W] i32 out: accepted local node indices
-    path_len_ptr,  # [B] i32 out
-    final_ptr,  # [B] i32 out
-    V,
-    W,
-    BLOCK_V: tl.constexpr,
-):
+    row_start_ptr, node_start_ptr, num_nodes_ptr,  # [B] i32: each sequence's root row, first node, nodes
+    greedy_ptr, has_q_ptr,  # [B] i32: greedy; 0 = deterministic drafts (one-hot q)
+    first_child_ptr, next_sibling_ptr,  # [R], [N] i32 local node indices, -1 = none
+    tokens_ptr, scratch_ptr,  # [N] i32; [B, V] f32
+    path_ptr, path_len_ptr, final_ptr,  # out: [B, W] i32 accepted local node indices; [B] i32; [B] i32
+    V, W, BLOCK_V: tl.constexpr,
+):  # fmt: skip
     b = tl.program_id(0)
     row0 = tl.load(row_start_ptr + b)
     node0 = tl.load(node_start_ptr + b)
@@ -101,10 +92,8 @@ def verify_trees_kernel(
     has_q = tl.load(has_q_ptr + b)
     scratch = scratch_ptr + b.to(tl.int64) * V
 
-    row = 0
-    depth = 0
-    active = 1
-    final = 0
+    row, depth = 0, 0  # the row whose children are tried next, and the accepted path's length
+    active, final = 1, 0
     while active != 0:
         child = tl.load(first_child_ptr + row0 + row)
         moved = 0
