@@ -398,20 +398,10 @@ def _grpo_config(cfg: DemoConfig, out: Path, run_name: str):
     """TRL's GRPOConfig for the demo's run."""
     from trl import GRPOConfig
 
-    from .trainer_hooks.deepspeed import deepspeed_training_args
+    from .trainer_hooks.config import grpo_args
 
     return GRPOConfig(
-        output_dir=str(out),
-        per_device_train_batch_size=cfg.prompts_per_step * cfg.num_generations,
-        num_generations=cfg.num_generations,
-        max_completion_length=cfg.max_completion_length,
-        temperature=cfg.temperature,
-        learning_rate=cfg.learning_rate,
-        beta=cfg.beta,
-        max_steps=cfg.max_steps,
-        logging_steps=1,
-        save_strategy="no",
-        report_to=["wandb"] if cfg.wandb else [],
+        **grpo_args(cfg, str(out)),
         run_name=run_name,
         use_cpu=cfg.device == "cpu",
         # TRL defaults to bf16 autocast: on a GPU that is what users run; on CPUs without native bf16
@@ -419,7 +409,6 @@ def _grpo_config(cfg: DemoConfig, out: Path, run_name: str):
         bf16=cfg.device == "cuda",
         seed=cfg.seed,
         shuffle_dataset=not cfg.problems,
-        **deepspeed_training_args(cfg.deepspeed),
     )
 
 

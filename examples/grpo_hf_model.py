@@ -171,25 +171,14 @@ def grpo_config(cfg: HFGRPOConfig, cuda: bool):
     """TRL's GRPOConfig for this run (bf16 and gradient checkpointing only on a GPU)."""
     from trl import GRPOConfig
 
-    from tailspec.trainer_hooks.deepspeed import deepspeed_training_args
+    from tailspec.trainer_hooks.config import grpo_args
 
     return GRPOConfig(
-        output_dir=cfg.output_dir,
-        per_device_train_batch_size=cfg.prompts_per_step * cfg.num_generations,
-        num_generations=cfg.num_generations,
-        max_completion_length=cfg.max_completion_length,
-        temperature=cfg.temperature,
-        learning_rate=cfg.learning_rate,
-        beta=cfg.beta,
-        max_steps=cfg.max_steps,
-        logging_steps=1,
-        save_strategy="no",
-        report_to=["wandb"] if cfg.wandb else [],
+        **grpo_args(cfg, cfg.output_dir),
         bf16=cfg.bf16 and cuda,
         use_cpu=not cuda,
         gradient_checkpointing=cfg.gradient_checkpointing and cuda,
         seed=cfg.seed,
-        **deepspeed_training_args(cfg.deepspeed),  # {} without DeepSpeed
     )
 
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, Protocol
 
 from ..config_tree import ConfigError, apply_overrides, coerce_subtrees, field_paths, int_at_least, require
 from ..drafter.catch_up import CatchUpConfig
@@ -177,3 +177,39 @@ class WithRollout:
     def num_workers(self) -> int:
         """Ray rollout workers (``rollout.workers.num_workers``); 0: the in-process engine."""
         return self.rollout.workers.num_workers
+
+
+class GRPORun(Protocol):
+    """What a GRPO run's config (the demo's, the examples') holds for TRL's ``GRPOConfig``."""
+
+    prompts_per_step: int
+    num_generations: int
+    max_completion_length: int
+    temperature: float
+    learning_rate: float
+    beta: float
+    max_steps: int
+    wandb: bool
+    deepspeed: str | None
+
+
+def grpo_args(cfg: GRPORun, output_dir: str) -> dict[str, Any]:
+    """The ``GRPOConfig`` arguments every tailspec GRPO run sets alike: a batch of
+    ``prompts_per_step x num_generations`` completions, a log line per step, no checkpoints, wandb
+    when asked, DeepSpeed when named; the caller adds its device, precision and seed."""
+    from .deepspeed import deepspeed_training_args
+
+    return dict(
+        output_dir=output_dir,
+        per_device_train_batch_size=cfg.prompts_per_step * cfg.num_generations,
+        num_generations=cfg.num_generations,
+        max_completion_length=cfg.max_completion_length,
+        temperature=cfg.temperature,
+        learning_rate=cfg.learning_rate,
+        beta=cfg.beta,
+        max_steps=cfg.max_steps,
+        logging_steps=1,
+        save_strategy="no",
+        report_to=["wandb"] if cfg.wandb else [],
+        **deepspeed_training_args(cfg.deepspeed),  # {} without DeepSpeed
+    )
