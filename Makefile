@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.tailspec-installed
 
-.PHONY: demo test bench lint clean-venv gpu-check gpu-selector gpu-train gpu-attention gpu-wheels gpu-rehearse
+.PHONY: demo test bench lint clean-venv gpu-check gpu-selector gpu-train gpu-attention gpu-speed gpu-wheels gpu-rehearse
 
 # The GPU check (docs/GPU.md) runs on a lent GPU's image as it is: python3 with torch, triton and
 # transformers, and none of trl, ray, deepspeed or wandb. The tree goes on PYTHONPATH as `tailspec`.
@@ -72,6 +72,13 @@ gpu-attention:
 	$(LINK_TREE)
 	PYTHONPATH=$(GPU_PATH) PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 python3 -m tailspec.benchmarks.gpu --stages attention \
 		--out $(GPU_OUT)/attention
+
+# issue 48 in one call: the compiled decoder layers, kernels per step, HF's static cache, long
+# contexts (stage fast_path), then the split-KV attention kernel (stage attention)
+gpu-speed:
+	$(LINK_TREE)
+	PYTHONPATH=$(GPU_PATH) PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 python3 -m tailspec.benchmarks.gpu \
+		--stages fast_path,attention --out $(GPU_OUT)/speed
 
 # the image's Python (3.12) wheels of TRAIN_WHEELS into .whl/ (ignored; about 1.7 MB)
 gpu-wheels:

@@ -77,6 +77,7 @@ class RolloutEngine:
             self.config.block_size,
             graph_pool=graph_pool_for(model, self.config),
             cache_prefixes=self.config.prefix_caching,
+            compile_layers=self.config.compile,
         )
         self.vocab_size = self.runner.vocab_size
         self.limits = RequestLimits.of(model, self.config)

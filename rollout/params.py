@@ -228,6 +228,7 @@ class RolloutConfig:
     graph_backend: str = "auto"  # auto: CUDA graphs on CUDA, none on CPU | cuda_graph | eager | none
     graph_memory_mb: int = 2048  # budget of the graph pool
     kernels: str = "auto"  # auto: Triton verification on CUDA, torch otherwise | triton | torch (tailspec.kernels)
+    compile: bool = False  # torch.compile the decoder layers' own ops (rollout/model/compiled.py; issue 48)
     seed: int = 0
     progress: bool = False
 
@@ -303,6 +304,7 @@ class RolloutConfig:
             self.graph_backend,
         )
         require(self.kernels in BACKEND_CHOICES, "kernels", "'auto', 'triton' or 'torch'", self.kernels)
+        require(isinstance(self.compile, bool), "compile", "True or False", self.compile)
         require(
             is_int(self.graph_memory_mb) and self.graph_memory_mb >= 1,
             "graph_memory_mb",

@@ -27,6 +27,7 @@ BUDGETS = {
     "selector": 190,
     "training": 300,
     "attention": 150,
+    "fast_path": 240,
 }
 PACK = (
     "env",
@@ -36,6 +37,7 @@ PACK = (
     "speed",
     "gpu_tests",
 )  # make gpu-check; `selector`: make gpu-selector; `training`: make gpu-train; `attention`: make gpu-attention;
+# `fast_path` and `attention`: make gpu-speed;
 # the rehearsal runs every stage
 GRACE_S = 25  # past its budget a stage's child is killed (the budget itself is checked between parts)
 
@@ -67,9 +69,13 @@ def _summary_row(report: dict) -> str:
 
 
 def headline(reports: dict[str, dict]) -> list[str]:
-    """The figures the issue's targets are about, where the speed stage measured them."""
-    speed = reports.get("speed", {}).get("results", {})
-    return [f"- {k}: {v}" for k, v in speed.get("headline", {}).items()]
+    """The figures the issues' targets are about, where a stage (speed, fast_path) recorded them."""
+    lines = []
+    for name, report in reports.items():
+        figures = report.get("results", {}).get("headline", {})
+        if figures:
+            lines += [f"{name}:", *(f"- {k}: {v}" for k, v in figures.items())]
+    return lines
 
 
 def write_outputs(out: Path, work: Path, reports: dict[str, dict], started: float) -> str:

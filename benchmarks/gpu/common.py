@@ -34,13 +34,16 @@ class CheckSize:
     chi_square_samples: int
     divergence_prompts: int
     kernel_quick: bool
+    long_contexts: tuple[int, ...]  # the speed stage's batch-1 decode at these contexts (prompt + generation)
 
     @classmethod
     def of(cls, name: str) -> CheckSize:
         if name == "full":  # about 1.0B parameters, 28 layers of 1792 (head size 64 kept)
-            return cls("full", 1792, 4864, 28, (1, 16, 64, 256), (1, 16, 64), 128, 64, 5000, 32, False)
+            return cls(
+                "full", 1792, 4864, 28, (1, 16, 64, 256), (1, 16, 64), 128, 64, 5000, 32, False, (2048, 8192, 32768)
+            )
         if name == "tiny":
-            return cls("tiny", 384, 960, 26, (1, 4), (1, 4), 12, 6, 600, 4, True)
+            return cls("tiny", 384, 960, 26, (1, 4), (1, 4), 12, 6, 600, 4, True, (128, 256))
         raise ValueError(f"size must be 'full' or 'tiny', got {name!r}")
 
 

@@ -36,16 +36,17 @@ class Contenders:
     def __init__(self, policy, drafter, tokenizer, max_num_seqs: int = 256) -> None:
         self.policy, self.drafter, self.tokenizer = policy, drafter, tokenizer
         self.max_num_seqs = max_num_seqs  # adaptive calibrates every batch bucket up to it
-        self.engines: dict[tuple[str, str, str], RolloutEngine] = {}
+        self.engines: dict[tuple[str, str, str, bool], RolloutEngine] = {}
         self.eos = tokenizer.eos_token_id
 
-    def engine(self, strategy: str, graphs: str, kernels: str = "auto") -> RolloutEngine:
-        key = (strategy, graphs, kernels)
+    def engine(self, strategy: str, graphs: str, kernels: str = "auto", compile: bool = False) -> RolloutEngine:
+        key = (strategy, graphs, kernels, compile)
         if key not in self.engines:
             config = RolloutConfig(
                 strategy=strategy,
                 graph_backend=graphs,
                 kernels=kernels,
+                compile=compile,
                 max_num_seqs=self.max_num_seqs,
                 mirror=mirror_config(),
             )
@@ -53,10 +54,12 @@ class Contenders:
             self.engines[key] = RolloutEngine(self.policy, config, tokenizer=self.tokenizer, drafter=drafter)
         return self.engines[key]
 
-    def engine_rate(self, strategy: str, graphs: str, prompts, params, warm_prompts, kernels: str = "auto") -> dict:
+    def engine_rate(
+        self, strategy: str, graphs: str, prompts, params, warm_prompts, kernels: str = "auto", compile: bool = False
+    ) -> dict:
         """Timed on ``prompts`` after a run on as many other prompts (graphs captured, kernels compiled,
         the selector measured): other prompts, so no drafter has seen the timed completions."""
-        engine = self.engine(strategy, graphs, kernels)
+        engine = self.engine(strategy, graphs, kernels, compile)
         engine.generate(warm_prompts, params)
         before, captured_before = engine.stats.as_dict(), capture_seconds()
         steps_before = dict(engine.stats.strategy_steps)
@@ -86,7 +89,10 @@ class Contenders:
         }
 
     @torch.no_grad()
-    def hf_rate(self, prompts, params, warm_prompts=None) -> dict:
+    def hf_rate(self, prompts, params, static: bool = False) -> dict:
+        """HF ``generate``, greedy on left-padded batches: eager with its dynamic cache, or with
+        ``static`` its static cache, which transformers compiles (torch.compile) on a GPU: its
+        fastest own path. The static one warms up at the timed shapes (its compile is not timed)."""
         dev = next(self.policy.parameters()).device
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         width = max(len(p) for p in prompts)
@@ -101,9 +107,10 @@ class Contenders:
                 max_new_tokens=max_new_tokens,
                 eos_token_id=self.eos,
                 pad_token_id=pad,
+                **({"cache_implementation": "static"} if static else {}),
             )
 
-        generate(4)  # warm
+        generate(params.max_new_tokens if static else 4)  # warm
         out, seconds = timed(lambda: generate(params.max_new_tokens))
         tokens = count_tokens(out[:, width:].tolist(), self.eos)
         return {"tok_s": tokens / seconds, "tokens": tokens, "seconds": seconds}

@@ -174,6 +174,7 @@ def _kernel_metadata(cache: PagedKVCache, seqs: Sequence[SequenceSlice], positio
     )
 
 
+@torch.compiler.disable  # compiled decoders (RolloutConfig.compile) fuse around it, not through it
 def paged_attention_forward(
     module: torch.nn.Module,
     query: torch.Tensor,

@@ -7,7 +7,7 @@ can replace it later without touching the scheduler or the sampler.
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import Any
 
 import torch
@@ -21,6 +21,7 @@ from .attention import (
     build_padded_metadata,
     paged_attention_enabled,
 )
+from .compiled import CompiledLayers
 from .graph_pool import GraphPool
 from .kv_cache import KVLayout, PagedKVCache
 
@@ -91,8 +92,10 @@ class ModelRunner:
         block_size: int,
         graph_pool: GraphPool | None = None,
         cache_prefixes: bool = False,
+        compile_layers: bool = False,
     ) -> None:
         self.model = model
+        self.compiled = CompiledLayers(decoder_layers(model)) if compile_layers else None
         self.device, self.dtype = model_device_dtype(model)
         self.vocab_size = model_vocab_size(model)
         self.layout = KVLayout.from_hf_config(model.config, self.dtype, self.device)
@@ -117,9 +120,9 @@ class ModelRunner:
 
     @contextmanager
     def inference(self, kernels: str) -> Iterator[None]:
-        """no_grad + eval mode + paged attention (and the ``kernels`` backend) for the model,
-        restored afterwards. Re-entrant: a front end enters it around its steps, so a step inside
-        pays nothing."""
+        """no_grad + eval mode + paged attention (the ``kernels`` backend, and the compiled decoder
+        layers if asked) for the model, restored afterwards. Re-entrant: a front end enters it
+        around its steps, so a step inside pays nothing."""
         if self._in_inference:
             yield
             return
@@ -127,7 +130,8 @@ class ModelRunner:
         self.model.eval()
         self._in_inference = True
         try:
-            with torch.no_grad(), paged_attention_enabled(self.model), kernel_backend(kernels):
+            compiled = self.compiled.active() if self.compiled is not None else nullcontext()
+            with torch.no_grad(), paged_attention_enabled(self.model), kernel_backend(kernels), compiled:
                 yield
         finally:
             self._in_inference = False

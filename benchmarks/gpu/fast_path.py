@@ -1,0 +1,191 @@
+"""Stage ``fast_path`` (issue 48): the engine's decoding against the hardware and against
+transformers' own fastest path, with and without the compiled decoder layers.
+
+On the grown 1.0B policy (``speed.grow``), batch sizes of the pack's speed stage:
+
+* ``none`` with CUDA graphs, the decoder layers eager and compiled (``RolloutConfig.compile``:
+  Inductor fuses the norms, RoPE, activation and residual adds around the paged attention),
+  3 passes interleaved, median and spread; the same completions or not (bf16 fusions round
+  differently, so a near-tie may flip: reported, not checked);
+* kernels per batch-1 decode step and their device time, eager and compiled (the profile of one
+  graph replay), and the step against its bandwidth floor;
+* ``chain:4`` with the drafter LM over ``none``, eager and compiled, at batch 1;
+* transformers' static cache (compiled by transformers on a GPU) at batch 1;
+* batch-1 decoding after long prompts (2k, 8k, 32k tokens: RL reasoning rollouts), with each
+  attention path (gather + SDPA, the split-KV Triton kernel), against the floor that reads every
+  weight and the context's K/V once. Last: a 32k prefill may run out of memory.
+"""
+
+from __future__ import annotations
+
+import statistics
+
+import torch
+
+from ...kernels.dispatch import resolve_backend
+from ...rollout.engine import RolloutEngine
+from ...rollout.params import RolloutConfig, SamplingParams
+from ...tasks.sft import load_shipped
+from .common import Stage, device, graph_backend, timed
+from .env import copy_bandwidth_gbs
+from .models import task_prompts
+from .speed import Contenders, SpeedRun, decode_floor_ms, grow, replay_ms, replay_profile
+
+PASSES = 3
+LONG_CONTEXT_NEW = 32  # tokens decoded after a long prompt (ignore_eos: every context decodes as many)
+
+
+def run(stage: Stage) -> None:
+    dev = device()
+    cuda = torch.cuda.is_available()
+    dtype = torch.bfloat16 if cuda else torch.float32
+    size = stage.size
+    drafter, tokenizer = load_shipped("deep", "drafter", dtype=dtype)
+    prompts = task_prompts(tokenizer, max(size.speed_batches), seed=41)
+    warm = task_prompts(tokenizer, max(size.speed_batches), seed=42)
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=size.max_new_tokens)
+    with stage.part("grow", 20) as ok:
+        if not ok:
+            return
+        policy = grow(stage, dev, dtype, prompts)
+    speed = SpeedRun(stage, Contenders(policy, drafter.to(dev), tokenizer), graph_backend(), prompts, warm, greedy)
+    copy_gbs = copy_bandwidth_gbs(1 << 30 if cuda else 1 << 26)
+    stage.record("copy_gbs", round(copy_gbs, 1))
+    compiled_against_eager(speed, "none", size.speed_batches)
+    kernels_per_step(speed, policy, copy_gbs)
+    compiled_against_eager(speed, "chain:4", (1,))
+    hf_static_cache(speed)
+    speed.contenders.close()
+    long_contexts(speed, policy, copy_gbs, resolve_backend(dev, kernel="attention"))
+
+
+def compiled_against_eager(speed: SpeedRun, strategy: str, batches) -> None:
+    """``strategy`` with the decoder layers eager and compiled, passes interleaved: per batch the
+    median tokens/s of each, their same-pass ratio (median, spread), and whether they emitted the
+    same completions."""
+    for batch in batches:
+        rates: dict[bool, list[dict]] = {False: [], True: []}
+        for p in range(PASSES):
+            for compiled in (False, True) if p % 2 == 0 else (True, False):
+                name = f"{strategy} {'compiled' if compiled else 'eager layers'} batch {batch} pass {p + 1}"
+                with speed.stage.part(name, 15 if compiled and not rates[True] else 5) as ok:
+                    if ok:
+                        rates[compiled].append(_rate(speed, strategy, batch, compiled))
+        if not (rates[False] and rates[True]):
+            continue
+        ratios = [c["tok_s"] / e["tok_s"] for e, c in zip(rates[False], rates[True])]
+        same = rates[False][-1]["completions"] == rates[True][-1]["completions"]
+        for compiled, runs in rates.items():
+            speed.add(
+                {
+                    "contender": f"{strategy} graphs{' compile' if compiled else ''}",
+                    "batch": batch,
+                    "tok_s": statistics.median(r["tok_s"] for r in runs),
+                    "tok_s_passes": [round(r["tok_s"], 1) for r in runs],
+                    "decode_step_ms": statistics.median(r["decode_step_ms"] for r in runs),
+                }
+            )
+        speed.headline[f"{strategy} compiled / eager layers, batch {batch}"] = (
+            f"{statistics.median(ratios):.2f}x ({min(ratios):.2f}-{max(ratios):.2f}), same completions: {same}"
+        )
+    speed.stage.record("headline", speed.headline)
+
+
+def _rate(speed: SpeedRun, strategy: str, batch: int, compiled: bool) -> dict:
+    return speed.contenders.engine_rate(
+        strategy, speed.graphs, speed.prompts[:batch], speed.greedy, speed.warm[:batch], compile=compiled
+    )
+
+
+def kernels_per_step(speed: SpeedRun, policy, copy_gbs: float) -> None:
+    """One batch-1 decode graph's replay, eager layers and compiled: kernels, device time, wall
+    time against the bandwidth floor (the issue's target: at most 2.0 ms, 3x the floor)."""
+    context = len(speed.prompts[0]) + speed.stage.size.max_new_tokens // 2
+    floor, _ = decode_floor_ms(policy, context, copy_gbs)
+    profiles = {}
+    for compiled in (False, True):
+        name = "compiled" if compiled else "eager layers"
+        with speed.stage.part(f"batch-1 decode replay, {name}", 10, cuda_only=True) as ok:
+            if ok:
+                engine = speed.contenders.engine("none", speed.graphs, compile=compiled)
+                profile = replay_profile(engine)
+                profile["replay_ms"] = replay_ms(engine)
+                profiles[name] = profile
+                layers = policy.config.num_hidden_layers
+                speed.headline[f"batch-1 decode replay, {name}"] = (
+                    f"{profile['kernels']} kernels ({profile['kernels'] / layers:.1f} per layer), "
+                    f"{profile['replay_ms']:.2f} ms = {profile['replay_ms'] / floor:.1f}x the floor ({floor:.2f} ms)"
+                )
+    speed.stage.record("decode_replay_profiles", profiles)
+
+
+def hf_static_cache(speed: SpeedRun) -> None:
+    """transformers' fastest own path at batch 1: ``generate`` with its static cache, which it
+    compiles on a GPU (the compile, about a minute, is not timed)."""
+    name = "HF generate static cache"
+    with speed.stage.part(f"{name} batch 1", 60) as ok:
+        if ok:
+            rate = speed.contenders.hf_rate(speed.prompts[:1], speed.greedy, static=True)
+            speed.add({"contender": name, "batch": 1, **rate})
+    with speed.stage.part("HF generate batch 1", 5) as ok:
+        if ok:
+            rate = speed.contenders.hf_rate(speed.prompts[:1], speed.greedy)
+            speed.add({"contender": "HF generate", "batch": 1, **rate})
+    for contender in ("none graphs", "none graphs compile"):
+        speed.headline[f"{contender} / {name}, batch 1"] = str(speed.ratio((contender, 1), (name, 1)))
+        speed.headline[f"{contender} / HF generate, batch 1"] = str(speed.ratio((contender, 1), ("HF generate", 1)))
+    speed.stage.record("headline", speed.headline)
+
+
+def long_contexts(speed: SpeedRun, policy, copy_gbs: float, attention: str) -> None:
+    """Batch-1 decoding after a long prompt (RL reasoning rollouts run 4k-32k tokens): the decode
+    step against its bandwidth floor at each context, with each attention path (gather + SDPA, and
+    the split-KV Triton kernel on a GPU). A fresh engine per context, warmed on another prompt of
+    the same length (its graphs captured), then timed."""
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=LONG_CONTEXT_NEW, ignore_eos=True)
+    paths = ("torch", "triton") if torch.cuda.is_available() else (attention,)
+    vocab = sorted(set(range(len(speed.contenders.tokenizer))) - set(speed.contenders.tokenizer.all_special_ids))
+    for context in speed.stage.size.long_contexts:
+        generator = torch.Generator().manual_seed(context)
+        prompts = [[vocab[i] for i in torch.randint(len(vocab), (context - LONG_CONTEXT_NEW,), generator=generator)]]
+        warm = [list(reversed(prompts[0]))]
+        for kernels in paths:
+            with speed.stage.part(f"none kernels={kernels} context {context}", 15) as ok:
+                if ok:
+                    speed.add(_long_context_row(speed, policy, copy_gbs, context, kernels, prompts, warm, greedy))
+    speed.stage.record("headline", speed.headline)
+
+
+def _long_context_row(speed: SpeedRun, policy, copy_gbs, context: int, kernels: str, prompts, warm, greedy) -> dict:
+    config = RolloutConfig(
+        graph_backend=speed.graphs,
+        kernels=kernels,
+        max_num_seqs=1,
+        max_model_len=context,
+        max_prefill_tokens=context,
+        kv_cache_tokens=context + 64,
+    )
+    engine = RolloutEngine(policy, config, tokenizer=speed.contenders.tokenizer)
+    try:
+        engine.generate(warm, greedy)
+        before = engine.stats.as_dict()
+        outs, seconds = timed(lambda: engine.generate(prompts, greedy))
+        after = engine.stats.as_dict()
+    finally:
+        engine.close()
+    steps = max(1, after["decode_steps"] - before["decode_steps"])
+    step_ms = 1000 * (after["decode_time_s"] - before["decode_time_s"]) / steps
+    floor, nbytes = decode_floor_ms(policy, context, copy_gbs)
+    name = f"none kernels={kernels} context {context}"
+    speed.headline[f"{name}: decode step / floor"] = f"{step_ms / floor:.1f}x ({step_ms:.2f} ms)"
+    return {
+        "contender": name,
+        "batch": 1,
+        "context": context,
+        "tok_s": len(outs[0].completion_ids) / seconds,
+        "seconds": seconds,
+        "decode_step_ms": step_ms,
+        "floor_ms": floor,
+        "bytes_per_step": nbytes,
+        "achieved_gbs": nbytes / (step_ms / 1000) / 1e9,
+    }

@@ -1,0 +1,46 @@
+"""The decoder layers' own ops compiled by ``torch.compile`` (Inductor) for the engine's forwards
+(``RolloutConfig.compile``, issue 48).
+
+A decoder layer of a Hugging Face model runs some 40 small kernels at decode time: RMSNorms,
+RoPE, casts, the activation and its product, residual adds, each a launch of a few microseconds
+around the GEMMs. Inductor fuses them into a few Triton kernels per layer. The engine's paged
+attention is left out of the compiled regions (``torch.compiler.disable``): each layer compiles
+as the region before attention (norm, QKV projections, RoPE) and the region after it
+(output projection, residual, norm, MLP). Shapes are dynamic, so one compile serves every batch
+size and layer; the graph pool's warm-up runs trigger it before a CUDA graph captures the
+compiled kernels.
+
+The compiled forwards are swapped in only while the engine runs the model (``active()``), as an
+instance attribute over each layer's ``forward``: the trainer's forwards, and forward hooks (the
+drafters' feature taps), stay as they are.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+
+
+class CompiledLayers:
+    """Compiled ``forward``s of a model's decoder layers, made on first use."""
+
+    def __init__(self, layers: torch.nn.ModuleList) -> None:
+        self.layers = list(layers)
+        self._compiled: list | None = None
+
+    @contextmanager
+    def active(self) -> Iterator[None]:
+        """Within the block each layer's ``forward`` is its compiled one."""
+        if self._compiled is None:
+            self._compiled = [torch.compile(layer.forward, dynamic=True) for layer in self.layers]
+        for layer, compiled in zip(self.layers, self._compiled):
+            if "forward" in vars(layer):
+                raise ValueError(f"{type(layer).__name__} already has its own forward; cannot compile it")
+            layer.forward = compiled
+        try:
+            yield
+        finally:
+            for layer in self.layers:
+                vars(layer).pop("forward", None)

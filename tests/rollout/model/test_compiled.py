@@ -1,0 +1,41 @@
+"""RolloutConfig(compile=True): the decoder layers' own ops compiled by Inductor (paged attention
+left out) give plain decoding's tokens and logprobs, for every architecture and speculation, and
+the compiled forwards exist only while the engine runs the model."""
+
+import pytest
+from conftest import cached_model, random_prompts
+from test_spec_greedy import assert_same, good_drafter
+
+from tailspec.rollout import RolloutConfig, RolloutEngine, SamplingParams
+from tailspec.rollout.model.runner import decoder_layers
+from tailspec.testing import ARCHITECTURES
+
+PARAMS = SamplingParams(temperature=0.0, max_new_tokens=12)
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_compiled_layers_decode_as_plain_decoding(arch):
+    model, prompts = cached_model(arch), random_prompts(5, seed=3)
+    want = RolloutEngine(model, RolloutConfig(graph_backend="eager")).generate(prompts, PARAMS)
+    for strategy in ("none", "chain:3", "mirror:chain:3,k=2"):
+        drafter = None if strategy == "none" else good_drafter(arch)
+        config = RolloutConfig(graph_backend="eager", strategy=strategy, compile=True)
+        got = RolloutEngine(model, config, drafter=drafter).generate(prompts, PARAMS)
+        assert_same(got, want)
+    assert all("forward" not in vars(layer) for layer in decoder_layers(model))  # outside the engine: as it was
+
+
+def test_the_trainer_never_runs_the_compiled_layers():
+    model = cached_model("llama")
+    engine = RolloutEngine(model, RolloutConfig(compile=True))
+    engine.generate(random_prompts(2, seed=4), PARAMS)
+    layer = decoder_layers(model)[0]
+    assert "forward" not in vars(layer) and engine.runner.compiled is not None
+    with engine.inference():
+        assert vars(layer)["forward"] is not None  # swapped in for the engine's forwards only
+    assert "forward" not in vars(layer)
+
+
+def test_compile_must_be_a_bool():
+    with pytest.raises(ValueError, match="compile must be True or False"):
+        RolloutConfig(compile="yes")
