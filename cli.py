@@ -246,7 +246,7 @@ def _drafter_warmup(args: argparse.Namespace) -> int:
     from dataclasses import asdict
 
     from .drafter.eagle3.train import DrafterTrainingConfig
-    from .drafter.eagle3.warmup import WarmupConfig, warmup_head
+    from .drafter.eagle3_warmup import WarmupConfig, warmup_head
 
     if args.prompts != "chain-sum":  # every path is checked before the policy loads
         _existing_file(args.prompts, "--prompts ('chain-sum' or a JSONL file)")

@@ -285,7 +285,7 @@ def _policy(cfg: DemoConfig):
 def _warm_up(cfg: DemoConfig):
     """Continue the shipped EAGLE-3 head on the shipped policy's rollouts of fresh prompts."""
     from .drafter.eagle3.train import DrafterTrainingConfig
-    from .drafter.eagle3.warmup import WarmupConfig, warmup_head
+    from .drafter.eagle3_warmup import WarmupConfig, warmup_head
     from .tasks.chain_sum import ChainSumConfig, make_grpo_dataset
     from .tasks.sft import load_shipped_eagle3
     from .trainer_hooks.spec_rollout import SpecRollout

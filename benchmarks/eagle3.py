@@ -16,7 +16,7 @@ import torch
 
 from ..drafter.eagle3 import Eagle3Config, Eagle3Head
 from ..drafter.eagle3.train import DrafterTrainingConfig
-from ..drafter.eagle3.warmup import WarmupConfig, WarmupRound, warmup_head
+from ..drafter.eagle3_warmup import WarmupConfig, WarmupRound, warmup_head
 from ..rollout.params import SamplingParams
 from .report import pyplot, save_figure
 from .speculative import ForwardCost, SpecResult, measure_speculative

@@ -146,7 +146,7 @@ def load_prompts(cfg: HFGRPOConfig):
 def warm_up_head(cfg: HFGRPOConfig, model, tokenizer, dataset):
     """A fresh EAGLE-3 head trained on the model's own rollouts of ``warmup_prompts`` prompts."""
     from tailspec.drafter.eagle3.train import DrafterTrainingConfig
-    from tailspec.drafter.eagle3.warmup import WarmupConfig, warmup_head
+    from tailspec.drafter.eagle3_warmup import WarmupConfig, warmup_head
     from tailspec.trainer_hooks.spec_rollout import SpecRollout
 
     rows = dataset.select(range(min(cfg.warmup_prompts, len(dataset))))

@@ -222,7 +222,7 @@ def _warm_head(policy, tokenizer, recipe: DeepRecipe, out: Path, continue_head: 
     returns every warm-up round the saved head has been through."""
     from ..drafter.eagle3.checkpoint import load_checkpoint
     from ..drafter.eagle3.train import DrafterTrainingConfig
-    from ..drafter.eagle3.warmup import WarmupConfig, warmup_head
+    from ..drafter.eagle3_warmup import WarmupConfig, warmup_head
 
     head, earlier, seed = None, [], recipe.seed
     if continue_head and (out / "config.json").exists():

@@ -13,14 +13,14 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ...config_tree import coerce_subtrees, require
-from ...progress import progress_bar
-from ...rollout.engine import RolloutEngine
-from ...rollout.params import RolloutConfig, SamplingParams
-from ..factory import as_drafter
-from .data import FeatureBuffer
-from .model import Eagle3Config, Eagle3Head, vocab_from_counts
-from .train import DrafterTrainer, DrafterTrainingConfig
+from ..config_tree import coerce_subtrees, require
+from ..progress import progress_bar
+from ..rollout.engine import RolloutEngine
+from ..rollout.params import RolloutConfig, SamplingParams
+from .eagle3.data import FeatureBuffer
+from .eagle3.model import Eagle3Config, Eagle3Head, vocab_from_counts
+from .eagle3.train import DrafterTrainer, DrafterTrainingConfig
+from .factory import as_drafter
 
 logger = logging.getLogger(__name__)
 

@@ -3,7 +3,7 @@
 import torch
 
 from tailspec.drafter.eagle3.train import DrafterTrainingConfig
-from tailspec.drafter.eagle3.warmup import WarmupConfig, warmup_head
+from tailspec.drafter.eagle3_warmup import WarmupConfig, warmup_head
 from tailspec.tasks.chain_sum import ChainSumConfig, sample_problems
 from tailspec.tasks.sft import load_shipped, load_shipped_eagle3
 from tailspec.tasks.tokenizer import chat_ids
