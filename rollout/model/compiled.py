@@ -12,15 +12,20 @@ compiled kernels.
 
 The compiled forwards are swapped in only while the engine runs the model (``active()``), as an
 instance attribute over each layer's ``forward``: the trainer's forwards, and forward hooks (the
-drafters' feature taps), stay as they are.
+drafters' feature taps), stay as they are. A model whose layers torch.compile cannot compile
+runs them eagerly from then on, as before, and the log says so once.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import logging
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import torch
+from torch._dynamo.exc import TorchDynamoException
+
+logger = logging.getLogger(__name__)
 
 
 class CompiledLayers:
@@ -29,12 +34,15 @@ class CompiledLayers:
     def __init__(self, layers: torch.nn.ModuleList) -> None:
         self.layers = list(layers)
         self._compiled: list | None = None
+        self.failed: str | None = None  # why compiling failed; the layers then run eagerly
 
     @contextmanager
     def active(self) -> Iterator[None]:
         """Within the block each layer's ``forward`` is its compiled one."""
         if self._compiled is None:
-            self._compiled = [torch.compile(layer.forward, dynamic=True) for layer in self.layers]
+            self._compiled = [
+                self._fallible(torch.compile(layer.forward, dynamic=True), layer) for layer in self.layers
+            ]
         for layer, compiled in zip(self.layers, self._compiled):
             if "forward" in vars(layer):
                 raise ValueError(f"{type(layer).__name__} already has its own forward; cannot compile it")
@@ -44,3 +52,22 @@ class CompiledLayers:
         finally:
             for layer in self.layers:
                 vars(layer).pop("forward", None)
+
+    def _fallible(self, compiled: Callable, layer: torch.nn.Module) -> Callable:
+        """``compiled``, or the layer's own forward once compiling has failed for any layer."""
+        eager = type(layer).forward.__get__(layer)
+
+        def forward(*args, **kwargs):
+            if self.failed is None:
+                try:
+                    return compiled(*args, **kwargs)
+                except TorchDynamoException as e:  # compiling failed; an eager rerun rewrites what ran
+                    self.failed = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+                    logger.warning(
+                        "RolloutConfig.compile: torch.compile cannot compile %s (%s); its layers run eagerly",
+                        type(layer).__name__,
+                        self.failed,
+                    )
+            return eager(*args, **kwargs)
+
+        return forward

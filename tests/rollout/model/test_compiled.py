@@ -39,3 +39,23 @@ def test_the_trainer_never_runs_the_compiled_layers():
 def test_compile_must_be_a_bool():
     with pytest.raises(ValueError, match="compile must be True or False"):
         RolloutConfig(compile="yes")
+
+
+def test_a_model_torch_compile_cannot_compile_runs_eagerly_and_says_so(monkeypatch, caplog):
+    from torch._dynamo.exc import Unsupported
+
+    def cannot(fn, **options):
+        def raising(*args, **kwargs):
+            raise Unsupported("a layer dynamo cannot trace")
+
+        return raising
+
+    monkeypatch.setattr("torch.compile", cannot)
+    model, prompts = cached_model("qwen2"), random_prompts(3, seed=5)
+    want = RolloutEngine(model, RolloutConfig()).generate(prompts, PARAMS)
+    engine = RolloutEngine(model, RolloutConfig(compile=True))
+    with caplog.at_level("WARNING", logger="tailspec.rollout.model.compiled"):
+        got = engine.generate(prompts, PARAMS)
+    assert_same(got, want)
+    assert "a layer dynamo cannot trace" in engine.runner.compiled.failed
+    assert sum("run eagerly" in r.getMessage() for r in caplog.records) == 1  # said once
