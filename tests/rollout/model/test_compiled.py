@@ -59,3 +59,20 @@ def test_a_model_torch_compile_cannot_compile_runs_eagerly_and_says_so(monkeypat
     assert_same(got, want)
     assert "a layer dynamo cannot trace" in engine.runner.compiled.failed
     assert sum("run eagerly" in r.getMessage() for r in caplog.records) == 1  # said once
+
+
+def test_drafters_that_read_the_targets_layers_draft_as_before():
+    """An EAGLE-3 head (its feature taps are hooks around the compiled layers) and ``self:L`` (it
+    runs the target's own first layers) accept what they accepted with eager layers."""
+    from tailspec.benchmarks.policies import task_prompts
+    from tailspec.tasks.sft import load_shipped_eagle3, load_tiny
+
+    model, tokenizer = load_tiny("policy")
+    prompts, params = task_prompts(tokenizer, 3, 0), SamplingParams(temperature=0.0, max_new_tokens=16)
+    for strategy, drafter in (("chain:3", load_shipped_eagle3("tiny")), ("mirror:chain:2,k=1", "self:2")):
+        runs = []
+        for compile in (False, True):
+            config = RolloutConfig(graph_backend="eager", strategy=strategy, compile=compile)
+            engine = RolloutEngine(model, config, tokenizer=tokenizer, drafter=drafter)
+            runs.append(([o.completion_ids for o in engine.generate(prompts, params)], engine.stats.mean_accept_length))
+        assert runs[0] == runs[1], strategy
