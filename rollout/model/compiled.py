@@ -27,6 +27,8 @@ from torch._dynamo.exc import TorchDynamoException
 
 logger = logging.getLogger(__name__)
 
+BACKEND = "inductor"  # torch.compile's backend (tests swap in "aot_eager": the same tracing, no code generation)
+
 
 class CompiledLayers:
     """Compiled ``forward``s of a model's decoder layers, made on first use."""
@@ -40,9 +42,7 @@ class CompiledLayers:
     def active(self) -> Iterator[None]:
         """Within the block each layer's ``forward`` is its compiled one."""
         if self._compiled is None:
-            self._compiled = [
-                self._fallible(torch.compile(layer.forward, dynamic=True), layer) for layer in self.layers
-            ]
+            self._compiled = [self._fallible(self._compile(layer), layer) for layer in self.layers]
         for layer, compiled in zip(self.layers, self._compiled):
             if "forward" in vars(layer):
                 raise ValueError(f"{type(layer).__name__} already has its own forward; cannot compile it")
@@ -52,6 +52,10 @@ class CompiledLayers:
         finally:
             for layer in self.layers:
                 vars(layer).pop("forward", None)
+
+    @staticmethod
+    def _compile(layer: torch.nn.Module) -> Callable:
+        return torch.compile(layer.forward, dynamic=True, backend=BACKEND)
 
     def _fallible(self, compiled: Callable, layer: torch.nn.Module) -> Callable:
         """``compiled``, or the layer's own forward once compiling has failed for any layer."""

@@ -32,6 +32,7 @@ ENGINE_SETTINGS = {  # a value other than the default for every engine field a u
     "graph_backend": "eager",
     "graph_memory_mb": 64,
     "kernels": "torch",
+    "compile": True,
     "progress": True,
 }
 
@@ -40,7 +41,10 @@ def test_every_engine_field_is_covered_here():
     assert set(ENGINE_SETTINGS) == {f.name for f in fields(RolloutConfig)} - {"seed"}  # seed: SpecRolloutConfig.seed
 
 
-def test_every_engine_field_reaches_the_engine_by_name(task_tokenizer, tiny_policy):
+def test_every_engine_field_reaches_the_engine_by_name(task_tokenizer, tiny_policy, monkeypatch):
+    from tailspec.rollout.model import compiled
+
+    monkeypatch.setattr(compiled, "BACKEND", "aot_eager")  # compile=True: traced, no code generated
     rollout = SpecRollout(model=tiny_policy, seed=5, **ENGINE_SETTINGS)
     trainer, _ = _greedy_trainer(task_tokenizer, tiny_policy, max_completion_length=8)
     rollout([[{"role": "user", "content": "add 1 2"}]] * 2, trainer)
