@@ -6,7 +6,8 @@ On the grown 1.0B policy (``speed.grow``), batch sizes of the pack's speed stage
 * ``none`` with CUDA graphs, the decoder layers eager and compiled (``RolloutConfig.compile``:
   Inductor fuses the norms, RoPE, activation and residual adds around the paged attention),
   3 passes interleaved, median and spread; the same completions or not (bf16 fusions round
-  differently, so a near-tie may flip: reported, not checked);
+  differently, so a near-tie may flip: reported; in fp32, the CPU rehearsal, checked: CI's check
+  that Inductor's generated code decodes as the eager layers do);
 * kernels per batch-1 decode step and their device time, eager and compiled (the profile of one
   graph replay), and the step against its bandwidth floor;
 * ``chain:4`` with the drafter LM over ``none``, eager and compiled, at batch 1;
@@ -75,6 +76,8 @@ def compiled_against_eager(speed: SpeedRun, strategy: str, batches) -> None:
             continue
         ratios = [c["tok_s"] / e["tok_s"] for e, c in zip(rates[False], rates[True])]
         same = rates[False][-1]["completions"] == rates[True][-1]["completions"]
+        if next(speed.contenders.policy.parameters()).dtype == torch.float32:  # the rehearsal: exact
+            speed.stage.check(f"{strategy} batch {batch}: compiled layers emit the eager layers' completions", same)
         for compiled, runs in rates.items():
             speed.add(
                 {

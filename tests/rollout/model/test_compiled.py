@@ -1,8 +1,9 @@
-"""RolloutConfig(compile=True): the decoder layers' own ops compiled by Inductor (paged attention
-left out) give plain decoding's tokens and logprobs, for every architecture and speculation, and
-the compiled forwards exist only while the engine runs the model. Inductor's C++ code generation
-costs half a minute of CPU on a cold cache, and dynamo's tracing seconds per architecture, so one
-test compiles with Inductor and the others trace with dynamo alone (backend ``eager``)."""
+"""RolloutConfig(compile=True): the decoder layers' own ops compiled (paged attention left out)
+give plain decoding's tokens and logprobs, for every architecture and speculation, and
+the compiled forwards exist only while the engine runs the model. The tests trace with dynamo
+alone (backend ``eager``): Inductor's C++ code generation costs half a minute of CPU on a cold
+cache, and the CPU rehearsal of the GPU check (``make gpu-rehearse``, in CI) compiles with Inductor
+and checks that its stage ``fast_path`` decodes as the eager layers do."""
 
 import pytest
 from conftest import cached_model, random_prompts
@@ -21,14 +22,9 @@ def traced_only(monkeypatch):
     monkeypatch.setattr(compiled, "BACKEND", "eager")
 
 
-def test_inductor_compiled_layers_decode_as_plain_decoding():
-    model, prompts = cached_model("qwen3"), random_prompts(2, seed=2)
-    want = RolloutEngine(model, RolloutConfig(graph_backend="eager")).generate(prompts, PARAMS)
-    got = RolloutEngine(model, RolloutConfig(graph_backend="eager", compile=True)).generate(prompts, PARAMS)
-    assert_same(got, want)
-
-
-@pytest.mark.parametrize(("arch", "strategy"), [("llama", "mirror:chain:3,k=2"), ("qwen2", "chain:3")])
+@pytest.mark.parametrize(
+    ("arch", "strategy"), [("llama", "mirror:chain:3,k=2"), ("qwen2", "chain:3"), ("qwen3", "none")]
+)
 def test_compiled_layers_decode_as_plain_decoding(arch, strategy, traced_only):
     model, prompts = cached_model(arch), random_prompts(3, seed=3)
     want = RolloutEngine(model, RolloutConfig(graph_backend="eager")).generate(prompts, PARAMS)
