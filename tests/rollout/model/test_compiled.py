@@ -22,9 +22,7 @@ def traced_only(monkeypatch):
     monkeypatch.setattr(compiled, "BACKEND", "eager")
 
 
-@pytest.mark.parametrize(
-    ("arch", "strategy"), [("llama", "mirror:chain:3,k=2"), ("qwen2", "chain:3"), ("qwen3", "none")]
-)
+@pytest.mark.parametrize(("arch", "strategy"), [("llama", "mirror:chain:3,k=2"), ("qwen3", "none")])
 def test_compiled_layers_decode_as_plain_decoding(arch, strategy, traced_only):
     model, prompts = cached_model(arch), random_prompts(3, seed=3)
     want = RolloutEngine(model, RolloutConfig(graph_backend="eager")).generate(prompts, PARAMS)
@@ -72,7 +70,8 @@ def test_a_model_torch_compile_cannot_compile_runs_eagerly_and_says_so(monkeypat
 
 def test_drafters_that_read_the_targets_layers_draft_as_before(traced_only):
     """An EAGLE-3 head (its feature taps are hooks around the compiled layers) and ``self:L`` (it
-    runs the target's own first layers) accept what they accepted with eager layers."""
+    runs the target's own first layers) accept what they accepted with eager layers, on the
+    shipped Qwen2 policy."""
     from tailspec.benchmarks.policies import task_prompts
     from tailspec.tasks.sft import load_shipped_eagle3, load_tiny
 
