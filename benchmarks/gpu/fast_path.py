@@ -26,38 +26,24 @@ import torch
 from ...kernels.dispatch import resolve_backend
 from ...rollout.engine import RolloutEngine
 from ...rollout.params import RolloutConfig, SamplingParams
-from ...tasks.sft import load_shipped
-from .common import Stage, device, graph_backend, timed
-from .env import copy_bandwidth_gbs
-from .models import task_prompts
-from .speed import Contenders, SpeedRun, decode_floor_ms, grow, replay_ms, replay_profile
+from .common import Stage, device, timed
+from .speed import SpeedRun, decode_floor_ms, replay_ms, replay_profile, start_speed_run
 
 PASSES = 3
 LONG_CONTEXT_NEW = 32  # tokens decoded after a long prompt (ignore_eos: every context decodes as many)
 
 
 def run(stage: Stage) -> None:
-    dev = device()
-    cuda = torch.cuda.is_available()
-    dtype = torch.bfloat16 if cuda else torch.float32
-    size = stage.size
-    drafter, tokenizer = load_shipped("deep", "drafter", dtype=dtype)
-    prompts = task_prompts(tokenizer, max(size.speed_batches), seed=41)
-    warm = task_prompts(tokenizer, max(size.speed_batches), seed=42)
-    greedy = SamplingParams(temperature=0.0, max_new_tokens=size.max_new_tokens)
-    with stage.part("grow", 20) as ok:
-        if not ok:
-            return
-        policy = grow(stage, dev, dtype, prompts)
-    speed = SpeedRun(stage, Contenders(policy, drafter.to(dev), tokenizer), graph_backend(), prompts, warm, greedy)
-    copy_gbs = copy_bandwidth_gbs(1 << 30 if cuda else 1 << 26)
-    stage.record("copy_gbs", round(copy_gbs, 1))
-    compiled_against_eager(speed, "none", size.speed_batches)
+    started = start_speed_run(stage, seed=41)
+    if started is None:
+        return
+    speed, policy, copy_gbs = started
+    compiled_against_eager(speed, "none", stage.size.speed_batches)
     kernels_per_step(speed, policy, copy_gbs)
     compiled_against_eager(speed, "chain:4", (1,))
     hf_static_cache(speed)
     speed.contenders.close()
-    long_contexts(speed, policy, copy_gbs, resolve_backend(dev, kernel="attention"))
+    long_contexts(speed, policy, copy_gbs, resolve_backend(device(), kernel="attention"))
 
 
 def compiled_against_eager(speed: SpeedRun, strategy: str, batches) -> None:

@@ -240,31 +240,40 @@ class SpeedRun:
         )
 
 
-def run(stage: Stage) -> None:
+def start_speed_run(stage: Stage, seed: int) -> tuple[SpeedRun, torch.nn.Module, float] | None:
+    """What a speed stage starts from: the grown policy (checked; None when it could not be grown),
+    the shipped drafter LM, prompts and warm-up prompts from ``seed``, and the copy bandwidth."""
     dev = device()
     cuda = torch.cuda.is_available()
     dtype = torch.bfloat16 if cuda else torch.float32
-    kernels = {k: resolve_backend(dev, kernel=k) for k in KERNELS}
-    stage.record("kernels", kernels)
-    if not cuda:
-        stage.skip("CUDA graphs, bf16", "needs CUDA: the eager bucket backend and fp32 stand in")
-    size = stage.size
     drafter, tokenizer = load_shipped("deep", "drafter", dtype=dtype)  # the policy is grown in grow()
-    prompts = task_prompts(tokenizer, max(size.speed_batches), seed=21)
-    warm = task_prompts(tokenizer, max(size.speed_batches), seed=22)
-    greedy = SamplingParams(temperature=0.0, max_new_tokens=size.max_new_tokens)
+    prompts = task_prompts(tokenizer, max(stage.size.speed_batches), seed=seed)
+    warm = task_prompts(tokenizer, max(stage.size.speed_batches), seed=seed + 1)
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=stage.size.max_new_tokens)
     with stage.part("grow", 20) as ok:
         if not ok:
-            return
+            return None
         policy = grow(stage, dev, dtype, prompts)
     speed = SpeedRun(stage, Contenders(policy, drafter.to(dev), tokenizer), graph_backend(), prompts, warm, greedy)
     copy_gbs = copy_bandwidth_gbs(1 << 30 if cuda else 1 << 26)
     stage.record("copy_gbs", round(copy_gbs, 1))
+    return speed, policy, copy_gbs
+
+
+def run(stage: Stage) -> None:
+    kernels = {k: resolve_backend(device(), kernel=k) for k in KERNELS}
+    stage.record("kernels", kernels)
+    if not torch.cuda.is_available():
+        stage.skip("CUDA graphs, bf16", "needs CUDA: the eager bucket backend and fp32 stand in")
+    started = start_speed_run(stage, seed=21)
+    if started is None:
+        return
+    speed, policy, copy_gbs = started
     plain_decoding(speed, "torch" if kernels["attention"] == "triton" else "triton")
     bandwidth_floor(speed, policy, copy_gbs)
     stage.record("headline", speed.headline)
     speculation(speed)
-    long_tail(stage, speed.contenders, tokenizer, speed.graphs, speed.add, speed.headline)
+    long_tail(stage, speed.contenders, speed.contenders.tokenizer, speed.graphs, speed.add, speed.headline)
     stage.record("headline", speed.headline)
     with stage.part("profile of the batch-1 decode graph", 10, cuda_only=True) as ok:
         if ok:
