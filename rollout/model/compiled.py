@@ -43,9 +43,10 @@ class CompiledLayers:
         """Within the block each layer's ``forward`` is its compiled one."""
         if self._compiled is None:
             self._compiled = [self._fallible(self._compile(layer), layer) for layer in self.layers]
+        own = [type(layer).__name__ for layer in self.layers if "forward" in vars(layer)]
+        if own:  # checked before any is swapped: a refusal leaves every layer as it was
+            raise ValueError(f"{own[0]} already has its own forward; cannot compile it")
         for layer, compiled in zip(self.layers, self._compiled):
-            if "forward" in vars(layer):
-                raise ValueError(f"{type(layer).__name__} already has its own forward; cannot compile it")
             layer.forward = compiled
         try:
             yield
