@@ -55,7 +55,7 @@ def child_env() -> dict[str, str]:
 # file not listed runs after these, in collection order.
 LONGEST_FIRST = (  # Ray's and the others alternating, so the two processes rarely run two Ray heads at once
     "workers/test_faults.py",
-    "rollout/test_mirror.py",
+    "rollout/mirror/test_mirror.py",
     "workers/test_coordinator.py",
     "rollout/test_spec_sampling.py",
     "workers/test_divided_rollout.py",
@@ -72,6 +72,9 @@ LONGEST_FIRST = (  # Ray's and the others alternating, so the two processes rare
 
 def pytest_collection_modifyitems(session, config, items):
     tests_dir = os.path.dirname(__file__)
+    moved = [path for path in LONGEST_FIRST if not os.path.isfile(os.path.join(tests_dir, path))]
+    if moved:  # a renamed file would silently lose its place
+        raise pytest.UsageError(f"tests/conftest.py LONGEST_FIRST names files that are not there: {moved}")
     rank = {os.path.join(tests_dir, path): i for i, path in enumerate(LONGEST_FIRST)}
     order = {id(item): n for n, item in enumerate(items)}
     items.sort(key=lambda item: (rank.get(str(item.path), len(rank)), order[id(item)]))

@@ -35,15 +35,19 @@ class CheckSize:
     divergence_prompts: int
     kernel_quick: bool
     long_contexts: tuple[int, ...]  # the speed stage's batch-1 decode at these contexts (prompt + generation)
+    big_policy: tuple[int, int, int]  # fast_path's second policy: (hidden, intermediate, layers) ...
+    big_batches: tuple[int, ...]  # ... decoded at these batch sizes
 
     @classmethod
     def of(cls, name: str) -> CheckSize:
-        if name == "full":  # about 1.0B parameters, 28 layers of 1792 (head size 64 kept)
+        if name == "full":  # about 1.0B parameters, 28 layers of 1792 (head size 64 kept); the big
+            # policy has Llama-3-8B's width, MLP and depth: 7.2B parameters
             return cls(
-                "full", 1792, 4864, 28, (1, 16, 64, 256), (1, 16, 64), 128, 64, 5000, 32, False, (2048, 8192, 32768)
-            )
+                "full", 1792, 4864, 28, (1, 16, 64, 256), (1, 16, 64), 128, 64, 5000, 32, False, (2048, 8192, 32768),
+                (4096, 14336, 32), (1, 64),
+            )  # fmt: skip
         if name == "tiny":
-            return cls("tiny", 384, 960, 26, (1, 4), (1, 4), 12, 6, 600, 4, True, (128, 256))
+            return cls("tiny", 384, 960, 26, (1, 4), (1, 4), 12, 6, 600, 4, True, (128, 256), (512, 1280, 28), (1,))
         raise ValueError(f"size must be 'full' or 'tiny', got {name!r}")
 
 

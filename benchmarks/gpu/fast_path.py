@@ -12,6 +12,8 @@ On the grown 1.0B policy (``speed.grow``), batch sizes of the pack's speed stage
   graph replay), and the step against its bandwidth floor;
 * ``chain:4`` with the drafter LM over ``none``, eager and compiled, at batch 1;
 * transformers' static cache (compiled by transformers on a GPU) at batch 1;
+* the same eager-against-compiled, kernels and ``chain:4`` parts on a policy of Llama-3-8B's shape
+  (7.2B parameters), where reading the weights dominates;
 * batch-1 decoding after long prompts (2k, 8k, 32k tokens: RL reasoning rollouts), with each
   attention path (gather + SDPA, the split-KV Triton kernel), against the floor that reads every
   weight and the context's K/V once. Last: a 32k prefill may run out of memory.
@@ -20,14 +22,17 @@ On the grown 1.0B policy (``speed.grow``), batch sizes of the pack's speed stage
 from __future__ import annotations
 
 import statistics
+from dataclasses import replace
 
 import torch
 
 from ...kernels.dispatch import resolve_backend
 from ...rollout.engine import RolloutEngine
 from ...rollout.params import RolloutConfig, SamplingParams
+from ...tasks.grow import grow_policy
+from ...tasks.sft import load_shipped
 from .common import Stage, device, timed
-from .speed import SpeedRun, decode_floor_ms, replay_ms, replay_profile, start_speed_run
+from .speed import Contenders, SpeedRun, decode_floor_ms, replay_ms, replay_profile, start_speed_run
 
 PASSES = 3
 LONG_CONTEXT_NEW = 32  # tokens decoded after a long prompt (ignore_eos: every context decodes as many)
@@ -43,6 +48,7 @@ def run(stage: Stage) -> None:
     compiled_against_eager(speed, "chain:4", (1,))
     hf_static_cache(speed)
     speed.contenders.close()
+    big_policy(speed, copy_gbs)
     long_contexts(speed, policy, copy_gbs, resolve_backend(device(), kernel="attention"))
 
 
@@ -54,7 +60,7 @@ def compiled_against_eager(speed: SpeedRun, strategy: str, batches) -> None:
         rates: dict[bool, list[dict]] = {False: [], True: []}
         for p in range(PASSES):
             for compiled in (False, True) if p % 2 == 0 else (True, False):
-                name = f"{strategy} {'compiled' if compiled else 'eager layers'} batch {batch} pass {p + 1}"
+                name = speed.name(f"{strategy} {'compiled' if compiled else 'eager layers'} batch {batch} pass {p + 1}")
                 with speed.stage.part(name, 15 if compiled and not rates[True] else 5) as ok:
                     if ok:
                         rates[compiled].append(_rate(speed, strategy, batch, compiled))
@@ -74,7 +80,7 @@ def compiled_against_eager(speed: SpeedRun, strategy: str, batches) -> None:
                     "decode_step_ms": statistics.median(r["decode_step_ms"] for r in runs),
                 }
             )
-        speed.headline[f"{strategy} compiled / eager layers, batch {batch}"] = (
+        speed.headline[speed.name(f"{strategy} compiled / eager layers, batch {batch}")] = (
             f"{statistics.median(ratios):.2f}x ({min(ratios):.2f}-{max(ratios):.2f}), same completions: {same}"
         )
     speed.stage.record("headline", speed.headline)
@@ -94,18 +100,18 @@ def kernels_per_step(speed: SpeedRun, policy, copy_gbs: float) -> None:
     profiles = {}
     for compiled in (False, True):
         name = "compiled" if compiled else "eager layers"
-        with speed.stage.part(f"batch-1 decode replay, {name}", 10, cuda_only=True) as ok:
+        with speed.stage.part(speed.name(f"batch-1 decode replay, {name}"), 10, cuda_only=True) as ok:
             if ok:
                 engine = speed.contenders.engine("none", speed.graphs, compile=compiled)
                 profile = replay_profile(engine)
                 profile["replay_ms"] = replay_ms(engine)
                 profiles[name] = profile
                 layers = policy.config.num_hidden_layers
-                speed.headline[f"batch-1 decode replay, {name}"] = (
+                speed.headline[speed.name(f"batch-1 decode replay, {name}")] = (
                     f"{profile['kernels']} kernels ({profile['kernels'] / layers:.1f} per layer), "
                     f"{profile['replay_ms']:.2f} ms = {profile['replay_ms'] / floor:.1f}x the floor ({floor:.2f} ms)"
                 )
-    speed.stage.record("decode_replay_profiles", profiles)
+    speed.stage.record(speed.name("decode_replay_profiles"), profiles)
 
 
 def hf_static_cache(speed: SpeedRun) -> None:
@@ -124,6 +130,44 @@ def hf_static_cache(speed: SpeedRun) -> None:
         speed.headline[f"{contender} / {name}, batch 1"] = str(speed.ratio((contender, 1), (name, 1)))
         speed.headline[f"{contender} / HF generate, batch 1"] = str(speed.ratio((contender, 1), ("HF generate", 1)))
     speed.stage.record("headline", speed.headline)
+
+
+def big_policy(speed: SpeedRun, copy_gbs: float) -> None:
+    """The batch-1 figures again on a policy of Llama-3-8B's width, MLP and depth
+    (``CheckSize.big_policy``), where reading the weights dominates (the issue's target: a batch-1
+    step within 1.4x its floor): layers eager and compiled, the replay's kernels against the floor,
+    ``chain:4`` both ways. Grown in the run's dtype (the 1.0B policy checked the growing in fp32),
+    with a KV pool of what its batches need; its rows and headline keys name it."""
+    stage, size = speed.stage, speed.stage.size
+    hidden, intermediate, layers = size.big_policy
+    with stage.part("grow the big policy", 30) as ok:
+        if not ok:
+            return
+        deep, _ = load_shipped("deep", "policy")
+        dtype = next(speed.contenders.policy.parameters()).dtype
+        big = grow_policy(
+            deep, hidden_size=hidden, intermediate_size=intermediate, num_layers=layers, device=device(), dtype=dtype
+        ).eval()
+    params = sum(p.numel() for p in big.parameters())
+    stage.record("big_policy", {"parameters": params, "hidden": hidden, "intermediate": intermediate, "layers": layers})
+    context = max(len(p) for p in speed.prompts) + size.max_new_tokens + 64  # 64: draft tokens' slots
+    contenders = Contenders(
+        big,
+        speed.contenders.drafter,
+        speed.contenders.tokenizer,
+        max_num_seqs=max(size.big_batches),
+        kv_cache_tokens=max(size.big_batches) * context,
+    )
+    big_run = replace(speed, contenders=contenders, label=f"{params / 1e9:.1f}B policy: ")
+    try:
+        compiled_against_eager(big_run, "none", size.big_batches)
+        kernels_per_step(big_run, big, copy_gbs)
+        compiled_against_eager(big_run, "chain:4", (1,))
+    finally:
+        contenders.close()
+        del big, contenders, big_run
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
 
 
 def long_contexts(speed: SpeedRun, policy, copy_gbs: float, attention: str) -> None:

@@ -33,9 +33,12 @@ def count_tokens(rows: list[list[int]], eos: int) -> int:
 class Contenders:
     """Engines kept across batch sizes (their graph pools and selectors warm), plus HF ``generate``."""
 
-    def __init__(self, policy, drafter, tokenizer, max_num_seqs: int = 256) -> None:
+    def __init__(
+        self, policy, drafter, tokenizer, max_num_seqs: int = 256, kv_cache_tokens: int = RolloutConfig.kv_cache_tokens
+    ) -> None:
         self.policy, self.drafter, self.tokenizer = policy, drafter, tokenizer
         self.max_num_seqs = max_num_seqs  # adaptive calibrates every batch bucket up to it
+        self.kv_cache_tokens = kv_cache_tokens
         self.engines: dict[tuple[str, str, str, bool], RolloutEngine] = {}
         self.eos = tokenizer.eos_token_id
 
@@ -48,6 +51,7 @@ class Contenders:
                 kernels=kernels,
                 compile=compile,
                 max_num_seqs=self.max_num_seqs,
+                kv_cache_tokens=self.kv_cache_tokens,
                 mirror=mirror_config(),
             )
             drafter = None if strategy == "none" else self.drafter
@@ -219,10 +223,14 @@ class SpeedRun:
     greedy: SamplingParams
     rows: list[dict] = field(default_factory=list)
     headline: dict[str, str] = field(default_factory=dict)
+    label: str = ""  # put before its contenders' names and headline keys (a second policy's run shares rows)
 
     def add(self, row: dict) -> None:
-        self.rows.append({k: v for k, v in row.items() if k != "completions"})
+        self.rows.append({**{k: v for k, v in row.items() if k != "completions"}, "contender": self.name(row["contender"])})
         self.stage.record("rates", self.rows)
+
+    def name(self, what: str) -> str:
+        return f"{self.label}{what}"
 
     def measure(self, name: str, batch: int, rate) -> None:
         with self.stage.part(f"{name} batch {batch}", 8) as ok:
@@ -231,6 +239,7 @@ class SpeedRun:
 
     def ratio(self, a: tuple, b: tuple) -> float | None:
         rate = {(r["contender"], r["batch"]): r for r in self.rows}
+        a, b = (self.name(a[0]), a[1]), (self.name(b[0]), b[1])
         return round(rate[a]["tok_s"] / rate[b]["tok_s"], 2) if a in rate and b in rate else None
 
     def engine_rate(self, strategy: str, batch: int, graphs: str | None = None, **engine):

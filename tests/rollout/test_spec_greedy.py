@@ -194,11 +194,12 @@ def test_kv_blocks_are_all_returned():
     assert drafter_alloc.num_free == drafter_alloc.num_blocks
 
 
-# every architecture's attention through the kernels on the main path (chain), a tree verification and
-# plain decoding once each: the kernels' cases, not the full cross product (issue 37, suite time)
+# the kernels' cases once each, every architecture in one of them: the main path (chain), a tree
+# verification and plain decoding. The test models share one head layout, so the kernels see the
+# same shapes in every architecture (issue 37, suite time: Triton's interpreter takes ~20 s a case)
 @pytest.mark.parametrize(
     "arch,strategy,drafter",
-    [(arch, "chain:3", "good") for arch in ARCHITECTURES] + [("qwen3", "tree:3,2,6", "bad"), ("llama", "none", None)],
+    [("llama", "chain:3", "good"), ("qwen3", "tree:3,2,6", "bad"), ("qwen2", "none", None)],
 )
 def test_triton_kernels_match_plain_decoding(arch, strategy, drafter):
     """Attention and verification through the Triton kernels (interpreter without CUDA), for the

@@ -79,9 +79,12 @@ def test_without_the_update_gap_training_stops_when_the_rollout_ends(ray_local):
     coord.shutdown()
 
 
-def test_no_spot_training_when_turned_off(ray_local):
+def test_no_spot_training_when_turned_off_and_bad_requests_are_refused_before_any_work(ray_local):
     prompts, params = long_tail_batch()
     coord = coordinator(spot_training=False)
+    with pytest.raises(ValueError, match="request 1"):
+        coord.generate([[5, 6], [500]], SamplingParams(max_new_tokens=4))
+    assert not kinds(coord.events, "shard")
     report = coord.generate(prompts, params)
     assert report.spot_steps == 0 and not kinds(coord.events, "spot_start")
     assert {v for _, v in coord.worker_versions().values()} == {0}
@@ -173,14 +176,6 @@ def test_policy_weights_reach_every_worker_once_per_version(ray_local):
     want = single_engine(prompts, params, model=new_policy)
     assert [o.completion_ids for o in report.outputs] == [o.completion_ids for o in want]
     assert report.policy_version == 1 and len(kinds(coord.events, "policy_sync")) == 1
-    coord.shutdown()
-
-
-def test_bad_requests_are_refused_before_any_work(ray_local):
-    coord = coordinator(spot_training=False)
-    with pytest.raises(ValueError, match="request 1"):
-        coord.generate([[5, 6], [500]], SamplingParams(max_new_tokens=4))
-    assert not kinds(coord.events, "shard")
     coord.shutdown()
 
 
