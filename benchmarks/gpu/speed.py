@@ -226,7 +226,8 @@ class SpeedRun:
     label: str = ""  # put before its contenders' names and headline keys (a second policy's run shares rows)
 
     def add(self, row: dict) -> None:
-        self.rows.append({**{k: v for k, v in row.items() if k != "completions"}, "contender": self.name(row["contender"])})
+        kept = {k: v for k, v in row.items() if k != "completions"}
+        self.rows.append({**kept, "contender": self.name(row["contender"])})
         self.stage.record("rates", self.rows)
 
     def name(self, what: str) -> str:
