@@ -174,7 +174,9 @@ def _kernel_metadata(cache: PagedKVCache, seqs: Sequence[SequenceSlice], positio
     )
 
 
-@torch.compiler.disable  # compiled decoders (RolloutConfig.compile) fuse around it, not through it
+BOUND_KV = "tailspec_kv"  # an attention module's (k_cache, v_cache) while compiled layers run (compiled.py)
+
+
 def paged_attention_forward(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -189,7 +191,10 @@ def paged_attention_forward(
     """``AttentionInterface`` function: write new K/V into the paged cache, attend over it.
 
     ``query`` is ``[1, heads, T, head_dim]`` after RoPE, ``key``/``value`` ``[1, kv_heads, T, head_dim]``.
-    Returns ``[1, T, heads, head_dim]``.
+    Returns ``[1, T, heads, head_dim]``. In compiled decoder layers (``RolloutConfig.compile``) the
+    module carries its layer's cache tensors (``BOUND_KV``): the K/V write is then traced, and
+    Inductor fuses it with RoPE, the cast and the layout change before it; only the attention
+    itself is left out of the compiled region.
     """
     meta: AttentionMetadata | None = kwargs.get(METADATA_KWARG)
     if meta is None:
@@ -197,22 +202,53 @@ def paged_attention_forward(
             f"attention implementation {ATTN_IMPLEMENTATION!r} needs the {METADATA_KWARG!r} forward "
             "kwarg; call the model through tailspec's ModelRunner"
         )
+    bound = getattr(module, BOUND_KV, None)
+    if bound is None:
+        return _write_and_attend(module, query, key, value, meta, scaling, sliding_window), None
+    write_kv(*bound, meta.slot_mapping, key, value)
+    return attend(meta, *bound, query, scaling, sliding_window), None
+
+
+def write_kv(
+    k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, key: torch.Tensor, value: torch.Tensor
+) -> None:
+    """The new tokens' K and V (``[1, kv_heads, T, head_dim]``) into the cache at ``slots``."""
+    total = key.shape[2]
+    flat_k, flat_v = k_cache.view(k_cache.shape[0], -1), v_cache.view(v_cache.shape[0], -1)
+    flat_k.index_copy_(0, slots, key[0].transpose(0, 1).reshape(total, -1).to(k_cache.dtype))
+    flat_v.index_copy_(0, slots, value[0].transpose(0, 1).reshape(total, -1).to(v_cache.dtype))
+
+
+@torch.compiler.disable  # compiled decoders fuse around it, not through it
+def _write_and_attend(module, query, key, value, meta: AttentionMetadata, scaling, sliding_window) -> torch.Tensor:
     layer = module.layer_idx
     k_cache, v_cache = meta.cache.k[layer], meta.cache.v[layer]
-    kv_heads = k_cache.shape[1]
-    flat_k, flat_v = k_cache.view(k_cache.shape[0], -1), v_cache.view(v_cache.shape[0], -1)
-    total = key.shape[2]
-    flat_k.index_copy_(0, meta.slot_mapping, key[0].transpose(0, 1).reshape(total, -1).to(k_cache.dtype))
-    flat_v.index_copy_(0, meta.slot_mapping, value[0].transpose(0, 1).reshape(total, -1).to(v_cache.dtype))
+    write_kv(k_cache, v_cache, meta.slot_mapping, key, value)
+    return attend(meta, k_cache, v_cache, query, scaling, sliding_window)
 
-    num_heads, head_dim = query.shape[1], query.shape[3]
+
+@torch.compiler.disable  # compiled decoders fuse around it, not through it
+def attend(
+    meta: AttentionMetadata,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    query: torch.Tensor,
+    scaling: float | None,
+    sliding_window: int | None,
+) -> torch.Tensor:
+    """``query`` (``[1, heads, T, head_dim]``) over the cache (its new K/V already written):
+    ``[1, T, heads, head_dim]``, by the Triton kernels when the metadata has their plan, else by
+    gathering each sequence's context and SDPA."""
+    num_heads, head_dim, kv_heads = query.shape[1], query.shape[3], k_cache.shape[1]
+    total = query.shape[2]
     if meta.plan is not None:
         # decode and verification (a few new tokens per sequence over a long context): the split-KV
         # kernel; prefill: one program per 16 new tokens and query head
         kernel = paged_attention_split_kv if meta.plan.max_query_len <= SPLIT_KV_MAX_NEW else paged_attention_triton
         out = kernel(query[0].transpose(0, 1), k_cache, v_cache, meta.plan, scaling, sliding_window)  # [T, H, D]
-        return out.unsqueeze(0).to(query.dtype), None
+        return out.unsqueeze(0).to(query.dtype)
     b, q = meta.num_seqs, meta.max_new
+    flat_k, flat_v = k_cache.view(k_cache.shape[0], -1), v_cache.view(v_cache.shape[0], -1)
     ctx_shape = (*meta.gather_slots.shape, kv_heads, head_dim)
     # index_select on the 2-D view is several times faster than advanced indexing on CPU
     gather = meta.gather_slots.reshape(-1)
@@ -234,7 +270,7 @@ def paged_attention_forward(
         out = out.reshape(1, total, num_heads, head_dim)
     else:
         out = out.reshape(b * q, num_heads, head_dim)[meta.valid_queries].unsqueeze(0)
-    return out.to(query.dtype), None
+    return out.to(query.dtype)
 
 
 _registered = False

@@ -95,7 +95,6 @@ class ModelRunner:
         compile_layers: bool = False,
     ) -> None:
         self.model = model
-        self.compiled = CompiledLayers(decoder_layers(model)) if compile_layers else None
         self.device, self.dtype = model_device_dtype(model)
         self.vocab_size = model_vocab_size(model)
         self.layout = KVLayout.from_hf_config(model.config, self.dtype, self.device)
@@ -105,6 +104,7 @@ class ModelRunner:
             self.layout, num_blocks + (1 if graph_pool is not None else 0), block_size, cache_prefixes
         )
         self.scratch_slot = self.cache.allocator.allocate(1)[0] * block_size if graph_pool is not None else -1
+        self.compiled = CompiledLayers(decoder_layers(model), self.cache) if compile_layers else None
         self._weights_fingerprint: int | None = None
         self._in_inference = False
 
