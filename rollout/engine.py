@@ -78,6 +78,7 @@ class RolloutEngine:
             graph_pool=graph_pool_for(model, self.config),
             cache_prefixes=self.config.prefix_caching,
             compile_layers=self.config.compile,
+            merge_projections=self.config.merge_projections,
         )
         self.vocab_size = self.runner.vocab_size
         self.limits = RequestLimits.of(model, self.config)

@@ -229,6 +229,9 @@ class RolloutConfig:
     graph_memory_mb: int = 2048  # budget of the graph pool
     kernels: str = "auto"  # auto: Triton verification on CUDA, torch otherwise | triton | torch (tailspec.kernels)
     compile: bool = False  # torch.compile the decoder layers' own ops (rollout/model/compiled.py; issue 48)
+    # QKV and gate-up projections as one GEMM each, over merged copies of their weights (memory: about two
+    # thirds of the decoder's weights again; rollout/model/merged_projections.py; issue 48)
+    merge_projections: bool = False
     seed: int = 0
     progress: bool = False
 
@@ -305,6 +308,7 @@ class RolloutConfig:
         )
         require(self.kernels in BACKEND_CHOICES, "kernels", "'auto', 'triton' or 'torch'", self.kernels)
         require(isinstance(self.compile, bool), "compile", "True or False", self.compile)
+        require(isinstance(self.merge_projections, bool), "merge_projections", "True or False", self.merge_projections)
         require(
             is_int(self.graph_memory_mb) and self.graph_memory_mb >= 1,
             "graph_memory_mb",

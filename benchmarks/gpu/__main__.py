@@ -27,7 +27,7 @@ BUDGETS = {
     "selector": 190,
     "training": 300,
     "attention": 150,
-    "fast_path": 330,
+    "fast_path": 400,
 }
 PACK = (
     "env",

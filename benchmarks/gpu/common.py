@@ -44,7 +44,7 @@ class CheckSize:
             # policy has Llama-3-8B's width, MLP and depth: 7.2B parameters
             return cls(
                 "full", 1792, 4864, 28, (1, 16, 64, 256), (1, 16, 64), 128, 64, 5000, 32, False, (2048, 8192, 32768),
-                (4096, 14336, 32), (1, 64),
+                (4096, 14336, 32), (1,),
             )  # fmt: skip
         if name == "tiny":
             return cls("tiny", 384, 960, 26, (1, 4), (1, 4), 12, 6, 600, 4, True, (128, 256), (512, 1280, 28), (1,))

@@ -42,14 +42,17 @@ class Contenders:
         self.engines: dict[tuple[str, str, str, bool], RolloutEngine] = {}
         self.eos = tokenizer.eos_token_id
 
-    def engine(self, strategy: str, graphs: str, kernels: str = "auto", compile: bool = False) -> RolloutEngine:
-        key = (strategy, graphs, kernels, compile)
+    def engine(
+        self, strategy: str, graphs: str, kernels: str = "auto", compile: bool = False, merge_projections: bool = False
+    ) -> RolloutEngine:
+        key = (strategy, graphs, kernels, compile, merge_projections)
         if key not in self.engines:
             config = RolloutConfig(
                 strategy=strategy,
                 graph_backend=graphs,
                 kernels=kernels,
                 compile=compile,
+                merge_projections=merge_projections,
                 max_num_seqs=self.max_num_seqs,
                 kv_cache_tokens=self.kv_cache_tokens,
                 mirror=mirror_config(),
@@ -58,12 +61,11 @@ class Contenders:
             self.engines[key] = RolloutEngine(self.policy, config, tokenizer=self.tokenizer, drafter=drafter)
         return self.engines[key]
 
-    def engine_rate(
-        self, strategy: str, graphs: str, prompts, params, warm_prompts, kernels: str = "auto", compile: bool = False
-    ) -> dict:
+    def engine_rate(self, strategy: str, graphs: str, prompts, params, warm_prompts, **engine_fields) -> dict:
         """Timed on ``prompts`` after a run on as many other prompts (graphs captured, kernels compiled,
-        the selector measured): other prompts, so no drafter has seen the timed completions."""
-        engine = self.engine(strategy, graphs, kernels, compile)
+        the selector measured): other prompts, so no drafter has seen the timed completions.
+        ``engine_fields``: :meth:`engine`'s keyword arguments."""
+        engine = self.engine(strategy, graphs, **engine_fields)
         engine.generate(warm_prompts, params)
         before, captured_before = engine.stats.as_dict(), capture_seconds()
         steps_before = dict(engine.stats.strategy_steps)

@@ -24,6 +24,7 @@ from .attention import (
 from .compiled import CompiledLayers
 from .graph_pool import GraphPool
 from .kv_cache import KVLayout, PagedKVCache
+from .merged_projections import MergedProjections
 
 
 def model_device_dtype(model: torch.nn.Module) -> tuple[torch.device, torch.dtype]:
@@ -93,6 +94,7 @@ class ModelRunner:
         graph_pool: GraphPool | None = None,
         cache_prefixes: bool = False,
         compile_layers: bool = False,
+        merge_projections: bool = False,
     ) -> None:
         self.model = model
         self.device, self.dtype = model_device_dtype(model)
@@ -105,6 +107,7 @@ class ModelRunner:
         )
         self.scratch_slot = self.cache.allocator.allocate(1)[0] * block_size if graph_pool is not None else -1
         self.compiled = CompiledLayers(decoder_layers(model), self.cache) if compile_layers else None
+        self.merged = MergedProjections(decoder_layers(model)) if merge_projections else None
         self._weights_fingerprint: int | None = None
         self._in_inference = False
 
@@ -120,8 +123,8 @@ class ModelRunner:
 
     @contextmanager
     def inference(self, kernels: str) -> Iterator[None]:
-        """no_grad + eval mode + paged attention (the ``kernels`` backend, and the compiled decoder
-        layers if asked) for the model, restored afterwards. Re-entrant: a front end enters it
+        """no_grad + eval mode + paged attention (the ``kernels`` backend, the merged projections
+        and the compiled decoder layers if asked) for the model, restored afterwards. Re-entrant: a front end enters it
         around its steps, so a step inside pays nothing."""
         if self._in_inference:
             yield
@@ -131,7 +134,8 @@ class ModelRunner:
         self._in_inference = True
         try:
             compiled = self.compiled.active() if self.compiled is not None else nullcontext()
-            with torch.no_grad(), paged_attention_enabled(self.model), kernel_backend(kernels), compiled:
+            merged = self.merged.active() if self.merged is not None else nullcontext()
+            with torch.no_grad(), paged_attention_enabled(self.model), kernel_backend(kernels), merged, compiled:
                 yield
         finally:
             self._in_inference = False

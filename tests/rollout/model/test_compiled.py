@@ -43,10 +43,12 @@ def test_the_trainer_never_runs_the_compiled_layers(traced_only):
     assert "forward" not in vars(layer)
 
 
-def test_each_layer_traces_as_two_graphs_with_the_kv_write_and_without_the_attention(monkeypatch):
+@pytest.mark.parametrize("merge", [False, True])
+def test_each_layer_traces_as_two_graphs_with_the_kv_write_and_without_the_attention(monkeypatch, merge):
     """What Inductor gets to fuse: the region before attention ends with the new K/V written into
     the cache (so the write fuses with RoPE), the attention itself is in no graph, and one trace
-    serves every layer (the graphs do not grow with the depth: no per-layer specialisation)."""
+    serves every layer (the graphs do not grow with the depth: no per-layer specialisation). With
+    merged projections a layer runs 4 GEMMs instead of 7 (QKV as one, gate-up as one)."""
     import torch
 
     from tailspec.rollout.model import compiled
@@ -55,7 +57,7 @@ def test_each_layer_traces_as_two_graphs_with_the_kv_write_and_without_the_atten
     graphs = []
 
     def recording(gm, example_inputs):
-        graphs.append({str(node.target) for node in gm.graph.nodes if node.op in ("call_function", "call_method")})
+        graphs.append([str(node.target) for node in gm.graph.nodes if node.op in ("call_function", "call_method")])
         return gm.forward
 
     monkeypatch.setattr(compiled, "BACKEND", recording)
@@ -66,13 +68,16 @@ def test_each_layer_traces_as_two_graphs_with_the_kv_write_and_without_the_atten
         model, prompts = tiny_random_model("qwen3", seed=1, num_layers=layers), random_prompts(2, seed=6)
         params = SamplingParams(temperature=0.0, max_new_tokens=8, ignore_eos=True)  # the same shapes at each depth
         want = RolloutEngine(model, RolloutConfig(graph_backend="eager")).generate(prompts, params)
-        got = RolloutEngine(model, RolloutConfig(graph_backend="eager", compile=True)).generate(prompts, params)
+        config = RolloutConfig(graph_backend="eager", compile=True, merge_projections=merge)
+        got = RolloutEngine(model, config).generate(prompts, params)
         assert_same(got, want)
         counts.append(len(graphs))
         writes = [g for g in graphs if any("index_copy" in op for op in g)]
         assert writes and all(any("cat" in op for op in g) for g in writes)  # RoPE (rotate_half) beside it
         assert not any("scaled_dot_product_attention" in op for g in graphs for op in g)
         assert all(compiled.BOUND_KV not in vars(layer.self_attn) for layer in decoder_layers(model))
+        gemms = {sum("linear" in op for op in g) for g in graphs}
+        assert gemms == ({1, 3} if merge else {3, 4}), gemms  # before attention, after it
     assert counts[0] == counts[1], counts
     torch._dynamo.reset()
 
