@@ -37,40 +37,45 @@ GROUPS = (  # members of a decoder layer that read the same input, by the Huggin
 
 @dataclass
 class MergedGroup:
-    """Linear layers that read the same input, and their stacked weights (and biases)."""
+    """Linear layers that read the same input, and their stacked weights (and biases), made at the
+    first :meth:`refresh` (under ZeRO-3 the parameters are whole only while gathered for rollouts)."""
 
     members: list[torch.nn.Linear]
-    weight: torch.Tensor
-    bias: torch.Tensor | None
-    sizes: list[int]
+    weight: torch.Tensor | None = None
+    bias: torch.Tensor | None = None
     _pending: dict[int, torch.Tensor] = field(default_factory=dict)  # member -> its slice, until taken
     _input: torch.Tensor | None = None
     _fingerprint: tuple = ()
 
-    @classmethod
-    def of(cls, members: list[torch.nn.Linear]) -> MergedGroup:
-        biases = [m.bias for m in members]
-        with torch.no_grad():
-            weight = torch.cat([m.weight for m in members])
-            bias = torch.cat(biases) if biases[0] is not None else None
-        group = cls(members, weight, bias, [m.out_features for m in members])
-        group._fingerprint = group.fingerprint()
-        return group
+    @property
+    def sizes(self) -> list[int]:
+        return [m.out_features for m in self.members]
+
+    @property
+    def nbytes(self) -> int:
+        first = self.members[0]
+        return sum(self.sizes) * first.in_features * first.weight.element_size()
 
     def fingerprint(self) -> tuple:
-        """Where the source parameters live and how often they were changed in place."""
+        """Where the source parameters live, their shapes, and how often they were changed in place."""
         params = [p for m in self.members for p in (m.weight, m.bias) if p is not None]
-        return tuple((p.data_ptr(), p._version) for p in params)
+        return tuple((p.data_ptr(), p._version, p.shape) for p in params)
 
     def refresh(self) -> bool:
-        """Copy the sources into the merged tensors if any changed; True if it did."""
+        """Copy the sources into the merged tensors if any changed (in place, so a captured graph
+        keeps reading them; made anew only when their shape changed); True if it copied."""
         now = self.fingerprint()
         if now == self._fingerprint:
             return False
         with torch.no_grad():
-            torch.cat([m.weight for m in self.members], out=self.weight)
-            if self.bias is not None:
-                torch.cat([m.bias for m in self.members], out=self.bias)
+            weights, biases = [m.weight for m in self.members], [m.bias for m in self.members]
+            if self.weight is None or self.weight.shape[0] != sum(w.shape[0] for w in weights):
+                self.weight = torch.cat(weights)
+                self.bias = torch.cat(biases) if biases[0] is not None else None
+            else:
+                torch.cat(weights, out=self.weight)
+                if self.bias is not None:
+                    torch.cat(biases, out=self.bias)
         self._fingerprint = now
         return True
 
@@ -99,7 +104,7 @@ class MergedProjections:
             for names in GROUPS:
                 members = [_submodule(layer, name) for name in names]
                 if _mergeable(members):
-                    self.groups.append(MergedGroup.of(members))
+                    self.groups.append(MergedGroup(members))
                 else:
                     skipped.add(f"{type(layer).__name__}: {', '.join(names)}")
         if skipped:
@@ -108,12 +113,8 @@ class MergedProjections:
                 "and device); those run as they are",
                 "; ".join(sorted(skipped)),
             )
-        self.bytes = sum(g.weight.numel() * g.weight.element_size() for g in self.groups)
-        logger.info(
-            "RolloutConfig.merge_projections: %d groups, %.1f MB of merged weights",
-            len(self.groups),
-            self.bytes / 2**20,
-        )
+        self.nbytes = sum(g.nbytes for g in self.groups)
+        logger.info("merge_projections: %d groups, %.1f MB of merged weights", len(self.groups), self.nbytes / 2**20)
 
     @contextmanager
     def active(self) -> Iterator[None]:
