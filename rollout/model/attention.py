@@ -174,7 +174,7 @@ def _kernel_metadata(cache: PagedKVCache, seqs: Sequence[SequenceSlice], positio
     )
 
 
-BOUND_KV = "tailspec_kv"  # an attention module's (k_cache, v_cache) while compiled layers run (compiled.py)
+BOUND_KV = "tailspec_kv"  # an attention module's (cache, k_cache, v_cache) while compiled layers run (compiled.py)
 
 
 def paged_attention_forward(
@@ -194,7 +194,8 @@ def paged_attention_forward(
     Returns ``[1, T, heads, head_dim]``. In compiled decoder layers (``RolloutConfig.compile``) the
     module carries its layer's cache tensors (``BOUND_KV``): the K/V write is then traced, and
     Inductor fuses it with RoPE, the cast and the layout change before it; only the attention
-    itself is left out of the compiled region.
+    itself is left out of the compiled region. A forward over another cache (the same model
+    drafting for itself, with its own cache) writes where its metadata says, as eager layers do.
     """
     meta: AttentionMetadata | None = kwargs.get(METADATA_KWARG)
     if meta is None:
@@ -203,10 +204,11 @@ def paged_attention_forward(
             "kwarg; call the model through tailspec's ModelRunner"
         )
     bound = getattr(module, BOUND_KV, None)
-    if bound is None:
+    if bound is None or bound[0] is not meta.cache:
         return _write_and_attend(module, query, key, value, meta, scaling, sliding_window), None
-    write_kv(*bound, meta.slot_mapping, key, value)
-    return attend(meta, *bound, query, scaling, sliding_window), None
+    _, k_cache, v_cache = bound
+    write_kv(k_cache, v_cache, meta.slot_mapping, key, value)
+    return attend(meta, k_cache, v_cache, query, scaling, sliding_window), None
 
 
 def write_kv(

@@ -13,7 +13,9 @@ compiled kernels.
 The new tokens' K/V write is traced too: while the compiled layers run, each layer's attention
 module carries its own cache tensors (``attention.BOUND_KV``), so the write needs no layer index
 (an int dynamo would specialise on, one compile per layer) and Inductor fuses it with RoPE, the
-cast and the layout change into the region before attention. A layer without a ``self_attn``
+cast and the layout change into the region before attention. The binding names its cache: a
+forward of the same modules over another cache (a model drafting for itself) writes where its
+own metadata says. A layer without a ``self_attn``
 module (not the Hugging Face convention) writes its K/V outside the compiled region, as eager
 layers do.
 
@@ -61,7 +63,7 @@ class CompiledLayers:
         for layer, compiled in zip(self.layers, self._compiled):
             layer.forward = compiled
         for attn in attentions:
-            setattr(attn, BOUND_KV, (self.cache.k[attn.layer_idx], self.cache.v[attn.layer_idx]))
+            setattr(attn, BOUND_KV, (self.cache, self.cache.k[attn.layer_idx], self.cache.v[attn.layer_idx]))
         try:
             yield
         finally:

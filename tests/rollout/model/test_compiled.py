@@ -82,6 +82,18 @@ def test_each_layer_traces_as_two_graphs_with_the_kv_write_and_without_the_atten
     torch._dynamo.reset()
 
 
+def test_a_model_drafting_for_itself_writes_its_drafts_into_its_own_cache(traced_only):
+    """The same modules run by the engine (its cache bound to them) and by the drafter (its own
+    cache): the drafter's K/V must not land in the engine's cache. A perfect drafter, every
+    draft accepted, and plain decoding's tokens."""
+    model, prompts = cached_model("qwen2"), random_prompts(3, seed=7)
+    want = RolloutEngine(model, RolloutConfig(graph_backend="eager")).generate(prompts, PARAMS)
+    config = RolloutConfig(graph_backend="eager", strategy="chain:3", compile=True, merge_projections=True)
+    engine = RolloutEngine(model, config, drafter=model)
+    assert_same(engine.generate(prompts, PARAMS), want)
+    assert engine.stats.accepted_tokens == engine.stats.drafted_tokens > 0
+
+
 def test_compile_must_be_a_bool():
     with pytest.raises(ValueError, match="compile must be True or False"):
         RolloutConfig(compile="yes")
