@@ -33,6 +33,7 @@ ENGINE_SETTINGS = {  # a value other than the default for every engine field a u
     "graph_memory_mb": 64,
     "kernels": "torch",
     "compile": True,
+    "merge_projections": True,
     "progress": True,
 }
 
