@@ -12,7 +12,9 @@ GPU idle at small batches and reads every K/V block once per query head of a gro
   online softmax, written as unnormalised partial outputs with their row maxima and sums;
 * a second kernel merges a row's splits (log-sum-exp weights). ``NUM_SPLITS`` is a launch
   constant, so the grid is static under CUDA graphs; a split past a sequence's context writes an
-  empty partial (max -inf, sum 0) that the merge weighs 0.
+  empty partial (max -inf, sum 0) that the merge weighs 0. With one split (a batch that fills the
+  GPU by itself, or a short context) the first kernel writes the normalised output into a zeroed
+  buffer and the merge is not launched.
 
 Visibility is the paged kernel's: every cached key, among the new tokens the causal prefix or the
 tree mask's ancestors, and an optional sliding window. See ``kernels/paged_attention.py``.
@@ -82,9 +84,12 @@ def split_kv_attention_kernel(
         m, denom, acc = online_softmax_step(scores, v, m, denom, acc, IEEE)
 
     part = (split.to(tl.int64) * num_rows + packed) * num_heads + head
+    if NUM_SPLITS == 1:  # the whole context: the output itself (a row that saw no key: 0, as merged)
+        acc = acc / tl.where(denom > 0, denom, 1.0)[:, None]
     tl.store(part_out_ptr + part[:, None] * head_dim + dims[None, :], acc, mask=row_ok[:, None] & dim_ok[None, :])
-    tl.store(part_max_ptr + part, m, mask=row_ok)
-    tl.store(part_sum_ptr + part, denom, mask=row_ok)
+    if NUM_SPLITS > 1:
+        tl.store(part_max_ptr + part, m, mask=row_ok)
+        tl.store(part_sum_ptr + part, denom, mask=row_ok)
 
 
 @triton.jit

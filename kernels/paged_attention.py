@@ -201,7 +201,8 @@ def paged_attention_split_kv(
     if num_splits < 1 or num_splits & (num_splits - 1):
         raise ValueError(f"num_splits must be a power of two >= 1, got {num_splits}")
     f32 = {"dtype": torch.float32, "device": query.device}
-    parts = torch.empty(num_splits, num_rows, heads, head_dim, **f32)
+    # one split: the kernel writes the output itself; rows of no sequence (padding) stay 0, as merged
+    parts = (torch.zeros if num_splits == 1 else torch.empty)(num_splits, num_rows, heads, head_dim, **f32)
     maxima = torch.full((num_splits, num_rows, heads), float("-inf"), **f32)
     sums = torch.empty(num_splits, num_rows, heads, **f32)
     tree = plan.tree_mask
@@ -227,6 +228,8 @@ def paged_attention_split_kv(
         BLOCK_N=block_n,
         BLOCK_D=block_d,
     )
+    if num_splits == 1:  # the kernel wrote the output itself
+        return parts[0]
     out = torch.empty(num_rows, heads, head_dim, **f32)
     merge_splits_kernel[(num_rows, heads)](
         parts, maxima, sums, out, num_rows, heads, head_dim, NUM_SPLITS=num_splits, BLOCK_D=block_d
