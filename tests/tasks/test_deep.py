@@ -1,6 +1,7 @@
 """The deep-policy recipe: function-preserving growth, distillation loss, cost measurement, the quick run."""
 
 import json
+import shutil
 
 import pytest
 import torch
@@ -84,8 +85,16 @@ def test_recipe_validates_its_fields():
         DeepRecipe(warmup_rounds=0)
 
 
-def test_quick_recipe_writes_every_asset(tmp_path):
-    assert main(["--out", str(tmp_path), "--quick", "--threads", "1"]) == 0
+@pytest.fixture(scope="module")
+def quick_run(tmp_path_factory):
+    """A quick recipe's output folder, made once for the module (tests that write copy it first)."""
+    out = tmp_path_factory.mktemp("quick")
+    assert main(["--out", str(out), "--quick", "--threads", "1"]) == 0
+    return out
+
+
+def test_quick_recipe_writes_every_asset(quick_run):
+    tmp_path = quick_run
     for kind in ("policy", "drafter"):
         config = json.loads((tmp_path / kind / "config.json").read_text())
         assert config["dtype"] == "float16"
@@ -99,11 +108,12 @@ def test_quick_recipe_writes_every_asset(tmp_path):
     assert "tailspec train-deep" in card and "block expansion" in card
 
 
-def test_stages_reuse_what_an_earlier_run_saved(tmp_path):
+def test_stages_reuse_what_an_earlier_run_saved(quick_run, tmp_path):
     from tailspec.drafter.eagle3.checkpoint import load_checkpoint
     from tailspec.tasks.deep import run_recipe
 
-    assert main(["--out", str(tmp_path), "--quick", "--threads", "1"]) == 0
+    tmp_path = tmp_path / "run"
+    shutil.copytree(quick_run, tmp_path)
     before = load_checkpoint(tmp_path / "eagle3").metadata["rounds"]
     policy_bytes = (tmp_path / "policy" / "model.safetensors").read_bytes()
     assert main(["--out", str(tmp_path), "--quick", "--threads", "1", "--stages", "head,eval", "--continue-head"]) == 0
