@@ -116,6 +116,10 @@ class MergedProjections:
         self.nbytes = sum(g.nbytes for g in self.groups)
         logger.info("merge_projections: %d groups, %.1f MB of merged weights", len(self.groups), self.nbytes / 2**20)
 
+    def data_ptrs(self) -> tuple[int, ...]:
+        """Where the merged weights live (a captured graph reads them there)."""
+        return tuple(t.data_ptr() for g in self.groups for t in (g.weight, g.bias) if t is not None)
+
     @contextmanager
     def active(self) -> Iterator[None]:
         """Within the block the members forward through their merged weights (refreshed first)."""

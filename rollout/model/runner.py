@@ -6,6 +6,7 @@ can replace it later without touching the scheduler or the sampler.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager, nullcontext
 from typing import Any
@@ -25,6 +26,8 @@ from .compiled import CompiledLayers
 from .graph_pool import GraphPool
 from .kv_cache import KVLayout, PagedKVCache
 from .merged_projections import MergedProjections
+
+logger = logging.getLogger(__name__)
 
 
 def model_device_dtype(model: torch.nn.Module) -> tuple[torch.device, torch.dtype]:
@@ -109,6 +112,7 @@ class ModelRunner:
         self.compiled = CompiledLayers(decoder_layers(model), self.cache) if compile_layers else None
         self.merged = MergedProjections(decoder_layers(model)) if merge_projections else None
         self._weights_fingerprint: int | None = None
+        self._weights_at: tuple[int, ...] | None = None  # where the weights were when graphs were captured
         self._in_inference = False
 
     def drop_stale_prefixes(self) -> None:
@@ -120,6 +124,21 @@ class ModelRunner:
             if self._weights_fingerprint is not None:
                 self.cache.allocator.clear_prefixes()
             self._weights_fingerprint = fingerprint
+
+    def forget_graphs_of_moved_weights(self) -> None:
+        """A captured graph reads each weight at the address it was captured with. Changes in place
+        (optimizer steps) it sees; a weight that moved (ZeRO-3 gathers the parameters anew for each
+        rollout; ``model.to``, ``load_state_dict(assign=True)``, DeepSpeed flattening them after the
+        engine was made) it would not: then the pool's graphs are dropped and captured again."""
+        if self.graph_pool is None:
+            return
+        where = tuple(p.data_ptr() for p in self.model.parameters())
+        if self.merged is not None:
+            where += self.merged.data_ptrs()
+        if self._weights_at is not None and where != self._weights_at and len(self.graph_pool.keys()):
+            logger.info("the model's weights moved: %d captured graphs dropped", len(self.graph_pool.keys()))
+            self.graph_pool.clear()
+        self._weights_at = where
 
     @contextmanager
     def inference(self, kernels: str) -> Iterator[None]:
@@ -136,6 +155,7 @@ class ModelRunner:
             compiled = self.compiled.active() if self.compiled is not None else nullcontext()
             merged = self.merged.active() if self.merged is not None else nullcontext()
             with torch.no_grad(), paged_attention_enabled(self.model), kernel_backend(kernels), merged, compiled:
+                self.forget_graphs_of_moved_weights()
                 yield
         finally:
             self._in_inference = False

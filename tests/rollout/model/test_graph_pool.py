@@ -7,7 +7,7 @@ from conftest import cached_model, random_prompts
 
 from tailspec.rollout import RolloutConfig, RolloutEngine, SamplingParams
 from tailspec.rollout.model.graph_pool import EagerBackend, GraphKey, GraphPool
-from tailspec.testing import perturbed_copy
+from tailspec.testing import perturbed_copy, tiny_random_model
 
 
 def _pool(budget=10_000):
@@ -121,6 +121,53 @@ def test_padded_forward_through_the_triton_kernels_is_exact(strategy):
         assert a.completion_ids == b.completion_ids
         assert a.logprobs == pytest.approx(b.logprobs, abs=1e-4)
     assert engine.runner.graph_pool.stats.hits > 0
+
+
+def _move_weights(model, scale: float) -> None:
+    """Every parameter replaced by a new tensor of new values (as ZeRO-3's gather, ``model.to`` or
+    ``load_state_dict(assign=True)`` replace them)."""
+    with torch.no_grad():
+        for p in model.parameters():
+            p.data = p.data * scale
+
+
+@pytest.mark.parametrize("merge", [False, True])
+def test_graphs_are_captured_again_when_the_weights_move(merge):
+    """Changed in place (an optimizer step), the weights stay where the pool's graphs read them;
+    moved to new tensors, the graphs are dropped and captured again (a CUDA graph would read the
+    old addresses), and the rollout decodes with the new weights."""
+    model = tiny_random_model("qwen2", seed=8)
+    prompts = random_prompts(3, seed=3)
+    params = SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True)  # the same shapes every time
+    engine = RolloutEngine(model, RolloutConfig(graph_backend="eager", merge_projections=merge))
+    engine.generate(prompts, params)
+    pool = engine.runner.graph_pool
+    captured = pool.stats.captures
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(1.5)  # in place
+    engine.generate(prompts, params)
+    assert pool.stats.captures == captured
+    _move_weights(model, 0.5)
+    want = RolloutEngine(model, RolloutConfig(graph_backend="none")).generate(prompts, params)
+    got = engine.generate(prompts, params)
+    assert pool.stats.captures > captured
+    for a, b in zip(got, want):
+        assert a.completion_ids == b.completion_ids
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_graphs_follow_weights_that_moved():
+    model = tiny_random_model("qwen2", seed=8).to("cuda")
+    prompts, params = random_prompts(3, seed=3), SamplingParams(max_new_tokens=12, temperature=0.0)
+    engine = RolloutEngine(model, RolloutConfig(graph_backend="cuda_graph"))
+    engine.generate(prompts, params)
+    _move_weights(model, 1.7)
+    want = RolloutEngine(model, RolloutConfig(graph_backend="none")).generate(prompts, params)
+    for a, b in zip(engine.generate(prompts, params), want):
+        assert a.completion_ids == b.completion_ids
+        assert a.logprobs == pytest.approx(b.logprobs, abs=1e-3)
 
 
 @pytest.mark.gpu
