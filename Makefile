@@ -35,9 +35,10 @@ demo: $(STAMP)
 # suite's tests run one torch thread each, so on 2 cores this halves the wall time. Tests marked
 # `solo` judge what adaptive picks from measured step times: they run afterwards, alone.
 TEST_WORKERS ?= 2
+SOLO_TESTS := tests/workers/test_adaptive_on_workers.py  # the files holding `solo` tests (tests/conftest.py checks)
 test: $(STAMP)
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not solo"
-	$(PY) -m pytest -q -m solo
+	$(PY) -m pytest -q -m solo $(SOLO_TESTS)
 
 bench: $(STAMP)
 	$(VENV)/bin/tailspec bench

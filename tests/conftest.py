@@ -70,11 +70,21 @@ LONGEST_FIRST = (  # Ray's and the others alternating, so the two processes rare
 )
 
 
+def _solo_files(tests_dir: str) -> set[str]:
+    """The files `make test` runs the `solo` tests from (its second command collects only these)."""
+    makefile = open(os.path.join(tests_dir, os.pardir, "Makefile")).read()
+    line = next(line for line in makefile.splitlines() if line.startswith("SOLO_TESTS"))
+    return {os.path.normpath(os.path.join(tests_dir, os.pardir, f)) for f in line.split("#")[0].split(":=")[1].split()}
+
+
 def pytest_collection_modifyitems(session, config, items):
     tests_dir = os.path.dirname(__file__)
     moved = [path for path in LONGEST_FIRST if not os.path.isfile(os.path.join(tests_dir, path))]
     if moved:  # a renamed file would silently lose its place
         raise pytest.UsageError(f"tests/conftest.py LONGEST_FIRST names files that are not there: {moved}")
+    stray = {str(item.path) for item in items if item.get_closest_marker("solo")} - _solo_files(tests_dir)
+    if stray:  # `make test` would never run them
+        raise pytest.UsageError(f"`solo` tests outside the Makefile's SOLO_TESTS: {sorted(stray)}")
     rank = {os.path.join(tests_dir, path): i for i, path in enumerate(LONGEST_FIRST)}
     order = {id(item): n for n, item in enumerate(items)}
     items.sort(key=lambda item: (rank.get(str(item.path), len(rank)), order[id(item)]))

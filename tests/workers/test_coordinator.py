@@ -79,7 +79,10 @@ def test_without_the_update_gap_training_stops_when_the_rollout_ends(ray_local):
     coord.shutdown()
 
 
-def test_no_spot_training_when_turned_off_and_bad_requests_are_refused_before_any_work(ray_local):
+def test_without_spot_training_bad_requests_are_refused_and_policy_weights_reach_every_worker_once(ray_local):
+    """One coordinator with spot training off: a bad request is refused before any work; a rollout
+    trains nothing; a new policy version reaches every worker once, and the next rollout is the
+    new policy's."""
     prompts, params = long_tail_batch()
     coord = coordinator(spot_training=False)
     with pytest.raises(ValueError, match="request 1"):
@@ -88,6 +91,14 @@ def test_no_spot_training_when_turned_off_and_bad_requests_are_refused_before_an
     report = coord.generate(prompts, params)
     assert report.spot_steps == 0 and not kinds(coord.events, "spot_start")
     assert {v for _, v in coord.worker_versions().values()} == {0}
+    new_policy = perturbed_copy(policy(), noise=0.5, seed=3)
+    assert coord.sync_policy(new_policy, version=1)
+    assert not coord.sync_policy(new_policy, version=1)  # already there
+    assert {v[0] for v in coord.worker_versions().values()} == {1}
+    report = coord.generate(prompts, params)
+    want = single_engine(prompts, params, model=new_policy)
+    assert [o.completion_ids for o in report.outputs] == [o.completion_ids for o in want]
+    assert report.policy_version == 1 and len(kinds(coord.events, "policy_sync")) == 1
     coord.shutdown()
 
 
@@ -165,24 +176,11 @@ def test_a_rerun_waits_for_the_training_worker_when_no_other_is_left(ray_local):
     coord.shutdown()
 
 
-def test_policy_weights_reach_every_worker_once_per_version(ray_local):
-    prompts, params = long_tail_batch()
-    coord = coordinator(spot_training=False)
-    new_policy = perturbed_copy(policy(), noise=0.5, seed=3)
-    assert coord.sync_policy(new_policy, version=1)
-    assert not coord.sync_policy(new_policy, version=1)  # already there
-    assert {v[0] for v in coord.worker_versions().values()} == {1}
-    report = coord.generate(prompts, params)
-    want = single_engine(prompts, params, model=new_policy)
-    assert [o.completion_ids for o in report.outputs] == [o.completion_ids for o in want]
-    assert report.policy_version == 1 and len(kinds(coord.events, "policy_sync")) == 1
-    coord.shutdown()
-
-
-def test_the_drafting_head_trained_in_place_is_published_not_reverted(ray_local):
-    """DrafterFromTrainer trains the very head object the coordinator drafts with: publishing it
-    right after a rollout (a broadcast of the old version pending) must not load the old version
-    back into it first."""
+def test_a_published_head_reaches_every_worker_trained_in_place_or_elsewhere(ray_local):
+    """DrafterFromTrainer publishes the head it trains. Trained in place (the very head object the
+    coordinator drafts with) and published right after a rollout (a broadcast of the old version
+    pending), it must not get the old version loaded back first. Trained elsewhere (the trainer
+    process), every worker drafts with it from the next rollout on."""
     prompts, params = long_tail_batch()
     coord = coordinator(spot_training=False)
     coord.generate(prompts, params)  # leaves a broadcast pending
@@ -198,25 +196,18 @@ def test_the_drafting_head_trained_in_place_is_published_not_reverted(ray_local)
         assert torch.equal(coord.drafter_state.weights[key], value), key
         assert torch.equal(head.state_dict()[key], value), key
     assert {v[1] for v in coord.worker_versions().values()} == {11}
-    coord.shutdown()
 
-
-def test_a_head_trained_elsewhere_reaches_every_worker(ray_local):
-    """DrafterFromTrainer trains the head in the trainer process and publishes it: every worker
-    drafts with that version from the next rollout on, and a finished spot chunk cannot undo it."""
-    prompts, params = long_tail_batch()
-    coord = coordinator(spot_training=False)
-    trained = fresh_head()
-    trained.reset_parameters(std=0.02)
-    trained.version = 7
-    coord.publish_drafter(trained)
-    assert {v[1] for v in coord.worker_versions().values()} == {7}
-    assert coord.part.version == 7 and kinds(coord.events, "drafter_published")
-    for key, value in trained.state_dict().items():
+    elsewhere = fresh_head()
+    elsewhere.reset_parameters(std=0.02)
+    elsewhere.version = 12
+    coord.publish_drafter(elsewhere)
+    assert {v[1] for v in coord.worker_versions().values()} == {12}
+    assert coord.part.version == 12 and kinds(coord.events, "drafter_published")
+    for key, value in elsewhere.state_dict().items():
         assert torch.equal(coord.part.state_dict()[key], value), key
     report = coord.generate(prompts, params)
     assert [o.completion_ids for o in report.outputs] == [o.completion_ids for o in single_engine(prompts, params)]
-    assert report.drafter_version == 7
+    assert report.drafter_version == 12
     coord.shutdown()
 
 
