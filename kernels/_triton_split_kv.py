@@ -58,9 +58,7 @@ def split_kv_attention_kernel(
         mask=row_ok[:, None] & dim_ok[None, :],
         other=0.0,
     )
-    q_pos = token  # read only with a window
-    if HAS_WINDOW:
-        q_pos = tl.load(query_pos_ptr + packed, mask=row_ok, other=0)
+    q_pos = tl.load(query_pos_ptr + packed, mask=row_ok, other=0) if HAS_WINDOW else token  # read with a window
 
     context = cached + q_len
     per_split = tl.cdiv(tl.cdiv(context, NUM_SPLITS), BLOCK_N) * BLOCK_N

@@ -200,11 +200,7 @@ def paged_attention_split_kv(
         num_splits = split_count(num_seqs, kv_heads, plan.block_tables.shape[1] * plan.block_size, sms, block_n)
     if num_splits < 1 or num_splits & (num_splits - 1):
         raise ValueError(f"num_splits must be a power of two >= 1, got {num_splits}")
-    f32 = {"dtype": torch.float32, "device": query.device}
-    # one split: the kernel writes the output itself; rows of no sequence (padding) stay 0, as merged
-    parts = (torch.zeros if num_splits == 1 else torch.empty)(num_splits, num_rows, heads, head_dim, **f32)
-    maxima = torch.full((num_splits, num_rows, heads), float("-inf"), **f32)
-    sums = torch.empty(num_splits, num_rows, heads, **f32)
+    parts, maxima, sums = _split_scratch(num_splits, num_rows, heads, head_dim, query.device)
     tree = plan.tree_mask
     block_d = max(16, 1 << (head_dim - 1).bit_length())
     split_kv_attention_kernel[(num_seqs, kv_heads, num_splits)](
@@ -230,11 +226,21 @@ def paged_attention_split_kv(
     )
     if num_splits == 1:  # the kernel wrote the output itself
         return parts[0]
-    out = torch.empty(num_rows, heads, head_dim, **f32)
+    out = torch.empty(num_rows, heads, head_dim, dtype=torch.float32, device=query.device)
     merge_splits_kernel[(num_rows, heads)](
         parts, maxima, sums, out, num_rows, heads, head_dim, NUM_SPLITS=num_splits, BLOCK_D=block_d
     )
     return out
+
+
+def _split_scratch(num_splits: int, num_rows: int, heads: int, head_dim: int, device: torch.device):
+    """The splits' partial outputs, maxima (from -inf: a split that sees no key weighs 0) and sums.
+    With one split the kernel writes the output itself into ``parts``, zeroed so rows of no
+    sequence (padding) read 0, as the merge would give them."""
+    f32 = {"dtype": torch.float32, "device": device}
+    parts = (torch.zeros if num_splits == 1 else torch.empty)(num_splits, num_rows, heads, head_dim, **f32)
+    maxima = torch.full((num_splits, num_rows, heads), float("-inf"), **f32)
+    return parts, maxima, torch.empty(num_splits, num_rows, heads, **f32)
 
 
 def _plan_args(plan: PagedAttentionPlan) -> tuple[torch.Tensor, ...]:
