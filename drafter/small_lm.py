@@ -250,7 +250,6 @@ class SmallLMDrafter(Drafter):
         self.model.eval()
         try:
             with torch.no_grad(), paged_attention_enabled(self.model):
-                self.runner.forget_graphs_of_moved_weights()
                 yield
         finally:
             self.model.train(was_training)

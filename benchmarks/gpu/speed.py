@@ -39,7 +39,7 @@ class Contenders:
         self.policy, self.drafter, self.tokenizer = policy, drafter, tokenizer
         self.max_num_seqs = max_num_seqs  # adaptive calibrates every batch bucket up to it
         self.kv_cache_tokens = kv_cache_tokens
-        self.engines: dict[tuple[str, str, str, bool], RolloutEngine] = {}
+        self.engines: dict[tuple[str, str, str, bool, bool], RolloutEngine] = {}
         self.eos = tokenizer.eos_token_id
 
     def engine(

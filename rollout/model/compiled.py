@@ -15,9 +15,8 @@ module carries its own cache tensors (``attention.BOUND_KV``), so the write need
 (an int dynamo would specialise on, one compile per layer) and Inductor fuses it with RoPE, the
 cast and the layout change into the region before attention. The binding names its cache: a
 forward of the same modules over another cache (a model drafting for itself) writes where its
-own metadata says. A layer without a ``self_attn``
-module (not the Hugging Face convention) writes its K/V outside the compiled region, as eager
-layers do.
+own metadata says. A layer without a ``self_attn`` module (not the Hugging Face convention)
+writes its K/V outside the compiled region, as eager layers do.
 
 The compiled forwards are swapped in only while the engine runs the model (``active()``), as an
 instance attribute over each layer's ``forward``: the trainer's forwards, and forward hooks (the

@@ -129,14 +129,17 @@ class ModelRunner:
         """A captured graph reads each weight at the address it was captured with. Changes in place
         (optimizer steps) it sees; a weight that moved (ZeRO-3 gathers the parameters anew for each
         rollout; ``model.to``, ``load_state_dict(assign=True)``, DeepSpeed flattening them after the
-        engine was made) it would not: then the pool's graphs are dropped and captured again."""
+        engine was made) it would not: then the pool's graphs are dropped and captured again. (A
+        drafter LM's weights change only in place, ``load_weights`` copies: its pool is not checked,
+        which would cost a pass over its parameters at every draft.)"""
         if self.graph_pool is None:
             return
         where = tuple(p.data_ptr() for p in self.model.parameters())
         if self.merged is not None:
             where += self.merged.data_ptrs()
-        if self._weights_at is not None and where != self._weights_at and len(self.graph_pool.keys()):
-            logger.info("the model's weights moved: %d captured graphs dropped", len(self.graph_pool.keys()))
+        held = self.graph_pool.keys()
+        if self._weights_at not in (None, where) and held:
+            logger.info("the model's weights moved: %d captured graphs dropped", len(held))
             self.graph_pool.clear()
         self._weights_at = where
 
