@@ -11,8 +11,10 @@ own torch path (``tailspec.rollout.model.attention``, gather + SDPA) computes th
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
+import numpy as np
 import torch
 
 PLAN_TENSORS = ("block_tables", "cached_lens", "query_lens", "query_start", "query_positions", "tree_mask")
@@ -32,21 +34,24 @@ class PagedAttentionPlan:
     @classmethod
     def build(
         cls,
-        block_tables: list[list[int]],
-        cached_lens: list[int],
-        query_lens: list[int],
-        query_start: list[int],
+        block_tables: Sequence[Sequence[int]],
+        cached_lens: Sequence[int],
+        query_lens: Sequence[int],
+        query_start: Sequence[int],
         query_positions: torch.Tensor,
-        tree_masks: list[torch.Tensor | None],
+        tree_masks: Sequence[torch.Tensor | None],
         block_size: int,
         device: torch.device,
         mask_size: int | None = None,
     ) -> PagedAttentionPlan:
-        """``mask_size`` materialises a ``[B, mask_size, mask_size]`` mask (causal where no tree)
+        """``block_tables`` may be ragged (padded here with block 0) or a ``[B, blocks]`` array.
+        ``mask_size`` materialises a ``[B, mask_size, mask_size]`` mask (causal where no tree)
         even without trees, so a captured graph sees inputs of one shape whatever the step holds."""
         max_blocks = max(1, max(len(t) for t in block_tables))
+        table = np.zeros((len(block_tables), max_blocks), dtype=np.int32)
+        for i, t in enumerate(block_tables):
+            table[i, : len(t)] = t
         max_q = mask_size or max(1, max(query_lens))
-        table = torch.tensor([t + [0] * (max_blocks - len(t)) for t in block_tables], dtype=torch.int32)
         tree_mask = None
         if mask_size is not None or any(m is not None for m in tree_masks):
             causal = torch.ones(max_q, max_q, dtype=torch.bool).tril()
@@ -57,11 +62,11 @@ class PagedAttentionPlan:
                     tree_mask[i, :q, :q] = m.bool().cpu()
             tree_mask = tree_mask.to(torch.uint8).to(device)
 
-        def ints(values: list[int]) -> torch.Tensor:
-            return torch.tensor(values, dtype=torch.int32, device=device)
+        def ints(values: Sequence[int]) -> torch.Tensor:
+            return torch.from_numpy(np.asarray(values, dtype=np.int32)).to(device)
 
         return cls(
-            block_tables=table.to(device),
+            block_tables=torch.from_numpy(table).to(device),
             cached_lens=ints(cached_lens),
             query_lens=ints(query_lens),
             query_start=ints(query_start),

@@ -14,6 +14,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface, PretrainedConfig
@@ -313,6 +314,15 @@ def paged_attention_enabled(model: torch.nn.Module) -> Iterator[None]:
             c._attn_implementation = impl
 
 
+def padded_rows(seqs: Sequence[SequenceSlice], batch: int, tokens: int) -> np.ndarray:
+    """``[batch, tokens]`` bool: which rows of a padded forward hold a real new token (sequence
+    ``i``'s new tokens are rows ``i * tokens + r``, in the packed order)."""
+    new = np.fromiter((s.num_new for s in seqs), np.int64, len(seqs))
+    valid = np.zeros((batch, tokens), dtype=bool)
+    valid[: len(seqs)] = np.arange(tokens) < new[:, None]
+    return valid
+
+
 def build_padded_metadata(
     cache: PagedKVCache,
     seqs: Sequence[SequenceSlice],
@@ -327,43 +337,58 @@ def build_padded_metadata(
 
     Sequence ``i``'s new tokens are rows ``i * tokens + r``. Padding rows (beyond a sequence's
     new tokens, or whole padding sequences) write their K/V to ``scratch_slot`` and attend to one
-    key, so they never touch a real sequence's cache and keep the softmax finite.
+    key, so they never touch a real sequence's cache and keep the softmax finite. Built with whole-
+    array numpy operations (a loop over sequences only for tree masks): this runs on the host
+    before every captured replay, so its cost per sequence bounds large batches' step time.
     """
-    device = cache.layout.device
-    bs = cache.block_size
+    device, bs, n = cache.layout.device, cache.block_size, len(seqs)
     use_plan = resolve_backend(device, kernels) == "triton"
-    dense_context = 0 if use_plan else context  # the kernel reads block tables, not gathered slots
-    slot_mapping = torch.full((batch, tokens), scratch_slot, dtype=torch.long)
-    gather = torch.full((batch, dense_context), scratch_slot, dtype=torch.long)
-    mask = torch.zeros(batch, tokens, dense_context, dtype=torch.bool)
-    if dense_context:
+    cached = np.fromiter((s.num_cached for s in seqs), np.int64, n)
+    new = np.fromiter((s.num_new for s in seqs), np.int64, n)
+    blocks = np.fromiter((len(s.block_table) for s in seqs), np.int64, n)
+    ends = cached + new
+    bad = np.flatnonzero((ends > context) | (new > tokens) | (blocks * bs < ends))
+    if bad.size:
+        i = int(bad[0])
+        raise ValueError(
+            f"sequence {i} ({new[i]} new, {ends[i]} in context, {blocks[i]} blocks of {bs}) exceeds "
+            f"the bucket ({tokens} new, {context} in context) or its block table"
+        )
+    valid = padded_rows(seqs, batch, tokens)
+    table = _padded_block_tables(seqs, -(-context // bs), scratch_slot // bs)  # [n, width]
+    rows = np.arange(tokens)
+    new_keys = cached[:, None] + rows  # [n, tokens]: cache index of each row's token
+    new_blocks = np.take_along_axis(table, np.minimum(new_keys // bs, table.shape[1] - 1), axis=1)
+    slot_mapping = np.full((batch, tokens), scratch_slot, dtype=np.int64)
+    slot_mapping[:n] = np.where(valid[:n], new_blocks * bs + new_keys % bs, scratch_slot)
+    query_positions = np.zeros((batch, tokens), dtype=np.int64)
+    query_positions[valid] = np.asarray(positions, dtype=np.int64)
+    if use_plan:  # the kernel reads block tables, not gathered slots
+        gather, mask = np.zeros((batch, 0), dtype=np.int64), np.zeros((batch, tokens, 0), dtype=bool)
+    else:
+        keys = np.arange(context)
+        gather = np.full((batch, context), scratch_slot, dtype=np.int64)
+        spread = (table[:, :, None] * bs + np.arange(bs)).reshape(n, -1)[:, :context]  # every key's slot
+        spread[keys >= ends[:, None]] = scratch_slot
+        gather[:n] = spread
+        mask = np.zeros((batch, tokens, context), dtype=bool)
+        # row r sees the cached prefix and the new tokens up to itself (causal)
+        mask[:n] = valid[:n, :, None] & (keys < (new_keys + 1)[:, :, None])
+        for i, s in enumerate(seqs):
+            if s.new_token_mask is not None:  # a draft tree: its ancestor mask among the new tokens
+                c0, q = s.num_cached, s.num_new
+                mask[i, :q, c0 : c0 + q] = s.new_token_mask.bool().cpu().numpy()
         mask[:, :, 0] = True  # padding rows; for real rows key 0 is visible anyway (prefix or first new token)
-    query_positions = torch.zeros(batch, tokens, dtype=torch.long)
-    offset = 0
-    for i, s in enumerate(seqs):
-        n_ctx = s.num_cached + s.num_new
-        if n_ctx > context or s.num_new > tokens:
-            raise ValueError(f"sequence {i} ({s.num_new} new, {n_ctx} in context) exceeds the bucket")
-        table = torch.tensor(s.block_table, dtype=torch.long)
-        new_keys = torch.arange(s.num_cached, n_ctx)
-        slot_mapping[i, : s.num_new] = table[new_keys // bs] * bs + new_keys % bs
-        query_positions[i, : s.num_new] = torch.tensor(positions[offset : offset + s.num_new])
-        offset += s.num_new
-        if use_plan:
-            continue
-        keys = torch.arange(n_ctx)
-        gather[i, :n_ctx] = table[keys // bs] * bs + keys % bs
-        rows = torch.arange(s.num_new)
-        mask[i, : s.num_new, : s.num_cached] = True
-        new = rows.view(-1, 1) >= rows.view(1, -1) if s.new_token_mask is None else s.new_token_mask.bool().cpu()
-        mask[i, : s.num_new, s.num_cached : n_ctx] = new
-    plan = _padded_plan(seqs, batch, tokens, context, scratch_slot, query_positions, bs, device) if use_plan else None
+    query_positions_t = torch.from_numpy(query_positions)
+    plan = None
+    if use_plan:
+        plan = _padded_plan(seqs, table, batch, tokens, scratch_slot, query_positions_t, bs, device)
     return AttentionMetadata(
         cache=cache,
-        slot_mapping=slot_mapping.reshape(-1).to(device),
-        gather_slots=gather.to(device),
-        mask=mask.unsqueeze(1).to(device),
-        query_positions=query_positions.to(device),
+        slot_mapping=torch.from_numpy(slot_mapping.reshape(-1)).to(device),
+        gather_slots=torch.from_numpy(gather).to(device),
+        mask=torch.from_numpy(mask).unsqueeze(1).to(device),
+        query_positions=query_positions_t.to(device),
         num_seqs=batch,
         max_new=tokens,
         query_index=None,
@@ -372,23 +397,33 @@ def build_padded_metadata(
     )
 
 
+def _padded_block_tables(seqs: Sequence[SequenceSlice], width: int, scratch_block: int) -> np.ndarray:
+    """``[len(seqs), width]``: each sequence's first ``width`` blocks, then the scratch block."""
+    table = np.full((len(seqs), width), scratch_block, dtype=np.int64)
+    for i, s in enumerate(seqs):
+        head = s.block_table[:width]
+        table[i, : len(head)] = head
+    return table
+
+
 def _padded_plan(
     seqs: Sequence[SequenceSlice],
+    table: np.ndarray,
     batch: int,
     tokens: int,
-    context: int,
     scratch_slot: int,
     query_positions: torch.Tensor,
     block_size: int,
     device: torch.device,
 ) -> PagedAttentionPlan:
     """The kernel's plan for a captured bucket: padding sequences read only the scratch block."""
-    width, scratch_block, pad = -(-context // block_size), scratch_slot // block_size, batch - len(seqs)
+    pad = batch - len(seqs)
+    padded = np.concatenate([table, np.full((pad, table.shape[1]), scratch_slot // block_size, dtype=np.int64)])
     return PagedAttentionPlan.build(
-        [(s.block_table + [scratch_block] * width)[:width] for s in seqs] + [[scratch_block] * width] * pad,
+        padded,
         [s.num_cached for s in seqs] + [0] * pad,
         [s.num_new for s in seqs] + [0] * pad,
-        [i * tokens for i in range(batch)],
+        np.arange(batch) * tokens,
         query_positions.reshape(-1),
         [s.new_token_mask for s in seqs] + [None] * pad,
         block_size,

@@ -11,6 +11,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager, nullcontext
 from typing import Any
 
+import numpy as np
 import torch
 
 from ...kernels.dispatch import kernel_backend
@@ -20,6 +21,7 @@ from .attention import (
     SequenceSlice,
     build_metadata,
     build_padded_metadata,
+    padded_rows,
     paged_attention_enabled,
 )
 from .compiled import CompiledLayers
@@ -194,18 +196,14 @@ class ModelRunner:
     def _forward_padded(self, seqs, tokens, positions, logits_index, key) -> torch.Tensor:
         """The forward padded to ``key`` and replayed from the graph pool."""
         b, q = key.batch, key.tokens
-        ids = torch.zeros(b, q, dtype=torch.long)
-        pos = torch.zeros(b, q, dtype=torch.long)
-        row_of, offset = [], 0
-        for i, s in enumerate(seqs):
-            ids[i, : s.num_new] = torch.tensor(tokens[offset : offset + s.num_new])
-            pos[i, : s.num_new] = torch.tensor(positions[offset : offset + s.num_new])
-            row_of.extend(i * q + r for r in range(s.num_new))
-            offset += s.num_new
         meta = build_padded_metadata(self.cache, seqs, positions, b, q, key.context, self.scratch_slot)
+        valid = padded_rows(seqs, b, q)
+        ids = np.zeros((b, q), dtype=np.int64)
+        ids[valid] = np.asarray(tokens, dtype=np.int64)
+        row_of = np.flatnonzero(valid)  # packed token -> its row of the padded forward
         inputs = {
-            "ids": ids.view(1, -1).to(self.device),
-            "pos": pos.view(1, -1).to(self.device),
+            "ids": torch.from_numpy(ids).view(1, -1).to(self.device),
+            "pos": meta.query_positions.view(1, -1),  # each row's position: the model's position ids
             "slot_mapping": meta.slot_mapping,
             "gather_slots": meta.gather_slots,
             "mask": meta.mask,
@@ -239,7 +237,7 @@ class ModelRunner:
             return fn
 
         logits = self.graph_pool.run(key, make_fn, inputs)  # [b * q, vocab], overwritten by the next replay
-        rows = torch.tensor([row_of[i] for i in logits_index], dtype=torch.long, device=logits.device)
+        rows = torch.from_numpy(row_of[np.asarray(logits_index, dtype=np.int64)]).to(logits.device)
         return logits.index_select(0, rows)
 
     @contextmanager

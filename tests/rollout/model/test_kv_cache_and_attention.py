@@ -2,7 +2,12 @@ import pytest
 import torch
 from conftest import cached_model
 
-from tailspec.rollout.model.attention import SequenceSlice, build_metadata, paged_attention_enabled
+from tailspec.rollout.model.attention import (
+    SequenceSlice,
+    build_metadata,
+    build_padded_metadata,
+    paged_attention_enabled,
+)
 from tailspec.rollout.model.kv_cache import BlockAllocator, KVLayout, OutOfBlocks, PagedKVCache, blocks_for
 from tailspec.rollout.model.runner import ModelRunner
 
@@ -59,6 +64,42 @@ def test_ragged_queries_are_padded_and_masked():
     assert meta.query_index.tolist() == [[0, 1, 2], [3, 0, 0]]
     assert meta.valid_queries.tolist() == [True, True, True, True, False, False]
     assert meta.mask[1, 0, 1:].sum(-1).tolist() == [1, 1]  # padded rows attend to one key only (no NaN)
+
+
+def test_padded_metadata_agrees_with_packed_metadata():
+    """A captured bucket's metadata (whole-array numpy) holds the packed forward's slots and mask
+    for every real row; padding rows and padding sequences write to the scratch slot and see key 0."""
+    cache, scratch = _cache(num_blocks=16), 15 * 4
+    tree = torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool)
+    seqs = [
+        SequenceSlice([3, 5, 7], num_cached=6, num_new=2),  # a block beyond its context: not read
+        SequenceSlice([1], num_cached=1, num_new=3, new_token_mask=tree),
+        SequenceSlice([2, 4], num_cached=0, num_new=1),
+    ]
+    positions = [6, 7, 1, 2, 2, 0]
+    batch, tokens, context = 4, 3, 8
+    padded = build_padded_metadata(cache, seqs, positions, batch, tokens, context, scratch, kernels="torch")
+    packed = build_metadata(cache, seqs, torch.tensor(positions), kernels="torch")
+    rows = [i * tokens + r for i, s in enumerate(seqs) for r in range(s.num_new)]
+    assert padded.slot_mapping[rows].tolist() == packed.slot_mapping.tolist()
+    others = [r for r in range(batch * tokens) if r not in rows]
+    assert padded.slot_mapping[others].tolist() == [scratch] * len(others)
+    assert padded.query_positions.reshape(-1)[rows].tolist() == positions
+    for i, s in enumerate(seqs):
+        ctx = s.num_cached + s.num_new
+        assert padded.gather_slots[i, :ctx].tolist() == packed.gather_slots[i, :ctx].tolist()
+        assert padded.gather_slots[i, ctx:].tolist() == [scratch] * (context - ctx)
+        assert torch.equal(padded.mask[i, 0, : s.num_new, :ctx], packed.mask[i, 0, : s.num_new, :ctx])
+        assert not padded.mask[i, 0, : s.num_new, ctx:].any()
+        assert padded.mask[i, 0, s.num_new :].sum(-1).tolist() == [1] * (tokens - s.num_new)
+    assert padded.gather_slots[3].tolist() == [scratch] * context
+    assert padded.mask[3, 0].sum(-1).tolist() == [1] * tokens and padded.mask[3, 0, :, 0].all()
+
+
+def test_padded_metadata_refuses_a_block_table_shorter_than_the_context():
+    seqs = [SequenceSlice([3], num_cached=4, num_new=1)]  # 5 tokens in one block of 4
+    with pytest.raises(ValueError, match="sequence 0 .*block table"):
+        build_padded_metadata(_cache(), seqs, [4], 1, 1, 8, 7 * 4, kernels="torch")
 
 
 def test_tree_mask_forward_equals_causal_paths():
