@@ -1,11 +1,14 @@
-"""Which implementation of a kernel runs: on CUDA, Triton for verification and torch for attention;
-torch elsewhere.
+"""Which implementation of a kernel runs: on CUDA, Triton for verification and for decode and
+verification attention in 16-bit dtypes; torch elsewhere.
 
-The choice is made per call from the tensors' device, so CUDA users get the faster kernel without
-configuration. ``auto`` follows what was measured on an H100 (docs/GPU.md): the fused verification
-kernel is 9-12x faster than the torch rule, while the paged-attention kernel is 3.5-11x slower than
-gather + SDPA in bf16 at 1-4k contexts (1.4x faster only in fp32), so attention stays on torch
-until the kernel is tuned; ``triton`` still forces it.
+The choice is made per call from the tensors' device (and, for attention, what the call suits), so
+CUDA users get the faster kernel without configuration. ``auto`` follows what was measured on
+GPUs (docs/GPU.md): the fused verification kernel is 9-12x faster than the torch rule on an H100;
+on an H200 (run 10) the split-KV attention kernel is 2.2-8.3x faster than gather + SDPA in bf16 at
+every measured shape (contexts 512 to 32k, batch 1 to 64, decode and 5-token verification), and
+the engine with it decodes 0.98-1.71x as fast as with torch attention (run 9). Attention stays on
+torch for prefills (the per-head kernel for many new tokens is 3.5-11x slower than SDPA) and in
+fp32 (the kernel is 3.5x slower there); ``triton`` still forces it.
 
 It can be overridden, most specific first: a ``backend=`` argument, then the
 :func:`kernel_backend` context manager (innermost first; the engine enters one with
@@ -33,7 +36,7 @@ import torch
 Backend = Literal["torch", "triton"]
 BACKEND_CHOICES = ("auto", "torch", "triton")
 KERNELS = ("attention", "verify")
-AUTO_TRITON_ON_CUDA = frozenset({"verify"})  # what "auto" runs on Triton on CUDA (see the module docstring)
+AUTO_TRITON_ON_CUDA = frozenset(KERNELS)  # what "auto" may run on Triton on CUDA (see the module docstring)
 ENV_VAR = "TAILSPEC_KERNELS"
 
 _forced: ContextVar[dict[str, str]] = ContextVar("tailspec_kernel_backend", default={})  # noqa: B039 (never mutated)
@@ -69,14 +72,18 @@ def kernel_backend(name: str, kernels: tuple[str, ...] = KERNELS) -> Iterator[No
         _forced.reset(token)
 
 
-def resolve_backend(device: torch.device, requested: str | None = None, kernel: str = "attention") -> Backend:
-    """The backend a call of ``kernel`` on ``device`` uses (see the module docstring for the order)."""
+def resolve_backend(
+    device: torch.device, requested: str | None = None, kernel: str = "attention", *, triton_suits: bool = True
+) -> Backend:
+    """The backend a call of ``kernel`` on ``device`` uses (see the module docstring for the order).
+    ``triton_suits``: whether the call is one ``auto`` gives Triton on CUDA (for attention: decode or
+    verification in a 16-bit dtype, :func:`attention_suits_triton`); a forced ``triton`` ignores it."""
     levels = (requested, _forced.get().get(kernel), os.environ.get(ENV_VAR))
     name = next((c for c in levels if c not in (None, "auto")), "auto")
     check_backend_name(name, "kernel backend")
     if name == "auto":
         cuda = device.type == "cuda" and triton_installed()
-        return "triton" if cuda and kernel in AUTO_TRITON_ON_CUDA else "torch"
+        return "triton" if cuda and kernel in AUTO_TRITON_ON_CUDA and triton_suits else "torch"
     if name == "triton":
         if not triton_installed():
             raise RuntimeError("kernel backend 'triton' was requested but the triton package is not installed")
@@ -86,3 +93,13 @@ def resolve_backend(device: torch.device, requested: str | None = None, kernel: 
                 "set TRITON_INTERPRET=1 before the first kernel runs"
             )
     return name  # type: ignore[return-value]
+
+
+SPLIT_KV_MAX_NEW = 32  # new tokens per sequence up to which auto attention runs the split-KV kernel
+AUTO_ATTENTION_DTYPES = frozenset({torch.bfloat16, torch.float16})
+
+
+def attention_suits_triton(dtype: torch.dtype, max_new: int) -> bool:
+    """Whether ``auto`` runs an attention call on Triton on CUDA: the split-KV kernel serves decode
+    and verification (at most ``SPLIT_KV_MAX_NEW`` new tokens per sequence) in 16-bit dtypes."""
+    return dtype in AUTO_ATTENTION_DTYPES and max_new <= SPLIT_KV_MAX_NEW

@@ -19,11 +19,9 @@ import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface, PretrainedConfig
 
-from ...kernels.dispatch import resolve_backend
+from ...kernels.dispatch import SPLIT_KV_MAX_NEW, attention_suits_triton, resolve_backend
 from ...kernels.paged_attention import PagedAttentionPlan, paged_attention_split_kv, paged_attention_triton
 from .kv_cache import PagedKVCache
-
-SPLIT_KV_MAX_NEW = 32  # new tokens per sequence up to which the split-KV kernel serves a Triton plan
 
 ATTN_IMPLEMENTATION = "tailspec_paged"
 METADATA_KWARG = "tailspec_attn"
@@ -71,7 +69,8 @@ def build_metadata(
     """Metadata for one packed forward; ``positions`` is the packed ``[T]`` position of each token.
     ``kernels`` picks the attention backend (``tailspec.kernels.dispatch``)."""
     device = cache.layout.device
-    if resolve_backend(device, kernels) == "triton":
+    max_new = max(s.num_new for s in seqs)
+    if resolve_backend(device, kernels, triton_suits=attention_suits_triton(cache.layout.dtype, max_new)) == "triton":
         return _kernel_metadata(cache, seqs, positions)
     bs = cache.block_size
     num_seqs = len(seqs)
@@ -342,7 +341,7 @@ def build_padded_metadata(
     before every captured replay, so its cost per sequence bounds large batches' step time.
     """
     device, bs, n = cache.layout.device, cache.block_size, len(seqs)
-    use_plan = resolve_backend(device, kernels) == "triton"
+    use_plan = resolve_backend(device, kernels, triton_suits=attention_suits_triton(cache.layout.dtype, tokens)) == "triton"
     cached = np.fromiter((s.num_cached for s in seqs), np.int64, n)
     new = np.fromiter((s.num_new for s in seqs), np.int64, n)
     blocks = np.fromiter((len(s.block_table) for s in seqs), np.int64, n)

@@ -1,11 +1,11 @@
-"""Backend choice: on CUDA Triton verification and torch attention, torch elsewhere, and the overrides
-in their order."""
+"""Backend choice: on CUDA Triton verification, and Triton attention for 16-bit decode and
+verification (torch for prefills and fp32), torch elsewhere, and the overrides in their order."""
 
 import pytest
 import torch
 
 from tailspec.kernels import dispatch
-from tailspec.kernels.dispatch import kernel_backend, resolve_backend
+from tailspec.kernels.dispatch import SPLIT_KV_MAX_NEW, attention_suits_triton, kernel_backend, resolve_backend
 from tailspec.rollout import RolloutConfig
 
 CPU = torch.device("cpu")
@@ -16,10 +16,20 @@ def test_auto_is_torch_on_cpu_and_the_faster_kernel_on_cuda(monkeypatch):
     monkeypatch.setattr(dispatch, "triton_installed", lambda: True)
     assert resolve_backend(CPU) == "torch"
     assert resolve_backend(torch.device("cuda"), kernel="verify") == "triton"
-    assert resolve_backend(torch.device("cuda"), kernel="attention") == "torch"  # slower on an H100 (GPU.md)
-    assert resolve_backend(torch.device("cuda"), "triton", kernel="attention") == "triton"
+    assert resolve_backend(torch.device("cuda"), kernel="attention") == "triton"
+    # attention that does not suit the split-KV kernel (a prefill, fp32) stays on torch unless forced
+    assert resolve_backend(torch.device("cuda"), kernel="attention", triton_suits=False) == "torch"
+    assert resolve_backend(torch.device("cuda"), "triton", kernel="attention", triton_suits=False) == "triton"
+    assert resolve_backend(CPU, kernel="attention", triton_suits=True) == "torch"
     monkeypatch.setattr(dispatch, "triton_installed", lambda: False)
     assert resolve_backend(torch.device("cuda"), kernel="verify") == "torch"
+
+
+def test_attention_suits_triton_for_16_bit_decode_and_verification():
+    for dtype in (torch.bfloat16, torch.float16):
+        assert attention_suits_triton(dtype, 1) and attention_suits_triton(dtype, SPLIT_KV_MAX_NEW)
+        assert not attention_suits_triton(dtype, SPLIT_KV_MAX_NEW + 1)  # a prefill
+    assert not attention_suits_triton(torch.float32, 1)  # 3.5x slower than torch in fp32 (GPU.md, run 9)
 
 
 def test_overrides_most_specific_first(monkeypatch):
