@@ -497,20 +497,20 @@ def _drafter_cell(stats: Any) -> str:
 
 def _print_comparison(rows: list[dict[str, Any]], paired: PairedRollout, strategy: str) -> None:
     """Per step, the main rollout against its plain-decoding twin of the same step: times,
-    throughput, their ratio, whether the completions were the same, the accept length and the
+    throughput, their ratio, how many completions were the same, the accept length and the
     strategy mix."""
     print(f"\n== per step: {strategy} vs no speculation (the same step's prompts and policy weights) ==")
     print(
         f"{'step':>4}  {'reward':>7}  {'rollout s':>9} {'(none)':>7}  {'tok/s':>6} {'(none)':>6}  "
-        f"{'ratio':>6}  {'same':>4}  {'accept':>6}  {'drafter':>7}  strategies"
+        f"{'ratio':>6}  {'same':>7}  {'accept':>6}  {'drafter':>7}  strategies"
     )
     steps = zip(rows, paired.main.history, paired.twin.history, paired.step_ratios())
     for i, (r, main, twin, ratio) in enumerate(steps):
         accept = f"{r['accept_len']:>6.2f}" if r["accept_len"] is not None else f"{'-':>6}"
-        same = "yes" if paired.same_completions[i] else "no"
+        same = "{}/{}".format(*paired.identical_completions[i])  # completions alike / all
         print(
             f"{r['step']:>4}  {r['reward']:>7.3f}  {main.time_s:>9.2f} {twin.time_s:>7.2f}  "
-            f"{main.tokens_per_s:>6.0f} {twin.tokens_per_s:>6.0f}  {ratio:>5.2f}x  {same:>4}  {accept}  "
+            f"{main.tokens_per_s:>6.0f} {twin.tokens_per_s:>6.0f}  {ratio:>5.2f}x  {same:>7}  {accept}  "
             f"{_drafter_cell(main):>7}  {strategy_mix(main.strategy_steps)}"
         )
 
@@ -566,9 +566,18 @@ def _print_summary(cfg, rows, summary: dict, paired, out: Path, run_name: str, u
     first, last = summary[f"reward_first_{k}"], summary[f"reward_last_{k}"]
     rise = f"reward, mean of the first vs last {k} steps: {first:.3f} -> {last:.3f}"
     if paired is not None:
+        alike = summary["same_completions_steps"].split(" of ")
         rise += (
-            f" (plain decoding emitted the same completions at {summary['same_completions_steps']} steps: "
-            "what is learned is what plain decoding would teach)"
+            (
+                f" (plain decoding emitted the same completions at {summary['same_completions_steps']} steps, "
+                f"{summary['same_completions']} completions: "
+                + (
+                    "what is learned is what plain decoding would teach)"
+                    if alike[0] == alike[1]
+                    else "on a GPU, kernels of other shapes round differently and can flip a near-tied draw; "
+                    "docs/GPU.md)"
+                )
+            )
             if cfg.rollout.position_noise
             else " (position_noise off: plain decoding draws other completions, compared by tokens/s)"
         )

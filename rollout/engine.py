@@ -316,7 +316,9 @@ class RolloutEngine:
             self.lag.drafted(batch.seqs)
         # an arm is judged by its steady steps: one that captured a graph (the target's or the
         # drafter's) or fed the model drafter a prompt teaches acceptance only
-        one_off = meets_prompts or capture_seconds() > captured_before
+        captured = capture_seconds() - captured_before
+        stats.capture_time_s += captured
+        one_off = meets_prompts or captured > 0
         draft_s = stats.draft_time_s - draft_before
         outcome = StepOutcome(seconds, draft_s, one_off)
         if verified is not None:

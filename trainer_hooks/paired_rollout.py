@@ -14,13 +14,16 @@ class PairedRollout:
     alternating order, so each RL step gets a same-step ratio (the twin's workers idle while the
     main one's run, and the main one's drafter training through the update gap is stopped before
     the twin starts). With position-keyed sampling the two must emit the same completions, which
-    is checked at every step: the lossless claim, per RL step. The trainer trains on the main
+    is checked at every step, completion by completion: the lossless claim, per RL step. (On a GPU
+    the two run kernels of other shapes, whose rounding differs: a near-tied draw can flip and a
+    completion diverge from there; docs/GPU.md, run 9.) The trainer trains on the main
     rollout's outputs and sees nothing of the twin (it logs no metrics); what the trainer asks of a
     rollout besides (sync, close, state, a drafter trained beside it) goes to the main one."""
 
     def __init__(self, main: Any, twin: Any) -> None:
         self.main, self.twin = main, twin
         self.same_completions: list[bool] = []  # per call: the twin's completions equal the main one's
+        self.identical_completions: list[tuple[int, int]] = []  # per call: (completions equal to the twin's, of)
 
     def __call__(self, prompts: list, trainer: Any) -> dict[str, list]:
         if len(self.same_completions) % 2 == 0:
@@ -29,7 +32,10 @@ class PairedRollout:
         else:
             out = self.main(prompts, trainer)
             self._run_twin(prompts, trainer)
-        self.same_completions.append(self.main.last_stats.completions_digest == self.twin.last_stats.completions_digest)
+        main, twin = self.main.last_stats, self.twin.last_stats
+        self.same_completions.append(main.completions_digest == twin.completions_digest)
+        equal = sum(a == b for a, b in zip(main.completion_digests, twin.completion_digests))
+        self.identical_completions.append((equal, len(main.completion_digests)))
         return out
 
     def _run_twin(self, prompts: list, trainer: Any) -> None:
@@ -69,8 +75,8 @@ class PairedRollout:
     def compare(self, wall_s: float) -> dict[str, Any]:
         """Over the run so far (``wall_s`` seconds of training, both rollouts included): the twin's
         rollout time and throughput, the main one's against it, the per-step ratios and their
-        median, the run's wall time with either rollout alone, and at how many steps the two
-        emitted the same completions."""
+        median, the run's wall time with either rollout alone, and at how many steps (and in how many
+        completions) the two emitted the same tokens."""
         main, twin = self.main.history, self.twin.history
         main_time, main_tokens = sum(s.time_s for s in main), sum(s.completion_tokens for s in main)
         twin_time, twin_tokens = sum(s.time_s for s in twin), sum(s.completion_tokens for s in twin)
@@ -89,4 +95,6 @@ class PairedRollout:
         out["run_wall_s_plain"] = wall_s - main_time
         out["run_speedup"] = out["run_wall_s_plain"] / out["run_wall_s_speculative"]
         out["same_completions_steps"] = f"{sum(self.same_completions)} of {len(self.same_completions)}"
+        equal, total = (sum(col) for col in zip(*self.identical_completions)) if self.identical_completions else (0, 0)
+        out["same_completions"] = f"{equal} of {total}"
         return out

@@ -63,6 +63,8 @@ class RolloutStats:
     spot_busy_s: float = 0.0  # of the rollout's worker-seconds, those a spot training chunk ran in
     drafter_lr_scale: float = 1.0  # catch-up: the drafter's learning-rate scale after this rollout
     completions_digest: str = ""  # a hash of the call's completions, in request order (same digest: same rollout)
+    completion_digests: tuple[str, ...] = ()  # each completion's hash, in request order
+    capture_time_s: float = 0.0  # of the call's time, what graph pools spent capturing (in-process and workers)
     drafter_health: float | None = None  # DrafterHealth's score (None without a model drafter)
 
     @property
@@ -499,6 +501,8 @@ class SpecRollout:
             tail_time_s=counts.tail_time_s,
             strategy_steps=dict(counts.strategy_steps),
             completions_digest=completions_digest(completion_ids),
+            completion_digests=tuple(completions_digest([ids]) for ids in completion_ids),
+            capture_time_s=counts.capture_time_s,
         )
         if self.drafter is not None:
             model_steps = sum(n for k, n in counts.strategy_steps.items() if parse_strategy(k).uses_model_drafter)
@@ -507,11 +511,13 @@ class SpecRollout:
         self.last_stats = stats
         self.history.append(stats)
         logger.info(
-            "rollout: %d completions, %d tokens in %.2fs (%.0f tok/s), strategy %s, accept length %.2f",
+            "rollout: %d completions, %d tokens in %.2fs (%.0f tok/s; %.2fs capturing graphs), strategy %s, "
+            "accept length %.2f",
             stats.num_prompts,
             total,
             elapsed,
             stats.tokens_per_s,
+            stats.capture_time_s,
             stats.strategy,
             stats.mean_accept_length,
         )

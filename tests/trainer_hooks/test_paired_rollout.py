@@ -13,6 +13,7 @@ class Stats:
     time_s: float
     completion_tokens: int
     completions_digest: str
+    completion_digests: tuple = ()
 
     @property
     def tokens_per_s(self) -> float:
@@ -45,8 +46,8 @@ class FakeRollout:
 
 def test_the_twin_alternates_and_the_trainer_sees_only_the_main_rollout():
     log = []
-    main = FakeRollout("main", [(1.0, 100, "a"), (2.0, 100, "b"), (1.0, 50, "c")], log)
-    twin = FakeRollout("twin", [(2.0, 100, "a"), (2.0, 100, "x"), (0.0, 0, "c")], log)
+    main = FakeRollout("main", [(1.0, 100, "a", ("p", "q")), (2.0, 100, "b", ("p", "q")), (1.0, 50, "c", ("p", "q"))], log)
+    twin = FakeRollout("twin", [(2.0, 100, "a", ("p", "q")), (2.0, 100, "x", ("p", "x")), (0.0, 0, "c", ("p", "q"))], log)
     paired = PairedRollout(main, twin)
     outs = [paired(["p", "q"], trainer=None) for _ in range(3)]
     assert log == ["twin", "main", "main", "twin", "twin", "main"]
@@ -63,3 +64,4 @@ def test_the_twin_alternates_and_the_trainer_sees_only_the_main_rollout():
     assert run["rollout_throughput_vs_none"] == pytest.approx((250 / 4.0) / 50.0)
     assert (run["run_wall_s_speculative"], run["run_wall_s_plain"]) == (16.0, 16.0)
     assert run["run_speedup"] == 1.0 and run["same_completions_steps"] == "2 of 3"
+    assert run["same_completions"] == "5 of 6"  # step 2 differed in one completion of two

@@ -101,6 +101,8 @@ def test_padded_bucketed_forward_is_exact(arch, strategy):
         assert a.logprobs == pytest.approx(b.logprobs, abs=1e-4)
     stats = engine.runner.graph_pool.stats
     assert stats.captures >= 2 and stats.hits > stats.captures
+    # the engine counts the seconds its decode steps spent capturing (what a rollout's log reports)
+    assert 0 < engine.stats.capture_time_s <= engine.stats.decode_time_s
 
 
 @pytest.mark.parametrize("strategy", ["none", "tree:3,2,6"])
