@@ -71,6 +71,23 @@ def _median_ms(fn: Callable[[], object], device: torch.device, repeats: int) -> 
     return 1000 * sorted(times)[len(times) // 2]
 
 
+def _replayed(fn: Callable[[], object], device: torch.device, calls: int = 10) -> Callable[[], object]:
+    """``calls`` calls of ``fn`` captured in one CUDA graph (after a warm-up on a side stream, where
+    Triton compiles): replaying it costs the device's time alone, as the engine's captured forwards
+    pay it, not the host's launch of each kernel (about 0.15 ms a call, run 10)."""
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        fn()
+        fn()
+    torch.cuda.current_stream(device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    return graph.replay
+
+
 def _random_trees(g: torch.Generator, num_seqs: int, vocab: int, width: int, depth: int) -> list[DraftTree]:
     """Sampled drafts: ``width`` branches of ``depth`` nodes each (a chain when width = 1)."""
     trees = []
@@ -250,8 +267,9 @@ def measure_split_kv(
     """The split-KV kernel (issue 48) against the engine's gather + SDPA for one layer's attention
     over ``num_seqs`` sequences of ``context`` cached tokens, in every variant (block of keys x
     split count around the automatic one), contenders interleaved over ``passes`` passes: medians
-    of the passes' medians, the relative error against a float64 reference, and the split kernel's
-    achieved bytes/s (each K/V element of the context read once)."""
+    of the passes' medians (on CUDA, of graph replays: the device's time), the relative error against
+    a float64 reference, the split kernel's achieved bytes/s (each K/V element of the context read
+    once), and the eager calls' time with their launches."""
     from ..kernels.paged_attention import paged_attention_split_kv, split_count
 
     cache, slices, positions, q, k_new, v_new = _attention_case(
@@ -272,12 +290,17 @@ def measure_split_kv(
             contenders[f"split-kv n{block_n} s{splits}"] = lambda b=block_n, s=splits: paged_attention_split_kv(
                 q_packed, cache.k[0], cache.v[0], plan, num_splits=s, block_n=b
             )
+    # on CUDA each contender is timed replaying a graph of `calls` calls (the engine replays graphs);
+    # the eager call, launches included, is kept beside it
+    calls = 10 if device.type == "cuda" else 1
+    timed = {n: _replayed(fn, device, calls) if device.type == "cuda" else fn for n, fn in contenders.items()}
     ms: dict[str, list[float]] = {name: [] for name in contenders}
     for _ in range(passes):
-        for name, fn in contenders.items():
-            ms[name].append(_median_ms(fn, device, repeats))
+        for name, fn in timed.items():
+            ms[name].append(_median_ms(fn, device, repeats) / calls)
     medians = {name: statistics.median(v) for name, v in ms.items()}
     best = min((n for n in medians if n != "gather+sdpa"), key=medians.get)
+    eager_ms = {n: round(_median_ms(contenders[n], device, repeats), 4) for n in ("gather+sdpa", best)}
     want = paged_attention_reference(q_packed.double(), cache.k[0].double(), cache.v[0].double(), plan)
     got = contenders[best]().double()
     bytes_read = 2 * num_seqs * (context + new_tokens) * kv_heads * head_dim * cache.k[0].element_size()
@@ -289,6 +312,8 @@ def measure_split_kv(
         "best": best,
         "best_vs_gather": round(medians["gather+sdpa"] / medians[best], 3),
         "best_gb_s": round(bytes_read / (medians[best] / 1e3) / 1e9, 1),
+        "timing": "cuda graph replay" if device.type == "cuda" else "eager",
+        "eager_ms": eager_ms,
         "rel_error": float((got - want).norm() / want.norm()),
     }
 

@@ -63,6 +63,13 @@ class AttentionMetadata:
         return self._window_masks[sliding_window]
 
 
+def attention_backend(cache: PagedKVCache, kernels: str | None, max_new: int) -> str:
+    """The backend of a forward's attention over ``cache`` with at most ``max_new`` new tokens per
+    sequence (``kernels``: a ``RolloutConfig.kernels`` choice, None for the enclosing one)."""
+    suits = attention_suits_triton(cache.layout.dtype, max_new)
+    return resolve_backend(cache.layout.device, kernels, triton_suits=suits)
+
+
 def build_metadata(
     cache: PagedKVCache, seqs: Sequence[SequenceSlice], positions: torch.Tensor, kernels: str | None = None
 ) -> AttentionMetadata:
@@ -70,7 +77,7 @@ def build_metadata(
     ``kernels`` picks the attention backend (``tailspec.kernels.dispatch``)."""
     device = cache.layout.device
     max_new = max(s.num_new for s in seqs)
-    if resolve_backend(device, kernels, triton_suits=attention_suits_triton(cache.layout.dtype, max_new)) == "triton":
+    if attention_backend(cache, kernels, max_new) == "triton":
         return _kernel_metadata(cache, seqs, positions)
     bs = cache.block_size
     num_seqs = len(seqs)
@@ -341,7 +348,7 @@ def build_padded_metadata(
     before every captured replay, so its cost per sequence bounds large batches' step time.
     """
     device, bs, n = cache.layout.device, cache.block_size, len(seqs)
-    use_plan = resolve_backend(device, kernels, triton_suits=attention_suits_triton(cache.layout.dtype, tokens)) == "triton"
+    use_plan = attention_backend(cache, kernels, tokens) == "triton"
     cached = np.fromiter((s.num_cached for s in seqs), np.int64, n)
     new = np.fromiter((s.num_new for s in seqs), np.int64, n)
     blocks = np.fromiter((len(s.block_table) for s in seqs), np.int64, n)

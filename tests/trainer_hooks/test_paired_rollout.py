@@ -46,8 +46,12 @@ class FakeRollout:
 
 def test_the_twin_alternates_and_the_trainer_sees_only_the_main_rollout():
     log = []
-    main = FakeRollout("main", [(1.0, 100, "a", ("p", "q")), (2.0, 100, "b", ("p", "q")), (1.0, 50, "c", ("p", "q"))], log)
-    twin = FakeRollout("twin", [(2.0, 100, "a", ("p", "q")), (2.0, 100, "x", ("p", "x")), (0.0, 0, "c", ("p", "q"))], log)
+    main = FakeRollout(
+        "main", [(1.0, 100, "a", ("p", "q")), (2.0, 100, "b", ("p", "q")), (1.0, 50, "c", ("p", "q"))], log
+    )
+    twin = FakeRollout(
+        "twin", [(2.0, 100, "a", ("p", "q")), (2.0, 100, "x", ("p", "x")), (0.0, 0, "c", ("p", "q"))], log
+    )
     paired = PairedRollout(main, twin)
     outs = [paired(["p", "q"], trainer=None) for _ in range(3)]
     assert log == ["twin", "main", "main", "twin", "twin", "main"]
