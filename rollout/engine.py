@@ -69,7 +69,6 @@ class RolloutEngine:
         tokenizer=None,
         drafter: Drafter | torch.nn.Module | None = None,
     ) -> None:
-        self.model = model
         self.config = config or RolloutConfig()
         self.runner = ModelRunner(
             model,
@@ -79,7 +78,9 @@ class RolloutEngine:
             cache_prefixes=self.config.prefix_caching,
             compile_layers=self.config.compile,
             merge_projections=self.config.merge_projections,
+            dtype=self.config.dtype,
         )
+        self.model = model = self.runner.model  # what it decodes on: the model, or its copy in config.dtype
         self.vocab_size = self.runner.vocab_size
         self.limits = RequestLimits.of(model, self.config)
         self.max_model_len = self.limits.max_model_len

@@ -15,6 +15,8 @@ from ..kernels.dispatch import BACKEND_CHOICES
 from .strategy import parse_strategy
 from .token_ids import token_id_list
 
+ROLLOUT_DTYPES = ("auto", "bfloat16", "float16", "float32")  # RolloutConfig.dtype
+
 EXECUTORS = ("auto", "inline", "thread", "stream", "device", "process", "ray")  # rollout/mirror/executors.py
 
 DEFAULT_ARMS = ("none", "chain:2", "chain:4", "tree:4,2,8", "suffix", "hybrid:4,2,12")
@@ -227,7 +229,10 @@ class RolloutConfig:
     length_budget: float = 0.0
     graph_backend: str = "auto"  # auto: CUDA graphs on CUDA, none on CPU | cuda_graph | eager | none
     graph_memory_mb: int = 2048  # budget of the graph pool
-    kernels: str = "auto"  # auto: Triton verification on CUDA, torch otherwise | triton | torch (tailspec.kernels)
+    kernels: str = "auto"  # auto: on CUDA Triton verification, 16-bit decode attention | triton | torch (kernels/)
+    # the dtype the engine decodes in: auto = the model's; bfloat16 | float16 | float32 on a model whose
+    # parameters are in another: a copy in that dtype, refreshed when they change (rollout/model/cast_copy.py)
+    dtype: str = "auto"
     compile: bool = False  # torch.compile the decoder layers' own ops (rollout/model/compiled.py; issue 48)
     # QKV and gate-up projections as one GEMM each, over merged copies of their weights (memory: about two
     # thirds of the decoder's weights again; rollout/model/merged_projections.py; issue 48)
@@ -307,6 +312,7 @@ class RolloutConfig:
             self.graph_backend,
         )
         require(self.kernels in BACKEND_CHOICES, "kernels", "'auto', 'triton' or 'torch'", self.kernels)
+        require(self.dtype in ROLLOUT_DTYPES, "dtype", "'auto', 'bfloat16', 'float16' or 'float32'", self.dtype)
         require(isinstance(self.compile, bool), "compile", "True or False", self.compile)
         require(isinstance(self.merge_projections, bool), "merge_projections", "True or False", self.merge_projections)
         require(

@@ -23,6 +23,7 @@ def tiny_config(
     initializer_range: float = 0.2,
     eos_token_id: int = 1,
     pad_token_id: int = 0,
+    tie_word_embeddings: bool = False,
 ):
     common = dict(
         vocab_size=vocab_size,
@@ -36,7 +37,7 @@ def tiny_config(
         eos_token_id=eos_token_id,
         pad_token_id=pad_token_id,
         bos_token_id=None,
-        tie_word_embeddings=False,
+        tie_word_embeddings=tie_word_embeddings,
     )
     if arch == "llama":
         return LlamaConfig(**common)

@@ -2,7 +2,8 @@
 
 The demo's GRPO run (``demo.run_demo_with_rollout``, in-process: Ray cannot travel to the device)
 on the shipped deep policy grown to 1.0B parameters (``speed.grow``; the drafters keep their real
-acceptance on it), the trainer's fp32 master weights under bf16 autocast on CUDA, a plain-decoding
+acceptance on it), the trainer's fp32 master weights under bf16 autocast on CUDA (the engines decoding a
+bf16 copy, ``RolloutConfig.dtype``: run 9 decoded the fp32 weights), a plain-decoding
 twin rolling out the same prompts on the same weights at every step. For each drafter (the
 drafter LM trained online, and the self-speculative ``self:L``), per step: the rollout time
 against the twin's, the accept length, the strategy mix, the drafter's version and loss, the

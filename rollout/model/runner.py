@@ -24,6 +24,7 @@ from .attention import (
     padded_rows,
     paged_attention_enabled,
 )
+from .cast_copy import rollout_model
 from .compiled import CompiledLayers
 from .graph_pool import GraphPool
 from .kv_cache import KVLayout, PagedKVCache
@@ -100,8 +101,10 @@ class ModelRunner:
         cache_prefixes: bool = False,
         compile_layers: bool = False,
         merge_projections: bool = False,
+        dtype: str = "auto",
     ) -> None:
-        self.model = model
+        self.model, self.cast = rollout_model(model, dtype)  # decodes on a copy in another dtype if asked
+        model = self.model
         self.device, self.dtype = model_device_dtype(model)
         self.vocab_size = model_vocab_size(model)
         self.layout = KVLayout.from_hf_config(model.config, self.dtype, self.device)
@@ -160,6 +163,8 @@ class ModelRunner:
             compiled = self.compiled.active() if self.compiled is not None else nullcontext()
             merged = self.merged.active() if self.merged is not None else nullcontext()
             with torch.no_grad(), paged_attention_enabled(self.model), kernel_backend(kernels), merged, compiled:
+                if self.cast is not None:
+                    self.cast.refresh()  # the source's weights as they are now (an optimizer stepped)
                 self.forget_graphs_of_moved_weights()
                 yield
         finally:
