@@ -153,6 +153,12 @@ class RolloutEngine:
         thread: the switch happens between steps."""
         self.mirrors.use_executor(executor)
 
+    def weights_changed(self) -> None:
+        """Tell the engine its model's weights changed (``ModelRunner.weights_changed``): needed
+        after an optimizer step that bumps no version counter (torch's fused AdamW); other in-place
+        changes and moved weights it notices itself."""
+        self.runner.weights_changed()
+
     def close(self) -> None:
         """Stop the mirror draft executor's thread or process, if one was started."""
         self.mirrors.close()

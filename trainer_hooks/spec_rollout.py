@@ -181,6 +181,7 @@ class SpecRollout:
                 engine = self.engine_for(model, tokenizer, seed=self._seed(trainer))
             else:  # lossless without the drafter; DrafterHealth warns and scores the rollout 0
                 engine = self._plain_engine(model, tokenizer, seed=self._seed(trainer))
+            engine.weights_changed()  # an optimizer step since the last rollout may have bumped no version counter
             before = engine.stats.counts()
             outputs = engine.generate(prompt_ids, params, progress=self.config.engine.progress)
         return _Rollout(outputs, engine.stats.counts() - before, str(engine.strategy))

@@ -246,6 +246,7 @@ class RolloutWorker:
     def set_policy(self, state_dict: dict[str, torch.Tensor], version: int) -> int:
         """Load new policy weights in place (the engine keeps its caches; nothing is mid-flight)."""
         self.model.load_state_dict(state_dict)
+        self.engine.weights_changed()
         self.policy_version = version
         self._event("policy", version=version)
         return version

@@ -12,10 +12,14 @@ SGLang) holds for RL training.
 
 The copy is a deep copy with each parameter replaced by its cast (tied parameters stay tied: one
 copy per tensor); buffers are copied as they are, so RoPE's inverse frequencies keep their fp32.
+What the trainer attached to its module is left out of the copy: instance-level ``forward``
+wrappers (accelerate's) and hooks.
 Before each rollout the engine calls :meth:`CastCopy.refresh`: when any source parameter changed
-(an optimizer step bumps its version counter; a ZeRO-3 gather or ``model.to`` moves it) every
-parameter is cast again into the copy's own tensors, which never move, so graphs captured on the
-copy stay valid. Memory: the model's parameters once more in ``dtype`` (2 bytes a parameter for
+(an in-place change bumps its version counter; a ZeRO-3 gather or ``model.to`` moves it) or the
+engine was told the weights changed (``RolloutEngine.weights_changed``: torch's fused AdamW,
+transformers' default optimizer, bumps no version counter; ``SpecRollout`` says so before every
+rollout), every parameter is cast again into the copy's own tensors, which never move, so graphs
+captured on the copy stay valid. Memory: the model's parameters once more in ``dtype`` (2 bytes a parameter for
 bf16, next to the 16 of fp32 weights with Adam's two moments).
 """
 
@@ -41,6 +45,8 @@ class CastCopy:
             memo[id(param)] = copied = torch.nn.Parameter(cast, requires_grad=False)
             self._pairs.append((param, copied))
         self.model = copy.deepcopy(source, memo)
+        for module in self.model.modules():
+            _detach_from_source(module)
         self._fingerprint: int | None = None
         self.refresh()
         logger.info(
@@ -51,9 +57,14 @@ class CastCopy:
     def nbytes(self) -> int:
         return sum(copied.numel() * copied.element_size() for _, copied in self._pairs)
 
+    def forget(self) -> None:
+        """The next :meth:`refresh` casts again, whatever version counters say (a fused optimizer
+        step changes parameters without bumping them: ``ModelRunner.weights_changed``)."""
+        self._fingerprint = None
+
     def refresh(self) -> bool:
         """Cast the source's parameters into the copy again if any of them changed since the last
-        refresh (version counters and addresses); whether it did."""
+        refresh (version counters and addresses) or :meth:`forget` was called; whether it did."""
         fingerprint = hash(tuple((p.data_ptr(), p._version) for p, _ in self._pairs))
         if fingerprint == self._fingerprint:
             return False
@@ -62,6 +73,24 @@ class CastCopy:
                 copied.copy_(param)
         self._fingerprint = fingerprint
         return True
+
+
+def _detach_from_source(module: torch.nn.Module) -> None:
+    """Drop what the copy took over from the trainer's module but must not run: an instance-level
+    ``forward`` (accelerate's autocast and output-cast wrappers close over the source's own
+    ``forward``, so the copy would run the source: the first GRPO run on a copy decoded garbage)
+    and forward and backward hooks (a trainer's feature taps, ZeRO-3's gathers)."""
+    module.__dict__.pop("forward", None)
+    for hooks in (
+        module._forward_hooks,
+        module._forward_hooks_with_kwargs,
+        module._forward_hooks_always_called,
+        module._forward_pre_hooks,
+        module._forward_pre_hooks_with_kwargs,
+        module._backward_hooks,
+        module._backward_pre_hooks,
+    ):
+        hooks.clear()
 
 
 def rollout_model(model: torch.nn.Module, dtype: str) -> tuple[torch.nn.Module, CastCopy | None]:

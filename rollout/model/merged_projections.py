@@ -116,6 +116,11 @@ class MergedProjections:
         self.nbytes = sum(g.nbytes for g in self.groups)
         logger.info("merge_projections: %d groups, %.1f MB of merged weights", len(self.groups), self.nbytes / 2**20)
 
+    def forget(self) -> None:
+        """Every group copies its sources again at the next refresh (``ModelRunner.weights_changed``)."""
+        for group in self.groups:
+            group._fingerprint = ()
+
     def data_ptrs(self) -> tuple[int, ...]:
         """Where the merged weights live (a captured graph reads them there)."""
         return tuple(t.data_ptr() for g in self.groups for t in (g.weight, g.bias) if t is not None)

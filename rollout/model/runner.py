@@ -130,6 +130,17 @@ class ModelRunner:
                 self.cache.allocator.clear_prefixes()
             self._weights_fingerprint = fingerprint
 
+    def weights_changed(self) -> None:
+        """The model's weights changed in a way their version counters may not show: torch's fused
+        AdamW (transformers' default optimizer since torch 2.8) updates parameters in place without
+        bumping them. What was derived from the weights is made again: the cast copy and the merged
+        projections at the next forward, and cached prefixes now."""
+        if self.cast is not None:
+            self.cast.forget()
+        if self.merged is not None:
+            self.merged.forget()
+        self.cache.allocator.clear_prefixes()
+
     def forget_graphs_of_moved_weights(self) -> None:
         """A captured graph reads each weight at the address it was captured with. Changes in place
         (optimizer steps) it sees; a weight that moved (ZeRO-3 gathers the parameters anew for each

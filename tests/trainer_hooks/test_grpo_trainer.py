@@ -112,3 +112,32 @@ def test_multiple_iterations_and_steps_per_generation(common, grpo_dataset):
     logged = [h for h in trainer.state.log_history if "sampling/importance_sampling_ratio/mean" in h]
     assert logged and all(abs(h["sampling/importance_sampling_ratio/mean"] - 1) < 1e-4 for h in logged)
     assert any("eval_rollout/time_s" in h for h in trainer.state.log_history)
+
+
+def test_a_bf16_rollout_copy_follows_training(common, tiny_policy, task_tokenizer):
+    """With ``dtype="bfloat16"`` the engine decodes a bf16 copy of the trainer's fp32 policy (the
+    module accelerate prepared: its own forward wrapper and all), refreshed after every optimizer
+    step: after training it decodes as the trained policy cast to bf16 does."""
+    import copy
+
+    import torch
+
+    from tailspec.rollout import RolloutConfig, RolloutEngine, SamplingParams
+
+    rollout = SpecRollout(dtype="bfloat16")
+    trainer = tailspec.GRPOTrainer(**common, rollout=rollout)
+    trainer.train()
+    live = trainer.accelerator.unwrap_model(trainer.model)
+    assert rollout.engine.model is not live and next(rollout.engine.model.parameters()).dtype == torch.bfloat16
+    texts = [f"add {a} {b}" for a, b in ((1, 2), (3, 4), (5, 6))]
+    reference = type(live)(copy.deepcopy(live.config)).eval()  # not a deep copy: that keeps accelerate's wrapper
+    reference.load_state_dict(live.state_dict())
+    for param in reference.parameters():
+        param.data = param.data.to(torch.bfloat16)
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=trainer.args.max_completion_length)
+    want = RolloutEngine(reference, RolloutConfig()).generate([task_tokenizer(t)["input_ids"] for t in texts], greedy)
+    # the last optimizer step came after the last rollout: the next rollout must see it (transformers'
+    # default optimizer, fused AdamW, bumps no version counter)
+    trainer.args.generation_kwargs = {"do_sample": False}
+    got = rollout(texts, trainer)["completion_ids"]
+    assert got == [o.completion_ids for o in want]

@@ -54,6 +54,21 @@ def test_the_copy_follows_weights_the_trainer_changed():
     assert engine.runner.graph_pool.keys() == captured  # the copy's tensors never moved: graphs stay
 
 
+def test_the_copy_runs_its_own_forward_not_the_trainer_s_wrappers_or_hooks():
+    """accelerate replaces a prepared model's ``forward`` with a wrapper closing over the original
+    one, and trainers hook modules: the copy must run neither (it would run the source model)."""
+    model, prompts = copy.deepcopy(cached_model("llama")), random_prompts(3, seed=7)
+    calls = []
+    wrapped = model.forward
+    model.forward = lambda *args, **kwargs: calls.append("forward") or wrapped(*args, **kwargs)
+    model.model.layers[0].register_forward_hook(lambda *args: calls.append("hook"))
+    engine = RolloutEngine(model, RolloutConfig(graph_backend="eager", dtype="bfloat16"))
+    got = engine.generate(prompts, PARAMS)
+    assert calls == []
+    del model.forward
+    assert_same(got, plain(cast_parameters(model, torch.bfloat16), prompts))
+
+
 def test_speculation_drafts_on_a_bf16_copy():
     model, prompts = cached_model("llama"), random_prompts(3, seed=6)
     config = RolloutConfig(graph_backend="eager", dtype="bfloat16", strategy="chain:3")
