@@ -3,7 +3,7 @@
 The demo's GRPO run (``demo.run_demo_with_rollout``, in-process: Ray cannot travel to the device)
 on the shipped deep policy grown to 1.0B parameters (``speed.grow``; the drafters keep their real
 acceptance on it), the trainer's fp32 master weights under bf16 autocast on CUDA (the engines decoding a
-bf16 copy, ``RolloutConfig.dtype``: run 9 decoded the fp32 weights), a plain-decoding
+bf16 copy, ``RolloutConfig.dtype``: run 10 decoded the fp32 weights), a plain-decoding
 twin rolling out the same prompts on the same weights at every step. For each drafter (the
 drafter LM trained online, and the self-speculative ``self:L``), per step: the rollout time
 against the twin's, the accept length, the strategy mix, the drafter's version and loss, the
@@ -150,7 +150,7 @@ def judge(stage: Stage, drafter: str, summary: dict[str, Any], rows: list[dict[s
     """The issue's targets, and the lossless check: on a CPU (fp32) every completion is the plain
     twin's; on a GPU the two run kernels of other shapes (decode against verification widths),
     whose rounding differs, so a near-tied draw can flip and a completion diverge from there (run
-    9: 2 and 3 of 6 steps wholly alike): there it asks for 90% of the completions alike, which
+    10: 2 and 3 of 6 steps wholly alike): there it asks for 90% of the completions alike, which
     weights or KV of the wrong step (every completion diverges) would fail."""
     stage.check(f"{drafter}: every GRPO step completes", len(rows) == steps, f"{len(rows)} of {steps}")
     same = summary.get("same_completions", "0 of 0")
