@@ -14,9 +14,10 @@ at the accept length it had.
 trl, datasets, dill and multiprocess are not on the image: ``make gpu-wheels`` downloads them into
 ``.whl/`` (about 1.7 MB), which the device call carries (``carry: [".whl"]``), and the stage
 installs them into a temporary site-packages (``--no-deps``: everything else they need is on the
-image). Without them the stage says so and is skipped. The EAGLE-3 head is left out: the shipped
-head reads the deep policy's 256-wide features and the grown policy's are 1,792 wide, so a head
-for it needs a warm-up of its own that does not fit this stage.
+image). Without them the stage says so and is skipped. The EAGLE-3 head runs last, 3 steps of
+``chain:4``: the shipped head reads the deep policy's 256-wide features and the grown policy's
+are 1,792 wide, so the stage starts a fresh head for it, which must draft and train online on the
+device (its accept length is not judged: a warm-up of its own does not fit the stage).
 """
 
 from __future__ import annotations
@@ -95,11 +96,12 @@ def demo_config(stage: Stage, policy_dir: Path, drafter: str, out: Path):
     from ...demo import DemoConfig
 
     full = stage.size.name == "full"
+    fresh_head = drafter == "eagle3"  # a head for the grown policy, learning from nothing: 3 steps of chain:4
     return DemoConfig(
         policy="deep",
         policy_dir=str(policy_dir),
         device=device().type,
-        max_steps=6 if full else 2,
+        max_steps=(3 if fresh_head else 6) if full else 2,
         num_generations=8 if full else 2,
         prompts_per_step=4 if full else 2,
         max_completion_length=512 if full else 24,
@@ -118,6 +120,8 @@ def demo_config(stage: Stage, policy_dir: Path, drafter: str, out: Path):
             "rollout.position_noise": True,
             # self:L trains its exit adapter online (the drafter LM trains itself)
             **({"rollout.training.self_adapter_rank": 8} if drafter.startswith("self:") else {}),
+            # a fresh head's arms would never be picked by adaptive: a fixed chain makes it draft
+            **({"rollout.engine.strategy": "chain:4"} if fresh_head else {}),
         }
     )
 
@@ -168,6 +172,14 @@ def judge(stage: Stage, drafter: str, summary: dict[str, Any], rows: list[dict[s
         stage.target(
             f"{drafter}: rollout at least 1.5x plain decoding from step 2 (median)", ratio >= 1.5, f"{ratio:.2f}"
         )
+    if drafter == "eagle3":  # a fresh head: it must draft and learn on the device, not accept much yet
+        versions, drafted = [r["drafter_version"] for r in rows], [r["accept_length"] for r in rows]
+        stage.check(
+            "eagle3: a fresh head drafts and trains online on the device",
+            bool(versions) and (versions[-1] or 0) > 0,
+            f"versions {versions}, accept lengths {drafted}",
+        )
+        return
     accept = [r["accept_length"] for r in rows]
     if len(accept) >= 2:
         k = max(1, len(accept) // 2)
@@ -177,6 +189,17 @@ def judge(stage: Stage, drafter: str, summary: dict[str, Any], rows: list[dict[s
             last >= 0.97 * first,
             f"{first:.2f} -> {last:.2f}",
         )
+
+
+def fresh_eagle3_head(policy_dir: Path):
+    """An EAGLE-3 head for the grown policy (the shipped one reads the deep policy's 256-wide
+    features, the grown policy's are wider), initialised at random: it learns online from step 1."""
+    from transformers import AutoConfig
+
+    from ...drafter.eagle3 import Eagle3Config, Eagle3Head
+
+    torch.manual_seed(0)
+    return Eagle3Head(Eagle3Config.for_target(AutoConfig.from_pretrained(policy_dir)))
 
 
 def reload_drafts_alike(stage: Stage, exported: Path, trained: torch.nn.Module, policy_dir: Path, tokenizer) -> None:
@@ -215,13 +238,14 @@ def run(stage: Stage) -> None:
         policy.save_pretrained(work / "policy")
         del policy
     layers = max(1, stage.size.grown_layers // 4)
-    for drafter in ("small_lm", f"self:{layers}"):
+    for drafter in ("small_lm", f"self:{layers}", "eagle3"):
         with stage.part(f"GRPO with {drafter}", 60 if stage.size.name == "full" else 20) as ok:
             if not ok:
                 continue
             cfg = demo_config(stage, work / "policy", drafter, work / drafter.replace(":", "_"))
             memory = memory_callback()
-            summary, rollout = run_demo_with_rollout(cfg, callbacks=[memory])
+            start = fresh_eagle3_head(work / "policy") if drafter == "eagle3" else None
+            summary, rollout = run_demo_with_rollout(cfg, callbacks=[memory], start=start)
             rows = per_step(summary, rollout, memory.rows)
             stage.record(
                 f"GRPO with {drafter}",

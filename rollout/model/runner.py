@@ -26,7 +26,7 @@ from .attention import (
 )
 from .cast_copy import rollout_model
 from .compiled import CompiledLayers
-from .graph_pool import GraphPool
+from .graph_pool import GraphKey, GraphPool
 from .kv_cache import KVLayout, PagedKVCache
 from .merged_projections import MergedProjections
 
@@ -209,14 +209,16 @@ class ModelRunner:
         )
         return out.logits[0]
 
-    def _forward_padded(self, seqs, tokens, positions, logits_index, key) -> torch.Tensor:
-        """The forward padded to ``key`` and replayed from the graph pool."""
+    def padded_inputs(
+        self, seqs: Sequence[SequenceSlice], tokens: list[int], positions: list[int], key: GraphKey
+    ) -> tuple[dict[str, torch.Tensor], AttentionMetadata, np.ndarray]:
+        """The host's work before a replay of bucket ``key``: the padded forward's inputs (token
+        ids, positions, attention metadata), its metadata, and each packed token's padded row."""
         b, q = key.batch, key.tokens
         meta = build_padded_metadata(self.cache, seqs, positions, b, q, key.context, self.scratch_slot)
         valid = padded_rows(seqs, b, q)
         ids = np.zeros((b, q), dtype=np.int64)
         ids[valid] = np.asarray(tokens, dtype=np.int64)
-        row_of = np.flatnonzero(valid)  # packed token -> its row of the padded forward
         inputs = {
             "ids": torch.from_numpy(ids).view(1, -1).to(self.device),
             "pos": meta.query_positions.view(1, -1),  # each row's position: the model's position ids
@@ -227,6 +229,12 @@ class ModelRunner:
         }
         if meta.plan is not None:
             inputs.update({f"plan.{k}": v for k, v in meta.plan.tensors().items()})
+        return inputs, meta, np.flatnonzero(valid)
+
+    def _forward_padded(self, seqs, tokens, positions, logits_index, key) -> torch.Tensor:
+        """The forward padded to ``key`` and replayed from the graph pool."""
+        b, q = key.batch, key.tokens
+        inputs, meta, row_of = self.padded_inputs(seqs, tokens, positions, key)
 
         def make_fn():
             cache, model, plan = self.cache, self.model, meta.plan
