@@ -42,7 +42,10 @@ class ExitAdapter(nn.Module):
         nn.init.zeros_(self.up.weight)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return hidden + self.up(nn.functional.silu(self.down(hidden)))
+        """In the adapter's own dtype (fp32, as it trains), returned in the hidden state's: a bf16
+        policy's exit keeps an fp32 adapter."""
+        inner = hidden.to(self.down.weight.dtype)
+        return hidden + self.up(nn.functional.silu(self.down(inner))).to(hidden.dtype)
 
 
 class _AdaptedNorm(nn.Module):

@@ -106,6 +106,21 @@ def test_an_untrained_adapter_is_the_identity_and_fitting_it_raises_agreement():
     assert hits > before
 
 
+def test_an_fp32_adapter_drafts_and_trains_on_a_bf16_policy():
+    """The adapter trains in fp32 whatever the policy's dtype (a bf16 policy on a GPU, or the
+    engine's bf16 copy of fp32 weights): it reads and returns the policy's hidden dtype."""
+    model = copy.deepcopy(policy("llama")).to(torch.bfloat16)
+    prompts = random_prompts(4, seed=6, min_len=8)
+    adapter = ExitAdapter(model.config.hidden_size, rank=8)
+    sequences = [p + [3, 4, 5, 6] for p in prompts]
+    losses = fit_adapter(model, adapter, sequences, 2, steps=3, lr=1e-3)
+    assert len(losses) == 3 and adapter.down.weight.dtype == torch.float32
+    config = RolloutConfig(strategy="chain:3")
+    engine = RolloutEngine(model, config, drafter=SelfSpecDrafter(model, 2, adapter=adapter))
+    outputs = engine.generate(prompts, SamplingParams(max_new_tokens=8, temperature=0.0))
+    assert all(len(o.completion_ids) == 8 for o in outputs) and engine.stats.drafted_tokens > 0
+
+
 def _adapted_agreement(model, adapter, sequences, prompt_lengths) -> float:
     shallow = shallow_model(model, 2, adapter)
     hits = total = 0
