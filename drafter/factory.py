@@ -4,9 +4,10 @@
 the target's vocabulary.
 
 What a user may hand over is a registry of kinds (:data:`DRAFTER_KINDS`, tried in order): a
-tailspec ``Drafter`` as it is, ``"self:L"`` (the target's own first L layers), an EAGLE-3 head (it
-drafts from the target's features), and any other ``torch.nn.Module`` (a smaller causal LM with its
-own paged KV cache). Each kind says how it is built and what keeps it from fitting a target.
+:class:`DrafterFor` (built for the model the engine decodes on), a tailspec ``Drafter`` as it is,
+``"self:L"`` (the target's own first L layers), an EAGLE-3 head (it drafts from the target's
+features), and any other ``torch.nn.Module`` (a smaller causal LM with its own paged KV cache).
+Each kind says how it is built and what keeps it from fitting a target.
 """
 
 from __future__ import annotations
@@ -38,6 +39,16 @@ class DraftSettings:
     def of(cls, config: Any, **parts: Any) -> DraftSettings:
         kv_tokens = config.draft_kv_cache_tokens or config.kv_cache_tokens
         return cls(kv_tokens, config.block_size, parts.pop("seed", config.seed), config=config, **parts)
+
+
+@dataclass(frozen=True)
+class DrafterFor:
+    """A drafter made for the model the engine decodes on (the model itself, or its copy in
+    ``RolloutConfig.dtype``): ``build(model)`` returns what ``drafter=`` takes. Online training
+    hands the engine this, so that ``self:L`` drafts with the copy's layers and an EAGLE-3 head
+    reads the copy's embeddings."""
+
+    build: Callable[[torch.nn.Module], Any]
 
 
 @dataclass(frozen=True)
@@ -101,6 +112,12 @@ def _small_lm_fit(lm: torch.nn.Module, target: torch.nn.Module, tokenizer: Any) 
 
 
 DRAFTER_KINDS: list[DrafterKind] = [
+    DrafterKind(
+        "for_target",
+        lambda spec: isinstance(spec, DrafterFor),
+        lambda spec, target, s: as_drafter(spec.build(target), target, s.config),
+        lambda spec, target, tokenizer: [],  # known once built: SpecRollout checks its own drafter
+    ),
     DrafterKind(
         "drafter",
         lambda spec: isinstance(spec, Drafter),

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from ..drafter.catch_up import CatchUp
+from ..drafter.factory import DrafterFor
 from ..drafter.online_training import DrafterState, online_training, trained_part
 from ..rollout.engine import RolloutEngine, eos_ids_of
 from ..rollout.params import SamplingParams
@@ -377,8 +378,9 @@ class SpecRollout:
             eos = self._eos_ids(model, tokenizer)
             cfg = self.config.engine_config(seed)
             drafter = self.drafter
-            if self.online is not None:
-                drafter = self.online.engine_drafter(model, cfg)
+            if self.online is not None:  # bound to what the engine decodes on: the model or its copy (dtype)
+                online = self.online
+                drafter = DrafterFor(lambda policy: online.engine_drafter(policy, cfg))
             self._engine = RolloutEngine(model, cfg, eos_token_ids=eos, tokenizer=tokenizer, drafter=drafter)
             self._engine_model_id = id(model)
             self._apply_pending(self._engine)

@@ -234,6 +234,32 @@ def test_a_bare_drafter_lm_is_distilled_online_behind_the_held_out_gate_and_resu
         SpecRollout(drafter=lm, drafter_train_steps=3, ship_min_gain=-1.0)
 
 
+def test_online_drafters_draft_on_the_engine_s_bf16_copy(task_tokenizer, tiny_policy):
+    """With dtype="bfloat16", a drafter online training builds (here self:L with its exit adapter)
+    is made for the engine's bf16 copy: it drafts with the copy's layers, its fp32 adapter trains
+    towards the copy's distributions, and the completions are the bf16 copy's plain decoding."""
+    import torch
+
+    convs = [[{"role": "user", "content": f"add {i} {i + 2}"}] for i in range(3)]
+    trainer, _ = _greedy_trainer(task_tokenizer, tiny_policy)
+    plain = SpecRollout(model=tiny_policy, dtype="bfloat16")(convs, trainer)
+    rollout = SpecRollout(
+        model=tiny_policy,
+        dtype="bfloat16",
+        strategy="chain:3",
+        drafter="self:1",
+        self_adapter_rank=4,
+        drafter_train_steps=2,
+    )
+    for _ in range(2):
+        assert rollout(convs, trainer)["completion_ids"] == plain["completion_ids"]
+    engine = rollout.engine
+    assert engine.stats.drafted_tokens > 0 and rollout.online.adapter.version == 4
+    drafter_layer = next(engine.drafter.model.parameters())
+    assert drafter_layer.dtype == torch.bfloat16 and any(drafter_layer is p for p in engine.model.parameters())
+    assert rollout.online.adapter.down.weight.dtype == torch.float32
+
+
 def test_the_self_speculative_exit_adapter_trains_online_and_resumes(task_tokenizer, tiny_policy):
     """SpecRollout(drafter="self:L", self_adapter_rank=R, drafter_train_steps=N): the policy's own
     first L layers draft through an exit adapter that trains N steps towards the policy's next-token
