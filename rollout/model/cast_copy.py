@@ -19,8 +19,8 @@ Before each rollout the engine calls :meth:`CastCopy.refresh`: when any source p
 engine was told the weights changed (``RolloutEngine.weights_changed``: torch's fused AdamW,
 transformers' default optimizer, bumps no version counter; ``SpecRollout`` says so before every
 rollout), every parameter is cast again into the copy's own tensors, which never move, so graphs
-captured on the copy stay valid. Memory: the model's parameters once more in ``dtype`` (2 bytes a parameter for
-bf16, next to the 16 of fp32 weights with Adam's two moments).
+captured on the copy stay valid. Memory: the model's parameters once more in ``dtype`` (2 bytes a
+parameter for bf16, next to the 16 of fp32 weights with Adam's two moments).
 """
 
 from __future__ import annotations
@@ -44,7 +44,13 @@ class CastCopy:
             cast = torch.empty_like(param, dtype=dtype if param.is_floating_point() else param.dtype)
             memo[id(param)] = copied = torch.nn.Parameter(cast, requires_grad=False)
             self._pairs.append((param, copied))
-        self.model = copy.deepcopy(source, memo)
+        try:
+            self.model = copy.deepcopy(source, memo)
+        except Exception as e:  # a wrapper holding what cannot be copied (locks, process groups)
+            raise ValueError(
+                f"RolloutConfig.dtype={str(dtype)[6:]!r}: cannot copy {type(source).__name__} to decode in that "
+                f"dtype ({type(e).__name__}: {e}); pass the unwrapped Hugging Face model, or dtype='auto'"
+            ) from e
         for module in self.model.modules():
             _detach_from_source(module)
         self._fingerprint: int | None = None

@@ -94,6 +94,15 @@ def test_no_copy_for_auto_or_the_model_s_own_dtype():
         assert engine.model is model and engine.runner.cast is None
 
 
+def test_a_model_that_cannot_be_copied_gets_a_clear_error():
+    import threading
+
+    model = copy.deepcopy(cached_model("llama"))
+    model.lock = threading.Lock()  # what a wrapper may hold
+    with pytest.raises(ValueError, match="dtype='bfloat16': cannot copy LlamaForCausalLM"):
+        RolloutEngine(model, RolloutConfig(dtype="bfloat16"))
+
+
 def test_dtype_names_its_choices():
     with pytest.raises(ValueError, match="dtype must be 'auto', 'bfloat16', 'float16' or 'float32'"):
         RolloutConfig(dtype="bf16")
