@@ -11,6 +11,9 @@ STAMP  := $(VENV)/.tailspec-installed
 GPU_PATH   := /tmp/tailspec-path
 LINK_TREE  := mkdir -p $(GPU_PATH) && ln -sfn $(CURDIR) $(GPU_PATH)/tailspec
 GPU_OUT    ?= $(if $(OUT),$(OUT),outputs/gpu-check)
+# GPU_BUDGET=S: each stage of the one-stage commands below may take S seconds instead of its own
+# budget (a shorter lease: later parts skipped and named, what ran kept)
+GPU_BUDGET_ARG = $(if $(GPU_BUDGET),--budget $(GPU_BUDGET))
 # the rehearsal's environment is made like that image: its transformers, a CPU torch, no trainer stack
 REHEARSE_VENV := .venv-gpu-rehearse
 REHEARSE_PY   := $(REHEARSE_VENV)/bin/python
@@ -59,27 +62,27 @@ gpu-check:
 gpu-selector:
 	$(LINK_TREE)
 	PYTHONPATH=$(GPU_PATH) PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 python3 -m tailspec.benchmarks.gpu --stages selector \
-		--out $(GPU_OUT)/selector
+		--out $(GPU_OUT)/selector $(GPU_BUDGET_ARG)
 
 # the training stage on the GPU (issue 49): GRPO with SpecRollout; needs `make gpu-wheels` first and
 # .whl carried with the call
 gpu-train:
 	$(LINK_TREE)
 	PYTHONPATH=$(GPU_PATH) PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 python3 -m tailspec.benchmarks.gpu --stages training \
-		--out $(GPU_OUT)/training
+		--out $(GPU_OUT)/training $(GPU_BUDGET_ARG)
 
 # the split-KV decode attention against gather + SDPA at contexts of 512 to 32k (issue 48)
 gpu-attention:
 	$(LINK_TREE)
 	PYTHONPATH=$(GPU_PATH) PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 python3 -m tailspec.benchmarks.gpu --stages attention \
-		--out $(GPU_OUT)/attention
+		--out $(GPU_OUT)/attention $(GPU_BUDGET_ARG)
 
 # issue 48's engine speed (stage fast_path, about 6 minutes): the compiled decoder layers, kernels
 # per step, HF's static cache, the 7.2B-shaped policy, long contexts; the kernel alone: gpu-attention
 gpu-speed:
 	$(LINK_TREE)
 	PYTHONPATH=$(GPU_PATH) PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 python3 -m tailspec.benchmarks.gpu \
-		--stages fast_path --out $(GPU_OUT)/speed
+		--stages fast_path --out $(GPU_OUT)/speed $(GPU_BUDGET_ARG)
 
 # the image's Python (3.12) wheels of TRAIN_WHEELS into .whl/ (ignored; about 1.7 MB)
 gpu-wheels:

@@ -104,12 +104,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--stages", help=f"comma-separated, from {list(BUDGETS)} (default: the pack; with --rehearse, every stage)"
     )
+    parser.add_argument(
+        "--budget",
+        type=float,
+        help="seconds each named stage may take instead of its own budget (a shorter lease: later parts are "
+        "skipped and named, what ran is kept)",
+    )
     parser.add_argument("--stage", help=argparse.SUPPRESS)  # internal: run one stage in this process
     parser.add_argument("--work", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     size = CheckSize.of("tiny" if args.rehearse else "full")
+    if args.budget is not None and args.budget <= 0:
+        parser.error(f"--budget must be > 0 seconds, got {args.budget}")
+    budget = dict.fromkeys(BUDGETS, args.budget) if args.budget is not None else BUDGETS
     if args.stage:
-        run_stage(args.stage, size, Path(args.work), BUDGETS[args.stage])
+        run_stage(args.stage, size, Path(args.work), budget[args.stage])
         return 0
     stages = [s for s in (args.stages or ",".join(BUDGETS if args.rehearse else PACK)).split(",") if s]
     unknown = sorted(set(stages) - set(BUDGETS))
@@ -127,13 +136,14 @@ def main(argv: list[str] | None = None) -> int:
     for name in stages:
         command = [sys.executable, "-m", __package__, "--stage", name, "--work", str(work)]
         command += ["--rehearse"] if args.rehearse else []
-        print(f"[gpu-check] stage {name} (budget {BUDGETS[name]} s) ...", flush=True)
+        command += ["--budget", str(args.budget)] if args.budget is not None else []
+        print(f"[gpu-check] stage {name} (budget {budget[name]:g} s) ...", flush=True)
         with open(work / f"{name}.log", "w") as log:
             try:
-                subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, env=env, timeout=BUDGETS[name] + GRACE_S)
+                subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, env=env, timeout=budget[name] + GRACE_S)
                 killed = None
             except subprocess.TimeoutExpired:
-                killed = f"killed after {BUDGETS[name] + GRACE_S} s"
+                killed = f"killed after {budget[name] + GRACE_S:g} s"
         path = work / f"{name}.json"
         report = json.loads(path.read_text()) if path.exists() else {"stage": name, "checks": [], "skipped": []}
         if killed or report.get("status") in (None, "running"):
