@@ -19,7 +19,9 @@ def test_a_budget_below_every_part_skips_them_by_name_and_keeps_the_report(tmp_p
     assert {s["name"] for s in report["skipped"]} >= {"copy bandwidth", "bf16 matrix rate"}
 
 
-@pytest.mark.parametrize("argv, match", [(["--budget", "0"], "--budget must be > 0"), (["--stages", "nope"], "unknown")])
+@pytest.mark.parametrize(
+    "argv, match", [(["--budget", "0"], "--budget must be > 0"), (["--stages", "nope"], "unknown")]
+)
 def test_bad_arguments_are_refused(argv, match, capsys):
     with pytest.raises(SystemExit):
         main(argv)
