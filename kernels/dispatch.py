@@ -36,7 +36,6 @@ import torch
 Backend = Literal["torch", "triton"]
 BACKEND_CHOICES = ("auto", "torch", "triton")
 KERNELS = ("attention", "verify")
-AUTO_TRITON_ON_CUDA = frozenset(KERNELS)  # what "auto" may run on Triton on CUDA (see the module docstring)
 ENV_VAR = "TAILSPEC_KERNELS"
 
 _forced: ContextVar[dict[str, str]] = ContextVar("tailspec_kernel_backend", default={})  # noqa: B039 (never mutated)
@@ -83,7 +82,7 @@ def resolve_backend(
     check_backend_name(name, "kernel backend")
     if name == "auto":
         cuda = device.type == "cuda" and triton_installed()
-        return "triton" if cuda and kernel in AUTO_TRITON_ON_CUDA and triton_suits else "torch"
+        return "triton" if cuda and triton_suits else "torch"
     if name == "triton":
         if not triton_installed():
             raise RuntimeError("kernel backend 'triton' was requested but the triton package is not installed")

@@ -22,21 +22,24 @@ class PairedRollout:
 
     def __init__(self, main: Any, twin: Any) -> None:
         self.main, self.twin = main, twin
-        self.same_completions: list[bool] = []  # per call: the twin's completions equal the main one's
         self.identical_completions: list[tuple[int, int]] = []  # per call: (completions equal to the twin's, of)
 
     def __call__(self, prompts: list, trainer: Any) -> dict[str, list]:
-        if len(self.same_completions) % 2 == 0:
+        if len(self.identical_completions) % 2 == 0:
             self._run_twin(prompts, trainer)
             out = self.main(prompts, trainer)
         else:
             out = self.main(prompts, trainer)
             self._run_twin(prompts, trainer)
         main, twin = self.main.last_stats, self.twin.last_stats
-        self.same_completions.append(main.completions_digest == twin.completions_digest)
         equal = sum(a == b for a, b in zip(main.completion_digests, twin.completion_digests))
         self.identical_completions.append((equal, len(main.completion_digests)))
         return out
+
+    @property
+    def same_completions(self) -> list[bool]:
+        """Per call: whether the twin emitted every completion the main rollout did."""
+        return [equal == total for equal, total in self.identical_completions]
 
     def _run_twin(self, prompts: list, trainer: Any) -> None:
         if self.main.coordinator is not None:

@@ -338,8 +338,10 @@ def build_padded_metadata(
     context: int,
     scratch_slot: int,
     kernels: str | None = None,
+    valid: np.ndarray | None = None,
 ) -> AttentionMetadata:
-    """Metadata of fixed shape ``[batch, tokens, context]`` for a captured forward.
+    """Metadata of fixed shape ``[batch, tokens, context]`` for a captured forward (``valid``: the
+    :func:`padded_rows` of ``seqs``, when the caller has them).
 
     Sequence ``i``'s new tokens are rows ``i * tokens + r``. Padding rows (beyond a sequence's
     new tokens, or whole padding sequences) write their K/V to ``scratch_slot`` and attend to one
@@ -360,7 +362,7 @@ def build_padded_metadata(
             f"sequence {i} ({new[i]} new, {ends[i]} in context, {blocks[i]} blocks of {bs}) exceeds "
             f"the bucket ({tokens} new, {context} in context) or its block table"
         )
-    valid = padded_rows(seqs, batch, tokens)
+    valid = padded_rows(seqs, batch, tokens) if valid is None else valid
     table = _padded_block_tables(seqs, -(-context // bs), scratch_slot // bs)  # [n, width]
     rows = np.arange(tokens)
     new_keys = cached[:, None] + rows  # [n, tokens]: cache index of each row's token
@@ -388,7 +390,7 @@ def build_padded_metadata(
     query_positions_t = torch.from_numpy(query_positions)
     plan = None
     if use_plan:
-        plan = _padded_plan(seqs, table, batch, tokens, scratch_slot, query_positions_t, bs, device)
+        plan = _padded_plan(seqs, table, cached, new, tokens, scratch_slot, query_positions_t, bs, device)
     return AttentionMetadata(
         cache=cache,
         slot_mapping=torch.from_numpy(slot_mapping.reshape(-1)).to(device),
@@ -415,20 +417,23 @@ def _padded_block_tables(seqs: Sequence[SequenceSlice], width: int, scratch_bloc
 def _padded_plan(
     seqs: Sequence[SequenceSlice],
     table: np.ndarray,
-    batch: int,
+    cached: np.ndarray,
+    new: np.ndarray,
     tokens: int,
     scratch_slot: int,
     query_positions: torch.Tensor,
     block_size: int,
     device: torch.device,
 ) -> PagedAttentionPlan:
-    """The kernel's plan for a captured bucket: padding sequences read only the scratch block."""
+    """The kernel's plan for a captured bucket (``query_positions``: ``[batch, tokens]``): padding
+    sequences read only the scratch block."""
+    batch, width = query_positions.shape[0], table.shape[1]
     pad = batch - len(seqs)
-    padded = np.concatenate([table, np.full((pad, table.shape[1]), scratch_slot // block_size, dtype=np.int64)])
+    nothing = np.zeros(pad, dtype=np.int64)
     return PagedAttentionPlan.build(
-        padded,
-        [s.num_cached for s in seqs] + [0] * pad,
-        [s.num_new for s in seqs] + [0] * pad,
+        np.concatenate([table, np.full((pad, width), scratch_slot // block_size, dtype=np.int64)]),
+        np.concatenate([cached, nothing]),
+        np.concatenate([new, nothing]),
         np.arange(batch) * tokens,
         query_positions.reshape(-1),
         [s.new_token_mask for s in seqs] + [None] * pad,

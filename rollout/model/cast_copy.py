@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import copy
 import logging
+from collections.abc import Iterable
 
 import torch
 
@@ -37,7 +38,6 @@ class CastCopy:
     """``model``: a copy of ``source`` whose floating-point parameters are in ``dtype``."""
 
     def __init__(self, source: torch.nn.Module, dtype: torch.dtype) -> None:
-        self.source, self.dtype = source, dtype
         memo: dict[int, object] = {}
         self._pairs: list[tuple[torch.nn.Parameter, torch.nn.Parameter]] = []
         for param in source.parameters():  # each tensor once: a tied weight is one pair
@@ -71,7 +71,7 @@ class CastCopy:
     def refresh(self) -> bool:
         """Cast the source's parameters into the copy again if any of them changed since the last
         refresh (version counters and addresses) or :meth:`forget` was called; whether it did."""
-        fingerprint = hash(tuple((p.data_ptr(), p._version) for p, _ in self._pairs))
+        fingerprint = weights_fingerprint(p for p, _ in self._pairs)
         if fingerprint == self._fingerprint:
             return False
         with torch.no_grad():
@@ -79,6 +79,12 @@ class CastCopy:
                 copied.copy_(param)
         self._fingerprint = fingerprint
         return True
+
+
+def weights_fingerprint(params: Iterable[torch.Tensor]) -> int:
+    """Where ``params`` live and how often each was changed in place: it moves when one moved or an
+    in-place change bumped its version counter (a fused optimizer step bumps none)."""
+    return hash(tuple((p.data_ptr(), p._version) for p in params))
 
 
 def _detach_from_source(module: torch.nn.Module) -> None:

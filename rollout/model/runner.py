@@ -24,7 +24,7 @@ from .attention import (
     padded_rows,
     paged_attention_enabled,
 )
-from .cast_copy import rollout_model
+from .cast_copy import rollout_model, weights_fingerprint
 from .compiled import CompiledLayers
 from .graph_pool import GraphKey, GraphPool
 from .kv_cache import KVLayout, PagedKVCache
@@ -124,7 +124,7 @@ class ModelRunner:
         """Cached K/V is only valid for the weights that computed it: forget it when any parameter
         was replaced or changed in place (optimizer steps and ``load_state_dict`` bump tensor
         version counters)."""
-        fingerprint = hash(tuple((p.data_ptr(), p._version) for p in self.model.parameters()))
+        fingerprint = weights_fingerprint(self.model.parameters())
         if fingerprint != self._weights_fingerprint:
             if self._weights_fingerprint is not None:
                 self.cache.allocator.clear_prefixes()
@@ -215,8 +215,8 @@ class ModelRunner:
         """The host's work before a replay of bucket ``key``: the padded forward's inputs (token
         ids, positions, attention metadata), its metadata, and each packed token's padded row."""
         b, q = key.batch, key.tokens
-        meta = build_padded_metadata(self.cache, seqs, positions, b, q, key.context, self.scratch_slot)
         valid = padded_rows(seqs, b, q)
+        meta = build_padded_metadata(self.cache, seqs, positions, b, q, key.context, self.scratch_slot, valid=valid)
         ids = np.zeros((b, q), dtype=np.int64)
         ids[valid] = np.asarray(tokens, dtype=np.int64)
         inputs = {
