@@ -2,14 +2,23 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    return free_ports(1)[0]
+
+
+def free_ports(count: int) -> list[int]:
+    """``count`` distinct free loopback ports: every socket stays bound until all are chosen, so
+    the kernel cannot hand the same port out twice (it may, to sockets bound one after another)."""
+    with contextlib.ExitStack() as stack:
+        sockets = [stack.enter_context(socket.socket()) for _ in range(count)]
+        for s in sockets:
+            s.bind(("127.0.0.1", 0))
+        return [int(s.getsockname()[1]) for s in sockets]
 
 
 def single_process_environment() -> dict[str, str]:
