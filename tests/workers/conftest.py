@@ -14,7 +14,6 @@ import pytest
 
 from tailspec.distributed import free_ports
 
-
 _PORT_CLASH = re.compile(r"address already in use|port .* is (already )?(in use|used)|trying to use a port", re.I)
 
 
