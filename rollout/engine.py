@@ -24,7 +24,7 @@ from ..draft_contract import Drafter, Stateful, drafter_factory
 from . import serving
 from .adaptive.calibration import calibrate_costs
 from .adaptive.choice import DrafterLag, StepOutcome, StrategyChoice
-from .adaptive.cost_model import StepCosts
+from .adaptive.cost_model import ForwardTable
 from .adaptive.selector import SelectorConfig, StrategySelector
 from .admission import RequestLimits, eos_ids_of, prepare_requests
 from .decode_step import SpeculativeStep
@@ -175,10 +175,12 @@ class RolloutEngine:
         if state.get("suffix") is not None and isinstance(self.suffix_drafter, Stateful):
             self.suffix_drafter.load_state_dict(state["suffix"])
 
-    def _calibrate(self, config: SelectorConfig, arms: Seq[Strategy], fresh: bool) -> StepCosts:
-        """The adaptive selector's step costs, timed on this engine's model (``rollout/adaptive/calibration.py``)."""
+    def _calibrate(
+        self, config: SelectorConfig, arms: Seq[Strategy], max_batch: int, known: ForwardTable | None, fresh: bool
+    ) -> ForwardTable:
+        """The adaptive selector's forward table, timed on this engine's model (``rollout/adaptive/calibration.py``)."""
         cfg = self.config
-        return calibrate_costs(self.runner, config, arms, cfg.block_size, cfg.max_num_seqs, cfg.kernels, fresh)
+        return calibrate_costs(self.runner, config, arms, cfg.block_size, max_batch, cfg.kernels, known, fresh)
 
     def _drafter_for(self, strategy: Strategy) -> Drafter:
         if strategy.kind == "suffix":
@@ -237,7 +239,7 @@ class RolloutEngine:
         if self.mirrors.switch_pending:
             self.mirrors.switch_between_steps(self.requests.alive(), self.mirror_capable)
         if not self.scheduler.running:
-            self.choice.between_rollouts()
+            self.choice.before_rollout(len(self.scheduler.waiting))
             self.lag.clear()
         if self.config.prefix_caching and self.scheduler.waiting:  # only admission reads the cache
             self.runner.drop_stale_prefixes()

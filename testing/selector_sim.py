@@ -21,7 +21,7 @@ import numpy as np
 
 from ..rollout.adaptive.acceptance import AcceptanceBook
 from ..rollout.adaptive.choice import StepOutcome, StrategyChoice
-from ..rollout.adaptive.cost_model import ForwardTable, StepCosts, calibrate, calibration_shapes
+from ..rollout.adaptive.cost_model import ForwardTable, calibrate, calibration_shapes
 from ..rollout.model.graph_pool import _round_up
 from ..rollout.params import DEFAULT_ARMS, RolloutConfig, SelectorConfig
 from ..rollout.strategy import Strategy, parse_strategy
@@ -141,17 +141,18 @@ def _choice(regime: Regime, arms: tuple[str, ...], max_batch: int, rng: np.rando
     def time_forward(n: int, t: int) -> float:
         return regime.forward(n, t) * _noise(regime, rng)
 
-    def calibrated(config: SelectorConfig, strategies, fresh: bool) -> StepCosts:
+    def calibrated(config: SelectorConfig, strategies, up_to: int, known: ForwardTable | None, fresh: bool):
         widths = [1 + a.max_draft_nodes for a in strategies]
         pad = graph_pad if regime.padded else None
-        shapes = calibration_shapes(widths, max_batch, config.calibration_rows, pad)
+        shapes = calibration_shapes(widths, up_to, config.calibration_rows, pad)
         worker.captured |= set(shapes) if pad is not None else set()
-        return StepCosts(ForwardTable(calibrate(time_forward, shapes, config.calibration_repeats), pad))
+        return ForwardTable(calibrate(time_forward, shapes, config.calibration_repeats), pad)
 
     config = RolloutConfig(strategy="adaptive", selector=SelectorConfig(arms=arms))
     worker.drafter = _Drafter()
     worker.choice = StrategyChoice(config, worker.drafter, calibrated)
     worker.choice.set("adaptive")
+    worker.choice.calibrate(max_batch, fresh=False)  # the engine's before its first rollout
 
 
 @dataclass

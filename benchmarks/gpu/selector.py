@@ -63,7 +63,7 @@ class Timings:
 def calibrate(stage: Stage, contenders: Contenders, graphs: str) -> None:
     adaptive = contenders.engine("adaptive", graphs)
     start, captured = time.perf_counter(), capture_seconds()
-    adaptive.choice.calibrate(fresh=True)
+    adaptive.choice.calibrate(adaptive.config.max_num_seqs, fresh=True)  # every batch the workloads reach
     stage.record(
         "calibration",
         {

@@ -37,7 +37,7 @@ class Contenders:
         self, policy, drafter, tokenizer, max_num_seqs: int = 256, kv_cache_tokens: int = RolloutConfig.kv_cache_tokens
     ) -> None:
         self.policy, self.drafter, self.tokenizer = policy, drafter, tokenizer
-        self.max_num_seqs = max_num_seqs  # adaptive calibrates every batch bucket up to it
+        self.max_num_seqs = max_num_seqs
         self.kv_cache_tokens = kv_cache_tokens
         self.engines: dict[tuple[str, str, str, bool, bool], RolloutEngine] = {}
         self.eos = tokenizer.eos_token_id

@@ -17,7 +17,7 @@ from ..model.attention import SequenceSlice
 from ..model.kv_cache import blocks_for
 from ..model.runner import ModelRunner
 from ..strategy import Strategy
-from .cost_model import ForwardTable, Pad, StepCosts, calibrate, calibration_shapes
+from .cost_model import ForwardTable, Pad, calibrate, calibration_shapes
 from .selector import SelectorConfig
 
 logger = logging.getLogger(__name__)
@@ -70,37 +70,42 @@ def calibrate_costs(
     config: SelectorConfig,
     arms: Sequence[Strategy],
     block_size: int,
-    max_num_seqs: int,
+    max_batch: int,
     kernels: str,
+    known: ForwardTable | None = None,
     fresh: bool = False,
-) -> StepCosts:
-    """Time every verification width of ``arms`` at batch sizes up to what the free KV blocks hold
-    (``fresh``: even where this process timed the same shapes of the same kind of model)."""
+) -> ForwardTable:
+    """Time every verification width of ``arms`` at batch sizes up to ``max_batch`` (or what the
+    free KV blocks hold). Shapes ``known`` measured are kept as they are (a table extended to a
+    larger batch); ``fresh``: time even what this process timed on the same kind of model."""
     widths = sorted({1 + a.max_draft_nodes for a in arms})
     free = runner.cache.allocator.num_free
     context = min(CONTEXT, max(free * block_size - widths[-1] - block_size, 0))  # a small cache: shorter
-    max_batch = max(1, min(max_num_seqs, free // blocks_for(context + widths[-1], block_size)))
+    max_batch = max(1, min(max_batch, free // blocks_for(context + widths[-1], block_size)))
     pad = graph_padding(runner, context)
     shapes = calibration_shapes(widths, max_batch, config.calibration_rows, pad)
     shapes = [s for s in shapes if s[0] * blocks_for(context + s[1], block_size) <= free]
+    kept = {s: v for s, v in known.measured.items() if s in shapes} if known is not None else {}
     key = (runner.model.config.to_json_string(), str(runner.dtype), str(runner.device), kernels, context)
     key += (tuple(shapes), config.calibration_repeats)
     if pad is None and not fresh and key in _EAGER_TIMINGS:
-        return StepCosts(ForwardTable(_EAGER_TIMINGS[key]))
+        return ForwardTable(_EAGER_TIMINGS[key])
+    todo = [s for s in shapes if s not in kept]
     timer = forward_timer(runner, block_size, context)
     start = time.perf_counter()
     with runner.inference(kernels):
         if pad is not None:
-            for shape in shapes:  # capture first: the timings are replays
+            for shape in todo:  # capture first: the timings are replays
                 timer(*shape)
-        measured = calibrate(timer, shapes, config.calibration_repeats)
+        measured = {**kept, **calibrate(timer, todo, config.calibration_repeats)}
     if pad is None:
         _EAGER_TIMINGS[key] = measured
     logger.info(
-        "adaptive: calibrated %d forward shapes (batch <= %d, widths %s) in %.2fs",
-        len(shapes),
+        "adaptive: calibrated %d forward shapes (batch <= %d, widths %s; %d kept) in %.2fs",
+        len(todo),
         max_batch,
         widths,
+        len(kept),
         time.perf_counter() - start,
     )
-    return StepCosts(ForwardTable(measured, pad))
+    return ForwardTable(measured, pad)

@@ -4,8 +4,9 @@ step teaches it.
 
 The engine asks :meth:`StrategyChoice.plan` before a decode step and hands the step's outcome to
 :meth:`StrategyChoice.record` after it; it never talks to the selector itself. The selector's
-step costs are calibrated when it is made (``calibrate``: the engine's forward timer), and again
-between rollouts once the arms run far off them.
+step costs are calibrated before its first rollout (``calibrate``: the engine's forward timer) up
+to the batch that rollout can reach, extended before a later rollout that can reach a larger one,
+and timed again between rollouts once the arms run far off them.
 """
 
 from __future__ import annotations
@@ -18,12 +19,19 @@ from typing import Any
 from ...draft_contract import Drafter, Versioned
 from ..params import RolloutConfig
 from ..strategy import Strategy, parse_strategy
-from .cost_model import StepCosts
+from .cost_model import ForwardTable, StepCosts
 from .selector import SelectorConfig, StrategySelector
 
 logger = logging.getLogger(__name__)
 
-Calibrate = Callable[[SelectorConfig, Sequence[Strategy], bool], StepCosts]  # (config, arms, fresh)
+# (config, arms, max batch, the table to extend or None, fresh) -> the forward's seconds per shape
+Calibrate = Callable[[SelectorConfig, Sequence[Strategy], int, ForwardTable | None, bool], ForwardTable]
+
+
+def calibrated_batch(requests: int, max_num_seqs: int) -> int:
+    """The batch a calibration covers for a rollout of ``requests``: the next power of two (so a
+    table grows a few times at most), within ``max_num_seqs``."""
+    return min(max_num_seqs, 1 << max(requests - 1, 0).bit_length())
 
 
 @dataclass(frozen=True)
@@ -88,6 +96,8 @@ class StrategyChoice:
         self._calibrate = calibrate
         self.strategy = Strategy("none")
         self.selector: StrategySelector | None = None
+        self.covered_batch = 0  # the largest batch the selector's forward table was timed at
+        self.largest_batch = 0  # the most sequences a decode step of this engine ran
 
     def set(self, strategy: str | Strategy) -> Strategy:
         parsed = parse_strategy(strategy)
@@ -118,20 +128,42 @@ class StrategyChoice:
                     [str(a) for a in self.selector.arms],
                     [str(a) for a in self.selector.dropped_arms],
                 )
-            self.calibrate(fresh=False)
         return self.selector
 
-    def calibrate(self, fresh: bool = True) -> None:
-        """Measure the selector's step costs (``fresh``: even where this process measured them)."""
-        self.selector.use_costs(self._calibrate(self.selector.config, self.selector.arms, fresh))
+    def calibrate(self, up_to: int | None = None, fresh: bool = True) -> None:
+        """Time the selector's forward table at batch sizes up to ``up_to`` (default: what it
+        covers already). ``fresh``: every shape again, and the arms' corrections start over;
+        otherwise only shapes not yet timed (a table extended to larger batches keeps the rest)."""
+        selector = self.ensure_selector()
+        up_to = max(up_to or 0, self.covered_batch, 1)
+        known = None if fresh or selector.costs is None else selector.costs.table
+        table = self._calibrate(selector.config, selector.arms, up_to, known, fresh)
+        if known is None:
+            selector.use_costs(StepCosts(table))
+        else:
+            selector.costs.table = table
+        self.covered_batch = up_to
 
-    def between_rollouts(self) -> None:
-        """Nothing runs: step costs that drifted far from the calibration are measured again."""
-        if self.selector is not None and self.strategy.adaptive and self.selector.needs_recalibration:
+    def before_rollout(self, requests: int) -> None:
+        """Nothing runs and ``requests`` wait to start: ``adaptive``'s step costs are calibrated
+        up to the batch the rollout can reach (on first need, or beyond what was timed), or timed
+        again once the arms drifted far off them. The batch it can reach is its requests, or the
+        largest an earlier rollout reached (a server's or a Ray worker's batch grows inside a
+        rollout as requests arrive: the first such rollout runs its larger batches on the table's
+        extrapolation, the next ones on timings)."""
+        if self.selector is None or not self.strategy.adaptive or not requests:
+            return
+        batch = calibrated_batch(max(requests, self.largest_batch), self.config.max_num_seqs)
+        if self.selector.costs is None:
+            self.calibrate(batch, fresh=False)
+        elif self.selector.needs_recalibration:
             logger.info(
                 "adaptive: steps ran %.2fx off the calibrated costs; calibrating again", self.selector.costs.drift()
             )
-            self.calibrate()
+            self.calibrate(batch)
+        elif batch > self.covered_batch:
+            logger.info("adaptive: calibrating batches up to %d (%d requests waiting)", batch, requests)
+            self.calibrate(batch, fresh=False)
 
     def plan(self, num_active: int, tokens_to_go: int, lag_tokens: int = 0) -> StepPlan:
         """The strategy of a step of ``num_active`` sequences expected to generate ``tokens_to_go``
@@ -145,6 +177,7 @@ class StrategyChoice:
 
     def record(self, plan: StepPlan, num_active: int, outcome: StepOutcome) -> None:
         """What a step of ``plan`` on ``num_active`` sequences did."""
+        self.largest_batch = max(self.largest_batch, num_active)
         if self.selector is not None and self.strategy.adaptive:
             self.selector.observe(
                 plan.strategy,

@@ -135,7 +135,8 @@ class StrategySelector:
             "arms": [str(a) for a in self.arms],
             "drafter_version": self.drafter_version,
             "acceptance": self.acceptance.state_dict(),
-            "costs": self.costs.state_dict() if self.costs is not None else None,
+            # before its first calibration, a loaded state's costs (they apply at calibration)
+            "costs": self.costs.state_dict() if self.costs is not None else self._saved_costs,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:

@@ -9,6 +9,7 @@ from tailspec.config_tree import ConfigError
 from tailspec.draft_contract import DraftTree
 from tailspec.rollout import RolloutConfig, RolloutEngine, SamplingParams
 from tailspec.rollout.adaptive.acceptance import AcceptanceBook, first_branch
+from tailspec.rollout.adaptive.choice import calibrated_batch
 from tailspec.rollout.adaptive.cost_model import ForwardTable, StepCosts
 from tailspec.rollout.adaptive.selector import SelectorConfig, StrategySelector
 from tailspec.rollout.strategy import parse_strategy
@@ -331,6 +332,8 @@ def test_calibration_captures_the_graphs_and_one_off_steps_teach_no_costs(monkey
         drafter=perturbed_copy(model, 0.3, 7),
     )
     pool = engine.runner.graph_pool
+    assert engine.selector.costs is None and pool.stats.captures == 0  # nothing before a rollout needs it
+    engine.choice.before_rollout(4)
     calibrated = pool.stats.captures
     assert calibrated == len(engine.selector.costs.table.measured)
     seen = spy_on(engine)
@@ -345,6 +348,7 @@ def test_calibration_captures_the_graphs_and_one_off_steps_teach_no_costs(monkey
 
     engine._decode_step = counted
     engine.generate(random_prompts(4, seed=5), SamplingParams(max_new_tokens=24, temperature=0.0))
+    assert len(engine.selector.costs.table.measured) == calibrated  # the rollout's batch was covered
     assert len(seen) == len(capturing) == len(engine.stats.step_log)
     assert any(capturing)  # context buckets past calibration's
     # untimed: the steps that captured, and the model drafter's first (it meets the prompts)
@@ -352,9 +356,51 @@ def test_calibration_captures_the_graphs_and_one_off_steps_teach_no_costs(monkey
     assert [s["timed"] for s in seen] == [not (c or i == first_model) for i, c in enumerate(capturing)]
 
 
+def test_calibration_covers_the_batch_a_rollout_reaches_and_grows_with_it():
+    """On a GPU every calibrated shape is a graph capture: a rollout of 32 completions with the
+    default ``max_num_seqs`` (256) once calibrated 45 shapes (13.9 s on an H200, docs/GPU.md run 10);
+    it times the batches its rollout can reach, and a larger rollout later adds only what it lacks."""
+    model = cached_model("llama")
+    config = RolloutConfig(strategy="adaptive", graph_backend="eager", max_num_seqs=64)
+    engine = RolloutEngine(model, config, drafter=perturbed_copy(model, 0.3, 7))
+    short = SamplingParams(max_new_tokens=4, temperature=0.0)
+    engine.generate(random_prompts(3, seed=5), SamplingParams(max_new_tokens=32, temperature=0.0))
+    first = dict(engine.selector.costs.table.measured)
+    assert engine.choice.covered_batch == 4 and max(n for n, _ in first) == 4
+    costs = engine.selector.costs
+    assert any(r.logs for r in costs.correction.values())
+    captures = engine.runner.graph_pool.stats.captures
+    engine.generate(random_prompts(4, seed=6), short)  # within what is covered: nothing timed
+    assert engine.selector.costs.table.measured == first
+    engine.generate(random_prompts(11, seed=7), short)
+    grown = engine.selector.costs.table.measured
+    assert engine.choice.covered_batch == 16 and max(n for n, _ in grown) == 16
+    assert {s: grown[s] for s in first} == first  # the timed shapes kept, only larger batches added
+    assert engine.runner.graph_pool.stats.captures > captures
+    assert engine.selector.costs is costs  # what the steps taught (corrections, drafting ratios) kept
+    # a batch that grew inside a rollout (requests joining a running one, as a server's or a Ray
+    # worker's do) is covered from the next rollout on, however few requests that one starts with
+    for prompt in random_prompts(2, seed=8):
+        engine.add_request(prompt, short)
+    engine.step()
+    for prompt in random_prompts(30, seed=9):
+        engine.add_request(prompt, short)
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.choice.covered_batch == 16 and engine.choice.largest_batch > 16
+    engine.generate(random_prompts(2, seed=10), short)
+    assert engine.choice.covered_batch == 32 and max(n for n, _ in engine.selector.costs.table.measured) == 32
+
+
+def test_calibrated_batch_is_the_next_power_of_two_within_max_num_seqs():
+    assert [calibrated_batch(r, 256) for r in (1, 2, 3, 5, 32, 33, 300)] == [1, 2, 4, 8, 32, 64, 256]
+    assert calibrated_batch(20, 24) == 24
+
+
 def test_recalibration_runs_between_rollouts_once_the_arms_drift():
     model = cached_model("llama")
     engine = RolloutEngine(model, RolloutConfig(strategy="adaptive"), drafter=perturbed_copy(model, 0.3, 7))
+    engine.generate(random_prompts(2, seed=4), SamplingParams(max_new_tokens=4, temperature=0.0))
     table = engine.selector.costs.table
     for arm in engine.selector.arms:
         for _ in range(32):
