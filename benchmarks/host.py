@@ -60,9 +60,9 @@ def host_ms(runner: ModelRunner, batch: int, context: int, new: int, kernels: st
     seqs = _slices(batch, context, new, runner.cache.allocator.num_blocks, random.Random(batch * context + new))
     tokens = [1] * (batch * new)
     positions = [s.num_cached + r for s in seqs for r in range(s.num_new)]
-    key = runner.graph_pool.key_for(batch, new, context)
     times = []
     with kernel_backend(kernels):
+        key = runner.graph_key(batch, new, context)  # the split-KV path's coarser context bucket
         runner.padded_inputs(seqs, tokens, positions, key)
         for _ in range(repeats):
             start = time.perf_counter()

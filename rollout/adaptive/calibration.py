@@ -29,15 +29,14 @@ CONTEXT = 128  # cached tokens per scratch sequence: a short context, as a rollo
 _EAGER_TIMINGS: dict[tuple, dict] = {}
 
 
-def graph_padding(runner: ModelRunner, context: int) -> Pad | None:
+def graph_padding(runner: ModelRunner, context: int, kernels: str) -> Pad | None:
     """The shape a forward of ``(n, t)`` runs as: its graph bucket, or itself without graphs."""
-    pool = runner.graph_pool
-    if pool is None:
+    if runner.graph_pool is None:
         return None
 
     def pad(n: int, t: int) -> tuple[int, int]:
-        key = pool.key_for(n, t, context + t)
-        return (key.batch, key.tokens) if key is not None and key.tokens <= pool.token_buckets[-1] else (n, t)
+        key = runner.graph_key(n, t, context + t, kernels)
+        return (key.batch, key.tokens) if key is not None else (n, t)
 
     return pad
 
@@ -82,7 +81,7 @@ def calibrate_costs(
     free = runner.cache.allocator.num_free
     context = min(CONTEXT, max(free * block_size - widths[-1] - block_size, 0))  # a small cache: shorter
     max_batch = max(1, min(max_batch, free // blocks_for(context + widths[-1], block_size)))
-    pad = graph_padding(runner, context)
+    pad = graph_padding(runner, context, kernels)
     shapes = calibration_shapes(widths, max_batch, config.calibration_rows, pad)
     shapes = [s for s in shapes if s[0] * blocks_for(context + s[1], block_size) <= free]
     kept = {s: v for s, v in known.measured.items() if s in shapes} if known is not None else {}

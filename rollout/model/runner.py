@@ -19,6 +19,7 @@ from .attention import (
     METADATA_KWARG,
     AttentionMetadata,
     SequenceSlice,
+    attention_backend,
     build_metadata,
     build_padded_metadata,
     padded_rows,
@@ -190,12 +191,9 @@ class ModelRunner:
         logits_index: list[int],
     ) -> torch.Tensor:
         """Run one packed forward and return the logits of the packed positions ``logits_index``."""
-        if self.graph_pool is not None:
-            key = self.graph_pool.key_for(
-                len(seqs), max(s.num_new for s in seqs), max(s.num_cached + s.num_new for s in seqs)
-            )
-            if key is not None and key.tokens <= self.graph_pool.token_buckets[-1]:
-                return self._forward_padded(seqs, tokens, positions, logits_index, key)
+        key = self.graph_key(len(seqs), max(s.num_new for s in seqs), max(s.num_cached + s.num_new for s in seqs))
+        if key is not None:
+            return self._forward_padded(seqs, tokens, positions, logits_index, key)
         ids = torch.tensor(tokens, dtype=torch.long, device=self.device)
         pos = torch.tensor(positions, dtype=torch.long, device=self.device)
         keep = torch.tensor(logits_index, dtype=torch.long, device=self.device)
@@ -208,6 +206,18 @@ class ModelRunner:
             **{METADATA_KWARG: meta},
         )
         return out.logits[0]
+
+    def graph_key(self, num_seqs: int, tokens: int, context: int, kernels: str | None = None) -> GraphKey | None:
+        """The graph bucket a forward of ``num_seqs`` sequences, ``tokens`` new tokens each and
+        contexts up to ``context`` replays, or None where it runs uncaptured (no pool, or larger
+        than its buckets); ``kernels``: a ``RolloutConfig.kernels`` choice, None for the enclosing one."""
+        pool = self.graph_pool
+        key = pool.key_for(num_seqs, tokens, context) if pool is not None else None
+        if key is None:
+            return None
+        if attention_backend(self.cache, kernels, key.tokens) == "triton":
+            return pool.key_for(num_seqs, tokens, context, reads_tables=True)
+        return key
 
     def padded_inputs(
         self, seqs: Sequence[SequenceSlice], tokens: list[int], positions: list[int], key: GraphKey

@@ -16,6 +16,7 @@ def _pool(budget=10_000):
         batch_buckets=(1, 2, 4, 8),
         token_buckets=(1, 4),
         context_buckets=(16, 64),
+        table_context_buckets=(64,),
         memory_budget=budget,
     )
 
@@ -30,6 +31,11 @@ def test_bucket_choice_rounds_up_and_refuses_what_is_too_large():
     assert pool.key_for(1, 2, 17) == GraphKey(1, 4, 64)
     assert pool.key_for(8, 4, 64) == GraphKey(8, 4, 64)
     assert pool.key_for(9, 1, 10) is None and pool.key_for(1, 5, 10) is None and pool.key_for(1, 1, 65) is None
+    # a forward whose attention reads block tables pads its context to the coarse buckets
+    assert pool.key_for(3, 1, 10, reads_tables=True) == GraphKey(4, 1, 64)
+    assert pool.key_for(1, 1, 65, reads_tables=True) is None
+    with pytest.raises(ValueError, match="table_context_buckets must be increasing"):
+        GraphPool(table_context_buckets=(64, 16))
 
 
 def test_capture_once_then_hit_and_evict_least_recently_used():
@@ -123,6 +129,29 @@ def test_padded_forward_through_the_triton_kernels_is_exact(strategy):
         assert a.completion_ids == b.completion_ids
         assert a.logprobs == pytest.approx(b.logprobs, abs=1e-4)
     assert engine.runner.graph_pool.stats.hits > 0
+
+
+def test_split_kv_graphs_serve_every_context_up_to_their_coarse_bucket():
+    """The split-KV kernel reads block tables and does each sequence's own context's work, so its
+    captured forwards are keyed by coarse context buckets: a rollout crossing fine buckets captures
+    each batch and width once, and still decodes exactly; the gathering path keeps fine buckets."""
+    pytest.importorskip("triton")
+    model = cached_model("qwen2")
+    prompts = random_prompts(2, seed=6, max_len=10)
+    params = SamplingParams(max_new_tokens=20, temperature=0.0, ignore_eos=True)  # contexts past 16
+    want = RolloutEngine(model, RolloutConfig(kernels="torch")).generate(prompts, params)
+    captured = {}
+    for kernels in ("triton", "torch"):
+        engine = RolloutEngine(model, RolloutConfig(graph_backend="eager", kernels=kernels))
+        engine.runner.graph_pool = GraphPool(
+            EagerBackend(), context_buckets=(16, 32), table_context_buckets=(32,), memory_budget=1 << 30
+        )
+        got = engine.generate(prompts, params)
+        assert [o.completion_ids for o in got] == [o.completion_ids for o in want]
+        for a, b in zip(got, want):
+            assert a.logprobs == pytest.approx(b.logprobs, abs=1e-4)
+        captured[kernels] = {key.context for key in engine.runner.graph_pool.keys()}
+    assert captured == {"triton": {32}, "torch": {16, 32}}
 
 
 def _move_weights(model, scale: float) -> None:
