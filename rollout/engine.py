@@ -179,8 +179,10 @@ class RolloutEngine:
         self, config: SelectorConfig, arms: Seq[Strategy], max_batch: int, known: ForwardTable | None, fresh: bool
     ) -> ForwardTable:
         """The adaptive selector's forward table, timed on this engine's model (``rollout/adaptive/calibration.py``)."""
-        cfg = self.config
-        return calibrate_costs(self.runner, config, arms, cfg.block_size, max_batch, cfg.kernels, known, fresh)
+        cfg, taps = self.config, tuple(self.taps.layers or ())
+        return calibrate_costs(
+            self.runner, config, arms, cfg.block_size, max_batch, cfg.kernels, known, fresh, self.taps.forward, taps
+        )
 
     def _drafter_for(self, strategy: Strategy) -> Drafter:
         if strategy.kind == "suffix":

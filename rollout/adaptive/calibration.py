@@ -41,9 +41,16 @@ def graph_padding(runner: ModelRunner, context: int, kernels: str) -> Pad | None
     return pad
 
 
-def forward_timer(runner: ModelRunner, block_size: int, context: int) -> Callable[[int, int], float]:
-    """``time(n, t)``: seconds of one forward of ``n`` sequences with ``t`` new tokens each."""
+Forward = Callable[[list[SequenceSlice], list[int], list[int], list[int]], torch.Tensor]
+
+
+def forward_timer(
+    runner: ModelRunner, block_size: int, context: int, forward: Forward | None = None
+) -> Callable[[int, int], float]:
+    """``time(n, t)``: seconds of one forward of ``n`` sequences with ``t`` new tokens each
+    (``forward``: the engine's, which taps a drafter's features; the runner's by default)."""
     allocator, on_cuda = runner.cache.allocator, runner.device.type == "cuda"
+    forward = forward or runner.forward
 
     def time_forward(n: int, t: int) -> float:
         per_seq = blocks_for(context + t, block_size)
@@ -54,7 +61,7 @@ def forward_timer(runner: ModelRunner, block_size: int, context: int) -> Callabl
             if on_cuda:
                 torch.cuda.synchronize(runner.device)
             start = time.perf_counter()
-            runner.forward(slices, [0] * (n * t), positions, list(range(n * t)))
+            forward(slices, [0] * (n * t), positions, list(range(n * t)))
             if on_cuda:
                 torch.cuda.synchronize(runner.device)
             return time.perf_counter() - start
@@ -73,10 +80,13 @@ def calibrate_costs(
     kernels: str,
     known: ForwardTable | None = None,
     fresh: bool = False,
+    forward: Forward | None = None,
+    taps: tuple[int, ...] = (),
 ) -> ForwardTable:
     """Time every verification width of ``arms`` at batch sizes up to ``max_batch`` (or what the
-    free KV blocks hold). Shapes ``known`` measured are kept as they are (a table extended to a
-    larger batch); ``fresh``: time even what this process timed on the same kind of model."""
+    free KV blocks hold) with ``forward`` (the engine's, tapping layers ``taps`` for its drafter).
+    Shapes ``known`` measured are kept as they are (a table extended to a larger batch);
+    ``fresh``: time even what this process timed on the same kind of model."""
     widths = sorted({1 + a.max_draft_nodes for a in arms})
     free = runner.cache.allocator.num_free
     context = min(CONTEXT, max(free * block_size - widths[-1] - block_size, 0))  # a small cache: shorter
@@ -85,12 +95,12 @@ def calibrate_costs(
     shapes = calibration_shapes(widths, max_batch, config.calibration_rows, pad)
     shapes = [s for s in shapes if s[0] * blocks_for(context + s[1], block_size) <= free]
     kept = {s: v for s, v in known.measured.items() if s in shapes} if known is not None else {}
-    key = (runner.model.config.to_json_string(), str(runner.dtype), str(runner.device), kernels, context)
+    key = (runner.model.config.to_json_string(), str(runner.dtype), str(runner.device), kernels, context, taps)
     key += (tuple(shapes), config.calibration_repeats)
     if pad is None and not fresh and key in _EAGER_TIMINGS:
         return ForwardTable(_EAGER_TIMINGS[key])
     todo = [s for s in shapes if s not in kept]
-    timer = forward_timer(runner, block_size, context)
+    timer = forward_timer(runner, block_size, context, forward)
     start = time.perf_counter()
     with runner.inference(kernels):
         if pad is not None:

@@ -27,7 +27,13 @@ import torch
 logger = logging.getLogger(__name__)
 
 Inputs = dict[str, torch.Tensor]
-ForwardFn = Callable[[Inputs], torch.Tensor]
+Outputs = torch.Tensor | tuple[torch.Tensor, ...]  # the logits, or the logits and tapped features
+ForwardFn = Callable[[Inputs], Outputs]
+
+
+def tensor_bytes(tensors: Outputs | Inputs) -> int:
+    values = tensors.values() if isinstance(tensors, dict) else tensors if isinstance(tensors, tuple) else (tensors,)
+    return sum(t.numel() * t.element_size() for t in values)
 
 
 @dataclass(frozen=True, order=True)
@@ -35,6 +41,7 @@ class GraphKey:
     batch: int  # padded number of sequences
     tokens: int  # padded new tokens per sequence
     context: int  # padded context length (keys attended to)
+    taps: tuple[int, ...] = ()  # decoder layers whose input hidden states the forward also returns
 
 
 @dataclass
@@ -68,7 +75,7 @@ class CapturedForward:
 
     nbytes: int = 0
 
-    def run(self, inputs: Inputs) -> torch.Tensor:  # pragma: no cover - interface
+    def run(self, inputs: Inputs) -> Outputs:  # pragma: no cover - interface
         raise NotImplementedError
 
 
@@ -76,9 +83,9 @@ class _EagerForward(CapturedForward):
     def __init__(self, fn: ForwardFn, example: Inputs) -> None:
         self.fn = fn
         # what static input buffers would hold: the bookkeeping matches the CUDA backend's
-        self.nbytes = sum(t.numel() * t.element_size() for t in example.values())
+        self.nbytes = tensor_bytes(example)
 
-    def run(self, inputs: Inputs) -> torch.Tensor:
+    def run(self, inputs: Inputs) -> Outputs:
         return self.fn(inputs)
 
 
@@ -109,13 +116,12 @@ class _CudaGraphForward(CapturedForward):
         # another thread's capture may be under way, and a device-wide sync would invalidate it
         torch.cuda.current_stream().synchronize()
         grown = torch.cuda.memory_reserved() - before
-        buffers = sum(t.numel() * t.element_size() for t in self.static_inputs.values())
-        output = self.static_output.numel() * self.static_output.element_size()
+        buffers, output = tensor_bytes(self.static_inputs), tensor_bytes(self.static_output)
         # the output stays live between replays, so at least it is this graph's own; the pool's
         # intermediates are shared by all its graphs and show only as the pool's growth
         self.nbytes = buffers + max(grown, output)
 
-    def run(self, inputs: Inputs) -> torch.Tensor:
+    def run(self, inputs: Inputs) -> Outputs:
         for name, value in inputs.items():
             self.static_inputs[name].copy_(value, non_blocking=True)
         self.graph.replay()
@@ -210,7 +216,7 @@ class GraphPool:
         """Held keys, least recently used first."""
         return list(self._entries)
 
-    def run(self, key: GraphKey | None, make_fn: Callable[[], ForwardFn], inputs: Inputs) -> torch.Tensor:
+    def run(self, key: GraphKey | None, make_fn: Callable[[], ForwardFn], inputs: Inputs) -> Outputs:
         """Replay the forward captured for ``key`` on ``inputs`` (already padded to the bucket),
         capturing it first if needed. ``key=None`` runs ``make_fn()`` eagerly, uncaptured."""
         if key is None:

@@ -173,6 +173,39 @@ def test_paged_drafting_equals_the_unrolled_training_forward():
 
 
 @pytest.mark.parametrize("strategy", ["chain:3", "tree:3,2,6"])
+def test_the_target_forwards_that_feed_the_head_replay_from_the_graph_pool(strategy):
+    """The features the head reads are an output of the captured forward (on a GPU an eager
+    target forward cost 116 ms a step against a 5 ms replay): the drafts, and so what the steps
+    accept, are those of the uncaptured engine, and the output is plain decoding's."""
+    model = target("qwen2")
+    head = trained_head("qwen2")
+    prompts = random_prompts(4, seed=3)
+    params = SamplingParams(max_new_tokens=20, temperature=0.0)
+    eager, want = spec(model, head, strategy, prompts, params, graph_backend="none")
+    engine, got = spec(model, head, strategy, prompts, params, graph_backend="eager")
+    assert_same(got, plain(model, prompts, params))
+    assert_same(got, want)
+    assert (engine.stats.drafted_tokens, engine.stats.accepted_tokens) == (
+        eager.stats.drafted_tokens,
+        eager.stats.accepted_tokens,
+    )
+    pool = engine.runner.graph_pool
+    assert pool.stats.hits > 0 and all(key.taps == tuple(head.config.aux_layer_ids) for key in pool.keys())
+
+
+def test_adaptive_calibrates_the_forward_that_taps_the_head_s_features():
+    """Calibration times (and captures) the target forward the steps run: with the head's taps."""
+    model = target("llama")
+    head = trained_head("llama")
+    config = RolloutConfig(strategy="adaptive", graph_backend="eager", max_num_seqs=4)
+    engine = RolloutEngine(model, config, drafter=Eagle3Drafter(head, model))
+    engine.choice.before_rollout(4)
+    keys = engine.runner.graph_pool.keys()
+    assert len(keys) == len(engine.selector.costs.table.measured)
+    assert all(key.taps == tuple(head.config.aux_layer_ids) for key in keys)
+
+
+@pytest.mark.parametrize("strategy", ["chain:3", "tree:3,2,6"])
 def test_greedy_matches_plain_decoding_through_the_triton_kernels(strategy):
     """The head's own paged attention and the verification run through the Triton kernels
     (interpreter without CUDA); the output is still plain decoding's."""
