@@ -1,7 +1,8 @@
 """Stage ``correctness``: lossless on the device.
 
 - greedy fp32: every strategy against batch-1 HF ``generate``, token for token, on two architectures
-  (CUDA graphs and Triton kernels on, as ``auto`` chooses on CUDA; mirror on the ``stream`` executor);
+  (CUDA graphs and Triton kernels on, as ``auto`` chooses on CUDA; mirror on the ``stream`` executor),
+  and ``chain:4`` with an EAGLE-3 head (its target's forwards replay graphs that return its features);
 - sampled: the chi-square test of the joint of completion tokens 2 and 3 (the first speculative step)
   against the target's exact processed distribution;
 - bf16: each strategy at full batch against a batch-1 bf16 control of ``none`` (the divergence method
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+from ...drafter.eagle3 import Eagle3Config, Eagle3Drafter, Eagle3Head
 from ...rollout.engine import RolloutEngine
 from ...rollout.params import RolloutConfig, SamplingParams
 from ...testing import (
@@ -36,23 +38,31 @@ def greedy_against_hf(stage: Stage, arch: str) -> None:
     model = tiny_random_model(arch, seed=1, initializer_range=0.2)
     drafter = perturbed_copy(model, noise=0.3, seed=7).to(dev)
     model = model.to(dev)
+    torch.manual_seed(0)
+    head = Eagle3Head(Eagle3Config.for_target(model.config)).to(dev).eval()
     prompts = random_prompts(6, seed=3)
     params = SamplingParams(temperature=0.0, max_new_tokens=24)
     want = [hf_greedy(model, p, params.max_new_tokens) for p in prompts]
-    for strategy in STRATEGIES:
-        with stage.part(f"greedy {arch} {strategy}", 3) as ok:
+    # (label, strategy, the drafter of its engine): an EAGLE-3 head's target forwards tap features
+    contenders = [(s, s, None if s in ("none", "suffix") else drafter) for s in STRATEGIES]
+    contenders.append(("eagle3 chain:4", "chain:4", head))
+    for label, strategy, spec in contenders:
+        with stage.part(f"greedy {arch} {label}", 3) as ok:
             if not ok:
                 continue
             config = RolloutConfig(strategy=strategy, mirror=mirror_config())
-            engine = RolloutEngine(model, config, drafter=None if strategy in ("none", "suffix") else drafter)
+            engine_drafter = Eagle3Drafter(spec, model) if spec is head else spec
+            engine = RolloutEngine(model, config, drafter=engine_drafter)
             got = [o.completion_ids for o in engine.generate(prompts, params)]
             same = sum(g == w for g, w in zip(got, want))
             pool = engine.runner.graph_pool
             extra = f", graph replays {pool.stats.hits}" if pool is not None else ", no graph pool"
+            if pool is not None and spec is head:
+                extra += f", graphs tapping features {sum(bool(k.taps) for k in pool.keys())}"
             if engine.mirror is not None:
                 extra += f", executor {type(engine.mirror.executor).__name__}, ready {engine.mirror.stats.ready}"
             engine.close()
-            stage.check(f"greedy {arch} {strategy}", same == len(want), f"{same}/{len(want)} equal HF{extra}")
+            stage.check(f"greedy {arch} {label}", same == len(want), f"{same}/{len(want)} equal HF{extra}")
 
 
 V, PROMPT = 12, [3, 7, 2, 9, 5]
