@@ -35,7 +35,7 @@ from ..rollout.mirror.executors import weights_bytes
 from ..rollout.model.attention import SequenceSlice, paged_attention_enabled
 from ..rollout.model.graph_pool import GraphPool
 from ..rollout.model.kv_cache import blocks_for
-from ..rollout.model.runner import ModelRunner
+from ..rollout.model.runner import LM_HEAD_INPUT, ModelRunner
 from .draft_sampling import ChainDrafts, draft_generator
 from .lm_trainer import versioned_lm
 from .streaming import StreamingHeads
@@ -257,17 +257,10 @@ class SmallLMDrafter(Drafter):
     def _logits(self, slices, tokens, positions, logits_index) -> torch.Tensor:
         if self.heads is None:
             return self._target_vocab(self.runner.forward(slices, tokens, positions, logits_index).float())
-        captured = {}
-        hook = self.model.get_output_embeddings().register_forward_pre_hook(
-            lambda module, args: captured.__setitem__("hidden", args[0])
-        )
-        try:
-            with self.runner.eager():  # the hook fires only in eager forwards
-                logits = self.runner.forward(slices, tokens, positions, logits_index).float()
-        finally:
-            hook.remove()
-        self._hidden = captured["hidden"][0]
-        return self._target_vocab(logits)
+        # the LM head's input for the heads: an output of the forward, captured graphs included
+        logits, hidden = self.runner.forward_with_features(slices, tokens, positions, logits_index, [LM_HEAD_INPUT])
+        self._hidden = hidden[torch.as_tensor(logits_index, device=hidden.device)]
+        return self._target_vocab(logits.float())
 
     def _head_logits(self, j: int, hidden: torch.Tensor) -> torch.Tensor:
         """Streaming head ``j``'s logits (token ``t + 2 + j``) from the LM-head inputs ``hidden``."""

@@ -49,6 +49,25 @@ def test_greedy_with_streaming_heads_matches_plain_decoding(arch, strategy):
     engine.close()
 
 
+def test_the_drafter_forwards_that_feed_the_heads_replay_from_its_graph_pool():
+    """The heads read the LM head's input, an output of the drafter's captured forward (on CUDA
+    its forwards replay graphs; they ran eagerly for the heads' hook): the same drafts as eager."""
+    from tailspec.rollout.model.graph_pool import EagerBackend, GraphPool
+    from tailspec.rollout.model.runner import LM_HEAD_INPUT
+
+    prompts = random_prompts(4, seed=2)
+    params = SamplingParams(max_new_tokens=20, temperature=0.0)
+    counts, want = [], _plain(target("qwen2"), prompts, params)
+    for pool in (None, GraphPool(EagerBackend())):
+        drafter = streaming_drafter("qwen2", graph_pool=pool)
+        engine = RolloutEngine(target("qwen2"), RolloutConfig(strategy="chain:4"), drafter=drafter)
+        got = engine.generate(prompts, params)
+        assert [o.completion_ids for o in got] == [o.completion_ids for o in want]
+        counts.append((engine.stats.drafted_tokens, engine.stats.accepted_tokens))
+    assert counts[0] == counts[1] and counts[0][1] > 0
+    assert pool.stats.hits > 0 and {key.taps for key in pool.keys()} == {(LM_HEAD_INPUT,)}
+
+
 def test_streaming_heads_cross_to_a_draft_process():
     arch = "qwen2"
     prompts = random_prompts(4, seed=2)
@@ -80,8 +99,9 @@ def test_a_chain_costs_fewer_forwards_with_more_heads(monkeypatch, num_heads, fo
     heads = random_heads(draft, num_heads) if num_heads else None
     drafter = SmallLMDrafter(draft, kv_cache_tokens=256, streaming_heads=heads)
     calls = []
-    real = drafter.runner.forward
-    monkeypatch.setattr(drafter.runner, "forward", lambda *a, **k: calls.append(1) or real(*a, **k))
+    for name in ("forward", "forward_with_features"):  # with heads, every forward returns their input
+        real = getattr(drafter.runner, name)
+        monkeypatch.setattr(drafter.runner, name, lambda *a, real=real, **k: calls.append(1) or real(*a, **k))
     view = SeqSnapshot(0, random_prompts(1, seed=3)[0], [], None, frozenset(), SamplingParams(temperature=0.0))
     tree = drafter.propose([DraftRequest(view, 6)], DraftShape(6))[0]
     assert len(tree) == 6 and len(calls) == forwards
