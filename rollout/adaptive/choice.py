@@ -170,6 +170,8 @@ class StrategyChoice:
         more, whose model drafter missed ``lag_tokens`` of their tokens (:class:`DrafterLag`)."""
         strategy = self.strategy
         if strategy.adaptive:
+            if self.selector.costs is None:  # switched to adaptive inside a rollout: calibrate now
+                self.calibrate(calibrated_batch(max(num_active, self.largest_batch), self.config.max_num_seqs), False)
             if self.has_model_drafter:
                 self.selector.on_drafter_version(self._versioned.version if self._versioned is not None else 0)
             strategy = self.selector.choose(num_active, tokens_to_go, lag_tokens)

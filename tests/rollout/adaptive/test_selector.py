@@ -395,6 +395,23 @@ def test_calibration_covers_the_batch_a_rollout_reaches_and_grows_with_it():
     assert engine.choice.covered_batch == 32 and max(n for n, _ in engine.selector.costs.table.measured) == 32
 
 
+def test_switching_to_adaptive_inside_a_rollout_calibrates_then():
+    model = cached_model("llama")
+    prompts = random_prompts(3, seed=11)
+    params = SamplingParams(max_new_tokens=16, temperature=0.0)
+    want = RolloutEngine(model, RolloutConfig()).generate(prompts, params)
+    engine = RolloutEngine(model, RolloutConfig(), drafter=perturbed_copy(model, 0.3, 7))
+    ids = [engine.add_request(p, params) for p in prompts]
+    for _ in range(3):
+        engine.step()
+    engine.set_strategy("adaptive")
+    assert engine.selector.costs is None
+    while engine.has_unfinished():
+        engine.step()
+    assert [engine.pop_output(i).completion_ids for i in ids] == [o.completion_ids for o in want]
+    assert engine.choice.covered_batch == 4 and engine.stats.strategy_steps
+
+
 def test_calibrated_batch_is_the_next_power_of_two_within_max_num_seqs():
     assert [calibrated_batch(r, 256) for r in (1, 2, 3, 5, 32, 33, 300)] == [1, 2, 4, 8, 32, 64, 256]
     assert calibrated_batch(20, 24) == 24
