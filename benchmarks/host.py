@@ -104,8 +104,10 @@ def run_host_section(out: Path, quick: bool = False) -> str:
         "its bucket, built with whole-array numpy operations since 2026-11-27 (before, tensor operations "
         "per sequence took 4.4 ms at batch 64 and context 512, and 20.6 ms at batch 256 and context 2k, "
         "12.2 ms with block tables, on this kind of machine). Sequences hold half to all of the context "
-        "bucket on shuffled blocks of 16; one torch thread; median of 30 calls. On a GPU the same work "
-        "runs on the host before every replay, the target's and each drafter-LM level's.\n\n"
+        "bucket on shuffled blocks of 16; one torch thread; median of 30 calls. The block-table inputs "
+        "(the split-KV kernel's) pad to its coarse context buckets (2k, 8k, 32k), so the context-512 rows "
+        "build 2k-wide tables. On a GPU the same work runs on the host before every replay, the target's "
+        "and each drafter-LM level's.\n\n"
         f"{table}"
     )
     replace_section(out, HOST_TITLE, body, "tailspec bench --section host")
