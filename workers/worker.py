@@ -23,7 +23,7 @@ import torch
 
 from ..draft_contract import Portable
 from ..drafter.eagle3 import Eagle3Head, FeatureBuffer
-from ..drafter.factory import as_drafter
+from ..drafter.factory import DrafterFor, as_drafter
 from ..drafter.lm_trainer import SequenceSample
 from ..drafter.online_training import DrafterState
 from ..drafter.part_learning import learner_for
@@ -117,7 +117,12 @@ class RolloutWorker:
         self.eagle_drafter = None  # an EAGLE-3 head's engine drafter records the features it trains on
         if isinstance(drafter, Eagle3Head):
             buffer = FeatureBuffer(self.sample_buffer_bytes)
-            engine_drafter = self.eagle_drafter = as_drafter(drafter, self.model, rollout_config, buffer=buffer)
+
+            def head_drafter(target: torch.nn.Module) -> Any:  # the engine's model: its copy in config.dtype
+                self.eagle_drafter = as_drafter(drafter, target, rollout_config, buffer=buffer)
+                return self.eagle_drafter
+
+            engine_drafter = DrafterFor(head_drafter)
         self.records_sequences = learner is not None and learner.records == "sequences"
         self._sequences: list[SequenceSample] = []  # the finished requests' of this session
         # the worker's side of spot training (workers/spot_chunk.py), with a part to train

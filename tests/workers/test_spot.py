@@ -358,3 +358,34 @@ def test_a_worker_with_streaming_heads_trains_a_copy_of_the_heads_and_leaves_the
     torch.testing.assert_close(drafter.heads.blocks[0].weight, result.state.weights["blocks.0.weight"])
     assert drafter.heads.blocks[0].weight.abs().sum() > 0  # zero-initialised, trained since
     assert all(torch.equal(v, lm_before[k]) for k, v in lm.state_dict().items())  # the LM is not trained
+
+
+def test_a_worker_s_eagle3_head_drafts_for_the_engine_s_dtype_copy():
+    """With ``RolloutConfig.dtype`` the worker's engine decodes a copy of the policy: the head's
+    drafter reads the copy's embeddings (as ``SpecRollout``'s does), losslessly, and still records
+    the features it trains on; a policy sync reaches the copy."""
+    from tailspec.drafter.eagle3 import Eagle3Config, Eagle3Head
+    from tailspec.rollout import RolloutConfig, RolloutEngine, SamplingParams
+    from tailspec.rollout.handoff import InboxItem
+    from tailspec.testing import random_prompts, tiny_random_model
+    from tailspec.workers.worker import RolloutWorker
+
+    model = tiny_random_model("llama", seed=1)
+    torch.manual_seed(0)
+    head = Eagle3Head(Eagle3Config.for_target(model.config)).eval()
+    worker = RolloutWorker(0, model, RolloutConfig(strategy="chain:3", dtype="bfloat16"), [0], drafter=head)
+    assert worker.eagle_drafter.embed is worker.engine.model.get_input_embeddings()
+    assert worker.engine.model is not model and worker.eagle_drafter.embed.weight.dtype == torch.bfloat16
+    params = SamplingParams(temperature=0.0, max_new_tokens=12, ignore_eos=True)
+    prompts = random_prompts(4, seed=4)
+    for step in range(2):
+        items = [InboxItem(k, p, params) for k, p in enumerate(prompts)]
+        *finished, end = list(worker.serve_stream(items, total=len(items)))
+        got = {k: o.completion_ids for f in finished for k, o in zip(f.indices, f.outputs)}
+        want = RolloutEngine(model, RolloutConfig(dtype="bfloat16")).generate(prompts, params)
+        assert [got[k] for k in range(len(prompts))] == [o.completion_ids for o in want]
+        assert worker.engine.stats.drafted_tokens > 0 and len(end.samples) > 0
+        embed = worker.engine.model.get_input_embeddings().weight  # recast in place after a sync
+        assert worker.eagle_drafter.embed.weight is embed
+        assert torch.equal(embed, model.get_input_embeddings().weight.to(torch.bfloat16))
+        worker.set_policy({k: v * 1.5 for k, v in model.state_dict().items()}, version=step + 1)
