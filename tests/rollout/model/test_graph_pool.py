@@ -228,3 +228,27 @@ def test_cuda_graph_pool_stays_under_its_budget():
     pool = engine.runner.graph_pool
     assert pool.stats.captures > 0
     assert pool.stats.bytes <= pool.memory_budget
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_graphs_that_return_an_eagle3_head_s_features_draft_as_eager():
+    """The features an EAGLE-3 head reads are an output of the captured forward: the replayed
+    engine emits what the uncaptured one does, at the accept length it has (fp32; the padded
+    forward's products may round apart, so a near-tied draft may flip)."""
+    from tailspec.drafter.eagle3 import Eagle3Config, Eagle3Drafter, Eagle3Head
+
+    model = cached_model("qwen2").to("cuda")
+    torch.manual_seed(0)
+    head = Eagle3Head(Eagle3Config.for_target(model.config)).to("cuda").eval()
+    prompts = random_prompts(6, seed=3)
+    params = SamplingParams(max_new_tokens=16, temperature=0.0)
+    runs = []
+    for graphs in ("none", "cuda_graph"):
+        config = RolloutConfig(strategy="chain:3", graph_backend=graphs)
+        engine = RolloutEngine(model, config, drafter=Eagle3Drafter(head, model))
+        outputs = engine.generate(prompts, params)
+        runs.append(([o.completion_ids for o in outputs], engine.stats.mean_accept_length))
+    assert runs[0][0] == runs[1][0]
+    assert runs[1][1] == pytest.approx(runs[0][1], rel=0.1)
+    assert any(key.taps for key in engine.runner.graph_pool.keys()) and engine.runner.graph_pool.stats.hits > 0
