@@ -7,9 +7,10 @@ are then decided by the model rather than by float rounding between near-equal l
 from __future__ import annotations
 
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
+from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
-ARCHITECTURES = ("llama", "qwen2", "qwen3")
+ARCHITECTURES = ("llama", "qwen2", "qwen3")  # what the suite runs every check on
+TINY_ARCHITECTURES = (*ARCHITECTURES, "mistral")  # what tiny_config builds (Mistral: its own checks)
 
 
 def tiny_config(
@@ -24,7 +25,9 @@ def tiny_config(
     eos_token_id: int = 1,
     pad_token_id: int = 0,
     tie_word_embeddings: bool = False,
+    sliding_window: int | None = None,
 ):
+    """``sliding_window``: Mistral's (None: full attention)."""
     common = dict(
         vocab_size=vocab_size,
         hidden_size=hidden_size,
@@ -45,7 +48,9 @@ def tiny_config(
         return Qwen2Config(**common)
     if arch == "qwen3":
         return Qwen3Config(head_dim=hidden_size // num_heads, **common)
-    raise ValueError(f"arch must be one of {ARCHITECTURES}, got {arch!r}")
+    if arch == "mistral":
+        return MistralConfig(sliding_window=sliding_window, **common)
+    raise ValueError(f"arch must be one of {TINY_ARCHITECTURES}, got {arch!r}")
 
 
 def tiny_random_model(arch: str, seed: int = 0, dtype: torch.dtype = torch.float32, **kwargs):

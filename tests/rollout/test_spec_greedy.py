@@ -212,3 +212,32 @@ def test_triton_kernels_match_plain_decoding(arch, strategy, drafter):
     assert_same(engine.generate(prompts, params), want)
     if drafter:
         assert engine.stats.drafted_tokens > 0
+
+
+@functools.cache
+def mistral(window: int | None):
+    return tiny_random_model("mistral", seed=0, sliding_window=window)
+
+
+MISTRAL_ENGINES = {
+    "plain": {},
+    "chain": {"strategy": "chain:3"},
+    "tree, merged projections": {"strategy": "tree:3,2,6", "merge_projections": True},
+    "chain, graphs": {"strategy": "chain:3", "graph_backend": "eager"},
+}
+
+
+@pytest.mark.parametrize("window", [None, 16])
+@pytest.mark.parametrize("engine", list(MISTRAL_ENGINES))
+def test_mistral_decodes_as_hf_with_and_without_its_sliding_window(window, engine):
+    """Mistral, with a sliding window shorter than prompt plus completion (it changes every one of
+    these completions) and without: plain and speculative decoding, merged projections and the
+    padded graph path give HF's greedy tokens (the compiled layers: tests/rollout/model/test_compiled.py;
+    the split-KV kernel's window: tests/kernels/test_split_kv_attention.py)."""
+    model = mistral(window)
+    prompts = random_prompts(4, seed=3)
+    params = SamplingParams(temperature=0.0, max_new_tokens=30)
+    cfg = MISTRAL_ENGINES[engine]
+    drafter = perturbed_copy(model, noise=0.3, seed=7) if "strategy" in cfg else None
+    got = RolloutEngine(model, RolloutConfig(**cfg), drafter=drafter).generate(prompts, params)
+    assert [o.completion_ids for o in got] == [hf_greedy(model, p, 30) for p in prompts]

@@ -7,10 +7,11 @@ and checks that its stage ``fast_path`` decodes as the eager layers do."""
 
 import pytest
 from conftest import cached_model, random_prompts
-from test_spec_greedy import assert_same, good_drafter
+from test_spec_greedy import assert_same, good_drafter, mistral
 
 from tailspec.rollout import RolloutConfig, RolloutEngine, SamplingParams
 from tailspec.rollout.model.runner import decoder_layers
+from tailspec.testing import perturbed_copy
 
 PARAMS = SamplingParams(temperature=0.0, max_new_tokens=8)
 
@@ -30,6 +31,15 @@ def test_compiled_layers_decode_as_plain_decoding(arch, strategy, traced_only):
     config = RolloutConfig(graph_backend="eager", strategy=strategy, compile=True)
     assert_same(RolloutEngine(model, config, drafter=drafter).generate(prompts, PARAMS), want)
     assert all("forward" not in vars(layer) for layer in decoder_layers(model))  # outside the engine: as it was
+
+
+def test_compiled_mistral_layers_keep_the_sliding_window(traced_only):
+    model, prompts = mistral(16), random_prompts(3, seed=3)
+    params = SamplingParams(temperature=0.0, max_new_tokens=24)  # past the 16-token window
+    want = RolloutEngine(model, RolloutConfig(graph_backend="eager")).generate(prompts, params)
+    config = RolloutConfig(graph_backend="eager", strategy="chain:3", compile=True, merge_projections=True)
+    drafter = perturbed_copy(model, noise=0.3, seed=7)
+    assert_same(RolloutEngine(model, config, drafter=drafter).generate(prompts, params), want)
 
 
 def test_the_trainer_never_runs_the_compiled_layers(traced_only):
