@@ -32,7 +32,10 @@ ForwardFn = Callable[[Inputs], Outputs]
 
 
 def tensor_bytes(tensors: Outputs | Inputs) -> int:
-    values = tensors.values() if isinstance(tensors, dict) else tensors if isinstance(tensors, tuple) else (tensors,)
+    """Bytes of a forward's inputs or outputs: a dict, a tuple or one tensor."""
+    if isinstance(tensors, torch.Tensor):
+        tensors = (tensors,)
+    values = tensors.values() if isinstance(tensors, dict) else tensors
     return sum(t.numel() * t.element_size() for t in values)
 
 
