@@ -247,7 +247,7 @@ def _make_rollout(cfg: DemoConfig, start: Any = None):
     # learning rate, as they continue from an already warmed-up head.
     offline = DrafterTrainingConfig(batch_size=8, max_tokens=512, seed=cfg.seed)
     training = _online_training(cfg) if cfg.num_workers else offline
-    head = start if start is not None else load_shipped_eagle3(cfg.policy)
+    head = (start if start is not None else load_shipped_eagle3(cfg.policy)).to(cfg.device)  # beside the policy
     return SpecRollout(config=rollout, drafter=head, drafter_training=training)
 
 

@@ -80,9 +80,21 @@ def _is_eagle3_head(spec: Any) -> bool:
     return isinstance(spec, Eagle3Head)
 
 
+def check_same_device(drafter: torch.nn.Module, target: torch.nn.Module, what: str) -> None:
+    """A model drafter runs on its target's device (it reads the target's features or tokens
+    there): a clear error otherwise, before a forward fails on mixed devices."""
+    here, there = next(drafter.parameters()).device, next(target.parameters()).device
+    if here != there:
+        raise ValueError(
+            f"drafter ({what}) is on {here}, the model it drafts for on {there}: move it there first "
+            f"(drafter.to({str(there)!r}))"
+        )
+
+
 def _eagle3_drafter(head: Any, target: torch.nn.Module, s: DraftSettings) -> Drafter:
     from .eagle3 import Eagle3Drafter
 
+    check_same_device(head, target, "an EAGLE-3 head")
     return Eagle3Drafter(
         head, target, kv_cache_tokens=s.kv_cache_tokens, block_size=s.block_size, seed=s.seed, buffer=s.buffer
     )
@@ -92,6 +104,7 @@ def _small_lm_drafter(lm: torch.nn.Module, target: torch.nn.Module, s: DraftSett
     from ..rollout.model.graph_pool import graph_pool_for
     from .small_lm import SmallLMDrafter
 
+    check_same_device(lm, target, "a drafter LM")
     on_cuda = s.config is not None and next(lm.parameters()).is_cuda
     return SmallLMDrafter(
         lm,

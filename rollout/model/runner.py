@@ -139,7 +139,7 @@ class ModelRunner:
             self.layout, num_blocks + (1 if graph_pool is not None else 0), block_size, cache_prefixes
         )
         self.scratch_slot = self.cache.allocator.allocate(1)[0] * block_size if graph_pool is not None else -1
-        self.compiled = CompiledLayers(decoder_layers(model), self.cache) if compile_layers else None
+        self.compiled = CompiledLayers(decoder_layers(model)) if compile_layers else None
         self.merged = MergedProjections(decoder_layers(model)) if merge_projections else None
         self._weights_fingerprint: int | None = None
         self._weights_at: tuple[int, ...] | None = None  # where the weights were when graphs were captured

@@ -82,3 +82,15 @@ def test_every_drafter_kind_is_built_by_the_registry_with_the_engines_settings(p
     assert type(small) is SmallLMDrafter and (small.block_size, small.allocator.num_free, small.seed) == (8, 32, 7)
     with pytest.raises(ValueError, match="drafter must be a tailspec Drafter or a torch.nn.Module, got int"):
         as_drafter(3, policy, config)
+
+
+@pytest.mark.parametrize("kind", ["an EAGLE-3 head", "a drafter LM"])
+def test_a_model_drafter_on_another_device_than_its_target_is_a_clear_error(policy, kind):
+    """GPU run 12: an EAGLE-3 head left on the CPU beside a policy on CUDA failed in its first
+    draft with a mixed-device matmul. (A head on the meta device stands in for the other device.)"""
+    if kind == "an EAGLE-3 head":
+        drafter = Eagle3Head(Eagle3Config.for_target(policy.config)).to("meta")
+    else:
+        drafter = tiny_random_model("llama", seed=2, num_layers=1).to("meta")
+    with pytest.raises(ValueError, match=rf"drafter \({kind}\) is on meta, the model it drafts for on cpu: move it"):
+        as_drafter(drafter, policy, RolloutConfig())
