@@ -2,7 +2,7 @@
 transformers' own fastest path, on each decoder path (``VARIANTS``).
 
 The decoder paths: the layers eager; compiled (``RolloutConfig.compile``: Inductor fuses the
-norms, QKV epilogue, RoPE and the K/V write before the paged attention, and o_proj's residual
+norms, QKV epilogue, RoPE and the new K/V rows before the paged attention, and o_proj's residual
 add, the norm and the MLP's activation after it); compiled with merged projections
 (``RolloutConfig.merge_projections``: QKV and gate-up one GEMM each). On the grown 1.0B policy
 (``speed.grow``), batch sizes of the pack's speed stage:

@@ -80,6 +80,9 @@ class Contenders:
             "seconds": seconds,
             "decode_step_ms": 1000 * (after["decode_time_s"] - before["decode_time_s"]) / max(1, steps),
             "accepted_per_spec_step": _accept_length(before, after),
+            # a speculative step's anatomy: drafting, the target's verification forward, the rest
+            # (sampling, acceptance, bookkeeping); per spec step, in ms
+            **_step_anatomy(before, after),
             "captures": pool.stats.captures if pool is not None else 0,
             # graphs captured during the timed run (target and drafter pools): shapes the warm-up
             # did not reach, e.g. an adaptive arm first tried on this batch size
@@ -124,6 +127,23 @@ class Contenders:
     def close(self) -> None:
         for engine in self.engines.values():
             engine.close()
+
+
+def _step_anatomy(before: dict, after: dict) -> dict:
+    """Per speculative step of the timed run: ms drafting and verifying, and (when every decode
+    step speculated) the rest of the step: sampling, acceptance, bookkeeping."""
+    delta = {
+        k: after[k] - before[k]
+        for k in ("spec_steps", "decode_steps", "draft_time_s", "verify_time_s", "decode_time_s")
+    }
+    steps = delta["spec_steps"]
+    if not steps:
+        return {}
+    draft, verify = 1000 * delta["draft_time_s"] / steps, 1000 * delta["verify_time_s"] / steps
+    anatomy = {"draft_ms": round(draft, 3), "verify_ms": round(verify, 3)}
+    if delta["decode_steps"] == steps:
+        anatomy["rest_ms"] = round(1000 * delta["decode_time_s"] / steps - draft - verify, 3)
+    return anatomy
 
 
 def _accept_length(before: dict, after: dict) -> float | None:
@@ -281,14 +301,15 @@ def run(stage: Stage) -> None:
     if started is None:
         return
     speed, policy, copy_gbs = started
-    plain_decoding(speed, "torch" if kernels["attention"] == "triton" else "triton")
+    other_kernels = "torch" if kernels["attention"] == "triton" else "triton"
+    plain_decoding(speed, other_kernels)
     bandwidth_floor(speed, policy, copy_gbs)
     stage.record("headline", speed.headline)
     # before the speculation parts: the budget ran out before it at the end (runs 7 and 9)
     with stage.part("profile of the batch-1 decode graph", 10, cuda_only=True) as ok:
         if ok:
             stage.record("batch1_replay_profile", replay_profile(speed.contenders.engine("none", speed.graphs)))
-    speculation(speed)
+    speculation(speed, other_kernels)
     long_tail(stage, speed.contenders, speed.contenders.tokenizer, speed.graphs, speed.add, speed.headline)
     stage.record("headline", speed.headline)
     speed.contenders.close()
@@ -333,21 +354,37 @@ def bandwidth_floor(speed: SpeedRun, policy, copy_gbs: float) -> None:
     speed.headline["batch-1 decode step / bandwidth floor (target <= 2x)"] = f"{step / floor:.1f}x ({step:.2f} ms)"
 
 
-def speculation(speed: SpeedRun) -> None:
+def speculation(speed: SpeedRun, other_kernels: str) -> None:
     """Every speculative strategy against ``none`` at the speculative batch sizes (with the seconds
-    each spent capturing graphs inside its timed run)."""
+    each spent capturing graphs inside its timed run, and where a step's time went); ``chain:4``
+    at batch 1 also with the other attention kernels (run 11: 15.1 ms a step against run 9's
+    11.6, its kernels the split-KV ones since)."""
     for batch in speed.stage.size.spec_batches:
         for strategy in SPEC_STRATEGIES:
             speed.measure(strategy, batch, speed.engine_rate(strategy, batch))
+        if batch == 1 and (other_kernels != "triton" or torch.cuda.is_available()):
+            name = f"chain:4 kernels={other_kernels}"
+            speed.measure(name, batch, speed.engine_rate("chain:4", batch, kernels=other_kernels))
         for strategy in SPEC_STRATEGIES:
             target = " (target >= 2x)" if (strategy, batch) == ("chain:4", 1) else ""
-            captured = next(
-                (r["capture_s_timed"] for r in speed.rows if r["contender"] == strategy and r["batch"] == batch), 0
+            row = next((r for r in speed.rows if r["contender"] == strategy and r["batch"] == batch), {})
+            notes = (
+                [f"{row['capture_s_timed']:.2f} s capturing in the timed run"]
+                if row.get("capture_s_timed", 0) >= 0.01
+                else []
             )
+            if "draft_ms" in row:
+                notes.append(f"a step: draft {row['draft_ms']:.2f} ms, verify {row['verify_ms']:.2f} ms")
             speed.headline[f"{strategy} / none, batch {batch}{target}"] = str(
                 speed.ratio((strategy, batch), ("none graphs", batch))
-            ) + (f" ({captured:.2f} s capturing in the timed run)" if captured >= 0.01 else "")
+            ) + (f" ({'; '.join(notes)})" if notes else "")
         speed.stage.record("headline", speed.headline)
+    other = next((r for r in speed.rows if r["contender"] == f"chain:4 kernels={other_kernels}"), None)
+    if other is not None:
+        speed.headline[f"chain:4 kernels={other_kernels} / none, batch 1"] = (
+            f"{speed.ratio((other['contender'], 1), ('none graphs', 1))} "
+            f"(a step: draft {other.get('draft_ms', 0):.2f} ms, verify {other.get('verify_ms', 0):.2f} ms)"
+        )
 
 
 def long_tail(stage: Stage, contenders: Contenders, tokenizer, graphs: str, add, headline: dict) -> None:
