@@ -222,6 +222,45 @@ def replay_profile(engine: RolloutEngine, rows: int = 15) -> dict:
     return {"kernels": len(events), "kernel_time_ms": busy_us / 1000, "table": table}
 
 
+def step_profile(engine: RolloutEngine, prompts, params, rows: int = 20) -> dict:
+    """Where a decode step's wall time goes beyond the replays (run 11: a batch-1 step 0.74 ms
+    longer than its replay; run 12: 2.0 ms on the 7.2B policy, and ``chain:4``'s drafting 10 ms):
+    one ``generate`` (warmed up) under the torch profiler, host and device, and under cProfile.
+    Per decode step: wall ms, device-busy ms, and the host's CUDA calls (copies, launches, graph
+    launches, syncs); the host ops by self time; the Python functions by own time."""
+    import cProfile
+    import io
+    import pstats
+
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    engine.generate(prompts, params)
+    steps_before = engine.stats.decode_steps
+    with profile(activities=activities) as prof:
+        outs, seconds = timed(lambda: engine.generate(prompts, params))
+    steps = max(1, engine.stats.decode_steps - steps_before)
+    events = prof.events()
+    device_us = sum(e.device_time_total for e in events if e.device_type.name == "CUDA")
+    calls = ("cudaMemcpyAsync", "cudaLaunchKernel", "cudaGraphLaunch", "cudaStreamSynchronize", "cudaMemsetAsync")
+    per_step = {c: round(sum(e.name == c for e in events) / steps, 1) for c in calls}
+    profiler = cProfile.Profile()
+    profiler.enable()
+    engine.generate(prompts, params)
+    profiler.disable()
+    text = io.StringIO()
+    pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(rows)
+    return {
+        "decode_steps": steps,
+        "wall_ms_per_step": round(1000 * seconds / steps, 3),
+        "device_busy_ms_per_step": round(device_us / 1000 / steps, 3),
+        "cuda_calls_per_step": per_step,
+        "host_ops": prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=rows),
+        "python": text.getvalue()[-6000:],
+        "tokens": sum(len(o.completion_ids) for o in outs),
+    }
+
+
 def decode_floor_ms(model, context: int, copy_gbs: float) -> tuple[float, int]:
     """The batch-1 decode step's floor: every weight and the context's K/V read once, at the copy rate."""
     cfg = model.config
@@ -309,6 +348,16 @@ def run(stage: Stage) -> None:
     with stage.part("profile of the batch-1 decode graph", 10, cuda_only=True) as ok:
         if ok:
             stage.record("batch1_replay_profile", replay_profile(speed.contenders.engine("none", speed.graphs)))
+    for strategy in ("none", "chain:4"):
+        with stage.part(f"profile of a batch-1 {strategy} step, host and device", 10) as ok:
+            if ok:
+                engine = speed.contenders.engine(strategy, speed.graphs)
+                profile = step_profile(engine, speed.prompts[:1], speed.greedy)
+                stage.record(f"batch1_step_profile {strategy}", profile)
+                speed.headline[f"batch-1 {strategy} step: wall / device busy"] = (
+                    f"{profile['wall_ms_per_step']:.2f} / {profile['device_busy_ms_per_step']:.2f} ms; "
+                    f"per step {profile['cuda_calls_per_step']}"
+                )
     speculation(speed, other_kernels)
     long_tail(stage, speed.contenders, speed.contenders.tokenizer, speed.graphs, speed.add, speed.headline)
     stage.record("headline", speed.headline)

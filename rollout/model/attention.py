@@ -336,9 +336,11 @@ def build_padded_metadata(
     scratch_slot: int,
     kernels: str | None = None,
     valid: np.ndarray | None = None,
+    device: torch.device | str | None = None,
 ) -> AttentionMetadata:
     """Metadata of fixed shape ``[batch, tokens, context]`` for a captured forward (``valid``: the
-    :func:`padded_rows` of ``seqs``, when the caller has them).
+    :func:`padded_rows` of ``seqs``, when the caller has them), its tensors on ``device`` (the
+    cache's by default; the graph pool takes them on the host and copies them over in one go).
 
     Sequence ``i``'s new tokens are rows ``i * tokens + r``. Padding rows (beyond a sequence's
     new tokens, or whole padding sequences) write their K/V to ``scratch_slot`` and attend to one
@@ -346,7 +348,8 @@ def build_padded_metadata(
     array numpy operations (a loop over sequences only for tree masks): this runs on the host
     before every captured replay, so its cost per sequence bounds large batches' step time.
     """
-    device, bs, n = cache.layout.device, cache.block_size, len(seqs)
+    device = cache.layout.device if device is None else torch.device(device)
+    bs, n = cache.block_size, len(seqs)
     use_plan = attention_backend(cache, kernels, tokens) == "triton"
     cached = np.fromiter((s.num_cached for s in seqs), np.int64, n)
     new = np.fromiter((s.num_new for s in seqs), np.int64, n)

@@ -24,6 +24,8 @@ from typing import Any
 
 import torch
 
+from .staged_inputs import StagedInputs
+
 logger = logging.getLogger(__name__)
 
 Inputs = dict[str, torch.Tensor]
@@ -83,27 +85,33 @@ class CapturedForward:
 
 
 class _EagerForward(CapturedForward):
-    def __init__(self, fn: ForwardFn, example: Inputs) -> None:
+    def __init__(self, fn: ForwardFn, example: Inputs, device: torch.device) -> None:
         self.fn = fn
-        # what static input buffers would hold: the bookkeeping matches the CUDA backend's
-        self.nbytes = tensor_bytes(example)
+        # the static buffers a captured graph reads, filled the same way (the same code on CPU)
+        self.staged = StagedInputs(example, device)
+        self.nbytes = self.staged.nbytes
 
     def run(self, inputs: Inputs) -> Outputs:
-        return self.fn(inputs)
+        self.staged.load(inputs)
+        return self.fn(self.staged.views)
 
 
 class EagerBackend:
-    """CPU (and fallback) backend: no capture, same interface and accounting."""
+    """CPU (and fallback) backend: no capture, same interface, staging and accounting."""
 
     name = "eager"
 
+    def __init__(self, device: torch.device | str = "cpu") -> None:
+        self.device = torch.device(device)
+
     def capture(self, fn: ForwardFn, example: Inputs) -> CapturedForward:
-        return _EagerForward(fn, example)
+        return _EagerForward(fn, example, self.device)
 
 
 class _CudaGraphForward(CapturedForward):
-    def __init__(self, fn: ForwardFn, example: Inputs, pool, warmup_iters: int = 2) -> None:
-        self.static_inputs = {k: v.clone() for k, v in example.items()}
+    def __init__(self, fn: ForwardFn, example: Inputs, pool, device: torch.device, warmup_iters: int = 2) -> None:
+        self.staged = StagedInputs(example, device)  # static inputs, one host-to-device copy per dtype
+        self.static_inputs = self.staged.views
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):  # warm-up outside the graph (lazy inits, autotuning)
@@ -125,8 +133,7 @@ class _CudaGraphForward(CapturedForward):
         self.nbytes = buffers + max(grown, output)
 
     def run(self, inputs: Inputs) -> Outputs:
-        for name, value in inputs.items():
-            self.static_inputs[name].copy_(value, non_blocking=True)
+        self.staged.load(inputs)
         self.graph.replay()
         return self.static_output  # valid until the next replay of any graph in the pool
 
@@ -141,9 +148,10 @@ class CudaGraphBackend:
 
     name = "cuda_graph"
 
-    def __init__(self) -> None:
+    def __init__(self, device: torch.device | str | None = None) -> None:
         if not torch.cuda.is_available():
             raise ValueError("the CUDA graph backend needs a CUDA device; use the eager backend on CPU")
+        self.device = torch.device(device) if device is not None else torch.device("cuda", torch.cuda.current_device())
         self.pool = torch.cuda.graph_pool_handle()
         self._live: weakref.WeakSet[_CudaGraphForward] = weakref.WeakSet()
         self._captured = False
@@ -151,7 +159,7 @@ class CudaGraphBackend:
     def capture(self, fn: ForwardFn, example: Inputs) -> CapturedForward:
         if self._captured and not self._live:
             self.pool = torch.cuda.graph_pool_handle()
-        entry = _CudaGraphForward(fn, example, self.pool)
+        entry = _CudaGraphForward(fn, example, self.pool, self.device)
         self._live.add(entry)
         self._captured = True
         return entry
@@ -224,7 +232,7 @@ class GraphPool:
         capturing it first if needed. ``key=None`` runs ``make_fn()`` eagerly, uncaptured."""
         if key is None:
             self.stats.uncaptured += 1
-            return make_fn()(inputs)
+            return make_fn()(self._on_device(inputs))
         entry = self._entries.get(key)
         if entry is not None:
             self._entries.move_to_end(key)
@@ -235,7 +243,7 @@ class GraphPool:
             # what is held and runs other shapes eagerly, so two captures never overlap (an H100
             # run saw one capture invalidated by the other thread's work)
             self.stats.uncaptured += 1
-            return make_fn()(inputs)
+            return make_fn()(self._on_device(inputs))
         start = time.perf_counter()
         entry = self.backend.capture(make_fn(), inputs)
         self.stats.capture_s[key] = took = time.perf_counter() - start
@@ -249,6 +257,9 @@ class GraphPool:
         self.stats.bytes += entry.nbytes
         self._evict_to_budget(keep=key)
         return entry.run(inputs)
+
+    def _on_device(self, inputs: Inputs) -> Inputs:
+        return {name: tensor.to(self.backend.device) for name, tensor in inputs.items()}
 
     def _evict_to_budget(self, keep: GraphKey) -> None:
         while self.stats.bytes > self.memory_budget:
@@ -272,5 +283,6 @@ def graph_pool_for(model: torch.nn.Module, config: Any) -> GraphPool | None:
         return None
     if backend == "cuda_graph" and not on_cuda:
         raise ValueError("RolloutConfig.graph_backend='cuda_graph' needs the model on a CUDA device")
-    chosen = CudaGraphBackend() if backend in ("auto", "cuda_graph") else EagerBackend()
+    device = next(model.parameters()).device
+    chosen = CudaGraphBackend(device) if backend in ("auto", "cuda_graph") else EagerBackend(device)
     return GraphPool(chosen, memory_budget=config.graph_memory_mb << 20)

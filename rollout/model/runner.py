@@ -269,14 +269,17 @@ class ModelRunner:
         self, seqs: Sequence[SequenceSlice], tokens: list[int], positions: list[int], key: GraphKey
     ) -> tuple[dict[str, torch.Tensor], AttentionMetadata, np.ndarray]:
         """The host's work before a replay of bucket ``key``: the padded forward's inputs (token
-        ids, positions, attention metadata), its metadata, and each packed token's padded row."""
+        ids, positions, attention metadata) on the host, where the graph pool copies them to the
+        device in one copy per dtype, its metadata, and each packed token's padded row."""
         b, q = key.batch, key.tokens
         valid = padded_rows(seqs, b, q)
-        meta = build_padded_metadata(self.cache, seqs, positions, b, q, key.context, self.scratch_slot, valid=valid)
+        meta = build_padded_metadata(
+            self.cache, seqs, positions, b, q, key.context, self.scratch_slot, valid=valid, device="cpu"
+        )
         ids = np.zeros((b, q), dtype=np.int64)
         ids[valid] = np.asarray(tokens, dtype=np.int64)
         inputs = {
-            "ids": torch.from_numpy(ids).view(1, -1).to(self.device),
+            "ids": torch.from_numpy(ids).view(1, -1),
             "pos": meta.query_positions.view(1, -1),  # each row's position: the model's position ids
             "slot_mapping": meta.slot_mapping,
             "gather_slots": meta.gather_slots,

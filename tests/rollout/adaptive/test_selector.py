@@ -322,7 +322,7 @@ def test_calibration_captures_the_graphs_and_one_off_steps_teach_no_costs(monkey
     def slow_capture(self, fn, example):
         clock.sleep(0.05)
         captured.append(1)
-        return graph_pool._EagerForward(fn, example)
+        return graph_pool._EagerForward(fn, example, self.device)
 
     monkeypatch.setattr(graph_pool.EagerBackend, "capture", slow_capture)
     model = cached_model("llama")
