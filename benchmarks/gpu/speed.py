@@ -226,7 +226,8 @@ def step_profile(engine: RolloutEngine, prompts, params, rows: int = 20) -> dict
     """Where a decode step's wall time goes beyond the replays (run 11: a batch-1 step 0.74 ms
     longer than its replay; run 12: 2.0 ms on the 7.2B policy, and ``chain:4``'s drafting 10 ms):
     one ``generate`` (warmed up) under the torch profiler, host and device, and under cProfile.
-    Per decode step: wall ms, device-busy ms, and the host's CUDA calls (copies, launches, graph
+    Per decode step (the generate's wall time and device time over its decode steps, its prefill
+    included): wall ms, device-busy ms, and the host's CUDA calls (copies, launches, graph
     launches, syncs); the host ops by self time; the Python functions by own time."""
     import cProfile
     import io
