@@ -33,11 +33,11 @@ def choose_draft_tokens(
     then agrees with the target's draw wherever the two distributions are close. That shared noise
     cannot bias the output: a keyed row's emitted token is the target's perturbed argmax whatever
     was drafted."""
+    if all(s.params.greedy for s in seqs):  # the argmax of the logits: no distribution to hand over
+        return logits.argmax(dim=-1).tolist(), None
     st = BatchSamplingTensors.from_params([s.params for s in seqs], logits.device)
     logprobs = processed_logprobs(logits, st)
     chosen = logprobs.argmax(dim=-1)
-    if st.all_greedy:
-        return chosen.tolist(), None
     uniforms = draw_uniforms([s.generator for s in seqs], generator).to(logits.device)
     sampled = sample_from_logprobs(logprobs, uniforms)
     chosen = torch.where(st.temperature > 0, sampled, chosen)

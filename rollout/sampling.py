@@ -21,7 +21,9 @@ from .position_noise import keyed_scores
 
 @dataclass
 class BatchSamplingTensors:
-    """Per-row sampling parameters as tensors on the logits' device."""
+    """Per-row sampling parameters as tensors on the logits' device. An all-greedy batch reads
+    none of them (its token is the argmax), so it keeps them on the host: four host-to-device
+    copies fewer per forward, each 15-20 µs of a GPU machine's host (GPU run 11)."""
 
     temperature: torch.Tensor  # [B] float, 0 = greedy
     top_k: torch.Tensor  # [B] long, 0 = off
@@ -39,13 +41,15 @@ class BatchSamplingTensors:
         top_k = [p.top_k for p in params]
         top_p = [p.top_p for p in params]
         min_p = [p.min_p for p in params]
+        all_greedy = all(t == 0 for t in temps)
+        device = torch.device("cpu") if all_greedy else device
         return cls(
             temperature=torch.tensor(temps, dtype=torch.float32, device=device),
             top_k=torch.tensor(top_k, dtype=torch.long, device=device),
             top_p=torch.tensor(top_p, dtype=torch.float32, device=device),
             min_p=torch.tensor(min_p, dtype=torch.float32, device=device),
             any_greedy=any(t == 0 for t in temps),
-            all_greedy=all(t == 0 for t in temps),
+            all_greedy=all_greedy,
             any_top_k=any(k > 0 for k in top_k),
             any_top_p=any(p < 1.0 for p in top_p),
             any_min_p=any(m > 0 for m in min_p),
@@ -53,6 +57,7 @@ class BatchSamplingTensors:
 
     def repeat_interleave(self, counts: torch.Tensor) -> BatchSamplingTensors:
         """Rows repeated ``counts[i]`` times (one row per scored position of a sequence)."""
+        counts = counts.to(self.temperature.device)
         return BatchSamplingTensors(
             temperature=self.temperature.repeat_interleave(counts),
             top_k=self.top_k.repeat_interleave(counts),

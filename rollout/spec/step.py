@@ -56,7 +56,7 @@ def verify(
     seqs: Seq[Sequence], trees: Seq[DraftTree], logits: torch.Tensor, num_new: Seq[int], generator: torch.Generator
 ) -> Verified:
     """Verdicts for every sequence's tree from one forward's logits (``num_new`` rows each)."""
-    counts = torch.tensor(num_new, device=logits.device)
+    counts = torch.tensor(num_new)  # on the host: an all-greedy batch's sampling tensors stay there
     st = BatchSamplingTensors.from_params([s.params for s in seqs], logits.device).repeat_interleave(counts)
     logprobs = processed_logprobs(logits, st)
     if st.all_greedy:
