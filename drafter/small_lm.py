@@ -246,13 +246,17 @@ class SmallLMDrafter(Drafter):
     # -- forward helpers -----------------------------------------------------------------
     @contextmanager
     def _inference(self) -> Iterator[None]:
+        # entered at every draft: a model already in eval mode (as between training steps) is not
+        # walked twice more to set and restore the mode
         was_training = self.model.training
-        self.model.eval()
+        if was_training:
+            self.model.eval()
         try:
             with torch.no_grad(), paged_attention_enabled(self.model):
                 yield
         finally:
-            self.model.train(was_training)
+            if was_training:
+                self.model.train()
 
     def _logits(self, slices, tokens, positions, logits_index) -> torch.Tensor:
         if self.heads is None:

@@ -10,6 +10,7 @@ independent of cache indices, so tree nodes at the same depth share a position.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -289,13 +290,26 @@ def register_paged_attention() -> None:
         _registered = True
 
 
+_CONFIGS: weakref.WeakKeyDictionary[torch.nn.Module, tuple[object, list[PretrainedConfig]]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
 def _configs_of(model: torch.nn.Module) -> list[PretrainedConfig]:
+    """The model's configs (its submodules' too), found once per model and top-level config: a
+    drafter enters paged attention at every draft, and the walk over all its modules cost more
+    than the rest of entering."""
+    top = getattr(model, "config", None)
+    known = _CONFIGS.get(model)
+    if known is not None and known[0] is top:
+        return known[1]
     seen: dict[int, PretrainedConfig] = {}
     for m in model.modules():
         cfg = getattr(m, "config", None)
         if isinstance(cfg, PretrainedConfig):
             seen.setdefault(id(cfg), cfg)
-    return list(seen.values())
+    _CONFIGS[model] = (top, list(seen.values()))
+    return _CONFIGS[model][1]
 
 
 @contextmanager
