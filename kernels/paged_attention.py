@@ -47,10 +47,13 @@ class PagedAttentionPlan:
         """``block_tables`` may be ragged (padded here with block 0) or a ``[B, blocks]`` array.
         ``mask_size`` materialises a ``[B, mask_size, mask_size]`` mask (causal where no tree)
         even without trees, so a captured graph sees inputs of one shape whatever the step holds."""
-        max_blocks = max(1, max(len(t) for t in block_tables))
-        table = np.zeros((len(block_tables), max_blocks), dtype=np.int32)
-        for i, t in enumerate(block_tables):
-            table[i, : len(t)] = t
+        if isinstance(block_tables, np.ndarray) and block_tables.ndim == 2 and block_tables.shape[1] >= 1:
+            table = block_tables.astype(np.int32)  # a captured bucket's padded tables: no loop over rows
+        else:
+            max_blocks = max(1, max(len(t) for t in block_tables))
+            table = np.zeros((len(block_tables), max_blocks), dtype=np.int32)
+            for i, t in enumerate(block_tables):
+                table[i, : len(t)] = t
         max_q = mask_size or max(1, max(query_lens))
         tree_mask = None
         if mask_size is not None or any(m is not None for m in tree_masks):
