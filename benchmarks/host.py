@@ -107,7 +107,8 @@ def run_host_section(out: Path, quick: bool = False) -> str:
         "bucket on shuffled blocks of 16; one torch thread; median of 30 calls. The block-table inputs "
         "(the split-KV kernel's) pad to its coarse context buckets (2k, 8k, 32k), so the context-512 rows "
         "build 2k-wide tables. On a GPU the same work runs on the host before every replay, the target's "
-        "and each drafter-LM level's.\n\n"
+        "and each drafter-LM level's; the inputs are built on the host and go to the device in one "
+        "pinned copy per dtype (`StagedInputs`, since 2026-11-27), which this table does not include.\n\n"
         f"{table}"
     )
     replace_section(out, HOST_TITLE, body, "tailspec bench --section host")
