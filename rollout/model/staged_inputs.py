@@ -31,12 +31,15 @@ class StagedInputs:
             self._layout.setdefault(tensor.dtype, []).append((name, offset, tensor.numel()))
             sizes[tensor.dtype] = offset + tensor.numel()
         self._device_buffers = {dt: torch.empty(n, dtype=dt, device=self.device) for dt, n in sizes.items()}
-        self._host_buffers = {dt: torch.empty(n, dtype=dt, pin_memory=pinned) for dt, n in sizes.items()}
+        # an empty group (the gathering path's mask when the split-KV kernel runs) needs no copy
+        self._host_buffers = {dt: torch.empty(n, dtype=dt, pin_memory=pinned) for dt, n in sizes.items() if n}
         self.views: Inputs = {}
         for dtype, entries in self._layout.items():
             for name, offset, numel in entries:
                 self.views[name] = self._device_buffers[dtype][offset : offset + numel].view(example[name].shape)
-        self._copied: torch.cuda.Event | None = None  # the last host-to-device copy (pinned buffers)
+        # recorded after each load's copies: the pinned buffers are rewritten only once they are done
+        self._copied = torch.cuda.Event() if pinned else None
+        self._pending = False
         self.load(example)
 
     @property
@@ -54,9 +57,11 @@ class StagedInputs:
                     f"input {name!r} is {tuple(tensor.shape)} {tensor.dtype}, the captured forward's "
                     f"{tuple(self.views[name].shape)} {self.views[name].dtype}"
                 )
-        if self._copied is not None:
+        if self._pending:
             self._copied.synchronize()  # the pinned buffers are free again once the last copy is done
         for dtype, entries in self._layout.items():
+            if dtype not in self._host_buffers:
+                continue
             if all(inputs[name].device.type == "cpu" for name, _, _ in entries):
                 flat = [inputs[name].reshape(-1) for name, _, _ in entries]
                 torch.cat(flat, out=self._host_buffers[dtype])
@@ -64,6 +69,6 @@ class StagedInputs:
             else:  # on the device already (a caller's own tensors): one copy each
                 for name, _, _ in entries:
                     self.views[name].copy_(inputs[name], non_blocking=True)
-        if self.device.type == "cuda":
-            self._copied = torch.cuda.Event()
+        if self._copied is not None:
             self._copied.record()
+            self._pending = True

@@ -60,3 +60,29 @@ def test_inputs_of_another_shape_are_a_clear_error(change, message):
     change(wrong)
     with pytest.raises(ValueError, match=message):
         staged.load(wrong)
+
+
+def test_a_dtype_with_nothing_in_it_is_left_alone():
+    """The gathering path's mask is empty when the split-KV kernel runs: its group needs no copy."""
+    example = {**_inputs(0), "mask": torch.zeros(3, 1, 2, 0, dtype=torch.bool)}
+    staged = StagedInputs(example, "cpu")
+    staged.load({**_inputs(1), "mask": torch.zeros(3, 1, 2, 0, dtype=torch.bool)})
+    assert staged.views["mask"].shape == (3, 1, 2, 0) and torch.equal(staged.views["ids"], _inputs(1)["ids"])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_pinned_copies_fill_the_device_views_load_after_load():
+    """On CUDA the host buffers are pinned and each load's copies asynchronous: a load waits for
+    the previous copies before rewriting them, so back-to-back loads each land whole."""
+    staged = StagedInputs(_inputs(0), "cuda")
+    snapshots = []
+    for seed in range(1, 6):  # no sync between the loads: each snapshot is queued after its copies
+        staged.load(_inputs(seed))
+        snapshots.append({name: view.clone() for name, view in staged.views.items()})
+    torch.cuda.synchronize()
+    for seed, snapshot in zip(range(1, 6), snapshots):
+        assert all(torch.equal(snapshot[name].cpu(), tensor) for name, tensor in _inputs(seed).items())
+    on_device = {k: v.cuda() for k, v in _inputs(9).items()}
+    staged.load(on_device)
+    assert all(torch.equal(staged.views[k], v) for k, v in on_device.items())
