@@ -417,24 +417,25 @@ def speculation(speed: SpeedRun, other_kernels: str) -> None:
             speed.measure(name, batch, speed.engine_rate("chain:4", batch, kernels=other_kernels))
         for strategy in SPEC_STRATEGIES:
             target = " (target >= 2x)" if (strategy, batch) == ("chain:4", 1) else ""
-            row = next((r for r in speed.rows if r["contender"] == strategy and r["batch"] == batch), {})
-            notes = (
-                [f"{row['capture_s_timed']:.2f} s capturing in the timed run"]
-                if row.get("capture_s_timed", 0) >= 0.01
-                else []
-            )
-            if "draft_ms" in row:
-                notes.append(f"a step: draft {row['draft_ms']:.2f} ms, verify {row['verify_ms']:.2f} ms")
-            speed.headline[f"{strategy} / none, batch {batch}{target}"] = str(
-                speed.ratio((strategy, batch), ("none graphs", batch))
-            ) + (f" ({'; '.join(notes)})" if notes else "")
+            _headline_ratio(speed, strategy, batch, f"{strategy} / none, batch {batch}{target}")
         speed.stage.record("headline", speed.headline)
-    other = next((r for r in speed.rows if r["contender"] == f"chain:4 kernels={other_kernels}"), None)
-    if other is not None:
-        speed.headline[f"chain:4 kernels={other_kernels} / none, batch 1"] = (
-            f"{speed.ratio((other['contender'], 1), ('none graphs', 1))} "
-            f"(a step: draft {other.get('draft_ms', 0):.2f} ms, verify {other.get('verify_ms', 0):.2f} ms)"
-        )
+    other = f"chain:4 kernels={other_kernels}"
+    if any(r["contender"] == other for r in speed.rows):
+        _headline_ratio(speed, other, 1, f"{other} / none, batch 1")
+
+
+def _headline_ratio(speed: SpeedRun, contender: str, batch: int, title: str) -> None:
+    """``contender`` against ``none`` at ``batch`` in the headline, with the seconds its timed run
+    spent capturing graphs and where its speculative steps' time went (when measured)."""
+    row = next((r for r in speed.rows if r["contender"] == contender and r["batch"] == batch), {})
+    notes = []
+    if row.get("capture_s_timed", 0) >= 0.01:
+        notes.append(f"{row['capture_s_timed']:.2f} s capturing in the timed run")
+    if "draft_ms" in row:
+        notes.append(f"a step: draft {row['draft_ms']:.2f} ms, verify {row['verify_ms']:.2f} ms")
+    speed.headline[title] = str(speed.ratio((contender, batch), ("none graphs", batch))) + (
+        f" ({'; '.join(notes)})" if notes else ""
+    )
 
 
 def long_tail(stage: Stage, contenders: Contenders, tokenizer, graphs: str, add, headline: dict) -> None:

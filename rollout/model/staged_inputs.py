@@ -37,9 +37,9 @@ class StagedInputs:
         for dtype, entries in self._layout.items():
             for name, offset, numel in entries:
                 self.views[name] = self._device_buffers[dtype][offset : offset + numel].view(example[name].shape)
-        # recorded after each load's copies: the pinned buffers are rewritten only once they are done
+        # recorded after each load's copies (this one's first): the pinned buffers are rewritten
+        # only once they are done
         self._copied = torch.cuda.Event() if pinned else None
-        self._pending = False
         self.load(example)
 
     @property
@@ -57,7 +57,7 @@ class StagedInputs:
                     f"input {name!r} is {tuple(tensor.shape)} {tensor.dtype}, the captured forward's "
                     f"{tuple(self.views[name].shape)} {self.views[name].dtype}"
                 )
-        if self._pending:
+        if self._copied is not None:
             self._copied.synchronize()  # the pinned buffers are free again once the last copy is done
         for dtype, entries in self._layout.items():
             if dtype not in self._host_buffers:
@@ -71,4 +71,3 @@ class StagedInputs:
                     self.views[name].copy_(inputs[name], non_blocking=True)
         if self._copied is not None:
             self._copied.record()
-            self._pending = True
