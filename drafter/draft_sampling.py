@@ -8,6 +8,7 @@ from collections.abc import Sequence
 import torch
 
 from ..draft_contract import DraftRequest, DraftTree
+from ..kernels.transfers import to_device
 from ..rollout.position_noise import keyed_scores
 from ..rollout.request import Sequence as EngineSequence
 from ..rollout.sampling import BatchSamplingTensors, draw_uniforms, processed_logprobs, sample_from_logprobs
@@ -38,7 +39,7 @@ def choose_draft_tokens(
     st = BatchSamplingTensors.from_params([s.params for s in seqs], logits.device)
     logprobs = processed_logprobs(logits, st)
     chosen = logprobs.argmax(dim=-1)
-    uniforms = draw_uniforms([s.generator for s in seqs], generator).to(logits.device)
+    uniforms = to_device(draw_uniforms([s.generator for s in seqs], generator), logits.device)
     sampled = sample_from_logprobs(logprobs, uniforms)
     chosen = torch.where(st.temperature > 0, sampled, chosen)
     depths = list(depths) or [0] * len(seqs)

@@ -105,14 +105,14 @@ def _small_lm_drafter(lm: torch.nn.Module, target: torch.nn.Module, s: DraftSett
     from .small_lm import SmallLMDrafter
 
     check_same_device(lm, target, "a drafter LM")
-    on_cuda = s.config is not None and next(lm.parameters()).is_cuda
     return SmallLMDrafter(
         lm,
         kv_cache_tokens=s.kv_cache_tokens,
         block_size=s.block_size,
         seed=s.seed,
-        # on CUDA, draft forwards replay captured graphs as the target's do (CPU keeps eager drafts)
-        graph_pool=graph_pool_for(lm, s.config) if on_cuda else None,
+        # draft forwards replay from a pool of their own as the target's do: captured graphs on
+        # CUDA, padded eager buckets where the config asks for them (the CPU rehearsal of that path)
+        graph_pool=graph_pool_for(lm, s.config) if s.config is not None else None,
     )
 
 

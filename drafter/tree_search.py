@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from ..draft_contract import DraftRequest, DraftShape, DraftTree
+from ..kernels.transfers import read_back
 
 
 @dataclass
@@ -50,8 +51,9 @@ def grow_trees(
     what :class:`LevelInput.keep` refers to)."""
     nodes: list[list[Node]] = [[] for _ in requests]
     frontier: list[list[int]] = [[] for _ in requests]
+    root_children = top_children(root_logprobs, shape.topk)
     for i, r in enumerate(requests):
-        _add_children(nodes[i], -1, 0.0, root_logprobs[i], shape.topk)
+        _add_children(nodes[i], -1, 0.0, root_children[i])
         frontier[i] = _best(nodes[i], range(len(nodes[i])), r.seq.stop_ids, shape.topk)
 
     for level in range(2, shape.depth + 1):
@@ -64,21 +66,29 @@ def grow_trees(
             local = {n: k for k, n in enumerate(keep)}
             sub = DraftTree([nodes[i][n].token for n in keep], [local.get(nodes[i][n].parent, -1) for n in keep])
             inputs.append(LevelInput(i, keep, sub, [local[n] for n in frontier[i]]))
-        logprobs = score_level(inputs)
+        children = top_children(score_level(inputs), shape.topk)
         row = 0
         for inp in inputs:
             i = inp.index
             before = len(nodes[i])
             for n in frontier[i]:
-                _add_children(nodes[i], n, nodes[i][n].score, logprobs[row], shape.topk)
+                _add_children(nodes[i], n, nodes[i][n].score, children[row])
                 row += 1
             frontier[i] = _best(nodes[i], range(before, len(nodes[i])), requests[i].seq.stop_ids, shape.topk)
     return [select(nodes[i], shape.max_nodes) for i in range(len(requests))], nodes
 
 
-def _add_children(nodes: list[Node], parent: int, parent_score: float, logprobs: torch.Tensor, topk: int) -> None:
-    top = torch.topk(logprobs, min(topk, logprobs.shape[-1]))
-    for lp, tok in zip(top.values.tolist(), top.indices.tolist()):
+def top_children(logprobs: torch.Tensor, topk: int) -> list[list[tuple[float, int]]]:
+    """Per row of ``logprobs`` ``[R, V]``, its ``topk`` best ``(logprob, token)``, best first: the
+    whole level's in one read from the device."""
+    k = min(topk, logprobs.shape[-1])
+    top = torch.topk(logprobs, k, dim=-1)
+    values, tokens = read_back(top.values, top.indices)
+    return [list(zip(values[r * k : (r + 1) * k], tokens[r * k : (r + 1) * k])) for r in range(logprobs.shape[0])]
+
+
+def _add_children(nodes: list[Node], parent: int, parent_score: float, children: list[tuple[float, int]]) -> None:
+    for lp, tok in children:
         if lp == float("-inf"):
             break
         nodes.append(Node(parent_score + lp, tok, parent))

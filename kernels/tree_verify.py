@@ -15,7 +15,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+import numpy as np
 import torch
+
+from .transfers import to_device
 
 
 class TreeLike(Protocol):
@@ -69,24 +72,27 @@ def pack_trees(trees: Sequence[TreeLike], vocab: int, device: torch.device) -> P
         next_sibling += siblings
         tokens += list(tree.tokens)
         if any_q and n:
-            q = tree.draft_probs if tree.draft_probs is not None else torch.zeros(n, vocab)
-            q_rows.append(q.to(torch.float32))
+            q = tree.draft_probs if tree.draft_probs is not None else torch.zeros(n, vocab, device=device)
+            q_rows.append(to_device(q, device, torch.float32))
 
-    def ints(values: list[int]) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.int32, device=device)
-
+    # the seven index arrays travel in one queued copy (each alone would wait for the device)
+    fields = [row_start, node_start, num_nodes, first_child, next_sibling or [-1], tokens or [0], has_q]
+    packed = to_device(np.asarray([v for f in fields for v in f], dtype=np.int32), device)
+    row_start_t, node_start_t, num_nodes_t, first_child_t, next_sibling_t, tokens_t, has_q_t = packed.split(
+        [len(f) for f in fields]
+    )
     if q_rows:
-        draft_probs = torch.cat([q.to(device) for q in q_rows]).contiguous()
+        draft_probs = torch.cat(q_rows).contiguous()
     else:
         draft_probs = torch.zeros(1, vocab, dtype=torch.float32, device=device)
     return PackedTrees(
-        row_start=ints(row_start),
-        node_start=ints(node_start),
-        num_nodes=ints(num_nodes),
-        first_child=ints(first_child),
-        next_sibling=ints(next_sibling or [-1]),
-        tokens=ints(tokens or [0]),
-        has_q=ints(has_q),
+        row_start=row_start_t,
+        node_start=node_start_t,
+        num_nodes=num_nodes_t,
+        first_child=first_child_t,
+        next_sibling=next_sibling_t,
+        tokens=tokens_t,
+        has_q=has_q_t,
         draft_probs=draft_probs,
         max_depth=max_depth,
     )

@@ -25,7 +25,10 @@ import hashlib
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
+
+from ..kernels.transfers import to_device
 
 if TYPE_CHECKING:
     from .params import SamplingParams
@@ -50,9 +53,8 @@ def position_uniforms(seeds: Sequence[int], indices: Sequence[int], vocab: int, 
     """``[R, vocab]`` float64 uniforms in (0, 1): row ``r`` keyed on ``(seeds[r], indices[r])``,
     column ``j`` on the token id. Two 32-bit hashes give 53 random bits per entry."""
     words = [_key_words(s) for s in seeds]
-    lo = torch.tensor([w[0] for w in words], dtype=torch.int64, device=device)
-    hi = torch.tensor([w[1] for w in words], dtype=torch.int64, device=device)
-    index = torch.tensor(list(indices), dtype=torch.int64, device=device) & _MASK32
+    keys = to_device(np.asarray([[w[0] for w in words], [w[1] for w in words], list(indices)], dtype=np.int64), device)
+    lo, hi, index = keys[0], keys[1], keys[2] & _MASK32
     row = _mix32(_mix32(_mix32(lo ^ 0x68E31DA4) ^ hi) ^ index)  # [R]
     token = torch.arange(vocab, dtype=torch.int64, device=device)
     h1 = _mix32(row.unsqueeze(-1) ^ _mix32(token ^ 0x1B56C4E9))  # [R, V]

@@ -11,19 +11,22 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import accumulate
 from typing import Any
 
+import numpy as np
 import torch
 
+from ..kernels.transfers import read_back, to_device
 from .params import SamplingParams
 from .position_noise import keyed_scores
 
 
 @dataclass
 class BatchSamplingTensors:
-    """Per-row sampling parameters as tensors on the logits' device. An all-greedy batch reads
-    none of them (its token is the argmax), so it keeps them on the host: four host-to-device
-    copies fewer per forward, each 15-20 µs of a GPU machine's host (GPU run 11)."""
+    """Per-row sampling parameters as tensors on the logits' device, queued there without waiting
+    (``kernels/transfers.py``). An all-greedy batch reads none of them (its token is the argmax),
+    so it keeps them on the host."""
 
     temperature: torch.Tensor  # [B] float, 0 = greedy
     top_k: torch.Tensor  # [B] long, 0 = off
@@ -34,9 +37,18 @@ class BatchSamplingTensors:
     any_top_k: bool
     any_top_p: bool
     any_min_p: bool
+    # the largest top_k when every row asks for one, else 0 (some row keeps all): top-k's width,
+    # known on the host, where reading it from the tensor would wait for the device
+    widest_top_k: int = 0
 
     @classmethod
-    def from_params(cls, params: Sequence[SamplingParams], device: torch.device) -> BatchSamplingTensors:
+    def from_params(
+        cls, params: Sequence[SamplingParams], device: torch.device, repeats: Sequence[int] | None = None
+    ) -> BatchSamplingTensors:
+        """One row per entry of ``params``, or ``repeats[i]`` rows for entry ``i`` (one per scored
+        position of a sequence); built on the host and queued to ``device`` without waiting."""
+        if repeats is not None:
+            params = [p for p, n in zip(params, repeats) for _ in range(n)]
         temps = [p.temperature for p in params]
         top_k = [p.top_k for p in params]
         top_p = [p.top_p for p in params]
@@ -44,30 +56,16 @@ class BatchSamplingTensors:
         all_greedy = all(t == 0 for t in temps)
         device = torch.device("cpu") if all_greedy else device
         return cls(
-            temperature=torch.tensor(temps, dtype=torch.float32, device=device),
-            top_k=torch.tensor(top_k, dtype=torch.long, device=device),
-            top_p=torch.tensor(top_p, dtype=torch.float32, device=device),
-            min_p=torch.tensor(min_p, dtype=torch.float32, device=device),
+            temperature=to_device(np.asarray(temps, dtype=np.float32), device),
+            top_k=to_device(np.asarray(top_k, dtype=np.int64), device),
+            top_p=to_device(np.asarray(top_p, dtype=np.float32), device),
+            min_p=to_device(np.asarray(min_p, dtype=np.float32), device),
             any_greedy=any(t == 0 for t in temps),
             all_greedy=all_greedy,
             any_top_k=any(k > 0 for k in top_k),
             any_top_p=any(p < 1.0 for p in top_p),
             any_min_p=any(m > 0 for m in min_p),
-        )
-
-    def repeat_interleave(self, counts: torch.Tensor) -> BatchSamplingTensors:
-        """Rows repeated ``counts[i]`` times (one row per scored position of a sequence)."""
-        counts = counts.to(self.temperature.device)
-        return BatchSamplingTensors(
-            temperature=self.temperature.repeat_interleave(counts),
-            top_k=self.top_k.repeat_interleave(counts),
-            top_p=self.top_p.repeat_interleave(counts),
-            min_p=self.min_p.repeat_interleave(counts),
-            any_greedy=self.any_greedy,
-            all_greedy=self.all_greedy,
-            any_top_k=self.any_top_k,
-            any_top_p=self.any_top_p,
-            any_min_p=self.any_min_p,
+            widest_top_k=max(top_k) if top_k and min(top_k) > 0 else 0,
         )
 
 
@@ -77,11 +75,13 @@ def apply_temperature(logits: torch.Tensor, temperature: torch.Tensor) -> torch.
     return logits / safe.unsqueeze(-1)
 
 
-def apply_top_k(logits: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
-    """Keep the ``top_k`` largest logits of each row (0 = keep all); ties at the edge are kept."""
+def apply_top_k(logits: torch.Tensor, top_k: torch.Tensor, widest: int | None = None) -> torch.Tensor:
+    """Keep the ``top_k`` largest logits of each row (0 = keep all); ties at the edge are kept.
+    ``widest``: the largest ``top_k`` when every row has one, else 0, if the caller knows it."""
     vocab = logits.shape[-1]
     k = torch.where((top_k > 0) & (top_k < vocab), top_k, torch.full_like(top_k, vocab))
-    kth = torch.topk(logits, int(k.max().item()), dim=-1).values
+    width = int(k.max().item()) if widest is None else (widest if 0 < widest < vocab else vocab)
+    kth = torch.topk(logits, width, dim=-1).values
     threshold = kth.gather(-1, (k - 1).unsqueeze(-1))
     return logits.masked_fill(logits < threshold, float("-inf"))
 
@@ -114,7 +114,7 @@ def processed_logprobs(logits: torch.Tensor, st: BatchSamplingTensors) -> torch.
         x = apply_temperature(x, st.temperature)
         filtered = x
         if st.any_top_k:
-            filtered = apply_top_k(filtered, st.top_k)
+            filtered = apply_top_k(filtered, st.top_k, st.widest_top_k)
         if st.any_top_p:
             filtered = apply_top_p(filtered, st.top_p)
         if st.any_min_p:
@@ -175,13 +175,14 @@ def sample_next_tokens(
     logprobs = processed_logprobs(logits, st)
     uniforms = None
     if not st.all_greedy:
-        uniforms = draw_uniforms([s.generator for s in seqs], fallback).to(logits.device)
+        uniforms = to_device(draw_uniforms([s.generator for s in seqs], fallback), logits.device)
     keyed = None
     if any(s.params.position_keyed for s in seqs):
         keyed = keyed_scores(logprobs, [s.params for s in seqs], [len(s.output_ids) for s in seqs])
     chosen = choose_tokens(logprobs, st, uniforms, keyed)
     chosen_lp = logprobs.gather(-1, chosen.unsqueeze(-1)).squeeze(-1)
-    return chosen.tolist(), chosen_lp.tolist()
+    tokens, logprobs_of_tokens = read_back(chosen, chosen_lp)  # one wait for the device
+    return tokens, logprobs_of_tokens
 
 
 def draw_uniforms(
@@ -191,7 +192,7 @@ def draw_uniforms(
     when it has one (seeded requests, whose draws then do not depend on the rest of the batch),
     else from ``fallback``."""
     sizes = list(counts) if counts is not None else [1] * len(generators)
-    ends = torch.tensor(sizes).cumsum(0).tolist()
+    ends = list(accumulate(sizes))
     out = torch.empty(ends[-1] if ends else 0, dtype=torch.float64)
     shared = [(end - n, end) for g, n, end in zip(generators, sizes, ends) if g is None and n > 0]
     if shared:
@@ -208,7 +209,7 @@ def store_prompt_logprobs(scored: list[tuple[Any, int]], span_logits: torch.Tens
     prompt tokens of ``leader``); a group's followers (same prompt) take the suffix of their
     leader's span that they asked for."""
     targets = [tok for seq, n in scored for tok in seq.prompt_ids[len(seq.prompt_ids) - n :]]
-    target = torch.tensor(targets, device=span_logits.device).unsqueeze(-1)
+    target = to_device(np.asarray(targets, dtype=np.int64), span_logits.device).unsqueeze(-1)
     picked = torch.log_softmax(span_logits.float(), dim=-1).gather(-1, target).squeeze(-1).tolist()
     offset = 0
     for leader, n in scored:

@@ -29,9 +29,11 @@ from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 from functools import partial
 
+import numpy as np
 import torch
 
 from ...draft_contract import Drafter, DraftRequest, DraftShape, DraftTree, SequenceView
+from ...kernels.transfers import to_device
 from ...rollout.model.attention import METADATA_KWARG, SequenceSlice, build_metadata, paged_attention_forward
 from ...rollout.model.kv_cache import KVLayout, PagedKVCache, blocks_for
 from ...rollout.model.runner import model_device_dtype
@@ -57,7 +59,7 @@ def gather_pending(pending: list[PendingFeatures]) -> torch.Tensor:
         if rows[-1] - rows[0] + 1 == len(rows):  # contiguous (always for plain decoding): a slice
             parts.append(source[rows[0] : rows[-1] + 1])
         else:
-            parts.append(source.index_select(0, torch.tensor(rows, device=source.device)))
+            parts.append(source.index_select(0, to_device(np.asarray(rows, dtype=np.int64), source.device)))
     return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
@@ -216,8 +218,7 @@ class Eagle3Drafter(Drafter):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """One packed head forward over the paged cache -> (hidden out ``[T, H]``, target-vocab logits ``[T, V]``)."""
         device = self.cache.layout.device
-        ids = torch.tensor(tokens, dtype=torch.long, device=device)
-        pos = torch.tensor(positions, dtype=torch.long, device=device)
+        ids, pos = to_device(np.asarray([tokens, positions], dtype=np.int64), device)
         meta = build_metadata(self.cache, slices, pos)
         attn = self.head.midlayer.self_attn
         scale = self.head.config.head_dim**-0.5

@@ -14,6 +14,7 @@ import weakref
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from itertools import accumulate
 
 import numpy as np
 import torch
@@ -22,6 +23,7 @@ from transformers import AttentionInterface, PretrainedConfig
 
 from ...kernels.dispatch import SPLIT_KV_MAX_NEW, attention_suits_triton, resolve_backend
 from ...kernels.paged_attention import PagedAttentionPlan, paged_attention_split_kv, paged_attention_triton
+from ...kernels.transfers import to_device
 from .kv_cache import PagedKVCache
 
 ATTN_IMPLEMENTATION = "tailspec_paged"
@@ -89,9 +91,9 @@ def build_metadata(
 
     max_blocks = max(len(s.block_table) for s in seqs)
     padded = [s.block_table + [0] * (max_blocks - len(s.block_table)) for s in seqs]
-    table = torch.tensor(padded, dtype=torch.long, device=device)
-    cached = torch.tensor([s.num_cached for s in seqs], dtype=torch.long, device=device)
-    q_len_t = torch.tensor(q_lens, dtype=torch.long, device=device)
+    table = to_device(np.asarray(padded, dtype=np.int64), device)
+    cached = to_device(np.asarray([s.num_cached for s in seqs], dtype=np.int64), device)
+    q_len_t = to_device(np.asarray(q_lens, dtype=np.int64), device)
 
     keys = torch.arange(max_ctx, device=device)
     key_blocks = (keys // bs).clamp(max=max_blocks - 1).expand(num_seqs, -1)
@@ -145,7 +147,7 @@ def _dense_mask(
     for i, s in enumerate(seqs):
         if s.new_token_mask is not None:
             c0, q = s.num_cached, s.num_new
-            mask[i, :q, c0 : c0 + q] = s.new_token_mask.to(keys.device)
+            mask[i, :q, c0 : c0 + q] = to_device(s.new_token_mask, keys.device)
     mask &= valid_q.unsqueeze(-1)
     mask[..., 0] |= ~valid_q  # padded query rows see one key, so softmax stays finite
     return mask
@@ -155,7 +157,7 @@ def _kernel_metadata(cache: PagedKVCache, seqs: Sequence[SequenceSlice], positio
     """Metadata for the Triton kernel: block tables and lengths instead of dense slots and masks."""
     device = cache.layout.device
     q_lens = [s.num_new for s in seqs]
-    query_start = torch.tensor([0, *q_lens[:-1]]).cumsum(0).tolist()
+    query_start = list(accumulate(q_lens[:-1], initial=0))
     plan = PagedAttentionPlan.build(
         [s.block_table for s in seqs],
         [s.num_cached for s in seqs],
@@ -170,7 +172,7 @@ def _kernel_metadata(cache: PagedKVCache, seqs: Sequence[SequenceSlice], positio
     slots = [s.block_table[i // bs] * bs + i % bs for s in seqs for i in range(s.num_cached, s.num_cached + s.num_new)]
     return AttentionMetadata(
         cache=cache,
-        slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
+        slot_mapping=to_device(np.asarray(slots, dtype=np.int64), device),
         gather_slots=torch.zeros(0, 0, dtype=torch.long, device=device),
         mask=torch.zeros(0, dtype=torch.bool, device=device),
         query_positions=positions.to(device),

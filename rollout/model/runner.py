@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from ...kernels.dispatch import kernel_backend
+from ...kernels.transfers import to_device
 from .attention import (
     METADATA_KWARG,
     AttentionMetadata,
@@ -239,9 +240,9 @@ class ModelRunner:
         key = self.graph_key(len(seqs), max(s.num_new for s in seqs), max(s.num_cached + s.num_new for s in seqs))
         if key is not None:
             return self._forward_padded(seqs, tokens, positions, logits_index, replace(key, taps=taps))
-        ids = torch.tensor(tokens, dtype=torch.long, device=self.device)
-        pos = torch.tensor(positions, dtype=torch.long, device=self.device)
-        keep = torch.tensor(logits_index, dtype=torch.long, device=self.device)
+        ids = to_device(np.asarray(tokens, dtype=np.int64), self.device)
+        pos = to_device(np.asarray(positions, dtype=np.int64), self.device)
+        keep = to_device(np.asarray(logits_index, dtype=np.int64), self.device)
         meta = build_metadata(self.cache, seqs, pos)
         with tapped(self.model, taps) as captured:
             out = self.model(
@@ -323,10 +324,9 @@ class ModelRunner:
         # [b * q, vocab] (and [b * q, features]), overwritten by the next replay of any graph
         out = self.graph_pool.run(key, make_fn, inputs)
         logits, features = out if key.taps else (out, None)
-        rows = torch.from_numpy(row_of[np.asarray(logits_index, dtype=np.int64)]).to(logits.device)
         if features is not None:
-            features = features.index_select(0, torch.from_numpy(row_of).to(features.device))
-        return logits.index_select(0, rows), features
+            features = take_rows(features, row_of)
+        return take_rows(logits, row_of[np.asarray(logits_index, dtype=np.int64)]), features
 
     @contextmanager
     def eager(self) -> Iterator[None]:
@@ -336,3 +336,12 @@ class ModelRunner:
             yield
         finally:
             self.graph_pool = pool
+
+
+def take_rows(output: torch.Tensor, rows: np.ndarray) -> torch.Tensor:
+    """``output[rows]`` as a tensor of its own (a replay's output buffer is overwritten by the next
+    replay): a copy of a slice where the rows run in order from 0, as a decode step's and a full
+    verification's do, else a gather whose index is queued without waiting for the device."""
+    if np.array_equal(rows, np.arange(rows.size)):
+        return output[: rows.size].clone()
+    return output.index_select(0, to_device(rows, output.device))

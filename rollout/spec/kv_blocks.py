@@ -13,9 +13,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence as Seq
 
-import torch
+import numpy as np
 
 from ...draft_contract import DraftShape, DraftTree
+from ...kernels.transfers import to_device
 from ..model.attention import SequenceSlice
 from ..model.kv_cache import BlockAllocator, PagedKVCache, blocks_for, slot_of
 from ..request import Sequence
@@ -63,8 +64,8 @@ def keep_accepted_kv(cache: PagedKVCache, seq: Sequence, path: list[int]) -> Non
         return
     base, bs, table = seq.num_cached + 1, cache.block_size, seq.block_table
     device = cache.layout.device
-    src = torch.tensor([slot_of(table, base + node, bs) for node, _ in moves], device=device)
-    dst = torch.tensor([slot_of(table, base + j, bs) for _, j in moves], device=device)
+    slots = [[slot_of(table, base + node, bs) for node, _ in moves], [slot_of(table, base + j, bs) for _, j in moves]]
+    src, dst = to_device(np.asarray(slots, dtype=np.int64), device)
     cache.move_slots(src, dst)
 
 

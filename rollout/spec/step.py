@@ -16,9 +16,11 @@ from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 from itertools import accumulate
 
+import numpy as np
 import torch
 
 from ...draft_contract import EMPTY_DRAFT, Drafter, DraftRequest, DraftShape, DraftTree
+from ...kernels.transfers import read_back, to_device
 from ..model.kv_cache import BlockAllocator, PagedKVCache
 from ..position_noise import keyed_scores
 from ..request import Sequence
@@ -50,30 +52,36 @@ class Verified:
     verdicts: list[Verdict]
     logprobs: torch.Tensor  # [scored rows, vocab]: the processed distribution at every scored row
     first_rows: list[int]  # each sequence's first scored row
+    # an all-greedy batch: each row's largest logprob, read with its argmax (every token such a
+    # batch emits is its row's argmax)
+    row_best: list[float] | None = None
 
 
 def verify(
     seqs: Seq[Sequence], trees: Seq[DraftTree], logits: torch.Tensor, num_new: Seq[int], generator: torch.Generator
 ) -> Verified:
     """Verdicts for every sequence's tree from one forward's logits (``num_new`` rows each)."""
-    counts = torch.tensor(num_new)  # on the host: an all-greedy batch's sampling tensors stay there
-    st = BatchSamplingTensors.from_params([s.params for s in seqs], logits.device).repeat_interleave(counts)
+    st = BatchSamplingTensors.from_params([s.params for s in seqs], logits.device, repeats=num_new)
     logprobs = processed_logprobs(logits, st)
-    if st.all_greedy:
-        uniforms = torch.zeros(logits.shape[0], dtype=torch.float64)
-    else:  # one per scored row, aligned with the rows (greedy sequences ignore theirs)
-        uniforms = draw_uniforms([s.generator for s in seqs], generator, list(num_new))
+    first_rows = list(accumulate(num_new, initial=0))[:-1]
     keyed = None
     if any(s.params.position_keyed for s in seqs):  # per-row lists only when some row needs them
         params = [s.params for s, n in zip(seqs, num_new) for _ in range(n)]
         indices = [len(s.output_ids) + d for s, t in zip(seqs, trees) for d in (0, *t.depths)]
         keyed = keyed_scores(logprobs, params, indices)
+    if st.all_greedy and keyed is None:  # one read: the rows' argmax and its logprob
+        argmax = logprobs.argmax(dim=-1)
+        tokens, best = read_back(argmax, logprobs.gather(-1, argmax.unsqueeze(-1)))
+        no_uniforms = torch.zeros(0, dtype=torch.float64)
+        verdicts = verify_batch(trees, logprobs, [True] * len(seqs), no_uniforms, argmax=tokens)
+        return Verified(verdicts, logprobs, first_rows, best)
+    # sampled rows: one uniform per scored row, aligned with the rows (greedy sequences ignore theirs)
+    uniforms = draw_uniforms([s.generator for s in seqs], generator, list(num_new))
     # position-keyed sequences: the target's token at each row is the argmax of its perturbed
     # scores, fixed before any draft is looked at, so they verify as greedy ones on those scores
     scores = logprobs if keyed is None else keyed[0]
     greedy = [seq.params.greedy or seq.params.position_keyed for seq in seqs]
-    verdicts = verify_batch(trees, scores, greedy, uniforms)
-    return Verified(verdicts, logprobs, list(accumulate(num_new, initial=0))[:-1])
+    return Verified(verify_batch(trees, scores, greedy, uniforms), logprobs, first_rows)
 
 
 @dataclass
@@ -83,11 +91,16 @@ class Accepted:
 
 
 def accept(trees: Seq[DraftTree], verified: Verified) -> Accepted:
-    """The tokens every verdict emits and their logprobs, in one gather for the whole batch."""
+    """The tokens every verdict emits and their logprobs, in one gather for the whole batch (none
+    where the verification read them already)."""
     emitted = [verdict.emitted(tree) for tree, verdict in zip(trees, verified.verdicts)]
     rows = [verified.first_rows[i] + r for i, seq_emitted in enumerate(emitted) for _, r in seq_emitted]
     tokens = [t for seq_emitted in emitted for t, _ in seq_emitted]
-    packed = verified.logprobs[rows, tokens].tolist()
+    if verified.row_best is not None:
+        packed = [verified.row_best[r] for r in rows]
+    else:
+        flat = np.asarray(rows, dtype=np.int64) * verified.logprobs.shape[-1] + np.asarray(tokens, dtype=np.int64)
+        packed = verified.logprobs.reshape(-1).index_select(0, to_device(flat, verified.logprobs.device)).tolist()
     starts = list(accumulate((len(e) for e in emitted), initial=0))
     return Accepted(emitted, [packed[starts[i] : starts[i + 1]] for i in range(len(emitted))])
 

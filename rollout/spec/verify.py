@@ -20,10 +20,12 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from ...draft_contract import DraftTree
 from ...kernels.dispatch import resolve_backend
+from ...kernels.transfers import read_back, to_device
 from ..sampling import sample_from_probs
 
 
@@ -101,23 +103,28 @@ def verify_batch(
     greedy: Sequence[bool],
     uniforms: torch.Tensor,
     backend: str | None = None,
+    argmax: Sequence[int] | None = None,
 ) -> list[Verdict]:
     """Verify every sequence's tree from one verification forward.
 
     ``logprobs`` ``[R, V]`` are the processed target log-probabilities of the packed rows (tree
     ``b`` owns ``len(trees[b]) + 1`` consecutive rows, root first); ``uniforms`` ``[R]`` float64
-    is aligned with the rows (see :func:`verify_sampled`; greedy sequences ignore theirs).
-    ``backend`` picks the fused Triton kernel or this module's loop (see ``tailspec.kernels``).
+    is aligned with the rows (see :func:`verify_sampled`; greedy sequences ignore theirs);
+    ``argmax``: each row's argmax when the caller has read it already.
+    ``backend`` picks the fused Triton kernel or this module's loop (see ``tailspec.kernels``). An
+    all-greedy batch walks its trees on the host whatever the backend: it needs only the rows'
+    argmax, one read, where the kernel's inputs and outputs would cost several transfers.
     """
-    if resolve_backend(logprobs.device, backend, kernel="verify") == "triton":
+    if not all(greedy) and resolve_backend(logprobs.device, backend, kernel="verify") == "triton":
         return _verify_batch_triton(trees, logprobs, greedy, uniforms)
     probs = logprobs.exp() if not all(greedy) else None
-    argmax = logprobs.argmax(dim=-1).tolist() if any(greedy) else []
+    if argmax is None:
+        argmax = logprobs.argmax(dim=-1).tolist() if any(greedy) else []
     verdicts, offset = [], 0
     for tree, is_greedy in zip(trees, greedy):
         n = len(tree) + 1
         if is_greedy:
-            verdicts.append(verify_greedy(tree, argmax[offset : offset + n]))
+            verdicts.append(verify_greedy(tree, list(argmax[offset : offset + n])))
         else:
             rows = probs[offset : offset + n]
             verdicts.append(verify_sampled(tree, lambda r, rows=rows: rows[r], uniforms[offset : offset + n].tolist()))
@@ -136,8 +143,9 @@ def _verify_batch_triton(
         packed,
         logprobs.exp(),
         logprobs.argmax(dim=-1),
-        torch.tensor(list(greedy), dtype=torch.int32, device=device),
-        uniforms.to(device),
+        to_device(np.asarray(greedy, dtype=np.int32), device),
+        to_device(uniforms, device, torch.float64),
     )
-    paths, lens, finals = path.tolist(), path_len.tolist(), final.tolist()
-    return [Verdict(paths[b][: lens[b]], finals[b]) for b in range(len(trees))]
+    flat_paths, lens, finals = read_back(path, path_len, final)  # one wait for the device
+    width = path.shape[1]
+    return [Verdict(flat_paths[b * width : b * width + lens[b]], finals[b]) for b in range(len(trees))]

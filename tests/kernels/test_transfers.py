@@ -1,0 +1,63 @@
+import numpy as np
+import pytest
+import torch
+
+from tailspec.kernels.transfers import read_back, to_device
+
+
+@pytest.mark.parametrize(
+    "values", [[3, 1, 4], np.array([[1, 5], [9, 2]], dtype=np.int32), torch.tensor([0.5, -2.25]), np.zeros(0)]
+)
+def test_to_device_keeps_values_shape_and_dtype(values):
+    got = to_device(values, "cpu")
+    want = torch.as_tensor(np.asarray(values)) if not isinstance(values, torch.Tensor) else values
+    assert got.dtype == want.dtype and torch.equal(got, want)
+
+
+def test_to_device_casts_when_asked():
+    got = to_device(np.array([1, 2, 3]), "cpu", torch.int32)
+    assert got.dtype == torch.int32 and got.tolist() == [1, 2, 3]
+
+
+def test_read_back_returns_exact_ints_and_floats_per_tensor():
+    ids = torch.tensor([[151935, 0], [7, 2**40]])  # a large vocabulary's ids and a large index
+    logprobs = torch.tensor([-0.1234567, -17.5, float("-inf")], dtype=torch.float32)
+    flags = torch.tensor([True, False])
+    got_ids, got_lp, got_flags = read_back(ids, logprobs, flags)
+    assert got_ids == [151935, 0, 7, 2**40] and all(isinstance(v, int) for v in got_ids)
+    assert got_lp == logprobs.tolist()  # float32 values, exactly as tolist gives them
+    assert got_flags == [1, 0]
+    assert read_back() == [] and read_back(torch.zeros(0, dtype=torch.long)) == [[]]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_to_device_queues_without_a_sync_and_owns_its_copy():
+    """No synchronizing call (torch's sync debug mode raises on one), and the device tensor holds
+    the values as they were at the call, whatever the host array becomes afterwards."""
+    host = np.arange(1000, dtype=np.int64)
+    slow = torch.randn(4096, 4096, device="cuda")
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        _ = slow @ slow  # keeps the stream busy while the copies are queued
+        copies = [to_device(host + i, "cuda") for i in range(5)]
+        host[:] = -1
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    for i, copy in enumerate(copies):
+        assert torch.equal(copy.cpu(), torch.arange(1000) + i)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_read_back_waits_once():
+    a, b = torch.arange(5, device="cuda"), torch.rand(3, device="cuda")
+    with pytest.warns(UserWarning, match="synchroniz") as caught:
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            got = read_back(a, b)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    assert got[0] == list(range(5)) and got[1] == b.tolist()
+    assert len([w for w in caught if "synchroniz" in str(w.message)]) == 1

@@ -1,0 +1,72 @@
+"""How often a step reads from the device. On CUDA each read (``tolist``, ``item``, ``float`` of a
+tensor) waits for every kernel queued before it, so the host stops preparing the next forward
+(GPU run 13: 24.5 waits in a batch-1 ``chain:4`` step that kept the device busy 5 ms of 15).
+A plain step reads once; a greedy speculative step once per draft forward and once to verify.
+The count is taken on CPU, where the same code runs: every read of a tensor is counted."""
+
+import collections
+
+import pytest
+import torch
+from conftest import cached_model, random_prompts
+
+from tailspec.rollout import RolloutConfig, RolloutEngine, SamplingParams
+from tailspec.testing import perturbed_copy
+
+READS = ("tolist", "item", "__float__", "__int__", "__bool__")
+
+
+def generate_counting_reads(monkeypatch, engine: RolloutEngine, prompts, params):
+    engine.generate(prompts, params)  # warm: the reads of a first call (calibration, tables) aside
+    counts: collections.Counter = collections.Counter()
+    for name in READS:
+        original = getattr(torch.Tensor, name)
+
+        def counting(self, *args, _original=original, _name=name, **kwargs):
+            counts[_name] += 1
+            return _original(self, *args, **kwargs)
+
+        monkeypatch.setattr(torch.Tensor, name, counting)
+    prefills, decodes, specs = (engine.stats.prefill_steps, engine.stats.decode_steps, engine.stats.spec_steps)
+    engine.generate(prompts, params)
+    monkeypatch.undo()
+    steps = (
+        engine.stats.prefill_steps - prefills,
+        engine.stats.decode_steps - decodes,
+        engine.stats.spec_steps - specs,
+    )
+    return sum(counts.values()), steps
+
+
+@pytest.mark.parametrize("graph_backend", ["none", "eager"])
+def test_a_plain_step_reads_once(monkeypatch, graph_backend):
+    engine = RolloutEngine(cached_model("llama"), RolloutConfig(graph_backend=graph_backend))
+    reads, (prefills, decodes, _) = generate_counting_reads(
+        monkeypatch, engine, random_prompts(3, seed=1), SamplingParams(max_new_tokens=12, temperature=0.0)
+    )
+    assert decodes > 0 and reads == prefills + decodes
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_a_sampled_plain_step_reads_once(monkeypatch, temperature):
+    engine = RolloutEngine(cached_model("qwen2"), RolloutConfig())
+    params = SamplingParams(max_new_tokens=12, temperature=temperature, top_k=20, top_p=0.9, seed=3)
+    reads, (prefills, decodes, _) = generate_counting_reads(monkeypatch, engine, random_prompts(3, seed=2), params)
+    assert decodes > 0 and reads == prefills + decodes
+
+
+@pytest.mark.parametrize(("strategy", "reads_per_spec_step"), [("chain:4", 5), ("tree:3,2,6", 4)])
+@pytest.mark.parametrize("graph_backend", ["none", "eager"])
+def test_a_greedy_speculative_step_reads_once_per_draft_forward_and_once_to_verify(
+    monkeypatch, strategy, reads_per_spec_step, graph_backend
+):
+    """``chain:4``: the catch-up forward and three more give the four tokens, then verification;
+    ``tree:3,2,6`` (depth 3): the root's children and two more levels, then verification."""
+    model = cached_model("llama")
+    drafter = perturbed_copy(model, noise=0.3, seed=7)
+    engine = RolloutEngine(model, RolloutConfig(strategy=strategy, graph_backend=graph_backend), drafter=drafter)
+    reads, (prefills, decodes, specs) = generate_counting_reads(
+        monkeypatch, engine, random_prompts(3, seed=4), SamplingParams(max_new_tokens=24, temperature=0.0)
+    )
+    assert specs > 0
+    assert reads <= prefills + (decodes - specs) + specs * reads_per_spec_step
