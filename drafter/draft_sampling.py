@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from ..draft_contract import DraftRequest, DraftTree
@@ -22,11 +23,18 @@ def draft_generator(seed: int) -> torch.Generator:
     return torch.Generator().manual_seed((seed + DRAFT_SEED_OFFSET) % 2**63)
 
 
-def choose_draft_tokens(
-    seqs: Sequence[EngineSequence], logits: torch.Tensor, generator: torch.Generator, depths: Sequence[int] = ()
-) -> tuple[list[int], torch.Tensor | None]:
-    """Next draft token per row (argmax for greedy requests, a sample from the processed
-    distribution otherwise) and, when any row sampled, every row's processed draft distribution.
+def pick_draft_tokens(
+    seqs: Sequence[EngineSequence],
+    logits: torch.Tensor,
+    uniforms: torch.Tensor | None,
+    depths: Sequence[int] = (),
+    st: BatchSamplingTensors | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Next draft token per row, as a tensor on the logits' device (nothing is read back): the
+    argmax for greedy requests, a sample from the processed distribution otherwise (``uniforms``:
+    one per row, on the device; None for an all-greedy batch), and, when any row samples, every
+    row's processed draft distribution. ``st``: the rows' sampling tensors, when the caller built
+    them once for several forwards.
 
     A position-keyed request's row (``rollout/position_noise.py``) takes the argmax of its draft
     logprobs perturbed by the noise the target will use at that completion index (its
@@ -35,18 +43,44 @@ def choose_draft_tokens(
     cannot bias the output: a keyed row's emitted token is the target's perturbed argmax whatever
     was drafted."""
     if all(s.params.greedy for s in seqs):  # the argmax of the logits: no distribution to hand over
-        return logits.argmax(dim=-1).tolist(), None
-    st = BatchSamplingTensors.from_params([s.params for s in seqs], logits.device)
+        return logits.argmax(dim=-1), None
+    assert uniforms is not None, "sampled rows need uniforms"
+    st = st if st is not None else BatchSamplingTensors.from_params([s.params for s in seqs], logits.device)
     logprobs = processed_logprobs(logits, st)
-    chosen = logprobs.argmax(dim=-1)
-    uniforms = to_device(draw_uniforms([s.generator for s in seqs], generator), logits.device)
-    sampled = sample_from_logprobs(logprobs, uniforms)
-    chosen = torch.where(st.temperature > 0, sampled, chosen)
+    chosen = torch.where(st.temperature > 0, sample_from_logprobs(logprobs, uniforms), logprobs.argmax(dim=-1))
     depths = list(depths) or [0] * len(seqs)
     keyed = keyed_scores(logprobs, [s.params for s in seqs], [len(s.output_ids) + d for s, d in zip(seqs, depths)])
     if keyed is not None:
         chosen = torch.where(keyed[1], keyed[0].argmax(dim=-1), chosen)
-    return chosen.tolist(), logprobs.exp()
+    return chosen, logprobs.exp()
+
+
+def choose_draft_tokens(
+    seqs: Sequence[EngineSequence], logits: torch.Tensor, generator: torch.Generator, depths: Sequence[int] = ()
+) -> tuple[list[int], torch.Tensor | None]:
+    """:func:`pick_draft_tokens` for one forward, its uniforms drawn here (from each row's own
+    generator, else ``generator``) and its tokens read back."""
+    uniforms = None
+    if not all(s.params.greedy for s in seqs):
+        uniforms = to_device(draw_uniforms([s.generator for s in seqs], generator), logits.device)
+    chosen, q = pick_draft_tokens(seqs, logits, uniforms, depths)
+    return chosen.tolist(), q
+
+
+def chain_uniforms(
+    seqs: Sequence[EngineSequence], generator: torch.Generator, depths: Sequence[int], width: int
+) -> torch.Tensor:
+    """``[rows, width]`` float64 on the host: row ``i``'s first ``depths[i]`` entries drawn from its
+    own generator (else ``generator``), the rest 0.5 (columns past a row's depth draft tokens that
+    are cut). Drawn at once for a chain drafted on the device: a row uses as many draws as its
+    depth allows, whatever the other rows in its batch."""
+    flat = draw_uniforms([s.generator for s in seqs], generator, list(depths)).numpy()
+    grid = np.full((len(seqs), width), 0.5)
+    start = 0
+    for i, n in enumerate(depths):
+        grid[i, :n] = flat[start : start + n]
+        start += n
+    return torch.from_numpy(grid)
 
 
 class ChainDrafts:

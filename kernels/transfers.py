@@ -27,7 +27,7 @@ def to_device(
 ) -> torch.Tensor:
     """``values`` (a host array, tensor or list) as a tensor on ``device``, without waiting for the
     device: on CUDA the copy is queued from page-locked memory."""
-    tensor = values if isinstance(values, torch.Tensor) else torch.as_tensor(np.asarray(values))
+    tensor = values if isinstance(values, torch.Tensor) else torch.as_tensor(np.ascontiguousarray(values))
     if dtype is not None and tensor.dtype != dtype:
         tensor = tensor.to(dtype)
     device = torch.device(device)

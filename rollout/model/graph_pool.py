@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from ...kernels.transfers import to_device
 from .staged_inputs import StagedInputs
 
 logger = logging.getLogger(__name__)
@@ -259,7 +260,7 @@ class GraphPool:
         return entry.run(inputs)
 
     def _on_device(self, inputs: Inputs) -> Inputs:
-        return {name: tensor.to(self.backend.device) for name, tensor in inputs.items()}
+        return {name: to_device(tensor, self.backend.device) for name, tensor in inputs.items()}
 
     def _evict_to_budget(self, keep: GraphKey) -> None:
         while self.stats.bytes > self.memory_budget:

@@ -211,11 +211,12 @@ class ModelRunner:
     def forward(
         self,
         seqs: Sequence[SequenceSlice],
-        tokens: list[int],
+        tokens: list[int] | torch.Tensor,
         positions: list[int],
         logits_index: list[int],
     ) -> torch.Tensor:
-        """Run one packed forward and return the logits of the packed positions ``logits_index``."""
+        """Run one packed forward and return the logits of the packed positions ``logits_index``;
+        ``tokens`` may be a tensor on the device (a greedy draft's, never read back)."""
         return self._forward(seqs, tokens, positions, logits_index, ())[0]
 
     def forward_with_features(
@@ -240,7 +241,7 @@ class ModelRunner:
         key = self.graph_key(len(seqs), max(s.num_new for s in seqs), max(s.num_cached + s.num_new for s in seqs))
         if key is not None:
             return self._forward_padded(seqs, tokens, positions, logits_index, replace(key, taps=taps))
-        ids = to_device(np.asarray(tokens, dtype=np.int64), self.device)
+        ids = tokens if isinstance(tokens, torch.Tensor) else to_device(np.asarray(tokens, dtype=np.int64), self.device)
         pos = to_device(np.asarray(positions, dtype=np.int64), self.device)
         keep = to_device(np.asarray(logits_index, dtype=np.int64), self.device)
         meta = build_metadata(self.cache, seqs, pos)
@@ -277,10 +278,14 @@ class ModelRunner:
         meta = build_padded_metadata(
             self.cache, seqs, positions, b, q, key.context, self.scratch_slot, valid=valid, device="cpu"
         )
-        ids = np.zeros((b, q), dtype=np.int64)
-        ids[valid] = np.asarray(tokens, dtype=np.int64)
+        if isinstance(tokens, torch.Tensor):  # on the device: placed there, never read back
+            ids = put_rows(tokens, np.flatnonzero(valid), b * q).view(1, -1)
+        else:
+            host_ids = np.zeros((b, q), dtype=np.int64)
+            host_ids[valid] = np.asarray(tokens, dtype=np.int64)
+            ids = torch.from_numpy(host_ids).view(1, -1)
         inputs = {
-            "ids": torch.from_numpy(ids).view(1, -1),
+            "ids": ids,
             "pos": meta.query_positions.view(1, -1),  # each row's position: the model's position ids
             "slot_mapping": meta.slot_mapping,
             "gather_slots": meta.gather_slots,
@@ -345,3 +350,13 @@ def take_rows(output: torch.Tensor, rows: np.ndarray) -> torch.Tensor:
     if np.array_equal(rows, np.arange(rows.size)):
         return output[: rows.size].clone()
     return output.index_select(0, to_device(rows, output.device))
+
+
+def put_rows(values: torch.Tensor, rows: np.ndarray, size: int) -> torch.Tensor:
+    """A ``[size]`` tensor on ``values``' device: ``values`` at ``rows``, zeros elsewhere."""
+    out = values.new_zeros(size)
+    if np.array_equal(rows, np.arange(rows.size)):
+        out[: rows.size] = values
+    else:
+        out.index_copy_(0, to_device(rows, values.device), values)
+    return out

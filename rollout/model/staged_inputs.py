@@ -62,12 +62,19 @@ class StagedInputs:
         for dtype, entries in self._layout.items():
             if dtype not in self._host_buffers:
                 continue
-            if all(inputs[name].device.type == "cpu" for name, _, _ in entries):
-                flat = [inputs[name].reshape(-1) for name, _, _ in entries]
-                torch.cat(flat, out=self._host_buffers[dtype])
-                self._device_buffers[dtype].copy_(self._host_buffers[dtype], non_blocking=True)
-            else:  # on the device already (a caller's own tensors): one copy each
-                for name, _, _ in entries:
+            on_host = [(name, offset, numel) for name, offset, numel in entries if inputs[name].device.type == "cpu"]
+            host = self._host_buffers[dtype]
+            if len(on_host) == len(entries):
+                torch.cat([inputs[name].reshape(-1) for name, _, _ in entries], out=host)
+            else:
+                for name, offset, numel in on_host:
+                    host[offset : offset + numel].copy_(inputs[name].reshape(-1))
+            if on_host:
+                self._device_buffers[dtype].copy_(host, non_blocking=True)
+            # a caller's own device tensors (a greedy draft's tokens): copied on the device, after
+            # the host copy, over its stale rows
+            for name, _, _ in entries:
+                if inputs[name].device.type != "cpu":
                     self.views[name].copy_(inputs[name], non_blocking=True)
         if self._copied is not None:
             self._copied.record()

@@ -98,3 +98,41 @@ def test_tree_draft_respects_shape_and_depth_limit():
     for tree in trees:
         for kids in tree.children:
             assert len(kids) <= 3
+
+
+@pytest.mark.parametrize("pooled", [False, True])
+@pytest.mark.parametrize("noise", ["greedy", "position"])
+def test_chains_drafted_on_the_device_equal_the_step_by_step_loop(monkeypatch, pooled, noise):
+    """The device path runs every sequence to the deepest chain and reads once; it must cut each
+    chain where the loop stops: at the sequence's own depth, and after a stop token (kept).
+    Greedy and position-keyed drafts use no random draw, so the two paths draft the same tokens
+    (sampled ones draw their uniforms at once on the device path: the same distribution)."""
+    from tailspec.rollout.model.graph_pool import EagerBackend, GraphPool
+
+    model = tiny_random_model("llama", seed=4)
+    stop = frozenset(range(0, 96, 7))  # every seventh id: some chains stop early
+    depths = [6, 1, 3, 6, 2, 5]
+
+    def params(i: int) -> SamplingParams:
+        if noise == "greedy":
+            return SamplingParams(temperature=0.0)
+        return SamplingParams(temperature=1.0, noise="position", seed=i)
+
+    def drafts(on_device: bool) -> list[list[int]]:
+        monkeypatch.setattr(SmallLMDrafter, "device_chains", on_device)
+        pool = GraphPool(EagerBackend(torch.device("cpu"))) if pooled else None
+        drafter = SmallLMDrafter(model, block_size=4, kv_cache_tokens=1024, graph_pool=pool)
+        drafter.bind(96)
+        out = []
+        for step in range(3):  # later steps draft from a cache holding the earlier chains
+            seqs = [
+                Sequence(i, [5 + i, 9, 12 + 3 * i, 40 - i] + [i] * step, params(i), stop) for i in range(len(depths))
+            ]
+            trees = drafter.propose([DraftRequest(s, d) for s, d in zip(seqs, depths)], DraftShape(6))
+            out += [tree.tokens for tree in trees]
+            assert all((tree.draft_probs is None) == (noise == "greedy") for tree in trees)
+        return out
+
+    want, got = drafts(False), drafts(True)
+    assert got == want
+    assert any(len(t) < d and t[-1] in stop for t, d in zip(want, depths * 3))  # a stop cut

@@ -35,13 +35,16 @@ def test_read_back_returns_exact_ints_and_floats_per_tensor():
 def test_to_device_queues_without_a_sync_and_owns_its_copy():
     """No synchronizing call (torch's sync debug mode raises on one), and the device tensor holds
     the values as they were at the call, whatever the host array becomes afterwards."""
-    host = np.arange(1000, dtype=np.int64)
+    host = np.zeros(1000, dtype=np.int64)
     slow = torch.randn(4096, 4096, device="cuda")
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
         _ = slow @ slow  # keeps the stream busy while the copies are queued
-        copies = [to_device(host + i, "cuda") for i in range(5)]
+        copies = []
+        for i in range(5):  # one host array, rewritten after each call
+            host[:] = np.arange(1000) + i
+            copies.append(to_device(host, "cuda"))
         host[:] = -1
     finally:
         torch.cuda.set_sync_debug_mode("default")
