@@ -3,13 +3,13 @@ drafter's logits, so that the draft distribution can be handed to the verifier."
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
 
 from ..draft_contract import DraftRequest, DraftTree
-from ..kernels.transfers import to_device
+from ..kernels.transfers import read_back, to_device
 from ..rollout.position_noise import keyed_scores
 from ..rollout.request import Sequence as EngineSequence
 from ..rollout.sampling import BatchSamplingTensors, draw_uniforms, processed_logprobs, sample_from_logprobs
@@ -81,6 +81,45 @@ def chain_uniforms(
         grid[i, :n] = flat[start : start + n]
         start += n
     return torch.from_numpy(grid)
+
+
+def draft_chains_on_device(
+    requests: Sequence[DraftRequest],
+    logits: torch.Tensor,
+    generator: torch.Generator,
+    forward: Callable[[int, torch.Tensor], torch.Tensor],
+) -> list[DraftTree]:
+    """Chains drafted without a read between forwards. ``logits`` score every request's first
+    token; ``forward(d, tokens)`` runs the drafter on the ``[n]`` tokens at depth ``d - 1`` (a
+    tensor on the device) and returns the logits for depth ``d``. Each forward's tokens (the
+    argmax, or a sample with a uniform drawn beforehand, see :func:`chain_uniforms`) feed the next
+    on the device; every request runs to the deepest chain, and the ``[n, depth]`` drafts are read
+    once, then cut where :class:`ChainDrafts`' loop stops (a request's depth, or a stop token,
+    kept). One wait for the device a step instead of one per forward (GPU run 13: the host idled
+    through each). A drafter that keeps K/V must count as held only the accepted prefix of what
+    it wrote past a cut."""
+    depth = max(r.max_depth for r in requests)
+    seqs = [r.seq for r in requests]
+    greedy = all(s.params.greedy for s in seqs)
+    st, uniforms = None, None
+    if not greedy:  # built once for every forward of the step
+        st = BatchSamplingTensors.from_params([s.params for s in seqs], logits.device)
+        uniforms = to_device(chain_uniforms(seqs, generator, [r.max_depth for r in requests], depth), logits.device)
+    tokens, probs = [], []
+    for d in range(depth):
+        if d:
+            logits = forward(d, tokens[-1])
+        token, q = pick_draft_tokens(seqs, logits, None if greedy else uniforms[:, d], [d] * len(seqs), st)
+        tokens.append(token)
+        probs.append(q)
+    (drafted,) = read_back(torch.stack(tokens, dim=1))
+    trees = []
+    for i, r in enumerate(requests):
+        chain = drafted[i * depth : i * depth + r.max_depth]
+        n = next((j for j, t in enumerate(chain) if t in r.seq.stop_ids), len(chain) - 1) + 1
+        q_rows = torch.stack([p[i] for p in probs[:n]]) if not r.seq.params.greedy else None
+        trees.append(DraftTree.chain(chain[:n], q_rows))
+    return trees
 
 
 class ChainDrafts:

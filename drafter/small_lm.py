@@ -32,14 +32,13 @@ import numpy as np
 import torch
 
 from ..draft_contract import Drafter, DraftRequest, DraftShape, DraftTree, SequenceView
-from ..kernels.transfers import read_back, to_device
+from ..kernels.transfers import to_device
 from ..rollout.mirror.executors import weights_bytes
 from ..rollout.model.attention import SequenceSlice, paged_attention_enabled
 from ..rollout.model.graph_pool import GraphPool
 from ..rollout.model.kv_cache import blocks_for
 from ..rollout.model.runner import LM_HEAD_INPUT, ModelRunner
-from ..rollout.sampling import BatchSamplingTensors
-from .draft_sampling import ChainDrafts, chain_uniforms, draft_generator, pick_draft_tokens
+from .draft_sampling import ChainDrafts, draft_chains_on_device, draft_generator
 from .lm_trainer import versioned_lm
 from .streaming import StreamingHeads
 from .tree_search import LevelInput, grow_trees
@@ -94,7 +93,7 @@ def output_rows(model: torch.nn.Module) -> int:
 class SmallLMDrafter(Drafter):
     name = "small_lm"
     forks_branches = True
-    # chains drafted on the device with one read a step (:meth:`_device_chain`); False: the
+    # chains drafted on the device with one read a step (draft_chains_on_device); False: the
     # step-by-step loop that reads each forward's tokens (the reference it must equal)
     device_chains = True
 
@@ -341,43 +340,17 @@ class SmallLMDrafter(Drafter):
         return chains.trees()
 
     def _device_chain(self, requests: list[DraftRequest], logits: torch.Tensor) -> list[DraftTree]:
-        """Chains without a read between forwards: each forward's token (argmax, or a sample with a
-        uniform drawn beforehand) is the next forward's input on the device, every sequence runs to
-        the deepest chain, and the ``[n, depth]`` drafts are read once, then cut where the
-        step-by-step loop stops (a sequence's depth, or a stop token, kept). One wait for the
-        device a step instead of one per forward (GPU run 13: the host idled through each). K/V
-        written past a cut never counts as held: :meth:`accepted` keeps the accepted prefix."""
-        depth = max(r.max_depth for r in requests)
-        seqs = [r.seq for r in requests]
-        states = [self._states[s.seq_id] for s in seqs]
-        device = logits.device
-        greedy = all(s.params.greedy for s in seqs)
-        st = None if greedy else BatchSamplingTensors.from_params([s.params for s in seqs], device)
-        uniforms = None
-        if not greedy:
-            grid = chain_uniforms(seqs, self.generator, [r.max_depth for r in requests], depth)
-            uniforms = to_device(grid, device)
-        token, q = pick_draft_tokens(seqs, logits, None if greedy else uniforms[:, 0], [0] * len(seqs), st)
-        tokens, probs = [token], [q]
-        for d in range(1, depth):
+        """:func:`draft_chains_on_device`, each forward one token a sequence in its own state."""
+        states = [self._states[r.seq.seq_id] for r in requests]
+
+        def forward(depth: int, tokens: torch.Tensor) -> torch.Tensor:
             slices = [SequenceSlice(s.block_table, s.num_cached, 1) for s in states]
             positions = [s.num_cached for s in states]
             for s in states:
                 s.num_cached += 1
-            logits = self._logits(slices, token, positions, list(range(len(states))))
-            column = None if greedy else uniforms[:, d]
-            token, q = pick_draft_tokens(seqs, logits, column, [d] * len(seqs), st)
-            tokens.append(token)
-            probs.append(q)
-        (drafted,) = read_back(torch.stack(tokens, dim=1))
-        trees = []
-        for i, r in enumerate(requests):
-            chain = drafted[i * depth : i * depth + r.max_depth]
-            stop = next((j for j, t in enumerate(chain) if t in r.seq.stop_ids), len(chain) - 1)
-            n = stop + 1
-            q_rows = torch.stack([p[i] for p in probs[:n]]) if not r.seq.params.greedy else None
-            trees.append(DraftTree.chain(chain[:n], q_rows))
-        return trees
+            return self._logits(slices, tokens, positions, list(range(len(states))))
+
+        return draft_chains_on_device(requests, logits, self.generator, forward)
 
     def _streamed_chain(self, requests: list[DraftRequest], logits: torch.Tensor) -> list[DraftTree]:
         """Speculative streaming: each forward's last row gives the next token (the LM head) and

@@ -37,7 +37,7 @@ from ...kernels.transfers import to_device
 from ...rollout.model.attention import METADATA_KWARG, SequenceSlice, build_metadata, paged_attention_forward
 from ...rollout.model.kv_cache import KVLayout, PagedKVCache, blocks_for
 from ...rollout.model.runner import model_device_dtype
-from ..draft_sampling import ChainDrafts, draft_generator
+from ..draft_sampling import ChainDrafts, draft_chains_on_device, draft_generator
 from ..tree_search import LevelInput, grow_trees
 from .data import FeatureBuffer, SequenceRecorder
 from .model import Eagle3Head
@@ -214,11 +214,14 @@ class Eagle3Drafter(Drafter):
 
     # -- head forwards -------------------------------------------------------------------
     def _run(
-        self, slices: list[SequenceSlice], hidden: torch.Tensor, tokens: list[int], positions: list[int]
+        self, slices: list[SequenceSlice], hidden: torch.Tensor, tokens: list[int] | torch.Tensor, positions: list[int]
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """One packed head forward over the paged cache -> (hidden out ``[T, H]``, target-vocab logits ``[T, V]``)."""
         device = self.cache.layout.device
-        ids, pos = to_device(np.asarray([tokens, positions], dtype=np.int64), device)
+        if isinstance(tokens, torch.Tensor):  # a chain's drafts, on the device
+            ids, pos = tokens, to_device(np.asarray(positions, dtype=np.int64), device)
+        else:
+            ids, pos = to_device(np.asarray([tokens, positions], dtype=np.int64), device)
         meta = build_metadata(self.cache, slices, pos)
         attn = self.head.midlayer.self_attn
         scale = self.head.config.head_dim**-0.5
@@ -249,7 +252,8 @@ class Eagle3Drafter(Drafter):
             state.num_cached, state.pending = state.feature_end, []
         hidden = self.head.project(torch.cat(feats))
         out, logits = self._run(slices, hidden, tokens, positions)
-        out, logits = out[last], logits[last]
+        rows = to_device(np.asarray(last, dtype=np.int64), out.device)
+        out, logits = out.index_select(0, rows), logits.index_select(0, rows)
         for row, seq in enumerate(seqs):
             self._states[seq.seq_id].last = (out[row], logits[row])
         return out, logits
@@ -276,7 +280,9 @@ class Eagle3Drafter(Drafter):
                 with torch.no_grad():
                     hidden, logits = self._catch_up([r.seq for r in live])
                     drafted = (
-                        self._chain(live, hidden, logits) if shape.is_chain else self._tree(live, hidden, logits, shape)
+                        self._device_chain(live, hidden, logits)
+                        if shape.is_chain
+                        else self._tree(live, hidden, logits, shape)
                     )
             finally:
                 self.head.train(was_training)
@@ -337,9 +343,26 @@ class Eagle3Drafter(Drafter):
             hidden, logits = self._run(slices, hidden, feed, [st.num_cached + j for st in states])
         return self._chain(requests, hidden, logits, offset=n_extra)
 
+    def _device_chain(
+        self, requests: list[DraftRequest], hidden: torch.Tensor, logits: torch.Tensor
+    ) -> list[DraftTree]:
+        """:func:`draft_chains_on_device`, each forward fed with the head's own hidden output."""
+        states = [self._states[r.seq.seq_id] for r in requests]
+        carried = [hidden]
+
+        def forward(depth: int, tokens: torch.Tensor) -> torch.Tensor:
+            positions = [st.num_cached + depth - 1 for st in states]
+            slices = [SequenceSlice(st.block_table, p, 1) for st, p in zip(states, positions)]
+            carried[0], out = self._run(slices, carried[0], tokens, positions)
+            return out
+
+        return draft_chains_on_device(requests, logits, self.generator, forward)
+
     def _chain(
         self, requests: list[DraftRequest], hidden: torch.Tensor, logits: torch.Tensor, offset: int = 0
     ) -> list[DraftTree]:
+        """Step by step, reading each forward's tokens: branch chains (room only for each one's own
+        depth), and the reference :meth:`_device_chain` must equal."""
         chains = ChainDrafts(requests, self.generator)
         while keep := chains.extend(logits):
             hidden = hidden[keep]
@@ -377,7 +400,8 @@ class Eagle3Drafter(Drafter):
             out, logits = self._run(slices, torch.stack(hidden_in), feed, positions)
             for row, key in enumerate(owners):
                 node_hidden[key] = out[row]
-            return torch.log_softmax(logits[index], dim=-1)
+            rows = to_device(np.asarray(index, dtype=np.int64), logits.device)
+            return torch.log_softmax(logits.index_select(0, rows), dim=-1)
 
         trees, _ = grow_trees(requests, torch.log_softmax(root_logits, dim=-1), shape, score_level)
         return trees

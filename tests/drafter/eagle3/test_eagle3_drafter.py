@@ -289,3 +289,44 @@ def test_a_branch_over_the_head_s_own_draft_continues_that_draft():
         whole = drafter.propose([DraftRequest(seq, 7)], DraftShape(7))[0].tokens
         branch = drafter.propose_branches([DraftRequest(BranchView(seq, whole[:3]), 4)], DraftShape(4))[0].tokens
     assert len(whole) == 7 and branch == whole[3:]
+
+
+def test_chains_drafted_on_the_device_equal_the_step_by_step_loop(monkeypatch):
+    """The head drafts chains on the device with one read a step; the tokens equal the loop that
+    reads each forward's (same drafts: the same counts of drafted and accepted tokens)."""
+    model = target("llama")
+    head = trained_head("llama")
+    prompts = random_prompts(5, seed=11)
+    params = SamplingParams(max_new_tokens=30, temperature=0.0)
+    on_device, got = spec(model, head, "chain:5", prompts, params)
+    monkeypatch.setattr(Eagle3Drafter, "_device_chain", lambda self, requests, h, lg: self._chain(requests, h, lg))
+    step_by_step, want = spec(model, head, "chain:5", prompts, params)
+    assert_same(got, want)
+    counts = ("drafted_tokens", "accepted_tokens", "spec_steps")
+    assert [getattr(on_device.stats, c) for c in counts] == [getattr(step_by_step.stats, c) for c in counts]
+    assert on_device.stats.accepted_tokens > 0
+
+
+def test_device_chains_draft_the_loop_s_tokens_and_distributions():
+    """Position-keyed sampling: the drafts and their distributions (which depend on every position
+    and K/V slot the head's forwards use) equal the step-by-step loop's, from the same state."""
+    import copy
+
+    from tailspec.draft_contract import DraftRequest, DraftShape
+
+    model = target("qwen2")
+    drafter = Eagle3Drafter(trained_head("qwen2"), model)
+    engine = RolloutEngine(model, RolloutConfig(), drafter=drafter)
+    params = [SamplingParams(max_new_tokens=30, temperature=1.0, noise="position", seed=s) for s in range(4)]
+    ids = [engine.add_request(p, sp) for p, sp in zip(random_prompts(4, seed=12), params)]
+    engine.step()  # the prefill: the head observes the prompts' features
+    engine.step()  # one decode step
+    twin = copy.deepcopy(drafter)
+    twin._device_chain = lambda requests, h, lg: twin._chain(requests, h, lg)
+    requests = [DraftRequest(engine.requests.seqs[i], d) for i, d in zip(ids, [5, 2, 5, 4])]
+    with torch.no_grad():
+        got = drafter.propose(requests, DraftShape(5))
+        want = twin.propose(requests, DraftShape(5))
+    assert [t.tokens for t in got] == [t.tokens for t in want] and all(len(t.tokens) for t in got)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a.draft_probs, b.draft_probs, rtol=1e-5, atol=1e-6)
