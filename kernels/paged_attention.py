@@ -10,6 +10,7 @@ own torch path (``tailspec.rollout.model.attention``, gather + SDPA) computes th
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
@@ -20,6 +21,14 @@ import torch
 from .transfers import to_device
 
 PLAN_TENSORS = ("block_tables", "cached_lens", "query_lens", "query_start", "query_positions", "tree_mask")
+
+
+@functools.cache
+def _causal(size: int) -> np.ndarray:
+    """``[size, size]`` uint8 lower triangle (read-only: shared by every plan of that size)."""
+    mask = np.tril(np.ones((size, size), dtype=np.uint8))
+    mask.flags.writeable = False
+    return mask
 
 
 @dataclass
@@ -61,8 +70,7 @@ class PagedAttentionPlan:
         if mask_size is not None or any(m is not None for m in tree_masks):
             # numpy: torch's CPU tril spreads a few rows over every intra-op thread, and waking
             # them took 1.65 ms a call on GPU run 13's 16-core host
-            causal = np.tril(np.ones((max_q, max_q), dtype=np.uint8))
-            masks = np.broadcast_to(causal, (len(block_tables), max_q, max_q)).copy()
+            masks = np.broadcast_to(_causal(max_q), (len(block_tables), max_q, max_q)).copy()
             for i, m in enumerate(tree_masks):
                 if m is not None:
                     q = m.shape[0]

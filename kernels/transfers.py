@@ -31,6 +31,8 @@ def to_device(
     if dtype is not None and tensor.dtype != dtype:
         tensor = tensor.to(dtype)
     device = torch.device(device)
+    if device.type == "cpu" and tensor.device.type == "cpu":
+        return tensor
     if device.type != "cuda" or tensor.device.type != "cpu":
         return tensor.to(device)
     return tensor.pin_memory().to(device, non_blocking=True)
