@@ -71,3 +71,35 @@ def test_a_greedy_speculative_step_reads_its_drafts_and_its_verification(
     )
     assert specs > 0
     assert reads <= prefills + (decodes - specs) + specs * reads_per_spec_step
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize(("strategy", "waits_per_spec_step"), [("none", 0), ("chain:4", 2)])
+def test_on_cuda_a_step_waits_for_the_device_only_where_it_reads(strategy, waits_per_spec_step):
+    """torch's sync debug mode flags every call that waits for the device (a pageable copy to it,
+    a read back): a warmed step makes no more than the reads counted above."""
+    import warnings
+
+    from tailspec.testing import tiny_random_model
+
+    model = tiny_random_model("llama", seed=1).cuda()
+    drafter = perturbed_copy(model, noise=0.3, seed=7) if strategy != "none" else None
+    engine = RolloutEngine(model, RolloutConfig(strategy=strategy), drafter=drafter)
+    prompts, params = random_prompts(3, seed=4), SamplingParams(max_new_tokens=24, temperature=0.0)
+    engine.generate(prompts, params)  # captures every graph the measured call replays
+    before = (engine.stats.prefill_steps, engine.stats.decode_steps, engine.stats.spec_steps)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            engine.generate(prompts, params)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    waits = sum("synchroniz" in str(w.message) for w in caught)
+    prefills, decodes, specs = (
+        engine.stats.prefill_steps - before[0],
+        engine.stats.decode_steps - before[1],
+        engine.stats.spec_steps - before[2],
+    )
+    assert decodes > 0 and waits <= prefills + (decodes - specs) + specs * waits_per_spec_step, waits
