@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.tailspec-installed
 
-.PHONY: demo test bench lint clean-venv gpu-check gpu-selector gpu-train gpu-attention gpu-speed gpu-wheels gpu-rehearse
+.PHONY: demo test bench lint clean-venv gpu-check gpu-selector gpu-train gpu-attention gpu-speed gpu-next gpu-wheels gpu-rehearse
 
 # The GPU check (docs/GPU.md) runs on a lent GPU's image as it is: python3 with torch, triton and
 # transformers, and none of trl, ray, deepspeed or wandb. The tree goes on PYTHONPATH as `tailspec`.
@@ -83,6 +83,12 @@ gpu-speed:
 	$(LINK_TREE)
 	PYTHONPATH=$(GPU_PATH) PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 python3 -m tailspec.benchmarks.gpu \
 		--stages fast_path --out $(GPU_OUT)/speed $(GPU_BUDGET_ARG)
+
+# a lease's second call, right after `make gpu-check` (docs/GPU.md, "The next lease"; a machine
+# goes back after 30 s idle): training (carry .whl) then fast_path, each within its own budget
+gpu-next:
+	-$(MAKE) --no-print-directory gpu-train GPU_BUDGET=180
+	$(MAKE) --no-print-directory gpu-speed GPU_BUDGET=220
 
 # the image's Python (3.12) wheels of TRAIN_WHEELS into .whl/ (ignored; about 1.7 MB)
 gpu-wheels:
