@@ -28,11 +28,10 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import partial
 
-import numpy as np
 import torch
 
 from ..draft_contract import Drafter, DraftRequest, DraftShape, DraftTree, SequenceView
-from ..kernels.transfers import to_device
+from ..kernels.transfers import select_rows
 from ..rollout.mirror.executors import weights_bytes
 from ..rollout.model.attention import SequenceSlice, paged_attention_enabled
 from ..rollout.model.graph_pool import GraphPool
@@ -268,7 +267,7 @@ class SmallLMDrafter(Drafter):
             return self._target_vocab(self.runner.forward(slices, tokens, positions, logits_index).float())
         # the LM head's input for the heads: an output of the forward, captured graphs included
         logits, hidden = self.runner.forward_with_features(slices, tokens, positions, logits_index, [LM_HEAD_INPUT])
-        self._hidden = hidden.index_select(0, to_device(np.asarray(logits_index, dtype=np.int64), hidden.device))
+        self._hidden = select_rows(hidden, logits_index)
         return self._target_vocab(logits.float())
 
     def _head_logits(self, j: int, hidden: torch.Tensor) -> torch.Tensor:

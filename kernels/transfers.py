@@ -38,6 +38,12 @@ def to_device(
     return tensor.pin_memory().to(device, non_blocking=True)
 
 
+def select_rows(tensor: torch.Tensor, rows: np.ndarray | Sequence[int]) -> torch.Tensor:
+    """``tensor[rows]`` (rows of its first dimension, given on the host), the index queued to the
+    tensor's device without waiting: indexing with a host list would copy it with a sync."""
+    return tensor.index_select(0, to_device(np.asarray(rows, dtype=np.int64), tensor.device))
+
+
 def read_back(*tensors: torch.Tensor) -> list[list]:
     """Each tensor's values as a flat list (ints for integer tensors, floats otherwise), read in one
     device-to-host transfer. Exact for floats up to 64 bits and integers up to 2**53 (token ids,

@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 from ...draft_contract import Drafter, DraftRequest, DraftShape, DraftTree, SequenceView
-from ...kernels.transfers import to_device
+from ...kernels.transfers import select_rows, to_device
 from ...rollout.model.attention import METADATA_KWARG, SequenceSlice, build_metadata, paged_attention_forward
 from ...rollout.model.kv_cache import KVLayout, PagedKVCache, blocks_for
 from ...rollout.model.runner import model_device_dtype
@@ -59,7 +59,7 @@ def gather_pending(pending: list[PendingFeatures]) -> torch.Tensor:
         if rows[-1] - rows[0] + 1 == len(rows):  # contiguous (always for plain decoding): a slice
             parts.append(source[rows[0] : rows[-1] + 1])
         else:
-            parts.append(source.index_select(0, to_device(np.asarray(rows, dtype=np.int64), source.device)))
+            parts.append(select_rows(source, rows))
     return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
@@ -218,10 +218,8 @@ class Eagle3Drafter(Drafter):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """One packed head forward over the paged cache -> (hidden out ``[T, H]``, target-vocab logits ``[T, V]``)."""
         device = self.cache.layout.device
-        if isinstance(tokens, torch.Tensor):  # a chain's drafts, on the device
-            ids, pos = tokens, to_device(np.asarray(positions, dtype=np.int64), device)
-        else:
-            ids, pos = to_device(np.asarray([tokens, positions], dtype=np.int64), device)
+        ids = tokens if isinstance(tokens, torch.Tensor) else to_device(np.asarray(tokens, dtype=np.int64), device)
+        pos = to_device(np.asarray(positions, dtype=np.int64), device)
         meta = build_metadata(self.cache, slices, pos)
         attn = self.head.midlayer.self_attn
         scale = self.head.config.head_dim**-0.5
@@ -252,8 +250,7 @@ class Eagle3Drafter(Drafter):
             state.num_cached, state.pending = state.feature_end, []
         hidden = self.head.project(torch.cat(feats))
         out, logits = self._run(slices, hidden, tokens, positions)
-        rows = to_device(np.asarray(last, dtype=np.int64), out.device)
-        out, logits = out.index_select(0, rows), logits.index_select(0, rows)
+        out, logits = select_rows(out, last), select_rows(logits, last)
         for row, seq in enumerate(seqs):
             self._states[seq.seq_id].last = (out[row], logits[row])
         return out, logits
@@ -400,8 +397,7 @@ class Eagle3Drafter(Drafter):
             out, logits = self._run(slices, torch.stack(hidden_in), feed, positions)
             for row, key in enumerate(owners):
                 node_hidden[key] = out[row]
-            rows = to_device(np.asarray(index, dtype=np.int64), logits.device)
-            return torch.log_softmax(logits.index_select(0, rows), dim=-1)
+            return torch.log_softmax(select_rows(logits, index), dim=-1)
 
         trees, _ = grow_trees(requests, torch.log_softmax(root_logits, dim=-1), shape, score_level)
         return trees

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from ...draft_contract import EMPTY_DRAFT, Drafter, DraftRequest, DraftShape, DraftTree
-from ...kernels.transfers import read_back, to_device
+from ...kernels.transfers import read_back, select_rows
 from ..model.kv_cache import BlockAllocator, PagedKVCache
 from ..position_noise import keyed_scores
 from ..request import Sequence
@@ -100,7 +100,7 @@ def accept(trees: Seq[DraftTree], verified: Verified) -> Accepted:
         packed = [verified.row_best[r] for r in rows]
     else:
         flat = np.asarray(rows, dtype=np.int64) * verified.logprobs.shape[-1] + np.asarray(tokens, dtype=np.int64)
-        packed = verified.logprobs.reshape(-1).index_select(0, to_device(flat, verified.logprobs.device)).tolist()
+        packed = select_rows(verified.logprobs.reshape(-1), flat).tolist()
     starts = list(accumulate((len(e) for e in emitted), initial=0))
     return Accepted(emitted, [packed[starts[i] : starts[i + 1]] for i in range(len(emitted))])
 

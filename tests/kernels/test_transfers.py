@@ -2,7 +2,7 @@ import numpy as np
 import pytest
 import torch
 
-from tailspec.kernels.transfers import read_back, to_device
+from tailspec.kernels.transfers import read_back, select_rows, to_device
 
 
 @pytest.mark.parametrize(
@@ -17,6 +17,12 @@ def test_to_device_keeps_values_shape_and_dtype(values):
 def test_to_device_casts_when_asked():
     got = to_device(np.array([1, 2, 3]), "cpu", torch.int32)
     assert got.dtype == torch.int32 and got.tolist() == [1, 2, 3]
+
+
+def test_select_rows_takes_rows_in_the_order_given():
+    x = torch.arange(12.0).view(4, 3)
+    assert torch.equal(select_rows(x, [3, 0, 3]), x[[3, 0, 3]])
+    assert select_rows(x, np.zeros(0, dtype=np.int64)).shape == (0, 3)
 
 
 def test_read_back_returns_exact_ints_and_floats_per_tensor():
