@@ -15,8 +15,14 @@ which RL does not move, so:
   drafter's host cost is ``ratio x`` a one-token forward per drafted node, per bucket too; a model
   drafter's **catch-up** on the tokens steps of other arms emitted is ``ratio x`` a forward over
   them;
-* online, each arm only has a **correction** factor (measured / predicted step time), shrunk
-  towards 1 and robust to outliers (median of clipped log ratios).
+* online, each arm has a **correction** of its verification (the step's time less its drafting,
+  against the table) per batch bucket, and an arm of two drafters (``hybrid``) one of its drafting
+  too (the single-drafter arms' drafting is what their ratios learn): the two parts judged apart,
+  so a change in the drafting's cost is learned once, by its ratio, never also by a correction
+  taken against the old ratio. Every factor is a median of clipped log ratios, shrunk towards 1,
+  robust to outliers, and reset by a run of measurements all off it on one side (a level shift:
+  :func:`push`), so a rollout that drafts at another cost (sampled after greedy) is followed
+  within it rather than once half the window has seen it.
 """
 
 from __future__ import annotations
@@ -107,19 +113,45 @@ def calibrate(time_forward: Callable[[int, int], float], shapes: Iterable[Shape]
     return {shape: statistics.median(time_forward(*shape) for _ in range(repeats)) for shape in shapes}
 
 
+SHIFT_RUN = 4  # this many measurements in a row ...
+SHIFT = math.log(1.5)  # ... all this far off the older ones' median, on one side: the level moved
+
+
+def push(logs: deque[float], value: float) -> None:
+    """Append ``value`` to a window of logs whose median is a level. When the level moves (a
+    sampled rollout after a greedy one drafts at twice the cost; another job shares the GPU), the
+    last :data:`SHIFT_RUN` values all lie on one side of the older ones, beyond :data:`SHIFT`, and
+    the older ones go: a median over the whole window would follow only once half of it was new.
+    A lone outlier (a collection, a spike) never moves it."""
+    logs.append(value)
+    if len(logs) > SHIFT_RUN:
+        values = list(logs)
+        older = statistics.median(values[:-SHIFT_RUN])
+        recent = values[-SHIFT_RUN:]
+        if all(v - older > SHIFT for v in recent) or all(older - v > SHIFT for v in recent):
+            for _ in range(len(values) - SHIFT_RUN):
+                logs.popleft()
+
+
 class Ratio:
     """A multiplicative factor from recent measured/predicted ratios: the median of their logs
     (each clipped to ``clip`` x either way, if given), shrunk towards ``prior`` as if it were
-    ``weight`` more."""
+    ``weight`` more; ``shifts``: a run of measurements off the median resets it (:func:`push`)."""
 
-    def __init__(self, prior: float, weight: float, window: int = 32, clip: float | None = None) -> None:
-        self.prior, self.weight = prior, weight
+    def __init__(
+        self, prior: float, weight: float, window: int = 32, clip: float | None = None, shifts: bool = True
+    ) -> None:
+        self.prior, self.weight, self.shifts = prior, weight, shifts
         self.clip = math.log(clip) if clip is not None else math.inf
         self.logs: deque[float] = deque(maxlen=window)
 
     def add(self, measured: float, predicted: float) -> None:
         if measured > 0 and predicted > 0:
-            self.logs.append(max(-self.clip, min(self.clip, math.log(measured / predicted))))
+            value = max(-self.clip, min(self.clip, math.log(measured / predicted)))
+            if self.shifts:
+                push(self.logs, value)
+            else:
+                self.logs.append(value)
 
     @property
     def value(self) -> float:
@@ -150,15 +182,18 @@ class BatchRatio:
     ``bucket_weight`` more steps; a bucket never measured reads its measured neighbours
     (interpolated in log n, the nearest one past either end), or the pooled ratio if none is."""
 
-    def __init__(self, prior: float, weight: float, bucket_weight: float = 1.0, window: int = 32) -> None:
-        self.pooled = Ratio(prior, weight, window)
+    def __init__(
+        self, prior: float, weight: float, bucket_weight: float = 1.0, window: int = 32, clip: float | None = None
+    ) -> None:
+        # the pooled logs mix buckets of other levels: a batch that shrinks is no shift
+        self.pooled = Ratio(prior, weight, window, clip, shifts=False)
         self.bucket_weight, self.window = bucket_weight, window
         self.buckets: dict[int, deque[float]] = {}
 
     def add(self, n: int, measured: float, predicted: float) -> None:
         if measured > 0 and predicted > 0:
             self.pooled.add(measured, predicted)
-            self.buckets.setdefault(batch_bucket(n), deque(maxlen=self.window)).append(math.log(measured / predicted))
+            push(self.buckets.setdefault(batch_bucket(n), deque(maxlen=self.window)), self.pooled.logs[-1])
 
     def _log_of(self, bucket: int, pooled: float) -> float:
         logs = self.buckets[bucket]
@@ -187,6 +222,11 @@ class BatchRatio:
         self.buckets = {int(b): deque(v, maxlen=self.window) for b, v in state["buckets"].items()}
 
 
+def _correction() -> BatchRatio:
+    """Measured / predicted seconds, per batch bucket, shrunk towards 1 and robust to outliers."""
+    return BatchRatio(1.0, 8.0, bucket_weight=8.0, clip=3.0)
+
+
 class StepCosts:
     """Predicted seconds of each arm's step: the calibrated forward, the drafting ratios, and a
     correction per arm (see the module doc)."""
@@ -197,7 +237,8 @@ class StepCosts:
         # a suffix node a hundredth of a one-token step, a catch-up token a fifth of a verified row
         self.draft = {"model": BatchRatio(0.1, 0.5), "suffix": BatchRatio(0.01, 0.5)}
         self.catch_up = Ratio(0.2, 0.5)
-        self.correction: dict[Strategy, Ratio] = {}
+        self.correction: dict[Strategy, BatchRatio] = {}  # per arm: its verification forward
+        self.draft_correction: dict[Strategy, BatchRatio] = {}  # per arm of two drafters: its drafting
         self._warm: set[tuple[Strategy, int]] = set()  # (arm, batch bucket) pairs past their first step
 
     def _model_unit(self, arm: Strategy, n: int) -> float:
@@ -209,25 +250,38 @@ class StepCosts:
     def _suffix_unit(self, arm: Strategy, n: int) -> float:
         return n * arm.shape.max_nodes * self.table.seconds(1, 1)
 
-    def base_seconds(self, arm: Strategy, n: int) -> float:
-        """Uncorrected: the verification forward plus the drafting."""
-        seconds = self.table.seconds(n, 1 + arm.max_draft_nodes)
+    def verify_seconds(self, arm: Strategy, n: int) -> float:
+        """Uncorrected: the verification forward (the calibrated table)."""
+        return self.table.seconds(n, 1 + arm.max_draft_nodes)
+
+    def draft_seconds(self, arm: Strategy, n: int) -> float:
+        """Uncorrected: the drafting, from the drafters' learned ratios."""
+        seconds = 0.0
         if arm.uses_model_drafter:
             seconds += self.draft["model"].value(n) * self._model_unit(arm, n)
         if "suffix" in arm.drafters:
             seconds += self.draft["suffix"].value(n) * self._suffix_unit(arm, n)
         return seconds
 
+    def base_seconds(self, arm: Strategy, n: int) -> float:
+        """Uncorrected: the verification forward plus the drafting."""
+        return self.verify_seconds(arm, n) + self.draft_seconds(arm, n)
+
     def seconds(self, arm: Strategy, n: int) -> float:
-        return self.base_seconds(arm, n) * self.correction_of(arm).value
+        seconds = self.verify_seconds(arm, n) * self.correction_of(arm).value(n)
+        if arm.speculative:
+            draft = self.draft_seconds(arm, n)
+            seconds += draft * self.draft_correction[arm].value(n) if arm in self.draft_correction else draft
+        return seconds
 
     def catch_up_seconds(self, lag_tokens: int) -> float:
         """A model drafter's catch-up on ``lag_tokens`` tokens it did not see (0: none)."""
         return self.catch_up.value * self.table.seconds(lag_tokens, 1) if lag_tokens else 0.0
 
-    def correction_of(self, arm: Strategy) -> Ratio:
+    def correction_of(self, arm: Strategy) -> BatchRatio:
+        """``arm``'s verification correction."""
         if arm not in self.correction:
-            self.correction[arm] = Ratio(1.0, 8.0, clip=3.0)
+            self.correction[arm] = _correction()
         return self.correction[arm]
 
     def observe(self, arm: Strategy, n: int, seconds: float, draft_seconds: float, lag_tokens: int) -> None:
@@ -235,7 +289,13 @@ class StepCosts:
         after ``lag_tokens`` tokens its model drafter had to catch up on. An arm's first step at a
         batch bucket teaches nothing: it pays what a shape's first use pays once (a kernel's
         compilation, the allocator's growth), and one such step read as the arm's cost would keep
-        the arm from ever running there again."""
+        the arm from ever running there again.
+
+        The step's two parts are judged apart: the verification against the table (the arm's
+        correction), the drafting by the ratio it teaches (a drafter alone: a chain or tree of the
+        model drafter, a suffix tree) or, for an arm of two drafters, by a drafting correction of
+        its own. One correction of the whole step would count a drafting ratio's change twice: its
+        logs, taken against the old ratio, would still say "slower" once the ratio had learned it."""
         if (arm, batch_bucket(n)) not in self._warm:
             self._warm.add((arm, batch_bucket(n)))
             return
@@ -249,12 +309,14 @@ class StepCosts:
             self.draft["model"].add(n, draft_seconds, self._model_unit(arm, n))
         elif arm.kind == "suffix":
             self.draft["suffix"].add(n, draft_seconds, self._suffix_unit(arm, n))
-        self.correction_of(arm).add(seconds, self.base_seconds(arm, n))
+        elif arm.speculative:
+            self.draft_correction.setdefault(arm, _correction()).add(n, draft_seconds, self.draft_seconds(arm, n))
+        self.correction_of(arm).add(n, seconds - draft_seconds, self.verify_seconds(arm, n))
 
     def drift(self) -> float:
         """How far, as a factor >= 1, the median arm's correction is from 1 (the table is stale when
         every arm runs slower or faster than it says: another load on the machine, a clock change)."""
-        values = [r.value for r in self.correction.values() if r.logs]
+        values = [r.pooled.value for r in self.correction.values() if r.pooled.logs]
         if not values:
             return 1.0
         middle = statistics.median(values)
@@ -265,6 +327,7 @@ class StepCosts:
             "draft": {k: r.state() for k, r in self.draft.items()},
             "catch_up": self.catch_up.state(),
             "correction": {str(a): r.state() for a, r in self.correction.items()},
+            "draft_correction": {str(a): r.state() for a, r in self.draft_correction.items()},
         }
 
     def load_state_dict(self, state: dict, arms: Iterable[Strategy]) -> None:
@@ -274,3 +337,5 @@ class StepCosts:
         for arm in arms:
             if str(arm) in state["correction"]:
                 self.correction_of(arm).load(state["correction"][str(arm)])
+            if str(arm) in state.get("draft_correction", {}):
+                self.draft_correction.setdefault(arm, _correction()).load(state["draft_correction"][str(arm)])

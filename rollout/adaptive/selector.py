@@ -5,10 +5,11 @@ predicted to finish that work in
 
     catch_up(a) + remaining * seconds(a, n) / (n * expected(a))
 
-where ``seconds`` is the step's cost (``rollout/adaptive/cost_model.py``: the verification forward timed
-once per shape at calibration, the drafting as a ratio of it, a correction per arm), ``expected``
-the tokens a sequence-step emits (``rollout/adaptive/acceptance.py``: pooled per drafter from every verified
-step), and ``catch_up`` what a model drafter pays for the tokens it missed while other arms ran: a
+where ``seconds`` is the step's cost (``rollout/adaptive/cost_model.py``: the verification
+forward timed once per shape at calibration, the drafting as a ratio of it, corrections per arm
+and batch bucket), ``expected`` the tokens a sequence-step emits
+(``rollout/adaptive/acceptance.py``: pooled per drafter from every verified step), and
+``catch_up`` what a model drafter pays for the tokens it missed while other arms ran: a
 switch to a model arm happens only when its gain over the remaining work beats that. The arm with
 the least predicted time runs. Uncertainty is handled on acceptance only, the costs being
 measured: an arm's expected tokens are moved towards its best case as if that were ``optimism``
@@ -35,7 +36,7 @@ from .cost_model import StepCosts
 
 logger = logging.getLogger(__name__)
 
-STATE_VERSION = 4
+STATE_VERSION = 5  # 5: corrections per batch bucket, the verification's and the drafting's apart
 
 
 @dataclass(frozen=True)
@@ -158,5 +159,5 @@ class StrategySelector:
         previous = self.costs.state_dict() if self.costs is not None else self._saved_costs
         self.costs = costs
         if previous is not None:
-            previous = {**previous, "correction": {}}  # the new table starts uncorrected
+            previous = {**previous, "correction": {}, "draft_correction": {}}  # the new table starts uncorrected
             costs.load_state_dict(previous, self.arms)

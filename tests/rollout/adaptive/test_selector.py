@@ -1,6 +1,8 @@
 """The adaptive selector: analytic choice from calibrated costs and pooled acceptance, in the engine."""
 
 import math
+import statistics
+from collections import deque
 
 import pytest
 from conftest import cached_model, random_prompts
@@ -10,7 +12,7 @@ from tailspec.draft_contract import DraftTree
 from tailspec.rollout import RolloutConfig, RolloutEngine, SamplingParams
 from tailspec.rollout.adaptive.acceptance import AcceptanceBook, first_branch
 from tailspec.rollout.adaptive.choice import calibrated_batch
-from tailspec.rollout.adaptive.cost_model import ForwardTable, StepCosts
+from tailspec.rollout.adaptive.cost_model import SHIFT_RUN, ForwardTable, StepCosts, push
 from tailspec.rollout.adaptive.selector import SelectorConfig, StrategySelector
 from tailspec.rollout.strategy import parse_strategy
 from tailspec.testing import perturbed_copy
@@ -160,11 +162,61 @@ def test_corrections_shrink_to_one_and_resist_outliers():
     costs.observe(none, 4, 100 * predicted, 0.0, 0)  # the first step at a batch bucket: a warm-up, ignored
     assert costs.seconds(none, 4) == predicted
     costs.observe(none, 4, 3 * predicted, 0.0, 0)  # one slow step moves it a little
-    assert 1.0 < costs.seconds(none, 4) / predicted < 1.2
+    assert 1.0 < costs.seconds(none, 4) / predicted < 1.3
     for _ in range(31):
         costs.observe(none, 4, 1.5 * predicted, 0.0, 0)
-    assert costs.seconds(none, 4) / predicted == pytest.approx(1.5 ** (32 / 40), rel=0.02)
-    assert costs.drift() == pytest.approx(1.5 ** (32 / 40), rel=0.02)
+    # the bucket's median (the slow step gone: four steps in a row far below it were a shift),
+    # shrunk towards the arm's pooled median, itself shrunk towards 1
+    pooled = math.log(1.5) * 32 / 40
+    assert costs.seconds(none, 4) / predicted == pytest.approx(math.exp((31 * math.log(1.5) + 8 * pooled) / 39))
+    assert costs.drift() == pytest.approx(math.exp(pooled))
+    assert costs.seconds(none, 64) / predicted * costs.base_seconds(none, 4) / costs.base_seconds(none, 64) == (
+        pytest.approx(costs.seconds(none, 4) / predicted)
+    )  # a bucket never measured reads the nearest measured one
+
+
+def test_a_run_of_measurements_off_the_median_is_a_shift_and_a_lone_outlier_is_not():
+    logs = deque(maxlen=32)
+    for _ in range(20):
+        push(logs, 0.0)
+    push(logs, math.log(3))  # a spike
+    for _ in range(3):
+        push(logs, 0.0)
+    assert len(logs) == 24 and statistics.median(logs) == 0.0
+    for i in range(SHIFT_RUN):  # the level moves by 2x
+        push(logs, math.log(2))
+        assert len(logs) == (SHIFT_RUN if i == SHIFT_RUN - 1 else 25 + i)
+    assert statistics.median(logs) == pytest.approx(math.log(2))
+    for _ in range(SHIFT_RUN):  # 1.2x is within the noise: no shift
+        push(logs, math.log(2) + math.log(1.2))
+    assert len(logs) == 2 * SHIFT_RUN
+
+
+def test_the_drafting_and_the_verification_are_corrected_apart():
+    """A chain's drafting triples: its ratio learns it, and the verification's correction stays
+    at 1, so the step's prediction meets the measured step instead of counting the change twice."""
+    costs = linear_costs()
+    chain = S("chain:4")
+    n = 4
+    verify = costs.verify_seconds(chain, n)
+    unit = costs._model_unit(chain, n)
+    for draft_ratio in (0.1, 0.3):
+        for _ in range(40):
+            draft = draft_ratio * unit
+            costs.observe(chain, n, verify + draft, draft, 0)
+        assert costs.seconds(chain, n) == pytest.approx(verify + draft, rel=0.02)
+    assert costs.correction_of(chain).value(n) == pytest.approx(1.0)
+    hybrid = S("hybrid:4,2,12")  # two drafters: its drafting has a correction of its own
+    for _ in range(40):
+        costs.observe(
+            hybrid,
+            n,
+            costs.verify_seconds(hybrid, n) + 2 * costs.draft_seconds(hybrid, n),
+            2 * costs.draft_seconds(hybrid, n),
+            0,
+        )
+    assert costs.draft_correction[hybrid].value(n) == pytest.approx(2.0, rel=0.05)
+    assert costs.correction_of(hybrid).value(n) == pytest.approx(1.0)
 
 
 def test_the_choice_follows_goodput_where_the_best_arm_changes_with_batch_size():
@@ -371,7 +423,7 @@ def test_calibration_covers_the_batch_a_rollout_reaches_and_grows_with_it():
     first = dict(engine.selector.costs.table.measured)
     assert engine.choice.covered_batch == 4 and max(n for n, _ in first) == 4
     costs = engine.selector.costs
-    assert any(r.logs for r in costs.correction.values())
+    assert any(r.pooled.logs for r in costs.correction.values())
     captures = engine.runner.graph_pool.stats.captures
     engine.generate(random_prompts(4, seed=6), short)  # within what is covered: nothing timed
     assert engine.selector.costs.table.measured == first
