@@ -21,6 +21,7 @@ one shared policy trajectory, reproducing a run with speculation switched off).
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
@@ -37,8 +38,8 @@ _MASK32 = 0xFFFFFFFF
 _MIX = 0x45D9F3B  # < 2**31: every product below fits in int64, so the hash is exact on any device
 
 
-def _mix32(x: torch.Tensor) -> torch.Tensor:
-    """A 32-bit integer finalizer on int64 tensors holding values in [0, 2**32)."""
+def _mix32(x):
+    """A 32-bit integer finalizer on int64 values in [0, 2**32): torch tensors or numpy arrays."""
     x = ((x >> 16) ^ x) * _MIX & _MASK32
     x = ((x >> 16) ^ x) * _MIX & _MASK32
     return (x >> 16) ^ x
@@ -49,50 +50,59 @@ def _key_words(seed: int) -> tuple[int, int]:
     return s & _MASK32, s >> 32
 
 
-def position_uniforms(seeds: Sequence[int], indices: Sequence[int], vocab: int, device: torch.device) -> torch.Tensor:
-    """``[R, vocab]`` float64 uniforms in (0, 1): row ``r`` keyed on ``(seeds[r], indices[r])``,
-    column ``j`` on the token id. Two 32-bit hashes give 53 random bits per entry."""
-    words = [_key_words(s) for s in seeds]
-    keys = to_device(np.asarray([[w[0] for w in words], [w[1] for w in words], list(indices)], dtype=np.int64), device)
-    lo, hi, index = keys[0], keys[1], keys[2] & _MASK32
-    row = _mix32(_mix32(_mix32(lo ^ 0x68E31DA4) ^ hi) ^ index)  # [R]
-    token = torch.arange(vocab, dtype=torch.int64, device=device)
-    h1 = _mix32(row.unsqueeze(-1) ^ _mix32(token ^ 0x1B56C4E9))  # [R, V]
+def _row_keys(seeds: Sequence[int], indices: Sequence[int]) -> np.ndarray:
+    """Each row's 32-bit key from ``(seed, index)``, hashed on the host: a few operations on ``R``
+    numbers, which on a GPU would be as many kernel launches."""
+    words = np.asarray([_key_words(s) for s in seeds], dtype=np.int64).reshape(-1, 2)
+    index = np.asarray(indices, dtype=np.int64) & _MASK32
+    return _mix32(_mix32(_mix32(words[:, 0] ^ 0x68E31DA4) ^ words[:, 1]) ^ index)
+
+
+@functools.lru_cache(maxsize=16)
+def _token_keys(vocab: int, device: torch.device) -> torch.Tensor:
+    """Each token id's 32-bit key ``[vocab]``, made once per vocabulary and device."""
+    return _mix32(torch.arange(vocab, dtype=torch.int64, device=device) ^ 0x1B56C4E9)
+
+
+def _uniforms_of(rows: torch.Tensor, vocab: int) -> torch.Tensor:
+    """``[R, vocab]`` float64 uniforms in (0, 1) from the rows' keys (on the device). Two 32-bit
+    hashes give 53 random bits per entry."""
+    h1 = _mix32(rows.unsqueeze(-1) ^ _token_keys(vocab, rows.device))  # [R, V]
     h2 = _mix32(h1 ^ 0x5BD1E995)
     bits = (h1 << 21) | (h2 >> 11)  # 53 bits
     return (bits.double() + 0.5) / float(2**53)
 
 
+def _gumbel_of(rows: torch.Tensor, vocab: int) -> torch.Tensor:
+    return (-torch.log(-torch.log(_uniforms_of(rows, vocab)))).float()
+
+
+def position_uniforms(seeds: Sequence[int], indices: Sequence[int], vocab: int, device: torch.device) -> torch.Tensor:
+    """``[R, vocab]`` float64 uniforms in (0, 1): row ``r`` keyed on ``(seeds[r], indices[r])``,
+    column ``j`` on the token id."""
+    return _uniforms_of(to_device(_row_keys(seeds, indices), device), vocab)
+
+
 def position_gumbel(seeds: Sequence[int], indices: Sequence[int], vocab: int, device: torch.device) -> torch.Tensor:
     """Standard Gumbel noise ``-log(-log(u))``, ``[R, vocab]`` float32, keyed as :func:`position_uniforms`."""
-    u = position_uniforms(seeds, indices, vocab, device)
-    return (-torch.log(-torch.log(u))).float()
-
-
-def perturbed(
-    logprobs: torch.Tensor, rows: Sequence[int], seeds: Sequence[int], indices: Sequence[int]
-) -> torch.Tensor:
-    """``logprobs`` with Gumbel noise added to ``rows`` (keyed on ``seeds`` and completion
-    ``indices``, one each per row); other rows unchanged. Its argmax on those rows is their token."""
-    out = logprobs.clone()
-    if rows:
-        at = torch.tensor(list(rows), device=logprobs.device)
-        out[at] = logprobs[at] + position_gumbel(seeds, indices, logprobs.shape[-1], logprobs.device)
-    return out
+    return _gumbel_of(to_device(_row_keys(seeds, indices), device), vocab)
 
 
 def keyed_scores(
     logprobs: torch.Tensor, params: Sequence[SamplingParams], indices: Sequence[int]
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """For rows of ``logprobs`` with their request's ``params`` and completion ``indices``: None when
-    no row is position-keyed, else the perturbed scores and a ``[R]`` bool mask of the keyed rows
-    (whose token is the argmax of their scores)."""
-    rows = [r for r, p in enumerate(params) if p.position_keyed]
-    if not rows:
+    no row is position-keyed, else the perturbed scores (keyed rows plus their noise, other rows
+    unchanged) and a ``[R]`` bool mask of the keyed rows (whose token is the argmax of their
+    scores). The rows' keys and the mask reach the device in one queued copy (no wait: a draft
+    chain runs its forwards without one)."""
+    keyed = [p.position_keyed for p in params]
+    if not any(keyed):
         return None
-    scores = perturbed(logprobs, rows, [params[r].seed for r in rows], [indices[r] for r in rows])
-    mask = torch.zeros(logprobs.shape[0], dtype=torch.bool, device=logprobs.device)
-    mask[rows] = True
+    seeds = [p.seed if k else 0 for p, k in zip(params, keyed)]
+    packed = to_device(np.stack([_row_keys(seeds, indices), np.asarray(keyed, dtype=np.int64)]), logprobs.device)
+    mask = packed[1].bool()
+    scores = torch.where(mask.unsqueeze(-1), logprobs + _gumbel_of(packed[0], logprobs.shape[-1]), logprobs)
     return scores, mask
 
 

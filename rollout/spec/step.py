@@ -52,8 +52,8 @@ class Verified:
     verdicts: list[Verdict]
     logprobs: torch.Tensor  # [scored rows, vocab]: the processed distribution at every scored row
     first_rows: list[int]  # each sequence's first scored row
-    # an all-greedy batch: each row's largest logprob, read with its argmax (every token such a
-    # batch emits is its row's argmax)
+    # a batch of greedy and position-keyed rows: the logprob of each row's argmax (of its perturbed
+    # scores where keyed), read with that argmax (every token such a batch emits is one)
     row_best: list[float] | None = None
 
 
@@ -69,18 +69,18 @@ def verify(
         params = [s.params for s, n in zip(seqs, num_new) for _ in range(n)]
         indices = [len(s.output_ids) + d for s, t in zip(seqs, trees) for d in (0, *t.depths)]
         keyed = keyed_scores(logprobs, params, indices)
-    if st.all_greedy and keyed is None:  # one read: the rows' argmax and its logprob
-        argmax = logprobs.argmax(dim=-1)
-        tokens, best = read_back(argmax, logprobs.gather(-1, argmax.unsqueeze(-1)))
-        no_uniforms = torch.zeros(0, dtype=torch.float64)
-        verdicts = verify_batch(trees, logprobs, [True] * len(seqs), no_uniforms, argmax=tokens)
-        return Verified(verdicts, logprobs, first_rows, best)
-    # sampled rows: one uniform per scored row, aligned with the rows (greedy sequences ignore theirs)
-    uniforms = draw_uniforms([s.generator for s in seqs], generator, list(num_new))
     # position-keyed sequences: the target's token at each row is the argmax of its perturbed
     # scores, fixed before any draft is looked at, so they verify as greedy ones on those scores
     scores = logprobs if keyed is None else keyed[0]
     greedy = [seq.params.greedy or seq.params.position_keyed for seq in seqs]
+    if all(greedy):  # one read: the rows' argmax and its logprob
+        argmax = scores.argmax(dim=-1)
+        tokens, best = read_back(argmax, logprobs.gather(-1, argmax.unsqueeze(-1)))
+        no_uniforms = torch.zeros(0, dtype=torch.float64)
+        verdicts = verify_batch(trees, scores, greedy, no_uniforms, argmax=tokens)
+        return Verified(verdicts, logprobs, first_rows, best)
+    # sampled rows: one uniform per scored row, aligned with the rows (greedy sequences ignore theirs)
+    uniforms = draw_uniforms([s.generator for s in seqs], generator, list(num_new))
     return Verified(verify_batch(trees, scores, greedy, uniforms), logprobs, first_rows)
 
 

@@ -9,7 +9,7 @@ from test_spec_sampling import PROMPT, V, drafter, exact_joint_of_tokens_2_and_3
 
 from tailspec.rollout import RolloutConfig, RolloutEngine, SamplingParams
 from tailspec.rollout.params import MirrorConfig
-from tailspec.rollout.position_noise import position_gumbel, position_uniforms
+from tailspec.rollout.position_noise import keyed_scores, position_gumbel, position_uniforms
 from tailspec.testing import ARCHITECTURES
 
 N = 5000
@@ -29,6 +29,22 @@ def test_uniforms_are_a_pure_function_of_seed_index_and_token():
     # neighbouring keys and tokens are uncorrelated
     assert abs(torch.corrcoef(torch.stack([a[0], a[1]]))[0, 1].item()) < 0.05
     assert abs(torch.corrcoef(torch.stack([a[0, :-1], a[0, 1:]]))[0, 1].item()) < 0.05
+
+
+def test_keyed_scores_perturb_the_keyed_rows_only():
+    logprobs = torch.log_softmax(torch.randn(4, 50, generator=torch.Generator().manual_seed(0)), dim=-1)
+    params = [
+        SamplingParams(noise="position", seed=11),
+        SamplingParams(temperature=1.0, seed=2),
+        SamplingParams(noise="position", seed=-3),
+        SamplingParams(temperature=0.0),
+    ]
+    scores, mask = keyed_scores(logprobs, params, [0, 4, 2**33 + 7, 1])
+    assert mask.tolist() == [True, False, True, False]
+    noise = position_gumbel([11, -3], [0, 2**33 + 7], 50, torch.device("cpu"))
+    assert torch.equal(scores[[0, 2]], logprobs[[0, 2]] + noise)
+    assert torch.equal(scores[[1, 3]], logprobs[[1, 3]])
+    assert keyed_scores(logprobs, params[1::2], [0, 1]) is None
 
 
 def test_gumbel_max_with_the_noise_samples_a_fixed_distribution():
