@@ -76,7 +76,7 @@ def test_a_greedy_speculative_step_reads_its_drafts_and_its_verification(
 def test_a_position_keyed_chain_step_reads_as_a_greedy_one(monkeypatch):
     """Position-keyed rows verify as greedy ones on their perturbed scores: the drafts, then each
     row's argmax with its logprob in one read (GPU run 14's long tail was keyed: its drafting cost
-    2.3x the greedy batches' while every keyed forward waited for the device twice)."""
+    2.3x the greedy batches', and every keyed forward then waited for the device twice)."""
     model = cached_model("llama")
     engine = RolloutEngine(model, RolloutConfig(strategy="chain:4"), drafter=perturbed_copy(model, noise=0.3, seed=7))
     params = [SamplingParams(max_new_tokens=24, noise="position", seed=i) for i in range(3)]
