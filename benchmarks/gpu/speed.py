@@ -9,14 +9,17 @@ capture its graphs and compile its kernels, then once timed.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import statistics
+from dataclasses import asdict, dataclass, field
 
 import torch
 
 from ...kernels.dispatch import KERNELS, resolve_backend
+from ...rollout.adaptive.cost_model import batch_bucket
 from ...rollout.engine import RolloutEngine
 from ...rollout.model.graph_pool import capture_seconds
 from ...rollout.params import RolloutConfig, SamplingParams
+from ...rollout.stats import StepRecord, goodput_by_bucket
 from ...tasks.grow import grow_policy
 from ...tasks.sft import load_shipped
 from .common import Stage, device, graph_backend, mirror_config, timed
@@ -68,8 +71,9 @@ class Contenders:
         engine = self.engine(strategy, graphs, **engine_fields)
         engine.generate(warm_prompts, params)
         before, captured_before = engine.stats.as_dict(), capture_seconds()
-        steps_before = dict(engine.stats.strategy_steps)
+        steps_before, logged_before = dict(engine.stats.strategy_steps), len(engine.stats.step_log)
         outs, seconds = timed(lambda: engine.generate(prompts, params))
+        timed_steps = list(engine.stats.step_log)[logged_before:]
         after, captured = engine.stats.as_dict(), capture_seconds() - captured_before
         tokens = sum(len(o.completion_ids) for o in outs)
         steps = after["decode_steps"] - before["decode_steps"]
@@ -94,6 +98,9 @@ class Contenders:
                 if v > steps_before.get(k, 0)
             },
             "selector_state": engine.selector.state_dict() if engine.selector is not None else None,
+            # the timed steps per batch-size bucket: tokens, seconds, steps and arms
+            "buckets": {b: asdict(g) for b, g in goodput_by_bucket(timed_steps, BUCKETS).items()},
+            "selector_check": selector_check(engine, timed_steps) if engine.selector is not None else None,
             "completions": [o.completion_ids for o in outs],
         }
 
@@ -312,6 +319,38 @@ class SpeedRun:
         )
 
 
+BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+
+
+def selector_check(engine: RolloutEngine, steps: list[StepRecord]) -> list[dict]:
+    """``adaptive``'s prediction against what its timed steps measured, per arm and batch-size
+    bucket it ran: the median step ms of each, the prediction at the bucket's median batch (the
+    selector's state after the run) and, for every arm, the predicted ms and tokens a
+    sequence-step at that batch, so a long tail's choices can be judged arm by arm."""
+    selector, rows = engine.selector, []
+    groups: dict[tuple[str, int], list[StepRecord]] = {}
+    for record in steps:
+        groups.setdefault((record.strategy, batch_bucket(record.num_active)), []).append(record)
+    for (arm, bucket), records in sorted(groups.items(), key=lambda kv: (kv[0][1], kv[0][0])):
+        n = int(statistics.median(r.num_active for r in records))
+        predictions = {str(p.arm): p for p in selector.predictions(n, 100 * n, optimism=0.0)}
+        rows.append(
+            {
+                "arm": arm,
+                "bucket": "1" if bucket == 0 else f"{1 << bucket}-{(2 << bucket) - 1}",  # the selector's
+                "steps": len(records),
+                "n": n,
+                "measured_ms": round(1000 * statistics.median(r.seconds for r in records), 3),
+                "predicted_ms": round(1000 * predictions[arm].seconds, 3) if arm in predictions else None,
+                "tokens_per_seq_step": round(sum(r.emitted for r in records) / sum(r.num_active for r in records), 3),
+                "arms_predicted": {
+                    a: [round(1000 * p.seconds, 3), round(p.expected, 3)] for a, p in predictions.items()
+                },
+            }
+        )
+    return rows
+
+
 def start_speed_run(stage: Stage, seed: int) -> tuple[SpeedRun, torch.nn.Module, float] | None:
     """What a speed stage starts from: the grown policy (checked; None when it could not be grown),
     the shipped drafter LM, prompts and warm-up prompts from ``seed``, and the copy bandwidth."""
@@ -438,6 +477,23 @@ def _headline_ratio(speed: SpeedRun, contender: str, batch: int, title: str) -> 
     )
 
 
+def bucket_summary(runs: dict[str, dict]) -> str:
+    """Per batch-size bucket of the timed steps: every contender's decode tokens/s there, and
+    ``adaptive``'s arms (steps): where a selector lost or won against the fixed arms."""
+    parts = []
+    for bucket in BUCKETS:
+        cells = []
+        for name, run in runs.items():
+            g = run.get("buckets", {}).get(bucket)
+            if g and g["seconds"]:
+                cells.append(f"{name} {g['tokens'] / g['seconds']:,.0f}")
+        arms = runs.get("adaptive", {}).get("buckets", {}).get(bucket, {}).get("arms", {})
+        if cells:
+            mix = ", ".join(f"{a} {k}" for a, k in sorted(arms.items(), key=lambda kv: -kv[1]))
+            parts.append(f"<={bucket}: " + ", ".join(cells) + (f" [adaptive ran {mix}]" if mix else ""))
+    return "; ".join(parts)
+
+
 def long_tail(stage: Stage, contenders: Contenders, tokenizer, graphs: str, add, headline: dict) -> None:
     """A sampled rollout whose lengths vary as RL rollouts do (T = 1, position-keyed noise)."""
     size = stage.size
@@ -471,3 +527,9 @@ def long_tail(stage: Stage, contenders: Contenders, tokenizer, graphs: str, add,
                 f"{adaptive['tok_s'] / tail[best]['tok_s']:.2f} (best fixed: {best}; "
                 f"{adaptive['capture_s_timed']:.2f} s of its {adaptive['seconds']:.2f} s captured graphs)"
             )
+            headline["long tail by batch bucket, decode tok/s"] = bucket_summary(tail)
+            if adaptive.get("selector_check"):
+                headline["long tail adaptive, predicted / measured step ms"] = "; ".join(
+                    f"{r['arm']}@{r['bucket']} x{r['steps']}: {r['predicted_ms']}/{r['measured_ms']}"
+                    for r in adaptive["selector_check"]
+                )

@@ -3,7 +3,6 @@ import pytest
 from tailspec.benchmarks.adaptive import (
     RunResult,
     bucket_weighted,
-    goodput_by_bucket,
     long_tail_table,
     measure_long_tail,
     measure_uniform,
@@ -40,15 +39,11 @@ def test_measure_and_report_long_tail(tmp_path):
     assert [r.tokens for r in uniform] == [16 * len(prompts) * 2, 16 * len(prompts), 16 * len(prompts) * 2]
 
 
-def test_goodput_buckets_and_the_oracle_bound():
+def test_the_oracle_bound():
     def step(active, arm, emitted, seconds):
         return StepRecord(active, arm, emitted, seconds, in_tail=False)
 
     bounds = (1, 4, 16)
-    buckets = goodput_by_bucket([step(1, "none", 1, 0.5), step(3, "none", 3, 1.0), step(40, "none", 40, 2.0)], bounds)
-    assert sorted(buckets) == [1, 4, 16]  # 40 active falls in the last bucket
-    assert buckets[4].goodput == 3.0 and buckets[16].arms == {"none": 1}
-
     none = RunResult("none", 0, 0, all_steps=[step(1, "none", 10, 1.0)] * 5 + [step(8, "none", 80, 1.0)] * 5)
     chain = RunResult("chain:2", 0, 0, all_steps=[step(1, "chain:2", 20, 1.0)] * 5 + [step(8, "chain:2", 40, 1.0)] * 5)
     few = RunResult("tree", 0, 0, all_steps=[step(1, "tree", 100, 1.0)] * 4)  # 4 steps: not trusted
