@@ -81,7 +81,7 @@ def verify(
         return Verified(verdicts, logprobs, first_rows, best)
     # sampled rows: one uniform per scored row, aligned with the rows (greedy sequences ignore theirs)
     uniforms = draw_uniforms([s.generator for s in seqs], generator, list(num_new))
-    return Verified(verify_batch(trees, scores, greedy, uniforms), logprobs, first_rows)
+    return Verified(verify_batch(trees, scores, greedy, uniforms, emitted_from=logprobs), logprobs, first_rows)
 
 
 @dataclass
@@ -98,6 +98,8 @@ def accept(trees: Seq[DraftTree], verified: Verified) -> Accepted:
     tokens = [t for seq_emitted in emitted for t, _ in seq_emitted]
     if verified.row_best is not None:
         packed = [verified.row_best[r] for r in rows]
+    elif all(v.logprobs is not None for v in verified.verdicts):  # read with the verdicts
+        packed = [lp for v in verified.verdicts for lp in v.logprobs]
     else:
         flat = np.asarray(rows, dtype=np.int64) * verified.logprobs.shape[-1] + np.asarray(tokens, dtype=np.int64)
         packed = select_rows(verified.logprobs.reshape(-1), flat).tolist()

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from itertools import accumulate
 
 import numpy as np
 import torch
@@ -35,6 +36,8 @@ class Verdict:
 
     path: list[int]  # accepted node indices, root to leaf
     final_token: int  # correction (after a rejection) or bonus (at a leaf)
+    # the emitted tokens' logprobs, when the verification read them with the verdict
+    logprobs: list[float] | None = None
 
     def emitted(self, tree: DraftTree) -> list[tuple[int, int]]:
         """``(token, row)`` for every emitted token; ``row`` is where its target distribution is
@@ -104,19 +107,22 @@ def verify_batch(
     uniforms: torch.Tensor,
     backend: str | None = None,
     argmax: Sequence[int] | None = None,
+    emitted_from: torch.Tensor | None = None,
 ) -> list[Verdict]:
     """Verify every sequence's tree from one verification forward.
 
     ``logprobs`` ``[R, V]`` are the processed target log-probabilities of the packed rows (tree
     ``b`` owns ``len(trees[b]) + 1`` consecutive rows, root first); ``uniforms`` ``[R]`` float64
     is aligned with the rows (see :func:`verify_sampled`; greedy sequences ignore theirs);
-    ``argmax``: each row's argmax when the caller has read it already.
+    ``argmax``: each row's argmax when the caller has read it already. ``emitted_from``: a
+    ``[R, V]`` distribution (the processed logprobs, where ``logprobs`` are perturbed scores) whose
+    values at the emitted tokens the fused kernel's verdicts carry, read with them.
     ``backend`` picks the fused Triton kernel or this module's loop (see ``tailspec.kernels``). An
     all-greedy batch walks its trees on the host whatever the backend: it needs only the rows'
     argmax, one read, where the kernel's inputs and outputs would cost several transfers.
     """
     if not all(greedy) and resolve_backend(logprobs.device, backend, kernel="verify") == "triton":
-        return _verify_batch_triton(trees, logprobs, greedy, uniforms)
+        return _verify_batch_triton(trees, logprobs, greedy, uniforms, emitted_from)
     probs = logprobs.exp() if not all(greedy) else None
     if argmax is None:
         argmax = logprobs.argmax(dim=-1).tolist() if any(greedy) else []
@@ -133,7 +139,11 @@ def verify_batch(
 
 
 def _verify_batch_triton(
-    trees: Sequence[DraftTree], logprobs: torch.Tensor, greedy: Sequence[bool], uniforms: torch.Tensor
+    trees: Sequence[DraftTree],
+    logprobs: torch.Tensor,
+    greedy: Sequence[bool],
+    uniforms: torch.Tensor,
+    emitted_from: torch.Tensor | None = None,
 ) -> list[Verdict]:
     from ...kernels.tree_verify import pack_trees, verify_trees_triton
 
@@ -146,6 +156,33 @@ def _verify_batch_triton(
         to_device(np.asarray(greedy, dtype=np.int32), device),
         to_device(uniforms, device, torch.float64),
     )
-    flat_paths, lens, finals = read_back(path, path_len, final)  # one wait for the device
+    extra = emitted_logprobs(trees, emitted_from, path, path_len, final) if emitted_from is not None else ()
+    flat_paths, lens, finals, *read = read_back(path, path_len, final, *extra)  # one wait for the device
     width = path.shape[1]
-    return [Verdict(flat_paths[b * width : b * width + lens[b]], finals[b]) for b in range(len(trees))]
+    paths = [flat_paths[b * width : b * width + lens[b]] for b in range(len(trees))]
+    if not read:
+        return [Verdict(p, finals[b]) for b, p in enumerate(paths)]
+    node_lps, final_lps = read
+    starts = list(accumulate((len(t) for t in trees), initial=0))
+    return [Verdict(p, finals[b], [node_lps[starts[b] + c] for c in p] + [final_lps[b]]) for b, p in enumerate(paths)]
+
+
+def emitted_logprobs(
+    trees: Sequence[DraftTree], logprobs: torch.Tensor, path: torch.Tensor, path_len: torch.Tensor, final: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """On the device, before any read: every draft node's logprob at its parent's row (what it
+    is worth if accepted; the trees are known on the host), and each sequence's final token's at
+    the row of its last accepted node (from the kernel's outputs)."""
+    vocab = logprobs.shape[-1]
+    first = np.fromiter(accumulate((len(t) + 1 for t in trees), initial=0), np.int64, len(trees) + 1)[:-1]
+    nodes = [
+        (first[b] + (p + 1 if p >= 0 else 0)) * vocab + tok
+        for b, t in enumerate(trees)
+        for tok, p in zip(t.tokens, t.parents)
+    ]
+    host = np.concatenate([first, np.asarray(nodes, dtype=np.int64)])
+    index = to_device(host, logprobs.device)  # one queued copy: the rows' starts, the nodes' entries
+    flat = logprobs.reshape(-1)
+    last = path.long().gather(1, (path_len.long() - 1).clamp_min(0).unsqueeze(1)).squeeze(1)
+    row = index[: len(trees)] + torch.where(path_len > 0, last + 1, torch.zeros_like(last))
+    return flat.index_select(0, index[len(trees) :]), flat.index_select(0, row * vocab + final.long())

@@ -11,6 +11,7 @@ import pytest
 import torch
 from conftest import cached_model, random_prompts
 
+from tailspec.kernels.dispatch import kernel_backend
 from tailspec.rollout import RolloutConfig, RolloutEngine, SamplingParams
 from tailspec.testing import perturbed_copy
 
@@ -84,15 +85,30 @@ def test_a_position_keyed_chain_step_reads_as_a_greedy_one(monkeypatch):
     assert specs > 0 and reads <= prefills + (decodes - specs) + specs * 2
 
 
+def test_a_sampled_chain_step_reads_its_drafts_and_its_verdicts_with_their_logprobs(monkeypatch):
+    """Sampled rows verify in the fused kernel (the backend a GPU picks; Triton's interpreter
+    here): its verdicts and the emitted tokens' logprobs come back in one read, so accepting
+    reads nothing more (three reads a step before 2026-11-28)."""
+    model = cached_model("llama")
+    engine = RolloutEngine(model, RolloutConfig(strategy="chain:4"), drafter=perturbed_copy(model, noise=0.3, seed=7))
+    params = SamplingParams(max_new_tokens=24, temperature=1.0, seed=3)
+    with kernel_backend("triton", kernels=("verify",)):
+        reads, (prefills, decodes, specs) = generate_counting_reads(
+            monkeypatch, engine, random_prompts(3, seed=4), params
+        )
+    assert specs > 0 and reads <= prefills + (decodes - specs) + specs * 2
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize(
-    ("strategy", "keyed", "waits_per_spec_step"), [("none", False, 0), ("chain:4", False, 2), ("chain:4", True, 2)]
+    ("strategy", "sampling", "waits_per_spec_step"),
+    [("none", "greedy", 0), ("chain:4", "greedy", 2), ("chain:4", "keyed", 2), ("chain:4", "sampled", 2)],
 )
-def test_on_cuda_a_step_waits_for_the_device_only_where_it_reads(strategy, keyed, waits_per_spec_step):
+def test_on_cuda_a_step_waits_for_the_device_only_where_it_reads(strategy, sampling, waits_per_spec_step):
     """torch's sync debug mode flags every call that waits for the device (a pageable copy to it,
-    a read back): a warmed step makes no more than the reads counted above, greedy or
-    position-keyed (whose noise keys reach the device in one queued copy)."""
+    a read back): a warmed step makes no more than the reads counted above, greedy, position-keyed
+    (whose noise keys reach the device in one queued copy) or sampled."""
     import warnings
 
     from tailspec.testing import tiny_random_model
@@ -101,8 +117,10 @@ def test_on_cuda_a_step_waits_for_the_device_only_where_it_reads(strategy, keyed
     drafter = perturbed_copy(model, noise=0.3, seed=7) if strategy != "none" else None
     engine = RolloutEngine(model, RolloutConfig(strategy=strategy), drafter=drafter)
     prompts, params = random_prompts(3, seed=4), SamplingParams(max_new_tokens=24, temperature=0.0)
-    if keyed:
+    if sampling == "keyed":
         params = [params.with_updates(temperature=1.0, noise="position", seed=i) for i in range(len(prompts))]
+    elif sampling == "sampled":
+        params = params.with_updates(temperature=1.0, seed=3)
     engine.generate(prompts, params)  # captures every graph the measured call replays
     before = (engine.stats.prefill_steps, engine.stats.decode_steps, engine.stats.spec_steps)
     with warnings.catch_warnings(record=True) as caught:

@@ -166,3 +166,30 @@ def test_bonus_token_after_a_fully_accepted_chain():
 
     verdict = verify_sampled(tree, certain, _uniforms(tree, g))
     assert verdict.path == [0, 1] and verdict.final_token == 5
+
+
+def test_the_fused_kernels_verdicts_carry_the_emitted_tokens_logprobs():
+    """With ``emitted_from``, the Triton path reads each emitted token's logprob (under that
+    distribution, not the scores verified on) with the verdicts, so accepting reads nothing more."""
+    gen = torch.Generator().manual_seed(3)
+    vocab = 12
+    trees = [
+        DraftTree.chain([3, 5, 7]),
+        DraftTree([1, 2, 4, 9], [-1, -1, 0, 0]),
+        DraftTree(),  # a sequence that did not draft
+        DraftTree.chain([0, 0]),
+    ]
+    rows = sum(len(t) + 1 for t in trees)
+    scores = torch.log_softmax(torch.randn(rows, vocab, generator=gen), dim=-1)
+    reported = torch.log_softmax(torch.randn(rows, vocab, generator=gen), dim=-1)
+    greedy = [False, True, False, False]
+    for seed in range(5):
+        uniforms = torch.rand(rows, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+        fused = verify_module.verify_batch(trees, scores, greedy, uniforms, backend="triton", emitted_from=reported)
+        plain = verify_module.verify_batch(trees, scores, greedy, uniforms, backend="triton")
+        first = 0
+        for tree, verdict, same in zip(trees, fused, plain):
+            assert (verdict.path, verdict.final_token) == (same.path, same.final_token) and same.logprobs is None
+            expected = [reported[first + row, token].item() for token, row in verdict.emitted(tree)]
+            assert verdict.logprobs == pytest.approx(expected, abs=0, rel=1e-12)
+            first += len(tree) + 1
