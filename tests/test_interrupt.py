@@ -73,7 +73,7 @@ def interrupt_when_workers_run(cmd: list[str], env: dict[str, str], cwd: Path) -
     reader = threading.Thread(target=read, daemon=True)
     reader.start()
     assert workers_up.wait(timeout=300), "".join(lines)[-3000:]
-    time.sleep(3)  # the first rollout is running on the workers
+    time.sleep(1.5)  # the first rollout is running on the workers
     run = descendants(proc.pid)
     procs = live_processes()
     ray_processes = [procs[pid][2] for pid in run if pid in procs and any(n in procs[pid][2] for n in RAY_NAMES)]

@@ -79,7 +79,9 @@ def _start_head(ray: str, env: dict[str, str]) -> tuple[RayHead, subprocess.Pope
 
 
 def _stop(process: subprocess.Popen) -> None:
-    for sig, grace in ((signal.SIGINT, 15), (signal.SIGKILL, 10)):
+    # ``ray start --block`` outlived 15 s of SIGINT or SIGTERM on every teardown (30 s of each test
+    # run); its whole process group ends at once on SIGKILL and leaves no Ray process behind
+    for sig, grace in ((signal.SIGTERM, 2), (signal.SIGKILL, 10)):
         try:
             os.killpg(process.pid, sig)
             process.wait(timeout=grace)
