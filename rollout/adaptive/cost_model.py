@@ -117,12 +117,13 @@ SHIFT_RUN = 4  # this many measurements in a row ...
 SHIFT = math.log(1.5)  # ... all this far off the older ones' median, on one side: the level moved
 
 
-def push(logs: deque[float], value: float) -> None:
+def push(logs: deque[float], value: float) -> float:
     """Append ``value`` to a window of logs whose median is a level. When the level moves (a
     sampled rollout after a greedy one drafts at twice the cost; another job shares the GPU), the
     last :data:`SHIFT_RUN` values all lie on one side of the older ones, beyond :data:`SHIFT`, and
     the older ones go: a median over the whole window would follow only once half of it was new.
-    A lone outlier (a collection, a spike) never moves it."""
+    A lone outlier (a collection, a spike) never moves it. Returns how far the level moved (its
+    log; 0: no shift)."""
     logs.append(value)
     if len(logs) > SHIFT_RUN:
         values = list(logs)
@@ -131,6 +132,8 @@ def push(logs: deque[float], value: float) -> None:
         if all(v - older > SHIFT for v in recent) or all(older - v > SHIFT for v in recent):
             for _ in range(len(values) - SHIFT_RUN):
                 logs.popleft()
+            return statistics.median(recent) - older
+    return 0.0
 
 
 class Ratio:
@@ -180,7 +183,12 @@ class BatchRatio:
     target's forward barely does), so the factor is kept per power-of-two batch bucket, each
     bucket's median shrunk towards the ratio pooled over all of them as if that were
     ``bucket_weight`` more steps; a bucket never measured reads its measured neighbours
-    (interpolated in log n, the nearest one past either end), or the pooled ratio if none is."""
+    (interpolated in log n, the nearest one past either end), or the pooled ratio if none is. A
+    level shift in one bucket (:func:`push`) moves every other bucket's logs by as much: what moves
+    a drafting cost (sampling, another job on the device) moves it at every batch size, and a
+    bucket otherwise learns it only from its own steps. (The pooled logs, a mix of the buckets,
+    are left to follow: moving them too made the simulator's noisy regime mistake noise for
+    shifts.)"""
 
     def __init__(
         self, prior: float, weight: float, bucket_weight: float = 1.0, window: int = 32, clip: float | None = None
@@ -193,7 +201,12 @@ class BatchRatio:
     def add(self, n: int, measured: float, predicted: float) -> None:
         if measured > 0 and predicted > 0:
             self.pooled.add(measured, predicted)
-            push(self.buckets.setdefault(batch_bucket(n), deque(maxlen=self.window)), self.pooled.logs[-1])
+            bucket = batch_bucket(n)
+            moved = push(self.buckets.setdefault(bucket, deque(maxlen=self.window)), self.pooled.logs[-1])
+            if moved:  # the level moved everywhere: the other buckets' logs move with it
+                for other, logs in self.buckets.items():
+                    if other != bucket:
+                        self.buckets[other] = deque((v + moved for v in logs), maxlen=self.window)
 
     def _log_of(self, bucket: int, pooled: float) -> float:
         logs = self.buckets[bucket]

@@ -12,7 +12,7 @@ from tailspec.draft_contract import DraftTree
 from tailspec.rollout import RolloutConfig, RolloutEngine, SamplingParams
 from tailspec.rollout.adaptive.acceptance import AcceptanceBook, first_branch
 from tailspec.rollout.adaptive.choice import calibrated_batch
-from tailspec.rollout.adaptive.cost_model import SHIFT_RUN, ForwardTable, StepCosts, push
+from tailspec.rollout.adaptive.cost_model import SHIFT_RUN, BatchRatio, ForwardTable, StepCosts, push
 from tailspec.rollout.adaptive.selector import SelectorConfig, StrategySelector
 from tailspec.rollout.strategy import parse_strategy
 from tailspec.testing import perturbed_copy
@@ -190,6 +190,20 @@ def test_a_run_of_measurements_off_the_median_is_a_shift_and_a_lone_outlier_is_n
     for _ in range(SHIFT_RUN):  # 1.2x is within the noise: no shift
         push(logs, math.log(2) + math.log(1.2))
     assert len(logs) == 2 * SHIFT_RUN
+
+
+def test_a_shift_in_one_batch_bucket_moves_the_others():
+    ratio = BatchRatio(1.0, 0.5)
+    for n in (1, 16):
+        for _ in range(10):
+            ratio.add(n, 1.0, 1.0)
+    assert ratio.value(16) == pytest.approx(1.0)
+    for _ in range(SHIFT_RUN):
+        ratio.add(1, 3.0, 1.0)  # batch 1 drafts at 3x
+    # each bucket's median is log 3 now, shrunk towards the pooled median (still log 1) as if it
+    # were one more step: batch 1 has 4 steps, batch 16 its 10 moved ones
+    assert ratio.value(1) == pytest.approx(3 ** (4 / 5))
+    assert ratio.value(16) == pytest.approx(3 ** (10 / 11))  # never measured since: moved with it
 
 
 def test_the_drafting_and_the_verification_are_corrected_apart():
