@@ -148,13 +148,16 @@ class Ratio:
         self.clip = math.log(clip) if clip is not None else math.inf
         self.logs: deque[float] = deque(maxlen=window)
 
-    def add(self, measured: float, predicted: float) -> None:
-        if measured > 0 and predicted > 0:
-            value = max(-self.clip, min(self.clip, math.log(measured / predicted)))
-            if self.shifts:
-                push(self.logs, value)
-            else:
-                self.logs.append(value)
+    def add(self, measured: float, predicted: float) -> float | None:
+        """Adds the clipped log ratio and returns it (None: nothing to add)."""
+        if measured <= 0 or predicted <= 0:
+            return None
+        value = max(-self.clip, min(self.clip, math.log(measured / predicted)))
+        if self.shifts:
+            push(self.logs, value)
+        else:
+            self.logs.append(value)
+        return value
 
     @property
     def value(self) -> float:
@@ -199,10 +202,10 @@ class BatchRatio:
         self.buckets: dict[int, deque[float]] = {}
 
     def add(self, n: int, measured: float, predicted: float) -> None:
-        if measured > 0 and predicted > 0:
-            self.pooled.add(measured, predicted)
+        value = self.pooled.add(measured, predicted)
+        if value is not None:
             bucket = batch_bucket(n)
-            moved = push(self.buckets.setdefault(bucket, deque(maxlen=self.window)), self.pooled.logs[-1])
+            moved = push(self.buckets.setdefault(bucket, deque(maxlen=self.window)), value)
             if moved:  # the level moved everywhere: the other buckets' logs move with it
                 for other, logs in self.buckets.items():
                     if other != bucket:
@@ -281,11 +284,10 @@ class StepCosts:
         return self.verify_seconds(arm, n) + self.draft_seconds(arm, n)
 
     def seconds(self, arm: Strategy, n: int) -> float:
-        seconds = self.verify_seconds(arm, n) * self.correction_of(arm).value(n)
-        if arm.speculative:
-            draft = self.draft_seconds(arm, n)
-            seconds += draft * self.draft_correction[arm].value(n) if arm in self.draft_correction else draft
-        return seconds
+        draft = self.draft_seconds(arm, n)
+        if arm in self.draft_correction:
+            draft *= self.draft_correction[arm].value(n)
+        return self.verify_seconds(arm, n) * self.correction_of(arm).value(n) + draft
 
     def catch_up_seconds(self, lag_tokens: int) -> float:
         """A model drafter's catch-up on ``lag_tokens`` tokens it did not see (0: none)."""
@@ -296,6 +298,12 @@ class StepCosts:
         if arm not in self.correction:
             self.correction[arm] = _correction()
         return self.correction[arm]
+
+    def draft_correction_of(self, arm: Strategy) -> BatchRatio:
+        """``arm``'s drafting correction (an arm of two drafters)."""
+        if arm not in self.draft_correction:
+            self.draft_correction[arm] = _correction()
+        return self.draft_correction[arm]
 
     def observe(self, arm: Strategy, n: int, seconds: float, draft_seconds: float, lag_tokens: int) -> None:
         """A step of ``arm`` on ``n`` sequences took ``seconds``, ``draft_seconds`` of them drafting,
@@ -323,7 +331,7 @@ class StepCosts:
         elif arm.kind == "suffix":
             self.draft["suffix"].add(n, draft_seconds, self._suffix_unit(arm, n))
         elif arm.speculative:
-            self.draft_correction.setdefault(arm, _correction()).add(n, draft_seconds, self.draft_seconds(arm, n))
+            self.draft_correction_of(arm).add(n, draft_seconds, self.draft_seconds(arm, n))
         self.correction_of(arm).add(n, seconds - draft_seconds, self.verify_seconds(arm, n))
 
     def drift(self) -> float:
@@ -351,4 +359,4 @@ class StepCosts:
             if str(arm) in state["correction"]:
                 self.correction_of(arm).load(state["correction"][str(arm)])
             if str(arm) in state.get("draft_correction", {}):
-                self.draft_correction.setdefault(arm, _correction()).load(state["draft_correction"][str(arm)])
+                self.draft_correction_of(arm).load(state["draft_correction"][str(arm)])
