@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from ..config_tree import require
+from ..rollout.model.eval_mode import eval_mode
 from .eagle3.data import FeatureBuffer
 from .eagle3.train import TrainStepResult
 
@@ -179,9 +180,7 @@ def held_out_run(
     if not samples:
         raise ValueError("a held-out score needs at least one sample")
     device = next(model.parameters()).device
-    was_training = model.training
-    model.eval()
-    try:
+    with eval_mode(model):
         accepted, positions = 0.0, 0
         for i in range(0, len(samples), 8):
             if should_stop is not None and should_stop():
@@ -194,8 +193,6 @@ def held_out_run(
                 accepted += float(run.sum())
             positions += int((targets != -100).sum())
         return accepted / max(positions, 1)
-    finally:
-        model.train(was_training)
 
 
 def lm_held_out_acceptance(

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from ..rollout.model.early_exit import check_exit_layer, final_norm
+from ..rollout.model.eval_mode import eval_mode
 from ..rollout.model.runner import capture_layer_inputs
 from .lm_trainer import SequenceSample, lm_held_out_acceptance
 from .part_trainer import PartTrainer, StopCheck, frozen
@@ -174,18 +175,13 @@ class ExitAdapterTrainer(PartTrainer):
             raise ValueError("the exit adapter needs at least one sequence to train on")
         target, device = self.target, next(self.target.parameters()).device
         hiddens, teachers = [], []
-        was_training = target.training
-        target.eval()
-        try:
-            with torch.no_grad(), capture_layer_inputs(target, [self.num_layers]) as captured:
-                for tokens in sequences:
-                    if should_stop is not None and should_stop():
-                        return None
-                    ids = torch.tensor([list(tokens)], dtype=torch.long, device=device)
-                    teachers.append(torch.log_softmax(target(input_ids=ids).logits[0].float(), dim=-1))
-                    hiddens.append(captured[self.num_layers][0].detach())
-        finally:
-            target.train(was_training)
+        with eval_mode(target), torch.no_grad(), capture_layer_inputs(target, [self.num_layers]) as captured:
+            for tokens in sequences:
+                if should_stop is not None and should_stop():
+                    return None
+                ids = torch.tensor([list(tokens)], dtype=torch.long, device=device)
+                teachers.append(torch.log_softmax(target(input_ids=ids).logits[0].float(), dim=-1))
+                hiddens.append(captured[self.num_layers][0].detach())
         return torch.cat(hiddens), torch.cat(teachers)
 
     @contextmanager

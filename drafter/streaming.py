@@ -18,6 +18,7 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
+from ..rollout.model.eval_mode import eval_mode
 from ..rollout.model.runner import model_device_dtype
 from .lm_trainer import SequenceSample, drawn_probs, held_out_run, shifted
 from .part_trainer import PartTrainer, StopCheck, frozen
@@ -145,23 +146,18 @@ class StreamingHeadTrainer(PartTrainer):
             raise ValueError("streaming heads need at least one sequence to train on")
         n_heads = len(self.heads)
         inputs, labels = [], [[] for _ in range(n_heads)]
-        was_training = self.model.training
-        self.model.eval()
-        try:
-            with torch.no_grad():
-                for tokens in sequences:
-                    if should_stop is not None and should_stop():
-                        return None
-                    ids = torch.tensor([list(tokens)], dtype=torch.long, device=self.device)
-                    n = len(tokens) - 1 - n_heads
-                    if n <= 0:
-                        continue
-                    hidden, _ = lm_head_inputs(self.model, ids)
-                    inputs.append(hidden[:n].float())
-                    for j in range(n_heads):
-                        labels[j].append(ids[0, 2 + j : 2 + j + n])
-        finally:
-            self.model.train(was_training)
+        with eval_mode(self.model), torch.no_grad():
+            for tokens in sequences:
+                if should_stop is not None and should_stop():
+                    return None
+                ids = torch.tensor([list(tokens)], dtype=torch.long, device=self.device)
+                n = len(tokens) - 1 - n_heads
+                if n <= 0:
+                    continue
+                hidden, _ = lm_head_inputs(self.model, ids)
+                inputs.append(hidden[:n].float())
+                for j in range(n_heads):
+                    labels[j].append(ids[0, 2 + j : 2 + j + n])
         if not inputs:
             raise ValueError(f"streaming heads need sequences longer than {n_heads + 2} tokens")
         return torch.cat(inputs), [torch.cat(label) for label in labels]

@@ -40,6 +40,10 @@ PACK = (
 # `fast_path`: make gpu-speed;
 # the rehearsal runs every stage
 GRACE_S = 25  # past its budget a stage's child is killed (the budget itself is checked between parts)
+# --within: a stage gets the seconds left less its grace and its child's start-up (imports, the
+# device's context), and is skipped when that leaves it less than this
+START_S = 15
+SHORTEST_STAGE_S = 30
 
 
 def run_stage(name: str, size: CheckSize, work: Path, budget: float) -> None:
@@ -55,6 +59,21 @@ def run_stage(name: str, size: CheckSize, work: Path, budget: float) -> None:
         stage.report.errors.append({"part": "stage", "error": "uncaught", "traceback": traceback.format_exc()})
         logging.exception("stage %s failed", name)
     stage.finish()
+
+
+def stage_seconds(own: float, within: float | None, elapsed: float) -> float | None:
+    """A stage's budget: its own, or with ``within`` seconds for the whole run (``elapsed`` gone)
+    what is left less the stage's grace and start-up, whichever is less; None when that is under
+    ``SHORTEST_STAGE_S`` (the stage is left out)."""
+    if within is None:
+        return own
+    left = within - elapsed - GRACE_S - START_S
+    return None if left < SHORTEST_STAGE_S else min(own, left)
+
+
+def left_out(name: str, why: str) -> dict:
+    """The report of a stage that did not start: no time was left for it (``--within``)."""
+    return {"stage": name, "status": "left out", "checks": [], "skipped": [{"name": name, "why": why}], "errors": []}
 
 
 def _summary_row(report: dict) -> str:
@@ -110,20 +129,29 @@ def main(argv: list[str] | None = None) -> int:
         help="seconds each named stage may take instead of its own budget (a shorter lease: later parts are "
         "skipped and named, what ran is kept)",
     )
+    parser.add_argument(
+        "--within",
+        type=float,
+        help="seconds the whole run may take (a lease's one call): each stage gets its budget or what is left, "
+        f"whichever is less; a stage left under {SHORTEST_STAGE_S} s is skipped and named",
+    )
     parser.add_argument("--stage", help=argparse.SUPPRESS)  # internal: run one stage in this process
     parser.add_argument("--work", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     size = CheckSize.of("tiny" if args.rehearse else "full")
     if args.budget is not None and args.budget <= 0:
         parser.error(f"--budget must be > 0 seconds, got {args.budget}")
+    if args.within is not None and args.within <= 0:
+        parser.error(f"--within must be > 0 seconds, got {args.within}")
     budget = dict.fromkeys(BUDGETS, args.budget) if args.budget is not None else BUDGETS
     if args.stage:
         run_stage(args.stage, size, Path(args.work), budget[args.stage])
         return 0
-    stages = [s for s in (args.stages or ",".join(BUDGETS if args.rehearse else PACK)).split(",") if s]
+    named = (args.stages or ",".join(BUDGETS if args.rehearse else PACK)).split(",")
+    stages = [s for name in named if name for s in (PACK if name == "pack" else (name,))]
     unknown = sorted(set(stages) - set(BUDGETS))
     if unknown:
-        parser.error(f"--stages: unknown {unknown}; allowed: {list(BUDGETS)}")
+        parser.error(f"--stages: unknown {unknown}; allowed: {list(BUDGETS)} and 'pack' (the stages of make gpu-check)")
     started = time.time()
     out = Path(args.out)
     work = Path(tempfile.mkdtemp(prefix="tailspec-gpu-check-"))
@@ -134,16 +162,21 @@ def main(argv: list[str] | None = None) -> int:
         env.setdefault("TRITON_INTERPRET", "1")
     reports: dict[str, dict] = {}
     for name in stages:
+        seconds = stage_seconds(budget[name], args.within, time.time() - started)
+        if seconds is None:
+            reports[name] = left_out(name, f"--within {args.within:g}: {time.time() - started:.0f} s gone")
+            print(f"[gpu-check] stage {name}: left out", flush=True)
+            continue
         command = [sys.executable, "-m", __package__, "--stage", name, "--work", str(work)]
         command += ["--rehearse"] if args.rehearse else []
-        command += ["--budget", str(args.budget)] if args.budget is not None else []
-        print(f"[gpu-check] stage {name} (budget {budget[name]:g} s) ...", flush=True)
+        command += ["--budget", f"{seconds:g}"] if seconds != BUDGETS[name] else []
+        print(f"[gpu-check] stage {name} (budget {seconds:g} s) ...", flush=True)
         with open(work / f"{name}.log", "w") as log:
             try:
-                subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, env=env, timeout=budget[name] + GRACE_S)
+                subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, env=env, timeout=seconds + GRACE_S)
                 killed = None
             except subprocess.TimeoutExpired:
-                killed = f"killed after {budget[name] + GRACE_S:g} s"
+                killed = f"killed after {seconds + GRACE_S:g} s"
         path = work / f"{name}.json"
         report = json.loads(path.read_text()) if path.exists() else {"stage": name, "checks": [], "skipped": []}
         if killed or report.get("status") in (None, "running"):
@@ -157,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
         for error in report.get("errors", []):
             print(f"\n--- {report['stage']} / {error['part']}: {error['error']}\n{error.get('traceback', '')[-1500:]}")
     print("\n" + text)
-    return 0 if all(r["status"] in ("ok", "partial") for r in reports.values()) else 1
+    return 0 if all(r["status"] in ("ok", "partial", "left out") for r in reports.values()) else 1
 
 
 if __name__ == "__main__":

@@ -37,6 +37,8 @@ class CheckSize:
     long_contexts: tuple[int, ...]  # the speed stage's batch-1 decode at these contexts (prompt + generation)
     big_policy: tuple[int, int, int]  # fast_path's second policy: (hidden, intermediate, layers) ...
     big_batches: tuple[int, ...]  # ... decoded at these batch sizes
+    batch1_passes: int  # the speed stage's batch-1 contenders, timed in this many interleaved passes
+    tail_passes: int  # ... and the long tail's (fresh prompts each pass), and `none` at the largest batch
 
     @classmethod
     def of(cls, name: str) -> CheckSize:
@@ -44,10 +46,12 @@ class CheckSize:
             # policy has Llama-3-8B's width, MLP and depth: 7.2B parameters
             return cls(
                 "full", 1792, 4864, 28, (1, 16, 64, 256), (1, 16, 64), 128, 64, 5000, 32, False, (2048, 8192, 32768),
-                (4096, 14336, 32), (1,),
+                (4096, 14336, 32), (1,), 5, 3,
             )  # fmt: skip
         if name == "tiny":
-            return cls("tiny", 384, 960, 26, (1, 4), (1, 4), 12, 6, 600, 4, True, (128, 256), (512, 1280, 28), (1,))
+            return cls(
+                "tiny", 384, 960, 26, (1, 4), (1, 4), 12, 6, 600, 4, True, (128, 256), (512, 1280, 28), (1,), 2, 2
+            )  # fmt: skip
         raise ValueError(f"size must be 'full' or 'tiny', got {name!r}")
 
 

@@ -35,7 +35,15 @@ from ...rollout.params import RolloutConfig, SamplingParams
 from ...tasks.grow import grow_policy
 from ...tasks.sft import load_shipped
 from .common import Stage, device, timed
-from .speed import Contenders, SpeedRun, decode_floor_ms, replay_ms, replay_profile, start_speed_run
+from .speed import (
+    Contenders,
+    SpeedRun,
+    decode_floor_ms,
+    replay_ms,
+    replay_profile,
+    same_pass_ratio,
+    start_speed_run,
+)
 
 PASSES = 3
 LONG_CONTEXT_NEW = 32  # tokens decoded after a long prompt (ignore_eos: every context decodes as many)
@@ -67,42 +75,26 @@ def compiled_against_eager(speed: SpeedRun, strategy: str, batches) -> None:
     """``strategy`` with the decoder layers eager, compiled, and compiled with merged projections,
     passes interleaved (the order rotates each pass): per batch the median tokens/s of each, its
     same-pass ratio to the eager layers (median, spread), and whether it emitted their completions."""
+    fp32 = next(speed.contenders.policy.parameters()).dtype == torch.float32  # the rehearsal: exact
     for batch in batches:
-        rates: dict[str, list[dict]] = {name: [] for name, _, _ in VARIANTS}
-        for p in range(PASSES):
-            for name, _, fields in VARIANTS[p % len(VARIANTS) :] + VARIANTS[: p % len(VARIANTS)]:
-                part = speed.name(f"{strategy} {name} batch {batch} pass {p + 1}")
-                with speed.stage.part(part, 15 if fields and not rates[name] else 5) as ok:
-                    if ok:
-                        rates[name].append(_rate(speed, strategy, batch, fields))
-        _record_variants(speed, strategy, batch, rates)
+        rates = {
+            f"{strategy} graphs{suffix}": lambda p, f=fields, b=batch: _rate(speed, strategy, b, f)
+            for _, suffix, fields in VARIANTS
+        }
+        runs = speed.in_passes(batch, rates, PASSES)
+        eager = runs[f"{strategy} graphs"]
+        for name, suffix, _ in VARIANTS[1:]:
+            variant = runs[f"{strategy} graphs{suffix}"]
+            both = sorted(eager.keys() & variant.keys())
+            if not both:
+                continue
+            same = eager[both[-1]]["completions"] == variant[both[-1]]["completions"]
+            if fp32:
+                speed.stage.check(f"{strategy} batch {batch}: {name} emits the eager layers' completions", same)
+            speed.headline[speed.name(f"{strategy} {name} / eager layers, batch {batch}")] = (
+                f"{same_pass_ratio(variant, eager)}, same completions: {same}"
+            )
     speed.stage.record("headline", speed.headline)
-
-
-def _record_variants(speed: SpeedRun, strategy: str, batch: int, rates: dict[str, list[dict]]) -> None:
-    eager = rates[VARIANTS[0][0]]
-    for name, suffix, _ in VARIANTS:
-        runs = rates[name]
-        if not runs:
-            continue
-        speed.add(
-            {
-                "contender": f"{strategy} graphs{suffix}",
-                "batch": batch,
-                "tok_s": statistics.median(r["tok_s"] for r in runs),
-                "tok_s_passes": [round(r["tok_s"], 1) for r in runs],
-                "decode_step_ms": statistics.median(r["decode_step_ms"] for r in runs),
-            }
-        )
-        if name == VARIANTS[0][0] or not eager:
-            continue
-        ratios = [v["tok_s"] / e["tok_s"] for e, v in zip(eager, runs)]
-        same = eager[-1]["completions"] == runs[-1]["completions"]
-        if next(speed.contenders.policy.parameters()).dtype == torch.float32:  # the rehearsal: exact
-            speed.stage.check(f"{strategy} batch {batch}: {name} emits the eager layers' completions", same)
-        speed.headline[speed.name(f"{strategy} {name} / eager layers, batch {batch}")] = (
-            f"{statistics.median(ratios):.2f}x ({min(ratios):.2f}-{max(ratios):.2f}), same completions: {same}"
-        )
 
 
 def _rate(speed: SpeedRun, strategy: str, batch: int, fields: dict) -> dict:

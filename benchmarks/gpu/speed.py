@@ -10,6 +10,7 @@ capture its graphs and compile its kernels, then once timed.
 from __future__ import annotations
 
 import statistics
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -69,7 +70,8 @@ class Contenders:
         the selector measured): other prompts, so no drafter has seen the timed completions.
         ``engine_fields``: :meth:`engine`'s keyword arguments."""
         engine = self.engine(strategy, graphs, **engine_fields)
-        engine.generate(warm_prompts, params)
+        if warm_prompts:  # a later pass of the same shapes may go without
+            engine.generate(warm_prompts, params)
         before, captured_before = engine.stats.as_dict(), capture_seconds()
         steps_before, logged_before = dict(engine.stats.strategy_steps), len(engine.stats.step_log)
         outs, seconds = timed(lambda: engine.generate(prompts, params))
@@ -295,8 +297,11 @@ class SpeedRun:
     label: str = ""  # put before its contenders' names and headline keys (a second policy's run shares rows)
 
     def add(self, row: dict) -> None:
-        kept = {k: v for k, v in row.items() if k != "completions"}
-        self.rows.append({**kept, "contender": self.name(row["contender"])})
+        """Record ``row``; it supersedes an earlier row of its contender and batch (a contender timed
+        again in passes beside others)."""
+        kept = {**{k: v for k, v in row.items() if k != "completions"}, "contender": self.name(row["contender"])}
+        key = (kept["contender"], kept["batch"])
+        self.rows = [r for r in self.rows if (r["contender"], r["batch"]) != key] + [kept]
         self.stage.record("rates", self.rows)
 
     def name(self, what: str) -> str:
@@ -312,11 +317,43 @@ class SpeedRun:
         a, b = (self.name(a[0]), a[1]), (self.name(b[0]), b[1])
         return round(rate[a]["tok_s"] / rate[b]["tok_s"], 2) if a in rate and b in rate else None
 
-    def engine_rate(self, strategy: str, batch: int, graphs: str | None = None, **engine):
-        b = batch
+    def engine_rate(self, strategy: str, batch: int, graphs: str | None = None, first: int = 0, **engine):
+        """A timed run of ``strategy`` on ``batch`` prompts from the ``first``-th (a pass's own)."""
+        rows = slice(first, first + batch)
         return lambda: self.contenders.engine_rate(
-            strategy, graphs or self.graphs, self.prompts[:b], self.greedy, self.warm[:b], **engine
+            strategy, graphs or self.graphs, self.prompts[rows], self.greedy, self.warm[rows], **engine
         )
+
+    def in_passes(self, batch: int, rates: dict[str, Callable[[int], dict]], passes: int) -> dict[str, dict[int, dict]]:
+        """Each contender's ``rates[name](pass)`` in ``passes`` passes, the order rotating each pass
+        (no contender always runs right after the same other one): name -> pass -> its timed run.
+        A pass whose part was skipped (the budget) or failed has no entry. The rows recorded are
+        each contender's median pass, with every pass's tokens/s."""
+        names = list(rates)
+        runs: dict[str, dict[int, dict]] = {name: {} for name in names}
+        for p in range(passes):
+            for name in names[p % len(names) :] + names[: p % len(names)]:
+                label = self.name(f"{name} batch {batch}") + (f" pass {p + 1}" if passes > 1 else "")
+                with self.stage.part(label, 8) as ok:
+                    if ok:
+                        runs[name][p] = rates[name](p)
+        for name, by_pass in runs.items():
+            if by_pass:
+                ordered = sorted(by_pass.values(), key=lambda r: r["tok_s"])
+                median_pass = ordered[(len(ordered) - 1) // 2]  # a real run: its anatomy, its buckets
+                passes_tok_s = {"tok_s_passes": [round(by_pass[q]["tok_s"], 1) for q in sorted(by_pass)]}
+                tok_s = statistics.median(r["tok_s"] for r in ordered)
+                self.add({**median_pass, "contender": name, "batch": batch, "tok_s": tok_s, **passes_tok_s})
+        return runs
+
+
+def same_pass_ratio(a: dict[int, dict], b: dict[int, dict]) -> str | None:
+    """``a``'s tokens/s over ``b``'s, pass by pass: the median and, over several passes, the spread."""
+    ratios = [a[p]["tok_s"] / b[p]["tok_s"] for p in sorted(a.keys() & b.keys())]
+    if not ratios:
+        return None
+    spread = f" ({min(ratios):.2f}-{max(ratios):.2f}, {len(ratios)} passes)" if len(ratios) > 1 else ""
+    return f"{statistics.median(ratios):.2f}{spread}"
 
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
@@ -406,17 +443,21 @@ def run(stage: Stage) -> None:
 
 def plain_decoding(speed: SpeedRun, other_kernels: str) -> None:
     """No speculation at every batch size: the engine with graphs and eager, HF ``generate``, and
-    the engine with the other attention kernels; the headline ratios against their targets."""
+    the engine with the other attention kernels (the two graph paths in passes at the largest
+    batch, whose target a single run left in doubt in run 15); the headline ratios against their
+    targets."""
+    largest = max(speed.stage.size.speed_batches)
     for batch in speed.stage.size.speed_batches:
-        speed.measure("none graphs", batch, speed.engine_rate("none", batch))
-        speed.measure("none eager", batch, speed.engine_rate("none", batch, graphs="none"))
-        speed.measure("HF generate", batch, lambda b=batch: speed.contenders.hf_rate(speed.prompts[:b], speed.greedy))
+        graphs = {"none graphs": lambda p, b=batch: speed.engine_rate("none", b)()}
         name = f"none graphs kernels={other_kernels}"
         if other_kernels == "triton" and not torch.cuda.is_available():
             speed.stage.skip(f"{name} batch {batch}", "needs CUDA (Triton's interpreter times nothing)")
         else:
-            speed.measure(name, batch, speed.engine_rate("none", batch, kernels=other_kernels))
-    b64 = 64 if 64 in speed.stage.size.speed_batches else max(speed.stage.size.speed_batches)
+            graphs[name] = lambda p, b=batch: speed.engine_rate("none", b, kernels=other_kernels)()
+        speed.in_passes(batch, graphs, speed.stage.size.tail_passes if batch == largest else 1)
+        speed.measure("none eager", batch, speed.engine_rate("none", batch, graphs="none"))
+        speed.measure("HF generate", batch, lambda b=batch: speed.contenders.hf_rate(speed.prompts[:b], speed.greedy))
+    b64 = 64 if 64 in speed.stage.size.speed_batches else largest
     speed.headline["graphs / eager, batch 1 (target >= 3x)"] = str(speed.ratio(("none graphs", 1), ("none eager", 1)))
     speed.headline["none / HF generate, batch 1 (target >= 5x)"] = str(
         speed.ratio(("none graphs", 1), ("HF generate", 1))
@@ -424,6 +465,10 @@ def plain_decoding(speed: SpeedRun, other_kernels: str) -> None:
     speed.headline[f"none / HF generate, batch {b64} (target >= 2x)"] = str(
         speed.ratio(("none graphs", b64), ("HF generate", b64))
     )
+    row = next((r for r in speed.rows if (r["contender"], r["batch"]) == (speed.name("none graphs"), largest)), None)
+    if row is not None:
+        passes = ", ".join(f"{x:,.0f}" for x in row["tok_s_passes"])
+        speed.headline[f"none tok/s, batch {largest} (median; passes)"] = f"{row['tok_s']:,.0f} ({passes})"
 
 
 def bandwidth_floor(speed: SpeedRun, policy, copy_gbs: float) -> None:
@@ -446,35 +491,43 @@ def bandwidth_floor(speed: SpeedRun, policy, copy_gbs: float) -> None:
 def speculation(speed: SpeedRun, other_kernels: str) -> None:
     """Every speculative strategy against ``none`` at the speculative batch sizes (with the seconds
     each spent capturing graphs inside its timed run, and where a step's time went); ``chain:4``
-    at batch 1 also with the other attention kernels (run 11: 15.1 ms a step against run 9's
-    11.6, its kernels the split-KV ones since)."""
-    for batch in speed.stage.size.spec_batches:
+    at batch 1 also with the other attention kernels. Batch 1, where a timed run is 6 steps and
+    one stall moves it (run 15: 1.75x against run 14's 2.40x), runs in interleaved passes on a
+    prompt of each pass's own, ``none`` among them, and its ratios are the same-pass ones."""
+    size = speed.stage.size
+    for batch in size.spec_batches:
+        passes = size.batch1_passes if batch == 1 else 1
+        rates: dict[str, Callable[[int], dict]] = {}
+        if passes > 1:
+            rates["none graphs"] = lambda p: speed.engine_rate("none", 1, first=p)()
         for strategy in SPEC_STRATEGIES:
-            speed.measure(strategy, batch, speed.engine_rate(strategy, batch))
+            rates[strategy] = lambda p, s=strategy, b=batch: speed.engine_rate(s, b, first=p if b == 1 else 0)()
         if batch == 1 and (other_kernels != "triton" or torch.cuda.is_available()):
-            name = f"chain:4 kernels={other_kernels}"
-            speed.measure(name, batch, speed.engine_rate("chain:4", batch, kernels=other_kernels))
-        for strategy in SPEC_STRATEGIES:
+            rates[f"chain:4 kernels={other_kernels}"] = lambda p: speed.engine_rate(
+                "chain:4", 1, first=p, kernels=other_kernels
+            )()
+        runs = speed.in_passes(batch, rates, passes)
+        for strategy in rates:
+            if strategy == "none graphs":
+                continue
             target = " (target >= 2x)" if (strategy, batch) == ("chain:4", 1) else ""
-            _headline_ratio(speed, strategy, batch, f"{strategy} / none, batch {batch}{target}")
+            paired = same_pass_ratio(runs[strategy], runs["none graphs"]) if "none graphs" in runs else None
+            _headline_ratio(speed, strategy, batch, f"{strategy} / none, batch {batch}{target}", paired)
         speed.stage.record("headline", speed.headline)
-    other = f"chain:4 kernels={other_kernels}"
-    if any(r["contender"] == other for r in speed.rows):
-        _headline_ratio(speed, other, 1, f"{other} / none, batch 1")
 
 
-def _headline_ratio(speed: SpeedRun, contender: str, batch: int, title: str) -> None:
-    """``contender`` against ``none`` at ``batch`` in the headline, with the seconds its timed run
-    spent capturing graphs and where its speculative steps' time went (when measured)."""
+def _headline_ratio(speed: SpeedRun, contender: str, batch: int, title: str, paired: str | None = None) -> None:
+    """``contender`` against ``none`` at ``batch`` in the headline (``paired``: the same-pass ratio,
+    where both ran in passes), with the seconds its (median) timed run spent capturing graphs and
+    where its speculative steps' time went (when measured)."""
     row = next((r for r in speed.rows if r["contender"] == contender and r["batch"] == batch), {})
     notes = []
     if row.get("capture_s_timed", 0) >= 0.01:
         notes.append(f"{row['capture_s_timed']:.2f} s capturing in the timed run")
     if "draft_ms" in row:
         notes.append(f"a step: draft {row['draft_ms']:.2f} ms, verify {row['verify_ms']:.2f} ms")
-    speed.headline[title] = str(speed.ratio((contender, batch), ("none graphs", batch))) + (
-        f" ({'; '.join(notes)})" if notes else ""
-    )
+    ratio = paired if paired is not None else str(speed.ratio((contender, batch), ("none graphs", batch)))
+    speed.headline[title] = ratio + (f" ({'; '.join(notes)})" if notes else "")
 
 
 def bucket_summary(runs: dict[str, dict]) -> str:
@@ -495,41 +548,63 @@ def bucket_summary(runs: dict[str, dict]) -> str:
 
 
 def long_tail(stage: Stage, contenders: Contenders, tokenizer, graphs: str, add, headline: dict) -> None:
-    """A sampled rollout whose lengths vary as RL rollouts do (T = 1, position-keyed noise)."""
+    """A sampled rollout whose lengths vary as RL rollouts do (T = 1, position-keyed noise), in
+    passes of fresh prompts and seeds (the first after a warm-up rollout), the contenders' order
+    rotating: the ratios are the median of the same-pass ones, with their spread; the per-bucket
+    rates and ``adaptive``'s predictions are its last pass's (its selector the most measured)."""
     size = stage.size
-    prompts = task_prompts(tokenizer, size.long_tail_prompts, seed=33)
-    warm = task_prompts(tokenizer, size.long_tail_prompts, seed=34)
-    params = [
-        SamplingParams(temperature=1.0, max_new_tokens=2 * size.max_new_tokens, noise="position", seed=1000 + i)
-        for i in range(len(prompts))
-    ]
-    tail: dict[str, dict] = {}
-    for strategy in ("none", *SPEC_STRATEGIES):
-        with stage.part(f"long tail {strategy}", 10) as ok:
-            if ok:
-                tail[strategy] = contenders.engine_rate(strategy, graphs, prompts, params, warm)
-                add({"contender": f"long tail {strategy}", "batch": len(prompts), **tail[strategy]})
-    if "none" in tail:
-        plain = tail["none"]["completions"]
-        same = {s: sum(a == b for a, b in zip(r["completions"], plain)) for s, r in tail.items()}
-        stage.record("long_tail_identical_to_none", same)
-        # fp32 is exact; in bf16 a batch's composition moves logits by rounding, which can flip a
-        # near-tie of the perturbed logits: reported, and checked only in fp32
-        if next(contenders.policy.parameters()).dtype == torch.float32:
-            stage.check("long tail: every strategy emits the same completions", min(same.values()) == len(plain))
-        for strategy, r in tail.items():
-            headline[f"long tail {strategy} / none"] = f"{r['tok_s'] / tail['none']['tok_s']:.2f}"
-        fixed = [s for s in ("chain:4", "mirror:chain:4,k=0") if s in tail]
-        if "adaptive" in tail and fixed:
-            best = max(fixed, key=lambda s: tail[s]["tok_s"])
-            adaptive = tail["adaptive"]
-            headline["long tail adaptive / best fixed (target >= 0.97)"] = (
-                f"{adaptive['tok_s'] / tail[best]['tok_s']:.2f} (best fixed: {best}; "
-                f"{adaptive['capture_s_timed']:.2f} s of its {adaptive['seconds']:.2f} s captured graphs)"
+    n = size.long_tail_prompts
+    strategies = ["none", *SPEC_STRATEGIES]
+    runs: dict[str, dict[int, dict]] = {s: {} for s in strategies}
+    same = dict.fromkeys(strategies, 0)
+    for p in range(size.tail_passes):
+        prompts = task_prompts(tokenizer, n, seed=33 + 2 * p)
+        warm = task_prompts(tokenizer, n, seed=34) if p == 0 else []
+        params = [
+            SamplingParams(temperature=1.0, max_new_tokens=2 * size.max_new_tokens, noise="position", seed=s)
+            for s in range(1000 + n * p, 1000 + n * (p + 1))
+        ]
+        for strategy in strategies[p % len(strategies) :] + strategies[: p % len(strategies)]:
+            label = f"long tail {strategy}" + (f" pass {p + 1}" if size.tail_passes > 1 else "")
+            with stage.part(label, 10) as ok:
+                if ok:
+                    runs[strategy][p] = contenders.engine_rate(strategy, graphs, prompts, params, warm)
+        if p in runs["none"]:
+            plain = runs["none"][p]["completions"]
+            for strategy, by_pass in runs.items():
+                if p in by_pass:
+                    same[strategy] += sum(a == b for a, b in zip(by_pass[p]["completions"], plain))
+    tail = {s: by_pass[max(by_pass)] for s, by_pass in runs.items() if by_pass}  # each one's last pass
+    for strategy, by_pass in runs.items():
+        if by_pass:
+            tok_s = statistics.median(r["tok_s"] for r in by_pass.values())
+            passes = [round(by_pass[q]["tok_s"], 1) for q in sorted(by_pass)]
+            row = {**tail[strategy], "contender": f"long tail {strategy}", "batch": n, "tok_s": tok_s}
+            add({**row, "tok_s_passes": passes})
+    if not runs["none"]:
+        return
+    stage.record("long_tail_identical_to_none", {**same, "of": n * len(runs["none"])})
+    # fp32 is exact; in bf16 a batch's composition moves logits by rounding, which can flip a
+    # near-tie of the perturbed logits: reported, and checked only in fp32
+    if next(contenders.policy.parameters()).dtype == torch.float32:
+        stage.check("long tail: every strategy emits the same completions", min(same.values()) == same["none"])
+    for strategy, by_pass in runs.items():
+        if by_pass:
+            headline[f"long tail {strategy} / none"] = same_pass_ratio(by_pass, runs["none"])
+    fixed = [s for s in ("chain:4", "mirror:chain:4,k=0") if runs.get(s)]
+    if runs.get("adaptive") and fixed:
+        median_tok_s = {s: statistics.median(r["tok_s"] for r in runs[s].values()) for s in fixed}
+        best = max(fixed, key=median_tok_s.get)
+        adaptive = runs["adaptive"]
+        captured = sum(r["capture_s_timed"] for r in adaptive.values())
+        seconds = sum(r["seconds"] for r in adaptive.values())
+        headline["long tail adaptive / best fixed (target >= 0.97)"] = (
+            f"{same_pass_ratio(adaptive, runs[best])} (best fixed: {best}; "
+            f"{captured:.2f} s of its {seconds:.2f} s captured graphs)"
+        )
+        headline["long tail by batch bucket, decode tok/s (last pass)"] = bucket_summary(tail)
+        if tail["adaptive"].get("selector_check"):
+            headline["long tail adaptive, predicted / measured step ms (last pass)"] = "; ".join(
+                f"{r['arm']}@{r['bucket']} x{r['steps']}: {r['predicted_ms']}/{r['measured_ms']}"
+                for r in tail["adaptive"]["selector_check"]
             )
-            headline["long tail by batch bucket, decode tok/s"] = bucket_summary(tail)
-            if adaptive.get("selector_check"):
-                headline["long tail adaptive, predicted / measured step ms"] = "; ".join(
-                    f"{r['arm']}@{r['bucket']} x{r['steps']}: {r['predicted_ms']}/{r['measured_ms']}"
-                    for r in adaptive["selector_check"]
-                )

@@ -35,6 +35,7 @@ import torch
 from ...draft_contract import Drafter, DraftRequest, DraftShape, DraftTree, SequenceView
 from ...kernels.transfers import select_rows, to_device
 from ...rollout.model.attention import METADATA_KWARG, SequenceSlice, build_metadata, paged_attention_forward
+from ...rollout.model.eval_mode import eval_mode
 from ...rollout.model.kv_cache import KVLayout, PagedKVCache, blocks_for
 from ...rollout.model.runner import model_device_dtype
 from ..draft_sampling import ChainDrafts, draft_chains_on_device, draft_generator
@@ -271,18 +272,12 @@ class Eagle3Drafter(Drafter):
                 live.append(r)
         trees = {id(r): DraftTree() for r in requests}
         if live:
-            was_training = self.head.training
-            self.head.eval()
-            try:
-                with torch.no_grad():
-                    hidden, logits = self._catch_up([r.seq for r in live])
-                    drafted = (
-                        self._device_chain(live, hidden, logits)
-                        if shape.is_chain
-                        else self._tree(live, hidden, logits, shape)
-                    )
-            finally:
-                self.head.train(was_training)
+            with eval_mode(self.head), torch.no_grad():
+                hidden, logits = self._catch_up([r.seq for r in live])
+                if shape.is_chain:
+                    drafted = self._device_chain(live, hidden, logits)
+                else:
+                    drafted = self._tree(live, hidden, logits, shape)
             trees.update({id(r): t for r, t in zip(live, drafted)})
         return [trees[id(r)] for r in requests]
 
@@ -301,17 +296,12 @@ class Eagle3Drafter(Drafter):
             n = slot.get(r.seq.seq_id, 0)
             slot[r.seq.seq_id] = n + 1
             batches.setdefault((n, len(r.seq.extra)), []).append(i)
-        was_training = self.head.training
-        self.head.eval()
-        try:
-            with torch.no_grad():
-                for (_, n_extra), index in sorted(batches.items()):
-                    live = [i for i in index if self._can_branch(requests[i], n_extra)]
-                    if live:
-                        for i, tree in zip(live, self._branch_chains([requests[i] for i in live], n_extra)):
-                            out[i] = tree
-        finally:
-            self.head.train(was_training)
+        with eval_mode(self.head), torch.no_grad():
+            for (_, n_extra), index in sorted(batches.items()):
+                live = [i for i in index if self._can_branch(requests[i], n_extra)]
+                if live:
+                    for i, tree in zip(live, self._branch_chains([requests[i] for i in live], n_extra)):
+                        out[i] = tree
         return out
 
     def _can_branch(self, request: DraftRequest, n_extra: int) -> bool:

@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from ...config_tree import require
 from ...distributed import single_process_environment
 from ...progress import progress_bar
+from ...rollout.model.eval_mode import eval_mode
 from .data import Eagle3Sample, FeatureBuffer
 from .model import Eagle3Head
 
@@ -237,9 +238,7 @@ def held_out_acceptance(
     ``should_stop()`` is checked before each batch of 8 samples: None when it said stop."""
     if not samples:
         raise ValueError("held_out_acceptance needs at least one sample")
-    was_training = head.training
-    head.eval()
-    try:
+    with eval_mode(head):
         accepted, positions = 0.0, 0
         for i in range(0, len(samples), 8):
             if should_stop is not None and should_stop():
@@ -255,8 +254,6 @@ def held_out_acceptance(
                     alive = alive & right
                 accepted += float(alive.sum())
         return accepted / max(positions, 1)
-    finally:
-        head.train(was_training)
 
 
 def _adamw(head: Eagle3Head, c: DrafterTrainingConfig) -> torch.optim.AdamW:

@@ -14,6 +14,7 @@ from contextlib import contextmanager
 
 import torch
 
+from .eval_mode import eval_mode
 from .runner import decoder_layers, decoder_of
 
 
@@ -88,10 +89,8 @@ def exit_agreement(
             captured[layer] = args[0] if args else kwargs["hidden_states"]
 
         hooks.append(decoder_layers(model)[layer].register_forward_pre_hook(hook, with_kwargs=True))
-    was_training = model.training
-    model.eval()
     try:
-        with torch.no_grad():
+        with eval_mode(model), torch.no_grad():
             for tokens, p in zip(sequences, prompt_lengths):
                 ids = torch.tensor([list(tokens)], dtype=torch.long, device=next(model.parameters()).device)
                 final = model(input_ids=ids).logits[0, p - 1 : -1].argmax(-1)
@@ -103,5 +102,4 @@ def exit_agreement(
     finally:
         for h in hooks:
             h.remove()
-        model.train(was_training)
     return {layer: {k: hits[layer][k] / max(total, 1) for k in ks} for layer in hits}

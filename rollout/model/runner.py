@@ -29,6 +29,7 @@ from .attention import (
 )
 from .cast_copy import rollout_model, weights_fingerprint
 from .compiled import CompiledLayers
+from .eval_mode import eval_mode
 from .graph_pool import GraphKey, GraphPool
 from .kv_cache import KVLayout, PagedKVCache
 from .merged_projections import MergedProjections
@@ -193,20 +194,18 @@ class ModelRunner:
         if self._in_inference:
             yield
             return
-        was_training = self.model.training
-        self.model.eval()
         self._in_inference = True
         try:
             compiled = self.compiled.active() if self.compiled is not None else nullcontext()
             merged = self.merged.active() if self.merged is not None else nullcontext()
-            with torch.no_grad(), paged_attention_enabled(self.model), kernel_backend(kernels), merged, compiled:
-                if self.cast is not None:
-                    self.cast.refresh()  # the source's weights as they are now (an optimizer stepped)
-                self.forget_graphs_of_moved_weights()
-                yield
+            with eval_mode(self.model), torch.no_grad(), paged_attention_enabled(self.model), kernel_backend(kernels):
+                with merged, compiled:
+                    if self.cast is not None:
+                        self.cast.refresh()  # the source's weights as they are now (an optimizer stepped)
+                    self.forget_graphs_of_moved_weights()
+                    yield
         finally:
             self._in_inference = False
-            self.model.train(was_training)
 
     def forward(
         self,
