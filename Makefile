@@ -63,10 +63,11 @@ gpu-check:
 # 600 s a call, less the start): each stage gets what is left, and one that cannot fit is left out by
 # name. Runs 13 and 15 lost their second call: a machine goes back after 30 s idle.
 GPU_WITHIN ?= 570
+GPU_LEASE_STAGES ?= pack,fast_path,training
 gpu-lease:
 	$(LINK_TREE)
 	PYTHONPATH=$(GPU_PATH) PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 python3 -m tailspec.benchmarks.gpu \
-		--stages pack,fast_path,training --within $(GPU_WITHIN) --out $(GPU_OUT)
+		--stages $(GPU_LEASE_STAGES) --within $(GPU_WITHIN) --out $(GPU_OUT)
 
 # adaptive on the GPU (issue 46): calibration, predicted against measured step times, adaptive
 # against every fixed arm of its arm set; its own command, since the pack above fills its budget
