@@ -18,7 +18,7 @@ import torch
 from ...kernels.dispatch import KERNELS, resolve_backend
 from ...rollout.adaptive.cost_model import batch_bucket
 from ...rollout.engine import RolloutEngine
-from ...rollout.model.graph_pool import capture_seconds
+from ...rollout.model.graph_pool import capture_seconds, uncaptured_runs
 from ...rollout.params import RolloutConfig, SamplingParams
 from ...rollout.stats import StepRecord, goodput_by_bucket
 from ...tasks.grow import grow_policy
@@ -72,7 +72,7 @@ class Contenders:
         engine = self.engine(strategy, graphs, **engine_fields)
         if warm_prompts:  # a later pass of the same shapes may go without
             engine.generate(warm_prompts, params)
-        before, captured_before = engine.stats.as_dict(), capture_seconds()
+        before, captured_before, uncaptured_before = engine.stats.as_dict(), capture_seconds(), uncaptured_runs()
         steps_before, logged_before = dict(engine.stats.strategy_steps), len(engine.stats.step_log)
         outs, seconds = timed(lambda: engine.generate(prompts, params))
         timed_steps = list(engine.stats.step_log)[logged_before:]
@@ -93,6 +93,10 @@ class Contenders:
             # graphs captured during the timed run (target and drafter pools): shapes the warm-up
             # did not reach, e.g. an adaptive arm first tried on this batch size
             "capture_s_timed": captured,
+            # forwards without a graph in the timed run (every pool): past the largest bucket, or a
+            # mirror draft thread's shapes the owner had not captured (run 15: mirror's verification
+            # took 2-3x chain:4's at batch 16 and 64)
+            "uncaptured_timed": uncaptured_runs() - uncaptured_before,
             # adaptive: the timed run's strategy mix, and what the selector predicts per bucket
             "strategy_steps": {
                 k: v - steps_before.get(k, 0)
@@ -524,6 +528,8 @@ def _headline_ratio(speed: SpeedRun, contender: str, batch: int, title: str, pai
     notes = []
     if row.get("capture_s_timed", 0) >= 0.01:
         notes.append(f"{row['capture_s_timed']:.2f} s capturing in the timed run")
+    if row.get("uncaptured_timed"):
+        notes.append(f"{row['uncaptured_timed']} forwards without a graph")
     if "draft_ms" in row:
         notes.append(f"a step: draft {row['draft_ms']:.2f} ms, verify {row['verify_ms']:.2f} ms")
     ratio = paired if paired is not None else str(speed.ratio((contender, batch), ("none graphs", batch)))

@@ -61,6 +61,7 @@ class PoolStats:
 
 
 _capture_clock = [0.0]  # seconds every pool of this process spent capturing
+_uncaptured_count = [0]  # forwards every pool of this process ran without a graph
 _capture_lock = threading.Lock()
 
 
@@ -69,6 +70,13 @@ def capture_seconds() -> float:
     ran once at the capture's cost; the adaptive selector times steps without it, since replays
     of the shape cost none of it (on an H100 a 1B policy's capture took 60-110 ms, 10-20 steps)."""
     return _capture_clock[0]
+
+
+def uncaptured_runs() -> int:
+    """Forwards all graph pools of this process have run without a graph so far: shapes past the
+    largest bucket, and shapes a draft executor's thread met that the owner had not captured (a
+    draft thread's eager forwards launch every kernel under the GIL, beside the target's step)."""
+    return _uncaptured_count[0]
 
 
 def _round_up(value: int, buckets: tuple[int, ...]) -> int | None:
@@ -224,6 +232,12 @@ class GraphPool:
         """The captured forward held for ``key`` (not moved in the LRU order), or None."""
         return self._entries.get(key)
 
+    def _uncaptured(self, make_fn: Callable[[], ForwardFn], inputs: Inputs) -> Outputs:
+        self.stats.uncaptured += 1
+        with _capture_lock:
+            _uncaptured_count[0] += 1
+        return make_fn()(self._on_device(inputs))
+
     def keys(self) -> list[GraphKey]:
         """Held keys, least recently used first."""
         return list(self._entries)
@@ -232,8 +246,7 @@ class GraphPool:
         """Replay the forward captured for ``key`` on ``inputs`` (already padded to the bucket),
         capturing it first if needed. ``key=None`` runs ``make_fn()`` eagerly, uncaptured."""
         if key is None:
-            self.stats.uncaptured += 1
-            return make_fn()(self._on_device(inputs))
+            return self._uncaptured(make_fn, inputs)
         entry = self._entries.get(key)
         if entry is not None:
             self._entries.move_to_end(key)
@@ -243,8 +256,7 @@ class GraphPool:
             # captures happen on the thread that made the pool: a draft executor's thread replays
             # what is held and runs other shapes eagerly, so two captures never overlap (an H100
             # run saw one capture invalidated by the other thread's work)
-            self.stats.uncaptured += 1
-            return make_fn()(self._on_device(inputs))
+            return self._uncaptured(make_fn, inputs)
         start = time.perf_counter()
         entry = self.backend.capture(make_fn(), inputs)
         self.stats.capture_s[key] = took = time.perf_counter() - start

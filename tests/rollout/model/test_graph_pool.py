@@ -6,7 +6,7 @@ import torch
 from conftest import cached_model, random_prompts
 
 from tailspec.rollout import RolloutConfig, RolloutEngine, SamplingParams
-from tailspec.rollout.model.graph_pool import EagerBackend, GraphKey, GraphPool
+from tailspec.rollout.model.graph_pool import EagerBackend, GraphKey, GraphPool, uncaptured_runs
 from tailspec.testing import perturbed_copy, tiny_random_model
 
 
@@ -60,8 +60,9 @@ def test_capture_once_then_hit_and_evict_least_recently_used():
     big = GraphKey(8, 4, 64)
     out = pool.run(big, make(big), _inputs(big))  # larger than the whole budget: run, not kept
     assert float(out) == 0.0 and big not in pool and pool.stats.bytes <= pool.memory_budget
+    before = uncaptured_runs()
     pool.run(None, make("eager"), _inputs(a))
-    assert pool.stats.uncaptured == 1
+    assert pool.stats.uncaptured == 1 and uncaptured_runs() == before + 1  # counted process-wide too
 
 
 def test_only_the_owner_thread_captures_others_replay_or_run_eagerly():
@@ -73,10 +74,12 @@ def test_only_the_owner_thread_captures_others_replay_or_run_eagerly():
     a, b = GraphKey(1, 1, 16), GraphKey(2, 1, 16)
     fn = lambda x: x["x"].sum()  # noqa: E731
     pool.run(a, lambda: fn, _inputs(a))
+    before = uncaptured_runs()
     worker = threading.Thread(target=lambda: [pool.run(k, lambda: fn, _inputs(k)) for k in (a, b)])
     worker.start()
     worker.join()
     assert pool.keys() == [a] and pool.stats.captures == 1 and pool.stats.hits == 1 and pool.stats.uncaptured == 1
+    assert uncaptured_runs() == before + 1  # what the speed stage reports of a timed run
     assert list(pool.stats.capture_s) == [a] and pool.entry(a) is not None and pool.entry(b) is None
 
 
