@@ -279,6 +279,11 @@ class Drafter(ABC):
     def finished(self, seq: SequenceView) -> None:  # noqa: B027 - optional hook
         """``seq`` finished normally (its completion may be remembered); ``release`` follows."""
 
+    def capture_missed_graphs(self) -> None:  # noqa: B027 - optional hook
+        """Capture the graph buckets a draft executor's thread ran without one (a drafter with a
+        graph pool). Called on the engine's thread while no draft thread runs (Mirror-SD, once a
+        step's branches are collected)."""
+
 
 # -- optional capabilities: declared by the drafters that have them, checked with isinstance ---------
 

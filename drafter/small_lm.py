@@ -252,6 +252,7 @@ class SmallLMDrafter(Drafter):
     def _inference(self) -> Iterator[None]:
         # entered at every draft: a model already in eval mode (as between training steps) is not
         # walked twice more to set and restore the mode
+        # (the root's flag alone: eval_mode reads every module's, which this per-step path skips)
         was_training = self.model.training
         if was_training:
             self.model.eval()
@@ -261,6 +262,12 @@ class SmallLMDrafter(Drafter):
         finally:
             if was_training:
                 self.model.train()
+
+    def capture_missed_graphs(self) -> None:
+        """The drafter LM's buckets a mirror draft thread ran uncaptured, captured here."""
+        if self.runner.graph_pool is not None:
+            with self._inference():
+                self.runner.capture_missed()
 
     def _logits(self, slices, tokens, positions, logits_index) -> torch.Tensor:
         if self.heads is None:

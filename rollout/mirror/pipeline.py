@@ -330,6 +330,8 @@ class MirrorPipeline:
             self._held[seqs[i].seq_id] = _Held(bases[i], assumed + _kept_tokens(tree))
         self._branches = []
         self._reconcile([s for s in seqs if not s.done])
+        if not self.failed:  # no branch is being drafted now: the draft thread's missed shapes
+            self.drafter.capture_missed_graphs()
 
     def serial_step(self, seqs: Seq[Sequence], shape: DraftShape, allocator, block_size: int, drafting):
         """A serial step's drafts for ``seqs`` from this pipeline's drafter, with current weights,

@@ -72,6 +72,14 @@ def capture_seconds() -> float:
     return _capture_clock[0]
 
 
+InputSignature = tuple[tuple[str, tuple[int, ...], torch.dtype], ...]
+
+
+def input_signature(inputs: Inputs) -> InputSignature:
+    """A forward's inputs as a captured graph sees them: names, shapes and dtypes."""
+    return tuple(sorted((name, tuple(t.shape), t.dtype) for name, t in inputs.items()))
+
+
 def uncaptured_runs() -> int:
     """Forwards all graph pools of this process have run without a graph so far: shapes past the
     largest bucket, and shapes a draft executor's thread met that the owner had not captured (a
@@ -207,6 +215,8 @@ class GraphPool:
         self.stats = PoolStats()
         self._entries: OrderedDict[GraphKey, CapturedForward] = OrderedDict()
         self._owner = threading.get_ident()
+        # buckets another thread ran uncaptured, with its inputs' signature, for the owner to capture
+        self._missed: dict[GraphKey, InputSignature] = {}
 
     def key_for(self, num_seqs: int, tokens: int, context: int, reads_tables: bool = False) -> GraphKey | None:
         """The bucket a forward pads to, or None if it is larger than every bucket.
@@ -232,6 +242,13 @@ class GraphPool:
         """The captured forward held for ``key`` (not moved in the LRU order), or None."""
         return self._entries.get(key)
 
+    def take_missed(self) -> dict[GraphKey, InputSignature]:
+        """The buckets other threads ran uncaptured since the last call (not captured since), with
+        the signature of the inputs they ran with; the record is emptied."""
+        with _capture_lock:
+            missed, self._missed = self._missed, {}
+        return {key: signature for key, signature in missed.items() if key not in self._entries}
+
     def _uncaptured(self, make_fn: Callable[[], ForwardFn], inputs: Inputs) -> Outputs:
         self.stats.uncaptured += 1
         with _capture_lock:
@@ -255,7 +272,10 @@ class GraphPool:
         if threading.get_ident() != self._owner:
             # captures happen on the thread that made the pool: a draft executor's thread replays
             # what is held and runs other shapes eagerly, so two captures never overlap (an H100
-            # run saw one capture invalidated by the other thread's work)
+            # run saw one capture invalidated by the other thread's work); the owner may capture
+            # the bucket later, when the other thread is idle (take_missed)
+            with _capture_lock:
+                self._missed.setdefault(key, input_signature(inputs))
             return self._uncaptured(make_fn, inputs)
         start = time.perf_counter()
         entry = self.backend.capture(make_fn(), inputs)

@@ -7,7 +7,7 @@ can replace it later without touching the scheduler or the sampler.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import replace
 from typing import Any
@@ -30,7 +30,7 @@ from .attention import (
 from .cast_copy import rollout_model, weights_fingerprint
 from .compiled import CompiledLayers
 from .eval_mode import eval_mode
-from .graph_pool import GraphKey, GraphPool
+from .graph_pool import GraphKey, GraphPool, input_signature
 from .kv_cache import KVLayout, PagedKVCache
 from .merged_projections import MergedProjections
 
@@ -297,8 +297,63 @@ class ModelRunner:
 
     def _forward_padded(self, seqs, tokens, positions, logits_index, key) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The forward padded to ``key`` and replayed from the graph pool."""
-        b, q = key.batch, key.tokens
         inputs, meta, row_of = self.padded_inputs(seqs, tokens, positions, key)
+        # [b * q, vocab] (and [b * q, features]), overwritten by the next replay of any graph
+        out = self.graph_pool.run(key, self._padded_forward_fn(meta, key), inputs)
+        logits, features = out if key.taps else (out, None)
+        if features is not None:
+            features = take_rows(features, row_of)
+        return take_rows(logits, row_of[np.asarray(logits_index, dtype=np.int64)]), features
+
+    def capture_missed(self) -> int:
+        """Capture, on this thread (the pool's owner), the buckets a draft executor's thread ran
+        without a graph since the last call: each from padding alone, one row that writes the
+        scratch slot, so no sequence's cache is touched. Call it while no other thread uses the
+        pool (a mirror pipeline does, once its branches are collected). A bucket is captured for
+        the attention path the other thread ran (its inputs' names and shapes); one whose capture
+        fails is logged and left to run uncaptured. Returns how many were captured.
+
+        Mirror-SD's draft thread meets shapes of its own (continuations one token deeper than the
+        serial chains), which the owner never ran: run 15 on an H200 (mirror's verification
+        1.4-2.6x ``chain:4``'s at batch 16 and 64 beside them) and this CPU's count (30 uncaptured
+        drafter forwards in a warm rollout of 12 steps at batch 8) showed them run eagerly."""
+        pool = self.graph_pool
+        if pool is None:
+            return 0
+        captured = 0
+        for key, signature in pool.take_missed().items():
+            padding = self._padding_like(key, signature)
+            if padding is None:
+                logger.debug("no padding inputs match %s's; it runs uncaptured", key)
+                continue
+            kernels, inputs, meta = padding
+            try:
+                with kernel_backend(kernels, ("attention",)):
+                    pool.run(key, self._padded_forward_fn(meta, key), inputs)
+                captured += 1
+            except Exception:  # the bucket keeps running uncaptured, as before
+                logger.warning("could not capture %s for a draft thread", key, exc_info=True)
+        return captured
+
+    def _padding_like(self, key: GraphKey, signature) -> tuple[str, dict[str, torch.Tensor], AttentionMetadata] | None:
+        """Inputs of bucket ``key`` holding padding alone (one row, written to the scratch slot),
+        built for the attention path (``torch``: gathered slots; ``triton``: block tables) whose
+        inputs have ``signature``; None when neither has."""
+        padding = SequenceSlice([self.scratch_slot // self.cache.block_size], 0, 1)
+        for kernels in ("torch", "triton"):
+            try:
+                with kernel_backend(kernels, ("attention",)):
+                    inputs, meta, _ = self.padded_inputs([padding], [0], [0], key)
+            except Exception:  # a path this machine cannot run (no Triton)
+                continue
+            if input_signature(inputs) == signature:
+                return kernels, inputs, meta
+        return None
+
+    def _padded_forward_fn(self, meta: AttentionMetadata, key: GraphKey) -> Callable[[], Callable]:
+        """What the graph pool captures for bucket ``key``: the model's forward on the static
+        inputs (``meta``'s plan, if any, supplies the attention's non-tensor fields)."""
+        b, q = key.batch, key.tokens
 
         def make_fn():
             cache, model, plan, taps = self.cache, self.model, meta.plan, key.taps
@@ -325,12 +380,7 @@ class ModelRunner:
 
             return fn
 
-        # [b * q, vocab] (and [b * q, features]), overwritten by the next replay of any graph
-        out = self.graph_pool.run(key, make_fn, inputs)
-        logits, features = out if key.taps else (out, None)
-        if features is not None:
-            features = take_rows(features, row_of)
-        return take_rows(logits, row_of[np.asarray(logits_index, dtype=np.int64)]), features
+        return make_fn
 
     @contextmanager
     def eager(self) -> Iterator[None]:

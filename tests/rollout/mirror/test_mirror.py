@@ -140,6 +140,24 @@ def test_greedy_mirror_matches_plain_decoding(arch, strategy, drafter, executor)
     engine.close()
 
 
+@pytest.mark.parametrize("strategy", ["mirror:chain:4,k=0", "mirror:chain:3,k=2"])
+def test_shapes_only_the_draft_thread_met_are_captured_between_steps_and_stay_exact(strategy):
+    """A draft thread runs the buckets the engine's thread never captured without a graph (on a
+    GPU: eagerly, beside the target); the engine's thread captures them once the branches are in,
+    from padding alone, so the same rollout again runs every drafter forward from a bucket."""
+    arch = "llama"
+    engine = mirror_engine(cached_model(arch), strategy, good_drafter(arch), "thread", graph_backend="eager")
+    prompts, params = random_prompts(4, seed=5), SamplingParams(max_new_tokens=24, temperature=0.0)
+    want = _plain(arch, prompts, params)
+    pool = engine.mirror.drafter.runner.graph_pool
+    _assert_same(engine.generate(prompts, params), want)
+    missed_first = pool.stats.uncaptured
+    assert missed_first > 0  # the draft thread met shapes of its own
+    _assert_same(engine.generate(prompts, params), want)
+    assert pool.stats.uncaptured == missed_first and pool.take_missed() == {}
+    engine.close()
+
+
 def test_greedy_mirror_in_a_process_matches_plain_decoding_and_follows_weight_changes():
     arch = "qwen3"
     prompts = random_prompts(6, seed=11)
