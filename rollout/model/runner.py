@@ -327,8 +327,10 @@ class ModelRunner:
                 logger.debug("no padding inputs match %s's; it runs uncaptured", key)
                 continue
             kernels, inputs, meta = padding
+            device = self.cache.layout.device  # a drafter on another GPU captures on its own
+            on_device = torch.cuda.device(device) if device.type == "cuda" else nullcontext()
             try:
-                with kernel_backend(kernels, ("attention",)):
+                with on_device, kernel_backend(kernels, ("attention",)):
                     pool.run(key, self._padded_forward_fn(meta, key), inputs)
                 captured += 1
             except Exception:  # the bucket keeps running uncaptured, as before
