@@ -505,7 +505,7 @@ def speculation(speed: SpeedRun, other_kernels: str) -> None:
         if passes > 1:
             rates["none graphs"] = lambda p: speed.engine_rate("none", 1, first=p)()
         for strategy in SPEC_STRATEGIES:
-            rates[strategy] = lambda p, s=strategy, b=batch: speed.engine_rate(s, b, first=p if b == 1 else 0)()
+            rates[strategy] = lambda p, s=strategy, b=batch: speed.engine_rate(s, b, first=p)()  # p > 0 at batch 1
         if batch == 1 and (other_kernels != "triton" or torch.cuda.is_available()):
             rates[f"chain:4 kernels={other_kernels}"] = lambda p: speed.engine_rate(
                 "chain:4", 1, first=p, kernels=other_kernels

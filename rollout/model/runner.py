@@ -321,13 +321,13 @@ class ModelRunner:
         if pool is None:
             return 0
         captured = 0
+        device = self.cache.layout.device  # a drafter on another GPU captures on its own
         for key, signature in pool.take_missed().items():
-            padding = self._padding_like(key, signature)
-            if padding is None:
+            built = self._padding_like(key, signature)
+            if built is None:
                 logger.debug("no padding inputs match %s's; it runs uncaptured", key)
                 continue
-            kernels, inputs, meta = padding
-            device = self.cache.layout.device  # a drafter on another GPU captures on its own
+            kernels, inputs, meta = built
             on_device = torch.cuda.device(device) if device.type == "cuda" else nullcontext()
             try:
                 with on_device, kernel_backend(kernels, ("attention",)):
