@@ -50,10 +50,45 @@ def read_back(*tensors: torch.Tensor) -> list[list]:
     row indices)."""
     if not tensors:
         return []
-    flat = torch.cat([t.reshape(-1).to(torch.float64) for t in tensors]).tolist()
+    return _split(torch.cat([t.reshape(-1).to(torch.float64) for t in tensors]).tolist(), _layout(tensors))
+
+
+def _layout(tensors) -> list[tuple[int, bool]]:
+    return [(t.numel(), t.is_floating_point()) for t in tensors]
+
+
+def _split(flat: list[float], layout: list[tuple[int, bool]]) -> list[list]:
+    """``flat`` cut back into each tensor's values (ints for an integer tensor's)."""
     out, start = [], 0
-    for t in tensors:
-        part = flat[start : start + t.numel()]
-        start += t.numel()
-        out.append(part if t.is_floating_point() else [int(v) for v in part])
+    for numel, floating in layout:
+        part = flat[start : start + numel]
+        start += numel
+        out.append(part if floating else [int(v) for v in part])
     return out
+
+
+class QueuedRead:
+    """:func:`read_back` in two halves: made, it queues the transfer behind the work that computes
+    ``tensors`` (on CUDA into page-locked memory, with an event after it) and returns at once;
+    :meth:`result` waits for that transfer alone, not for work queued after it. An engine that
+    launches its next forward between the two (``RolloutConfig.overlap``) keeps the device busy
+    while the host reads. On CPU the values are there when it is made. (The wait is an event's,
+    which torch's sync debug mode does not flag.)"""
+
+    def __init__(self, *tensors: torch.Tensor) -> None:
+        self._layout = _layout(tensors)
+        flat = torch.cat([t.reshape(-1).to(torch.float64) for t in tensors]) if tensors else torch.zeros(0)
+        self._done: torch.cuda.Event | None = None
+        if flat.device.type == "cuda":
+            self._host = torch.empty(flat.shape, dtype=torch.float64, pin_memory=True)
+            self._host.copy_(flat, non_blocking=True)
+            self._done = torch.cuda.Event()
+            self._done.record(torch.cuda.current_stream(flat.device))
+        else:
+            self._host = flat.cpu()
+
+    def result(self) -> list[list]:
+        """Each tensor's values, as :func:`read_back` gives them (waits for the transfer on CUDA)."""
+        if self._done is not None:
+            self._done.synchronize()
+        return _split(self._host.tolist(), self._layout)

@@ -21,6 +21,7 @@ from contextlib import AbstractContextManager
 import torch
 
 from ..draft_contract import Drafter, Stateful, drafter_factory
+from ..kernels.transfers import QueuedRead
 from . import serving
 from .adaptive.calibration import calibrate_costs
 from .adaptive.choice import DrafterLag, StepOutcome, StrategyChoice
@@ -38,9 +39,10 @@ from .model.graph_pool import capture_seconds, graph_pool_for
 from .model.runner import ModelRunner
 from .params import RolloutConfig, SamplingParams
 from .prefill import commit_prefill, pack_prefill
-from .request import RequestOutput, Sequence
+from .request import RequestOutput, SeqStatus, Sequence
 from .request_book import RequestBook
-from .sampling import sample_next_tokens, store_prompt_logprobs
+from .sampled import Sampled
+from .sampling import sample_tokens, store_prompt_logprobs
 from .scheduler import ScheduledBatch, Scheduler, StepKind
 from .spec.length_budget import tokens_to_go
 from .stats import EngineStats, StepRecord
@@ -120,6 +122,8 @@ class RolloutEngine:
             self.stats,
         )
         self._peak_active = 0
+        self.in_flight: Sampled | None = None  # an overlapped decode step not yet read (config.overlap)
+        self._settled_early: list[int] = []  # requests that finished when it was read outside a step
         self.set_strategy(self.config.strategy)
 
     # -- speculation set-up --------------------------------------------------------------
@@ -219,17 +223,20 @@ class RolloutEngine:
         return self.requests.new_group()
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work()
+        return self.scheduler.has_work() or self.in_flight is not None
 
     def abort(self, request_id: int) -> None:
+        self._settled_early += self._settle()  # what is in flight is read first: no row outlives its request
         self.requests.abort(request_id)
 
     def discard(self, request_id: int) -> None:
         """Abort a request and drop it, finished or not (a front end's caller stopped early)."""
+        self._settled_early += self._settle()
         self.requests.discard(request_id)
 
     def release(self, request_id: int) -> PartialRequest:
         """Stop an unfinished request and hand over its state, to be continued elsewhere."""
+        self._settled_early += self._settle()  # a token in flight is part of what is handed over
         return self.requests.release(request_id)
 
     def pop_output(self, request_id: int) -> RequestOutput:
@@ -237,7 +244,12 @@ class RolloutEngine:
         return self.requests.pop_output(request_id)
 
     def step(self) -> list[int]:
-        """Run one scheduled forward; return the ids of requests that finished in it."""
+        """Run one scheduled forward; return the ids of requests that finished in it (overlapped:
+        in the step before it, read now)."""
+        overlap = self._overlaps()
+        finished, self._settled_early = self._settled_early, []
+        if not overlap:
+            finished += self._settle()
         if self.mirrors.switch_pending:
             self.mirrors.switch_between_steps(self.requests.alive(), self.mirror_capable)
         if not self.scheduler.running:
@@ -248,17 +260,27 @@ class RolloutEngine:
         mixed = self.config.mixed_batches and not self.strategy.speculative and not self.strategy.adaptive
         batch = self.scheduler.schedule(mixed=mixed)
         if batch is None:
-            return []
+            return finished + self._settle()  # every sequence left has its final token in flight
         with self.inference():
             if batch.kind is StepKind.DECODE:
-                finished = self._decode_step(batch)
+                finished += self._decode_step(batch, overlap)
             else:  # PREFILL, or MIXED: a running sequence is a prompt with one uncached token
-                finished = self._prefill(batch)
+                finished += self._prefill(batch)
                 self.stats.mixed_steps += batch.kind is StepKind.MIXED
+        if not self.scheduler.running:
+            finished += self._settle()  # rows of finished sequences alone: nothing is left in flight
         self.stats.steps += 1
         self.stats.preemptions = self.scheduler.num_preemptions
         self.stats.prefix_hit_tokens = self.scheduler.num_prefix_hit_tokens
         return finished
+
+    def _overlaps(self) -> bool:
+        """Whether this step may be launched before the step in flight is read (``config.overlap``):
+        a plain decode step that admits no prompt, preempts nothing and feeds no drafter the
+        target's features (``rollout/sampled.py``)."""
+        s, scheduler = self.strategy, self.scheduler
+        plain = not (s.speculative or s.adaptive or self.taps.layers or self.mirrors.switch_pending)
+        return self.config.overlap and plain and not scheduler.waiting and scheduler.decode_fits()
 
     # -- front ends (rollout/serving.py) -------------------------------------------------
     def generate(self, prompts: Seq[Seq[int]], params=None, *, progress: bool | None = None) -> list[RequestOutput]:
@@ -291,7 +313,7 @@ class RolloutEngine:
         seqs, rows, observed = commit_prefill(batch, pack, self._fork_from)
         self.taps.observe(observed, logits)
         self.stats.forked_prefills += len(seqs) - len(batch.seqs)
-        return self._sample_and_append(seqs, logits[rows] if len(rows) != len(batch.seqs) else logits)
+        return self._append(self._sample(seqs, logits[rows] if len(rows) != len(batch.seqs) else logits))
 
     def _fork_from(self, leader: Sequence, member: Sequence) -> None:
         """Member shares the leader's full blocks; copy the leader's partial last block."""
@@ -301,11 +323,12 @@ class RolloutEngine:
             self.runner.cache.copy_block(leader.block_table[-1], member.block_table[-1], partial)
         member.num_cached = leader.num_cached
 
-    def _decode_step(self, batch: ScheduledBatch) -> list[int]:
+    def _decode_step(self, batch: ScheduledBatch, overlap: bool) -> list[int]:
         """One decode step with the strategy :class:`StrategyChoice` plans; timed and logged.
 
-        The step's own ``.tolist()`` of the sampled tokens already waits for the device, so the
-        goodput measurement adds no synchronisation of its own."""
+        The step's own read of the sampled tokens already waits for the device, so the goodput
+        measurement adds no synchronisation of its own (overlapped: a step's time runs from its
+        launch to the launch of the next, its tokens read in between)."""
         n, stats = len(batch.seqs), self.stats
         adaptive = self.strategy.adaptive  # only adaptive weighs the remaining work and a catch-up
         plan = self.choice.plan(n, *((tokens_to_go(batch.seqs), self.lag.of(batch.seqs)) if adaptive else (n, 0)))
@@ -319,7 +342,7 @@ class RolloutEngine:
             verified = self.speculate(batch.seqs, plan.strategy)
             finished = self._finish(verified.done)
         else:
-            finished = self._decode(batch)
+            finished = self._decode(batch, overlap)
         seconds = time.perf_counter() - start
         stats.decode_model_time_s += stats.model_time_s - model_before
         emitted = stats.generated_tokens - before
@@ -342,19 +365,26 @@ class RolloutEngine:
             self._peak_active = 0  # the wave is over; the next one measures its own peak
         return finished
 
-    def _decode(self, batch: ScheduledBatch) -> list[int]:
-        slices, tokens, positions = [], [], []
-        for seq in batch.seqs:
-            slices.append(SequenceSlice(seq.block_table, seq.num_cached, 1))
-            tokens.append(seq.token_at(seq.num_cached))
-            positions.append(seq.num_cached)
-        logits = self._forward(slices, tokens, positions, list(range(len(tokens))))
-        self.taps.observe([(seq, seq.num_cached, [row], [row]) for row, seq in enumerate(batch.seqs)], logits)
-        for seq in batch.seqs:
+    def _decode(self, batch: ScheduledBatch, overlap: bool) -> list[int]:
+        """One token for each sequence. Overlapped, this step is launched, then the step in flight
+        is read, and this one stays in flight; its inputs are the step in flight's tokens."""
+        seqs = batch.seqs
+        tokens = self.in_flight.inputs_for(seqs) if self.in_flight else [s.token_at(s.num_cached) for s in seqs]
+        slices = [SequenceSlice(seq.block_table, seq.num_cached, 1) for seq in seqs]
+        positions = [seq.num_cached for seq in seqs]
+        logits = self._forward(slices, tokens, positions, list(range(len(seqs))))
+        self.taps.observe([(seq, seq.num_cached, [row], [row]) for row, seq in enumerate(seqs)], logits)
+        for seq in seqs:
             seq.num_cached += 1
         self.stats.decode_steps += 1
-        self.stats.batch_sizes.append(len(batch.seqs))
-        return self._sample_and_append(batch.seqs, logits)
+        self.stats.batch_sizes.append(len(seqs))
+        launched = self._sample(seqs, logits)
+        finished = self._settle()
+        if overlap:
+            self.in_flight = launched
+            self.stats.overlapped_steps += 1
+            return finished
+        return finished + self._append(launched)
 
     def _forward(self, slices, tokens, positions, logits_index) -> torch.Tensor:
         start = time.perf_counter()
@@ -362,10 +392,28 @@ class RolloutEngine:
         self.stats.model_time_s += time.perf_counter() - start
         return logits
 
-    def _sample_and_append(self, seqs: list[Sequence], logits: torch.Tensor) -> list[int]:
-        tokens, logprobs = sample_next_tokens(seqs, logits, self.generator)
+    def _sample(self, seqs: list[Sequence], logits: torch.Tensor) -> Sampled:
+        """Each sequence's next token, sampled on the device; its read to the host queued."""
+        tokens, logprobs = sample_tokens(seqs, logits, self.generator, [seq.tokens_in_flight for seq in seqs])
+        for seq in seqs:
+            seq.tokens_in_flight += 1
+        return Sampled(seqs, tokens, QueuedRead(tokens, logprobs))
+
+    def _settle(self) -> list[int]:
+        """Read the step in flight, if one is: its tokens appended, its finished requests finished."""
+        launched, self.in_flight = self.in_flight, None
+        return self._append(launched) if launched is not None else []
+
+    def _append(self, sampled: Sampled) -> list[int]:
+        """Append the sampled tokens (waiting for them); the ids of the requests they finished. A
+        row of a request that finished, was aborted or handed over meanwhile is dropped."""
+        tokens, logprobs = sampled.read()
         finished = []
-        for seq, token, logprob in zip(seqs, tokens, logprobs):
+        for seq, token, logprob in zip(sampled.seqs, tokens, logprobs):
+            seq.tokens_in_flight -= 1
+            if seq.status is SeqStatus.FINISHED:
+                self.stats.dropped_rows += 1
+                continue
             seq.append(token, logprob)
             self.stats.generated_tokens += 1
             if seq.done:

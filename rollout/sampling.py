@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..kernels.transfers import read_back, to_device
+from ..kernels.transfers import to_device
 from .params import SamplingParams
 from .position_noise import keyed_scores
 
@@ -165,12 +165,15 @@ def choose_tokens(
     return chosen
 
 
-def sample_next_tokens(
-    seqs: Sequence[Any], logits: torch.Tensor, fallback: torch.Generator
-) -> tuple[list[int], list[float]]:
+def sample_tokens(
+    seqs: Sequence[Any], logits: torch.Tensor, fallback: torch.Generator, ahead: Sequence[int] | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Each sequence's next token from its row of ``logits`` under its own sampling parameters,
-    and the token's logprob under the processed distribution. ``seqs`` are the engine's sequences
-    (their ``params``, ``generator`` and ``output_ids``); unseeded rows draw from ``fallback``."""
+    and the token's logprob under the processed distribution, both left on the logits' device.
+    ``seqs`` are the engine's sequences (their ``params``, ``generator`` and ``output_ids``);
+    unseeded rows draw from ``fallback``. ``ahead[i]``: tokens sampled for sequence ``i`` that its
+    ``output_ids`` do not hold yet (still on the device), so that a position-keyed row keys on the
+    token's own index."""
     st = BatchSamplingTensors.from_params([s.params for s in seqs], logits.device)
     logprobs = processed_logprobs(logits, st)
     uniforms = None
@@ -178,11 +181,10 @@ def sample_next_tokens(
         uniforms = to_device(draw_uniforms([s.generator for s in seqs], fallback), logits.device)
     keyed = None
     if any(s.params.position_keyed for s in seqs):
-        keyed = keyed_scores(logprobs, [s.params for s in seqs], [len(s.output_ids) for s in seqs])
+        emitted = [len(s.output_ids) + (ahead[i] if ahead is not None else 0) for i, s in enumerate(seqs)]
+        keyed = keyed_scores(logprobs, [s.params for s in seqs], emitted)
     chosen = choose_tokens(logprobs, st, uniforms, keyed)
-    chosen_lp = logprobs.gather(-1, chosen.unsqueeze(-1)).squeeze(-1)
-    tokens, logprobs_of_tokens = read_back(chosen, chosen_lp)  # one wait for the device
-    return tokens, logprobs_of_tokens
+    return chosen, logprobs.gather(-1, chosen.unsqueeze(-1)).squeeze(-1)
 
 
 def draw_uniforms(

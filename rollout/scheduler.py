@@ -143,6 +143,10 @@ class Scheduler:
         so that admitting a sequence does not immediately force a preemption."""
         return sum(1 for s in self.running.values() if s.num_cached + 1 > len(s.block_table) * self.block_size)
 
+    def decode_fits(self) -> bool:
+        """The running sequences' next decode step needs no preemption (its blocks are free)."""
+        return self._decode_headroom() <= self.allocator.num_free
+
     def _start(self, seq: Sequence) -> None:
         seq.cache_epoch = self.allocator.epoch
         seq.status = SeqStatus.RUNNING
@@ -151,8 +155,8 @@ class Scheduler:
     def _schedule_decode(self) -> ScheduledBatch | None:
         scheduled: list[Sequence] = []
         for seq in list(self.running.values()):
-            if seq.status is not SeqStatus.RUNNING:
-                continue  # preempted earlier in this loop
+            if seq.status is not SeqStatus.RUNNING or seq.last_token_in_flight:
+                continue  # preempted earlier in this loop, or its final token is being read
             if not self._reserve(seq, seq.num_cached + 1):
                 continue  # seq itself was preempted
             scheduled.append(seq)

@@ -75,6 +75,10 @@ class EngineCounts:
     forked_prefills: int = 0  # group members that reused a leader's prefill
     prefix_hit_tokens: int = 0  # prompt tokens served from the prefix cache (RolloutConfig.prefix_caching)
     mixed_steps: int = 0  # prefills that also advanced the running sequences (RolloutConfig.mixed_batches)
+    # decode steps launched before the previous one was read, and their rows of sequences that had
+    # finished meanwhile, computed and dropped (RolloutConfig.overlap)
+    overlapped_steps: int = 0
+    dropped_rows: int = 0
     model_time_s: float = 0.0
     wall_time_s: float = 0.0
     spec_steps: int = 0

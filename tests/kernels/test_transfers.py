@@ -2,7 +2,7 @@ import numpy as np
 import pytest
 import torch
 
-from tailspec.kernels.transfers import read_back, select_rows, to_device
+from tailspec.kernels.transfers import QueuedRead, read_back, select_rows, to_device
 
 
 @pytest.mark.parametrize(
@@ -36,6 +36,14 @@ def test_read_back_returns_exact_ints_and_floats_per_tensor():
     assert read_back() == [] and read_back(torch.zeros(0, dtype=torch.long)) == [[]]
 
 
+def test_a_queued_read_gives_what_read_back_gives_whatever_the_tensors_become():
+    ids, logprobs = torch.tensor([151935, 0, 7]), torch.tensor([-0.1234567, float("-inf")])
+    want = read_back(ids, logprobs)
+    queued = QueuedRead(ids, logprobs)
+    ids.fill_(-1)  # the values were taken when the read was queued
+    assert queued.result() == want and QueuedRead().result() == []
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_to_device_queues_without_a_sync_and_owns_its_copy():
@@ -56,6 +64,20 @@ def test_to_device_queues_without_a_sync_and_owns_its_copy():
         torch.cuda.set_sync_debug_mode("default")
     for i, copy in enumerate(copies):
         assert torch.equal(copy.cpu(), torch.arange(1000) + i)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_queued_read_waits_for_its_own_copy_not_for_work_queued_after_it():
+    """What overlapped decoding relies on: the read returns while later work still runs."""
+    tokens = torch.arange(8, device="cuda")
+    queued = QueuedRead(tokens)
+    slow = torch.randn(4096, 4096, device="cuda")
+    for _ in range(50):  # tens of milliseconds of work queued behind the copy
+        slow = slow @ slow / 64
+    assert queued.result() == [list(range(8))]
+    assert not torch.cuda.current_stream().query()  # the work after it had not finished
+    torch.cuda.synchronize()
 
 
 @pytest.mark.gpu

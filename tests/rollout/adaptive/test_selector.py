@@ -409,9 +409,9 @@ def test_calibration_captures_the_graphs_and_one_off_steps_teach_no_costs(monkey
     capturing = []  # per decode step: whether a graph was captured in it
     decode_step = engine._decode_step
 
-    def counted(batch):
+    def counted(batch, *rest):
         before = len(captured)
-        out = decode_step(batch)
+        out = decode_step(batch, *rest)
         capturing.append(len(captured) > before)
         return out
 

@@ -1,0 +1,183 @@
+"""RolloutConfig.overlap: a plain decode step is launched before the previous one's tokens are read
+(rollout/sampled.py). Its tokens are the ones plain decoding gives; only its order of work differs."""
+
+import pytest
+import torch
+from conftest import EOS, chi_square_pvalue, hf_greedy, random_prompts
+from test_spec_sampling import PROMPT, V, exact_joint_of_tokens_2_and_3, target
+
+from tailspec.kernels.transfers import QueuedRead
+from tailspec.rollout import RolloutConfig, RolloutEngine, SamplingParams
+from tailspec.rollout.model.runner import ModelRunner
+
+
+def _completions(model, prompts, params, **config):
+    engine = RolloutEngine(model, RolloutConfig(block_size=4, kv_cache_tokens=4096, **config), eos_token_ids=[EOS])
+    outs = engine.generate(prompts, params)
+    assert not engine.has_unfinished() and engine.in_flight is None  # nothing left in flight after a call
+    return outs, engine
+
+
+def _stopping_params(model, prompts, n: int = 20) -> list[SamplingParams]:
+    """Greedy requests of several lengths, most of which stop early on a token of their own
+    completion (so overlapped steps compute rows of sequences that had finished)."""
+    plain, _ = _completions(model, prompts, SamplingParams(temperature=0.0, max_new_tokens=n, ignore_eos=True))
+    params = []
+    for i, out in enumerate(plain):
+        stop = [out.completion_ids[2 + i % 5]] if i % 3 else []
+        params.append(SamplingParams(temperature=0.0, max_new_tokens=n - i % 4, stop_token_ids=stop))
+    return params
+
+
+def test_overlapped_greedy_decoding_equals_plain_decoding(arch_model):
+    prompts = random_prompts(7, seed=31, min_len=2, max_len=14)
+    params = _stopping_params(arch_model, prompts)
+    plain, _ = _completions(arch_model, prompts, params)
+    overlapped, engine = _completions(arch_model, prompts, params, overlap=True)
+    assert [o.completion_ids for o in overlapped] == [o.completion_ids for o in plain]
+    assert [o.finish_reason for o in overlapped] == [o.finish_reason for o in plain]
+    for got, want in zip(overlapped, plain):
+        assert got.logprobs == pytest.approx(want.logprobs, abs=1e-5)  # other batch shapes: fp32 rounding
+    stats = engine.stats
+    assert stats.overlapped_steps == stats.decode_steps > 0
+    assert stats.dropped_rows > 0  # rows of sequences that had stopped were computed and dropped
+    assert stats.generated_tokens == sum(len(o.completion_ids) for o in overlapped)
+    assert (
+        overlapped[0].completion_ids
+        == hf_greedy(arch_model, prompts[0], params[0].max_new_tokens, EOS)[: len(overlapped[0].completion_ids)]
+    )
+
+
+def test_overlap_stops_for_admission_and_preemption_and_stays_exact(arch_model):
+    """Fewer slots than prompts (admissions mid-run) and a pool too small for all of them
+    (preemptions): the step in flight is read before either, and the tokens do not change."""
+    prompts = random_prompts(8, seed=32, min_len=3, max_len=12)
+    params = _stopping_params(arch_model, prompts, n=24)
+    small = {"max_num_seqs": 3, "num_blocks": 16}
+    plain, plain_engine = _completions(arch_model, prompts, params, **small)
+    overlapped, engine = _completions(arch_model, prompts, params, overlap=True, **small)
+    assert [o.completion_ids for o in overlapped] == [o.completion_ids for o in plain]
+    assert plain_engine.stats.preemptions > 0 and engine.stats.preemptions > 0
+    assert 0 < engine.stats.overlapped_steps < engine.stats.decode_steps
+
+
+@pytest.mark.parametrize("noise", ["stream", "position"], ids=["seeded", "position-keyed"])
+def test_overlap_keeps_seeded_and_position_keyed_samples(arch_model, noise):
+    prompts = random_prompts(6, seed=33, min_len=2, max_len=10)
+    params = [
+        SamplingParams(temperature=0.9, top_k=20, seed=50 + i, noise=noise, max_new_tokens=18, stop_token_ids=[3, 9])
+        for i in range(len(prompts))
+    ]
+    plain, _ = _completions(arch_model, prompts, params)
+    overlapped, engine = _completions(arch_model, prompts, params, overlap=True)
+    assert [o.completion_ids for o in overlapped] == [o.completion_ids for o in plain]
+    for got, want in zip(overlapped, plain):
+        assert got.logprobs == pytest.approx(want.logprobs, abs=1e-5)  # other batch shapes: fp32 rounding
+    assert engine.stats.overlapped_steps > 0
+
+
+def test_overlapped_unseeded_samples_follow_the_target():
+    """Unseeded rows draw from the engine's generator, dropped rows too (stopping requests share the
+    batch): the draws after them differ from plain decoding's, their distribution does not."""
+    n, stoppers = 4000, 400
+    engine = RolloutEngine(
+        target(),
+        RolloutConfig(overlap=True, max_num_seqs=n + stoppers, block_size=4, kv_cache_tokens=(n + stoppers) * 12),
+    )
+    params = SamplingParams(temperature=1.0, max_new_tokens=4, ignore_eos=True)
+    stopping = SamplingParams(temperature=1.0, max_new_tokens=4, stop_token_ids=list(range(V // 2)))
+    outs = engine.generate([PROMPT] * (n + stoppers), [params] * n + [stopping] * stoppers)
+    assert engine.stats.dropped_rows > stoppers // 10
+    pairs = torch.tensor([o.completion_ids[1] * V + o.completion_ids[2] for o in outs[:n]])
+    assert chi_square_pvalue(torch.bincount(pairs, minlength=V * V), exact_joint_of_tokens_2_and_3(params)) > 1e-3
+
+
+def test_a_step_is_read_only_after_the_next_one_is_launched(arch_model, monkeypatch):
+    """What overlap is for: step N's tokens are waited for after step N + 1's forward is queued
+    (on CUDA the host then works while the device computes). Recorded order of forwards and reads."""
+    events: list[str] = []
+    forward, result = ModelRunner.forward, QueuedRead.result
+
+    def logged_forward(self, seqs, tokens, positions, logits_index):
+        events.append("prefill" if any(s.num_new > 1 for s in seqs) else "decode")
+        return forward(self, seqs, tokens, positions, logits_index)
+
+    def logged_result(self):
+        events.append("read")
+        return result(self)
+
+    monkeypatch.setattr(ModelRunner, "forward", logged_forward)
+    monkeypatch.setattr(QueuedRead, "result", logged_result)
+    prompts = random_prompts(3, seed=34, min_len=4, max_len=8)
+    _completions(arch_model, prompts, SamplingParams(temperature=0.0, max_new_tokens=6, ignore_eos=True), overlap=True)
+    # prefill, read its first tokens; then every decode launched before the previous one is read;
+    # the last decode (5th token) takes no further step, so the 6th is read with nothing launched
+    assert events == ["prefill", "read", "decode"] + ["decode", "read"] * 4 + ["read"]
+
+
+def test_release_and_abort_read_the_step_in_flight_first(arch_model):
+    prompts = random_prompts(3, seed=35, min_len=3, max_len=9)
+    params = SamplingParams(temperature=0.0, max_new_tokens=16, ignore_eos=True)
+    plain, _ = _completions(arch_model, prompts, params)
+    engine = RolloutEngine(arch_model, RolloutConfig(block_size=4, kv_cache_tokens=4096, overlap=True))
+    ids = [engine.add_request(p, params) for p in prompts]
+    for _ in range(5):
+        assert engine.step() == []
+    assert engine.in_flight is not None
+    partial = engine.release(ids[0])  # its token in flight belongs to what is handed over
+    assert partial.output_ids == plain[0].completion_ids[: len(partial.output_ids)] and len(partial.output_ids) == 5
+    engine.abort(ids[1])
+    finished = []
+    while engine.has_unfinished():
+        finished += engine.step()
+    assert finished == [ids[2]] and engine.pop_output(ids[2]).completion_ids == plain[2].completion_ids
+    assert engine.pop_output(ids[1]).finish_reason == "abort"
+    resumed = RolloutEngine(arch_model, RolloutConfig(block_size=4, kv_cache_tokens=4096))
+    rid = resumed.add_request(prompts[0], params, resume=partial)
+    while resumed.has_unfinished():
+        resumed.step()
+    assert resumed.pop_output(rid).completion_ids == plain[0].completion_ids
+
+
+@pytest.mark.parametrize("strategy", ["suffix", "adaptive"])
+def test_speculative_and_adaptive_steps_are_not_overlapped(arch_model, strategy):
+    prompts = random_prompts(4, seed=36, min_len=3, max_len=9)
+    params = SamplingParams(temperature=0.0, max_new_tokens=12)
+    plain, _ = _completions(arch_model, prompts, params, strategy=strategy)
+    overlapped, engine = _completions(arch_model, prompts, params, strategy=strategy, overlap=True)
+    assert [o.completion_ids for o in overlapped] == [o.completion_ids for o in plain]
+    assert engine.stats.overlapped_steps == 0
+
+
+def test_overlap_must_be_a_bool():
+    with pytest.raises(ValueError, match="overlap"):
+        RolloutConfig(overlap="yes")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_on_cuda_overlapped_steps_replay_graphs_exactly_and_never_wait_for_the_device():
+    """Under CUDA graphs: the tokens of plain decoding, and no call that waits for the device in an
+    overlapped step (torch's sync debug mode flags them; the one wait for a step's tokens is on an
+    event recorded after their copy, which it does not flag)."""
+    import warnings
+
+    from tailspec.testing import tiny_random_model
+
+    model = tiny_random_model("llama", seed=1).cuda()
+    prompts = random_prompts(5, seed=37, min_len=2, max_len=12)
+    params = _stopping_params(model, prompts, n=24)
+    plain, _ = _completions(model, prompts, params)
+    engine = RolloutEngine(model, RolloutConfig(overlap=True), eos_token_ids=[EOS])
+    engine.generate(prompts, params)  # captures every graph the measured call replays
+    before = engine.stats.prefill_steps
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            overlapped = engine.generate(prompts, params)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    assert [o.completion_ids for o in overlapped] == [o.completion_ids for o in plain]
+    waits = sum("synchroniz" in str(w.message) for w in caught)
+    assert engine.stats.overlapped_steps > 0 and waits <= engine.stats.prefill_steps - before, waits
