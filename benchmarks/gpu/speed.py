@@ -43,13 +43,19 @@ class Contenders:
         self.policy, self.drafter, self.tokenizer = policy, drafter, tokenizer
         self.max_num_seqs = max_num_seqs
         self.kv_cache_tokens = kv_cache_tokens
-        self.engines: dict[tuple[str, str, str, bool, bool], RolloutEngine] = {}
+        self.engines: dict[tuple[str, str, str, bool, bool, bool], RolloutEngine] = {}
         self.eos = tokenizer.eos_token_id
 
     def engine(
-        self, strategy: str, graphs: str, kernels: str = "auto", compile: bool = False, merge_projections: bool = False
+        self,
+        strategy: str,
+        graphs: str,
+        kernels: str = "auto",
+        compile: bool = False,
+        merge_projections: bool = False,
+        overlap: bool = False,
     ) -> RolloutEngine:
-        key = (strategy, graphs, kernels, compile, merge_projections)
+        key = (strategy, graphs, kernels, compile, merge_projections, overlap)
         if key not in self.engines:
             config = RolloutConfig(
                 strategy=strategy,
@@ -57,6 +63,7 @@ class Contenders:
                 kernels=kernels,
                 compile=compile,
                 merge_projections=merge_projections,
+                overlap=overlap,
                 max_num_seqs=self.max_num_seqs,
                 kv_cache_tokens=self.kv_cache_tokens,
                 mirror=mirror_config(),
@@ -361,6 +368,7 @@ def same_pass_ratio(a: dict[int, dict], b: dict[int, dict]) -> str | None:
 
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+OVERLAP = "none graphs overlap"  # RolloutConfig(overlap=True): each step launched before the last one is read
 
 
 def selector_check(engine: RolloutEngine, steps: list[StepRecord]) -> list[dict]:
@@ -446,19 +454,27 @@ def run(stage: Stage) -> None:
 
 
 def plain_decoding(speed: SpeedRun, other_kernels: str) -> None:
-    """No speculation at every batch size: the engine with graphs and eager, HF ``generate``, and
-    the engine with the other attention kernels (the two graph paths in passes at the largest
-    batch, whose target a single run left in doubt in run 15); the headline ratios against their
-    targets."""
+    """No speculation at every batch size: the engine with graphs and eager, HF ``generate``, the
+    engine with the other attention kernels and the engine with overlapped steps (``overlap``:
+    each step launched before the last one is read); the graph contenders in passes at batch 1
+    and at the largest batch (whose target a single run left in doubt in run 15), with the
+    same-pass ratios of overlap; the headline ratios against their targets."""
     largest = max(speed.stage.size.speed_batches)
     for batch in speed.stage.size.speed_batches:
-        graphs = {"none graphs": lambda p, b=batch: speed.engine_rate("none", b)()}
+        graphs = {
+            "none graphs": lambda p, b=batch: speed.engine_rate("none", b)(),
+            OVERLAP: lambda p, b=batch: speed.engine_rate("none", b, overlap=True)(),
+        }
         name = f"none graphs kernels={other_kernels}"
         if other_kernels == "triton" and not torch.cuda.is_available():
             speed.stage.skip(f"{name} batch {batch}", "needs CUDA (Triton's interpreter times nothing)")
         else:
             graphs[name] = lambda p, b=batch: speed.engine_rate("none", b, kernels=other_kernels)()
-        speed.in_passes(batch, graphs, speed.stage.size.tail_passes if batch == largest else 1)
+        passes = speed.stage.size.tail_passes if batch in (1, largest) else 1
+        runs = speed.in_passes(batch, graphs, passes)
+        paired = same_pass_ratio(runs[OVERLAP], runs["none graphs"])
+        if paired is not None:
+            speed.headline[f"none overlapped / none, batch {batch}"] = paired
         speed.measure("none eager", batch, speed.engine_rate("none", batch, graphs="none"))
         speed.measure("HF generate", batch, lambda b=batch: speed.contenders.hf_rate(speed.prompts[:b], speed.greedy))
     b64 = 64 if 64 in speed.stage.size.speed_batches else largest
@@ -476,20 +492,23 @@ def plain_decoding(speed: SpeedRun, other_kernels: str) -> None:
 
 
 def bandwidth_floor(speed: SpeedRun, policy, copy_gbs: float) -> None:
-    """The batch-1 decode step (and the graph replay alone) against the bytes it must read."""
-    batch1 = next((r for r in speed.rows if (r["contender"], r["batch"]) == ("none graphs", 1)), None)
-    if batch1 is None:
+    """The batch-1 decode step, overlapped or not, and the graph replay alone against the bytes a
+    step must read."""
+    rows = {r["contender"]: r for r in speed.rows if r["batch"] == 1}
+    if "none graphs" not in rows:
         return
     context = len(speed.prompts[0]) + speed.stage.size.max_new_tokens // 2
     floor, nbytes = decode_floor_ms(policy, context, copy_gbs)
-    step = batch1["decode_step_ms"]
+    step = rows["none graphs"]["decode_step_ms"]
+    overlapped = rows[OVERLAP]["decode_step_ms"] if OVERLAP in rows else None
     replay = replay_ms(speed.contenders.engine("none", speed.graphs))
-    speed.stage.record(
-        "decode_floor", {"bytes_per_step": nbytes, "floor_ms": floor, "step_ms": step, "replay_ms": replay}
-    )
+    measured = {"step_ms": step, "overlapped_ms": overlapped, "replay_ms": replay}
+    speed.stage.record("decode_floor", {"bytes_per_step": nbytes, "floor_ms": floor, **measured})
     if replay is not None:
         speed.headline["batch-1 graph replay alone / floor"] = f"{replay / floor:.1f}x ({replay:.2f} ms)"
     speed.headline["batch-1 decode step / bandwidth floor (target <= 2x)"] = f"{step / floor:.1f}x ({step:.2f} ms)"
+    if overlapped is not None:
+        speed.headline["batch-1 overlapped decode step / floor"] = f"{overlapped / floor:.1f}x ({overlapped:.2f} ms)"
 
 
 def speculation(speed: SpeedRun, other_kernels: str) -> None:
