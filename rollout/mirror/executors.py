@@ -25,6 +25,7 @@ forward. Only tokens, sampling parameters and the drafted trees cross; never KV.
 
 from __future__ import annotations
 
+import contextvars
 import io
 import logging
 import queue
@@ -91,7 +92,9 @@ class InlineExecutor(DraftExecutor):
 
 class ThreadExecutor(DraftExecutor):
     """A worker thread; with ``device`` a CUDA device, its work goes on a side stream of that
-    device, ordered after the caller's stream at ``start`` and before it at ``finish``."""
+    device, ordered after the caller's stream at ``start`` and before it at ``finish``. Each
+    draft runs in a copy of the caller's context variables at ``start``: the engine's kernel
+    backend (``RolloutConfig.kernels``) holds in the thread as in the caller."""
 
     def __init__(self, drafter: Drafter, device: torch.device | None = None, name: str = "thread") -> None:
         super().__init__(drafter)
@@ -104,8 +107,9 @@ class ThreadExecutor(DraftExecutor):
         self._done = None
 
     def start(self, requests: Sequence[DraftRequest], shape: DraftShape) -> None:
+        context = contextvars.copy_context()
         if self._stream is None:
-            self._futures.append(self._pool.submit(self.drafter.propose_branches, list(requests), shape))
+            self._futures.append(self._pool.submit(context.run, self.drafter.propose_branches, list(requests), shape))
             return
         ready = torch.cuda.current_stream().record_event()
 
@@ -116,7 +120,7 @@ class ThreadExecutor(DraftExecutor):
                 self._done = self._stream.record_event()
             return trees
 
-        self._futures.append(self._pool.submit(run))
+        self._futures.append(self._pool.submit(context.run, run))
 
     def finish(self) -> list[DraftTree]:
         futures, self._futures = self._futures, []
