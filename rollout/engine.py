@@ -226,7 +226,9 @@ class RolloutEngine:
         return self.scheduler.has_work() or self.in_flight is not None
 
     def abort(self, request_id: int) -> None:
-        self._settled_early += self._settle()  # what is in flight is read first: no row outlives its request
+        # the step in flight is read first: the request keeps every token sampled for it, and the
+        # blocks it frees hold K/V of tokens it knows (prefix caching registers them by their tokens)
+        self._settled_early += self._settle()
         self.requests.abort(request_id)
 
     def discard(self, request_id: int) -> None:
@@ -369,7 +371,8 @@ class RolloutEngine:
         """One token for each sequence. Overlapped, this step is launched, then the step in flight
         is read, and this one stays in flight; its inputs are the step in flight's tokens."""
         seqs = batch.seqs
-        tokens = self.in_flight.inputs_for(seqs) if self.in_flight else [s.token_at(s.num_cached) for s in seqs]
+        in_flight = self.in_flight
+        tokens = in_flight.inputs_for(seqs) if in_flight is not None else [s.token_at(s.num_cached) for s in seqs]
         slices = [SequenceSlice(seq.block_table, seq.num_cached, 1) for seq in seqs]
         positions = [seq.num_cached for seq in seqs]
         logits = self._forward(slices, tokens, positions, list(range(len(seqs))))

@@ -61,6 +61,30 @@ def test_overlap_stops_for_admission_and_preemption_and_stays_exact(arch_model):
     assert 0 < engine.stats.overlapped_steps < engine.stats.decode_steps
 
 
+def test_overlap_with_prefix_caching_reuses_only_blocks_of_known_tokens(arch_model):
+    """A turn's prompt extends the last turn's (multi-turn, ATTS): blocks that an overlapped step
+    wrote for a row it dropped are registered under tokens that were read, so the next turn's
+    reuse decodes as plain decoding with the same cache does."""
+    prompts = random_prompts(5, seed=38, min_len=6, max_len=14)
+    params = _stopping_params(arch_model, prompts, n=22)
+
+    def two_turns(overlap: bool):
+        engine = RolloutEngine(
+            arch_model,
+            RolloutConfig(block_size=4, kv_cache_tokens=4096, prefix_caching=True, overlap=overlap),
+            eos_token_ids=[EOS],
+        )
+        first = engine.generate(prompts, params)
+        again = [p + o.completion_ids + [7, 8] for p, o in zip(prompts, first)]
+        second = engine.generate(again, SamplingParams(temperature=0.0, max_new_tokens=10))
+        return [o.completion_ids for o in first + second], engine.stats
+
+    plain, _ = two_turns(False)
+    overlapped, stats = two_turns(True)
+    assert overlapped == plain
+    assert stats.prefix_hit_tokens > 0 and stats.dropped_rows > 0
+
+
 @pytest.mark.parametrize("noise", ["stream", "position"], ids=["seeded", "position-keyed"])
 def test_overlap_keeps_seeded_and_position_keyed_samples(arch_model, noise):
     prompts = random_prompts(6, seed=33, min_len=2, max_len=10)
