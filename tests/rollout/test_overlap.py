@@ -192,7 +192,7 @@ def test_on_cuda_overlapped_steps_replay_graphs_exactly_and_never_wait_for_the_d
     prompts = random_prompts(5, seed=37, min_len=2, max_len=12)
     params = _stopping_params(model, prompts, n=24)
     plain, _ = _completions(model, prompts, params)
-    engine = RolloutEngine(model, RolloutConfig(overlap=True), eos_token_ids=[EOS])
+    engine = RolloutEngine(model, RolloutConfig(block_size=4, kv_cache_tokens=4096, overlap=True), eos_token_ids=[EOS])
     engine.generate(prompts, params)  # captures every graph the measured call replays
     before = engine.stats.prefill_steps
     with warnings.catch_warnings(record=True) as caught:
