@@ -50,10 +50,15 @@ def read_back(*tensors: torch.Tensor) -> list[list]:
     row indices)."""
     if not tensors:
         return []
-    return _split(torch.cat([t.reshape(-1).to(torch.float64) for t in tensors]).tolist(), _layout(tensors))
+    return _split(_flat(tensors).tolist(), _layout(tensors))
 
 
-def _layout(tensors) -> list[tuple[int, bool]]:
+def _flat(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Every value of ``tensors`` in one float64 tensor on their device (one transfer's worth)."""
+    return torch.cat([t.reshape(-1).to(torch.float64) for t in tensors])
+
+
+def _layout(tensors: Sequence[torch.Tensor]) -> list[tuple[int, bool]]:
     return [(t.numel(), t.is_floating_point()) for t in tensors]
 
 
@@ -77,7 +82,7 @@ class QueuedRead:
 
     def __init__(self, *tensors: torch.Tensor) -> None:
         self._layout = _layout(tensors)
-        flat = torch.cat([t.reshape(-1).to(torch.float64) for t in tensors]) if tensors else torch.zeros(0)
+        flat = _flat(tensors) if tensors else torch.zeros(0, dtype=torch.float64)
         self._done: torch.cuda.Event | None = None
         if flat.device.type == "cuda":
             self._host = torch.empty(flat.shape, dtype=torch.float64, pin_memory=True)

@@ -35,9 +35,9 @@ class Sampled:
     tokens: torch.Tensor  # [len(seqs)] on the logits' device
     pending: QueuedRead  # tokens, then logprobs
 
-    def read(self) -> tuple[list[int], list[float]]:
-        tokens, logprobs = self.pending.result()
-        return tokens, logprobs
+    def read(self) -> list[list]:
+        """``[tokens, logprobs]`` on the host (waits for them)."""
+        return self.pending.result()
 
     def inputs_for(self, seqs: list[Sequence]) -> torch.Tensor:
         """The tokens sampled here for ``seqs`` (each one of this step's), in their order, on the
