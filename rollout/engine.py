@@ -24,7 +24,7 @@ from ..draft_contract import Drafter, Stateful, drafter_factory
 from ..kernels.transfers import QueuedRead
 from . import serving
 from .adaptive.calibration import calibrate_costs
-from .adaptive.choice import DrafterLag, StepOutcome, StrategyChoice
+from .adaptive.choice import DrafterLag, StepOutcome, StepPlan, StrategyChoice
 from .adaptive.cost_model import ForwardTable
 from .adaptive.selector import SelectorConfig, StrategySelector
 from .admission import RequestLimits, eos_ids_of, prepare_requests
@@ -128,7 +128,9 @@ class RolloutEngine:
 
     # -- speculation set-up --------------------------------------------------------------
     def set_strategy(self, strategy: str | Strategy) -> None:
-        """Switch the speculation strategy; takes effect at the next decode step."""
+        """Switch the speculation strategy; takes effect at the next decode step (an overlapped step
+        in flight is read now: a switch to ``adaptive`` may calibrate before it plans)."""
+        self._settled_early += self._settle()
         self.choice.set(strategy)
         self.mirrors.prepare(self.choice.arms)
 
@@ -279,9 +281,10 @@ class RolloutEngine:
     def _overlaps(self) -> bool:
         """Whether this step may be launched before the step in flight is read (``config.overlap``):
         a plain decode step that admits no prompt, preempts nothing and feeds no drafter the
-        target's features (``rollout/sampled.py``)."""
-        s, scheduler = self.strategy, self.scheduler
-        plain = not (s.speculative or s.adaptive or self.taps.layers or self.mirrors.switch_pending)
+        target's features (``rollout/sampled.py``); under ``adaptive``, a step it plans plain (one
+        it plans speculative reads the step in flight first, :meth:`_decode_step`)."""
+        scheduler = self.scheduler
+        plain = not (self.strategy.speculative or self.taps.layers or self.mirrors.switch_pending)
         return self.config.overlap and plain and not scheduler.waiting and scheduler.decode_fits()
 
     # -- front ends (rollout/serving.py) -------------------------------------------------
@@ -329,32 +332,45 @@ class RolloutEngine:
         """One decode step with the strategy :class:`StrategyChoice` plans; timed and logged.
 
         The step's own read of the sampled tokens already waits for the device, so the goodput
-        measurement adds no synchronisation of its own (overlapped: a step's time runs from its
-        launch to the launch of the next, its tokens read in between)."""
-        n, stats = len(batch.seqs), self.stats
-        adaptive = self.strategy.adaptive  # only adaptive weighs the remaining work and a catch-up
-        plan = self.choice.plan(n, *((tokens_to_go(batch.seqs), self.lag.of(batch.seqs)) if adaptive else (n, 0)))
-        meets_prompts = adaptive and plan.strategy.uses_model_drafter and self.lag.meets_new(batch.seqs)
+        measurement adds no synchronisation of its own (overlapped: a step's timer holds its launch
+        and the read of the step before it, which waits out that step's device work)."""
+        seqs, stats = batch.seqs, self.stats
+        plan = self._plan(seqs)
+        finished: list[int] = []
+        if plan.strategy.speculative and self.in_flight is not None:
+            # adaptive planned a speculative step after overlapped plain ones: drafting and
+            # verification read every token on the host, so the step in flight is read first,
+            # outside every step's timer (an overlapped step is timed launch to launch)
+            finished = self._settle()
+            if len(running := [s for s in seqs if s.status is SeqStatus.RUNNING]) < len(seqs):
+                seqs = running  # some stopped on the token just read
+                if not seqs:
+                    return finished
+                plan = self._plan(seqs)
+        # the first step of an overlapped run reads nothing: its timer holds a launch, not a step
+        unread = overlap and not plan.strategy.speculative and self.in_flight is None
+        n, adaptive = len(seqs), self.strategy.adaptive
+        meets_prompts = adaptive and plan.strategy.uses_model_drafter and self.lag.meets_new(seqs)
         self.mirrors.split_threads(plan.strategy)
         before, model_before, draft_before = stats.generated_tokens, stats.model_time_s, stats.draft_time_s
         captured_before = capture_seconds()
         start = time.perf_counter()
         verified = None
         if plan.strategy.speculative:
-            verified = self.speculate(batch.seqs, plan.strategy)
-            finished = self._finish(verified.done)
+            verified = self.speculate(seqs, plan.strategy)
+            finished += self._finish(verified.done)
         else:
-            finished = self._decode(batch, overlap)
+            finished += self._decode(seqs, overlap)
         seconds = time.perf_counter() - start
         stats.decode_model_time_s += stats.model_time_s - model_before
         emitted = stats.generated_tokens - before
         if adaptive and plan.strategy.uses_model_drafter:
-            self.lag.drafted(batch.seqs)
+            self.lag.drafted(seqs)
         # an arm is judged by its steady steps: one that captured a graph (the target's or the
-        # drafter's) or fed the model drafter a prompt teaches acceptance only
+        # drafter's), fed the model drafter a prompt or read no step before it teaches acceptance only
         captured = capture_seconds() - captured_before
         stats.capture_time_s += captured
-        one_off = meets_prompts or captured > 0
+        one_off = meets_prompts or captured > 0 or unread
         draft_s = stats.draft_time_s - draft_before
         outcome = StepOutcome(seconds, draft_s, one_off)
         if verified is not None:
@@ -367,10 +383,14 @@ class RolloutEngine:
             self._peak_active = 0  # the wave is over; the next one measures its own peak
         return finished
 
-    def _decode(self, batch: ScheduledBatch, overlap: bool) -> list[int]:
+    def _plan(self, seqs: list[Sequence]) -> StepPlan:
+        """The step's strategy; only ``adaptive`` weighs the remaining work and a drafter's catch-up."""
+        n = len(seqs)
+        return self.choice.plan(n, *((tokens_to_go(seqs), self.lag.of(seqs)) if self.strategy.adaptive else (n, 0)))
+
+    def _decode(self, seqs: list[Sequence], overlap: bool) -> list[int]:
         """One token for each sequence. Overlapped, this step is launched, then the step in flight
         is read, and this one stays in flight; its inputs are the step in flight's tokens."""
-        seqs = batch.seqs
         in_flight = self.in_flight
         tokens = in_flight.inputs_for(seqs) if in_flight is not None else [s.token_at(s.num_cached) for s in seqs]
         slices = [SequenceSlice(seq.block_table, seq.num_cached, 1) for seq in seqs]

@@ -69,7 +69,9 @@ class DrafterLag:
         self._seen: dict[int, int] = {}  # seq id -> its tokens when the drafter last drafted for it
 
     def of(self, seqs: Sequence) -> int:
-        return sum(s.num_tokens - self._seen.get(s.seq_id, s.num_tokens) for s in seqs)
+        """What ``seqs`` emitted since their last draft, tokens in flight (overlapped) included."""
+        emitted = [(s.seq_id, s.num_tokens + s.tokens_in_flight) for s in seqs]
+        return sum(now - self._seen.get(seq_id, now) for seq_id, now in emitted)
 
     def meets_new(self, seqs: Sequence) -> bool:
         """Whether the model drafter has not drafted yet for one of ``seqs`` (it feeds the prompt)."""

@@ -1,6 +1,8 @@
 """RolloutConfig.overlap: a plain decode step is launched before the previous one's tokens are read
 (rollout/sampled.py). Its tokens are the ones plain decoding gives; only its order of work differs."""
 
+from dataclasses import replace
+
 import pytest
 import torch
 from conftest import EOS, chi_square_pvalue, hf_greedy, random_prompts
@@ -9,6 +11,7 @@ from test_spec_sampling import PROMPT, V, exact_joint_of_tokens_2_and_3, target
 from tailspec.kernels.transfers import QueuedRead
 from tailspec.rollout import RolloutConfig, RolloutEngine, SamplingParams
 from tailspec.rollout.model.runner import ModelRunner
+from tailspec.testing import perturbed_copy
 
 
 def _completions(model, prompts, params, **config):
@@ -163,14 +166,101 @@ def test_release_and_abort_read_the_step_in_flight_first(arch_model):
     assert resumed.pop_output(rid).completion_ids == plain[0].completion_ids
 
 
-@pytest.mark.parametrize("strategy", ["suffix", "adaptive"])
-def test_speculative_and_adaptive_steps_are_not_overlapped(arch_model, strategy):
+def test_speculative_steps_are_not_overlapped(arch_model):
     prompts = random_prompts(4, seed=36, min_len=3, max_len=9)
     params = SamplingParams(temperature=0.0, max_new_tokens=12)
-    plain, _ = _completions(arch_model, prompts, params, strategy=strategy)
-    overlapped, engine = _completions(arch_model, prompts, params, strategy=strategy, overlap=True)
+    plain, _ = _completions(arch_model, prompts, params, strategy="suffix")
+    overlapped, engine = _completions(arch_model, prompts, params, strategy="suffix", overlap=True)
     assert [o.completion_ids for o in overlapped] == [o.completion_ids for o in plain]
     assert engine.stats.overlapped_steps == 0
+
+
+def _scripted_adaptive(model, arms: list[str], drafter=None) -> tuple[RolloutEngine, list[dict]]:
+    """An overlapping ``adaptive`` engine whose selector plans its arms of the kinds ``arms`` in
+    turn, one per plan (a plan made again counts), and
+    whose observations (arm, batch size, timed) and plans (step, batch size) are recorded."""
+    engine = RolloutEngine(
+        model,
+        RolloutConfig(strategy="adaptive", overlap=True, block_size=4, kv_cache_tokens=4096),
+        eos_token_ids=[EOS],
+        drafter=drafter,
+    )
+    seen: list[dict] = []
+    plans = iter(range(10**6))
+    by_kind = {arm.kind: arm for arm in engine.selector.arms}
+    engine.selector.choose = lambda n, remaining, lag: by_kind[arms[next(plans) % len(arms)]]
+    observe = engine.selector.observe
+
+    def spy(arm, n, seconds, *rest, timed=True):
+        lag = rest[3] if len(rest) > 3 else 0
+        seen.append({"arm": str(arm), "n": n, "timed": timed, "lag": lag})
+        observe(arm, n, seconds, *rest, timed=timed)
+
+    engine.selector.observe = spy
+    return engine, seen
+
+
+@pytest.mark.parametrize(
+    "noise, arm",
+    [("greedy", "suffix"), ("position-keyed", "suffix"), ("greedy", "chain")],
+    ids=["suffix", "keyed", "lm"],
+)
+def test_adaptive_overlaps_the_plain_steps_it_plans_and_reads_before_a_speculative_one(arch_model, noise, arm):
+    """``adaptive`` switching between ``none`` and a speculative arm (a model drafter's too, which
+    catches up on the tokens overlapped steps emitted): its plain steps are overlapped, a
+    speculative step first reads the step in flight (sequences that stopped on it leave the batch,
+    which is planned again), and the tokens are plain decoding's."""
+    prompts = random_prompts(7, seed=38, min_len=2, max_len=14)
+    params = _stopping_params(arch_model, prompts, n=24)
+    if noise == "position-keyed":
+        params = [replace(p, temperature=1.0, seed=50 + i, noise="position") for i, p in enumerate(params)]
+    plain, _ = _completions(arch_model, prompts, params)
+    drafter = perturbed_copy(arch_model, 0.3, 7) if arm == "chain" else None
+    # a plan made again after a read (the cycle's 3rd) stays speculative (its 4th)
+    engine, seen = _scripted_adaptive(arch_model, ["none", "none", arm, arm], drafter)
+    outs = engine.generate(prompts, params)
+    assert not engine.has_unfinished() and engine.in_flight is None
+    assert [o.completion_ids for o in outs] == [o.completion_ids for o in plain]
+    assert [o.finish_reason for o in outs] == [o.finish_reason for o in plain]
+    stats = engine.stats
+    steps = {str(arm).split(":")[0]: count for arm, count in stats.strategy_steps.items()}
+    assert stats.overlapped_steps == steps["none"] > 0 and steps[arm] > 0
+    if arm == "chain":  # the token in flight at its plan counts in what the drafter catches up on
+        after_two = [
+            c for a, b, c in zip(seen, seen[1:], seen[2:]) if a["arm"] == b["arm"] == "none" and a["n"] == c["n"]
+        ]
+        assert after_two and all(c["lag"] == 2 * c["n"] for c in after_two), after_two
+    assert stats.generated_tokens == sum(len(o.completion_ids) for o in outs)
+    # a plain step right after a speculative one (or the first) read nothing: it teaches no costs
+    for before, after in zip([None, *seen], seen):
+        if after["arm"] == "none":
+            assert after["timed"] == (before is not None and before["arm"] == "none"), (before, after)
+
+
+def test_a_speculative_plan_after_an_overlapped_step_drops_the_sequences_that_stopped_on_it(arch_model):
+    """Every sequence stops on its 3rd token, sampled by the 2nd (overlapped) decode step; the
+    3rd step's speculative plan reads it first and is planned again without them."""
+    prompts = random_prompts(4, seed=51, min_len=3, max_len=8)  # EOS nor the 3rd token among the first two
+    free, _ = _completions(arch_model, prompts, SamplingParams(temperature=0.0, max_new_tokens=8, ignore_eos=True))
+    params = [
+        SamplingParams(temperature=0.0, max_new_tokens=8, stop_token_ids=[o.completion_ids[2]])
+        if i % 2
+        else SamplingParams(temperature=0.0, max_new_tokens=8, ignore_eos=True)
+        for i, o in enumerate(free)
+    ]
+    plain, _ = _completions(arch_model, prompts, params)
+    engine, seen = _scripted_adaptive(arch_model, ["none", "none", "suffix", "suffix"])
+    sizes = []
+    plan = engine._plan
+    engine._plan = lambda seqs: sizes.append((engine.stats.steps, len(seqs))) or plan(seqs)
+    outs = engine.generate(prompts, params)
+    assert [o.completion_ids for o in outs] == [o.completion_ids for o in plain]
+    stopped = sum(o.completion_ids[-1:] == [free[i].completion_ids[2]] for i, o in enumerate(outs) if i % 2)
+    assert stopped == 2
+    # step 0 prefills; steps 1 and 2 plan none (2 overlapped); step 3 plans suffix for all 4, reads
+    # step 2's tokens (2 sequences stopped) and plans again for the 2 left
+    assert sizes[:4] == [(1, 4), (2, 4), (3, 4), (3, 2)]
+    assert [(s["arm"].split(":")[0], s["n"]) for s in seen[:3]] == [("none", 4), ("none", 4), ("suffix", 2)]
 
 
 def test_overlap_must_be_a_bool():
