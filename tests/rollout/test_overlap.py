@@ -295,3 +295,22 @@ def test_on_cuda_overlapped_steps_replay_graphs_exactly_and_never_wait_for_the_d
     assert [o.completion_ids for o in overlapped] == [o.completion_ids for o in plain]
     waits = sum("synchroniz" in str(w.message) for w in caught)
     assert engine.stats.overlapped_steps > 0 and waits <= engine.stats.prefill_steps - before, waits
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_on_cuda_adaptive_overlaps_its_plain_steps_under_graphs_exactly():
+    """``adaptive`` switching between overlapped ``none`` steps and a model drafter's chains under
+    CUDA graphs (the drafter's catch-up after overlapped steps included): plain decoding's tokens."""
+    from tailspec.testing import tiny_random_model
+
+    model = tiny_random_model("llama", seed=1).cuda()
+    prompts = random_prompts(5, seed=38, min_len=2, max_len=12)
+    params = _stopping_params(model, prompts, n=24)
+    plain, _ = _completions(model, prompts, params)
+    engine, seen = _scripted_adaptive(model, ["none", "none", "chain", "chain"], perturbed_copy(model, 0.3, 7))
+    for _ in range(2):  # the first call captures
+        outs = engine.generate(prompts, params)
+        assert [o.completion_ids for o in outs] == [o.completion_ids for o in plain]
+    assert engine.stats.overlapped_steps > 0 and any(s["arm"].startswith("chain") for s in seen)
+    assert engine.runner.graph_pool is not None and engine.runner.graph_pool.stats.hits > 0
