@@ -107,7 +107,7 @@ class RolloutEngine:
             )
         self.choice = StrategyChoice(self.config, self.drafter, self._calibrate)
         self.lag = DrafterLag()
-        self.mirrors = MirrorSlot(model, self.drafter, self.config.mirror)
+        self.mirrors = MirrorSlot(model, self.drafter, self.config.mirror, self.config.kernels)
         notified = [d for d in (self.drafter, self.suffix_drafter) if d is not None]  # of finished sequences
         self.requests = RequestBook(self.scheduler, self.limits, self.eos_ids, notified, self.mirrors)
         self.taps = FeatureTaps(self.runner, self.drafter, self.mirrors)  # what an EAGLE-style drafter reads

@@ -301,7 +301,10 @@ class RolloutWorker:
             if self._draft_host is None or self._draft_host[0] < pairing:
                 if not isinstance(self.engine.drafter, Portable):
                     raise ExecutorError(f"worker {self.index} has no drafter that can draft for another")
-                self._draft_host = (pairing, SequencedHost(self.engine.drafter.rebuild()))
+                self._draft_host = (
+                    pairing,
+                    SequencedHost(self.engine.drafter.rebuild(), kernels=self.engine.config.kernels),
+                )
                 self._events.append(WorkerEvent(len(self._events), "hosting", {"pairing": pairing}))
             held, host = self._draft_host
             self._hosted_commands += 1

@@ -42,6 +42,7 @@ from typing import Any
 import torch
 
 from ...draft_contract import BranchView, Drafter, DraftRequest, DraftShape, DraftTree, Portable, SequenceView
+from ...kernels.dispatch import kernel_backend
 from ..params import EXECUTORS
 
 logger = logging.getLogger(__name__)
@@ -180,14 +181,21 @@ _ANSWERED = ("propose", "branches", "ping")
 class DrafterHost:
     """A drafter answering commands in the order they come: what runs in a draft process or in
     a Ray actor. ``propose``/``branches`` return the drafts, ``ping`` None (a round trip of the
-    channel); the other commands are the drafter's own calls and return nothing."""
+    channel); the other commands are the drafter's own calls and return nothing. Each runs under
+    ``kernel_backend(kernels)``, the engine's ``RolloutConfig.kernels``: a process or an actor
+    starts without the engine's context."""
 
-    def __init__(self, build: Callable[[], Drafter], threads: int | None = None) -> None:
+    def __init__(self, build: Callable[[], Drafter], threads: int | None = None, kernels: str = "auto") -> None:
         if threads:
             torch.set_num_threads(threads)
+        self.kernels = kernels
         self.drafter = build()
 
     def handle(self, command: str, args: tuple):
+        with kernel_backend(self.kernels):
+            return self._handle(command, args)
+
+    def _handle(self, command: str, args: tuple):
         if command in ("propose", "branches"):
             snaps, shape = args
             requests = [DraftRequest(s, depth) for s, depth in snaps]
@@ -212,8 +220,8 @@ class SequencedHost:
     actor runs its calls on several threads): every command carries its number and waits until
     all before it are handled, so the drafter sees them in the order they were sent."""
 
-    def __init__(self, build: Callable[[], Drafter], wait_s: float = 60.0) -> None:
-        self._host = DrafterHost(build)
+    def __init__(self, build: Callable[[], Drafter], wait_s: float = 60.0, kernels: str = "auto") -> None:
+        self._host = DrafterHost(build, kernels=kernels)
         self._next = 0
         self._turn = threading.Condition()
         self._wait_s = wait_s
@@ -249,7 +257,7 @@ def _main_module_hidden() -> Iterator[None]:
         main.__dict__.update(saved)
 
 
-def _serve(build: Callable[[], Drafter], threads: int, conn) -> None:
+def _serve(build: Callable[[], Drafter], threads: int, kernels: str, conn) -> None:
     """The child's loop: build the drafter, then answer the parent's commands in order.
 
     A reader thread takes every command off the pipe as it comes. Otherwise a large answer and a
@@ -257,7 +265,7 @@ def _serve(build: Callable[[], Drafter], threads: int, conn) -> None:
     yet, the parent blocked sending the next branches while the child does not read (two branch
     calls are in flight on a mirror step; each is large at large batch)."""
     try:
-        host = DrafterHost(build, threads)
+        host = DrafterHost(build, threads, kernels)
     except Exception:
         conn.send(("error", traceback.format_exc()))
         return
@@ -377,7 +385,8 @@ class _HostExecutor(DraftExecutor):
 
 
 class ProcessExecutor(_HostExecutor):
-    """A child process (spawned) running ``build()``'s drafter with ``threads`` torch threads."""
+    """A child process (spawned) running ``build()``'s drafter with ``threads`` torch threads,
+    under the ``kernels`` backend."""
 
     name = "process"
 
@@ -387,13 +396,16 @@ class ProcessExecutor(_HostExecutor):
         threads: int = 1,
         source: Drafter | None = None,
         start_timeout_s: float = 300.0,
+        kernels: str = "auto",
     ) -> None:
         import torch.multiprocessing as mp
 
         super().__init__(source)
         ctx = mp.get_context("spawn")
         self._conn, child = ctx.Pipe()
-        self._process = ctx.Process(target=_serve, args=(build, threads, child), daemon=True, name="tailspec-draft")
+        self._process = ctx.Process(
+            target=_serve, args=(build, threads, kernels, child), daemon=True, name="tailspec-draft"
+        )
         with _main_module_hidden():
             self._process.start()
         child.close()
@@ -500,6 +512,7 @@ class RayExecutor(ActorExecutor):
         source: Drafter | None = None,
         num_gpus: float = 0,
         start_timeout_s: float = 300.0,
+        kernels: str = "auto",
     ) -> None:
         import ray
 
@@ -507,7 +520,7 @@ class RayExecutor(ActorExecutor):
             raise ValueError("mirror executor 'ray' needs a running Ray (ray.init(...) or a cluster address)")
         super().__init__(source)
         host = ray.remote(num_cpus=threads, num_gpus=num_gpus, max_concurrency=1)(DrafterHost)
-        self._actor = host.remote(build, threads)
+        self._actor = host.remote(build, threads, kernels)
         try:
             ray.get(self._actor.handle.remote("ping", ()), timeout=start_timeout_s)
         except Exception as e:
@@ -551,9 +564,11 @@ def make_executor(
     target_device: torch.device,
     draft_device: torch.device | None,
     threads: int,
+    kernels: str = "auto",
 ) -> DraftExecutor:
     """The executor ``kind`` names (``auto``: ``stream`` or ``device`` on CUDA, ``process`` on CPU
-    where the drafter can be rebuilt in a child, else ``thread``)."""
+    where the drafter can be rebuilt in a child, else ``thread``); a process or an actor drafts
+    under the ``kernels`` backend (a thread inherits the caller's)."""
     if kind not in EXECUTORS:
         raise ValueError(f"mirror executor must be one of {EXECUTORS}, got {kind!r}")
     elsewhere = draft_device is not None and draft_device != target_device
@@ -582,5 +597,5 @@ def make_executor(
             "(it has no rebuild(): it drafts with this process's target); use 'thread' or 'inline'"
         )
     if kind == "ray":
-        return RayExecutor(rebuild(), threads, source=drafter)
-    return ProcessExecutor(rebuild(), threads, source=drafter)
+        return RayExecutor(rebuild(), threads, source=drafter, kernels=kernels)
+    return ProcessExecutor(rebuild(), threads, source=drafter, kernels=kernels)

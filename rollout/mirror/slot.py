@@ -27,9 +27,12 @@ from .pipeline import MirrorPipeline
 
 
 class MirrorSlot:
-    def __init__(self, model: torch.nn.Module, drafter: Drafter | None, config: MirrorConfig | None) -> None:
+    def __init__(
+        self, model: torch.nn.Module, drafter: Drafter | None, config: MirrorConfig | None, kernels: str = "auto"
+    ) -> None:
         self.model, self.drafter = model, drafter
         self.config = config or MirrorConfig()
+        self.kernels = kernels  # RolloutConfig.kernels, for a draft process or actor
         self.pipeline: MirrorPipeline | None = None
         self._next_executor: list[DraftExecutor | None] | None = None  # [executor or None] from the next step
 
@@ -55,6 +58,7 @@ class MirrorSlot:
                 model_device_dtype(self.model)[0],
                 draft_device,
                 self.config.draft_threads,
+                self.kernels,
             )
             self.pipeline = MirrorPipeline(self.model, executor, self.exit_layer, self.drafter)
         return self.pipeline

@@ -238,3 +238,26 @@ def test_a_draft_thread_runs_under_the_engines_kernel_backend(forced):
         assert executor.finish() == [] and probe.seen == [forced]
     finally:
         executor.close()
+
+
+def test_a_draft_process_and_a_peer_host_draft_under_the_engines_kernel_backend():
+    """A process (or a Ray actor, or a peer worker's host thread) starts without the engine's
+    context: the executor hands it ``RolloutConfig.kernels``, under which every command runs
+    (``torch``: where nothing is forced, a CUDA call's attention resolves to the Triton kernel)."""
+    forced = "torch"
+    from backend_probe import BACKENDS, BackendProbe
+
+    from tailspec.rollout.mirror.executors import ProcessExecutor
+
+    process = ProcessExecutor(BackendProbe, kernels=forced)  # type: ignore[arg-type]
+    try:
+        process.start([], None)
+        assert [t.tokens for t in process.finish()] == [[BACKENDS.index(forced)]]
+    finally:
+        process.close()
+    peer = SequencedHost(BackendProbe, kernels=forced)  # type: ignore[arg-type]
+    answered = []
+    thread = threading.Thread(target=lambda: answered.extend(peer.handle(0, "branches", ([], None))))
+    thread.start()
+    thread.join()
+    assert [t.tokens for t in answered] == [[BACKENDS.index(forced)]]
