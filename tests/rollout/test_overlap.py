@@ -10,6 +10,7 @@ from test_spec_sampling import PROMPT, V, exact_joint_of_tokens_2_and_3, target
 
 from tailspec.kernels.transfers import QueuedRead
 from tailspec.rollout import RolloutConfig, RolloutEngine, SamplingParams
+from tailspec.rollout.handoff import InboxItem, RequestInbox
 from tailspec.rollout.model.runner import ModelRunner
 from tailspec.testing import perturbed_copy
 
@@ -164,6 +165,38 @@ def test_release_and_abort_read_the_step_in_flight_first(arch_model):
     while resumed.has_unfinished():
         resumed.step()
     assert resumed.pop_output(rid).completion_ids == plain[0].completion_ids
+
+
+def test_serving_an_inbox_overlapped_matches_plain_decoding(arch_model):
+    """``serve`` (what Ray workers run): requests joining the running batch, one handed back
+    mid-run and finished by another overlapped engine; every completion is plain decoding's and
+    every block is free at the end."""
+    prompts = random_prompts(8, seed=40, min_len=2, max_len=12)
+    params = _stopping_params(arch_model, prompts, n=20)
+    plain, _ = _completions(arch_model, prompts, params)
+    config = RolloutConfig(block_size=4, kv_cache_tokens=4096, overlap=True)
+    engine, inbox = RolloutEngine(arch_model, config, eos_token_ids=[EOS]), RequestInbox()
+    inbox.put([InboxItem(i, prompts[i], params[i]) for i in range(5)])
+    updates = engine.serve(inbox, idle_wait_s=0.05)
+    got = dict(next(updates).finished)
+    moved = max((k for k in range(5) if k not in got), key=lambda k: len(plain[k].completion_ids))
+    inbox.put([InboxItem(i, prompts[i], params[i]) for i in range(5, 8)])  # joins the running batch
+    inbox.release([moved])
+    inbox.close(len(prompts))
+    released = {}
+    for update in updates:
+        got.update(update.finished)
+        released.update(update.released)
+    assert sorted([*got, *released]) == list(range(len(prompts))) and list(released) == [moved]
+    assert engine.stats.overlapped_steps > 0 and engine.in_flight is None
+    other = RolloutEngine(arch_model, config, eos_token_ids=[EOS])
+    rid = other.add_request(prompts[moved], params[moved], resume=released[moved])
+    while other.has_unfinished():
+        other.step()
+    got[moved] = other.pop_output(rid)
+    assert [got[i].completion_ids for i in range(len(prompts))] == [o.completion_ids for o in plain]
+    for e in (engine, other):
+        assert e.runner.cache.allocator.num_free == e.runner.cache.allocator.num_blocks
 
 
 def test_speculative_steps_are_not_overlapped(arch_model):
