@@ -280,11 +280,12 @@ class RolloutEngine:
 
     def _overlaps(self) -> bool:
         """Whether this step may be launched before the step in flight is read (``config.overlap``):
-        a plain decode step that admits no prompt, preempts nothing and feeds no drafter the
-        target's features (``rollout/sampled.py``); under ``adaptive``, a step it plans plain (one
-        it plans speculative reads the step in flight first, :meth:`_decode_step`)."""
+        a plain decode step that admits no prompt and preempts nothing (``rollout/sampled.py``);
+        under ``adaptive``, a step it plans plain (one it plans speculative reads the step in flight
+        first, :meth:`_decode_step`). A drafter reading the target's features gets a dropped row's
+        too, past its sequence's last token: what it records is cut to the tokens at the finish."""
         scheduler = self.scheduler
-        plain = not (self.strategy.speculative or self.taps.layers or self.mirrors.switch_pending)
+        plain = not (self.strategy.speculative or self.mirrors.switch_pending)
         return self.config.overlap and plain and not scheduler.waiting and scheduler.decode_fits()
 
     # -- front ends (rollout/serving.py) -------------------------------------------------

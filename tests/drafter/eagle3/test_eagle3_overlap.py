@@ -1,0 +1,60 @@
+"""Overlapped decoding (``RolloutConfig.overlap``) with an EAGLE-3 drafter, which reads the
+target's features at every forward: an overlapped step hands it a dropped row's features too
+(past its sequence's last token), which must change neither a token nor a recorded sample."""
+
+import torch
+from eagle3_helpers import collect, target, trained_head
+
+from tailspec.drafter.eagle3 import Eagle3Drafter
+from tailspec.rollout import RolloutConfig, RolloutEngine, SamplingParams
+from tailspec.testing import random_prompts
+
+EOS = 1
+
+
+def _stopping_params(model, prompts, n: int = 24) -> list[SamplingParams]:
+    """Greedy requests that stop on a token of their own completion (rows of stopped sequences
+    are then computed and dropped) or run to a length of their own."""
+    free = RolloutEngine(model, RolloutConfig()).generate(
+        prompts, SamplingParams(temperature=0.0, max_new_tokens=n, ignore_eos=True)
+    )
+    return [
+        SamplingParams(
+            temperature=0.0, max_new_tokens=n - i % 4, stop_token_ids=[o.completion_ids[3 + i % 5]] if i % 3 else []
+        )
+        for i, o in enumerate(free)
+    ]
+
+
+def test_overlapped_plain_steps_record_the_samples_plain_decoding_records():
+    model, head = target("llama"), trained_head("llama")
+    prompts = random_prompts(7, seed=41)
+    params = _stopping_params(model, prompts)
+    plain_engine, plain, plain_buffer = collect(model, head, prompts, params)
+    engine, outs, buffer = collect(model, head, prompts, params, overlap=True)
+    assert [o.completion_ids for o in outs] == [o.completion_ids for o in plain]
+    assert engine.stats.overlapped_steps > 0 and engine.stats.dropped_rows > 0
+    got, want = buffer.samples(), plain_buffer.samples()
+    assert len(got) == len(want) == len(prompts)
+    for a, b in zip(sorted(got, key=lambda s: s.tokens.tolist()), sorted(want, key=lambda s: s.tokens.tolist())):
+        assert torch.equal(a.tokens, b.tokens) and a.prompt_len == b.prompt_len
+        torch.testing.assert_close(a.features, b.features, rtol=1e-4, atol=1e-5)  # other batch shapes
+        torch.testing.assert_close(a.label_probs, b.label_probs, rtol=1e-4, atol=1e-5)
+
+
+def test_adaptive_overlaps_plain_steps_between_the_heads_chains():
+    """The head catches up on features that overlapped steps handed it, then drafts; greedy output
+    is plain decoding's."""
+    model, head = target("llama"), trained_head("llama")
+    prompts = random_prompts(7, seed=42)
+    params = _stopping_params(model, prompts)
+    plain = RolloutEngine(model, RolloutConfig()).generate(prompts, params)
+    engine = RolloutEngine(model, RolloutConfig(strategy="adaptive", overlap=True), drafter=Eagle3Drafter(head, model))
+    by_kind = {arm.kind: arm for arm in engine.selector.arms}
+    plans = iter(range(10**6))
+    cycle = ["none", "none", "chain", "chain"]  # a plan made again after a read stays a chain
+    engine.selector.choose = lambda n, remaining, lag: by_kind[cycle[next(plans) % len(cycle)]]
+    outs = engine.generate(prompts, params)
+    assert [o.completion_ids for o in outs] == [o.completion_ids for o in plain]
+    stats = engine.stats
+    assert stats.overlapped_steps > 0 and stats.spec_steps > 0 and stats.accepted_tokens > 0
