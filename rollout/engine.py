@@ -341,7 +341,7 @@ class RolloutEngine:
         if plan.strategy.speculative and self.in_flight is not None:
             # adaptive planned a speculative step after overlapped plain ones: drafting and
             # verification read every token on the host, so the step in flight is read first,
-            # outside every step's timer (an overlapped step is timed launch to launch)
+            # outside every step's timer (each overlapped step's timer ends with its read of the one before)
             finished = self._settle()
             if len(running := [s for s in seqs if s.status is SeqStatus.RUNNING]) < len(seqs):
                 seqs = running  # some stopped on the token just read

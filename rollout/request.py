@@ -78,9 +78,14 @@ class Sequence:
             self.finish_reason = FinishReason.LENGTH
 
     @property
+    def num_sampled(self) -> int:
+        """Tokens generated so far, those sampled and still in flight included."""
+        return len(self.output_ids) + self.tokens_in_flight
+
+    @property
     def last_token_in_flight(self) -> bool:
         """Its final token (by ``max_new_tokens``) is sampled and on its way: it takes no further step."""
-        return self.tokens_in_flight > 0 and len(self.output_ids) + self.tokens_in_flight >= self.params.max_new_tokens
+        return self.tokens_in_flight > 0 and self.num_sampled >= self.params.max_new_tokens
 
     @property
     def done(self) -> bool:

@@ -44,6 +44,4 @@ def tokens_to_go(seqs: Seq[Sequence]) -> int:
     """Tokens the batch is expected to generate still: each sequence's expected remaining length,
     or what its ``max_new_tokens`` leaves without a prediction (a token in flight, overlapped, counts
     as generated)."""
-    return sum(
-        int(min(expected_remaining(s), s.params.max_new_tokens - len(s.output_ids) - s.tokens_in_flight)) for s in seqs
-    )
+    return sum(int(min(expected_remaining(s), s.params.max_new_tokens - s.num_sampled)) for s in seqs)
