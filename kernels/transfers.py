@@ -72,28 +72,51 @@ def _split(flat: list[float], layout: list[tuple[int, bool]]) -> list[list]:
     return out
 
 
+class QueuedCopy:
+    """Tensors copied to the host behind the work that computes them: made, it queues each copy
+    (on CUDA into page-locked memory, with an event after them) and returns at once; :meth:`result`
+    waits for those copies alone, not for work queued after them, and :meth:`ready` asks without
+    waiting. On CPU the host tensors are ``tensors`` themselves: the caller hands over tensors it
+    does not change afterwards (on CUDA the copies hold the values of the moment they run)."""
+
+    def __init__(self, *tensors: torch.Tensor) -> None:
+        devices = {t.device for t in tensors}
+        if len(devices) > 1:
+            raise ValueError(f"a queued copy's tensors must share one device, got {sorted(map(str, devices))}")
+        self._done: torch.cuda.Event | None = None
+        if devices and next(iter(devices)).type == "cuda":
+            self._host = tuple(torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in tensors)
+            for host, tensor in zip(self._host, tensors):
+                host.copy_(tensor.detach(), non_blocking=True)
+            self._done = torch.cuda.Event()
+            self._done.record(torch.cuda.current_stream(tensors[0].device))
+        else:
+            self._host = tuple(t.detach().cpu() for t in tensors)
+
+    def ready(self) -> bool:
+        """Whether the copies have landed (never waits)."""
+        return self._done is None or self._done.query()
+
+    def result(self) -> tuple[torch.Tensor, ...]:
+        """The host tensors, in the order given (waits for the copies on CUDA)."""
+        if self._done is not None:
+            self._done.synchronize()
+            self._done = None
+        return self._host
+
+
 class QueuedRead:
     """:func:`read_back` in two halves: made, it queues the transfer behind the work that computes
-    ``tensors`` (on CUDA into page-locked memory, with an event after it) and returns at once;
-    :meth:`result` waits for that transfer alone, not for work queued after it. An engine that
-    launches its next forward between the two (``RolloutConfig.overlap``) keeps the device busy
-    while the host reads. On CPU the values are there when it is made. (The wait is an event's,
-    which torch's sync debug mode does not flag.)"""
+    ``tensors`` (a :class:`QueuedCopy` of their values) and returns at once; :meth:`result` waits
+    for that transfer alone. An engine that launches its next forward between the two
+    (``RolloutConfig.overlap``) keeps the device busy while the host reads. (The wait is an
+    event's, which torch's sync debug mode does not flag.)"""
 
     def __init__(self, *tensors: torch.Tensor) -> None:
         self._layout = _layout(tensors)
-        flat = _flat(tensors) if tensors else torch.zeros(0, dtype=torch.float64)
-        self._done: torch.cuda.Event | None = None
-        if flat.device.type == "cuda":
-            self._host = torch.empty(flat.shape, dtype=torch.float64, pin_memory=True)
-            self._host.copy_(flat, non_blocking=True)
-            self._done = torch.cuda.Event()
-            self._done.record(torch.cuda.current_stream(flat.device))
-        else:
-            self._host = flat.cpu()
+        self._copy = QueuedCopy(_flat(tensors) if tensors else torch.zeros(0, dtype=torch.float64))
 
     def result(self) -> list[list]:
         """Each tensor's values, as :func:`read_back` gives them (waits for the transfer on CUDA)."""
-        if self._done is not None:
-            self._done.synchronize()
-        return _split(self._host.tolist(), self._layout)
+        (flat,) = self._copy.result()
+        return _split(flat.tolist(), self._layout)

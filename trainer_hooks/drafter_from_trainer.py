@@ -99,7 +99,7 @@ def samples_from_forward(
     if label_topk:  # one projection of every row's predicting columns; rows take their prefix
         with torch.no_grad():
             logits = lm_head(final_hidden[:, prompt_width - 1 : width - 1].detach())
-        label_ids, label_probs = soft_labels(logits, label_topk)
+        label_ids, label_probs = (part.cpu() for part in soft_labels(logits, label_topk))
     samples = []
     for b in range(input_ids.shape[0]):
         mask = attention_mask[b].bool()

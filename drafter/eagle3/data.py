@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ...kernels.transfers import QueuedCopy
+
 BUFFER_POLICIES = ("recent", "reservoir")
 
 
@@ -130,21 +132,52 @@ class FeatureBuffer:
 
 
 def soft_labels(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The target's top-``k`` next-token ids and probabilities (unprocessed softmax) per row, on CPU."""
+    """The target's top-``k`` next-token ids and probabilities (unprocessed softmax) per row, on
+    the logits' device."""
     top = torch.topk(torch.softmax(logits.detach().float(), dim=-1), min(k, logits.shape[-1]), dim=-1)
-    return top.indices.cpu(), top.values.cpu()
+    return top.indices, top.values
 
 
 @dataclass
 class _Recording:
     prompt_len: int
-    features: list[torch.Tensor] = field(default_factory=list)
+    features: list[torch.Tensor] = field(default_factory=list)  # host rows, copied
     labels: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)  # position -> (ids, probs)
-    num_features: int = 0
+    num_features: int = 0  # rows observed, their copies landed or still queued
+    num_copied: int = 0  # rows in ``features``
+
+
+@dataclass
+class _Taker:
+    """One sequence's part of a recorded forward: rows of the forward's queued copy."""
+
+    seq_id: int
+    recording: _Recording
+    rows: slice
+    logit_rows: slice
+    first_label: int  # the position whose token the first logits row is the distribution of
+
+
+@dataclass
+class _QueuedForward:
+    copy: QueuedCopy  # the forward's kept feature rows, then (with labels) top-k ids and probs
+    takers: list[_Taker]
+
+
+# One sequence's part of an observed forward, in the order of its rows:
+# (seq_id, prompt_len, start, number of feature rows, number of logits rows after them)
+RecordedPart = tuple[int, int, int, int, int]
 
 
 class SequenceRecorder:
-    """Builds :class:`Eagle3Sample` s from the engine's observations of live sequences."""
+    """Builds :class:`Eagle3Sample` s from the engine's observations of live sequences.
+
+    A forward's kept rows and soft labels go to the host in one queued copy (:class:`QueuedCopy`),
+    so recording adds no wait for the device to a step: copies are taken over when they have
+    landed, at the latest when a sequence finishes, and then only as far as its tokens reach
+    (an overlapped step's row past them, still being computed, is not waited for)."""
+
+    _MAX_QUEUED = 4  # forwards whose copies may be in flight; the oldest is waited for past this
 
     def __init__(self, label_topk: int = 8, dtype: torch.dtype | None = None) -> None:
         if not (isinstance(label_topk, int) and 0 <= label_topk <= 1024):
@@ -152,32 +185,77 @@ class SequenceRecorder:
         self.label_topk = label_topk
         self.dtype = dtype
         self._live: dict[int, _Recording] = {}
+        self._queued: deque[_QueuedForward] = deque()
 
     def observe(self, seq_id: int, prompt_len: int, start: int, features: torch.Tensor, next_logits: torch.Tensor):
+        """One sequence's rows: features of positions ``start ..`` and the logits after the last
+        ``next_logits.shape[0]`` of them (:meth:`observe_batch` of one)."""
+        part = (seq_id, prompt_len, start, features.shape[0], next_logits.shape[0])
+        self.observe_batch([part], features, next_logits)
+
+    def observe_batch(self, parts: list[RecordedPart], features: torch.Tensor, next_logits: torch.Tensor) -> None:
+        """One forward's kept rows of every sequence in ``parts``, packed in that order, and the
+        logits rows after them, packed the same way."""
+        self._take_landed()
+        takers, row, logit_row = [], 0, 0
+        for seq_id, prompt_len, start, num_rows, num_logits in parts:
+            rec = self._recording(seq_id, prompt_len, start)
+            if rec is not None:
+                rows, logit_rows = slice(row, row + num_rows), slice(logit_row, logit_row + num_logits)
+                takers.append(_Taker(seq_id, rec, rows, logit_rows, first_label=start + num_rows - num_logits + 1))
+                rec.num_features += num_rows
+            row, logit_row = row + num_rows, logit_row + num_logits
+        if not takers:
+            return
+        tensors = [features.detach().to(self.dtype or features.dtype)]
+        if self.label_topk:
+            tensors += soft_labels(next_logits, self.label_topk)
+        self._queued.append(_QueuedForward(QueuedCopy(*tensors), takers))
+
+    def _recording(self, seq_id: int, prompt_len: int, start: int) -> _Recording | None:
+        """The recording that rows from ``start`` continue, or None when they cannot be recorded."""
         rec = self._live.get(seq_id)
         if rec is None or start < rec.num_features:  # new, or recomputed after a preemption
             if start != 0:
                 self._live.pop(seq_id, None)  # joined mid-way: this sequence cannot be recorded whole
-                return
+                return None
             rec = self._live[seq_id] = _Recording(prompt_len)
         elif start > rec.num_features:
             self._live.pop(seq_id, None)  # a gap: some tokens' features were never seen
-            return
-        # a copy: the engine hands out views of a whole batch's features, which must not stay alive
-        feats = features.detach().to("cpu", self.dtype or features.dtype, copy=True)
-        rec.features.append(feats)
-        rec.num_features += feats.shape[0]
-        if self.label_topk:
-            ids, probs = soft_labels(next_logits, self.label_topk)
-            first = start + features.shape[0] - next_logits.shape[0]  # position of the first logits row
-            for j in range(next_logits.shape[0]):
-                rec.labels[first + j + 1] = (ids[j], probs[j])  # for token first+j+1
+            return None
+        return rec
+
+    def _take_landed(self) -> None:
+        """Take over every queued copy that has landed, oldest first; past the queue's bound, wait
+        for the oldest to make room."""
+        while self._queued and (self._queued[0].copy.ready() or len(self._queued) >= self._MAX_QUEUED):
+            self._take_oldest()
+
+    def _take_oldest(self) -> None:
+        """Each live taker's rows of the oldest queued forward, as host tensors of its own (a
+        forward's copy is not kept alive by one sequence's rows)."""
+        forward = self._queued.popleft()
+        features, *labels = forward.copy.result()
+        for taker in forward.takers:
+            rec = taker.recording
+            if self._live.get(taker.seq_id) is not rec:
+                continue  # dropped, restarted or finished since
+            rec.features.append(features[taker.rows].clone())
+            rec.num_copied += taker.rows.stop - taker.rows.start
+            if labels:
+                ids, probs = (part[taker.logit_rows].clone() for part in labels)
+                for j in range(ids.shape[0]):
+                    rec.labels[taker.first_label + j] = (ids[j], probs[j])
 
     def finish(self, seq_id: int, token_ids: list[int]) -> Eagle3Sample | None:
-        rec = self._live.pop(seq_id, None)
-        if rec is None or rec.num_features < len(token_ids) - 1 or len(token_ids) < 2:
-            return None
+        rec = self._live.get(seq_id)
         n = len(token_ids)
+        if rec is None or rec.num_features < n - 1 or n < 2:
+            self._live.pop(seq_id, None)
+            return None
+        while rec.num_copied < n - 1:  # the copies holding its rows (labels come with them)
+            self._take_oldest()
+        self._live.pop(seq_id)
         features = torch.cat(rec.features)[: n - 1]
         label_ids = label_probs = None
         wanted = range(rec.prompt_len, n)

@@ -162,11 +162,14 @@ class Eagle3Drafter(Drafter):
         self._add_pending(seq.seq_id, start, features.shape[0], features)
 
     def observe_batch(self, observed, features: torch.Tensor, logits: torch.Tensor) -> None:
-        """Without a recorder, keep a reference to the forward's features and each sequence's rows
-        (no per-sequence tensors or gathers on plain steps); rows are gathered at the catch-up."""
-        if self.recorder is not None:  # recording needs every sequence's rows and logits now
-            super().observe_batch(observed, features, logits)
-            return
+        """Keep a reference to the forward's features and each sequence's rows (no per-sequence
+        tensors or gathers on plain steps); rows are gathered at the catch-up. A recorder gets
+        the batch's kept rows and the logits after them in one gather each."""
+        if self.recorder is not None:
+            rows = [row for _, _, seq_rows, _ in observed for row in seq_rows]
+            logit_rows = [row for _, _, _, seq_logit_rows in observed for row in seq_logit_rows]
+            parts = [(seq.seq_id, len(seq.prompt_ids), start, len(r), len(lr)) for seq, start, r, lr in observed]
+            self.recorder.observe_batch(parts, select_rows(features, rows), select_rows(logits, logit_rows))
         for seq, start, rows, _ in observed:
             self._add_pending(seq.seq_id, start, len(rows), (features, rows))
 

@@ -43,6 +43,7 @@ import torch
 
 from ...draft_contract import BranchView, Drafter, DraftRequest, DraftShape, DraftTree, Portable, SequenceView
 from ...kernels.dispatch import kernel_backend
+from ...kernels.transfers import select_rows
 from ..params import EXECUTORS
 
 logger = logging.getLogger(__name__)
@@ -311,7 +312,7 @@ class _RemoteDrafter(Drafter):
         if not self.feature_layers:
             return
         index = [row for _, _, rows, _ in observed for row in rows]
-        gathered = features.index_select(0, torch.tensor(index, device=features.device)).float().cpu().numpy()
+        gathered = select_rows(features, index).float().cpu().numpy()
         sent, offset = [], 0
         for seq, start, rows, _ in observed:
             sent.append((seq.seq_id, start, gathered[offset : offset + len(rows)]))

@@ -2,7 +2,7 @@ import numpy as np
 import pytest
 import torch
 
-from tailspec.kernels.transfers import QueuedRead, read_back, select_rows, to_device
+from tailspec.kernels.transfers import QueuedCopy, QueuedRead, read_back, select_rows, to_device
 
 
 @pytest.mark.parametrize(
@@ -42,6 +42,17 @@ def test_a_queued_read_gives_what_read_back_gives_whatever_the_tensors_become():
     queued = QueuedRead(ids, logprobs)
     ids.fill_(-1)  # the values were taken when the read was queued
     assert queued.result() == want and QueuedRead().result() == []
+
+
+def test_a_queued_copy_gives_the_tensors_with_their_shapes_and_dtypes():
+    features, ids = torch.randn(3, 5, dtype=torch.bfloat16), torch.tensor([[151935, 2], [7, 0]])
+    queued = QueuedCopy(features, ids)
+    assert queued.ready()  # on CPU the values are there when it is made
+    got = queued.result()
+    assert len(got) == 2 and got[0].dtype == torch.bfloat16 and torch.equal(got[0], features)
+    assert torch.equal(got[1], ids) and QueuedCopy().result() == ()
+    with pytest.raises(ValueError, match="share one device"):
+        QueuedCopy(torch.zeros(1), torch.zeros(1, device="meta"))
 
 
 @pytest.mark.gpu
@@ -92,3 +103,28 @@ def test_read_back_waits_once():
             torch.cuda.set_sync_debug_mode("default")
     assert got[0] == list(range(5)) and got[1] == b.tolist()
     assert len([w for w in caught if "synchroniz" in str(w.message)]) == 1
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_queued_copy_waits_for_its_own_copy_and_holds_the_values_of_its_moment():
+    """What the EAGLE-3 recorder relies on: a copy of a buffer the next forward overwrites holds
+    the values it had when queued, and its result returns while later work still runs."""
+    buffer = torch.arange(12.0, device="cuda").view(3, 4).to(torch.bfloat16)
+    slow = torch.randn(4096, 4096, device="cuda")
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        _ = slow @ slow  # the copy queues behind this work
+        queued = QueuedCopy(buffer, buffer[:, 0].long())
+        buffer.fill_(-1)  # the next forward's write, after the copy in stream order
+        for _ in range(50):
+            slow = slow @ slow / 64
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    features, ids = queued.result()
+    assert not torch.cuda.current_stream().query()  # the work after it had not finished
+    assert features.is_pinned() and features.dtype == torch.bfloat16
+    assert torch.equal(features, torch.arange(12.0).view(3, 4).to(torch.bfloat16))
+    assert ids.tolist() == [0, 4, 8] and queued.ready()
+    torch.cuda.synchronize()

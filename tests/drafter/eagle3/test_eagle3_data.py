@@ -8,7 +8,9 @@ import torch
 from eagle3_helpers import collect, random_head, random_prompts, target
 
 from tailspec.drafter.eagle3 import Eagle3Sample, FeatureBuffer, SequenceRecorder
+from tailspec.drafter.eagle3 import data as data_module
 from tailspec.drafter.eagle3.train import collate, step_targets
+from tailspec.kernels.transfers import QueuedCopy
 from tailspec.rollout import SamplingParams
 
 
@@ -110,6 +112,46 @@ def test_recorder_drops_sequences_with_gaps_and_restarts_on_recompute():
     torch.testing.assert_close(sample.features, f[:5])
     with pytest.raises(ValueError, match="label_topk"):
         SequenceRecorder(label_topk=-1)
+
+
+class _HeldCopy(QueuedCopy):
+    """A copy that has not landed until waited for (a device running behind the host); logs waits."""
+
+    waited: list[int] = []
+
+    def ready(self) -> bool:
+        return False
+
+    def result(self):
+        _HeldCopy.waited.append(id(self))
+        return super().result()
+
+
+def test_recorder_waits_only_for_the_copies_a_finished_sequence_needs(monkeypatch):
+    """One queued copy per forward for the whole batch; a finish waits for the copies holding its
+    sequence's tokens and not for a later forward's (an overlapped row past its last token), and
+    what it records equals the rows and top-k labels it was given."""
+    monkeypatch.setattr(data_module, "QueuedCopy", _HeldCopy)
+    monkeypatch.setattr(_HeldCopy, "waited", [])
+    rec = SequenceRecorder(label_topk=2)
+    feats, logits = torch.randn(3, 5, 4), torch.randn(3, 5, 10)
+    # forward 0: prefill of sequences 0 (3 prompt tokens) and 1 (2); forwards 1 and 2: one row each
+    rec.observe_batch([(0, 3, 0, 3, 1), (1, 2, 0, 2, 1)], feats[0], logits[0, :2])
+    for f in (1, 2):
+        rec.observe_batch([(0, 3, 3 + f - 1, 1, 1), (1, 2, 2 + f - 1, 1, 1)], feats[f, :2], logits[f, :2])
+    assert len(rec._queued) == 3 and _HeldCopy.waited == []
+    sample = rec.finish(0, [5, 6, 7, 8, 9])  # 4 feature rows: forwards 0 and 1; forward 2's row is past it
+    assert len(_HeldCopy.waited) == 2 and len(rec._queued) == 1
+    torch.testing.assert_close(sample.features, torch.cat([feats[0, :3], feats[1, :1]]))
+    want_probs, want_ids = torch.topk(torch.softmax(torch.stack([logits[0, 0], logits[1, 0]]), -1), 2)
+    assert torch.equal(sample.label_ids, want_ids)
+    torch.testing.assert_close(sample.label_probs, want_probs)
+    sample = rec.finish(1, [1, 2, 3, 4, 5])  # rows 0-3: forward 2's copy now
+    assert len(_HeldCopy.waited) == 3 and not rec._queued
+    torch.testing.assert_close(sample.features, torch.cat([feats[0, 3:5], feats[1, 1:2], feats[2, 1:2]]))
+    for f in range(SequenceRecorder._MAX_QUEUED + 2):  # a device far behind: the oldest is waited for
+        rec.observe_batch([(2, 1, f, 1, 1)], feats[0, :1], logits[0, :1])
+    assert len(rec._queued) == SequenceRecorder._MAX_QUEUED
 
 
 def _sample(n: int, feat: int = 8) -> Eagle3Sample:

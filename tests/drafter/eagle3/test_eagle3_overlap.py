@@ -2,8 +2,11 @@
 target's features at every forward: an overlapped step hands it a dropped row's features too
 (past its sequence's last token), which must change neither a token nor a recorded sample."""
 
+import warnings
+
+import pytest
 import torch
-from eagle3_helpers import collect, target, trained_head
+from eagle3_helpers import collect, random_head, target, trained_head
 
 from tailspec.drafter.eagle3 import Eagle3Drafter
 from tailspec.rollout import RolloutConfig, RolloutEngine, SamplingParams
@@ -34,8 +37,11 @@ def test_overlapped_plain_steps_record_the_samples_plain_decoding_records():
     engine, outs, buffer = collect(model, head, prompts, params, overlap=True)
     assert [o.completion_ids for o in outs] == [o.completion_ids for o in plain]
     assert engine.stats.overlapped_steps > 0 and engine.stats.dropped_rows > 0
-    got, want = buffer.samples(), plain_buffer.samples()
-    assert len(got) == len(want) == len(prompts)
+    _assert_same_samples(buffer.samples(), plain_buffer.samples(), len(prompts))
+
+
+def _assert_same_samples(got, want, count: int) -> None:
+    assert len(got) == len(want) == count
     for a, b in zip(sorted(got, key=lambda s: s.tokens.tolist()), sorted(want, key=lambda s: s.tokens.tolist())):
         assert torch.equal(a.tokens, b.tokens) and a.prompt_len == b.prompt_len
         torch.testing.assert_close(a.features, b.features, rtol=1e-4, atol=1e-5)  # other batch shapes
@@ -58,3 +64,30 @@ def test_adaptive_overlaps_plain_steps_between_the_heads_chains():
     assert [o.completion_ids for o in outs] == [o.completion_ids for o in plain]
     stats = engine.stats
     assert stats.overlapped_steps > 0 and stats.spec_steps > 0 and stats.accepted_tokens > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_on_cuda_recording_for_online_training_leaves_overlapped_steps_without_a_wait():
+    """Online head training's recorder under CUDA graphs: a forward's rows and soft labels go to
+    the host in one queued copy, taken over once landed, so an overlapped step still makes no
+    synchronizing call (sync debug mode flags them), and the samples are plain decoding's."""
+    model = target("llama").cuda()
+    head = random_head(model).cuda()
+    prompts = random_prompts(5, seed=43)
+    params = _stopping_params(model, prompts)
+    cfg = {"block_size": 4, "kv_cache_tokens": 4096}
+    _, plain, plain_buffer = collect(model, head, prompts, params, **cfg)
+    engine, _, buffer = collect(model, head, prompts, params, overlap=True, **cfg)  # captures the graphs
+    recorded, prefills = len(buffer.samples()), engine.stats.prefill_steps
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            outs = engine.generate(prompts, params)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    assert [o.completion_ids for o in outs] == [o.completion_ids for o in plain]
+    waits = sum("synchroniz" in str(w.message) for w in caught)
+    assert engine.stats.overlapped_steps > 0 and waits <= engine.stats.prefill_steps - prefills, waits
+    _assert_same_samples(buffer.samples()[recorded:], plain_buffer.samples(), len(prompts))
