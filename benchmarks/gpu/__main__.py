@@ -116,6 +116,45 @@ def write_outputs(out: Path, work: Path, reports: dict[str, dict], started: floa
     return text
 
 
+def run_stages(
+    stages: list[str], args: argparse.Namespace, budget: dict[str, float], out: Path, work: Path
+) -> tuple[dict[str, dict], str]:
+    """Each stage in a child process of its own, its report and log in ``work``; ``out`` rewritten
+    after every stage. Returns the reports and the summary's text."""
+    started = time.time()
+    env = dict(os.environ)
+    import torch  # only to learn whether Triton must run interpreted here
+
+    if not torch.cuda.is_available():
+        env.setdefault("TRITON_INTERPRET", "1")
+    reports: dict[str, dict] = {}
+    for name in stages:
+        seconds = stage_seconds(budget[name], args.within, time.time() - started)
+        if seconds is None:
+            reports[name] = left_out(name, f"--within {args.within:g}: {time.time() - started:.0f} s gone")
+            print(f"[gpu-check] stage {name}: left out", flush=True)
+            continue
+        command = [sys.executable, "-m", __package__, "--stage", name, "--work", str(work)]
+        command += ["--rehearse"] if args.rehearse else []
+        command += ["--budget", f"{seconds:g}"] if seconds != BUDGETS[name] else []
+        print(f"[gpu-check] stage {name} (budget {seconds:g} s) ...", flush=True)
+        with open(work / f"{name}.log", "w") as log:
+            try:
+                subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, env=env, timeout=seconds + GRACE_S)
+                killed = None
+            except subprocess.TimeoutExpired:
+                killed = f"killed after {seconds + GRACE_S:g} s"
+        path = work / f"{name}.json"
+        report = json.loads(path.read_text()) if path.exists() else {"stage": name, "checks": [], "skipped": []}
+        if killed or report.get("status") in (None, "running"):
+            report["status"] = "killed" if killed else "crashed"
+            report.setdefault("errors", []).append({"part": "stage", "error": killed or "the child exited early"})
+        reports[name] = report
+        write_outputs(out, work, reports, started)  # after every stage: a cut-off run keeps what it did
+        print(f"[gpu-check] stage {name}: {report['status']}", flush=True)
+    return reports, write_outputs(out, work, reports, started)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tailspec.benchmarks.gpu", description=__doc__)
     parser.add_argument("--out", default="outputs/gpu-check", help="where results.json, log.txt, summary.md go")
@@ -152,40 +191,8 @@ def main(argv: list[str] | None = None) -> int:
     unknown = sorted(set(stages) - set(BUDGETS))
     if unknown:
         parser.error(f"--stages: unknown {unknown}; allowed: {list(BUDGETS)} and 'pack' (the stages of make gpu-check)")
-    started = time.time()
-    out = Path(args.out)
-    work = Path(tempfile.mkdtemp(prefix="tailspec-gpu-check-"))
-    env = dict(os.environ)
-    import torch  # only to learn whether Triton must run interpreted here
-
-    if not torch.cuda.is_available():
-        env.setdefault("TRITON_INTERPRET", "1")
-    reports: dict[str, dict] = {}
-    for name in stages:
-        seconds = stage_seconds(budget[name], args.within, time.time() - started)
-        if seconds is None:
-            reports[name] = left_out(name, f"--within {args.within:g}: {time.time() - started:.0f} s gone")
-            print(f"[gpu-check] stage {name}: left out", flush=True)
-            continue
-        command = [sys.executable, "-m", __package__, "--stage", name, "--work", str(work)]
-        command += ["--rehearse"] if args.rehearse else []
-        command += ["--budget", f"{seconds:g}"] if seconds != BUDGETS[name] else []
-        print(f"[gpu-check] stage {name} (budget {seconds:g} s) ...", flush=True)
-        with open(work / f"{name}.log", "w") as log:
-            try:
-                subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, env=env, timeout=seconds + GRACE_S)
-                killed = None
-            except subprocess.TimeoutExpired:
-                killed = f"killed after {seconds + GRACE_S:g} s"
-        path = work / f"{name}.json"
-        report = json.loads(path.read_text()) if path.exists() else {"stage": name, "checks": [], "skipped": []}
-        if killed or report.get("status") in (None, "running"):
-            report["status"] = "killed" if killed else "crashed"
-            report.setdefault("errors", []).append({"part": "stage", "error": killed or "the child exited early"})
-        reports[name] = report
-        write_outputs(out, work, reports, started)  # after every stage: a cut-off run keeps what it did
-        print(f"[gpu-check] stage {name}: {report['status']}", flush=True)
-    text = write_outputs(out, work, reports, started)
+    with tempfile.TemporaryDirectory(prefix="tailspec-gpu-check-") as work:  # its logs end up in --out
+        reports, text = run_stages(stages, args, budget, Path(args.out), Path(work))
     for report in reports.values():  # what failed, with its traceback, before the table
         for error in report.get("errors", []):
             print(f"\n--- {report['stage']} / {error['part']}: {error['error']}\n{error.get('traceback', '')[-1500:]}")

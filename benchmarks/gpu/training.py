@@ -227,9 +227,15 @@ def reload_drafts_alike(stage: Stage, exported: Path, trained: torch.nn.Module, 
 def run(stage: Stage) -> None:
     if not trainer_stack(stage):
         return
+    with tempfile.TemporaryDirectory(prefix="tailspec-training-") as work:  # the grown policy (166 MB tiny)
+        grpo_runs(stage, Path(work))
+
+
+def grpo_runs(stage: Stage, work: Path) -> None:
+    """The grown policy saved in ``work``, then a short GRPO run with each drafter kind, its
+    exported drafter reloaded."""
     from ...demo import run_demo_with_rollout
 
-    work = Path(tempfile.mkdtemp(prefix="tailspec-training-"))
     _, tokenizer = load_shipped("deep", "drafter")
     with stage.part("grow", 30) as ok:
         if not ok:
