@@ -96,6 +96,26 @@ def random_prompts(n: int, seed: int, min_len: int = 1, max_len: int = 25, vocab
     return [torch.randint(2, vocab, (length,), generator=g).tolist() for length in lengths]
 
 
+def stopping_params(model, prompts: list[list[int]], n: int = 20, stop_from: int = 2) -> list:
+    """Greedy requests of lengths ``n - i % 4``, two in three of which stop early on a token of
+    their own completion (at index ``stop_from + i % 5``): a batch whose sequences finish at
+    different steps, each for its own reason (overlapped decoding then computes rows of
+    sequences that had finished)."""
+    from ..rollout import RolloutConfig, RolloutEngine, SamplingParams
+
+    free = RolloutEngine(model, RolloutConfig(kv_cache_tokens=4096)).generate(
+        prompts, SamplingParams(temperature=0.0, max_new_tokens=n, ignore_eos=True)
+    )
+    return [
+        SamplingParams(
+            temperature=0.0,
+            max_new_tokens=n - i % 4,
+            stop_token_ids=[out.completion_ids[stop_from + i % 5]] if i % 3 else [],
+        )
+        for i, out in enumerate(free)
+    ]
+
+
 def chi_square_pvalue(counts: torch.Tensor, probs: torch.Tensor, min_expected: float = 5.0) -> float:
     """Pearson chi-square goodness of fit; bins with expected count < ``min_expected`` are merged.
 

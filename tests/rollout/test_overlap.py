@@ -12,7 +12,7 @@ from tailspec.kernels.transfers import QueuedRead
 from tailspec.rollout import RolloutConfig, RolloutEngine, SamplingParams
 from tailspec.rollout.handoff import InboxItem, RequestInbox
 from tailspec.rollout.model.runner import ModelRunner
-from tailspec.testing import perturbed_copy
+from tailspec.testing import perturbed_copy, stopping_params
 
 
 def _completions(model, prompts, params, **config):
@@ -22,20 +22,9 @@ def _completions(model, prompts, params, **config):
     return outs, engine
 
 
-def _stopping_params(model, prompts, n: int = 20) -> list[SamplingParams]:
-    """Greedy requests of several lengths, most of which stop early on a token of their own
-    completion (so overlapped steps compute rows of sequences that had finished)."""
-    plain, _ = _completions(model, prompts, SamplingParams(temperature=0.0, max_new_tokens=n, ignore_eos=True))
-    params = []
-    for i, out in enumerate(plain):
-        stop = [out.completion_ids[2 + i % 5]] if i % 3 else []
-        params.append(SamplingParams(temperature=0.0, max_new_tokens=n - i % 4, stop_token_ids=stop))
-    return params
-
-
 def test_overlapped_greedy_decoding_equals_plain_decoding(arch_model):
     prompts = random_prompts(7, seed=31, min_len=2, max_len=14)
-    params = _stopping_params(arch_model, prompts)
+    params = stopping_params(arch_model, prompts)
     plain, _ = _completions(arch_model, prompts, params)
     overlapped, engine = _completions(arch_model, prompts, params, overlap=True)
     assert [o.completion_ids for o in overlapped] == [o.completion_ids for o in plain]
@@ -56,7 +45,7 @@ def test_overlap_stops_for_admission_and_preemption_and_stays_exact(arch_model):
     """Fewer slots than prompts (admissions mid-run) and a pool too small for all of them
     (preemptions): the step in flight is read before either, and the tokens do not change."""
     prompts = random_prompts(8, seed=32, min_len=3, max_len=12)
-    params = _stopping_params(arch_model, prompts, n=24)
+    params = stopping_params(arch_model, prompts, n=24)
     small = {"max_num_seqs": 3, "num_blocks": 16}
     plain, plain_engine = _completions(arch_model, prompts, params, **small)
     overlapped, engine = _completions(arch_model, prompts, params, overlap=True, **small)
@@ -70,7 +59,7 @@ def test_overlap_with_prefix_caching_reuses_only_blocks_of_known_tokens(arch_mod
     wrote for a row it dropped are registered under tokens that were read, so the next turn's
     reuse decodes as plain decoding with the same cache does."""
     prompts = random_prompts(5, seed=38, min_len=6, max_len=14)
-    params = _stopping_params(arch_model, prompts, n=22)
+    params = stopping_params(arch_model, prompts, n=22)
 
     def two_turns(overlap: bool):
         engine = RolloutEngine(
@@ -172,7 +161,7 @@ def test_serving_an_inbox_overlapped_matches_plain_decoding(arch_model):
     mid-run and finished by another overlapped engine; every completion is plain decoding's and
     every block is free at the end."""
     prompts = random_prompts(8, seed=40, min_len=2, max_len=12)
-    params = _stopping_params(arch_model, prompts, n=20)
+    params = stopping_params(arch_model, prompts, n=20)
     plain, _ = _completions(arch_model, prompts, params)
     config = RolloutConfig(block_size=4, kv_cache_tokens=4096, overlap=True)
     engine, inbox = RolloutEngine(arch_model, config, eos_token_ids=[EOS]), RequestInbox()
@@ -244,7 +233,7 @@ def test_adaptive_overlaps_the_plain_steps_it_plans_and_reads_before_a_speculati
     speculative step first reads the step in flight (sequences that stopped on it leave the batch,
     which is planned again), and the tokens are plain decoding's."""
     prompts = random_prompts(7, seed=38, min_len=2, max_len=14)
-    params = _stopping_params(arch_model, prompts, n=24)
+    params = stopping_params(arch_model, prompts, n=24)
     if noise == "position-keyed":
         params = [replace(p, temperature=1.0, seed=50 + i, noise="position") for i, p in enumerate(params)]
     plain, _ = _completions(arch_model, prompts, params)
@@ -313,7 +302,7 @@ def test_on_cuda_overlapped_steps_replay_graphs_exactly_and_never_wait_for_the_d
 
     model = tiny_random_model("llama", seed=1).cuda()
     prompts = random_prompts(5, seed=37, min_len=2, max_len=12)
-    params = _stopping_params(model, prompts, n=24)
+    params = stopping_params(model, prompts, n=24)
     plain, _ = _completions(model, prompts, params)
     engine = RolloutEngine(model, RolloutConfig(block_size=4, kv_cache_tokens=4096, overlap=True), eos_token_ids=[EOS])
     engine.generate(prompts, params)  # captures every graph the measured call replays
@@ -339,7 +328,7 @@ def test_on_cuda_adaptive_overlaps_its_plain_steps_under_graphs_exactly():
 
     model = tiny_random_model("llama", seed=1).cuda()
     prompts = random_prompts(5, seed=38, min_len=2, max_len=12)
-    params = _stopping_params(model, prompts, n=24)
+    params = stopping_params(model, prompts, n=24)
     plain, _ = _completions(model, prompts, params)
     engine, seen = _scripted_adaptive(model, ["none", "none", "chain", "chain"], perturbed_copy(model, 0.3, 7))
     for _ in range(2):  # the first call captures

@@ -9,30 +9,14 @@ import torch
 from eagle3_helpers import collect, random_head, target, trained_head
 
 from tailspec.drafter.eagle3 import Eagle3Drafter
-from tailspec.rollout import RolloutConfig, RolloutEngine, SamplingParams
-from tailspec.testing import random_prompts
-
-EOS = 1
-
-
-def _stopping_params(model, prompts, n: int = 24) -> list[SamplingParams]:
-    """Greedy requests that stop on a token of their own completion (rows of stopped sequences
-    are then computed and dropped) or run to a length of their own."""
-    free = RolloutEngine(model, RolloutConfig()).generate(
-        prompts, SamplingParams(temperature=0.0, max_new_tokens=n, ignore_eos=True)
-    )
-    return [
-        SamplingParams(
-            temperature=0.0, max_new_tokens=n - i % 4, stop_token_ids=[o.completion_ids[3 + i % 5]] if i % 3 else []
-        )
-        for i, o in enumerate(free)
-    ]
+from tailspec.rollout import RolloutConfig, RolloutEngine
+from tailspec.testing import random_prompts, stopping_params
 
 
 def test_overlapped_plain_steps_record_the_samples_plain_decoding_records():
     model, head = target("llama"), trained_head("llama")
     prompts = random_prompts(7, seed=41)
-    params = _stopping_params(model, prompts)
+    params = stopping_params(model, prompts, n=24, stop_from=3)
     plain_engine, plain, plain_buffer = collect(model, head, prompts, params)
     engine, outs, buffer = collect(model, head, prompts, params, overlap=True)
     assert [o.completion_ids for o in outs] == [o.completion_ids for o in plain]
@@ -53,7 +37,7 @@ def test_adaptive_overlaps_plain_steps_between_the_heads_chains():
     is plain decoding's."""
     model, head = target("llama"), trained_head("llama")
     prompts = random_prompts(7, seed=42)
-    params = _stopping_params(model, prompts)
+    params = stopping_params(model, prompts, n=24, stop_from=3)
     plain = RolloutEngine(model, RolloutConfig()).generate(prompts, params)
     engine = RolloutEngine(model, RolloutConfig(strategy="adaptive", overlap=True), drafter=Eagle3Drafter(head, model))
     by_kind = {arm.kind: arm for arm in engine.selector.arms}
@@ -75,7 +59,7 @@ def test_on_cuda_recording_for_online_training_leaves_overlapped_steps_without_a
     model = target("llama").cuda()
     head = random_head(model).cuda()
     prompts = random_prompts(5, seed=43)
-    params = _stopping_params(model, prompts)
+    params = stopping_params(model, prompts, n=24, stop_from=3)
     cfg = {"block_size": 4, "kv_cache_tokens": 4096}
     _, plain, plain_buffer = collect(model, head, prompts, params, **cfg)
     engine, _, buffer = collect(model, head, prompts, params, overlap=True, **cfg)  # captures the graphs

@@ -7,11 +7,12 @@ import time
 
 import pytest
 import torch
+from backend_probe import BACKENDS, BackendProbe
 from conftest import cached_model, random_prompts
 from test_spec_greedy import good_drafter
 
 from tailspec.drafter.small_lm import SmallLMDrafter
-from tailspec.kernels.dispatch import kernel_backend, resolve_backend
+from tailspec.kernels.dispatch import kernel_backend
 from tailspec.rollout import RolloutConfig, RolloutEngine, SamplingParams
 from tailspec.rollout.mirror.executors import ExecutorError, InlineExecutor, SequencedHost, ThreadExecutor
 from tailspec.rollout.params import MirrorConfig
@@ -213,29 +214,17 @@ def test_a_draft_process_that_dies_while_starting_is_an_error_within_seconds():
         ProcessExecutor(functools.partial(os._exit, 3), start_timeout_s=3600)
 
 
-class _BackendProbe:
-    """Stands in for a drafter: records the attention backend a CUDA call would resolve to."""
-
-    def __init__(self) -> None:
-        self.seen: list[str] = []
-
-    def propose_branches(self, requests, shape):
-        self.seen.append(resolve_backend(torch.device("cuda"), kernel="attention"))
-        return []
-
-
 @pytest.mark.parametrize("forced", ["torch", "triton"])
 def test_a_draft_thread_runs_under_the_engines_kernel_backend(forced):
     """The engine enters ``kernel_backend(RolloutConfig.kernels)`` on its own thread: a mirror
     draft thread drafts under the same choice (a context variable a plain thread would not see)."""
     if forced == "triton":
         pytest.importorskip("triton")
-    probe = _BackendProbe()
-    executor = ThreadExecutor(probe)  # type: ignore[arg-type]
+    executor = ThreadExecutor(BackendProbe())  # type: ignore[arg-type]
     try:
         with kernel_backend(forced):
             executor.start([], None)
-        assert executor.finish() == [] and probe.seen == [forced]
+        assert [t.tokens for t in executor.finish()] == [[BACKENDS.index(forced)]]
     finally:
         executor.close()
 
@@ -245,8 +234,6 @@ def test_a_draft_process_and_a_peer_host_draft_under_the_engines_kernel_backend(
     context: the executor hands it ``RolloutConfig.kernels``, under which every command runs
     (``torch``: where nothing is forced, a CUDA call's attention resolves to the Triton kernel)."""
     forced = "torch"
-    from backend_probe import BACKENDS, BackendProbe
-
     from tailspec.rollout.mirror.executors import ProcessExecutor
 
     process = ProcessExecutor(BackendProbe, kernels=forced)  # type: ignore[arg-type]
