@@ -4,7 +4,7 @@ The tests run tiny models, for which intra-op threading costs far more than it s
 busy 2-core machine one thread is ~10x faster than two. Set OMP_NUM_THREADS to override.
 Without CUDA, Triton kernels run in Triton's interpreter (``TRITON_INTERPRET=1``, which must be
 set before the first kernel is compiled); on a CUDA machine they compile for the GPU.
-Model caches and the Hugging Face greedy reference live in ``tests/rollout/conftest.py``.
+Model caches and the Hugging Face greedy reference live in ``tests/rollout/rollout_helpers.py``.
 """
 
 import os

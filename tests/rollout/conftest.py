@@ -1,23 +1,9 @@
-import functools
-
 import pytest
+from rollout_helpers import cached_model
 
-from tailspec.testing import ARCHITECTURES, chi_square_pvalue, hf_greedy, tiny_random_model  # noqa: F401 (used by tests)
-from tailspec.testing import random_prompts as testing_random_prompts
-
-EOS = 1
-VOCAB = 96
-
-
-@functools.cache
-def cached_model(arch: str, seed: int = 1, initializer_range: float = 0.2):
-    return tiny_random_model(arch, seed=seed, initializer_range=initializer_range)
+from tailspec.testing import ARCHITECTURES
 
 
 @pytest.fixture(params=ARCHITECTURES)
 def arch_model(request):
     return cached_model(request.param)
-
-
-def random_prompts(n: int, seed: int, min_len: int = 1, max_len: int = 25) -> list[list[int]]:
-    return testing_random_prompts(n, seed, min_len, max_len, VOCAB)

@@ -9,7 +9,7 @@ import collections
 
 import pytest
 import torch
-from conftest import cached_model, random_prompts
+from rollout_helpers import cached_model, random_prompts
 
 from tailspec.kernels.dispatch import kernel_backend
 from tailspec.rollout import RolloutConfig, RolloutEngine, SamplingParams

@@ -6,7 +6,7 @@ step-wise submission, any block size) must be invisible in the output.
 
 import pytest
 import torch
-from conftest import EOS, cached_model, hf_greedy, random_prompts
+from rollout_helpers import EOS, cached_model, hf_greedy, random_prompts
 
 from tailspec.rollout import RolloutConfig, RolloutEngine, SamplingParams
 from tailspec.rollout.model.kv_cache import blocks_for

@@ -5,7 +5,7 @@ runs; speculative strategies included)."""
 import threading
 
 import pytest
-from conftest import EOS, cached_model, random_prompts
+from rollout_helpers import EOS, cached_model, random_prompts
 
 from tailspec.rollout import RolloutConfig, RolloutEngine, SamplingParams
 from tailspec.rollout.handoff import InboxItem, RequestInbox

@@ -4,7 +4,7 @@ test_kv_cache_and_attention.py.)"""
 
 import pytest
 import torch
-from conftest import cached_model
+from rollout_helpers import cached_model
 
 from tailspec.rollout.model.attention import SequenceSlice, build_metadata, paged_attention_enabled
 from tailspec.rollout.model.kv_cache import BlockAllocator, KVLayout, OutOfBlocks, PagedKVCache, blocks_for

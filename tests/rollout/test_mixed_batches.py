@@ -1,7 +1,7 @@
 """RolloutConfig.mixed_batches: prompts admitted mid-run join the running decode in one forward."""
 
 import pytest
-from conftest import hf_greedy, random_prompts
+from rollout_helpers import hf_greedy, random_prompts
 
 from tailspec.rollout import RolloutConfig, RolloutEngine, SamplingParams
 

@@ -5,7 +5,7 @@ from dataclasses import replace
 
 import pytest
 import torch
-from conftest import EOS, chi_square_pvalue, hf_greedy, random_prompts
+from rollout_helpers import EOS, chi_square_pvalue, hf_greedy, random_prompts
 from test_spec_sampling import PROMPT, V, exact_joint_of_tokens_2_and_3, target
 
 from tailspec.kernels.transfers import QueuedRead

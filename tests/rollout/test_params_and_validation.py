@@ -3,7 +3,7 @@ refused, aborted or unfinished requests. (The basic bad-value tables are in test
 
 import pytest
 import torch
-from conftest import EOS, VOCAB, cached_model, hf_greedy, random_prompts
+from rollout_helpers import EOS, VOCAB, cached_model, hf_greedy, random_prompts
 
 from tailspec.rollout import RolloutConfig, RolloutEngine, SamplingParams
 from tailspec.rollout.model.kv_cache import blocks_for

@@ -3,7 +3,7 @@ strategy and drafter (``rollout/position_noise.py``)."""
 
 import pytest
 import torch
-from conftest import chi_square_pvalue, random_prompts
+from rollout_helpers import chi_square_pvalue, random_prompts
 from test_spec_greedy import DRAFTERS
 from test_spec_sampling import PROMPT, V, drafter, exact_joint_of_tokens_2_and_3, target
 

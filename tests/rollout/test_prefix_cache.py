@@ -3,7 +3,7 @@ start with the same tokens; outputs are unchanged, stale K/V is never reused."""
 
 import pytest
 import torch
-from conftest import cached_model, hf_greedy, random_prompts
+from rollout_helpers import cached_model, hf_greedy, random_prompts
 
 from tailspec.rollout import RolloutConfig, RolloutEngine, SamplingParams
 from tailspec.rollout.model.kv_cache import BlockAllocator, prefix_hashes

@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from conftest import random_prompts
+from rollout_helpers import random_prompts
 
 from tailspec.rollout import RolloutConfig, RolloutEngine, SamplingParams
 

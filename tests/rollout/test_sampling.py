@@ -5,9 +5,9 @@ import math
 
 import pytest
 import torch
-from conftest import cached_model, chi_square_pvalue
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from rollout_helpers import cached_model, chi_square_pvalue
 from transformers.generation.logits_process import (
     MinPLogitsWarper,
     TemperatureLogitsWarper,

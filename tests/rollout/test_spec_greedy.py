@@ -3,7 +3,7 @@
 import functools
 
 import pytest
-from conftest import EOS, cached_model, hf_greedy, random_prompts
+from rollout_helpers import EOS, cached_model, hf_greedy, random_prompts
 
 from tailspec.rollout import RolloutConfig, RolloutEngine, SamplingParams
 from tailspec.testing import ARCHITECTURES, perturbed_copy, tiny_random_model

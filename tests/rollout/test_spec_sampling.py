@@ -10,7 +10,7 @@ import functools
 
 import pytest
 import torch
-from conftest import chi_square_pvalue
+from rollout_helpers import chi_square_pvalue
 
 from tailspec.drafter.eagle3 import Eagle3Config, Eagle3Drafter, Eagle3Head
 from tailspec.kernels.dispatch import kernel_backend

@@ -4,7 +4,7 @@ refused with a message that says the type is wrong (not that the id is out of th
 import numpy as np
 import pytest
 import torch
-from conftest import cached_model, hf_greedy, random_prompts
+from rollout_helpers import cached_model, hf_greedy, random_prompts
 
 from tailspec.rollout import RolloutConfig, RolloutEngine, SamplingParams
 from tailspec.rollout.token_ids import token_id_list

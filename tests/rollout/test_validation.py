@@ -3,7 +3,7 @@
 import math
 
 import pytest
-from conftest import VOCAB, cached_model, hf_greedy, random_prompts
+from rollout_helpers import VOCAB, cached_model, hf_greedy, random_prompts
 
 from tailspec.rollout import RolloutConfig, RolloutEngine, SamplingParams
 

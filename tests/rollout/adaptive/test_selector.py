@@ -5,7 +5,7 @@ import statistics
 from collections import deque
 
 import pytest
-from conftest import cached_model, random_prompts
+from rollout_helpers import cached_model, random_prompts
 
 from tailspec.config_tree import ConfigError
 from tailspec.draft_contract import DraftTree

@@ -8,7 +8,7 @@ import time
 import pytest
 import torch
 from backend_probe import BACKENDS, BackendProbe
-from conftest import cached_model, random_prompts
+from rollout_helpers import cached_model, random_prompts
 from test_spec_greedy import good_drafter
 
 from tailspec.drafter.small_lm import SmallLMDrafter

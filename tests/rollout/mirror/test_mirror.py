@@ -4,7 +4,7 @@ import functools
 
 import pytest
 import torch
-from conftest import cached_model, chi_square_pvalue, random_prompts
+from rollout_helpers import cached_model, chi_square_pvalue, random_prompts
 from test_spec_greedy import bad_drafter, good_drafter
 from test_spec_sampling import SETTINGS, V, _processed, drafter_model, target
 from test_spec_sampling import drafter as eagle3_or_model

@@ -6,7 +6,7 @@ cache, and the CPU rehearsal of the GPU check (``make gpu-rehearse``, in CI) com
 and checks that its stage ``fast_path`` decodes as the eager layers do."""
 
 import pytest
-from conftest import cached_model, random_prompts
+from rollout_helpers import cached_model, random_prompts
 from test_spec_greedy import assert_same, good_drafter, mistral
 
 from tailspec.rollout import RolloutConfig, RolloutEngine, SamplingParams

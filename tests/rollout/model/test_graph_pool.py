@@ -3,7 +3,7 @@ it replays is exact; CUDA-graph capture on a GPU (``gpu`` marker)."""
 
 import pytest
 import torch
-from conftest import cached_model, random_prompts
+from rollout_helpers import cached_model, random_prompts
 
 from tailspec.rollout import RolloutConfig, RolloutEngine, SamplingParams
 from tailspec.rollout.model.graph_pool import EagerBackend, GraphKey, GraphPool, uncaptured_runs

@@ -1,6 +1,6 @@
 import pytest
 import torch
-from conftest import cached_model
+from rollout_helpers import cached_model
 
 from tailspec.rollout.model.attention import (
     SequenceSlice,

@@ -6,7 +6,7 @@ import logging
 
 import pytest
 import torch
-from conftest import cached_model, random_prompts
+from rollout_helpers import cached_model, random_prompts
 from test_spec_greedy import assert_same, good_drafter
 
 from tailspec.rollout import RolloutConfig, RolloutEngine, SamplingParams

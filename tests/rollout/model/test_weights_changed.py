@@ -6,7 +6,7 @@ import copy
 
 import pytest
 import torch
-from conftest import cached_model, random_prompts
+from rollout_helpers import cached_model, random_prompts
 from test_cast_copy import cast_parameters
 from test_spec_greedy import assert_same
 

@@ -4,7 +4,7 @@ changes a token (greedy output equals plain decoding)."""
 import math
 
 import pytest
-from conftest import EOS, cached_model, random_prompts
+from rollout_helpers import EOS, cached_model, random_prompts
 
 from tailspec.rollout import RolloutConfig, RolloutEngine, SamplingParams
 from tailspec.rollout.request import Sequence

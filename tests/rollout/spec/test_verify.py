@@ -4,7 +4,7 @@ stochastic and deterministic drafts; the same check rejects deliberately wrong r
 
 import pytest
 import torch
-from conftest import chi_square_pvalue
+from rollout_helpers import chi_square_pvalue
 
 from tailspec.draft_contract import DraftTree
 from tailspec.rollout.spec import verify as verify_module
