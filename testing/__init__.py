@@ -6,11 +6,16 @@ are then decided by the model rather than by float rounding between near-equal l
 
 from __future__ import annotations
 
+import warnings
+from collections.abc import Callable
+from typing import TypeVar
+
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
 ARCHITECTURES = ("llama", "qwen2", "qwen3")  # what the suite runs every check on
 TINY_ARCHITECTURES = (*ARCHITECTURES, "mistral")  # what tiny_config builds (Mistral: its own checks)
+T = TypeVar("T")
 
 
 def tiny_config(
@@ -114,6 +119,19 @@ def stopping_params(model, prompts: list[list[int]], n: int = 20, stop_from: int
         )
         for i, out in enumerate(free)
     ]
+
+
+def with_synchronizations(call: Callable[[], T]) -> tuple[T, int]:
+    """``call()``'s result and how many calls that wait for the device it made, as torch's CUDA
+    sync debug mode counts them (an event's wait is not among them)."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            result = call()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return result, sum("synchroniz" in str(w.message) for w in caught)
 
 
 def chi_square_pvalue(counts: torch.Tensor, probs: torch.Tensor, min_expected: float = 5.0) -> float:

@@ -13,7 +13,7 @@ from rollout_helpers import cached_model, random_prompts
 
 from tailspec.kernels.dispatch import kernel_backend
 from tailspec.rollout import RolloutConfig, RolloutEngine, SamplingParams
-from tailspec.testing import perturbed_copy
+from tailspec.testing import perturbed_copy, with_synchronizations
 
 READS = ("tolist", "item", "__float__", "__int__", "__bool__")
 
@@ -109,8 +109,6 @@ def test_on_cuda_a_step_waits_for_the_device_only_where_it_reads(strategy, sampl
     """torch's sync debug mode flags every call that waits for the device (a pageable copy to it,
     a read back): a warmed step makes no more than the reads counted above, greedy, position-keyed
     (whose noise keys reach the device in one queued copy) or sampled."""
-    import warnings
-
     from tailspec.testing import tiny_random_model
 
     model = tiny_random_model("llama", seed=1).cuda()
@@ -123,14 +121,7 @@ def test_on_cuda_a_step_waits_for_the_device_only_where_it_reads(strategy, sampl
         params = params.with_updates(temperature=1.0, seed=3)
     engine.generate(prompts, params)  # captures every graph the measured call replays
     before = (engine.stats.prefill_steps, engine.stats.decode_steps, engine.stats.spec_steps)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            engine.generate(prompts, params)
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-    waits = sum("synchroniz" in str(w.message) for w in caught)
+    _, waits = with_synchronizations(lambda: engine.generate(prompts, params))
     prefills, decodes, specs = (
         engine.stats.prefill_steps - before[0],
         engine.stats.decode_steps - before[1],

@@ -12,7 +12,7 @@ from tailspec.kernels.transfers import QueuedRead
 from tailspec.rollout import RolloutConfig, RolloutEngine, SamplingParams
 from tailspec.rollout.handoff import InboxItem, RequestInbox
 from tailspec.rollout.model.runner import ModelRunner
-from tailspec.testing import perturbed_copy, stopping_params
+from tailspec.testing import perturbed_copy, stopping_params, with_synchronizations
 
 
 def _completions(model, prompts, params, **config):
@@ -296,8 +296,6 @@ def test_on_cuda_overlapped_steps_replay_graphs_exactly_and_never_wait_for_the_d
     """Under CUDA graphs: the tokens of plain decoding, and no call that waits for the device in an
     overlapped step (torch's sync debug mode flags them; the one wait for a step's tokens is on an
     event recorded after their copy, which it does not flag)."""
-    import warnings
-
     from tailspec.testing import tiny_random_model
 
     model = tiny_random_model("llama", seed=1).cuda()
@@ -307,15 +305,8 @@ def test_on_cuda_overlapped_steps_replay_graphs_exactly_and_never_wait_for_the_d
     engine = RolloutEngine(model, RolloutConfig(block_size=4, kv_cache_tokens=4096, overlap=True), eos_token_ids=[EOS])
     engine.generate(prompts, params)  # captures every graph the measured call replays
     before = engine.stats.prefill_steps
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            overlapped = engine.generate(prompts, params)
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
+    overlapped, waits = with_synchronizations(lambda: engine.generate(prompts, params))
     assert [o.completion_ids for o in overlapped] == [o.completion_ids for o in plain]
-    waits = sum("synchroniz" in str(w.message) for w in caught)
     assert engine.stats.overlapped_steps > 0 and waits <= engine.stats.prefill_steps - before, waits
 
 

@@ -2,15 +2,13 @@
 target's features at every forward: an overlapped step hands it a dropped row's features too
 (past its sequence's last token), which must change neither a token nor a recorded sample."""
 
-import warnings
-
 import pytest
 import torch
 from eagle3_helpers import collect, random_head, target, trained_head
 
 from tailspec.drafter.eagle3 import Eagle3Drafter
 from tailspec.rollout import RolloutConfig, RolloutEngine
-from tailspec.testing import random_prompts, stopping_params
+from tailspec.testing import random_prompts, stopping_params, with_synchronizations
 
 
 def test_overlapped_plain_steps_record_the_samples_plain_decoding_records():
@@ -64,14 +62,7 @@ def test_on_cuda_recording_for_online_training_leaves_overlapped_steps_without_a
     _, plain, plain_buffer = collect(model, head, prompts, params, **cfg)
     engine, _, buffer = collect(model, head, prompts, params, overlap=True, **cfg)  # captures the graphs
     recorded, prefills = len(buffer.samples()), engine.stats.prefill_steps
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            outs = engine.generate(prompts, params)
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
+    outs, waits = with_synchronizations(lambda: engine.generate(prompts, params))
     assert [o.completion_ids for o in outs] == [o.completion_ids for o in plain]
-    waits = sum("synchroniz" in str(w.message) for w in caught)
     assert engine.stats.overlapped_steps > 0 and waits <= engine.stats.prefill_steps - prefills, waits
     _assert_same_samples(buffer.samples()[recorded:], plain_buffer.samples(), len(prompts))
