@@ -23,7 +23,7 @@ BUDGETS = {
     "graphs": 40,
     "kernels": 35,
     "speed": 200,
-    "gpu_tests": 50,
+    "gpu_tests": 80,
     "selector": 190,
     "training": 300,
     "attention": 150,

@@ -49,3 +49,31 @@ def test_a_run_within_too_little_leaves_the_pack_out_by_name(tmp_path):
     assert list(reports) == list(PACK)  # "pack": the stages of make gpu-check, in order
     assert all(r["status"] == "left out" and r["skipped"][0]["name"] == name for name, r in reports.items())
     assert "left out" in (out / "summary.md").read_text()
+
+
+def test_gpu_tests_cut_at_their_budget_still_say_which_tests_ended(tmp_path, monkeypatch):
+    from tailspec.benchmarks.gpu import gpu_tests
+    from tailspec.benchmarks.gpu.common import CheckSize, Stage
+
+    verbose = (
+        "tests/a.py::test_one PASSED                 [ 10%]\n"
+        "tests/a.py::test_two[llama-keyed] FAILED    [ 20%]\n"
+        "tests/b.py::test_three SKIPPED (two GPUs)   [ 30%]\n"
+        "tests/b.py::test_four "
+    )
+
+    def cut(command, **kwargs):
+        assert "-v" in command  # a line per test as it ends
+        raise subprocess.TimeoutExpired(command, kwargs["timeout"], output=verbose.encode(), stderr=b"")
+
+    monkeypatch.setattr(gpu_tests.subprocess, "run", cut)
+    stage = Stage("gpu_tests", CheckSize.of("tiny"), 20, tmp_path)
+    gpu_tests.run(stage)
+    report = stage.report
+    assert report.results["outcomes"] == {
+        "tests/a.py::test_one": "PASSED",
+        "tests/a.py::test_two[llama-keyed]": "FAILED",
+        "tests/b.py::test_three": "SKIPPED",
+    }
+    (check,) = report.checks
+    assert not check["passed"] and "1 failed, 1 passed, 1 skipped" in check["detail"]
