@@ -182,6 +182,8 @@ class SequenceRecorder:
     def __init__(self, label_topk: int = 8, dtype: torch.dtype | None = None) -> None:
         if not (isinstance(label_topk, int) and 0 <= label_topk <= 1024):
             raise ValueError(f"label_topk must be an int in [0, 1024] (0 = hard labels only), got {label_topk!r}")
+        if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+            raise ValueError(f"dtype must be a floating torch.dtype or None (the features' own), got {dtype!r}")
         self.label_topk = label_topk
         self.dtype = dtype
         self._live: dict[int, _Recording] = {}

@@ -112,6 +112,8 @@ def test_recorder_drops_sequences_with_gaps_and_restarts_on_recompute():
     torch.testing.assert_close(sample.features, f[:5])
     with pytest.raises(ValueError, match="label_topk"):
         SequenceRecorder(label_topk=-1)
+    with pytest.raises(ValueError, match="dtype"):
+        SequenceRecorder(dtype=torch.int64)
 
 
 class _HeldCopy(QueuedCopy):
