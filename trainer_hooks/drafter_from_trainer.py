@@ -100,9 +100,11 @@ def samples_from_forward(
         with torch.no_grad():
             logits = lm_head(final_hidden[:, prompt_width - 1 : width - 1].detach())
         label_ids, label_probs = (part.cpu() for part in soft_labels(logits, label_topk))
+    # the batch's masks and ids on the host in one transfer each (read per row, each read would wait)
+    masks, ids = attention_mask.detach().to("cpu", torch.bool), input_ids.detach().to("cpu", torch.long)
     samples = []
     for b in range(input_ids.shape[0]):
-        mask = attention_mask[b].bool()
+        mask = masks[b]
         p = int(mask[:prompt_width].sum())
         c = int(mask[prompt_width:].sum())
         if p < 1 or c < 1 or not (mask[prompt_width - p : prompt_width + c].all()):
@@ -111,7 +113,7 @@ def samples_from_forward(
         # cloned: a view would keep the whole batch's tensors alive in the buffer
         samples.append(
             Eagle3Sample(
-                input_ids[b, start:end].detach().cpu().long().clone(),
+                ids[b, start:end].clone(),
                 features[b, start : end - 1].detach().to("cpu", dtype or features.dtype).clone(),
                 p,
                 None if label_ids is None else label_ids[b, :c].clone(),
