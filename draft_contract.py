@@ -26,6 +26,14 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 
 
+def observed_rows(observed: Sequence[tuple[Any, int, list[int], list[int]]]) -> tuple[list[int], list[int]]:
+    """The rows of every sequence of a forward's ``observed`` (:meth:`Drafter.observe_batch`), in
+    order: its kept tokens' rows of the features, and its rows of the logits after them."""
+    rows = [row for _, _, seq_rows, _ in observed for row in seq_rows]
+    logit_rows = [row for _, _, _, seq_logit_rows in observed for row in seq_logit_rows]
+    return rows, logit_rows
+
+
 @dataclass
 class DraftTree:
     """Draft tokens for one sequence, in topological order (a parent precedes its children).
@@ -270,8 +278,7 @@ class Drafter(ABC):
         kept tokens' packed rows of ``features`` and the rows of ``logits`` after them. By default
         one gather of each for the whole batch, split into per-sequence :meth:`observe` calls (a
         drafter may keep references instead and gather only when it drafts)."""
-        rows = [r for _, _, seq_rows, _ in observed for r in seq_rows]
-        logit_rows = [r for _, _, _, seq_logit_rows in observed for r in seq_logit_rows]
+        rows, logit_rows = observed_rows(observed)
         gathered = features.index_select(0, torch.tensor(rows, device=features.device))
         next_logits = logits.index_select(0, torch.tensor(logit_rows, device=logits.device))
         feature_parts = gathered.split([len(r) for _, _, r, _ in observed])

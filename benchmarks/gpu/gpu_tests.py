@@ -30,9 +30,10 @@ def run(stage: Stage) -> None:
         out = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, timeout=timeout)
     except subprocess.TimeoutExpired as cut:
         partial = _text(cut.stdout)
+        ended = outcomes(partial)
         stage.record("pytest_tail", partial[-4000:] + _text(cut.stderr)[-2000:])
-        stage.record("outcomes", outcomes(partial))
-        stage.check("gpu-marked tests", False, f"still running after {timeout:.0f} s: {_count(outcomes(partial))}")
+        stage.record("outcomes", ended)
+        stage.check("gpu-marked tests", False, f"still running after {timeout:.0f} s: {_count(ended)}")
         return
     tail = out.stdout[-4000:] + out.stderr[-2000:]
     stage.record("pytest_tail", tail)

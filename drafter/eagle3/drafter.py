@@ -32,7 +32,7 @@ from functools import partial
 import numpy as np
 import torch
 
-from ...draft_contract import Drafter, DraftRequest, DraftShape, DraftTree, SequenceView
+from ...draft_contract import Drafter, DraftRequest, DraftShape, DraftTree, SequenceView, observed_rows
 from ...kernels.transfers import select_rows, to_device
 from ...rollout.model.attention import METADATA_KWARG, SequenceSlice, build_metadata, paged_attention_forward
 from ...rollout.model.eval_mode import eval_mode
@@ -166,8 +166,7 @@ class Eagle3Drafter(Drafter):
         tensors or gathers on plain steps); rows are gathered at the catch-up. A recorder gets
         the batch's kept rows and the logits after them in one gather each."""
         if self.recorder is not None:
-            rows = [row for _, _, seq_rows, _ in observed for row in seq_rows]
-            logit_rows = [row for _, _, _, seq_logit_rows in observed for row in seq_logit_rows]
+            rows, logit_rows = observed_rows(observed)
             parts = [(seq.seq_id, len(seq.prompt_ids), start, len(r), len(lr)) for seq, start, r, lr in observed]
             self.recorder.observe_batch(parts, select_rows(features, rows), select_rows(logits, logit_rows))
         for seq, start, rows, _ in observed:

@@ -41,7 +41,16 @@ from typing import Any
 
 import torch
 
-from ...draft_contract import BranchView, Drafter, DraftRequest, DraftShape, DraftTree, Portable, SequenceView
+from ...draft_contract import (
+    BranchView,
+    Drafter,
+    DraftRequest,
+    DraftShape,
+    DraftTree,
+    Portable,
+    SequenceView,
+    observed_rows,
+)
 from ...kernels.dispatch import kernel_backend
 from ...kernels.transfers import select_rows
 from ..params import EXECUTORS
@@ -311,8 +320,7 @@ class _RemoteDrafter(Drafter):
         numpy arrays, which cross a pipe or Ray's object store by value)."""
         if not self.feature_layers:
             return
-        index = [row for _, _, rows, _ in observed for row in rows]
-        gathered = select_rows(features, index).float().cpu().numpy()
+        gathered = select_rows(features, observed_rows(observed)[0]).float().cpu().numpy()
         sent, offset = [], 0
         for seq, start, rows, _ in observed:
             sent.append((seq.seq_id, start, gathered[offset : offset + len(rows)]))
