@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.tailspec-installed
 
-.PHONY: demo test bench lint clean-venv gpu-check gpu-lease gpu-selector gpu-train gpu-attention gpu-speed gpu-next gpu-wheels \
+.PHONY: demo test wheel-check bench lint clean-venv gpu-check gpu-lease gpu-selector gpu-train gpu-attention gpu-speed gpu-next gpu-wheels \
         gpu-rehearse
 
 # The GPU check (docs/GPU.md) runs on a lent GPU's image as it is: python3 with torch, triton and
@@ -43,6 +43,12 @@ SOLO_TESTS := tests/workers/test_adaptive_on_workers.py  # the files holding `so
 test: $(STAMP)
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not solo"
 	$(PY) -m pytest -q -m solo $(SOLO_TESTS)
+
+# the wheel as a user installs it (tests/wheel_check.py): built from the tracked files, installed into a
+# new virtual environment without the checkout, every module imported, a speculative generate and a
+# two-step GRPO run from it; a file the wheel lacks is named
+wheel-check: $(STAMP)
+	$(PY) tests/wheel_check.py
 
 bench: $(STAMP)
 	$(VENV)/bin/tailspec bench

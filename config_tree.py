@@ -8,8 +8,8 @@ instance or a dict of its fields, and a dict is laid over the field's default (s
 ``workers: {spot_training: false}`` keeps the rest of that default).
 
 Every error is a :class:`ConfigError` that names the field by its dotted path from the root
-(``engine.selector.window must be an int >= 1, got 0``), whether the value came from Python,
-YAML or ``--set engine.selector.window=0``. Nodes validate themselves in ``__post_init__`` with
+(``engine.selector.calibration_rows must be an int >= 1, got 0``), whether the value came from
+Python, YAML or ``--set engine.selector.calibration_rows=0``. Nodes validate themselves in ``__post_init__`` with
 :func:`require`, and call :func:`coerce_subtrees` to turn their dict-valued subtrees into nodes.
 """
 
@@ -56,6 +56,11 @@ def is_int(value: Any) -> bool:
 
 def int_at_least(value: Any, low: int) -> bool:
     return is_int(value) and value >= low
+
+
+def number_at_least(value: Any, low: float) -> bool:
+    """An int or a float (not a bool) at least ``low``."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value >= low
 
 
 def require(ok: bool, name: str, allowed: str, value: Any) -> None:

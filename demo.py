@@ -232,7 +232,7 @@ def _make_rollout(cfg: DemoConfig, start: Any = None):
     rollout = cfg.rollout
     if cfg.device == "cuda" and rollout.engine.dtype == "auto":
         # the trainer computes in bf16 (autocast) on fp32 weights: the engine decodes a bf16 copy
-        # (RolloutConfig.dtype; on the fp32 weights speculation ran only 1.25x plain decoding in GPU run 10)
+        # (RolloutConfig.dtype; on the fp32 weights speculation gains little over plain decoding)
         rollout = rollout.with_overrides(**{"engine.dtype": "bfloat16"})
     if not parse_strategy(cfg.strategy).wants_model_drafter:  # adaptive wants one: its chain/tree/mirror arms
         return SpecRollout(config=rollout.with_overrides(drafter_train_steps=0))  # no drafter to train

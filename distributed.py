@@ -37,3 +37,18 @@ def single_process_environment() -> dict[str, str]:
     for key, value in values.items():
         os.environ.setdefault(key, value)
     return values
+
+
+def single_process_deepspeed() -> dict[str, str]:
+    """:func:`single_process_environment` for DeepSpeed. On a CPU, DeepSpeed compiles a
+    shared-memory all-reduce (a C++ op: about a minute on 2 cores) at its first initialization;
+    one process has no peer to share memory with, so the op is marked unavailable and
+    torch.distributed's own collectives serve. Under a launcher nothing changes."""
+    values = single_process_environment()
+    if os.environ.get("WORLD_SIZE") == "1":
+        import deepspeed.ops
+        import torch
+
+        if not torch.cuda.is_available():
+            deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    return values

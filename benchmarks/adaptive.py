@@ -20,8 +20,8 @@ import torch
 
 from ..rollout.engine import RolloutEngine, StepRecord
 from ..rollout.params import RolloutConfig, SamplingParams
-from ..rollout.stats import goodput_by_bucket
 from ..rollout.strategy import parse_strategy
+from .goodput import goodput_by_bucket
 from .hf_baseline import hf_generate
 from .report import pyplot, save_figure
 

@@ -95,8 +95,8 @@ def draft_chains_on_device(
     argmax, or a sample with a uniform drawn beforehand, see :func:`chain_uniforms`) feed the next
     on the device; every request runs to the deepest chain, and the ``[n, depth]`` drafts are read
     once, then cut where :class:`ChainDrafts`' loop stops (a request's depth, or a stop token,
-    kept). One wait for the device a step instead of one per forward (GPU run 13: the host idled
-    through each). A drafter that keeps K/V must count as held only the accepted prefix of what
+    kept). One wait for the device a step instead of one per forward, each of which would idle
+    the host. A drafter that keeps K/V must count as held only the accepted prefix of what
     it wrote past a cut."""
     depth = max(r.max_depth for r in requests)
     seqs = [r.seq for r in requests]

@@ -3,10 +3,9 @@ verification attention in 16-bit dtypes; torch elsewhere.
 
 The choice is made per call from the tensors' device (and, for attention, what the call suits), so
 CUDA users get the faster kernel without configuration. ``auto`` follows what was measured on
-GPUs (docs/GPU.md): the fused verification kernel is 9-12x faster than the torch rule on an H100;
-on an H200 (run 10) the split-KV attention kernel is 2.2-8.3x faster than gather + SDPA in bf16 at
-every measured shape (contexts 512 to 32k, batch 1 to 64, decode and 5-token verification), and
-the engine with it decodes 0.98-1.71x as fast as with torch attention (run 9). Attention stays on
+GPUs (docs/GPU.md): the fused verification kernel is several times faster than the torch rule,
+and the split-KV attention kernel faster than gather + SDPA in bf16 at every measured shape
+(contexts 512 to 32k, batch 1 to 64, decode and 5-token verification). Attention stays on
 torch for prefills (the per-head kernel for many new tokens is 3.5-11x slower than SDPA) and in
 fp32 (the kernel is 3.5x slower there); ``triton`` still forces it.
 

@@ -69,7 +69,7 @@ class PagedAttentionPlan:
         tree_mask = None
         if mask_size is not None or any(m is not None for m in tree_masks):
             # numpy: torch's CPU tril spreads a few rows over every intra-op thread, and waking
-            # them took 1.65 ms a call on GPU run 13's 16-core host
+            # them costs milliseconds a call on a many-core host
             masks = np.broadcast_to(_causal(max_q), (len(block_tables), max_q, max_q)).copy()
             for i, m in enumerate(tree_masks):
                 if m is not None:

@@ -22,7 +22,7 @@ from .adaptive.acceptance import first_branch
 from .feature_taps import FeatureTaps
 from .mirror.pipeline import MirrorPipeline
 from .mirror.slot import MirrorSlot
-from .model.runner import ModelRunner
+from .model.runner import Forward, ModelRunner
 from .params import RolloutConfig
 from .request import Sequence
 from .spec.kv_blocks import pack_verify_batch, release_unused_blocks
@@ -30,8 +30,6 @@ from .spec.length_budget import drafting_mask
 from .spec.step import accept, commit, propose, verify
 from .stats import EngineStats
 from .strategy import Strategy
-
-Forward = Callable[[list, list[int], list[int], list[int]], torch.Tensor]
 
 
 @dataclass(frozen=True)

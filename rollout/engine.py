@@ -196,10 +196,6 @@ class RolloutEngine:
         return self.hybrid_drafter if strategy.kind == "hybrid" else self.drafter
 
     # -- step-wise API (rollout/request_book.py) ----------------------------------------
-    def validate(self, prompt_ids: Seq[int], params: SamplingParams) -> None:
-        """Raise ``ValueError`` naming the problem if the request cannot be served."""
-        self.limits.check(prompt_ids, params)
-
     def add_request(
         self,
         prompt_ids: Seq[int],

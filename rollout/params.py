@@ -10,7 +10,7 @@ import math
 from dataclasses import dataclass, replace
 from typing import Any
 
-from ..config_tree import ConfigError, build, coerce_subtrees, is_int, require
+from ..config_tree import ConfigError, build, coerce_subtrees, is_int, number_at_least, require
 from ..kernels.dispatch import BACKEND_CHOICES
 from .strategy import parse_strategy
 from .token_ids import token_id_list
@@ -41,7 +41,7 @@ class SelectorConfig:
                 raise ConfigError("arms", f"holds {arm!r}, which is not valid: {e}") from None
             require(not adaptive, "arms", "strategies other than 'adaptive'", self.arms)
         checks = [
-            ("optimism", isinstance(self.optimism, (int, float)) and self.optimism >= 0, "a float >= 0"),
+            ("optimism", number_at_least(self.optimism, 0), "a float >= 0"),
             ("version_weight", 0 <= self.version_weight <= 1, "a float in [0, 1]"),
             ("calibration_rows", isinstance(self.calibration_rows, int) and self.calibration_rows >= 1, "an int >= 1"),
             (
@@ -233,9 +233,9 @@ class RolloutConfig:
     # the dtype the engine decodes in: auto = the model's; bfloat16 | float16 | float32 on a model whose
     # parameters are in another: a copy in that dtype, refreshed when they change (rollout/model/cast_copy.py)
     dtype: str = "auto"
-    compile: bool = False  # torch.compile the decoder layers' own ops (rollout/model/compiled.py; issue 48)
+    compile: bool = False  # torch.compile the decoder layers' own ops (rollout/model/compiled.py)
     # QKV and gate-up projections as one GEMM each, over merged copies of their weights (memory: about two
-    # thirds of the decoder's weights again; rollout/model/merged_projections.py; issue 48)
+    # thirds of the decoder's weights again; rollout/model/merged_projections.py)
     merge_projections: bool = False
     # plain decode steps are launched before the previous one's tokens are read, so the host's work
     # of a step runs while the device computes (rollout/sampled.py; for CUDA, where the device runs

@@ -78,7 +78,7 @@ REGIMES = {
     "crossover": Regime(
         "crossover", 5e-3, 0.0, True, 0.6e-3, 3e-6, 4e-6, 2e-5, GPU_HAZARD, capture_s=0.08, compute_row_s=0.3e-3
     ),
-    # the H100 of docs/GPU.md (2026-11-27): the drafter LM's per-sequence host work grows with the
+    # a GPU whose host is the bottleneck (docs/GPU.md): the drafter LM's per-sequence host work grows with the
     # batch much faster than the target's bandwidth-bound forward, so chain arms win batch 1 and
     # lose large batches, and one drafting ratio for all batch sizes mispredicts both ends; a
     # tree's level costs more than a chain's of as many rows (its branches ranked on the host)
@@ -91,9 +91,8 @@ REGIMES = {
     "drifting": Regime(
         "drifting", 10e-3, 0.3e-3, False, 0.8e-3, 3e-5, 2e-5, 5e-5, GPU_HAZARD, drift=0.15, version_every=40
     ),
-    # the H200 of docs/GPU.md run 14: a sampled long tail after greedy batches, whose drafter LM
-    # drafted at ~2.3x the cost the selector had learned (it reached 0.81 of chain:4 there); here
-    # drafting costs 3x from the fourth rollout on
+    # a sampled long tail after greedy batches, whose drafter LM drafts at a few times the cost the
+    # selector learned (as seen on a GPU, docs/GPU.md); here drafting costs 3x from the fourth rollout on
     "shifting": Regime(
         "shifting",
         4.5e-3,

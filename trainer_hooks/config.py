@@ -16,20 +16,16 @@ that name, by the name alone (``SpecRollout(strategy="adaptive", length_budget=0
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
-from ..config_tree import ConfigError, apply_overrides, coerce_subtrees, field_paths, int_at_least, require
+from ..config_tree import apply_overrides, coerce_subtrees, field_paths, int_at_least, number_at_least, require
 from ..drafter.catch_up import CatchUpConfig
 from ..rollout.params import SEED_RANGE, RolloutConfig, valid_seed
 from ..workers.config import WorkersConfig
 
 __all__ = ["OnlineTrainingConfig", "SpecRolloutConfig", "WithRollout"]
-
-# spellings of earlier releases: flat name -> dotted path (a FutureWarning names the new one)
-RENAMED = {"ray_address": "workers.address"}
 
 
 @dataclass
@@ -68,7 +64,7 @@ class OnlineTrainingConfig:
             self.holdout_every,
         )
         require(
-            isinstance(self.ship_min_gain, (int, float)) and self.ship_min_gain >= 0,
+            number_at_least(self.ship_min_gain, 0),
             "ship_min_gain",
             "a float >= 0",
             self.ship_min_gain,
@@ -130,8 +126,8 @@ class SpecRolloutConfig:
     @classmethod
     def takes(cls, name: str) -> bool:
         """Whether :meth:`with_overrides` takes ``name`` without a dotted path: a field's own name
-        somewhere in the tree, or a spelling of earlier releases."""
-        return name in field_paths(cls) or name in RENAMED or name == "workers_config"
+        somewhere in the tree."""
+        return name in field_paths(cls)
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> SpecRolloutConfig:
@@ -141,25 +137,12 @@ class SpecRolloutConfig:
     def with_overrides(self, **overrides: Any) -> SpecRolloutConfig:
         """A copy with ``overrides`` set, each named by its dotted path or by a field name that only
         one field in the tree has; ``workers=N`` is ``workers.num_workers=N``."""
-        return apply_overrides(self, _modern_names(overrides))
+        return apply_overrides(self, _short_names(overrides))
 
 
-def _modern_names(overrides: Mapping[str, Any]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for key, value in overrides.items():
-        if key == "workers" and int_at_least(value, 0):
-            key = "workers.num_workers"
-        elif key == "workers_config":
-            warnings.warn("SpecRollout(workers_config={...}) is now workers={...}", FutureWarning, stacklevel=4)
-            if value is not None and not isinstance(value, Mapping):
-                raise ConfigError("workers_config", f"must be a dict of WorkersConfig fields, got {value!r}")
-            out.update({f"workers.{k}": v for k, v in (value or {}).items()})
-            continue
-        elif key in RENAMED:
-            warnings.warn(f"SpecRollout({key}=...) is now {RENAMED[key]}", FutureWarning, stacklevel=4)
-            key = RENAMED[key]
-        out[key] = value
-    return out
+def _short_names(overrides: Mapping[str, Any]) -> dict[str, Any]:
+    """``workers=N`` as ``workers.num_workers=N``; every other key as given."""
+    return {"workers.num_workers" if k == "workers" and int_at_least(v, 0) else k: v for k, v in overrides.items()}
 
 
 class WithRollout:

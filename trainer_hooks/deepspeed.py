@@ -5,14 +5,14 @@ with the full parameters gathered for the call, exactly as TRL's own generation 
 (``SpecRollout`` enters ``trl.models.unwrap_model_for_generation`` with
 ``ds3_gather_for_generation``). Under ``accelerate launch``/``deepspeed`` the launcher sets the
 distributed environment; a plain ``python`` run gets a one-process group from
-:func:`single_process_environment`.
+:func:`single_process_deepspeed`.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from ..distributed import single_process_environment
+from ..distributed import single_process_deepspeed
 
 SHIPPED = {"zero2": "deepspeed_zero2.json", "zero3": "deepspeed_zero3.json"}
 
@@ -49,7 +49,7 @@ def deepspeed_training_args(spec: str | None) -> dict[str, str]:
         return {}
     path = deepspeed_config(spec)
     require_deepspeed()
-    single_process_environment()
+    single_process_deepspeed()
     return {"deepspeed": path}
 
 

@@ -16,7 +16,7 @@ class PairedRollout:
     the twin starts). With position-keyed sampling the two must emit the same completions, which
     is checked at every step, completion by completion: the lossless claim, per RL step. (On a GPU
     the two run kernels of other shapes, whose rounding differs: a near-tied draw can flip and a
-    completion diverge from there; docs/GPU.md, run 10.) The trainer trains on the main
+    completion diverge from there.) The trainer trains on the main
     rollout's outputs and sees nothing of the twin (it logs no metrics); what the trainer asks of a
     rollout besides (sync, close, state, a drafter trained beside it) goes to the main one."""
 

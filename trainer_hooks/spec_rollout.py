@@ -47,6 +47,7 @@ class RolloutStats:
     strategy: str = "none"
     drafted_tokens: int = 0
     accepted_tokens: int = 0
+    acceptance_rate: float = 0.0  # accepted / drafted tokens
     mean_accept_length: float = 1.0  # tokens per sequence per speculative step
     draft_time_s: float = 0.0
     verify_time_s: float = 0.0
@@ -67,10 +68,6 @@ class RolloutStats:
     completion_digests: tuple[str, ...] = ()  # each completion's hash, in request order
     capture_time_s: float = 0.0  # of the call's time, what graph pools spent capturing (in-process and workers)
     drafter_health: float | None = None  # DrafterHealth's score (None without a model drafter)
-
-    @property
-    def acceptance_rate(self) -> float:
-        return self.accepted_tokens / self.drafted_tokens if self.drafted_tokens else 0.0
 
 
 def completions_digest(completion_ids: list[list[int]]) -> str:
@@ -498,6 +495,7 @@ class SpecRollout:
             strategy=strategy,
             drafted_tokens=counts.drafted_tokens,
             accepted_tokens=counts.accepted_tokens,
+            acceptance_rate=counts.acceptance_rate,
             mean_accept_length=counts.mean_accept_length,
             draft_time_s=counts.draft_time_s,
             verify_time_s=counts.verify_time_s,

@@ -4,16 +4,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..config_tree import int_at_least, require
+from ..config_tree import int_at_least, number_at_least, require
 from .work_queue import ORDERS, SCHEDULES
 
 
 def _none_or_int_at_least(value, low: int) -> bool:
     return value is None or int_at_least(value, low)
-
-
-def _number_at_least(value, low: float) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and value >= low
 
 
 @dataclass
@@ -64,10 +60,10 @@ class WorkersConfig:
     def _placement_checks(self) -> list[tuple[str, bool, str]]:
         return [
             ("num_workers", int_at_least(self.num_workers, 0), "an int >= 0 (0: no workers, the in-process engine)"),
-            ("num_cpus_per_worker", _number_at_least(self.num_cpus_per_worker, 0), "a number >= 0"),
+            ("num_cpus_per_worker", number_at_least(self.num_cpus_per_worker, 0), "a number >= 0"),
             (
                 "num_gpus_per_worker",
-                self.num_gpus_per_worker is None or _number_at_least(self.num_gpus_per_worker, 0),
+                self.num_gpus_per_worker is None or number_at_least(self.num_gpus_per_worker, 0),
                 "None or a number >= 0",
             ),
             ("threads_per_worker", _none_or_int_at_least(self.threads_per_worker, 1), "None or an int >= 1"),
@@ -76,7 +72,7 @@ class WorkersConfig:
             (
                 "placement_timeout_s",
                 self.placement_timeout_s is None
-                or (_number_at_least(self.placement_timeout_s, 0) and self.placement_timeout_s > 0),
+                or (number_at_least(self.placement_timeout_s, 0) and self.placement_timeout_s > 0),
                 "None or a number > 0",
             ),
             ("draft_hosts", isinstance(self.draft_hosts, bool), "a bool"),
@@ -93,7 +89,7 @@ class WorkersConfig:
                 int_at_least(self.spot_holdout_every, 0) and self.spot_holdout_every != 1,
                 "0 or an int >= 2",
             ),
-            ("spot_ship_min_gain", _number_at_least(self.spot_ship_min_gain, 0), "a float >= 0"),
+            ("spot_ship_min_gain", number_at_least(self.spot_ship_min_gain, 0), "a float >= 0"),
             ("sample_buffer_mb", int_at_least(self.sample_buffer_mb, 1), "an int >= 1"),
         ]
 

@@ -20,9 +20,10 @@ from ...rollout.adaptive.cost_model import batch_bucket
 from ...rollout.engine import RolloutEngine
 from ...rollout.model.graph_pool import capture_seconds, uncaptured_runs
 from ...rollout.params import RolloutConfig, SamplingParams
-from ...rollout.stats import StepRecord, goodput_by_bucket
+from ...rollout.stats import StepRecord
 from ...tasks.grow import grow_policy
 from ...tasks.sft import load_shipped
+from ..goodput import goodput_by_bucket
 from .common import Stage, device, graph_backend, mirror_config, timed
 from .env import copy_bandwidth_gbs
 from .models import task_prompts
@@ -217,10 +218,9 @@ def replay_ms(engine: RolloutEngine, repeats: int = 50) -> float | None:
     """One replay of the batch-1 decode graph alone (what the step costs without the engine around it)."""
     pool = engine.runner.graph_pool
     key = next((k for k in pool.keys() if (k.batch, k.tokens) == (1, 1)), None) if pool is not None else None
-    entry = pool.entry(key) if key is not None else None
-    if entry is None or not torch.cuda.is_available():
+    if key is None or not torch.cuda.is_available() or not pool.replay(key):
         return None
-    _, seconds = timed(lambda: [entry.graph.replay() for _ in range(repeats)])
+    _, seconds = timed(lambda: [pool.replay(key) for _ in range(repeats)])
     return 1000 * seconds / repeats
 
 
@@ -230,11 +230,10 @@ def replay_profile(engine: RolloutEngine, rows: int = 15) -> dict:
 
     pool = engine.runner.graph_pool
     key = next(k for k in pool.keys() if (k.batch, k.tokens) == (1, 1))
-    graph = pool.entry(key).graph
-    graph.replay()
+    pool.replay(key)
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        graph.replay()
+        pool.replay(key)
         torch.cuda.synchronize()
     events = [e for e in prof.events() if e.device_type.name == "CUDA"]
     table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=rows)

@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from ...config_tree import require
-from ...distributed import single_process_environment
+from ...distributed import single_process_deepspeed
 from ...progress import progress_bar
 from ...rollout.model.eval_mode import eval_mode
 from .data import Eagle3Sample, FeatureBuffer
@@ -297,7 +297,7 @@ class _DeepSpeedStepper:
         ds.setdefault("gradient_accumulation_steps", 1)
         ds.setdefault("gradient_clipping", c.max_grad_norm)
         if not torch.distributed.is_initialized():
-            single_process_environment()
+            single_process_deepspeed()
         self.engine, self.optimizer, _, _ = deepspeed.initialize(model=head, optimizer=_adamw(head, c), config=ds)
 
     def backward_and_step(self, loss: torch.Tensor) -> None:

@@ -13,7 +13,6 @@ than one worker's, so a merge repeated every sync never counts a step twice).
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 from ...draft_contract import DraftTree
@@ -149,9 +148,6 @@ class AcceptanceBook:
         if optimism <= 0:
             return mean
         return mean + (1.0 + depth - mean) * optimism / (optimism + counts.evidence)
-
-    def evidence(self, arm: Strategy) -> float:
-        return self._counts(arm).evidence if arm.speculative else math.inf
 
     def fade(self, uses_model: set[str], weight: float) -> None:
         """A drafter's new version: what the arms ``uses_model`` (book keys) measured counts ``weight`` x."""

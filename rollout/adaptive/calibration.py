@@ -15,7 +15,7 @@ import torch
 
 from ..model.attention import SequenceSlice
 from ..model.kv_cache import blocks_for
-from ..model.runner import ModelRunner
+from ..model.runner import Forward, ModelRunner
 from ..strategy import Strategy
 from .cost_model import ForwardTable, Pad, calibrate, calibration_shapes
 from .selector import SelectorConfig
@@ -39,9 +39,6 @@ def graph_padding(runner: ModelRunner, context: int, kernels: str) -> Pad | None
         return (key.batch, key.tokens) if key is not None else (n, t)
 
     return pad
-
-
-Forward = Callable[[list[SequenceSlice], list[int], list[int], list[int]], torch.Tensor]
 
 
 def forward_timer(

@@ -238,9 +238,12 @@ class BatchRatio:
         self.buckets = {int(b): deque(v, maxlen=self.window) for b, v in state["buckets"].items()}
 
 
-def _correction() -> BatchRatio:
-    """Measured / predicted seconds, per batch bucket, shrunk towards 1 and robust to outliers."""
-    return BatchRatio(1.0, 8.0, bucket_weight=8.0, clip=3.0)
+def _correction_in(corrections: dict[Strategy, BatchRatio], arm: Strategy) -> BatchRatio:
+    """``arm``'s correction in ``corrections``, made at 1.0 if it has none yet: measured / predicted
+    seconds, per batch bucket, shrunk towards 1 and robust to outliers."""
+    if arm not in corrections:
+        corrections[arm] = BatchRatio(1.0, 8.0, bucket_weight=8.0, clip=3.0)
+    return corrections[arm]
 
 
 class StepCosts:
@@ -279,31 +282,15 @@ class StepCosts:
             seconds += self.draft["suffix"].value(n) * self._suffix_unit(arm, n)
         return seconds
 
-    def base_seconds(self, arm: Strategy, n: int) -> float:
-        """Uncorrected: the verification forward plus the drafting."""
-        return self.verify_seconds(arm, n) + self.draft_seconds(arm, n)
-
     def seconds(self, arm: Strategy, n: int) -> float:
         draft = self.draft_seconds(arm, n)
         if arm in self.draft_correction:
             draft *= self.draft_correction[arm].value(n)
-        return self.verify_seconds(arm, n) * self.correction_of(arm).value(n) + draft
+        return self.verify_seconds(arm, n) * _correction_in(self.correction, arm).value(n) + draft
 
     def catch_up_seconds(self, lag_tokens: int) -> float:
         """A model drafter's catch-up on ``lag_tokens`` tokens it did not see (0: none)."""
         return self.catch_up.value * self.table.seconds(lag_tokens, 1) if lag_tokens else 0.0
-
-    def correction_of(self, arm: Strategy) -> BatchRatio:
-        """``arm``'s verification correction."""
-        if arm not in self.correction:
-            self.correction[arm] = _correction()
-        return self.correction[arm]
-
-    def draft_correction_of(self, arm: Strategy) -> BatchRatio:
-        """``arm``'s drafting correction (an arm of two drafters)."""
-        if arm not in self.draft_correction:
-            self.draft_correction[arm] = _correction()
-        return self.draft_correction[arm]
 
     def observe(self, arm: Strategy, n: int, seconds: float, draft_seconds: float, lag_tokens: int) -> None:
         """A step of ``arm`` on ``n`` sequences took ``seconds``, ``draft_seconds`` of them drafting,
@@ -331,8 +318,8 @@ class StepCosts:
         elif arm.kind == "suffix":
             self.draft["suffix"].add(n, draft_seconds, self._suffix_unit(arm, n))
         elif arm.speculative:
-            self.draft_correction_of(arm).add(n, draft_seconds, self.draft_seconds(arm, n))
-        self.correction_of(arm).add(n, seconds - draft_seconds, self.verify_seconds(arm, n))
+            _correction_in(self.draft_correction, arm).add(n, draft_seconds, self.draft_seconds(arm, n))
+        _correction_in(self.correction, arm).add(n, seconds - draft_seconds, self.verify_seconds(arm, n))
 
     def drift(self) -> float:
         """How far, as a factor >= 1, the median arm's correction is from 1 (the table is stale when
@@ -357,6 +344,6 @@ class StepCosts:
         self.catch_up.load(state["catch_up"])
         for arm in arms:
             if str(arm) in state["correction"]:
-                self.correction_of(arm).load(state["correction"][str(arm)])
+                _correction_in(self.correction, arm).load(state["correction"][str(arm)])
             if str(arm) in state.get("draft_correction", {}):
-                self.draft_correction_of(arm).load(state["draft_correction"][str(arm)])
+                _correction_in(self.draft_correction, arm).load(state["draft_correction"][str(arm)])

@@ -15,7 +15,7 @@ the least predicted time runs. Uncertainty is handled on acceptance only, the co
 measured: an arm's expected tokens are moved towards its best case as if that were ``optimism``
 more sequence-steps of evidence, so an arm never drafted is tried once where it could win; one step
 of any chain arm teaches every depth of its drafter, and a tree starts from its drafter's chain.
-There is no exploration schedule, no bucket and no probe.
+There is no exploration schedule and no probe: an arm is tried only where its best case could win.
 
 A new model-drafter version weighs what its arms measured by ``version_weight`` (acceptance only;
 costs are the architecture's). Workers' acceptance books merge at each policy sync

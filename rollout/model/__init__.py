@@ -1,2 +1,2 @@
 """The model side of the engine: the paged KV cache, paged attention plugged into Hugging Face
-models, the model runner (the only caller of the model) and its pool of captured CUDA graphs."""
+models, the model runner (every forward of a rollout) and its pool of captured CUDA graphs."""

@@ -200,9 +200,9 @@ def paged_attention_forward(
     ``query`` is ``[1, heads, T, head_dim]`` after RoPE, ``key``/``value`` ``[1, kv_heads, T, head_dim]``.
     Returns ``[1, T, heads, head_dim]``. In compiled decoder layers (``RolloutConfig.compile``)
     the new K/V rows (layout change and cast) are traced, so Inductor fuses them with RoPE; their
-    scatter into the cache runs with the attention, outside the compiled region. Traced, the
-    scatter became an out-of-place copy of the layer's whole cache on CUDA (GPU run 12: two
-    cache-sized kernels a layer, 8.5 of a 10.2 ms batch-1 step on the 1.0B policy).
+    scatter into the cache runs with the attention, outside the compiled region: traced, the
+    scatter becomes an out-of-place copy of the layer's whole cache on CUDA (two cache-sized
+    kernels a layer).
     """
     meta: AttentionMetadata | None = kwargs.get(METADATA_KWARG)
     if meta is None:

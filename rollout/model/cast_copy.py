@@ -3,9 +3,9 @@
 A trainer with mixed precision keeps fp32 parameters and computes its forwards in bf16 (autocast).
 Decoding on those fp32 weights reads twice the bytes of a bf16 model at every step, and a
 verification forward of a few tokens per sequence runs fp32 matrix products (no tensor cores
-without TF32), so speculation pays for more tokens than it saves: the first training run on a GPU
-(docs/GPU.md, run 10) rolled out the 1.0B policy from its fp32 master weights at 1.25x plain
-decoding with the drafter LM accepting 4.3 tokens a step. The engine instead decodes on a copy of
+without TF32), so speculation pays for more tokens than it saves (measured in docs/GPU.md: a
+rollout from fp32 master weights gained little over plain decoding though 4 tokens a step were
+accepted). The engine instead decodes on a copy of
 the model whose floating-point parameters are in ``dtype``: what the trainer's autocast computes
 its matrix products with (the same rounding of the same weights), as a rollout server (vLLM,
 SGLang) holds for RL training.

@@ -1,5 +1,5 @@
 """The decoder layers' own ops compiled by ``torch.compile`` (Inductor) for the engine's forwards
-(``RolloutConfig.compile``, issue 48).
+(``RolloutConfig.compile``).
 
 A decoder layer of a Hugging Face model runs some 40 small kernels at decode time: RMSNorms,
 RoPE, casts, the activation and its product, residual adds, each a launch of a few microseconds
@@ -12,8 +12,8 @@ compiled kernels.
 
 The new tokens' K/V rows (their layout change and cast) are traced and fuse with RoPE; their
 scatter into the paged cache runs with the attention, outside the compiled region. Traced, the
-scatter became an out-of-place copy of the layer's whole cache on CUDA (GPU run 12: 8.5 ms of a
-10.2 ms batch-1 step), though Inductor's C++ code on CPU wrote in place.
+scatter becomes an out-of-place copy of the layer's whole cache on CUDA (measured: most of a
+batch-1 step; docs/GPU.md), though Inductor's C++ code on CPU writes in place.
 
 The compiled forwards are swapped in only while the engine runs the model (``active()``), as an
 instance attribute over each layer's ``forward``: the trainer's forwards, and forward hooks (the

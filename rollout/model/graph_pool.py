@@ -68,7 +68,7 @@ _capture_lock = threading.Lock()
 def capture_seconds() -> float:
     """Seconds all graph pools of this process have spent capturing so far. A step that captured
     ran once at the capture's cost; the adaptive selector times steps without it, since replays
-    of the shape cost none of it (on an H100 a 1B policy's capture took 60-110 ms, 10-20 steps)."""
+    of the shape cost none of it (a 1B policy's capture takes as long as 10-20 of its steps)."""
     return _capture_clock[0]
 
 
@@ -93,11 +93,16 @@ def _round_up(value: int, buckets: tuple[int, ...]) -> int | None:
 
 
 class CapturedForward:
-    """What a backend returns: ``run(inputs)`` replays the captured forward on new inputs."""
+    """What a backend returns: ``run(inputs)`` replays the captured forward on new inputs;
+    ``replay()`` runs it again on the inputs it last ran, staging nothing (a step's device work
+    without the engine around it, as the GPU speed stage measures it)."""
 
     nbytes: int = 0
 
     def run(self, inputs: Inputs) -> Outputs:  # pragma: no cover - interface
+        raise NotImplementedError
+
+    def replay(self) -> None:  # pragma: no cover - interface
         raise NotImplementedError
 
 
@@ -111,6 +116,9 @@ class _EagerForward(CapturedForward):
     def run(self, inputs: Inputs) -> Outputs:
         self.staged.load(inputs)
         return self.fn(self.staged.views)
+
+    def replay(self) -> None:
+        self.fn(self.staged.views)
 
 
 class EagerBackend:
@@ -153,6 +161,9 @@ class _CudaGraphForward(CapturedForward):
         self.staged.load(inputs)
         self.graph.replay()
         return self.static_output  # valid until the next replay of any graph in the pool
+
+    def replay(self) -> None:
+        self.graph.replay()
 
 
 class CudaGraphBackend:
@@ -224,9 +235,8 @@ class GraphPool:
         ``reads_tables``: its attention reads block tables (the split-KV kernel), whose work follows
         each sequence's own context; the bucket then sets only the tables' width and the split
         count, so coarse ``table_context_buckets`` serve it: a rollout crossing contexts 256, 512
-        and 1024 captures each batch and width once instead of three times (run 10's H200 host
-        took 0.31 s a calibrated shape, its capture included), where a gathering attention copies
-        its whole bucket each step."""
+        and 1024 captures each batch and width once instead of three times (a capture costs tens
+        of steps), where a gathering attention copies its whole bucket each step."""
         b = _round_up(num_seqs, self.batch_buckets)
         t = _round_up(tokens, self.token_buckets)
         c = _round_up(context, self.table_context_buckets if reads_tables else self.context_buckets)
@@ -238,9 +248,13 @@ class GraphPool:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def entry(self, key: GraphKey) -> CapturedForward | None:
-        """The captured forward held for ``key`` (not moved in the LRU order), or None."""
-        return self._entries.get(key)
+    def replay(self, key: GraphKey) -> bool:
+        """Replay the forward held for ``key`` on the inputs it last ran (staging nothing, not
+        moved in the LRU order): its device work alone, for measurements. False if none is held."""
+        entry = self._entries.get(key)
+        if entry is not None:
+            entry.replay()
+        return entry is not None
 
     def take_missed(self) -> dict[GraphKey, InputSignature]:
         """The buckets other threads ran uncaptured since the last call (not captured since), with
@@ -271,8 +285,8 @@ class GraphPool:
             return entry.run(inputs)
         if threading.get_ident() != self._owner:
             # captures happen on the thread that made the pool: a draft executor's thread replays
-            # what is held and runs other shapes eagerly, so two captures never overlap (an H100
-            # run saw one capture invalidated by the other thread's work); the owner may capture
+            # what is held and runs other shapes eagerly, so two captures never overlap (another
+            # thread's work during a capture invalidates it); the owner may capture
             # the bucket later, when the other thread is idle (take_missed)
             with _capture_lock:
                 self._missed.setdefault(key, input_signature(inputs))

@@ -1,5 +1,5 @@
 """Projections that read the same input merged into one matrix for the engine's forwards
-(``RolloutConfig.merge_projections``, issue 48).
+(``RolloutConfig.merge_projections``).
 
 A decoder layer of a Hugging Face model multiplies its normed hidden states by three matrices
 (``q_proj``, ``k_proj``, ``v_proj``) and, in the MLP, by two (``gate_proj``, ``up_proj``): five

@@ -1,7 +1,9 @@
 """Drives a Hugging Face causal LM over the paged KV cache.
 
-This is the only module that calls the model, so a native forward (or a captured CUDA graph)
-can replace it later without touching the scheduler or the sampler.
+Every forward of a rollout goes through :class:`ModelRunner`, so a captured CUDA graph (or a
+native forward) replaces the model's own without touching the scheduler or the sampler. The one
+other caller of the model in rollout/ is ``early_exit.exit_agreement``, which teacher-forces
+whole sequences outside any rollout to measure an exit layer.
 """
 
 from __future__ import annotations
@@ -33,6 +35,10 @@ from .eval_mode import eval_mode
 from .graph_pool import GraphKey, GraphPool, input_signature
 from .kv_cache import KVLayout, PagedKVCache
 from .merged_projections import MergedProjections
+
+# a packed forward as the step loop and calibration call it (ModelRunner.forward, or a wrapper of
+# it): sequences, their new tokens, those tokens' positions, the rows whose logits to return
+Forward = Callable[[Sequence[SequenceSlice], list[int] | torch.Tensor, list[int], list[int]], torch.Tensor]
 
 logger = logging.getLogger(__name__)
 
@@ -228,8 +234,8 @@ class ModelRunner:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """:meth:`forward`, plus the hidden states entering ``feature_layers`` for every packed
         token, concatenated in the given order: ``[T, len(feature_layers) * hidden]``. Captured
-        like any forward (the features are an output of the graph): an EAGLE-3 drafter's target
-        otherwise decoded eagerly, 116 ms a step against 5 ms replayed on run 9's H200."""
+        like any forward (the features are an output of the graph), so an EAGLE-3 drafter's target
+        replays its graphs instead of decoding eagerly, which costs some 20x more a step on a GPU."""
         logits, features = self._forward(seqs, tokens, positions, logits_index, tuple(feature_layers))
         assert features is not None
         return logits, features
@@ -314,9 +320,8 @@ class ModelRunner:
         fails is logged and left to run uncaptured. Returns how many were captured.
 
         Mirror-SD's draft thread meets shapes of its own (continuations one token deeper than the
-        serial chains), which the owner never ran: run 15 on an H200 (mirror's verification
-        1.4-2.6x ``chain:4``'s at batch 16 and 64 beside them) and this CPU's count (30 uncaptured
-        drafter forwards in a warm rollout of 12 steps at batch 8) showed them run eagerly."""
+        serial chains), which the owner never ran: without this call they would run eagerly for
+        the whole rollout."""
         pool = self.graph_pool
         if pool is None:
             return 0

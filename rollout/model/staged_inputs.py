@@ -3,8 +3,7 @@
 Before every replay the host hands a captured graph its padded inputs: token ids, positions,
 slot mapping, the split-KV kernel's block tables and lengths, a dozen small tensors. Built on
 the device one by one and then copied into the graph's static buffers, they cost two CUDA calls
-each, and a GPU machine's host pays about 15-20 µs for each (GPU run 11: the eager 1.0B decode
-step launched 1,253 kernels in 23.8 ms). Here the static inputs are views of one device buffer
+each, and a GPU machine's host pays about 15-20 µs for each. Here the static inputs are views of one device buffer
 per dtype; the host tensors are packed into one pinned host buffer per dtype and copied over in
 one asynchronous copy each. Packing and unpacking are the same code on CPU, where the buffers
 are plain memory and the copy a memcpy.

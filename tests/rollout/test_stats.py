@@ -4,7 +4,7 @@ before``; workers' counts sum with ``+``; the derived rates come from the summed
 from dataclasses import fields
 
 from tailspec.rollout import RolloutConfig, RolloutEngine, SamplingParams
-from tailspec.rollout.stats import EngineCounts, EngineStats, StepRecord, goodput_by_bucket
+from tailspec.rollout.stats import EngineCounts, EngineStats
 from tailspec.testing import perturbed_copy, tiny_random_model
 
 
@@ -33,14 +33,3 @@ def test_the_engines_stats_are_its_counts_plus_its_logs():
     empty = EngineCounts()
     assert (empty + empty) == empty and empty.mean_accept_length == 1.0 and empty.acceptance_rate == 0.0
     assert (EngineCounts(strategy_steps={"none": 3}) - EngineCounts(strategy_steps={"none": 3})).strategy_steps == {}
-
-
-def test_goodput_by_batch_size_bucket():
-    steps = [
-        StepRecord(1, "none", 1, 0.5, False),
-        StepRecord(3, "chain:4", 3, 1.0, False),
-        StepRecord(40, "none", 40, 2.0, False),
-    ]
-    buckets = goodput_by_bucket(steps, (1, 4, 16))
-    assert sorted(buckets) == [1, 4, 16]  # 40 active falls in the last bucket
-    assert buckets[4].goodput == 3.0 and buckets[4].arms == {"chain:4": 1} and buckets[16].steps == 1

@@ -22,9 +22,9 @@ def main(stage: str, out_dir: str) -> None:
     from tailspec.drafter.eagle3 import Eagle3Config, Eagle3Head
     from tailspec.tasks.tokenizer import build_tokenizer
     from tailspec.testing import tiny_random_model
-    from tailspec.trainer_hooks.deepspeed import deepspeed_config, single_process_environment
+    from tailspec.trainer_hooks.deepspeed import deepspeed_config, single_process_deepspeed
 
-    single_process_environment()
+    single_process_deepspeed()
     tok = build_tokenizer()
     model = tiny_random_model(
         "qwen2", seed=3, vocab_size=len(tok), eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,

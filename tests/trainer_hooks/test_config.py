@@ -8,7 +8,7 @@ import pytest
 import yaml
 from test_spec_rollout import _greedy_trainer
 
-from tailspec.config_tree import field_paths, parse_assignments
+from tailspec.config_tree import ConfigError, field_paths, parse_assignments
 from tailspec.rollout.params import MirrorConfig, RolloutConfig
 from tailspec.trainer_hooks import SpecRollout, SpecRolloutConfig
 from tailspec.workers.config import WorkersConfig
@@ -121,11 +121,11 @@ def test_names_resolve_without_ambiguity():
     assert SpecRolloutConfig().with_overrides(seed=3).seed == 3
 
 
-def test_earlier_spellings_still_work_and_say_what_replaced_them():
-    with pytest.warns(FutureWarning, match="workers.address"):
-        a = SpecRollout(workers=2, ray_address="ray://head:10001")
-    with pytest.warns(FutureWarning, match="workers="):
-        b = SpecRollout(workers=2, workers_config={"spot_training": False})
-    assert a.config.workers.address == "ray://head:10001" and b.config.workers.spot_training is False
+def test_short_names_reach_their_fields_and_unknown_ones_are_refused():
+    a = SpecRollout(workers=2, address="ray://head:10001", spot_training=False)
+    assert a.config.workers.num_workers == 2 and a.config.workers.address == "ray://head:10001"
+    assert a.config.workers.spot_training is False
+    with pytest.raises(ConfigError, match="ray_address"):
+        SpecRollout(ray_address="ray://head:10001")
     given = SpecRolloutConfig(engine=RolloutConfig(mirror=MirrorConfig(draft_threads=2)))
     assert SpecRollout(config=given, strategy="suffix").config.engine.mirror.draft_threads == 2

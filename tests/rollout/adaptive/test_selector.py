@@ -10,7 +10,7 @@ from rollout_helpers import cached_model, random_prompts
 from tailspec.config_tree import ConfigError
 from tailspec.draft_contract import DraftTree
 from tailspec.rollout import RolloutConfig, RolloutEngine, SamplingParams
-from tailspec.rollout.adaptive.acceptance import AcceptanceBook, first_branch
+from tailspec.rollout.adaptive.acceptance import AcceptanceBook, book_key, first_branch
 from tailspec.rollout.adaptive.choice import calibrated_batch
 from tailspec.rollout.adaptive.cost_model import SHIFT_RUN, BatchRatio, ForwardTable, StepCosts, push
 from tailspec.rollout.adaptive.selector import SelectorConfig, StrategySelector
@@ -18,6 +18,12 @@ from tailspec.rollout.strategy import parse_strategy
 from tailspec.testing import perturbed_copy
 
 S = parse_strategy
+
+
+def evidence(book: AcceptanceBook, arm) -> float:
+    """The sequence-steps of evidence behind ``arm``'s expected tokens (0 before its first)."""
+    counts = book.counts.get(book_key(arm))
+    return counts.evidence if counts is not None else 0
 
 
 def linear_costs(fixed: float = 10e-3, per_row: float = 1e-3) -> StepCosts:
@@ -64,9 +70,9 @@ def test_one_chain_arm_teaches_every_depth_of_its_drafter():
     book.observe(S("chain:4"), [4] * 1000, [4] * 600 + [1] * 400)  # P(>=1) = 1, P(>=2) = 0.6
     assert book.expected(S("chain:2")) == pytest.approx(1 + 1 + 0.6, abs=0.01)
     assert book.expected(S("chain:4")) == pytest.approx(1 + 1 + 0.6 * 3, abs=0.01)
-    assert book.evidence(S("chain:2")) == 1000 and book.evidence(S("tree:4,2,8")) == 0
+    assert evidence(book, S("chain:2")) == 1000 and evidence(book, S("tree:4,2,8")) == 0
     book.observe(S("chain:2"), [2, 1, 0], [0, 1, 0])  # a sequence that did not draft adds nothing
-    assert book.evidence(S("chain:4")) == 1002
+    assert evidence(book, S("chain:4")) == 1002
     # a tree keeps its own counter, with its drafter's chain of the same depth as its prior (the
     # tree's first branch is that chain); optimism moves an arm towards its best case
     assert book.expected(S("tree:4,2,8")) == pytest.approx(book.expected(S("chain:4")))
@@ -89,7 +95,7 @@ def test_a_trees_first_branch_teaches_its_drafters_chains():
     assert first_branch(DraftTree.chain([1, 2, 3]), [0, 1]) == (3, 2)
     book = AcceptanceBook()
     book.observe(S("tree:4,2,8"), [8] * 100, [3] * 100, [(4, 3)] * 100)
-    assert book.evidence(S("chain:4")) == 100
+    assert evidence(book, S("chain:4")) == 100
     assert book.expected(S("chain:2")) == pytest.approx(3.0, abs=0.02)
     assert book.expected(S("chain:4")) == pytest.approx(4.0, abs=0.05)  # the fourth level never kept
 
@@ -100,7 +106,7 @@ def test_versions_fade_and_workers_merge_by_averaging():
     book.observe(S("suffix"), [16] * 10, [2] * 10)
     before = book.expected(S("chain:4"))
     book.fade({"chain-chain"}, 0.5)
-    assert book.evidence(S("chain:4")) == 50 and book.evidence(S("suffix")) == 10
+    assert evidence(book, S("chain:4")) == 50 and evidence(book, S("suffix")) == 10
     assert book.expected(S("chain:4")) < before  # the prior weighs more, the estimate itself stays
     other = AcceptanceBook()
     other.observe(S("chain:2"), [2] * 50, [0] * 50)
@@ -109,7 +115,7 @@ def test_versions_fade_and_workers_merge_by_averaging():
     assert again == merged  # merging at every sync never counts a step twice
     pooled = AcceptanceBook()
     pooled.load_state_dict(merged)
-    assert pooled.evidence(S("chain:4")) == 50  # (50 + 50) / 2
+    assert evidence(pooled, S("chain:4")) == 50  # (50 + 50) / 2
     assert pooled.counts["chain-chain"].passed[0] == pytest.approx(25)
 
 
@@ -158,7 +164,7 @@ def test_the_drafting_ratio_follows_the_batch_size():
 def test_corrections_shrink_to_one_and_resist_outliers():
     costs = linear_costs()
     none = S("none")
-    predicted = costs.base_seconds(none, 4)
+    predicted = costs.verify_seconds(none, 4)
     costs.observe(none, 4, 100 * predicted, 0.0, 0)  # the first step at a batch bucket: a warm-up, ignored
     assert costs.seconds(none, 4) == predicted
     costs.observe(none, 4, 3 * predicted, 0.0, 0)  # one slow step moves it a little
@@ -170,7 +176,7 @@ def test_corrections_shrink_to_one_and_resist_outliers():
     pooled = math.log(1.5) * 32 / 40
     assert costs.seconds(none, 4) / predicted == pytest.approx(math.exp((31 * math.log(1.5) + 8 * pooled) / 39))
     assert costs.drift() == pytest.approx(math.exp(pooled))
-    assert costs.seconds(none, 64) / predicted * costs.base_seconds(none, 4) / costs.base_seconds(none, 64) == (
+    assert costs.seconds(none, 64) / predicted * costs.verify_seconds(none, 4) / costs.verify_seconds(none, 64) == (
         pytest.approx(costs.seconds(none, 4) / predicted)
     )  # a bucket never measured reads the nearest measured one
 
@@ -219,7 +225,7 @@ def test_the_drafting_and_the_verification_are_corrected_apart():
             draft = draft_ratio * unit
             costs.observe(chain, n, verify + draft, draft, 0)
         assert costs.seconds(chain, n) == pytest.approx(verify + draft, rel=0.02)
-    assert costs.correction_of(chain).value(n) == pytest.approx(1.0)
+    assert costs.correction[chain].value(n) == pytest.approx(1.0)
     hybrid = S("hybrid:4,2,12")  # two drafters: its drafting has a correction of its own
     for _ in range(40):
         costs.observe(
@@ -230,7 +236,7 @@ def test_the_drafting_and_the_verification_are_corrected_apart():
             0,
         )
     assert costs.draft_correction[hybrid].value(n) == pytest.approx(2.0, rel=0.05)
-    assert costs.correction_of(hybrid).value(n) == pytest.approx(1.0)
+    assert costs.correction[hybrid].value(n) == pytest.approx(1.0)
 
 
 def test_the_choice_follows_goodput_where_the_best_arm_changes_with_batch_size():
@@ -269,10 +275,10 @@ def test_a_new_drafter_version_weighs_its_arms_evidence_down():
     selector.acceptance.observe(S("suffix"), [16] * 40, [1] * 40)
     selector.on_drafter_version(1)
     selector.on_drafter_version(2)
-    assert selector.acceptance.evidence(S("chain:4")) == pytest.approx(100)
-    assert selector.acceptance.evidence(S("suffix")) == 40  # the suffix drafter did not change
+    assert evidence(selector.acceptance, S("chain:4")) == pytest.approx(100)
+    assert evidence(selector.acceptance, S("suffix")) == 40  # the suffix drafter did not change
     selector.on_drafter_version(2)
-    assert selector.acceptance.evidence(S("chain:4")) == pytest.approx(100)
+    assert evidence(selector.acceptance, S("chain:4")) == pytest.approx(100)
 
 
 def test_state_round_trip_and_an_earlier_releases_state(caplog):
@@ -488,9 +494,10 @@ def test_recalibration_runs_between_rollouts_once_the_arms_drift():
     engine = RolloutEngine(model, RolloutConfig(strategy="adaptive"), drafter=perturbed_copy(model, 0.3, 7))
     engine.generate(random_prompts(2, seed=4), SamplingParams(max_new_tokens=4, temperature=0.0))
     table = engine.selector.costs.table
+    costs = engine.selector.costs
     for arm in engine.selector.arms:
         for _ in range(32):
-            engine.selector.costs.observe(arm, 2, 10 * engine.selector.costs.base_seconds(arm, 2), 0.0, 0)
+            costs.observe(arm, 2, 10 * (costs.verify_seconds(arm, 2) + costs.draft_seconds(arm, 2)), 0.0, 0)
     assert engine.selector.needs_recalibration
     engine.generate(random_prompts(2, seed=5), SamplingParams(max_new_tokens=4, temperature=0.0))
     assert engine.selector.costs.table is not table and not engine.selector.needs_recalibration
