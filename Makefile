@@ -36,12 +36,14 @@ demo: $(STAMP)
 	$(VENV)/bin/tailspec demo
 
 # two test processes (pytest-xdist), a file's tests in one of them (module fixtures built once): the
-# suite's tests run one torch thread each, so on 2 cores this halves the wall time. Tests marked
+# suite's tests run one torch thread each, so on 2 cores this halves the wall time. Files are handed
+# out in tests/conftest.py's order, longest first (--no-loadscope-reorder: xdist would otherwise
+# order them by their number of tests, and a long file of few tests would run last). Tests marked
 # `solo` judge what adaptive picks from measured step times: they run afterwards, alone.
 TEST_WORKERS ?= 2
 SOLO_TESTS := tests/workers/test_adaptive_on_workers.py  # the files holding `solo` tests (tests/conftest.py checks)
 test: $(STAMP)
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not solo"
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder -m "not solo"
 	$(PY) -m pytest -q -m solo $(SOLO_TESTS)
 
 # the wheel as a user installs it (tests/wheel_check.py): built from the tracked files, installed into a

@@ -8,6 +8,7 @@ Model caches and the Hugging Face greedy reference live in ``tests/rollout/rollo
 """
 
 import os
+import time
 
 import pytest
 import torch
@@ -19,19 +20,48 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
-@pytest.fixture(scope="module")
-def ray_local():
-    """A new local Ray instance for the module's tests (2 CPUs, no dashboard), stopped afterwards.
+def _start_ray():
+    """A new local Ray instance (2 CPUs, no dashboard). ``address="local"`` starts one even when
+    another Ray cluster runs on this machine (another test run, a user's head): joining that one
+    would share its state and refuse ``num_cpus``."""
+    import ray
 
-    ``address="local"`` starts one even when another Ray cluster runs on this machine (another
-    test run, a user's head): joining that one would share its state and refuse ``num_cpus``.
-    """
-    ray = pytest.importorskip("ray")
     ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False, ignore_reinit_error=True)
+    return ray
+
+
+def _all_cpus_free(ray, within_s: float) -> bool:
+    """Whether every CPU of the instance is free again within ``within_s`` (a killed actor's
+    resources come back asynchronously)."""
+    deadline = time.monotonic() + within_s
+    while ray.available_resources().get("CPU", 0) < ray.cluster_resources().get("CPU", 0):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.1)
+    return True
+
+
+@pytest.fixture(scope="session")
+def _ray_instance():
+    ray = pytest.importorskip("ray")
+    holder = {"ray": _start_ray()}
     try:
-        yield ray
+        yield holder
     finally:
         ray.shutdown()
+
+
+@pytest.fixture
+def ray_local(_ray_instance):
+    """This test process's local Ray instance, shared by its tests: starting one costs seconds, and
+    the tests that use it start their own actors on it. A test that leaves an actor holding CPUs
+    (a failure before its shutdown) gets the instance restarted after it, so the next test finds
+    every CPU free."""
+    ray = _ray_instance["ray"]
+    yield ray
+    if not _all_cpus_free(ray, within_s=10.0):
+        ray.shutdown()
+        _ray_instance["ray"] = _start_ray()
 
 
 # what a child process must not inherit from this test process: another Ray cluster's address or
@@ -53,20 +83,25 @@ def child_env() -> dict[str, str]:
 # `make test`'s two processes (pytest-xdist, a file per process at a time) the longest files then
 # do not end up as the last unit one process runs while the other idles. A schedule hint only: a
 # file not listed runs after these, in collection order.
-LONGEST_FIRST = (  # Ray's and the others alternating, so the two processes rarely run two Ray heads at once
+LONGEST_FIRST = (  # Ray's and the others alternating, so the two processes rarely run Ray tests at once
     "workers/test_faults.py",
     "rollout/mirror/test_mirror.py",
     "workers/test_coordinator.py",
     "rollout/test_spec_sampling.py",
     "workers/test_divided_rollout.py",
-    "rollout/test_spec_greedy.py",
-    "workers/test_ray_job.py",
     "drafter/eagle3/test_eagle3_drafter.py",
-    "test_interrupt.py",
-    "drafter/eagle3/test_eagle3_deepspeed.py",
+    "workers/test_ray_job.py",
+    "rollout/test_spec_greedy.py",
     "workers/test_draft_hosts.py",
-    "drafter/eagle3/test_eagle3_train.py",
+    "rollout/model/test_compiled.py",
     "atts/test_ray_clients.py",
+    "testing/test_selector_sim.py",
+    "workers/test_coordinator_state.py",
+    "rollout/test_position_noise.py",
+    "test_interrupt.py",
+    "rollout/mirror/test_executors.py",
+    "workers/test_spec_rollout_workers.py",
+    "drafter/eagle3/test_eagle3_train.py",
 )
 
 

@@ -33,6 +33,8 @@ def _modules():
             continue
         if rel == Path("__init__.py"):
             continue  # the public API: lazy names of every floor
+        if rel == Path("setup.py"):
+            continue  # the build script, left out of the package
         yield rel
 
 

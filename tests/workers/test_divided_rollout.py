@@ -96,7 +96,13 @@ def test_predicted_order_learns_lengths_across_rollouts(ray_local):
 
 
 def test_workers_that_cannot_be_placed_fail_in_bounded_time(ray_local):
-    holder = coordinator(spot_training=False)  # holds both CPUs of the local instance
+    @ray_local.remote(num_cpus=2)
+    class Holder:  # holds both CPUs of the local instance (no model to load: it starts in a second)
+        def ping(self):
+            return True
+
+    holder = Holder.remote()
+    ray_local.get(holder.ping.remote())
     start = time.perf_counter()
     with pytest.raises(
         PlacementError, match=r"asked for CPU 2, GPU 0; the cluster has CPU 0, GPU 0 free of CPU 2, GPU 0"
@@ -105,13 +111,11 @@ def test_workers_that_cannot_be_placed_fail_in_bounded_time(ray_local):
             policy(), CONFIG, [EOS], drafter=fresh_head(), config=WorkersConfig(num_workers=2, placement_timeout_s=2)
         )
     assert time.perf_counter() - start < 30
-    holder.shutdown()
-    import ray
-
+    ray_local.kill(holder)
     deadline = time.monotonic() + 20  # freed resources show up asynchronously
-    while ray.available_resources().get("CPU", 0) < 2 and time.monotonic() < deadline:
+    while ray_local.available_resources().get("CPU", 0) < 2 and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert ray.available_resources().get("CPU") == 2  # the refused actors were killed, not left pending
+    assert ray_local.available_resources().get("CPU") == 2  # the refused actors were killed, not left pending
 
 
 def test_schedule_settings_are_validated():

@@ -55,6 +55,8 @@ def test_a_killed_worker_costs_only_its_unfinished_requests(ray_local, point, pr
     assert finished_once(coord, 0, len(prompts))
     reruns = kinds(coord.events, "rerun")
     assert report.requests_rerun == sum(e.detail["requests"] for e in reruns)
+    if point != "after its last request":  # noticed within this rollout
+        assert report.workers_died == 1 and [e.worker for e in kinds(coord.events, "worker_died")] == box["killed"]
     if point == "before its first request":  # everything it had been dealt (divided: it may have had more)
         dealt = [e for e in coord.events if e.kind in ("shard", "submit") and e.worker == box["killed"][0]]
         assert report.requests_rerun == sum(
