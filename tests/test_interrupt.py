@@ -119,4 +119,3 @@ def test_ctrl_c_during_the_demo(tmp_path, env):
     assert "tailspec: interrupted" in log and "Traceback" not in log
     (debug_log,) = tmp_path.glob("wandb/offline-run-*/logs/debug.log")
     assert "got exitcode: 130" in debug_log.read_text()
-
