@@ -1,4 +1,4 @@
-"""Host work before each captured replay (issue 48): the padded forward's inputs.
+"""Host work before each captured replay: the padded forward's inputs.
 
 Before every replay of a captured forward, the target's at each decode or verification step and
 the drafter LM's at each draft level, the runner builds the bucket's inputs on the host: token ids,

@@ -264,7 +264,7 @@ def measure_split_kv(
     block_size: int = 16,
     seed: int = 0,
 ) -> dict:
-    """The split-KV kernel (issue 48) against the engine's gather + SDPA for one layer's attention
+    """The split-KV kernel against the engine's gather + SDPA for one layer's attention
     over ``num_seqs`` sequences of ``context`` cached tokens, in every variant (block of keys x
     split count around the automatic one), contenders interleaved over ``passes`` passes: medians
     of the passes' medians (on CUDA, of graph replays: the device's time), the relative error against

@@ -76,7 +76,7 @@ for _section in (
     Section("grpo_path", "grpo_path:run_grpo_path_section", POLICY, "adaptive on the GRPO path, per step"),
     Section("user_path", "user_path:run_user_path_section", ("quick",), "what a user's first run measures"),
     Section("selector_sim", "selector_sim:run_selector_sim_section", ("quick",), "the selector's simulator"),
-    Section("host", "host:run_host_section", ("quick",), "host work before each captured replay (issue 48)"),
+    Section("host", "host:run_host_section", ("quick",), "host work before each captured replay"),
 ):
     register(_section)
 

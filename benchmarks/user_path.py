@@ -1,4 +1,4 @@
-"""The whole rollout as a user runs it (issue 39, item 6), on a policy no shipped drafter was made for.
+"""The whole rollout as a user runs it, on a policy no shipped drafter was made for.
 
 The user's policy is a shipped policy (the deep one) with every weight moved by ``x (1 + policy_noise *
 noise)`` (seeded): a model the shipped drafter LM and EAGLE-3 head never saw. The user warms up an

@@ -107,7 +107,9 @@ def _split_kv(triton, target, source, head_dim: int, group: int, block_d: int) -
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--arch", type=int, default=90, help="compute capability without the dot (80: A100, 90: H100)")
+    parser.add_argument(
+        "--arch", type=int, default=90, help="compute capability without the dot (80: Ampere, 90: Hopper)"
+    )
     parser.add_argument("--head-dim", type=int, default=128)
     args = parser.parse_args(argv)
     print(json.dumps(compile_kernels(args.arch, args.head_dim), indent=1))

@@ -1,4 +1,4 @@
-"""Stage ``attention``: the split-KV Triton decode attention against gather + SDPA (issue 48).
+"""Stage ``attention``: the split-KV Triton decode attention against gather + SDPA.
 
 One layer's attention of an 8B-shaped model (32 query heads, 8 KV heads of 128, bf16) over
 contexts of 512 to 32k tokens at batch 1, 16 and 64, decode and a 5-token verification, every

@@ -1,4 +1,4 @@
-"""Stage ``fast_path`` (issue 48): the engine's decoding against the hardware and against
+"""Stage ``fast_path``: the engine's decoding against the hardware and against
 transformers' own fastest path, on each decoder path (``VARIANTS``).
 
 The decoder paths: the layers eager; compiled (``RolloutConfig.compile``: Inductor fuses the

@@ -1,4 +1,4 @@
-"""The selector stage: ``adaptive``'s calibration and choice on the GPU (issue 46, item 5).
+"""The selector stage: ``adaptive``'s calibration and choice on the GPU.
 
 On the grown policy with the drafter LM: how long calibration takes, the step time it predicts
 for every arm of its own arm set against the step time that arm's engine measures at batch 1, 16

@@ -1,4 +1,4 @@
-"""The training stage: ``tailspec.GRPOTrainer`` with ``SpecRollout`` on the GPU (issue 49).
+"""The training stage: ``tailspec.GRPOTrainer`` with ``SpecRollout`` on the GPU.
 
 The demo's GRPO run (``demo.run_demo_with_rollout``, in-process: Ray cannot travel to the device)
 on the shipped deep policy grown to 1.0B parameters (``speed.grow``; the drafters keep their real

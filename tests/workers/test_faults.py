@@ -35,43 +35,51 @@ DURING = ("during its requests", lambda e: e.kind == "finished" and e.detail["le
 AFTER = ("after its last request", lambda e: e.kind == "finished" and e.detail["left"] == 0)
 
 
-# each kill point once, and the mid-rollout death (the one that re-runs work) under both schedules:
-# the schedules differ in how the dead worker's requests were dealt, not in what its death puts back
-@pytest.mark.parametrize(
-    "point, predicate, schedule",
-    [(*BEFORE, "divided"), (*DURING, "divided"), (*DURING, "static"), (*AFTER, "static")],
-    ids=["before-divided", "during-divided", "during-static", "after-static"],
-)
-def test_a_killed_worker_costs_only_its_unfinished_requests(ray_local, point, predicate, schedule):
-    prompts, params = long_tail_batch()
-    want = [o.completion_ids for o in single_engine(prompts, params)]
-    box = {"killed": []}
-    coord = box["coord"] = coordinator(
-        spot_training=False, schedule=schedule, on_event=kill_when(ray_local, box, predicate)
-    )
+def rollout_with_a_kill(ray, coord, kill, prompts, params, want) -> None:
+    """One rollout in which the first worker ``kill``'s predicate picks is killed at ``kill``'s
+    point: the completions are the plain ones, every request is counted once, and only what the
+    dead worker had not finished is generated again."""
+    point, predicate = kill
+    box = {"killed": [], "coord": coord}
+    coord.on_event = kill_when(ray, box, predicate)
+    start = len(coord.events)
     report = coord.generate(prompts, params)
+    coord.on_event = None
+    events = coord.events[start:]
+    assert box["killed"], point
     assert [o.completion_ids for o in report.outputs] == want, point
     assert [o.prompt_ids for o in report.outputs] == prompts
-    assert finished_once(coord, 0, len(prompts))
-    reruns = kinds(coord.events, "rerun")
+    assert finished_once(coord, start, len(prompts))
+    reruns = kinds(events, "rerun")
     assert report.requests_rerun == sum(e.detail["requests"] for e in reruns)
-    if point != "after its last request":  # noticed within this rollout
-        assert report.workers_died == 1 and [e.worker for e in kinds(coord.events, "worker_died")] == box["killed"]
-    if point == "before its first request":  # everything it had been dealt (divided: it may have had more)
-        dealt = [e for e in coord.events if e.kind in ("shard", "submit") and e.worker == box["killed"][0]]
-        assert report.requests_rerun == sum(
-            e.detail["requests"] for e in dealt if e.seq < kinds(coord.events, "rerun")[0].seq
-        )
-    elif point == "during its requests":  # at most what was left when it was killed
+    if kill is not AFTER:  # noticed within this rollout
+        assert report.workers_died == 1 and [e.worker for e in kinds(events, "worker_died")] == box["killed"]
+    if kill is BEFORE:  # everything it had been dealt (divided: it may have had more)
+        dealt = [e for e in events if e.kind in ("shard", "submit") and e.worker == box["killed"][0]]
+        assert report.requests_rerun == sum(e.detail["requests"] for e in dealt if e.seq < reruns[0].seq)
+    elif kill is DURING:  # at most what was left when it was killed
         assert 0 < report.requests_rerun <= box["left"]
     else:  # nothing of it is generated again (its death may only be noticed next rollout)
         assert report.requests_rerun == 0
-    coord.on_event = None
+
+
+# each kill point once, and the mid-rollout death (the one that re-runs work) under both schedules:
+# the schedules differ in how the dead worker's requests were dealt, not in what its death puts back.
+# One coordinator a schedule takes its kills in successive rollouts, each dead worker replaced.
+@pytest.mark.parametrize(
+    "schedule, kills", [("divided", (BEFORE, DURING)), ("static", (DURING, AFTER))], ids=["divided", "static"]
+)
+def test_a_killed_worker_costs_only_its_unfinished_requests(ray_local, schedule, kills):
+    prompts, params = long_tail_batch()
+    want = [o.completion_ids for o in single_engine(prompts, params)]
+    coord = coordinator(spot_training=False, schedule=schedule)
+    for kill in kills:
+        rollout_with_a_kill(ray_local, coord, kill, prompts, params, want)
     start = len(coord.events)
-    again = coord.generate(prompts, params)  # the dead worker is replaced (before or during this rollout)
+    again = coord.generate(prompts, params)  # the last dead worker is replaced (before or during this rollout)
     assert [o.completion_ids for o in again.outputs] == want
     assert finished_once(coord, start, len(prompts))
-    assert len(kinds(coord.events, "spawn")) == 3 and len(coord.workers) == 2
+    assert len(kinds(coord.events, "spawn")) == 2 + len(kills) and len(coord.workers) == 2
     coord.shutdown()
 
 
