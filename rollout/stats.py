@@ -30,6 +30,11 @@ class StepRecord:
     in_tail: bool
 
 
+def acceptance_rate(accepted_tokens: int, drafted_tokens: int) -> float:
+    """Accepted over drafted tokens (0.0 before any draft)."""
+    return accepted_tokens / drafted_tokens if drafted_tokens else 0.0
+
+
 @dataclass
 class EngineCounts:
     """What an engine counted: its running totals, or what a span of its work added (``after -
@@ -91,7 +96,7 @@ class EngineCounts:
 
     @property
     def acceptance_rate(self) -> float:
-        return self.accepted_tokens / self.drafted_tokens if self.drafted_tokens else 0.0
+        return acceptance_rate(self.accepted_tokens, self.drafted_tokens)
 
 
 _COUNT_NAMES = tuple(f.name for f in fields(EngineCounts))

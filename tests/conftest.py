@@ -44,9 +44,9 @@ def _all_cpus_free(ray, within_s: float) -> bool:
 @pytest.fixture(scope="session")
 def _ray_instance():
     ray = pytest.importorskip("ray")
-    holder = {"ray": _start_ray()}
+    _start_ray()
     try:
-        yield holder
+        yield ray
     finally:
         ray.shutdown()
 
@@ -57,11 +57,11 @@ def ray_local(_ray_instance):
     the tests that use it start their own actors on it. A test that leaves an actor holding CPUs
     (a failure before its shutdown) gets the instance restarted after it, so the next test finds
     every CPU free."""
-    ray = _ray_instance["ray"]
+    ray = _ray_instance
     yield ray
     if not _all_cpus_free(ray, within_s=10.0):
         ray.shutdown()
-        _ray_instance["ray"] = _start_ray()
+        _start_ray()
 
 
 # what a child process must not inherit from this test process: another Ray cluster's address or

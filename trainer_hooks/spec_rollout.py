@@ -25,7 +25,7 @@ from ..drafter.online_training import DrafterState, online_training, trained_par
 from ..rollout.engine import RolloutEngine, eos_ids_of
 from ..rollout.params import SamplingParams
 from ..rollout.position_noise import derived_seed
-from ..rollout.stats import EngineCounts
+from ..rollout.stats import EngineCounts, acceptance_rate
 from ..rollout.strategy import parse_strategy
 from ..workers.coordinator import RolloutCoordinator, RolloutReport
 from .config import SpecRolloutConfig
@@ -47,7 +47,6 @@ class RolloutStats:
     strategy: str = "none"
     drafted_tokens: int = 0
     accepted_tokens: int = 0
-    acceptance_rate: float = 0.0  # accepted / drafted tokens
     mean_accept_length: float = 1.0  # tokens per sequence per speculative step
     draft_time_s: float = 0.0
     verify_time_s: float = 0.0
@@ -68,6 +67,10 @@ class RolloutStats:
     completion_digests: tuple[str, ...] = ()  # each completion's hash, in request order
     capture_time_s: float = 0.0  # of the call's time, what graph pools spent capturing (in-process and workers)
     drafter_health: float | None = None  # DrafterHealth's score (None without a model drafter)
+
+    @property
+    def acceptance_rate(self) -> float:
+        return acceptance_rate(self.accepted_tokens, self.drafted_tokens)
 
 
 def completions_digest(completion_ids: list[list[int]]) -> str:
@@ -495,7 +498,6 @@ class SpecRollout:
             strategy=strategy,
             drafted_tokens=counts.drafted_tokens,
             accepted_tokens=counts.accepted_tokens,
-            acceptance_rate=counts.acceptance_rate,
             mean_accept_length=counts.mean_accept_length,
             draft_time_s=counts.draft_time_s,
             verify_time_s=counts.verify_time_s,
