@@ -102,7 +102,7 @@ def _peer_round_trip_ms(coordinator: RolloutCoordinator) -> float:
     from ..rollout.mirror.executors import round_trip_s
     from ..workers.draft_hosts import PeerExecutor
 
-    peer = PeerExecutor(coordinator.workers[1], pairing=10**9)
+    peer = PeerExecutor(coordinator.actors, coordinator.workers[1], pairing=10**9)
     return 1e3 * round_trip_s(peer, repeats=100)
 
 
@@ -131,7 +131,10 @@ def measure_draft_hosts(cfg: DraftHostBenchConfig) -> DraftHostResult:
                 r.ratios.append((r.tokens[-1] / r.seconds[-1]) / (base.tokens[-1] / base.seconds[-1]))
         for arm, coordinator in coordinators.items():
             results[arm].pairs = sum(1 for e in coordinator.events if e.kind == "draft_host")
-            results[arm].hosted = sum(ray.get([w.hosted_commands.remote() for w in coordinator.workers.values()]))
+            actors = coordinator.actors
+            results[arm].hosted = sum(
+                actors.get([actors.call(w, "hosted_commands") for w in coordinator.workers.values()])
+            )
         round_trip = _peer_round_trip_ms(coordinators[BASELINE])
         for coordinator in coordinators.values():
             coordinator.shutdown()

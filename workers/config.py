@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..actors import BACKENDS
 from ..config_tree import int_at_least, number_at_least, require
 from .work_queue import ORDERS, SCHEDULES
 
@@ -19,6 +20,10 @@ class WorkersConfig:
     its engine in the trainer's process (the coordinator itself needs at least one)."""
 
     num_workers: int = 2
+    # where the workers run (tailspec.actors): "ray" (Ray actors, a process each, on the cluster at
+    # ``address``) or "threads" (threads of this process: no cluster, no placement, the cores shared;
+    # for one machine and for debugging)
+    backend: str = "ray"
     address: str | None = None  # Ray address to join; None: RAY_ADDRESS if set, else start a local Ray
     num_cpus_per_worker: float = 1.0
     num_gpus_per_worker: float | None = None  # None: 1 when CUDA is available, else 0
@@ -60,6 +65,7 @@ class WorkersConfig:
     def _placement_checks(self) -> list[tuple[str, bool, str]]:
         return [
             ("num_workers", int_at_least(self.num_workers, 0), "an int >= 0 (0: no workers, the in-process engine)"),
+            ("backend", self.backend in BACKENDS, f"one of {BACKENDS}"),
             ("num_cpus_per_worker", number_at_least(self.num_cpus_per_worker, 0), "a number >= 0"),
             (
                 "num_gpus_per_worker",

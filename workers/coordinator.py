@@ -1,5 +1,8 @@
-"""``RolloutCoordinator``: rollouts over Ray workers, with TLT-style spot drafter training on
-workers that the long tail leaves idle. The pieces, each in its own module:
+"""``RolloutCoordinator``: rollouts over worker actors, with TLT-style spot drafter training on
+workers that the long tail leaves idle. The workers are Ray actors (``backend="ray"``, one process
+each, anywhere on the cluster) or threads of this process (``backend="threads"``: no cluster, for
+one machine and for debugging); :mod:`tailspec.actors` hides which. The pieces, each in its own
+module:
 
 - **Dealing** (``work_queue.py``, ``length_predictor.py``): ``divided`` (default) keeps one global
   queue that workers pull 4-request chunks from whenever their engine has room, longest-predicted
@@ -26,7 +29,7 @@ workers that the long tail leaves idle. The pieces, each in its own module:
   ``PlacementError`` naming the CPUs/GPUs asked for and what the cluster has free.
 
 Versions. Policy weights are pushed with :meth:`RolloutCoordinator.sync_policy` once per version
-(one ``ray.put`` every worker reads); after a rollout the newest drafter state goes to every
+(one object-store put every worker reads); after a rollout the newest drafter state goes to every
 worker (in :meth:`RolloutCoordinator.settle`, before the next rollout), so all workers draft with
 one version per rollout, and the driver's head object follows. A worker still training when new
 weights or a new drafter version go out gets them with its next shard.
@@ -43,6 +46,7 @@ from typing import Any
 
 import torch
 
+from ..actors import ActorDied, actors_for
 from ..config_tree import require
 from ..drafter.eagle3 import Eagle3Head
 from ..drafter.online_training import DrafterState, TrainedPart
@@ -143,8 +147,6 @@ class RolloutCoordinator:
         policy_version: int = 0,
         on_event: Callable[[CoordinatorEvent], None] | None = None,
     ) -> None:
-        import ray
-
         self.on_event = on_event  # called with every event as it is recorded (logging, tests)
         self.config = c = config or WorkersConfig()
         require(
@@ -156,7 +158,9 @@ class RolloutCoordinator:
         gpus = c.num_gpus_per_worker
         self.num_gpus = gpus if gpus is not None else (1.0 if torch.cuda.is_available() else 0.0)
         cpus = max(os.cpu_count() or 1, c.num_workers * c.num_cpus_per_worker)
-        self.started_ray = ensure_ray(c.address, num_cpus=cpus)  # stopped on an interrupt (shutdown)
+        self.actors = actors_for(c.backend)
+        # stopped on an interrupt (shutdown)
+        self.started_ray = c.backend == "ray" and ensure_ray(c.address, num_cpus=cpus)
         self.rollout_config = rollout_config
         self.eos_token_ids = list(eos_token_ids)
         self.limits = RequestLimits.of(model, rollout_config)
@@ -168,16 +172,14 @@ class RolloutCoordinator:
         self.events: list[CoordinatorEvent] = []
         self.spot = self._spot_training(c)
         self.policy_version = policy_version
-        self._model_ref = ray.put(model)
+        self._model_ref = self.actors.put(model)
         self._model_version = policy_version  # the weights in _model_ref
-        self._drafter_ref = ray.put(drafter) if drafter is not None else None
+        self._drafter_ref = self.actors.put(drafter) if drafter is not None else None
         self._policy_state_ref = None  # the newest weights once sync_policy ran
         self._drafter_state_ref: tuple[int, Any] | None = None  # (version, ref) of the last state put
         self._needs_broadcast = False
-        self._actor_cls = ray.remote(num_cpus=c.num_cpus_per_worker, num_gpus=self.num_gpus, max_concurrency=4)(
-            RolloutWorker
-        )
         self.pool = WorkerPool(
+            self.actors,
             self._create_actor,
             self._ready_actor,
             self._event,
@@ -191,6 +193,7 @@ class RolloutCoordinator:
         """Spot training of ``self.part`` (nothing to train: a state of None) on idle workers."""
         return SpotTraining(
             DrafterState.of(self.part) if self.part is not None else None,
+            actors=self.actors,
             enabled=c.spot_training,
             steps_per_chunk=c.spot_steps_per_call,
             max_steps_per_rollout=c.max_spot_steps,
@@ -214,7 +217,11 @@ class RolloutCoordinator:
     # -- workers -------------------------------------------------------------------------------
     def _create_actor(self, index: int) -> Any:
         cfg = RolloutConfig.from_dict({**self.rollout_config.__dict__, "seed": self.rollout_config.seed + 1000 * index})
-        return self._actor_cls.remote(
+        c = self.config
+        # threads share this process's torch settings: a worker leaves them as they are
+        threads = c.threads_per_worker if c.backend == "ray" else None
+        return self.actors.spawn(
+            RolloutWorker,
             index,
             self._model_ref,
             cfg,
@@ -223,16 +230,18 @@ class RolloutCoordinator:
             self.drafter_state,
             self.training,
             self._model_version,
-            self.config.threads_per_worker,
+            threads,
+            self.actors,
+            num_cpus=c.num_cpus_per_worker,
+            num_gpus=self.num_gpus,
+            max_concurrency=4,
         )
 
     def _ready_actor(self, index: int, actor: Any) -> tuple[int, int | None]:
         """Bring a started actor up to date: the newest policy weights (it was built from the first)."""
-        import ray
-
         policy = self._model_version
         if self._policy_state_ref is not None and policy != self.policy_version:
-            ray.get(actor.set_policy.remote(self._policy_state_ref, self.policy_version))
+            self.actors.get(self.actors.call(actor, "set_policy", self._policy_state_ref, self.policy_version))
             policy = self.policy_version
         state = self.drafter_state  # what it was built with
         return policy, state.version if state is not None else None
@@ -247,40 +256,35 @@ class RolloutCoordinator:
         self.pool.fill(self.config.num_workers)
 
     def worker_versions(self) -> dict[int, tuple[int, int | None]]:
-        import ray
-
         self.settle()
-        return {i: ray.get(w.versions.remote()) for i, w in self.workers.items()}
+        return {i: self.actors.get(self.actors.call(w, "versions")) for i, w in self.workers.items()}
 
     def worker_events(self) -> dict[int, list]:
-        import ray
-
         self.settle()
-        return {i: ray.get(w.events.remote()) for i, w in self.workers.items()}
+        return {i: self.actors.get(self.actors.call(w, "events")) for i, w in self.workers.items()}
 
     def shutdown(self, *, wait: bool = True, stop_ray: bool = False) -> None:
         """Stop the workers. ``wait``: first collect a training chunk still stopping (so no trained
         state is lost); ``wait=False`` (an interrupt) kills them at once. ``stop_ray``: also stop
         the local Ray instance if this coordinator started it."""
-        import ray
-
         if wait:
             self.settle()
         self.pool.kill_all()
-        if stop_ray and self.started_ray and ray.is_initialized():
-            ray.shutdown()
+        if stop_ray and self.started_ray:
+            import ray
+
+            if ray.is_initialized():
+                ray.shutdown()
 
     # -- policy weights ------------------------------------------------------------------------
     def sync_policy(self, model: torch.nn.Module, version: int) -> bool:
         """Send ``model``'s weights to every worker unless they already have ``version``. A worker
         still training gets them with its next shard (the sync does not wait for it)."""
-        import ray
-
         self.settle(wait=False)
         if version == self.policy_version:
             return False
         state = {k: v.detach().to("cpu") for k, v in model.state_dict().items()}
-        self._policy_state_ref = ray.put(state)
+        self._policy_state_ref = self.actors.put(state)
         self.policy_version = version
         for index in self.pool.call_all("set_policy", self._policy_state_ref, version, skip=self.spot.training_worker):
             self.pool.set_held(index, policy=version)
@@ -340,16 +344,14 @@ class RolloutCoordinator:
         """Every worker's adaptive selector adopts the average of the workers' acceptance books, so
         what one worker's drafts measured informs the others' next rollout (the worker training
         spot steps is left out: it is busy, and gets the next average)."""
-        import ray
-
         skip = self.spot.training_worker
         books = []
         for index, actor in list(self.workers.items()):
             if index == skip:
                 continue
             try:
-                book = ray.get(actor.acceptance_book.remote())
-            except ray.exceptions.RayActorError as e:
+                book = self.actors.get(self.actors.call(actor, "acceptance_book"))
+            except ActorDied as e:
                 self.pool.mark_dead(index, e)
                 continue
             if book is not None:
@@ -370,10 +372,8 @@ class RolloutCoordinator:
 
     def _drafter_ref_of(self, state: DrafterState) -> Any:
         """``state`` in the object store, put once per version (the broadcast and every shard share it)."""
-        import ray
-
         if self._drafter_state_ref is None or self._drafter_state_ref[0] != state.version:
-            self._drafter_state_ref = (state.version, ray.put(state))
+            self._drafter_state_ref = (state.version, self.actors.put(state))
         return self._drafter_state_ref[1]
 
     def settle(self, *, wait: bool | float = True) -> None:
@@ -385,14 +385,12 @@ class RolloutCoordinator:
         before the next rollout (waiting briefly, see ``STOPPED_CHUNK_WAIT_S``) and before version
         queries, checkpoints and shutdown (waiting), so drafter training overlaps the trainer's
         optimizer step."""
-        import ray
-
         chunk = self.spot.running
         if chunk is not None and wait is not False and chunk.worker in self.pool.workers:
             self.spot.stop(self.pool.workers[chunk.worker], rollout_over=True)  # e.g. one training through the gap
         if chunk is not None and wait is not True:
             waited = time.perf_counter()
-            back = bool(ray.wait([chunk.ref], num_returns=1, timeout=float(wait))[0])
+            back = bool(self.actors.wait([chunk.ref], num_returns=1, timeout=float(wait))[0])
             if wait:
                 self._event("chunk_awaited", chunk.worker, seconds=round(time.perf_counter() - waited, 3), back=back)
         if chunk is not None and (wait is True or back):
@@ -407,10 +405,8 @@ class RolloutCoordinator:
         state (selector, suffix history), the length predictor, and the newest drafter state
         (weights, optimizer, step, version; None without a trained part). Waits for a training
         chunk still stopping, so no trained state is left out."""
-        import ray
-
         self.settle()
-        engines = {i: ray.get(w.engine_state.remote()) for i, w in sorted(self.workers.items())}
+        engines = {i: self.actors.get(self.actors.call(w, "engine_state")) for i, w in sorted(self.workers.items())}
         trained = self.spot.state
         return {
             "engines": list(engines.values()),
@@ -424,12 +420,12 @@ class RolloutCoordinator:
         """Continue from :meth:`state_dict`: worker ``k`` gets engine state ``k`` (cycled when the
         worker count changed), the drafter state becomes the newest (optimizer included) and goes
         to every worker."""
-        import ray
-
         engines = state.get("engines") or []
         if engines:
             workers = list(self.pool.workers.values())
-            ray.get([w.load_engine_state.remote(engines[k % len(engines)]) for k, w in enumerate(workers)])
+            self.actors.get(
+                [self.actors.call(w, "load_engine_state", engines[k % len(engines)]) for k, w in enumerate(workers)]
+            )
         if state.get("predictor") is not None:
             self.predictor.load_state_dict(state["predictor"])
         drafter = state.get("drafter")

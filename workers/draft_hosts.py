@@ -17,6 +17,7 @@ import logging
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from ..actors import ActorDied, Actors, WaitTimeout
 from ..draft_contract import Drafter
 from ..rollout.mirror.executors import ActorExecutor
 
@@ -26,7 +27,8 @@ _pairing_ids = itertools.count(1)  # rising across rollouts: a host starts a fre
 
 
 class DraftHostPairs:
-    def __init__(self, workers: dict[int, Any], event: Callable[..., None]) -> None:
+    def __init__(self, actors: Actors, workers: dict[int, Any], event: Callable[..., None]) -> None:
+        self.actors = actors
         self.workers = workers  # live actors by index (the pool's dict: dead ones leave it)
         self._event = event
         self.host_of: dict[int, int] = {}  # busy worker -> the worker drafting for it
@@ -38,8 +40,6 @@ class DraftHostPairs:
 
     def pair(self, idle: set[int], busy: Iterable[int], load: Callable[[int], int]) -> set[int]:
         """Pair idle workers with the busiest unpaired ``busy`` ones; returns the idle workers taken."""
-        import ray
-
         taken: set[int] = set()
         waiting = sorted((w for w in busy if w not in self.host_of and w not in self.unable), key=lambda w: -load(w))
         for worker in waiting:
@@ -48,8 +48,9 @@ class DraftHostPairs:
                 break
             host, pairing = free[0], next(_pairing_ids)
             try:
-                ok = ray.get(self.workers[worker].use_draft_host.remote(self.workers[host], pairing))
-            except ray.exceptions.RayActorError:
+                asked = self.actors.call(self.workers[worker], "use_draft_host", self.workers[host], pairing)
+                ok = self.actors.get(asked)
+            except ActorDied:
                 continue  # the stream will report the dead worker
             if not ok:
                 self.unable.add(worker)
@@ -67,11 +68,9 @@ class DraftHostPairs:
             return None
         actor = self.workers.get(worker)
         if actor is not None:
-            import ray
-
             try:  # waited for, so that a later pairing of this worker cannot overtake it
-                ray.get(actor.use_draft_host.remote(None), timeout=30)
-            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+                self.actors.get(self.actors.call(actor, "use_draft_host", None), timeout=30)
+            except (ActorDied, WaitTimeout):
                 logger.debug("worker %d did not take back its own executor (gone?)", worker)
         self._event("draft_host_end", host, for_worker=worker)
         return host
@@ -96,11 +95,11 @@ class PeerExecutor(ActorExecutor):
     name = "peer"
     failure = "the peer draft host failed"
 
-    def __init__(self, actor: Any, pairing: int, source: Drafter | None = None) -> None:
-        super().__init__(source)
+    def __init__(self, actors: Actors, actor: Any, pairing: int, source: Drafter | None = None) -> None:
+        super().__init__(actors, source)
         self._actor = actor
         self.pairing = pairing
         self._numbers = itertools.count()
 
     def _send(self, command: str, args: tuple) -> Any:
-        return self._actor.host_drafts.remote(self.pairing, next(self._numbers), command, args)
+        return self._actors.call(self._actor, "host_drafts", self.pairing, next(self._numbers), command, args)

@@ -1,4 +1,4 @@
-"""The live rollout workers (Ray actors): spawning, replacing, death, and which policy and
+"""The live rollout workers (actors, :mod:`tailspec.actors`): spawning, replacing, death, and which policy and
 drafter versions each one holds, so that a call to a worker carries exactly the weights it lacks."""
 
 from __future__ import annotations
@@ -6,6 +6,8 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from typing import Any
+
+from ..actors import ActorDied, Actors
 
 logger = logging.getLogger(__name__)
 
@@ -17,6 +19,7 @@ class PlacementError(RuntimeError):
 class WorkerPool:
     def __init__(
         self,
+        actors: Actors,
         create_actor: Callable[[int], Any],
         ready_actor: Callable[[int, Any], tuple[int, int | None]],
         event: Callable[..., None],
@@ -28,6 +31,7 @@ class WorkerPool:
         ``ready_actor(index, actor)`` brings it up to date and returns the (policy, drafter)
         versions it holds. Actors that do not answer within ``placement_timeout_s`` (None: wait
         forever) are killed and :class:`PlacementError` says what was asked and what is free."""
+        self.actors = actors
         self._create_actor, self._ready_actor = create_actor, ready_actor
         self._event = event
         self.placement_timeout_s = placement_timeout_s
@@ -47,25 +51,22 @@ class WorkerPool:
                 logger.info("started rollout worker %d (%d wanted)", index, num_workers)
 
     def _spawn_many(self, count: int) -> list[int]:
-        import ray
-
         actors = {}
         for _ in range(count):
             index = self._next_index
             self._next_index += 1
             actors[index] = self._create_actor(index)
-        pings = [a.ping.remote() for a in actors.values()]
-        ready, _ = ray.wait(pings, num_returns=len(pings), timeout=self.placement_timeout_s)
+        pings = [self.actors.call(a, "ping") for a in actors.values()]
+        ready, _ = self.actors.wait(pings, num_returns=len(pings), timeout=self.placement_timeout_s)
         if len(ready) < len(pings):
             for actor in actors.values():
-                ray.kill(actor)
+                self.actors.kill(actor)
             raise PlacementError(
                 f"{len(pings) - len(ready)} of {len(pings)} rollout workers could not be placed within "
                 f"placement_timeout_s={self.placement_timeout_s}: asked for {self._describe_request(len(pings))}; "
-                f"the cluster has {_resources(ray.available_resources())} free of "
-                f"{_resources(ray.cluster_resources())} (another job or coordinator may hold them)"
+                f"the cluster has {self.actors.resources()} (another job or coordinator may hold them)"
             )
-        ray.get(ready)  # a constructor that raised raises here
+        self.actors.get(ready)  # a constructor that raised raises here
         for index, actor in actors.items():
             policy_version, drafter_version = self._ready_actor(index, actor)
             self.workers[index] = actor
@@ -86,26 +87,18 @@ class WorkerPool:
     def call_all(self, method: str, *args: Any, skip: int | None = None) -> list[int]:
         """``method(*args)`` on every live worker but ``skip``, waited for; workers that died are
         marked dead. Returns the workers that answered."""
-        import ray
-
-        pending = {getattr(actor, method).remote(*args): i for i, actor in self.workers.items() if i != skip}
+        pending = [(self.actors.call(actor, method, *args), i) for i, actor in self.workers.items() if i != skip]
         answered = []
-        for ref, index in pending.items():
+        for ref, index in pending:
             try:
-                ray.get(ref)
+                self.actors.get(ref)
                 answered.append(index)
-            except ray.exceptions.RayActorError as e:
+            except ActorDied as e:
                 self.mark_dead(index, e)
         return answered
 
     def kill_all(self) -> None:
-        import ray
-
         for actor in self.workers.values():
-            ray.kill(actor)
+            self.actors.kill(actor)
         self.workers.clear()
         self.held.clear()
-
-
-def _resources(resources: dict[str, float]) -> str:
-    return f"CPU {resources.get('CPU', 0):g}, GPU {resources.get('GPU', 0):g}"

@@ -11,6 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..actors import ActorDied, CallFailed
 from ..rollout.handoff import InboxItem
 from ..rollout.params import SamplingParams
 from ..rollout.request import RequestOutput
@@ -125,12 +126,10 @@ class RolloutRound:
         self.dealt: dict[int, int] = {}  # request -> order in which it was first dealt
         self.idle = set(pool.workers) - {spot.training_worker}
         self.result = RoundResult(outputs=[])
-        self.pairs = DraftHostPairs(pool.workers, event) if draft_hosts else None
+        self.pairs = DraftHostPairs(pool.actors, pool.workers, event) if draft_hosts else None
 
     # -- the loop ------------------------------------------------------------------------------
     def run(self) -> RoundResult:
-        import ray
-
         self.spot.start_rollout()
         while not self.ledger.done or self.sessions:
             self._deal()
@@ -143,7 +142,7 @@ class RolloutRound:
             if not refs:
                 raise RuntimeError("requests wait but no rollout worker is alive")
             waited = time.perf_counter()
-            (ready,), _ = ray.wait(refs, num_returns=1)
+            (ready,), _ = self.pool.actors.wait(refs, num_returns=1)
             self._clock_idle(time.perf_counter() - waited, training=chunk is not None)
             if chunk is not None and ready is chunk.ref:
                 self._chunk_returned()
@@ -207,7 +206,7 @@ class RolloutRound:
             session.closing = self.plan.schedule == "static"  # a whole shard, closed at once
             kind = "shard"
         else:
-            self.pool.workers[worker].submit.remote(items)
+            self.pool.actors.call(self.pool.workers[worker], "submit", items)
         session.submitted += len(items)
         self._event(
             kind,
@@ -224,10 +223,14 @@ class RolloutRound:
         policy_ref = v.policy_ref if held_policy != v.policy and v.policy_ref is not None else None
         drafter_ref = v.drafter_ref if held_drafter != v.drafter and v.drafter_ref is not None else None
         total = len(items) if self.plan.schedule == "static" else None  # static: all of it at once
-        stream = (
-            self.pool.workers[worker]
-            .serve_stream.options(num_returns="streaming")
-            .remote(items, total, policy_ref, v.policy if policy_ref is not None else None, drafter_ref)
+        stream = self.pool.actors.stream(
+            self.pool.workers[worker],
+            "serve_stream",
+            items,
+            total,
+            policy_ref,
+            v.policy if policy_ref is not None else None,
+            drafter_ref,
         )
         self.pool.set_held(
             worker,
@@ -247,7 +250,7 @@ class RolloutRound:
             if self.plan.rebalance and self._ask_move(worker):
                 continue
             session.closing = True
-            self.pool.workers[worker].close_session.remote(session.submitted)
+            self.pool.actors.call(self.pool.workers[worker], "close_session", session.submitted)
 
     def _ask_move(self, recipient: int) -> bool:
         """Ask the busiest worker holding two or more requests to give every second of its movable
@@ -269,7 +272,7 @@ class RolloutRound:
             return False
         for i in take:
             self.moving[i] = recipient
-        self.pool.workers[donor].release.remote(take)
+        self.pool.actors.call(self.pool.workers[donor], "release", take)
         self._event("move_asked", donor, to=recipient, requests=len(take))
         return True
 
@@ -326,15 +329,13 @@ class RolloutRound:
 
     # -- streams -------------------------------------------------------------------------------
     def _stream_ready(self, session: Session) -> None:
-        import ray
-
         worker = session.worker
         try:
-            item = ray.get(next(session.stream))
+            item = self.pool.actors.get(next(session.stream))
         except StopIteration:  # ended without its ShardEnd (it cannot, but never spin on it)
             del self.sessions[worker]
             raise RuntimeError(f"worker {worker} ended a session's stream early") from None
-        except ray.exceptions.RayActorError as e:
+        except ActorDied as e:
             self._worker_died(worker, e)
             return
         if isinstance(item, FinishedRequests):
@@ -417,16 +418,14 @@ class RolloutRound:
 def collect_chunk(spot: SpotTraining, pool: WorkerPool) -> str:
     """Take the running chunk's result (waiting for it if it is still running): ``done`` (the
     newest state), ``lost`` (its worker died) or ``failed`` (it raised)."""
-    import ray
-
     chunk = spot.running
     try:
-        result = ray.get(chunk.ref)
-    except ray.exceptions.RayActorError as e:
+        result = pool.actors.get(chunk.ref)
+    except ActorDied as e:
         pool.mark_dead(chunk.worker, e)
         spot.lost()
         return "lost"
-    except ray.exceptions.RayTaskError as e:
+    except CallFailed as e:
         spot.failed(e)
         return "failed"
     spot.finished(result)

@@ -22,8 +22,8 @@ yields within one training step): the state is then *unjudged*, and the next chu
 it trains, shipping at once if the state wins.
 
 A chunk runs on the worker's :class:`~tailspec.workers.spot_chunk.SpotTrainer` (the training
-copy, the held-out samples, the judgement). Actors are passed in (anything with
-``train_drafter.remote`` / ``stop_training.remote``), so the decisions are tested without Ray.
+copy, the held-out samples, the judgement). The actor system is passed in (anything
+with :meth:`tailspec.actors.Actors.call`), so the decisions are tested with fake actors.
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..actors import Actors
 from ..drafter.online_training import DrafterState
 from .spot_chunk import TrainResult
 
@@ -94,6 +95,7 @@ class SpotTraining:
         self,
         state: DrafterState | None,
         *,
+        actors: Actors,
         enabled: bool,
         steps_per_chunk: int,
         max_steps_per_rollout: int,
@@ -102,6 +104,7 @@ class SpotTraining:
         holdout_every: int = 0,
         ship_min_gain: float = 0.0,
     ) -> None:
+        self.actors = actors
         self.state = state  # the newest trained drafter state (None: no trained part, nothing to train)
         self.shipped = state  # the state the engines draft with
         self.holdout_every = holdout_every
@@ -180,7 +183,9 @@ class SpotTraining:
     def start(self, worker: int, actor: Any, busy: list[int], steps: int | None = None) -> Chunk:
         state, new, steps = self.chunk_args(worker, steps)
         number = next(_CHUNK_NUMBERS)
-        ref = actor.train_drafter.remote(
+        ref = self.actors.call(
+            actor,
+            "train_drafter",
             state,
             new,
             steps,
@@ -200,7 +205,7 @@ class SpotTraining:
     def stop(self, actor: Any, *, rollout_over: bool) -> None:
         """Tell the running chunk to yield before its next step (once)."""
         if self.running is not None and not self.running.stop_sent:
-            actor.stop_training.remote(self.running.number)
+            self.actors.call(actor, "stop_training", self.running.number)
             self.running.stop_sent = True
             self._event("spot_stop", self.running.worker, rollout_over=rollout_over)
 

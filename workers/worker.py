@@ -4,8 +4,8 @@ Spot training updates a copy of the drafter's trained part (an EAGLE-3 head, or 
 weights); the part the engine drafts with changes only when the coordinator broadcasts a version,
 so all workers always draft with the same one.
 
-The class is plain Python; :class:`tailspec.workers.RolloutCoordinator` wraps it with
-``ray.remote`` (threaded, so ``stop_training`` can arrive while ``train_drafter`` runs). Every
+The class is plain Python; :class:`tailspec.workers.RolloutCoordinator` starts it as an actor
+(:mod:`tailspec.actors`; threaded, so ``stop_training`` can arrive while ``train_drafter`` runs). Every
 call records :class:`WorkerEvent` s with a per-worker sequence number, so tests and logs can
 reason about what happened in which order without reading clocks.
 """
@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from ..actors import Actors, RayActors
 from ..draft_contract import Portable
 from ..drafter.eagle3 import Eagle3Head, FeatureBuffer
 from ..drafter.factory import DrafterFor, as_drafter
@@ -91,11 +92,15 @@ class RolloutWorker:
         training_config: Any = None,
         policy_version: int = 0,
         num_threads: int | None = None,
+        actors: Actors | None = None,
         sample_buffer_mb: int = 64,
     ) -> None:
+        """``actors``: the system this worker runs in, through which it calls a peer it drafts on
+        (:meth:`use_draft_host`); ``num_threads``: torch's intra-op threads (None: left as they are)."""
         if num_threads:
             torch.set_num_threads(num_threads)
         self.index = index
+        self.actors = actors or RayActors()
         if torch.cuda.is_available():  # a GPU actor: Ray made exactly its GPU visible
             model = model.to("cuda")
             drafter = drafter.to("cuda") if isinstance(drafter, torch.nn.Module) else drafter
@@ -288,7 +293,7 @@ class RolloutWorker:
             return True
         if not self.engine.mirror_capable:
             return False
-        self.engine.use_draft_executor(PeerExecutor(host, pairing, source=self.engine.drafter))
+        self.engine.use_draft_executor(PeerExecutor(self.actors, host, pairing, source=self.engine.drafter))
         self._event("draft_host", pairing=pairing)
         return True
 

@@ -41,6 +41,7 @@ from typing import Any
 
 import torch
 
+from ...actors import Actors, RayActors
 from ...draft_contract import (
     BranchView,
     Drafter,
@@ -473,15 +474,14 @@ class ProcessExecutor(_HostExecutor):
 
 
 class ActorExecutor(_HostExecutor):
-    """A host reached by Ray actor calls: ``_send`` submits one command and returns its ref."""
+    """A host reached by actor calls (:mod:`tailspec.actors`): ``_send`` submits one command and
+    returns its reference."""
 
     failure = "the draft actor failed"
 
-    def __init__(self, source: Drafter | None) -> None:
-        import ray
-
+    def __init__(self, actors: Actors, source: Drafter | None) -> None:
         super().__init__(source)
-        self._ray = ray
+        self._actors = actors
         self._pending: list = []
 
     @abstractmethod
@@ -489,7 +489,7 @@ class ActorExecutor(_HostExecutor):
 
     def call(self, command: str, args: tuple):
         try:
-            return self._ray.get(self._send(command, args))
+            return self._actors.get(self._send(command, args))
         except Exception as e:
             raise ExecutorError(f"{self.failure}: {e}") from e
 
@@ -502,7 +502,7 @@ class ActorExecutor(_HostExecutor):
     def finish(self) -> list[DraftTree]:
         pending, self._pending = self._pending, []
         try:
-            return [tree for trees in self._ray.get(pending) for tree in trees]
+            return [tree for trees in self._actors.get(pending) for tree in trees]
         except Exception as e:
             raise ExecutorError(f"{self.failure}: {e}") from e
 
@@ -527,21 +527,22 @@ class RayExecutor(ActorExecutor):
 
         if not ray.is_initialized():
             raise ValueError("mirror executor 'ray' needs a running Ray (ray.init(...) or a cluster address)")
-        super().__init__(source)
-        host = ray.remote(num_cpus=threads, num_gpus=num_gpus, max_concurrency=1)(DrafterHost)
-        self._actor = host.remote(build, threads, kernels)
+        super().__init__(RayActors(), source)
+        self._actor = self._actors.spawn(
+            DrafterHost, build, threads, kernels, num_cpus=threads, num_gpus=num_gpus, max_concurrency=1
+        )
         try:
-            ray.get(self._actor.handle.remote("ping", ()), timeout=start_timeout_s)
+            self._actors.get(self._send("ping", ()), timeout=start_timeout_s)
         except Exception as e:
             self.close()
             raise ExecutorError(f"the draft actor did not start: {e}") from e
 
     def _send(self, command: str, args: tuple) -> Any:
-        return self._actor.handle.remote(command, args)
+        return self._actors.call(self._actor, "handle", command, args)
 
     def close(self) -> None:
         try:
-            self._ray.kill(self._actor)
+            self._actors.kill(self._actor)
         except Exception:
             logger.debug("draft actor already gone")
 

@@ -1,5 +1,10 @@
-"""Rollouts over Ray workers in the coordinator's tests: a tiny random policy, a fresh EAGLE-3 head, and a
-long-tail batch whose long group keeps one worker busy while the other drains."""
+"""Rollouts over workers in the coordinator's tests: a tiny random policy, a fresh EAGLE-3 head, and a
+long-tail batch whose long group keeps one worker busy while the other drains.
+
+The workers are threads of the test process (``backend="threads"``): what these tests check is the
+coordinator's logic, which runs the same over either actor system (``tests/test_actors.py`` holds
+both to one contract); a Ray worker costs seconds of imports to start. The tests that need Ray's
+processes (a killed process, placement, a submitted job) ask for ``backend="ray"``."""
 
 import functools
 
@@ -45,7 +50,7 @@ def single_engine(prompts, params, model=None):
 
 def coordinator(**overrides) -> RolloutCoordinator:
     on_event = overrides.pop("on_event", None)
-    config = WorkersConfig(num_workers=2, spot_steps_per_call=2, **overrides)
+    config = WorkersConfig(**{"num_workers": 2, "spot_steps_per_call": 2, "backend": "threads", **overrides})
     return RolloutCoordinator(
         policy(), CONFIG, [EOS], drafter=fresh_head(), config=config, training=TRAINING, on_event=on_event
     )

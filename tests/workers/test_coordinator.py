@@ -21,7 +21,7 @@ def test_workers_config_is_validated():
         RolloutCoordinator(None, RolloutConfig(), [0], config=WorkersConfig(num_workers=0))
 
 
-def test_results_equal_one_engine_and_spot_training_fills_the_tail(ray_local):
+def test_results_equal_one_engine_and_spot_training_fills_the_tail():
     prompts, params = long_tail_batch()
     want = single_engine(prompts, params)
     # the long group on one worker: the other idles in the tail; nothing held out, so every chunk ships
@@ -67,7 +67,7 @@ def test_results_equal_one_engine_and_spot_training_fills_the_tail(ray_local):
     coord.shutdown()
 
 
-def test_without_the_update_gap_training_stops_when_the_rollout_ends(ray_local):
+def test_without_the_update_gap_training_stops_when_the_rollout_ends():
     prompts, params = long_tail_batch()
     coord = coordinator(schedule="static", spot_in_update_gap=False)
     for _ in range(2):
@@ -79,7 +79,7 @@ def test_without_the_update_gap_training_stops_when_the_rollout_ends(ray_local):
     coord.shutdown()
 
 
-def test_without_spot_training_requests_heads_and_policy_weights_reach_every_worker(ray_local):
+def test_without_spot_training_requests_heads_and_policy_weights_reach_every_worker():
     """One coordinator with spot training off: a bad request is refused before any work; a rollout
     trains nothing. DrafterFromTrainer publishes the head it trains: trained in place (the very head
     object the coordinator drafts with) and published right after a rollout (a broadcast of the old
@@ -130,7 +130,7 @@ def test_without_spot_training_requests_heads_and_policy_weights_reach_every_wor
     coord.shutdown()
 
 
-def test_training_lost_with_its_worker_resumes_from_the_last_version(ray_local):
+def test_training_lost_with_its_worker_resumes_from_the_last_version():
     prompts, params = long_tail_batch()
     want = single_engine(prompts, params)
     state = {"kill_at": 2, "seen": 0}
@@ -139,7 +139,7 @@ def test_training_lost_with_its_worker_resumes_from_the_last_version(ray_local):
         if event.kind == "spot_start":
             state["seen"] += 1
             if state["seen"] == state["kill_at"]:
-                ray_local.kill(coord.workers[event.worker])
+                coord.actors.kill(coord.workers[event.worker])
 
     coord = coordinator(on_event=kill_trainer_at_second_chunk, schedule="static")
     report = coord.generate(prompts, params)
@@ -156,7 +156,7 @@ def test_training_lost_with_its_worker_resumes_from_the_last_version(ray_local):
     coord.shutdown()
 
 
-def test_a_rerun_waits_for_the_training_worker_when_no_other_is_left(ray_local):
+def test_a_rerun_waits_for_the_training_worker_when_no_other_is_left():
     """The generating worker dies while the other trains: its shard is re-run on the trainer, which
     is told to stop first (and, with respawning off, no new worker comes to help)."""
     prompts, params = long_tail_batch()
@@ -166,7 +166,7 @@ def test_a_rerun_waits_for_the_training_worker_when_no_other_is_left(ray_local):
     def kill_the_busy_worker_once_training_starts(event):
         if event.kind == "spot_start" and not killed:
             killed.append(event.detail["busy"][0])
-            ray_local.kill(coord.workers[killed[0]])
+            coord.actors.kill(coord.workers[killed[0]])
 
     coord = coordinator(
         on_event=kill_the_busy_worker_once_training_starts, respawn_dead_workers=False, schedule="static"
@@ -180,7 +180,7 @@ def test_a_rerun_waits_for_the_training_worker_when_no_other_is_left(ray_local):
     coord.shutdown()
 
 
-def test_a_trained_head_that_does_not_beat_the_drafting_one_is_not_shipped(ray_local):
+def test_a_trained_head_that_does_not_beat_the_drafting_one_is_not_shipped():
     """With a held-out set and a gain no head can make, spot training trains (its state moves on)
     but ships nothing: every worker keeps drafting with the starting version, and a checkpoint
     keeps both states."""
@@ -202,7 +202,7 @@ def test_a_trained_head_that_does_not_beat_the_drafting_one_is_not_shipped(ray_l
 
 
 @pytest.mark.parametrize("part", ["lm", "streaming heads"])
-def test_a_drafter_lm_trains_on_idle_workers_and_ships_to_every_worker(ray_local, part):
+def test_a_drafter_lm_trains_on_idle_workers_and_ships_to_every_worker(part):
     """The drafter LM on the spot path (its weights, or its streaming heads with the LM frozen):
     trained on the finished completions while a worker idles in the tail, shipped past the gate,
     drafted with by every worker; completions stay the plain ones."""
@@ -221,7 +221,9 @@ def test_a_drafter_lm_trains_on_idle_workers_and_ships_to_every_worker(ray_local
         drafter = SmallLMDrafter(lm, streaming_heads=StreamingHeads(lm.config.hidden_size, 2))
         training = PartFitConfig(rows=64, max_tokens=128)
     trained = drafter.lm if part == "lm" else drafter.heads
-    config = WorkersConfig(num_workers=2, spot_steps_per_call=2, schedule="static", spot_holdout_every=0)
+    config = WorkersConfig(
+        num_workers=2, backend="threads", spot_steps_per_call=2, schedule="static", spot_holdout_every=0
+    )
     coord = RolloutCoordinator(policy(), CONFIG, [EOS], drafter=drafter, config=config, training=training)
     steps = 0
     for _ in range(2):

@@ -8,7 +8,7 @@ from rollout_cases import coordinator, long_tail_batch
 from tailspec.trainer_hooks.rollout_state import load_rollout_state, save_rollout_state
 
 
-def test_state_round_trips_through_a_checkpoint_into_new_workers(ray_local, tmp_path):
+def test_state_round_trips_through_a_checkpoint_into_new_workers(tmp_path):
     prompts, params = long_tail_batch()
     first = coordinator(schedule="static")  # its idle worker spot-trains the head
     first.generate(prompts, params)

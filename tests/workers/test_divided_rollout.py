@@ -29,7 +29,7 @@ def one_long_chunk_batch(temperature=0.0, seed=None):
     return prompts, params
 
 
-def test_rebalancing_moves_long_requests_to_the_dry_worker_and_changes_no_token(ray_local):
+def test_rebalancing_moves_long_requests_to_the_dry_worker_and_changes_no_token():
     prompts, params = one_long_chunk_batch()
     want = [o.completion_ids for o in single_engine(prompts, params)]
     coord = coordinator(spot_training=False, order="fifo", rebalance_min_tokens=0)
@@ -44,7 +44,7 @@ def test_rebalancing_moves_long_requests_to_the_dry_worker_and_changes_no_token(
     coord.shutdown()
 
 
-def test_seeded_samples_are_the_same_whatever_the_schedule(ray_local):
+def test_seeded_samples_are_the_same_whatever_the_schedule():
     """Without speculation a seeded request draws one uniform per token from its own generator,
     which moves with it. (A speculative step draws a uniform per verified token, a re-prefill one:
     a move then gives other draws from the same distribution, as a preemption does.)"""
@@ -54,6 +54,7 @@ def test_seeded_samples_are_the_same_whatever_the_schedule(ray_local):
     for schedule, rebalance in (("static", False), ("divided", True)):
         config = WorkersConfig(
             num_workers=2,
+            backend="threads",
             spot_training=False,
             schedule=schedule,
             order="fifo",
@@ -67,7 +68,7 @@ def test_seeded_samples_are_the_same_whatever_the_schedule(ray_local):
         coord.shutdown()
 
 
-def test_position_keyed_samples_are_plain_decodings_even_speculated_and_moved(ray_local):
+def test_position_keyed_samples_are_plain_decodings_even_speculated_and_moved():
     """With noise="position" a sampled completion depends on the seed alone: speculative workers
     (the EAGLE-3 head, chain:3) that move requests between them emit what one plain engine does."""
     prompts, params = one_long_chunk_batch(temperature=1.0, seed=300)
@@ -81,7 +82,7 @@ def test_position_keyed_samples_are_plain_decodings_even_speculated_and_moved(ra
     coord.shutdown()
 
 
-def test_predicted_order_learns_lengths_across_rollouts(ray_local):
+def test_predicted_order_learns_lengths_across_rollouts():
     prompts, params = one_long_chunk_batch()
     coord = coordinator(spot_training=False)
     first = coord.generate(prompts, params)

@@ -1,5 +1,6 @@
-"""Mirror-SD across workers (local Ray): the worker that finishes first drafts the mirror branches
-of the one still decoding the long tail, the pair ends with the rollout, and no token changes."""
+"""Mirror-SD across workers (thread actors, see ``rollout_cases.py``): the worker that finishes first
+drafts the mirror branches of the one still decoding the long tail, the pair ends with the rollout,
+and no token changes."""
 
 import functools
 
@@ -18,13 +19,13 @@ def drafter_lm():
 
 
 def _coordinator(config: RolloutConfig, **overrides) -> RolloutCoordinator:
-    workers = WorkersConfig(num_workers=2, schedule="static", spot_training=False, draft_hosts=True, **overrides)
+    workers = WorkersConfig(
+        num_workers=2, backend="threads", schedule="static", spot_training=False, draft_hosts=True, **overrides
+    )
     return RolloutCoordinator(policy(), config, [EOS], drafter=drafter_lm(), config=workers)
 
 
-def test_an_idle_worker_drafts_for_the_busy_one_and_no_token_changes(ray_local):
-    import ray
-
+def test_an_idle_worker_drafts_for_the_busy_one_and_no_token_changes():
     prompts, params = long_tail_batch()
     want = [o.completion_ids for o in RolloutEngine(policy(), RolloutConfig()).generate(prompts, params)]
     coord = _coordinator(MIRROR)
@@ -36,13 +37,13 @@ def test_an_idle_worker_drafts_for_the_busy_one_and_no_token_changes(ray_local):
     assert paired[0].detail["pairing"] < paired[1].detail["pairing"]
     host, busy = paired[0].worker, paired[0].detail["for_worker"]
     assert host != busy
-    assert ray.get(coord.workers[host].hosted_commands.remote()) > 0  # it drafted for the other
+    assert coord.actors.get(coord.actors.call(coord.workers[host], "hosted_commands")) > 0  # it drafted for the other
     worker_events = coord.worker_events()
     assert [e.kind for e in worker_events[busy] if e.kind == "draft_host"] == ["draft_host"] * 4  # on, off, on, off
     coord.shutdown()
 
 
-def test_no_pair_is_made_for_an_engine_without_mirror_steps(ray_local):
+def test_no_pair_is_made_for_an_engine_without_mirror_steps():
     prompts, params = long_tail_batch()
     coord = _coordinator(RolloutConfig(strategy="chain:3", kv_cache_tokens=8192))
     coord.generate(prompts, params)

@@ -1,6 +1,7 @@
-"""Faults cost only what they must (local Ray, 2 workers): a worker killed before, during or after
-its last request has only its unfinished requests re-run, every request is counted once and the
-results come back in order; the next rollout does not wait for a training chunk still running."""
+"""Faults cost only what they must (2 workers): a worker killed before, during or after its last
+request has only its unfinished requests re-run, every request is counted once and the results come
+back in order; the next rollout does not wait for a training chunk still running. One schedule's
+kills end Ray worker processes; the rest kill thread actors (the coordinator sees the same death)."""
 
 import time
 
@@ -18,14 +19,15 @@ def finished_once(coord, start, n):
     return sum(e.detail["requests"] for e in kinds(coord.events[start:], "finished")) == n
 
 
-def kill_when(ray, box, predicate):
+def kill_when(box, predicate):
     """An on_event hook that kills the event's worker the first time ``predicate(event)`` holds."""
 
     def hook(event):
         if not box["killed"] and predicate(event):
             box["killed"].append(event.worker)
             box["left"] = event.detail.get("left")
-            ray.kill(box["coord"].workers[event.worker])
+            coord = box["coord"]
+            coord.actors.kill(coord.workers[event.worker])
 
     return hook
 
@@ -35,13 +37,13 @@ DURING = ("during its requests", lambda e: e.kind == "finished" and e.detail["le
 AFTER = ("after its last request", lambda e: e.kind == "finished" and e.detail["left"] == 0)
 
 
-def rollout_with_a_kill(ray, coord, kill, prompts, params, want) -> None:
+def rollout_with_a_kill(coord, kill, prompts, params, want) -> None:
     """One rollout in which the first worker ``kill``'s predicate picks is killed at ``kill``'s
     point: the completions are the plain ones, every request is counted once, and only what the
     dead worker had not finished is generated again."""
     point, predicate = kill
     box = {"killed": [], "coord": coord}
-    coord.on_event = kill_when(ray, box, predicate)
+    coord.on_event = kill_when(box, predicate)
     start = len(coord.events)
     report = coord.generate(prompts, params)
     coord.on_event = None
@@ -67,14 +69,18 @@ def rollout_with_a_kill(ray, coord, kill, prompts, params, want) -> None:
 # the schedules differ in how the dead worker's requests were dealt, not in what its death puts back.
 # One coordinator a schedule takes its kills in successive rollouts, each dead worker replaced.
 @pytest.mark.parametrize(
-    "schedule, kills", [("divided", (BEFORE, DURING)), ("static", (DURING, AFTER))], ids=["divided", "static"]
+    "schedule, kills, backend",
+    [("divided", (BEFORE, DURING), "threads"), ("static", (DURING, AFTER), "ray")],
+    ids=["divided", "static"],
 )
-def test_a_killed_worker_costs_only_its_unfinished_requests(ray_local, schedule, kills):
+def test_a_killed_worker_costs_only_its_unfinished_requests(request, schedule, kills, backend):
+    if backend == "ray":
+        request.getfixturevalue("ray_local")
     prompts, params = long_tail_batch()
     want = [o.completion_ids for o in single_engine(prompts, params)]
-    coord = coordinator(spot_training=False, schedule=schedule)
+    coord = coordinator(spot_training=False, schedule=schedule, backend=backend)
     for kill in kills:
-        rollout_with_a_kill(ray_local, coord, kill, prompts, params, want)
+        rollout_with_a_kill(coord, kill, prompts, params, want)
     start = len(coord.events)
     again = coord.generate(prompts, params)  # the last dead worker is replaced (before or during this rollout)
     assert [o.completion_ids for o in again.outputs] == want
@@ -83,7 +89,16 @@ def test_a_killed_worker_costs_only_its_unfinished_requests(ray_local, schedule,
     coord.shutdown()
 
 
-def test_neither_a_policy_sync_nor_the_next_rollout_waits_long_for_a_training_chunk(ray_local, tmp_path, monkeypatch):
+class GatedChunk:
+    """A training chunk that returns only once the gate file exists."""
+
+    def run(self, gate, result):
+        while not gate.exists():
+            time.sleep(0.05)
+        return result
+
+
+def test_neither_a_policy_sync_nor_the_next_rollout_waits_long_for_a_training_chunk(tmp_path, monkeypatch):
     """A chunk still running (it returns only when the test lets it): the sync goes on at once, the
     rollout after a brief wait (``STOPPED_CHUNK_WAIT_S``), with the other worker; once the chunk is
     in, its state is kept and the trainer catches up on the weights it missed with its next shard."""
@@ -98,13 +113,9 @@ def test_neither_a_policy_sync_nor_the_next_rollout_waits_long_for_a_training_ch
     newer = DrafterState(coord.drafter_state.weights, coord.drafter_state.version + 5)
     gate = tmp_path / "chunk_may_return"
 
-    @ray_local.remote(num_cpus=0)  # the workers hold every CPU of the local instance
-    def gated_chunk():
-        while not gate.exists():
-            time.sleep(0.05)
-        return TrainResult(trainer, newer, [0.1] * 5, stopped=True)
-
-    chunk = Chunk(gated_chunk.remote(), trainer, number=0, stop_sent=True)
+    gated = coord.actors.spawn(GatedChunk, num_cpus=0, num_gpus=0, max_concurrency=1)
+    ref = coord.actors.call(gated, "run", gate, TrainResult(trainer, newer, [0.1] * 5, stopped=True))
+    chunk = Chunk(ref, trainer, number=0, stop_sent=True)
     coord.spot.running = chunk
     assert coord.sync_policy(new_policy, version=1)
     report = coord.generate(prompts, params)
@@ -114,7 +125,7 @@ def test_neither_a_policy_sync_nor_the_next_rollout_waits_long_for_a_training_ch
     (awaited,) = kinds(coord.events, "chunk_awaited")
     assert not awaited.detail["back"] and awaited.detail["seconds"] < 5
     gate.touch()
-    ray_local.wait([chunk.ref])
+    coord.actors.wait([chunk.ref], timeout=60)
     again = coord.generate(prompts, params)  # collects the chunk first; the trainer gets weights with its shard
     assert [o.completion_ids for o in again.outputs] == want
     assert kinds(coord.events, "spot_done")[0].seq < kinds(coord.events, "rollout_end")[-1].seq

@@ -21,7 +21,7 @@ def head_for(policy) -> Eagle3Head:
     return head
 
 
-def test_workers_match_the_in_process_engine_and_sync_once_per_step(ray_local):
+def test_workers_match_the_in_process_engine_and_sync_once_per_step():
     tokenizer = build_tokenizer()
     policy = tiny_task_policy(tokenizer, initializer_range=0.2)
     prompts = [[{"role": "user", "content": f"add {i} {i + 3}"}] for i in range(4) for _ in range(2)]
@@ -41,6 +41,7 @@ def test_workers_match_the_in_process_engine_and_sync_once_per_step(ray_local):
         drafter=head_for(policy),
         sampling=sampling,
         workers=2,
+        backend="threads",  # the coordinator's logic; Ray's processes: test_cli_and_configs' demo
         spot_steps_per_call=2,
     )
     for step in range(2):

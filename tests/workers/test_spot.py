@@ -26,6 +26,13 @@ class FakeActor:
     stop_training: FakeMethod = field(default_factory=FakeMethod)
 
 
+class FakeActors:
+    """Calls go straight to the fake actor's methods."""
+
+    def call(self, actor, method, *args):
+        return getattr(actor, method).remote(*args)
+
+
 def sample(n=4, width=8):
     return Eagle3Sample(torch.arange(n), torch.zeros(n - 1, width), prompt_len=1)
 
@@ -38,7 +45,9 @@ def spot(**overrides):
     events = []
     kwargs = dict(enabled=True, steps_per_chunk=4, max_steps_per_rollout=10, buffer_bytes=1 << 20)
     kwargs.update(overrides)
-    s = SpotTraining(state(0), event=lambda kind, worker=None, **d: events.append((kind, worker, d)), **kwargs)
+    s = SpotTraining(
+        state(0), actors=FakeActors(), event=lambda kind, worker=None, **d: events.append((kind, worker, d)), **kwargs
+    )
     s.start_rollout()
     return s, events
 
@@ -68,7 +77,9 @@ def test_a_chunk_starts_only_in_the_tail_with_data():
     assert s.should_start(others_generating=True, work_waiting=False)
     assert not s.should_start(others_generating=False, work_waiting=False)  # nobody in the tail
     assert not s.should_start(others_generating=True, work_waiting=True)  # work waits for the worker
-    no_head = SpotTraining(None, enabled=True, steps_per_chunk=1, max_steps_per_rollout=1, buffer_bytes=1, event=print)
+    no_head = SpotTraining(
+        None, actors=FakeActors(), enabled=True, steps_per_chunk=1, max_steps_per_rollout=1, buffer_bytes=1, event=print
+    )
     assert not no_head.enabled
 
 
