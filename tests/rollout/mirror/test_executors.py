@@ -121,7 +121,9 @@ def test_a_drafter_that_cannot_be_rebuilt_elsewhere_is_refused_a_process_by_name
             make_executor(kind, drafter, None, torch.device("cpu"), None, 1)
 
 
+# a user's training script written without ``if __name__ == "__main__":``
 NO_MAIN_GUARD = """
+import time
 print("TOP-LEVEL RAN", flush=True)
 from tailspec.rollout import RolloutConfig, RolloutEngine, SamplingParams
 from tailspec.rollout.params import MirrorConfig
@@ -132,36 +134,6 @@ config = RolloutConfig(strategy="mirror:chain:3,k=1", mirror=MirrorConfig(execut
 engine = RolloutEngine(model, config, drafter=perturbed_copy(model, 0.3, seed=7))
 out = engine.generate(random_prompts(3, seed=2), SamplingParams(temperature=0.0, max_new_tokens=8))
 print("DONE", type(engine.mirror.executor).__name__, len(out), flush=True)
-engine.close()
-"""
-
-
-def test_a_script_without_a_main_guard_starts_its_draft_process_and_runs_its_top_level_once(tmp_path, child_env):
-    """The draft process is spawned without importing the user's script: a script written from the
-    README without ``if __name__ == "__main__":`` used to run again inside the child (its whole
-    training, a second time) and could leave the parent waiting for that child forever."""
-    import subprocess
-    import sys
-
-    script = tmp_path / "train.py"
-    script.write_text(NO_MAIN_GUARD)
-    out = subprocess.run(
-        [sys.executable, str(script)], capture_output=True, text=True, cwd=tmp_path, env=child_env, timeout=240
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert out.stdout.count("TOP-LEVEL RAN") == 1 and "DONE ProcessExecutor 3" in out.stdout
-
-
-KILLED_PARENT = """
-import time
-from tailspec.rollout import RolloutConfig, RolloutEngine, SamplingParams
-from tailspec.rollout.params import MirrorConfig
-from tailspec.testing import perturbed_copy, random_prompts, tiny_random_model
-
-model = tiny_random_model("llama", seed=1)
-config = RolloutConfig(strategy="mirror:chain:3,k=1", mirror=MirrorConfig(executor="process"))
-engine = RolloutEngine(model, config, drafter=perturbed_copy(model, 0.3, seed=7))
-engine.generate(random_prompts(2, seed=2), SamplingParams(temperature=0.0, max_new_tokens=4))
 print("CHILD", engine.mirror.executor._process.pid, flush=True)
 time.sleep(600)
 """
@@ -176,22 +148,31 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def test_the_draft_process_dies_with_its_parent(tmp_path, child_env):
-    """A training run killed outright (SIGKILL: no atexit, no daemon clean-up) leaves no draft
-    process behind: the child reads the parent's end of the pipe and leaves at its EOF."""
+def test_a_script_without_a_main_guard_runs_its_top_level_once_and_its_draft_process_dies_with_it(tmp_path, child_env):
+    """The draft process starts without importing the user's script: a script without
+    ``if __name__ == "__main__":`` would otherwise run again inside the child (its whole training,
+    a second time) and could leave the parent waiting for that child forever. Killed outright
+    (SIGKILL: no atexit, no daemon clean-up), the script leaves no draft process behind: the child
+    reads the parent's end of the pipe and leaves at its EOF."""
     import signal
     import subprocess
     import sys
 
     script = tmp_path / "train.py"
-    script.write_text(KILLED_PARENT)
+    script.write_text(NO_MAIN_GUARD)
     parent = subprocess.Popen(
-        [sys.executable, str(script)], stdout=subprocess.PIPE, text=True, cwd=tmp_path, env=child_env
+        [sys.executable, str(script)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=tmp_path,
+        env=child_env,
     )
     try:
-        line = parent.stdout.readline()
-        assert line.startswith("CHILD"), line
-        child = int(line.split()[1])
+        lines = [parent.stdout.readline() for _ in range(3)]
+        assert lines[-1].startswith("CHILD"), (lines, parent.poll() is not None and parent.stderr.read()[-3000:])
+        assert lines[0] == "TOP-LEVEL RAN\n" and lines[1] == "DONE ProcessExecutor 3\n"
+        child = int(lines[-1].split()[1])
         assert _alive(child)
         parent.send_signal(signal.SIGKILL)
         parent.wait(timeout=30)
@@ -199,6 +180,7 @@ def test_the_draft_process_dies_with_its_parent(tmp_path, child_env):
         while _alive(child) and time.monotonic() < deadline:
             time.sleep(0.2)
         assert not _alive(child), "the draft process outlived its parent"
+        assert "TOP-LEVEL RAN" not in parent.stdout.read()  # nothing ran the script again
     finally:
         parent.kill()
 
