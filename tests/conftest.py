@@ -83,25 +83,25 @@ def child_env() -> dict[str, str]:
 # `make test`'s two processes (pytest-xdist, a file per process at a time) the longest files then
 # do not end up as the last unit one process runs while the other idles. A schedule hint only: a
 # file not listed runs after these, in collection order.
-LONGEST_FIRST = (  # Ray's and the others alternating, so the two processes rarely run Ray tests at once
-    "workers/test_faults.py",
+LONGEST_FIRST = (  # by their time in the last measured run; Ray's and the others alternating
     "rollout/mirror/test_mirror.py",
-    "workers/test_coordinator.py",
-    "rollout/test_spec_sampling.py",
-    "workers/test_divided_rollout.py",
-    "drafter/eagle3/test_eagle3_drafter.py",
     "workers/test_ray_job.py",
+    "rollout/test_spec_sampling.py",
     "rollout/test_spec_greedy.py",
-    "workers/test_draft_hosts.py",
+    "drafter/eagle3/test_eagle3_drafter.py",
+    "workers/test_faults.py",
     "rollout/model/test_compiled.py",
-    "atts/test_ray_clients.py",
-    "testing/test_selector_sim.py",
-    "workers/test_coordinator_state.py",
-    "rollout/test_position_noise.py",
     "test_interrupt.py",
-    "rollout/mirror/test_executors.py",
-    "workers/test_spec_rollout_workers.py",
+    "testing/test_selector_sim.py",
+    "atts/test_ray_clients.py",
+    "test_cli_and_configs.py",
+    "trainer_hooks/test_deepspeed_grpo.py",
+    "rollout/test_position_noise.py",
+    "workers/test_coordinator.py",
     "drafter/eagle3/test_eagle3_train.py",
+    "tasks/test_deep.py",
+    "rollout/mirror/test_executors.py",
+    "rollout/spec/test_verify.py",
 )
 
 

@@ -53,29 +53,6 @@ def test_the_plain_twin_of_a_self_drafting_demo_trains_no_exit_adapter():
     assert twin.config.engine.strategy == "none" and twin.config.training.self_adapter_rank is None
 
 
-def test_demo_runs_a_speculative_grpo_step(tmp_path):
-    """The demo's whole path (shipped policy and drafter, TRL GRPO, speculative rollouts) for two steps."""
-    from tailspec.demo import run_demo
-
-    cfg = DemoConfig().with_overrides(
-        max_steps=2,
-        num_generations=2,
-        prompts_per_step=2,
-        max_completion_length=48,
-        num_train_prompts=16,
-        wandb=False,
-        output_dir=str(tmp_path),
-        strategy="chain:3",
-    )
-    summary = run_demo(cfg)
-    assert summary["steps"] == 2
-    assert summary["rollout_tokens"] > 0
-    assert 0.0 < summary["draft_acceptance_rate"] <= 1.0
-    assert 0.0 <= summary["groups_with_signal"] <= 1.0  # the share of groups whose rewards differ
-    online = cfg.rollout.training.drafter_train_steps
-    assert summary["drafter_version"] == 1600 + 2 * online  # the shipped head, trained online
-
-
 def test_rollout_yaml_is_a_valid_rollout_config():
     data = yaml.safe_load((CONFIGS / "rollout_default.yaml").read_text())
     cfg = RolloutConfig.from_dict(data)
@@ -102,8 +79,9 @@ def test_drafter_warmup_then_export_from_the_command_line(tmp_path, capsys):
 
 
 def test_demo_tells_the_whole_story(tmp_path, capsys):
-    """Warm-up of the shipped head, the GRPO run with its plain-decoding twin at every step (the
-    same completions, same-step ratios), the export."""
+    """The demo's whole path: warm-up of the shipped head, TRL GRPO with speculative rollouts and its
+    plain-decoding twin at every step (the same completions, same-step ratios), the head trained
+    online, the export."""
     from tailspec.demo import run_demo
 
     cfg = DemoConfig().with_overrides(
@@ -132,6 +110,9 @@ def test_demo_tells_the_whole_story(tmp_path, capsys):
     assert "reward, mean of the first vs last 1 steps:" in printed
     assert "plain decoding emitted the same completions at 2 of 2 steps" in printed
     assert summary["same_completions_steps"] == "2 of 2" and summary["run_speedup"] > 0
+    assert summary["steps"] == 2 and summary["rollout_tokens"] > 0
+    assert 0.0 < summary["draft_acceptance_rate"] <= 1.0
+    assert 0.0 <= summary["groups_with_signal"] <= 1.0  # the share of groups whose rewards differ
     assert "{'loss'" not in printed  # TRL's raw per-step dicts stay out of the story (wandb keeps them)
     online = cfg.rollout.training.drafter_train_steps
     assert summary["drafter_version"] == 1600 + 3 + 2 * online  # shipped, warm-up, online

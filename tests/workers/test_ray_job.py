@@ -14,7 +14,7 @@ pytest.importorskip("ray")
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_submitted_example_job_succeeds(tmp_path, ray_head):
+def test_a_submitted_job_succeeds_and_a_process_without_an_address_starts_its_own_instance(tmp_path, ray_head):
     entrypoint = [
         sys.executable,
         str(ROOT / "examples" / "ray_job.py"),
@@ -41,8 +41,7 @@ def test_submitted_example_job_succeeds(tmp_path, ray_head):
     assert summary["policy_syncs"] == 1  # the second rollout saw the first optimizer step
     assert summary["workers_died"] == 0
 
-
-def test_no_address_starts_a_local_instance_beside_a_running_head(ray_head):
+    # one head started for both (a head costs seconds): a process given no address beside it
     probe = (
         "import ray\n"
         "from tailspec.workers.coordinator import ensure_ray\n"
