@@ -77,6 +77,7 @@ for _section in (
     Section("user_path", "user_path:run_user_path_section", ("quick",), "what a user's first run measures"),
     Section("selector_sim", "selector_sim:run_selector_sim_section", ("quick",), "the selector's simulator"),
     Section("host", "host:run_host_section", ("quick",), "host work before each captured replay"),
+    Section("step_host", "step_host:run_step_host_section", ("quick",), "host time of one decode step per strategy"),
 ):
     register(_section)
 

@@ -411,8 +411,8 @@ class _HostExecutor(DraftExecutor):
 
 
 class ProcessExecutor(_HostExecutor):
-    """A child process (see :func:`_draft_process_context`) running ``build()``'s drafter with ``threads`` torch threads,
-    under the ``kernels`` backend."""
+    """A child process (see :func:`_draft_process_context`) running ``build()``'s drafter with
+    ``threads`` torch threads, under the ``kernels`` backend."""
 
     name = "process"
 

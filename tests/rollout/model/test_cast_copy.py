@@ -47,11 +47,14 @@ def test_the_copy_follows_weights_the_trainer_changed():
     engine = RolloutEngine(model, RolloutConfig(graph_backend="eager", dtype="bfloat16"))
     engine.generate(prompts, PARAMS)
     captured = engine.runner.graph_pool.keys()
+    noise = torch.Generator().manual_seed(3)
     with torch.no_grad():  # an optimizer step: in place
         for param in model.parameters():
-            param.add_(torch.randn_like(param) * 0.05)
+            param.add_(torch.randn(param.shape, generator=noise) * 0.05)
     assert_same(engine.generate(prompts, PARAMS), plain(cast_parameters(model, torch.bfloat16), prompts))
-    assert engine.runner.graph_pool.keys() == captured  # the copy's tensors never moved: graphs stay
+    # the copy's tensors never moved: its graphs stay (the new weights may end a sequence sooner and
+    # run a batch size the first call did not, which captures one more)
+    assert set(captured) <= set(engine.runner.graph_pool.keys())
 
 
 def test_the_copy_runs_its_own_forward_not_the_trainer_s_wrappers_or_hooks():
