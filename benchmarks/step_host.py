@@ -145,7 +145,7 @@ def step_host_table(runs: list[HostRun]) -> str:
 def run_step_host_section(out: Path, quick: bool = False) -> str:
     from .report import replace_section
 
-    passes, new_tokens = (1, 8) if quick else (3, 32)
+    passes, new_tokens = (1, 8) if quick else (5, 48)
     table = step_host_table(measure(passes, new_tokens))
     body = (
         "Each decode step's wall time less the time inside the target's and the drafter LM's forwards "
