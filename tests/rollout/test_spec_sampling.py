@@ -20,7 +20,7 @@ from tailspec.testing import exact_joint_of_tokens_2_and_3 as exact_joint
 from tailspec.testing import perturbed_copy, processed_probs, tiny_random_model
 
 V = 12
-N = 5000
+N = 2000  # samples per check: a wrong residual rule fails it at p ~ 1e-31 (test_the_check_rejects_a_wrong_residual)
 PROMPT = [3, 7, 2, 9, 5]
 
 

@@ -278,7 +278,7 @@ def eagle3_drafter():
     return eagle3_or_model("eagle3")
 
 
-def mirror_joint_counts(strategy: str, kind: str, params: SamplingParams, executor: str, n: int = 4000):
+def mirror_joint_counts(strategy: str, kind: str, params: SamplingParams, executor: str, n: int = 2000):
     engine = RolloutEngine(
         target(),
         RolloutConfig(
