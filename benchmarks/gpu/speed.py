@@ -29,6 +29,11 @@ from .env import copy_bandwidth_gbs
 from .models import task_prompts
 
 SPEC_STRATEGIES = ("chain:4", "adaptive", "mirror:chain:4,k=0")
+# a decode step's anatomy (wall against device busy, the host's CUDA calls): these arms at every
+# speculative batch size, in this many interleaved passes (``step_anatomy``)
+ANATOMY = (("none", "none", {}), ("none overlapped", "none", {"overlap": True}), ("chain:4", "chain:4", {}))
+ANATOMY = (*ANATOMY, ("tree:4,2,8", "tree:4,2,8", {}))
+ANATOMY_PASSES = 3
 
 
 def count_tokens(rows: list[list[int]], eos: int) -> int:
@@ -241,13 +246,14 @@ def replay_profile(engine: RolloutEngine, rows: int = 15) -> dict:
     return {"kernels": len(events), "kernel_time_ms": busy_us / 1000, "table": table}
 
 
-def step_profile(engine: RolloutEngine, prompts, params, rows: int = 20) -> dict:
+def step_profile(engine: RolloutEngine, prompts, params, rows: int = 20, python: bool = True) -> dict:
     """Where a decode step's wall time goes beyond the replays (run 11: a batch-1 step 0.74 ms
     longer than its replay; run 12: 2.0 ms on the 7.2B policy, and ``chain:4``'s drafting 10 ms):
     one ``generate`` (warmed up) under the torch profiler, host and device, and under cProfile.
     Per decode step (the generate's wall time and device time over its decode steps, its prefill
     included): wall ms, device-busy ms, and the host's CUDA calls (copies, launches, graph
-    launches, syncs); the host ops by self time; the Python functions by own time."""
+    launches, syncs); the host ops by self time; the Python functions by own time (``python``:
+    one more generate, under cProfile)."""
     import cProfile
     import io
     import pstats
@@ -271,12 +277,13 @@ def step_profile(engine: RolloutEngine, prompts, params, rows: int = 20) -> dict
         "cudaMemsetAsync",
     )
     per_step = {c: round(sum(e.name == c for e in events) / steps, 1) for c in calls}
-    profiler = cProfile.Profile()
-    profiler.enable()
-    engine.generate(prompts, params)
-    profiler.disable()
     text = io.StringIO()
-    pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(rows)
+    if python:
+        profiler = cProfile.Profile()
+        profiler.enable()
+        engine.generate(prompts, params)
+        profiler.disable()
+        pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(rows)
     return {
         "decode_steps": steps,
         "wall_ms_per_step": round(1000 * seconds / steps, 3),
@@ -311,6 +318,7 @@ class SpeedRun:
     greedy: SamplingParams
     rows: list[dict] = field(default_factory=list)
     headline: dict[str, str] = field(default_factory=dict)
+    anatomy: dict[tuple[str, int], list[dict]] = field(default_factory=dict)  # (arm, batch) -> step profiles
     label: str = ""  # put before its contenders' names and headline keys (a second policy's run shares rows)
 
     def add(self, row: dict) -> None:
@@ -444,24 +452,38 @@ def run(stage: Stage) -> None:
         if ok:
             stage.record("batch1_replay_profile", replay_profile(speed.contenders.engine("none", speed.graphs)))
     # overlapped: whether the device stays busy through the host's part of a step (wall = busy)
-    for name, strategy, fields in (
-        ("none", "none", {}),
-        ("none overlapped", "none", {"overlap": True}),
-        ("chain:4", "chain:4", {}),
-    ):
-        with stage.part(f"profile of a batch-1 {name} step, host and device", 10) as ok:
-            if ok:
-                engine = speed.contenders.engine(strategy, speed.graphs, **fields)
-                profile = step_profile(engine, speed.prompts[:1], speed.greedy)
-                stage.record(f"batch1_step_profile {name}", profile)
-                speed.headline[f"batch-1 {name} step: wall / device busy"] = (
-                    f"{profile['wall_ms_per_step']:.2f} / {profile['device_busy_ms_per_step']:.2f} ms; "
-                    f"per step {profile['cuda_calls_per_step']}"
-                )
+    # batch 1's first pass before the speculation parts, every other pass and batch after the long
+    # tail, on what the stage's budget leaves (the headline ratios come first)
+    step_anatomy(speed, [(0, 1)])
     speculation(speed, other_kernels)
     long_tail(stage, speed.contenders, speed.contenders.tokenizer, speed.graphs, speed.add, speed.headline)
+    later = [(p, b) for p in range(ANATOMY_PASSES) for b in stage.size.spec_batches if (p, b) != (0, 1)]
+    step_anatomy(speed, later)
     stage.record("headline", speed.headline)
     speed.contenders.close()
+
+
+def step_anatomy(speed: SpeedRun, plan: list[tuple[int, int]]) -> None:
+    """Each :data:`ANATOMY` arm's decode step profiled (:func:`step_profile`) for every ``(pass,
+    batch)`` of ``plan``, in that order (the Python profile in pass 0 only). Profiles accumulate in
+    ``speed.anatomy``; the headline gives each (arm, batch)'s median wall and device-busy ms per
+    step over the passes so far, the record every pass's profile."""
+    stage = speed.stage
+    for p, batch in plan:
+        for name, strategy, fields in ANATOMY:
+            with stage.part(f"profile of a batch-{batch} {name} step, pass {p + 1}", 10) as ok:
+                if ok:
+                    engine = speed.contenders.engine(strategy, speed.graphs, **fields)
+                    runs = speed.anatomy.setdefault((name, batch), [])
+                    runs.append(step_profile(engine, speed.prompts[:batch], speed.greedy, python=p == 0))
+    for (name, batch), runs in speed.anatomy.items():
+        stage.record(f"step_profile {name} batch {batch}", runs)
+        wall = statistics.median(r["wall_ms_per_step"] for r in runs)
+        busy = statistics.median(r["device_busy_ms_per_step"] for r in runs)
+        speed.headline[f"batch-{batch} {name} step: wall / device busy"] = (
+            f"{wall:.2f} / {busy:.2f} ms ({100 * busy / wall:.0f}% busy; median of {len(runs)} passes); "
+            f"per step {runs[0]['cuda_calls_per_step']}"
+        )
 
 
 def plain_decoding(speed: SpeedRun, other_kernels: str) -> None:
