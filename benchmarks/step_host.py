@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import statistics
 import time
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -23,6 +22,7 @@ import torch
 
 from ..rollout import RolloutConfig, RolloutEngine, SamplingParams
 from ..testing import perturbed_copy, tiny_random_model
+from .policies import torch_threads
 
 STEP_HOST_TITLE = "Host time of one decode step"
 ARMS = ("none", "chain:4", "tree:4,2,8")
@@ -61,16 +61,6 @@ class ForwardClock:
     def close(self) -> None:
         for handle in self._handles:
             handle.remove()
-
-
-@contextmanager
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
 
 
 def models() -> tuple[torch.nn.Module, torch.nn.Module]:
@@ -113,7 +103,7 @@ def measure_run(arm: str, batch: int, new_tokens: int, target, drafter) -> tuple
 def measure(passes: int, new_tokens: int, batches=BATCHES, arms=ARMS) -> list[HostRun]:
     target, drafter = models()
     runs = {(a, b): HostRun(a, b) for b in batches for a in arms}
-    with _one_thread():
+    with torch_threads(1):
         measure_run("chain:4", 4, 8, target, drafter)  # warm-up: first calls of every path
         for _ in range(passes):
             for b in batches:
