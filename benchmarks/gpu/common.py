@@ -39,6 +39,7 @@ class CheckSize:
     big_batches: tuple[int, ...]  # ... decoded at these batch sizes
     batch1_passes: int  # the speed stage's batch-1 contenders, timed in this many interleaved passes
     tail_passes: int  # ... and the long tail's (fresh prompts each pass), and `none` at the largest batch
+    anatomy_passes: int = 3  # the speed stage's decode-step profiles, in this many interleaved passes
 
     @classmethod
     def of(cls, name: str) -> CheckSize:
@@ -50,7 +51,7 @@ class CheckSize:
             )  # fmt: skip
         if name == "tiny":
             return cls(
-                "tiny", 384, 960, 26, (1, 4), (1, 4), 12, 6, 600, 4, True, (128, 256), (512, 1280, 28), (1,), 2, 2
+                "tiny", 384, 960, 26, (1, 4), (1, 4), 12, 6, 600, 4, True, (128, 256), (512, 1280, 28), (1,), 2, 2, 1
             )  # fmt: skip
         raise ValueError(f"size must be 'full' or 'tiny', got {name!r}")
 

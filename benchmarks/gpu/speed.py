@@ -30,10 +30,9 @@ from .models import task_prompts
 
 SPEC_STRATEGIES = ("chain:4", "adaptive", "mirror:chain:4,k=0")
 # a decode step's anatomy (wall against device busy, the host's CUDA calls): these arms at every
-# speculative batch size, in this many interleaved passes (``step_anatomy``)
+# speculative batch size, in ``CheckSize.anatomy_passes`` interleaved passes (``step_anatomy``)
 ANATOMY = (("none", "none", {}), ("none overlapped", "none", {"overlap": True}), ("chain:4", "chain:4", {}))
 ANATOMY = (*ANATOMY, ("tree:4,2,8", "tree:4,2,8", {}))
-ANATOMY_PASSES = 3
 
 
 def count_tokens(rows: list[list[int]], eos: int) -> int:
@@ -457,7 +456,8 @@ def run(stage: Stage) -> None:
     step_anatomy(speed, [(0, 1)])
     speculation(speed, other_kernels)
     long_tail(stage, speed.contenders, speed.contenders.tokenizer, speed.graphs, speed.add, speed.headline)
-    later = [(p, b) for p in range(ANATOMY_PASSES) for b in stage.size.spec_batches if (p, b) != (0, 1)]
+    passes = range(stage.size.anatomy_passes)
+    later = [(p, b) for p in passes for b in stage.size.spec_batches if (p, b) != (0, 1)]
     step_anatomy(speed, later)
     stage.record("headline", speed.headline)
     speed.contenders.close()
