@@ -23,6 +23,7 @@ from functools import cache, cached_property
 from importlib import import_module
 from typing import Any, Protocol, runtime_checkable
 
+import numpy as np
 import torch
 
 
@@ -86,14 +87,16 @@ class DraftTree:
         return all(p == i - 1 for i, p in enumerate(self.parents))
 
     def ancestor_mask(self) -> torch.Tensor:
-        """``[n + 1, n + 1]`` bool mask over the root and the nodes: True where the row may attend."""
+        """``[n + 1, n + 1]`` bool mask over the root and the nodes: True where the row may attend.
+        Built in numpy (a row copy per node: torch's per-element indexing costs ~10x more, and a
+        tree step builds one per sequence and draft level)."""
         n = len(self.tokens)
-        mask = torch.zeros(n + 1, n + 1, dtype=torch.bool)
+        mask = np.zeros((n + 1, n + 1), dtype=bool)
         mask[:, 0] = True
         for i, p in enumerate(self.parents):
             mask[i + 1] = mask[p + 1]
             mask[i + 1, i + 1] = True
-        return mask
+        return torch.from_numpy(mask)
 
     def truncated(self, num_nodes: int) -> DraftTree:
         """The first ``num_nodes`` nodes (still a valid tree, since parents precede children)."""
