@@ -27,6 +27,7 @@ import copy
 import itertools
 import queue
 import threading
+import time
 from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
@@ -270,7 +271,7 @@ class ThreadActor:
     def submit(self, work: Callable[[], None], answer: _Ref | _Stream) -> None:
         with _changed:
             if self.dead:
-                answer_error(answer, self._died("killed before the call"))
+                _answer_error(answer, self._died("killed before the call"))
                 return
             self._open.add(answer)
         self._work.put((work, answer))
@@ -281,7 +282,7 @@ class ThreadActor:
             work, answer = job
             try:
                 if self._build_error is not None:
-                    answer_error(answer, self._died(f"its constructor raised {self._build_error!r}"))
+                    _answer_error(answer, self._died(f"its constructor raised {self._build_error!r}"))
                 elif not self.dead:
                     work()
             finally:
@@ -295,12 +296,12 @@ class ThreadActor:
             self.dead = True
             open_calls, self._open = self._open, set()
         for answer in open_calls:
-            answer_error(answer, self._died(why))
+            _answer_error(answer, self._died(why))
         for _ in self._threads:
             self._work.put(None)
 
 
-def answer_error(answer: _Ref | _Stream, error: BaseException) -> None:
+def _answer_error(answer: _Ref | _Stream, error: BaseException) -> None:
     if isinstance(answer, _Stream):
         answer._push(_Ref.of(error=error), last=True)
     else:
@@ -362,7 +363,7 @@ class ThreadActors(Actors):
                         return
                     stream._push(_Ref.of(_own_copy(item)))
             except BaseException as e:
-                stream._push(_Ref.of(error=_failed(actor, method, e)), last=True)
+                _answer_error(stream, _failed(actor, method, e))
                 return
             stream._end()
 
@@ -373,9 +374,10 @@ class ThreadActors(Actors):
         return _Ref.of(_own_copy(value))
 
     def get(self, refs: Any, timeout: float | None = None) -> Any:
-        if isinstance(refs, list):
-            return [_get_one(r, timeout) for r in refs]
-        return _get_one(refs, timeout)
+        if not isinstance(refs, list):
+            return _get_one(refs, timeout)
+        deadline = None if timeout is None else time.monotonic() + timeout  # one timeout for them all
+        return [_get_one(r, None if deadline is None else max(deadline - time.monotonic(), 0.0)) for r in refs]
 
     def wait(self, refs: Sequence[Any], num_returns: int = 1, timeout: float | None = None) -> tuple[list, list]:
         refs = list(refs)
