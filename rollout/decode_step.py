@@ -1,104 +1,150 @@
-"""The engine's speculative decode step, as gpt-fast reads it: drafts -> target forward -> verify ->
-accept -> commit (the four functions of ``rollout/spec/step.py``); each sequence advances by its own
-accepted length. Why the output is exactly the target's: ``rollout/spec/verify.py``.
+"""The engine's decode step, one shape for every strategy, as gpt-fast reads it: propose -> forward ->
+verify -> commit (the functions of ``rollout/spec/step.py``).
 
-The drafts come from one of two sources behind :meth:`SpeculativeStep._drafts`: serially from the
-engine's drafters (chain, tree, suffix, hybrid; on the running mirror pipeline's drafter where one
-runs, ``MirrorSlot.serial_drafts``), or from the mirror pipeline, which drafts the next round's
-beside the verification forward (``rollout/mirror/pipeline.py``). Which strategy a step runs is
-``StrategyChoice``'s; this module runs the step it is given.
+* **propose**: the :class:`Proposer`'s drafts, one tree per sequence; plain decoding's are all empty.
+* **forward**: one target forward over each sequence's pending token and its draft nodes.
+* **verify**: an empty draft needs no verification: its token is sampled on the device and its read
+  queued (:class:`Sampled`); a draft is verified against the target's processed distribution
+  (``rollout/spec/verify.py``: why the output is exactly the target's).
+* **commit**: the tokens appended (stopped sequences finished), the kept K/V moved into place, what
+  a feature-reading drafter observes handed over.
+
+A step with empty drafts can leave its commit for later (``RolloutConfig(overlap=True)``): the next
+step is launched on its tokens while they are still on the device, and reads them after its own
+launch (``rollout/sampled.py`` says what that changes). A step with drafts reads the step in flight
+first: drafting and verification read every token on the host.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 
-from ..draft_contract import Drafter, DraftTree
+from ..kernels.transfers import QueuedRead
 from .adaptive.acceptance import first_branch
+from .adaptive.meter import Drafted
 from .feature_taps import FeatureTaps
-from .mirror.pipeline import MirrorPipeline
-from .mirror.slot import MirrorSlot
-from .model.runner import Forward, ModelRunner
+from .model.runner import ModelRunner
 from .params import RolloutConfig
-from .request import Sequence
+from .proposer import Proposal, Proposer
+from .request import SeqStatus, Sequence
+from .sampled import Sampled
+from .sampling import sample_tokens
 from .spec.kv_blocks import pack_verify_batch, release_unused_blocks
-from .spec.length_budget import drafting_mask
-from .spec.step import accept, commit, propose, verify
+from .spec.step import accept, commit, verify
 from .stats import EngineStats
 from .strategy import Strategy
 
 
-@dataclass(frozen=True)
-class Speculated:
-    """A speculative step's result: the sequences that are done (for the engine to finish), and
-    per sequence the draft tokens verified and how many were accepted (what ``adaptive`` learns)."""
-
-    done: list[Sequence]
-    drafted: list[int]
-    accepted: list[int]
-    branches: list[tuple[int, int]]  # per sequence: its tree's first branch's depth, and how much of it was kept
-
-
-class SpeculativeStep:
+class DecodeStep:
     def __init__(
         self,
         runner: ModelRunner,
         config: RolloutConfig,
-        drafter_for: Callable[[Strategy], Drafter],
-        mirrors: MirrorSlot,
+        proposer: Proposer,
         taps: FeatureTaps,
-        forward: Forward,
         generator: torch.Generator,
         stats: EngineStats,
+        finish: Callable[[Sequence], None],
     ) -> None:
-        self.runner, self.config, self.drafter_for, self.mirrors = runner, config, drafter_for, mirrors
-        self.taps, self.forward, self.generator, self.stats = taps, forward, generator, stats
+        self.runner, self.config, self.proposer, self.taps = runner, config, proposer, taps
+        self.generator, self.stats, self.finish = generator, stats, finish
+        self.in_flight: Sampled | None = None  # a plain step whose tokens are not read yet (config.overlap)
 
-    def __call__(self, seqs: list[Sequence], strategy: Strategy) -> Speculated:
-        """Run one step of ``strategy`` over ``seqs``."""
-        allocator, bs = self.runner.cache.allocator, self.config.block_size
-        strategy, mirror = self.mirrors.for_step(strategy)
+    def __call__(self, seqs: list[Sequence], strategy: Strategy, overlap: bool) -> tuple[list[int], Drafted | None]:
+        """One step of ``strategy`` over ``seqs``: the ids of the requests it finished (overlapped: of
+        the step before it, read now), and for a speculative step what was drafted and accepted."""
         start = time.perf_counter()
-        drafting = drafting_mask(seqs, self.config.length_budget)
-        trees, drafter = self._drafts(strategy, mirror, seqs, drafting)
+        proposal = self.proposer.propose(seqs, strategy, self.runner.cache.allocator, self.config.block_size)
         drafted_at = time.perf_counter()
-        slices, tokens, positions = pack_verify_batch(seqs, trees)
-        bases = [seq.num_tokens for seq in seqs]
-        with self.mirrors.beside(mirror, self.runner, seqs, trees, strategy):
-            logits = self.forward(slices, tokens, positions, list(range(len(tokens))))
-        verified = verify(seqs, trees, logits, [s.num_new for s in slices], self.generator)
+        pending = self.in_flight.inputs_for(seqs) if self.in_flight is not None else None
+        slices, tokens, positions = pack_verify_batch(seqs, proposal.trees, pending)
+        with proposal.around_forward(self.runner, seqs):
+            logits = self.forward(slices, tokens, positions, list(range(len(positions))))
+        if proposal.plain:
+            return self._sampled(seqs, logits, overlap), None
+        return self._verified(seqs, proposal, logits, [s.num_new for s in slices], drafted_at - start, drafted_at)
+
+    def forward(self, slices, tokens, positions: list[int], logits_index: list[int]) -> torch.Tensor:
+        """The target forward (tapping features when a drafter reads them), timed."""
+        start = time.perf_counter()
+        logits = self.taps.forward(slices, tokens, positions, logits_index)
+        self.stats.model_time_s += time.perf_counter() - start
+        return logits
+
+    def _sampled(self, seqs: list[Sequence], logits: torch.Tensor, overlap: bool) -> list[int]:
+        """Empty drafts: one token each, sampled on the device; kept in flight when ``overlap``."""
+        self.taps.observe([(seq, seq.num_cached, [row], [row]) for row, seq in enumerate(seqs)], logits)
+        for seq in seqs:
+            seq.num_cached += 1
+        self.stats.decode_steps += 1
+        self.stats.batch_sizes.append(len(seqs))
+        launched = self.sample(seqs, logits)
+        finished = self.settle()
+        if overlap:
+            self.in_flight = launched
+            self.stats.overlapped_steps += 1
+            return finished
+        return finished + self.append(launched)
+
+    def _verified(
+        self, seqs: list[Sequence], proposal: Proposal, logits, num_new: list[int], draft_s: float, drafted_at: float
+    ) -> tuple[list[int], Drafted]:
+        """Drafts: verified, the accepted tokens and K/V committed, the rejected drafts' blocks freed."""
+        trees, bases = proposal.trees, [seq.num_tokens for seq in seqs]
+        verified = verify(seqs, trees, logits, num_new, self.generator)
         committed = commit(seqs, trees, verified, accept(trees, verified), self.runner.cache)
         self.stats.generated_tokens += committed.emitted
-        if mirror is not None:
-            mirror.settle(seqs, trees, verified.verdicts, strategy, bases)
+        proposal.verified(seqs, verified.verdicts, bases)
         self.taps.observe(committed.observed, logits)  # before finishing: a recording drafter needs every feature
-        for seq, verdict in zip(seqs, verified.verdicts):
-            if mirror is None:
-                drafter.accepted(seq, len(verdict.path))
+        allocator, bs = self.runner.cache.allocator, self.config.block_size
+        for seq in seqs:
             if not seq.done:
                 release_unused_blocks(seq, allocator, bs)
-        draft_s, verify_s = drafted_at - start, time.perf_counter() - drafted_at
         self.stats.record_spec_step(
-            str(strategy), len(seqs), committed.drafted, committed.accepted, committed.emitted, draft_s, verify_s
+            str(proposal.strategy),
+            len(seqs),
+            committed.drafted,
+            committed.accepted,
+            committed.emitted,
+            draft_s,
+            time.perf_counter() - drafted_at,
         )
-        done = [seq for seq in seqs if seq.done]
+        finished = [seq.seq_id for seq in seqs if seq.done]
+        for seq in seqs:
+            if seq.done:
+                self.finish(seq)
         paths = [v.path for v in verified.verdicts]
         branches = [first_branch(t, p) for t, p in zip(trees, paths)]
-        return Speculated(done, [len(t) for t in trees], [len(p) for p in paths], branches)
+        return finished, Drafted([len(t) for t in trees], [len(p) for p in paths], branches)
 
-    def _drafts(
-        self, strategy: Strategy, mirror: MirrorPipeline | None, seqs: list[Sequence], drafting: list[bool]
-    ) -> tuple[list[DraftTree], Drafter]:
-        """A step's drafts and the drafter that made them."""
-        allocator, bs = self.runner.cache.allocator, self.config.block_size
-        if mirror is not None:
-            return mirror.drafts(seqs, strategy, allocator, bs, drafting), mirror.drafter
-        shared = self.mirrors.serial_drafts(strategy, seqs, allocator, bs, drafting)
-        if shared is not None:
-            return shared
-        drafter = self.drafter_for(strategy)
-        return propose(drafter, seqs, strategy.shape, allocator, bs, drafting), drafter
+    def sample(self, seqs: list[Sequence], logits: torch.Tensor) -> Sampled:
+        """Each sequence's next token, sampled on the device; its read to the host queued."""
+        tokens, logprobs = sample_tokens(seqs, logits, self.generator, [seq.tokens_in_flight for seq in seqs])
+        for seq in seqs:
+            seq.tokens_in_flight += 1
+        return Sampled(seqs, tokens, QueuedRead(tokens, logprobs))
+
+    def settle(self) -> list[int]:
+        """Read the step in flight, if one is: its tokens appended, its finished requests finished."""
+        launched, self.in_flight = self.in_flight, None
+        return self.append(launched) if launched is not None else []
+
+    def append(self, sampled: Sampled) -> list[int]:
+        """Append the sampled tokens (waiting for them); the ids of the requests they finished. A
+        row of a request that finished, was aborted or handed over meanwhile is dropped."""
+        tokens, logprobs = sampled.read()
+        finished = []
+        for seq, token, logprob in zip(sampled.seqs, tokens, logprobs):
+            seq.tokens_in_flight -= 1
+            if seq.status is SeqStatus.FINISHED:
+                self.stats.dropped_rows += 1
+                continue
+            seq.append(token, logprob)
+            self.stats.generated_tokens += 1
+            if seq.done:
+                self.finish(seq)
+                finished.append(seq.seq_id)
+        return finished

@@ -4,16 +4,15 @@ Use :meth:`RolloutEngine.generate` for a batch of prompts (one completion per pr
 order), or the step-wise API (:meth:`add_request`, :meth:`step`) to interleave submission and
 generation. Bad requests are refused with ``ValueError`` before they touch any running batch.
 
-A step reads schedule -> forward -> sample or speculate -> commit. Which strategy a decode step
-runs is :class:`StrategyChoice`'s (the configured one, or adaptive's pick); where a mirror step's
-drafts come from is :class:`MirrorSlot`'s; the front ends that loop over steps are in
-``serving.py``.
+A step reads schedule -> prefill or decode. Every decode step has one shape, propose -> forward ->
+verify -> commit (:class:`DecodeStep`); which strategy it runs is planned and measured from outside
+it (:class:`StepMeter`); where its drafts come from is the :class:`Proposer`'s; the front ends that
+loop over steps are in ``serving.py``.
 """
 
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Iterable, Iterator
 from collections.abc import Sequence as Seq
 from contextlib import AbstractContextManager
@@ -21,28 +20,24 @@ from contextlib import AbstractContextManager
 import torch
 
 from ..draft_contract import Drafter, Stateful, drafter_factory
-from ..kernels.transfers import QueuedRead
 from . import serving
 from .adaptive.calibration import calibrate_costs
-from .adaptive.choice import DrafterLag, StepOutcome, StepPlan, StrategyChoice
+from .adaptive.choice import StrategyChoice
 from .adaptive.cost_model import ForwardTable
+from .adaptive.meter import StepMeter
 from .adaptive.selector import SelectorConfig, StrategySelector
 from .admission import RequestLimits, eos_ids_of, prepare_requests
-from .decode_step import SpeculativeStep
+from .decode_step import DecodeStep
 from .feature_taps import FeatureTaps
 from .handoff import PartialRequest, RequestInbox, ServeUpdate
-from .mirror.executors import DraftExecutor
-from .mirror.pipeline import MirrorPipeline
-from .mirror.slot import MirrorSlot
-from .model.attention import SequenceSlice
-from .model.graph_pool import capture_seconds, graph_pool_for
+from .model.graph_pool import graph_pool_for
 from .model.runner import ModelRunner
 from .params import RolloutConfig, SamplingParams
 from .prefill import commit_prefill, pack_prefill
+from .proposer import Proposer
 from .request import RequestOutput, SeqStatus, Sequence
 from .request_book import RequestBook
-from .sampled import Sampled
-from .sampling import sample_tokens, store_prompt_logprobs
+from .sampling import store_prompt_logprobs
 from .scheduler import ScheduledBatch, Scheduler, StepKind
 from .spec.length_budget import tokens_to_go
 from .stats import EngineStats, StepRecord
@@ -99,40 +94,31 @@ class RolloutEngine:
         self.generator = torch.Generator().manual_seed(self.config.seed)
         self.stats = EngineStats()
         drafters = drafter_factory()(drafter, model, self.config, self.vocab_size, tokenizer)
-        self.drafter, self.suffix_drafter, self.hybrid_drafter = drafters.model, drafters.suffix, drafters.hybrid
-        if self.config.prefix_caching and self.drafter is not None:
+        if self.config.prefix_caching and drafters.model is not None:
             raise ValueError(
                 "prefix_caching does not work with a model drafter yet (the drafter would miss the cached "
                 "prefix); use prefix_caching=False or a model-free strategy (suffix)"
             )
+        self.proposer = Proposer(model, drafters, self.config)
+        self.drafter, self.suffix_drafter = drafters.model, drafters.suffix
         self.choice = StrategyChoice(self.config, self.drafter, self._calibrate)
-        self.lag = DrafterLag()
-        self.mirrors = MirrorSlot(model, self.drafter, self.config.mirror, self.config.kernels)
-        notified = [d for d in (self.drafter, self.suffix_drafter) if d is not None]  # of finished sequences
-        self.requests = RequestBook(self.scheduler, self.limits, self.eos_ids, notified, self.mirrors)
-        self.taps = FeatureTaps(self.runner, self.drafter, self.mirrors)  # what an EAGLE-style drafter reads
-        self.speculate = SpeculativeStep(
-            self.runner,
-            self.config,
-            self._drafter_for,
-            self.mirrors,
-            self.taps,
-            self._forward,
-            self.generator,
-            self.stats,
+        self.meter = StepMeter(self.choice, self.stats, self.config.tail_fraction, tokens_to_go)
+        self.requests = RequestBook(self.scheduler, self.limits, self.eos_ids, self.proposer)
+        layers = self.drafter.feature_layers if self.drafter is not None else None
+        self.taps = FeatureTaps(self.runner, layers, self.proposer.observe)  # what an EAGLE-style drafter reads
+        self.decode = DecodeStep(
+            self.runner, self.config, self.proposer, self.taps, self.generator, self.stats, self.requests.finish
         )
-        self._peak_active = 0
-        self.in_flight: Sampled | None = None  # an overlapped decode step not yet read (config.overlap)
-        self._settled_early: list[int] = []  # requests that finished when it was read outside a step
+        self._settled_early: list[int] = []  # requests that finished when a step in flight was read outside a step
         self.set_strategy(self.config.strategy)
 
     # -- speculation set-up --------------------------------------------------------------
     def set_strategy(self, strategy: str | Strategy) -> None:
         """Switch the speculation strategy; takes effect at the next decode step (an overlapped step
         in flight is read now: a switch to ``adaptive`` may calibrate before it plans)."""
-        self._settled_early += self._settle()
+        self._read_in_flight()
         self.choice.set(strategy)
-        self.mirrors.prepare(self.choice.arms)
+        self.proposer.prepare(self.choice.arms)
 
     @property
     def strategy(self) -> Strategy:
@@ -144,20 +130,20 @@ class RolloutEngine:
         return self.choice.selector
 
     @property
-    def mirror(self) -> MirrorPipeline | None:
+    def mirror(self):
         """The mirror pipeline, once a mirror step (or a strategy with mirror arms) started it."""
-        return self.mirrors.pipeline
+        return self.proposer.mirror
 
     @property
     def mirror_capable(self) -> bool:
         """Its steps can run mirror steps with a drafter a peer's draft host can take over."""
-        return self.mirrors.hostable(self.choice.arms, bool(self.taps.layers))
+        return self.proposer.hostable(self.choice.arms, bool(self.taps.layers))
 
-    def use_draft_executor(self, executor: DraftExecutor | None) -> None:
-        """Mirror steps draft on ``executor`` (a ``workers.draft_hosts.PeerExecutor``: another worker's draft host)
-        from the next step on; None: on the engine's own executor again. Safe to call from another
-        thread: the switch happens between steps."""
-        self.mirrors.use_executor(executor)
+    def use_draft_executor(self, executor) -> None:
+        """Mirror steps draft on ``executor`` (a ``workers.draft_hosts.PeerExecutor``: another worker's
+        draft host, a ``rollout.mirror.executors.DraftExecutor``) from the next step on; None: on the
+        engine's own executor again. Safe to call from another thread: the switch happens between steps."""
+        self.proposer.use_executor(executor)
 
     def weights_changed(self) -> None:
         """Tell the engine its model's weights changed (``ModelRunner.weights_changed``): needed
@@ -167,7 +153,7 @@ class RolloutEngine:
 
     def close(self) -> None:
         """Stop the mirror draft executor's thread or process, if one was started."""
-        self.mirrors.close()
+        self.proposer.close()
 
     def state_dict(self) -> dict:
         """What the engine learned across calls (JSON-serializable): the adaptive selector's
@@ -189,11 +175,6 @@ class RolloutEngine:
         return calibrate_costs(
             self.runner, config, arms, cfg.block_size, max_batch, cfg.kernels, known, fresh, self.taps.forward, taps
         )
-
-    def _drafter_for(self, strategy: Strategy) -> Drafter:
-        if strategy.kind == "suffix":
-            return self.suffix_drafter
-        return self.hybrid_drafter if strategy.kind == "hybrid" else self.drafter
 
     # -- step-wise API (rollout/request_book.py) ----------------------------------------
     def add_request(
@@ -221,22 +202,22 @@ class RolloutEngine:
         return self.requests.new_group()
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work() or self.in_flight is not None
+        return self.scheduler.has_work() or self.decode.in_flight is not None
 
     def abort(self, request_id: int) -> None:
         # the step in flight is read first: the request keeps every token sampled for it, and the
         # blocks it frees hold K/V of tokens it knows (prefix caching registers them by their tokens)
-        self._settled_early += self._settle()
+        self._read_in_flight()
         self.requests.abort(request_id)
 
     def discard(self, request_id: int) -> None:
         """Abort a request and drop it, finished or not (a front end's caller stopped early)."""
-        self._settled_early += self._settle()
+        self._read_in_flight()
         self.requests.discard(request_id)
 
     def release(self, request_id: int) -> PartialRequest:
         """Stop an unfinished request and hand over its state, to be continued elsewhere."""
-        self._settled_early += self._settle()  # a token in flight is part of what is handed over
+        self._read_in_flight()  # a token in flight is part of what is handed over
         return self.requests.release(request_id)
 
     def pop_output(self, request_id: int) -> RequestOutput:
@@ -249,26 +230,24 @@ class RolloutEngine:
         overlap = self._overlaps()
         finished, self._settled_early = self._settled_early, []
         if not overlap:
-            finished += self._settle()
-        if self.mirrors.switch_pending:
-            self.mirrors.switch_between_steps(self.requests.alive(), self.mirror_capable)
+            finished += self.decode.settle()
+        self.proposer.between_steps(self.requests.alive(), self.mirror_capable)
         if not self.scheduler.running:
-            self.choice.before_rollout(len(self.scheduler.waiting))
-            self.lag.clear()
+            self.meter.before_rollout(len(self.scheduler.waiting))
         if self.config.prefix_caching and self.scheduler.waiting:  # only admission reads the cache
             self.runner.drop_stale_prefixes()
         mixed = self.config.mixed_batches and not self.strategy.speculative and not self.strategy.adaptive
         batch = self.scheduler.schedule(mixed=mixed)
         if batch is None:
-            return finished + self._settle()  # every sequence left has its final token in flight
+            return finished + self.decode.settle()  # every sequence left has its final token in flight
         with self.inference():
             if batch.kind is StepKind.DECODE:
-                finished += self._decode_step(batch, overlap)
+                finished += self._decode_step(batch.seqs, overlap)
             else:  # PREFILL, or MIXED: a running sequence is a prompt with one uncached token
                 finished += self._prefill(batch)
                 self.stats.mixed_steps += batch.kind is StepKind.MIXED
         if not self.scheduler.running:
-            finished += self._settle()  # rows of finished sequences alone: nothing is left in flight
+            finished += self.decode.settle()  # rows of finished sequences alone: nothing is left in flight
         self.stats.steps += 1
         self.stats.preemptions = self.scheduler.num_preemptions
         self.stats.prefix_hit_tokens = self.scheduler.num_prefix_hit_tokens
@@ -281,8 +260,12 @@ class RolloutEngine:
         first, :meth:`_decode_step`). A drafter reading the target's features gets a dropped row's
         too, past its sequence's last token: what it records is cut to the tokens at the finish."""
         scheduler = self.scheduler
-        plain = not (self.strategy.speculative or self.mirrors.switch_pending)
+        plain = not (self.strategy.speculative or self.proposer.switch_pending)
         return self.config.overlap and plain and not scheduler.waiting and scheduler.decode_fits()
+
+    def _read_in_flight(self) -> None:
+        """Read an overlapped step in flight outside a step; its finished requests are the next step's."""
+        self._settled_early += self.decode.settle()
 
     # -- front ends (rollout/serving.py) -------------------------------------------------
     def generate(self, prompts: Seq[Seq[int]], params=None, *, progress: bool | None = None) -> list[RequestOutput]:
@@ -306,7 +289,7 @@ class RolloutEngine:
     # -- internals -----------------------------------------------------------------------
     def _prefill(self, batch: ScheduledBatch) -> list[int]:
         pack = pack_prefill(batch)
-        logits = self._forward(pack.slices, pack.tokens, pack.positions, pack.logits_index)
+        logits = self.decode.forward(pack.slices, pack.tokens, pack.positions, pack.logits_index)
         if pack.scored:
             store_prompt_logprobs(pack.scored, logits[len(pack.last) :], batch.followers)
             logits = logits[: len(pack.last)]
@@ -315,7 +298,7 @@ class RolloutEngine:
         seqs, rows, observed = commit_prefill(batch, pack, self._fork_from)
         self.taps.observe(observed, logits)
         self.stats.forked_prefills += len(seqs) - len(batch.seqs)
-        return self._append(self._sample(seqs, logits[rows] if len(rows) != len(batch.seqs) else logits))
+        return self.decode.append(self.decode.sample(seqs, logits[rows] if len(rows) != len(batch.seqs) else logits))
 
     def _fork_from(self, leader: Sequence, member: Sequence) -> None:
         """Member shares the leader's full blocks; copy the leader's partial last block."""
@@ -325,123 +308,18 @@ class RolloutEngine:
             self.runner.cache.copy_block(leader.block_table[-1], member.block_table[-1], partial)
         member.num_cached = leader.num_cached
 
-    def _decode_step(self, batch: ScheduledBatch, overlap: bool) -> list[int]:
-        """One decode step with the strategy :class:`StrategyChoice` plans; timed and logged.
-
-        The step's own read of the sampled tokens already waits for the device, so the goodput
-        measurement adds no synchronisation of its own (overlapped: a step's timer holds its launch
-        and the read of the step before it, which waits out that step's device work)."""
-        seqs, stats = batch.seqs, self.stats
-        plan = self._plan(seqs)
-        finished: list[int] = []
-        if plan.strategy.speculative and self.in_flight is not None:
+    def _decode_step(self, seqs: list[Sequence], overlap: bool) -> list[int]:
+        """One decode step of the strategy the meter plans, timed by it."""
+        plan, finished = self.meter.plan(seqs), []
+        if plan.strategy.speculative and self.decode.in_flight is not None:
             # adaptive planned a speculative step after overlapped plain ones: drafting and
             # verification read every token on the host, so the step in flight is read first,
             # outside every step's timer (each overlapped step's timer ends with its read of the one before)
-            finished = self._settle()
+            finished = self.decode.settle()
             if len(running := [s for s in seqs if s.status is SeqStatus.RUNNING]) < len(seqs):
-                seqs = running  # some stopped on the token just read
-                if not seqs:
+                if not running:  # every one stopped on the token just read
                     return finished
-                plan = self._plan(seqs)
+                seqs, plan = running, self.meter.plan(running)
         # the first step of an overlapped run reads nothing: its timer holds a launch, not a step
-        unread = overlap and not plan.strategy.speculative and self.in_flight is None
-        n, adaptive = len(seqs), self.strategy.adaptive
-        meets_prompts = adaptive and plan.strategy.uses_model_drafter and self.lag.meets_new(seqs)
-        self.mirrors.split_threads(plan.strategy)
-        before, model_before, draft_before = stats.generated_tokens, stats.model_time_s, stats.draft_time_s
-        captured_before = capture_seconds()
-        start = time.perf_counter()
-        verified = None
-        if plan.strategy.speculative:
-            verified = self.speculate(seqs, plan.strategy)
-            finished += self._finish(verified.done)
-        else:
-            finished += self._decode(seqs, overlap)
-        seconds = time.perf_counter() - start
-        stats.decode_model_time_s += stats.model_time_s - model_before
-        emitted = stats.generated_tokens - before
-        if adaptive and plan.strategy.uses_model_drafter:
-            self.lag.drafted(seqs)
-        # an arm is judged by its steady steps: one that captured a graph (the target's or the
-        # drafter's), fed the model drafter a prompt or read no step before it teaches acceptance only
-        captured = capture_seconds() - captured_before
-        stats.capture_time_s += captured
-        one_off = meets_prompts or captured > 0 or unread
-        draft_s = stats.draft_time_s - draft_before
-        outcome = StepOutcome(seconds, draft_s, one_off)
-        if verified is not None:
-            outcome = StepOutcome(seconds, draft_s, one_off, verified.drafted, verified.accepted, verified.branches)
-        self.choice.record(plan, n, outcome)
-        self._peak_active = max(self._peak_active, n)
-        in_tail = n <= self.config.tail_fraction * self._peak_active
-        stats.record_decode_step(StepRecord(n, str(plan.strategy), emitted, seconds, in_tail))
-        if not self.scheduler.has_work():
-            self._peak_active = 0  # the wave is over; the next one measures its own peak
-        return finished
-
-    def _plan(self, seqs: list[Sequence]) -> StepPlan:
-        """The step's strategy; only ``adaptive`` weighs the remaining work and a drafter's catch-up."""
-        n = len(seqs)
-        return self.choice.plan(n, *((tokens_to_go(seqs), self.lag.of(seqs)) if self.strategy.adaptive else (n, 0)))
-
-    def _decode(self, seqs: list[Sequence], overlap: bool) -> list[int]:
-        """One token for each sequence. Overlapped, this step is launched, then the step in flight
-        is read, and this one stays in flight; its inputs are the step in flight's tokens."""
-        in_flight = self.in_flight
-        tokens = in_flight.inputs_for(seqs) if in_flight is not None else [s.token_at(s.num_cached) for s in seqs]
-        slices = [SequenceSlice(seq.block_table, seq.num_cached, 1) for seq in seqs]
-        positions = [seq.num_cached for seq in seqs]
-        logits = self._forward(slices, tokens, positions, list(range(len(seqs))))
-        self.taps.observe([(seq, seq.num_cached, [row], [row]) for row, seq in enumerate(seqs)], logits)
-        for seq in seqs:
-            seq.num_cached += 1
-        self.stats.decode_steps += 1
-        self.stats.batch_sizes.append(len(seqs))
-        launched = self._sample(seqs, logits)
-        finished = self._settle()
-        if overlap:
-            self.in_flight = launched
-            self.stats.overlapped_steps += 1
-            return finished
-        return finished + self._append(launched)
-
-    def _forward(self, slices, tokens, positions, logits_index) -> torch.Tensor:
-        start = time.perf_counter()
-        logits = self.taps.forward(slices, tokens, positions, logits_index)
-        self.stats.model_time_s += time.perf_counter() - start
-        return logits
-
-    def _sample(self, seqs: list[Sequence], logits: torch.Tensor) -> Sampled:
-        """Each sequence's next token, sampled on the device; its read to the host queued."""
-        tokens, logprobs = sample_tokens(seqs, logits, self.generator, [seq.tokens_in_flight for seq in seqs])
-        for seq in seqs:
-            seq.tokens_in_flight += 1
-        return Sampled(seqs, tokens, QueuedRead(tokens, logprobs))
-
-    def _settle(self) -> list[int]:
-        """Read the step in flight, if one is: its tokens appended, its finished requests finished."""
-        launched, self.in_flight = self.in_flight, None
-        return self._append(launched) if launched is not None else []
-
-    def _append(self, sampled: Sampled) -> list[int]:
-        """Append the sampled tokens (waiting for them); the ids of the requests they finished. A
-        row of a request that finished, was aborted or handed over meanwhile is dropped."""
-        tokens, logprobs = sampled.read()
-        finished = []
-        for seq, token, logprob in zip(sampled.seqs, tokens, logprobs):
-            seq.tokens_in_flight -= 1
-            if seq.status is SeqStatus.FINISHED:
-                self.stats.dropped_rows += 1
-                continue
-            seq.append(token, logprob)
-            self.stats.generated_tokens += 1
-            if seq.done:
-                self.requests.finish(seq)
-                finished.append(seq.seq_id)
-        return finished
-
-    def _finish(self, done: list[Sequence]) -> list[int]:
-        for seq in done:
-            self.requests.finish(seq)
-        return [seq.seq_id for seq in done]
+        unread = overlap and not plan.strategy.speculative and self.decode.in_flight is None
+        return finished + self.meter.run(plan, seqs, unread, lambda: self.decode(seqs, plan.strategy, overlap))

@@ -5,18 +5,20 @@ per-sequence index tensors or device copies); nothing is tapped for drafters tha
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+
 import torch
 
-from ..draft_contract import Drafter
-from .mirror.slot import MirrorSlot
 from .model.runner import ModelRunner
 from .prefill import Observed
 
+# (observed, features, logits): what the drafters reading the features are handed
+Observer = Callable[[list[Observed], torch.Tensor, torch.Tensor], None]
+
 
 class FeatureTaps:
-    def __init__(self, runner: ModelRunner, drafter: Drafter | None, mirrors: MirrorSlot) -> None:
-        self.runner, self.drafter, self.mirrors = runner, drafter, mirrors
-        self.layers = drafter.feature_layers if drafter is not None else None
+    def __init__(self, runner: ModelRunner, layers: Sequence[int] | None, observer: Observer) -> None:
+        self.runner, self.layers, self.observer = runner, layers, observer
         self.last: torch.Tensor | None = None  # the last forward's taps, [T, feature_size]
 
     def forward(self, slices, tokens: list[int], positions: list[int], logits_index: list[int]) -> torch.Tensor:
@@ -27,10 +29,8 @@ class FeatureTaps:
         return logits
 
     def observe(self, observed: list[Observed], logits: torch.Tensor) -> None:
-        """Hand the drafter, for each ``(seq, start, rows, logit_rows)``, the last forward's features
+        """Hand the observer, for each ``(seq, start, rows, logit_rows)``, the last forward's features
         of ``seq``'s kept tokens (packed ``rows``) and the logits after the last of them
-        (``logit_rows`` of ``logits``); a copy of it in a draft process gets them too."""
-        if not (self.layers and self.last is not None and observed):
-            return
-        self.drafter.observe_batch(observed, self.last, logits)
-        self.mirrors.observe(observed, self.last, logits)
+        (``logit_rows`` of ``logits``)."""
+        if self.layers and self.last is not None and observed:
+            self.observer(observed, self.last, logits)

@@ -1,31 +1,32 @@
 """The engine's requests by id: admission into the scheduler, and what finishing, aborting or handing
-one over to another engine releases (the drafters' per-sequence state, the mirror's branches)."""
+one over to another engine releases (told to a :class:`SequenceListener`: the drafting state)."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence as Seq
+from typing import Protocol
 
-from ..draft_contract import Drafter
 from .admission import RequestLimits
 from .handoff import PartialRequest
-from .mirror.slot import MirrorSlot
 from .params import SamplingParams
 from .request import FinishReason, RequestOutput, SeqStatus, Sequence
 from .scheduler import Scheduler
 from .token_ids import token_id_list
 
 
+class SequenceListener(Protocol):
+    """Told when a sequence finished (``finished``) or left unfinished (``release``: aborted, handed over)."""
+
+    def finished(self, seq: Sequence) -> None: ...
+
+    def release(self, seq_id: int) -> None: ...
+
+
 class RequestBook:
     def __init__(
-        self,
-        scheduler: Scheduler,
-        limits: RequestLimits,
-        eos_ids: frozenset[int],
-        drafters: list[Drafter],
-        mirrors: MirrorSlot,
+        self, scheduler: Scheduler, limits: RequestLimits, eos_ids: frozenset[int], listener: SequenceListener
     ) -> None:
-        self.scheduler, self.limits, self.eos_ids = scheduler, limits, eos_ids
-        self.drafters, self.mirrors = drafters, mirrors  # told when a sequence finishes or leaves
+        self.scheduler, self.limits, self.eos_ids, self.listener = scheduler, limits, eos_ids, listener
         self.seqs: dict[int, Sequence] = {}
         self._next_id = 0
         self._next_group = 0
@@ -56,7 +57,7 @@ class RequestBook:
         if seq is not None and seq.status is not SeqStatus.FINISHED:
             self.scheduler.abort(seq)
             seq.finish_reason = seq.finish_reason or FinishReason.ABORT
-            self._forget(seq)
+            self.listener.release(seq.seq_id)
 
     def discard(self, request_id: int) -> None:
         self.abort(request_id)
@@ -68,20 +69,13 @@ class RequestBook:
             raise ValueError(f"request {request_id} is not running here")
         partial = seq.to_partial()
         self.scheduler.abort(seq)
-        self._forget(seq)
+        self.listener.release(seq.seq_id)
         del self.seqs[request_id]
         return partial
 
     def finish(self, seq: Sequence) -> None:
         self.scheduler.finish(seq)
-        for drafter in self.drafters:
-            drafter.finished(seq)
-        self._forget(seq)
-
-    def _forget(self, seq: Sequence) -> None:
-        for drafter in self.drafters:
-            drafter.release(seq.seq_id)
-        self.mirrors.release(seq.seq_id)
+        self.listener.finished(seq)
 
     def pop_output(self, request_id: int) -> RequestOutput:
         seq = self.seqs[request_id]

@@ -10,15 +10,12 @@ the drafter up on every token the other one drafted.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager, nullcontext
-
 import torch
 
 from ...draft_contract import Drafter, DraftTree, Portable
 from ..model.early_exit import check_exit_layer
 from ..model.kv_cache import BlockAllocator
-from ..model.runner import ModelRunner, decoder_layers, model_device_dtype
+from ..model.runner import decoder_layers, model_device_dtype
 from ..params import MirrorConfig
 from ..request import Sequence
 from ..strategy import Strategy
@@ -110,16 +107,6 @@ class MirrorSlot:
         if self.pipeline is None or strategy.kind not in ("chain", "tree"):
             return None
         return self.pipeline.serial_step(seqs, strategy.shape, allocator, block_size, drafting)
-
-    @contextmanager
-    def beside(self, pipeline: MirrorPipeline | None, runner: ModelRunner, seqs, trees, strategy) -> Iterator[None]:
-        """The verification forward with a mirror step's drafting beside it (nothing otherwise);
-        eager when an early-exit hook must fire (a graph replay skips hooks)."""
-        if pipeline is None:
-            yield
-            return
-        with pipeline.overlap(seqs, trees, strategy), runner.eager() if strategy.branches else nullcontext():
-            yield
 
     def observe(self, observed, features: torch.Tensor, logits: torch.Tensor) -> None:
         """A copy of the drafter in a draft process reads the tapped features too."""

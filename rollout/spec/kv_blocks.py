@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Sequence as Seq
 
 import numpy as np
+import torch
 
 from ...draft_contract import DraftShape, DraftTree
 from ...kernels.transfers import to_device
@@ -41,19 +42,26 @@ def fit_draft(seq: Sequence, tree: DraftTree, allocator: BlockAllocator, block_s
     return tree.truncated(room)
 
 
-def pack_verify_batch(seqs: Seq[Sequence], trees: Seq[DraftTree]) -> tuple[list[SequenceSlice], list[int], list[int]]:
+def pack_verify_batch(
+    seqs: Seq[Sequence], trees: Seq[DraftTree], pending: torch.Tensor | None = None
+) -> tuple[list[SequenceSlice], list[int] | torch.Tensor, list[int]]:
     """Slices, packed tokens and positions of one target forward: per sequence the pending token
-    (position ``num_cached``) then its draft nodes (position ``num_cached + depth``)."""
+    (position ``num_cached``) then its draft nodes (position ``num_cached + depth``). ``pending``:
+    the pending tokens still on the device (sampled by a step not read yet; every tree is empty
+    then), which are the forward's tokens as they are."""
     slices, tokens, positions = [], [], []
     for seq, tree in zip(seqs, trees):
         c0 = seq.num_cached
         mask = None if tree.is_chain else tree.ancestor_mask()
         slices.append(SequenceSlice(seq.block_table, c0, 1 + len(tree), mask))
-        tokens.append(seq.token_at(c0))
-        tokens.extend(tree.tokens)
+        if pending is None:
+            tokens.append(seq.token_at(c0))
+            tokens.extend(tree.tokens)
+        elif len(tree):
+            raise RuntimeError("a step with drafts reads the step in flight first: its pending tokens are on the host")
         positions.append(c0)
         positions.extend(c0 + d for d in tree.depths)
-    return slices, tokens, positions
+    return slices, tokens if pending is None else pending, positions
 
 
 def keep_accepted_kv(cache: PagedKVCache, seq: Sequence, path: list[int]) -> None:

@@ -18,7 +18,7 @@ from tailspec.testing import perturbed_copy, stopping_params, with_synchronizati
 def _completions(model, prompts, params, **config):
     engine = RolloutEngine(model, RolloutConfig(block_size=4, kv_cache_tokens=4096, **config), eos_token_ids=[EOS])
     outs = engine.generate(prompts, params)
-    assert not engine.has_unfinished() and engine.in_flight is None  # nothing left in flight after a call
+    assert not engine.has_unfinished() and engine.decode.in_flight is None  # nothing left in flight after a call
     return outs, engine
 
 
@@ -140,7 +140,7 @@ def test_release_and_abort_read_the_step_in_flight_first(arch_model):
     ids = [engine.add_request(p, params) for p in prompts]
     for _ in range(5):
         assert engine.step() == []
-    assert engine.in_flight is not None
+    assert engine.decode.in_flight is not None
     partial = engine.release(ids[0])  # its token in flight belongs to what is handed over
     assert partial.output_ids == plain[0].completion_ids[: len(partial.output_ids)] and len(partial.output_ids) == 5
     engine.abort(ids[1])
@@ -177,7 +177,7 @@ def test_serving_an_inbox_overlapped_matches_plain_decoding(arch_model):
         got.update(update.finished)
         released.update(update.released)
     assert sorted([*got, *released]) == list(range(len(prompts))) and list(released) == [moved]
-    assert engine.stats.overlapped_steps > 0 and engine.in_flight is None
+    assert engine.stats.overlapped_steps > 0 and engine.decode.in_flight is None
     other = RolloutEngine(arch_model, config, eos_token_ids=[EOS])
     rid = other.add_request(prompts[moved], params[moved], resume=released[moved])
     while other.has_unfinished():
@@ -241,7 +241,7 @@ def test_adaptive_overlaps_the_plain_steps_it_plans_and_reads_before_a_speculati
     # a plan made again after a read (the cycle's 3rd) stays speculative (its 4th)
     engine, seen = _scripted_adaptive(arch_model, ["none", "none", arm, arm], drafter)
     outs = engine.generate(prompts, params)
-    assert not engine.has_unfinished() and engine.in_flight is None
+    assert not engine.has_unfinished() and engine.decode.in_flight is None
     assert [o.completion_ids for o in outs] == [o.completion_ids for o in plain]
     assert [o.finish_reason for o in outs] == [o.finish_reason for o in plain]
     stats = engine.stats
@@ -273,8 +273,8 @@ def test_a_speculative_plan_after_an_overlapped_step_drops_the_sequences_that_st
     plain, _ = _completions(arch_model, prompts, params)
     engine, seen = _scripted_adaptive(arch_model, ["none", "none", "suffix", "suffix"])
     sizes = []
-    plan = engine._plan
-    engine._plan = lambda seqs: sizes.append((engine.stats.steps, len(seqs))) or plan(seqs)
+    plan = engine.meter.plan
+    engine.meter.plan = lambda seqs: sizes.append((engine.stats.steps, len(seqs))) or plan(seqs)
     outs = engine.generate(prompts, params)
     assert [o.completion_ids for o in outs] == [o.completion_ids for o in plain]
     stopped = sum(o.completion_ids[-1:] == [free[i].completion_ids[2]] for i, o in enumerate(outs) if i % 2)

@@ -205,10 +205,13 @@ def test_adaptive_calibrates_the_forward_that_taps_the_head_s_features():
     assert all(key.taps == tuple(head.config.aux_layer_ids) for key in keys)
 
 
-@pytest.mark.parametrize("strategy", ["chain:3", "tree:3,2,6"])
-def test_greedy_matches_plain_decoding_through_the_triton_kernels(strategy):
+def test_greedy_matches_plain_decoding_through_the_triton_kernels():
     """The head's own paged attention and the verification run through the Triton kernels
-    (interpreter without CUDA); the output is still plain decoding's."""
+    (interpreter without CUDA); the output is still plain decoding's. A tree (a chain is the tree
+    with one branch per level to the kernels; a chain's verification through them:
+    tests/rollout/test_spec_greedy.py; sampled, the head's attention through them:
+    tests/rollout/test_spec_sampling.py)."""
+    strategy = "tree:3,2,6"
     pytest.importorskip("triton")
     model = target("llama")
     prompts = random_prompts(3, seed=4, max_len=10)

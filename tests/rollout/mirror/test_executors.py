@@ -72,7 +72,7 @@ def test_a_failed_peer_hands_drafting_back_to_the_engine_s_own_executor():
 
     def remember_own():
         nonlocal own
-        own = engine.mirrors.ensure().executor
+        own = engine.proposer.mirrors.ensure().executor
 
     remember_own()
     got = _run(engine, prompts, params, {2: _DeadPeer(SmallLMDrafter(good_drafter(ARCH)))})
