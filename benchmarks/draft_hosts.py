@@ -99,7 +99,7 @@ def _coordinator(policy: BenchPolicy, arm: str, cfg: DraftHostBenchConfig, n: in
 
 def _peer_round_trip_ms(coordinator: RolloutCoordinator) -> float:
     """An empty command from one worker's peer executor to the other worker's host, and back."""
-    from ..rollout.mirror.executors import round_trip_s
+    from ..rollout.mirror.hosted import round_trip_s
     from ..workers.draft_hosts import PeerExecutor
 
     peer = PeerExecutor(coordinator.actors, coordinator.workers[1], pairing=10**9)

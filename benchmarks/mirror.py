@@ -155,7 +155,7 @@ def _fit_heads(policy: BenchPolicy, cfg: MirrorBenchConfig) -> tuple[StreamingHe
 
 
 def _round_trips(engines: dict[str, RolloutEngine]) -> dict[str, float]:
-    from ..rollout.mirror.executors import round_trip_s
+    from ..rollout.mirror.hosted import round_trip_s
 
     out = {}
     for engine in engines.values():

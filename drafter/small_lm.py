@@ -32,7 +32,7 @@ import torch
 
 from ..draft_contract import Drafter, DraftRequest, DraftShape, DraftTree, SequenceView
 from ..kernels.transfers import select_rows
-from ..rollout.mirror.executors import weights_bytes
+from ..rollout.mirror.hosted import weights_bytes
 from ..rollout.model.attention import SequenceSlice, paged_attention_enabled
 from ..rollout.model.graph_pool import GraphPool
 from ..rollout.model.kv_cache import blocks_for
@@ -217,7 +217,7 @@ class SmallLMDrafter(Drafter):
     def rebuild(self) -> Callable[[], SmallLMDrafter]:
         """A picklable builder of a fresh drafter over a copy of this one's model (its class, config
         and weights; no state): what a draft executor in another process runs
-        (``rollout/mirror/executors.py``, which sends later weight changes with ``load_weights``)."""
+        (``rollout/mirror/hosted.py``, which sends later weight changes with ``load_weights``)."""
         kv_tokens = self.runner.cache.allocator.num_blocks * self.block_size
         structure, weights = self.model_structure(), weights_bytes(self.model)
         heads = (self.heads.hidden_size, len(self.heads), self.heads.state_bytes()) if self.heads is not None else None

@@ -19,7 +19,7 @@ from typing import Any
 
 from ..actors import ActorDied, Actors, WaitTimeout
 from ..draft_contract import Drafter
-from ..rollout.mirror.executors import ActorExecutor
+from ..rollout.mirror.hosted import ActorExecutor
 
 logger = logging.getLogger(__name__)
 

@@ -300,7 +300,8 @@ class RolloutWorker:
     def host_drafts(self, pairing: int, number: int, command: str, args: tuple):
         """One command of a busy worker's :class:`PeerExecutor`: this worker's spare compute drafts
         that worker's branches, with a drafter built from its own copy (fresh for each pairing)."""
-        from ..rollout.mirror.executors import ExecutorError, SequencedHost
+        from ..rollout.mirror.executors import ExecutorError
+        from ..rollout.mirror.hosted import SequencedHost
 
         with self._lock:
             if self._draft_host is None or self._draft_host[0] < pairing:

@@ -10,17 +10,21 @@ the drafter up on every token the other one drafted.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from ...draft_contract import Drafter, DraftTree, Portable
 from ..model.early_exit import check_exit_layer
 from ..model.kv_cache import BlockAllocator
 from ..model.runner import decoder_layers, model_device_dtype
-from ..params import MirrorConfig
+from ..params import EXECUTORS, MirrorConfig
 from ..request import Sequence
 from ..strategy import Strategy
-from .executors import DraftExecutor, ExecutorError, make_executor
+from .executors import DraftExecutor, ExecutorError, InlineExecutor, ThreadExecutor
+from .hosted import RayExecutor
 from .pipeline import MirrorPipeline
+from .process_executor import ProcessExecutor
 
 
 class MirrorSlot:
@@ -127,3 +131,47 @@ class MirrorSlot:
         if self.pipeline is not None:
             self.pipeline.close()
             self.pipeline = None
+
+
+def make_executor(
+    kind: str,
+    drafter: Drafter,
+    rebuild: Callable[[], Callable[[], Drafter]] | None,
+    target_device: torch.device,
+    draft_device: torch.device | None,
+    threads: int,
+    kernels: str = "auto",
+) -> DraftExecutor:
+    """The executor ``kind`` names (``auto``: ``stream`` or ``device`` on CUDA, ``process`` on CPU
+    where the drafter can be rebuilt in a child, else ``thread``); a process or an actor drafts
+    under the ``kernels`` backend (a thread inherits the caller's)."""
+    if kind not in EXECUTORS:
+        raise ValueError(f"mirror executor must be one of {EXECUTORS}, got {kind!r}")
+    elsewhere = draft_device is not None and draft_device != target_device
+    if kind == "auto":
+        if target_device.type == "cuda":
+            kind = "device" if elsewhere else "stream"
+        else:
+            kind = "process" if rebuild is not None else "thread"
+    if kind == "inline":
+        return InlineExecutor(drafter)
+    if kind == "thread":
+        return ThreadExecutor(drafter)
+    if kind == "stream":
+        if target_device.type != "cuda":
+            raise ValueError("mirror executor 'stream' needs the target on a CUDA device")
+        return ThreadExecutor(drafter, target_device, name="stream")
+    if kind == "device":
+        if not elsewhere:
+            raise ValueError(
+                f"mirror executor 'device' needs the drafter on another device than the target's {target_device}"
+            )
+        return ThreadExecutor(drafter, draft_device, name="device")
+    if rebuild is None:
+        raise ValueError(
+            f"mirror executor {kind!r} cannot run the {drafter.name} drafter in another process "
+            "(it has no rebuild(): it drafts with this process's target); use 'thread' or 'inline'"
+        )
+    if kind == "ray":
+        return RayExecutor(rebuild(), threads, source=drafter, kernels=kernels)
+    return ProcessExecutor(rebuild(), threads, source=drafter, kernels=kernels)

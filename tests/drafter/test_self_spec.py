@@ -9,7 +9,7 @@ import torch
 from tailspec.draft_contract import DraftRequest, DraftShape
 from tailspec.drafter.self_spec import ExitAdapter, SelfSpecDrafter, fit_adapter, shallow_model
 from tailspec.rollout import RolloutConfig, RolloutEngine, SamplingParams
-from tailspec.rollout.mirror.executors import SeqSnapshot
+from tailspec.rollout.mirror.hosted import SeqSnapshot
 from tailspec.rollout.model.early_exit import exit_agreement
 from tailspec.testing import ARCHITECTURES, random_prompts, tiny_random_model
 

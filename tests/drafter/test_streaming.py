@@ -9,7 +9,7 @@ from tailspec.draft_contract import DraftRequest, DraftShape
 from tailspec.drafter.small_lm import SmallLMDrafter
 from tailspec.drafter.streaming import StreamingHeads, StreamingHeadTrainer, fit_streaming_heads, lm_head_inputs
 from tailspec.rollout import RolloutConfig, RolloutEngine, SamplingParams
-from tailspec.rollout.mirror.executors import SeqSnapshot
+from tailspec.rollout.mirror.hosted import SeqSnapshot
 from tailspec.testing import ARCHITECTURES, perturbed_copy, random_prompts, tiny_random_model
 
 

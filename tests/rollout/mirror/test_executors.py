@@ -14,7 +14,8 @@ from test_spec_greedy import good_drafter
 from tailspec.drafter.small_lm import SmallLMDrafter
 from tailspec.kernels.dispatch import kernel_backend
 from tailspec.rollout import RolloutConfig, RolloutEngine, SamplingParams
-from tailspec.rollout.mirror.executors import ExecutorError, InlineExecutor, SequencedHost, ThreadExecutor
+from tailspec.rollout.mirror.executors import ExecutorError, InlineExecutor, ThreadExecutor
+from tailspec.rollout.mirror.hosted import SequencedHost
 from tailspec.rollout.params import MirrorConfig
 
 ARCH = "llama"
@@ -113,7 +114,7 @@ def test_a_sequenced_host_handles_commands_in_the_order_they_were_sent():
 
 
 def test_a_drafter_that_cannot_be_rebuilt_elsewhere_is_refused_a_process_by_name():
-    from tailspec.rollout.mirror.executors import make_executor
+    from tailspec.rollout.mirror.slot import make_executor
 
     drafter = SmallLMDrafter(good_drafter(ARCH))
     for kind in ("process", "ray"):
@@ -190,7 +191,7 @@ def test_a_draft_process_that_dies_while_starting_is_an_error_within_seconds():
     import functools
     import os
 
-    from tailspec.rollout.mirror.executors import ProcessExecutor
+    from tailspec.rollout.mirror.process_executor import ProcessExecutor
 
     with pytest.raises(ExecutorError, match=r"died \(exit code 3\)"):  # not "did not start within"
         ProcessExecutor(functools.partial(os._exit, 3), start_timeout_s=3600)
@@ -216,7 +217,7 @@ def test_a_draft_process_and_a_peer_host_draft_under_the_engines_kernel_backend(
     context: the executor hands it ``RolloutConfig.kernels``, under which every command runs
     (``torch``: where nothing is forced, a CUDA call's attention resolves to the Triton kernel)."""
     forced = "torch"
-    from tailspec.rollout.mirror.executors import ProcessExecutor
+    from tailspec.rollout.mirror.process_executor import ProcessExecutor
 
     process = ProcessExecutor(BackendProbe, kernels=forced)  # type: ignore[arg-type]
     try:

@@ -12,8 +12,10 @@ from test_spec_sampling import drafter as eagle3_or_model
 from tailspec.draft_contract import BranchView, DraftRequest, DraftShape, DraftTree
 from tailspec.drafter.small_lm import SmallLMDrafter
 from tailspec.rollout import RolloutConfig, RolloutEngine, SamplingParams
-from tailspec.rollout.mirror.executors import ExecutorError, ProcessExecutor, SeqSnapshot
+from tailspec.rollout.mirror.executors import ExecutorError
+from tailspec.rollout.mirror.hosted import SeqSnapshot
 from tailspec.rollout.mirror.pipeline import agreeing_prefix, plan_branches
+from tailspec.rollout.mirror.process_executor import ProcessExecutor
 from tailspec.rollout.model.early_exit import EarlyExit, exit_agreement
 from tailspec.rollout.params import MirrorConfig
 from tailspec.testing import ARCHITECTURES, perturbed_copy
@@ -361,7 +363,7 @@ def test_greedy_mirror_on_cuda_matches_plain_decoding(executor):
 
 def test_greedy_mirror_through_a_ray_actor_matches_plain_decoding(ray_local):
     """The draft host as a Ray actor (a finished worker's CPU or GPU elsewhere in the cluster)."""
-    from tailspec.rollout.mirror.executors import RayExecutor, round_trip_s
+    from tailspec.rollout.mirror.hosted import RayExecutor, round_trip_s
 
     arch = "llama"
     prompts = random_prompts(4, seed=8)
