@@ -25,8 +25,6 @@ from .attention import (
     SequenceSlice,
     attention_backend,
     build_metadata,
-    build_padded_metadata,
-    padded_rows,
     paged_attention_enabled,
 )
 from .cast_copy import rollout_model, weights_fingerprint
@@ -35,6 +33,7 @@ from .eval_mode import eval_mode
 from .graph_pool import GraphKey, GraphPool, input_signature
 from .kv_cache import KVLayout, PagedKVCache
 from .merged_projections import MergedProjections
+from .padded_metadata import build_padded_metadata, padded_rows
 
 # a packed forward as the step loop and calibration call it (ModelRunner.forward, or a wrapper of
 # it): sequences, their new tokens, those tokens' positions, the rows whose logits to return

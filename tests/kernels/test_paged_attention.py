@@ -12,10 +12,10 @@ from tailspec.kernels.paged_attention import PagedAttentionPlan, paged_attention
 from tailspec.rollout.model.attention import (
     SequenceSlice,
     build_metadata,
-    build_padded_metadata,
     paged_attention_forward,
 )
 from tailspec.rollout.model.kv_cache import KVLayout, PagedKVCache
+from tailspec.rollout.model.padded_metadata import build_padded_metadata
 
 pytest.importorskip("triton")
 

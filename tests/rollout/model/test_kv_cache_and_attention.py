@@ -5,10 +5,10 @@ from rollout_helpers import cached_model
 from tailspec.rollout.model.attention import (
     SequenceSlice,
     build_metadata,
-    build_padded_metadata,
     paged_attention_enabled,
 )
 from tailspec.rollout.model.kv_cache import BlockAllocator, KVLayout, OutOfBlocks, PagedKVCache, blocks_for
+from tailspec.rollout.model.padded_metadata import build_padded_metadata
 from tailspec.rollout.model.runner import ModelRunner
 
 
