@@ -93,9 +93,10 @@ class SuffixDrafter(Drafter):
         self.max_order = max_order
         self.history_tokens = history_tokens
         self.group_weight = group_weight
-        self.history = NgramIndex(max_order)
+        self._history = NgramIndex(max_order)
         self._history_docs: deque[list[int]] = deque()
         self._history_size = 0
+        self._unindexed = 0  # the last docs of _history_docs, remembered and not yet counted
         self.prompt_history = prompt_history
         self.max_prompts = max_prompts
         self._by_prompt: OrderedDict[tuple[int, ...], deque[list[int]]] = OrderedDict()  # least recent first
@@ -128,17 +129,32 @@ class SuffixDrafter(Drafter):
             self._indexed[seq.seq_id] = len(seq.output_ids)
         return group.index
 
+    @property
+    def history(self) -> NgramIndex:
+        """The index of earlier completions, brought up to date with every one remembered."""
+        docs = self._history_docs
+        for i in range(len(docs) - self._unindexed, len(docs)):
+            self._history.add(docs[i])
+        self._unindexed = 0
+        return self._history
+
     def remember(self, tokens: Seq[int]) -> None:
-        """Add a completion to the history index, forgetting the oldest beyond ``history_tokens``."""
+        """Add a completion to the history, forgetting the oldest beyond ``history_tokens``. It is
+        counted into the index when a draft next reads it (:attr:`history`): a finished sequence
+        costs the step loop a list copy, and a run that never drafts from suffixes no indexing
+        (counting a completion costs ``max_order`` dict updates a token)."""
         if self.history_tokens == 0 or not tokens:
             return
         doc = list(tokens[-self.history_tokens :])
-        self.history.add(doc)
         self._history_docs.append(doc)
         self._history_size += len(doc)
+        self._unindexed += 1
         while self._history_size > self.history_tokens:
             old = self._history_docs.popleft()
-            self.history.add(old, sign=-1)
+            if self._unindexed > len(self._history_docs):  # it was never counted
+                self._unindexed -= 1
+            else:
+                self._history.add(old, sign=-1)
             self._history_size -= len(old)
 
     def finished(self, seq: SequenceView) -> None:
@@ -163,9 +179,10 @@ class SuffixDrafter(Drafter):
         }
 
     def load_state_dict(self, state: dict) -> None:
-        self.history = NgramIndex(self.max_order)
+        self._history = NgramIndex(self.max_order)
         self._history_docs = deque()
         self._history_size = 0
+        self._unindexed = 0
         for doc in state["history"]:
             self.remember(doc)
         self._by_prompt = OrderedDict()
@@ -183,12 +200,15 @@ class SuffixDrafter(Drafter):
                 del self._groups[key]
 
     # -- drafting ------------------------------------------------------------------------
-    def candidates(self, local: NgramIndex, context: Seq[int]) -> list[tuple[float, int]]:
+    def candidates(
+        self, local: NgramIndex, context: Seq[int], history: NgramIndex | None = None
+    ) -> list[tuple[float, int]]:
         """``(probability, token)`` of next tokens after the longest known suffix of ``context``,
-        most likely first."""
+        most likely first (``history``: :attr:`history`, when the caller has it)."""
+        history = self.history if history is None else history
         for order in range(min(self.max_order, len(context)), 0, -1):
             here = local.next_counts(context, order)
-            there = self.history.next_counts(context, order)
+            there = history.next_counts(context, order)
             if not here and not there:
                 continue
             merged: dict[int, int] = {}
@@ -201,9 +221,10 @@ class SuffixDrafter(Drafter):
         return []
 
     def propose(self, requests: Seq[DraftRequest], shape: DraftShape) -> list[DraftTree]:
-        return [self._draft(r, shape) for r in requests]
+        history = self.history  # counted up to date once for the batch
+        return [self._draft(r, shape, history) for r in requests]
 
-    def _draft(self, request: DraftRequest, shape: DraftShape) -> DraftTree:
+    def _draft(self, request: DraftRequest, shape: DraftShape, history: NgramIndex) -> DraftTree:
         seq = request.seq
         local = self._sync(seq)
         context = seq.prompt_ids[-self.max_order :] + seq.output_ids[-self.max_order :]
@@ -213,7 +234,7 @@ class SuffixDrafter(Drafter):
         paths: list[list[int]] = []  # tokens from the root to each node
         heap: list[tuple[float, int, int, int]] = []  # (-score, tie, token, parent)
         tie = 0
-        for prob, tok in self.candidates(local, context)[: shape.topk]:
+        for prob, tok in self.candidates(local, context, history)[: shape.topk]:
             heap.append((-prob, tie, tok, -1))
             tie += 1
         heapq.heapify(heap)
@@ -226,7 +247,7 @@ class SuffixDrafter(Drafter):
             node = len(tokens) - 1
             if len(path) >= request.max_depth or tok in seq.stop_ids:
                 continue
-            for prob, child in self.candidates(local, (context + path)[-self.max_order :])[: shape.topk]:
+            for prob, child in self.candidates(local, (context + path)[-self.max_order :], history)[: shape.topk]:
                 heapq.heappush(heap, (neg_score * prob, tie, child, node))
                 tie += 1
         return DraftTree(tokens, parents)

@@ -93,3 +93,20 @@ def test_a_prompt_seen_before_drafts_from_its_own_earlier_completions():
 def test_bad_settings_are_refused(kwargs):
     with pytest.raises(ValueError):
         SuffixDrafter(**kwargs)
+
+
+def test_remembered_completions_are_counted_when_read_and_forgotten_exactly():
+    """The history counts a completion when a draft next reads it; completions forgotten before
+    that (and ones counted earlier) leave an index equal to counting what is kept, in one go."""
+    drafter = SuffixDrafter(max_order=3, history_tokens=12)
+    docs = [[30 + (i * 7 + j) % 5 for j in range(3 + i % 3)] for i in range(9)]
+    for i, doc in enumerate(docs):
+        drafter.remember(doc)
+        if i % 3 == 1:
+            assert len(drafter.history) and drafter._unindexed == 0  # counted here; later ones wait
+        kept = list(drafter._history_docs)
+        assert sum(map(len, kept)) <= 12 and kept == docs[i + 1 - len(kept) : i + 1]
+    reference = NgramIndex(3)
+    for doc in drafter._history_docs:
+        reference.add(doc)
+    assert drafter.history.counts == reference.counts
