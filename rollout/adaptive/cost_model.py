@@ -81,12 +81,16 @@ class ForwardTable:
             column[1].append(s)
         self._columns = {t: (ns, monotone(ys)) for t, (ns, ys) in columns.items()}
         self._widths = sorted(self._columns)
+        self._known: dict[Shape, float] = {}  # answers so far: every adaptive step asks for each arm's
 
     def seconds(self, n: int, t: int) -> float:
         if self.pad is not None:
             n, t = self.pad(n, t)
-        at = monotone([_interpolate(*self._columns[w], n) for w in self._widths])
-        return _interpolate(self._widths, at, t)
+        seconds = self._known.get((n, t))
+        if seconds is None:
+            at = monotone([_interpolate(*self._columns[w], n) for w in self._widths])
+            seconds = self._known[(n, t)] = _interpolate(self._widths, at, t)
+        return seconds
 
 
 def batch_grid(max_batch: int) -> list[int]:
