@@ -18,6 +18,13 @@ TINY_ARCHITECTURES = (*ARCHITECTURES, "mistral")  # what tiny_config builds (Mis
 T = TypeVar("T")
 
 
+def across_architectures(cases: list[tuple]) -> list[tuple]:
+    """Each case once, with the architectures in turn prepended (``(arch, *case)``): every case runs
+    and every architecture runs about a third of them, where a full cross product would run each
+    case on all three for behaviour that does not depend on the architecture."""
+    return [(ARCHITECTURES[i % len(ARCHITECTURES)], *case) for i, case in enumerate(cases)]
+
+
 def tiny_config(
     arch: str,
     vocab_size: int = 96,

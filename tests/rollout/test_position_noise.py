@@ -10,7 +10,7 @@ from test_spec_sampling import PROMPT, V, drafter, exact_joint_of_tokens_2_and_3
 from tailspec.rollout import RolloutConfig, RolloutEngine, SamplingParams
 from tailspec.rollout.params import MirrorConfig
 from tailspec.rollout.position_noise import keyed_scores, position_gumbel, position_uniforms
-from tailspec.testing import ARCHITECTURES
+from tailspec.testing import across_architectures
 
 N = 2500  # samples per check, as test_spec_sampling.py's (whose power test shows a wrong rule fails by far)
 
@@ -98,8 +98,7 @@ STRATEGIES = [
 ]
 
 
-@pytest.mark.parametrize("arch", ARCHITECTURES)
-@pytest.mark.parametrize("strategy,kind", STRATEGIES, ids=[s for s, _ in STRATEGIES])
+@pytest.mark.parametrize("arch,strategy,kind", across_architectures(STRATEGIES))
 def test_every_strategy_emits_the_plain_completion(arch, strategy, kind):
     """The completion is a function of the model, the prompt and the seed: speculation, whatever
     it drafts, emits what plain decoding does, token for token, with the same logprobs."""

@@ -6,7 +6,7 @@ import pytest
 from rollout_helpers import EOS, cached_model, hf_greedy, random_prompts
 
 from tailspec.rollout import RolloutConfig, RolloutEngine, SamplingParams
-from tailspec.testing import ARCHITECTURES, perturbed_copy, tiny_random_model
+from tailspec.testing import ARCHITECTURES, across_architectures, perturbed_copy, tiny_random_model
 
 
 @functools.cache
@@ -39,8 +39,7 @@ def assert_same(got, want) -> None:
         assert a.logprobs == pytest.approx(b.logprobs, abs=1e-4)
 
 
-@pytest.mark.parametrize("arch", ARCHITECTURES)
-@pytest.mark.parametrize("k", [1, 2, 3, 4, 5, 6, 7, 8])
+@pytest.mark.parametrize("arch,k", across_architectures([(k,) for k in range(1, 9)]))
 def test_chain_matches_plain_decoding(arch, k):
     prompts = random_prompts(5, seed=k)
     params = SamplingParams(max_new_tokens=24, temperature=0.0)
@@ -50,9 +49,10 @@ def test_chain_matches_plain_decoding(arch, k):
     assert_same(got, want)
 
 
-@pytest.mark.parametrize("arch", ARCHITECTURES)
-@pytest.mark.parametrize("shape", ["1,3,3", "2,2,4", "3,2,6", "4,3,12", "6,2,10"])
-@pytest.mark.parametrize("drafter", ["good", "bad"])
+@pytest.mark.parametrize(
+    "arch,shape,drafter",
+    across_architectures([(s, d) for s in ["1,3,3", "2,2,4", "3,2,6", "4,3,12", "6,2,10"] for d in ["good", "bad"]]),
+)
 def test_tree_matches_plain_decoding(arch, shape, drafter):
     prompts = random_prompts(4, seed=len(shape) + len(drafter))
     params = SamplingParams(max_new_tokens=20, temperature=0.0)
@@ -61,8 +61,7 @@ def test_tree_matches_plain_decoding(arch, shape, drafter):
     assert_same(got, want)
 
 
-@pytest.mark.parametrize("arch", ARCHITECTURES)
-@pytest.mark.parametrize("strategy", ["suffix", "suffix:4", "suffix:6,3,12"])
+@pytest.mark.parametrize("arch,strategy", across_architectures([("suffix",), ("suffix:4",), ("suffix:6,3,12",)]))
 def test_suffix_drafter_matches_hf_generate(arch, strategy):
     # repetitive prompts give the n-gram index something to find
     prompts = [[5, 6, 7, 5, 6, 7, 5, 6], [9, 10, 11, 12, 9, 10, 11], [3] * 6, [20, 21, 22]]
@@ -73,8 +72,7 @@ def test_suffix_drafter_matches_hf_generate(arch, strategy):
     assert engine.stats.drafted_tokens > 0
 
 
-@pytest.mark.parametrize("arch", ARCHITECTURES)
-@pytest.mark.parametrize("strategy", ["hybrid", "hybrid:3,1,6", "hybrid:5,3,16"])
+@pytest.mark.parametrize("arch,strategy", across_architectures([("hybrid",), ("hybrid:3,1,6",), ("hybrid:5,3,16",)]))
 def test_hybrid_matches_plain_decoding(arch, strategy):
     prompts = random_prompts(5, seed=4) + [[5, 6, 7, 5, 6, 7, 5, 6]] * 3
     params = SamplingParams(max_new_tokens=30, temperature=0.0)
@@ -95,8 +93,9 @@ def test_ragged_batch_with_eos_matches_hf(arch):
         assert len(out.completion_ids) <= 5 + 4 * i
 
 
-@pytest.mark.parametrize("arch", ARCHITECTURES)
-@pytest.mark.parametrize("strategy,drafter", [("chain:4", "good"), ("tree:4,2,8", "bad"), ("suffix", None)])
+@pytest.mark.parametrize(
+    "arch,strategy,drafter", across_architectures([("chain:4", "good"), ("tree:4,2,8", "bad"), ("suffix", None)])
+)
 def test_forced_preemption_matches_plain(arch, strategy, drafter):
     prompts = random_prompts(10, seed=3, min_len=10, max_len=30)
     params = SamplingParams(max_new_tokens=40, temperature=0.0, ignore_eos=True)

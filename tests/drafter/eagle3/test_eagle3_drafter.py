@@ -14,7 +14,7 @@ from tailspec.drafter.eagle3.model import vocab_from_counts
 from tailspec.drafter.eagle3.train import collate, unroll
 from tailspec.rollout import RolloutConfig, RolloutEngine, SamplingParams
 from tailspec.rollout.request import Sequence
-from tailspec.testing import tiny_random_model
+from tailspec.testing import across_architectures, tiny_random_model
 
 
 def plain(model, prompts, params):
@@ -33,9 +33,12 @@ def assert_same(got, want):
         assert a.logprobs == pytest.approx(b.logprobs, abs=1e-4)
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
-@pytest.mark.parametrize("strategy", ["chain:1", "chain:3", "chain:6", "tree:3,2,6", "tree:4,3,12"])
-@pytest.mark.parametrize("quality", ["random", "trained"])
+@pytest.mark.parametrize(
+    "arch,strategy,quality",
+    across_architectures(
+        [(s, q) for q in ["random", "trained"] for s in ["chain:1", "chain:3", "chain:6", "tree:3,2,6", "tree:4,3,12"]]
+    ),
+)
 def test_greedy_matches_plain_decoding(arch, strategy, quality):
     model = target(arch)
     head = random_head(model) if quality == "random" else trained_head(arch)
@@ -221,9 +224,10 @@ def test_greedy_matches_plain_decoding_through_the_triton_kernels():
     assert engine.stats.accepted_tokens > 0
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
-@pytest.mark.parametrize("strategy", ["mirror:chain:3,k=0", "mirror:chain:4,k=2"])
-@pytest.mark.parametrize("executor", ["inline", "thread"])
+@pytest.mark.parametrize(
+    "arch,strategy,executor",
+    across_architectures([(s, e) for e in ["inline", "thread"] for s in ["mirror:chain:3,k=0", "mirror:chain:4,k=2"]]),
+)
 def test_greedy_mirror_with_the_head_matches_plain_decoding(arch, strategy, executor):
     """The head drafts branches over tokens the target has not verified from its own hidden
     states; what it keeps is only what real features computed."""
