@@ -67,10 +67,11 @@ def rollout_with_a_kill(coord, kill, prompts, params, want) -> None:
 
 # each kill point once, and the mid-rollout death (the one that re-runs work) under both schedules:
 # the schedules differ in how the dead worker's requests were dealt, not in what its death puts back.
-# One coordinator a schedule takes its kills in successive rollouts, each dead worker replaced.
+# One coordinator a schedule takes its kills in successive rollouts, each dead worker replaced. The
+# static schedule's worker dies as a Ray actor process does (each start of one costs seconds).
 @pytest.mark.parametrize(
     "schedule, kills, backend",
-    [("divided", (BEFORE, DURING), "threads"), ("static", (DURING, AFTER), "ray")],
+    [("divided", (BEFORE, DURING, AFTER), "threads"), ("static", (DURING,), "ray")],
     ids=["divided", "static"],
 )
 def test_a_killed_worker_costs_only_its_unfinished_requests(request, schedule, kills, backend):
