@@ -36,16 +36,16 @@ def test_training_on_policy_rollouts_lowers_the_loss_and_raises_held_out_accepta
         return engine.stats.as_dict()["mean_accept_length"]
 
     before = held_out_accept_length()
-    trainer = DrafterTrainer(
-        head, model.get_input_embeddings(), buffer, DrafterTrainingConfig(batch_size=4, max_tokens=256, seed=0)
-    )
-    results = trainer.train(100)
+    # 40 steps at 3x the default rate: loss 2.75 -> 1.63 (0.60x), held-out accept length 1.03 -> 1.83
+    config = DrafterTrainingConfig(batch_size=4, max_tokens=256, seed=0, learning_rate=3e-3)
+    trainer = DrafterTrainer(head, model.get_input_embeddings(), buffer, config)
+    results = trainer.train(40)
     after = held_out_accept_length()
     first = sum(r.loss for r in results[:10]) / 10
     last = sum(r.loss for r in results[-10:]) / 10
     assert last < 0.7 * first, (first, last)
     assert after > before + 0.5, (before, after)
-    assert head.version == trainer.step_count == 100
+    assert head.version == trainer.step_count == 40
 
 
 def _trainer(**cfg) -> DrafterTrainer:
