@@ -244,9 +244,11 @@ def test_two_large_branch_calls_in_flight_do_not_deadlock_the_draft_process():
     while the child answers the first. Neither side may block on a full pipe."""
     import threading
 
-    drafter = SmallLMDrafter(good_drafter("llama"), kv_cache_tokens=3000 * 64)
+    # 1000 sequences: each call's requests (~200 KB pickled) and drafts with their distributions
+    # (~1.2 MB) are far beyond a pipe's buffer (64 KB)
+    drafter = SmallLMDrafter(good_drafter("llama"), kv_cache_tokens=1000 * 64)
     executor = ProcessExecutor(drafter.rebuild(), source=drafter)
-    prompts = random_prompts(3000, seed=2, max_len=40)
+    prompts = random_prompts(1000, seed=2, max_len=40)
     sampled = SamplingParams(temperature=1.0)  # drafts carry their distributions: large answers
     views = [SeqSnapshot(i, list(p), [], None, frozenset(), sampled) for i, p in enumerate(prompts)]
     requests = [DraftRequest(BranchView(view, [1, 2]), 3) for view in views]
