@@ -151,12 +151,14 @@ class Ratio:
         self.prior, self.weight, self.shifts = prior, weight, shifts
         self.clip = math.log(clip) if clip is not None else math.inf
         self.logs: deque[float] = deque(maxlen=window)
+        self._value: float | None = None  # until the next add or load: every adaptive step reads it
 
     def add(self, measured: float, predicted: float) -> float | None:
         """Adds the clipped log ratio and returns it (None: nothing to add)."""
         if measured <= 0 or predicted <= 0:
             return None
         value = max(-self.clip, min(self.clip, math.log(measured / predicted)))
+        self._value = None
         if self.shifts:
             push(self.logs, value)
         else:
@@ -165,10 +167,13 @@ class Ratio:
 
     @property
     def value(self) -> float:
-        m = len(self.logs)
-        if not m:
-            return self.prior
-        return math.exp((m * statistics.median(self.logs) + self.weight * math.log(self.prior)) / (m + self.weight))
+        if self._value is None:
+            m = len(self.logs)
+            log = statistics.median(self.logs) if m else 0.0
+            self._value = (
+                math.exp((m * log + self.weight * math.log(self.prior)) / (m + self.weight)) if m else self.prior
+            )
+        return self._value
 
     def state(self) -> list[float]:
         return [self.prior, *self.logs]
@@ -177,6 +182,7 @@ class Ratio:
         self.prior = state[0]
         self.logs.clear()
         self.logs.extend(state[1:])
+        self._value = None
 
 
 def batch_bucket(n: int) -> int:
@@ -204,10 +210,12 @@ class BatchRatio:
         self.pooled = Ratio(prior, weight, window, clip, shifts=False)
         self.bucket_weight, self.window = bucket_weight, window
         self.buckets: dict[int, deque[float]] = {}
+        self._values: dict[int, float] = {}  # per batch size, until the next add or load
 
     def add(self, n: int, measured: float, predicted: float) -> None:
         value = self.pooled.add(measured, predicted)
         if value is not None:
+            self._values.clear()
             bucket = batch_bucket(n)
             moved = push(self.buckets.setdefault(bucket, deque(maxlen=self.window)), value)
             if moved:  # the level moved everywhere: the other buckets' logs move with it
@@ -220,6 +228,12 @@ class BatchRatio:
         return (len(logs) * statistics.median(logs) + self.bucket_weight * pooled) / (len(logs) + self.bucket_weight)
 
     def value(self, n: int) -> float:
+        value = self._values.get(n)
+        if value is None:
+            value = self._values[n] = self._value(n)
+        return value
+
+    def _value(self, n: int) -> float:
         if not self.buckets:
             return self.pooled.value
         pooled = math.log(self.pooled.value)
@@ -240,6 +254,7 @@ class BatchRatio:
     def load(self, state: dict) -> None:
         self.pooled.load(state["pooled"])
         self.buckets = {int(b): deque(v, maxlen=self.window) for b, v in state["buckets"].items()}
+        self._values.clear()
 
 
 def _correction_in(corrections: dict[Strategy, BatchRatio], arm: Strategy) -> BatchRatio:
