@@ -132,10 +132,11 @@ class SuffixDrafter(Drafter):
     @property
     def history(self) -> NgramIndex:
         """The index of earlier completions, brought up to date with every one remembered."""
-        docs = self._history_docs
-        for i in range(len(docs) - self._unindexed, len(docs)):
-            self._history.add(docs[i])
-        self._unindexed = 0
+        if self._unindexed:
+            docs = self._history_docs
+            for i in range(len(docs) - self._unindexed, len(docs)):
+                self._history.add(docs[i])
+            self._unindexed = 0
         return self._history
 
     def remember(self, tokens: Seq[int]) -> None:
@@ -200,12 +201,10 @@ class SuffixDrafter(Drafter):
                 del self._groups[key]
 
     # -- drafting ------------------------------------------------------------------------
-    def candidates(
-        self, local: NgramIndex, context: Seq[int], history: NgramIndex | None = None
-    ) -> list[tuple[float, int]]:
+    def candidates(self, local: NgramIndex, context: Seq[int]) -> list[tuple[float, int]]:
         """``(probability, token)`` of next tokens after the longest known suffix of ``context``,
-        most likely first (``history``: :attr:`history`, when the caller has it)."""
-        history = self.history if history is None else history
+        most likely first."""
+        history = self.history
         for order in range(min(self.max_order, len(context)), 0, -1):
             here = local.next_counts(context, order)
             there = history.next_counts(context, order)
@@ -221,10 +220,9 @@ class SuffixDrafter(Drafter):
         return []
 
     def propose(self, requests: Seq[DraftRequest], shape: DraftShape) -> list[DraftTree]:
-        history = self.history  # counted up to date once for the batch
-        return [self._draft(r, shape, history) for r in requests]
+        return [self._draft(r, shape) for r in requests]
 
-    def _draft(self, request: DraftRequest, shape: DraftShape, history: NgramIndex) -> DraftTree:
+    def _draft(self, request: DraftRequest, shape: DraftShape) -> DraftTree:
         seq = request.seq
         local = self._sync(seq)
         context = seq.prompt_ids[-self.max_order :] + seq.output_ids[-self.max_order :]
@@ -234,7 +232,7 @@ class SuffixDrafter(Drafter):
         paths: list[list[int]] = []  # tokens from the root to each node
         heap: list[tuple[float, int, int, int]] = []  # (-score, tie, token, parent)
         tie = 0
-        for prob, tok in self.candidates(local, context, history)[: shape.topk]:
+        for prob, tok in self.candidates(local, context)[: shape.topk]:
             heap.append((-prob, tie, tok, -1))
             tie += 1
         heapq.heapify(heap)
@@ -247,7 +245,7 @@ class SuffixDrafter(Drafter):
             node = len(tokens) - 1
             if len(path) >= request.max_depth or tok in seq.stop_ids:
                 continue
-            for prob, child in self.candidates(local, (context + path)[-self.max_order :], history)[: shape.topk]:
+            for prob, child in self.candidates(local, (context + path)[-self.max_order :])[: shape.topk]:
                 heapq.heappush(heap, (neg_score * prob, tie, child, node))
                 tie += 1
         return DraftTree(tokens, parents)

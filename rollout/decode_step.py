@@ -65,7 +65,7 @@ class DecodeStep:
             logits = self.forward(slices, tokens, positions, list(range(len(positions))))
         if proposal.plain:
             return self._sampled(seqs, logits, overlap), None
-        return self._verified(seqs, proposal, logits, [s.num_new for s in slices], drafted_at - start, drafted_at)
+        return self._verified(seqs, proposal, logits, [s.num_new for s in slices], start, drafted_at)
 
     def forward(self, slices, tokens, positions: list[int], logits_index: list[int]) -> torch.Tensor:
         """The target forward (tapping features when a drafter reads them), timed."""
@@ -76,7 +76,8 @@ class DecodeStep:
 
     def _sampled(self, seqs: list[Sequence], logits: torch.Tensor, overlap: bool) -> list[int]:
         """Empty drafts: one token each, sampled on the device; kept in flight when ``overlap``."""
-        self.taps.observe([(seq, seq.num_cached, [row], [row]) for row, seq in enumerate(seqs)], logits)
+        if self.taps.layers:  # one row per sequence, built only for a drafter that reads features
+            self.taps.observe([(seq, seq.num_cached, [row], [row]) for row, seq in enumerate(seqs)], logits)
         for seq in seqs:
             seq.num_cached += 1
         self.stats.decode_steps += 1
@@ -90,7 +91,7 @@ class DecodeStep:
         return finished + self.append(launched)
 
     def _verified(
-        self, seqs: list[Sequence], proposal: Proposal, logits, num_new: list[int], draft_s: float, drafted_at: float
+        self, seqs: list[Sequence], proposal: Proposal, logits, num_new: list[int], start: float, drafted_at: float
     ) -> tuple[list[int], Drafted]:
         """Drafts: verified, the accepted tokens and K/V committed, the rejected drafts' blocks freed."""
         trees, bases = proposal.trees, [seq.num_tokens for seq in seqs]
@@ -109,16 +110,15 @@ class DecodeStep:
             committed.drafted,
             committed.accepted,
             committed.emitted,
-            draft_s,
+            drafted_at - start,
             time.perf_counter() - drafted_at,
         )
-        finished = [seq.seq_id for seq in seqs if seq.done]
-        for seq in seqs:
-            if seq.done:
-                self.finish(seq)
+        finished = [seq for seq in seqs if seq.done]
+        for seq in finished:
+            self.finish(seq)
         paths = [v.path for v in verified.verdicts]
         branches = [first_branch(t, p) for t, p in zip(trees, paths)]
-        return finished, Drafted([len(t) for t in trees], [len(p) for p in paths], branches)
+        return [seq.seq_id for seq in finished], Drafted([len(t) for t in trees], [len(p) for p in paths], branches)
 
     def sample(self, seqs: list[Sequence], logits: torch.Tensor) -> Sampled:
         """Each sequence's next token, sampled on the device; its read to the host queued."""

@@ -231,7 +231,8 @@ class RolloutEngine:
         finished, self._settled_early = self._settled_early, []
         if not overlap:
             finished += self.decode.settle()
-        self.proposer.between_steps(self.requests.alive(), self.mirror_capable)
+        if self.proposer.switch_pending:  # alive() walks every request: only when an executor waits
+            self.proposer.between_steps(self.requests.alive(), self.mirror_capable)
         if not self.scheduler.running:
             self.meter.before_rollout(len(self.scheduler.waiting))
         if self.config.prefix_caching and self.scheduler.waiting:  # only admission reads the cache

@@ -126,9 +126,8 @@ class Proposer:
         self.mirrors.use_executor(executor)
 
     def between_steps(self, alive: list[int], hostable: bool) -> None:
-        """Take a draft executor asked for since the last step (:meth:`use_executor`)."""
-        if self.mirrors.switch_pending:
-            self.mirrors.switch_between_steps(alive, hostable)
+        """Take the draft executor asked for since the last step (:meth:`use_executor`)."""
+        self.mirrors.switch_between_steps(alive, hostable)
 
     @property
     def switch_pending(self) -> bool:
