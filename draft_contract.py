@@ -331,6 +331,34 @@ class Stateful(Protocol):
     def load_state_dict(self, state: dict) -> None: ...
 
 
+@runtime_checkable
+class DraftsOnDevice(Protocol):
+    """A drafter that drafts greedy chains from state on the device: a step launched before the one
+    in flight is read (``rollout/spec/device_chain.py``) hands it each sequence's last two tokens
+    and length as device tensors, never read. Its own state must then already hold each
+    sequence's tokens before the last two (one host-read step with this drafter gives it that)."""
+
+    def ready_on_device(self, seqs: Sequence[SequenceView]) -> bool:
+        """Whether its state holds each sequence's tokens up to its second-to-last (host lengths)."""
+        ...
+
+    def reserve_on_device(self, seqs: Sequence[SequenceView], lengths: Sequence[int]) -> bool:
+        """Room in its state for each sequence's first ``lengths[i]`` tokens; False if there is none."""
+        ...
+
+    def draft_on_device(
+        self, seqs: Sequence[SequenceView], last_two: torch.Tensor, cached: torch.Tensor, depth: int, bound: int
+    ) -> torch.Tensor:
+        """``[len(seqs), depth]`` greedy drafts on the device: sequence ``i``'s tokens at positions
+        ``cached[i] - 1`` and ``cached[i]`` are ``last_two[i]``; ``bound`` is an upper bound of every
+        ``cached[i] + depth``."""
+        ...
+
+    def settled_on_device(self, seq: SequenceView, num_valid: int) -> None:
+        """The host read a device step: its state holds at least the sequence's first ``num_valid`` tokens."""
+        ...
+
+
 @dataclass
 class DrafterSet:
     """The drafters one engine speculates with: the model drafter (None without one), the

@@ -30,7 +30,7 @@ from functools import partial
 
 import torch
 
-from ..draft_contract import Drafter, DraftRequest, DraftShape, DraftTree, SequenceView
+from ..draft_contract import Drafter, DraftRequest, DraftShape, DraftsOnDevice, DraftTree, SequenceView
 from ..kernels.transfers import select_rows
 from ..rollout.mirror.hosted import weights_bytes
 from ..rollout.model.attention import SequenceSlice, paged_attention_enabled
@@ -89,7 +89,7 @@ def output_rows(model: torch.nn.Module) -> int:
     return int(model.get_output_embeddings().weight.shape[0])
 
 
-class SmallLMDrafter(Drafter):
+class SmallLMDrafter(Drafter, DraftsOnDevice):
     name = "small_lm"
     forks_branches = True
     # chains drafted on the device with one read a step (draft_chains_on_device); False: the
@@ -403,6 +403,41 @@ class SmallLMDrafter(Drafter):
 
         trees, _ = grow_trees(requests, torch.log_softmax(root_logits, dim=-1), shape, score_level)
         return trees
+
+    # -- greedy chains from state on the device (DraftsOnDevice) ---------------------------
+    def ready_on_device(self, seqs: Seq[SequenceView]) -> bool:
+        if self.heads is not None:  # streaming heads draft several tokens a forward, from host lengths
+            return False
+        states = [self._states.get(seq.seq_id) for seq in seqs]
+        return all(st is not None and st.num_cached >= seq.num_tokens - 2 for st, seq in zip(states, seqs))
+
+    def reserve_on_device(self, seqs: Seq[SequenceView], lengths: Seq[int]) -> bool:
+        self._clock += 1
+        busy = {seq.seq_id for seq in seqs}
+        return all(self._ensure_room(seq.seq_id, n, busy) for seq, n in zip(seqs, lengths))
+
+    def draft_on_device(
+        self, seqs: Seq[SequenceView], last_two: torch.Tensor, cached: torch.Tensor, depth: int, bound: int
+    ) -> torch.Tensor:
+        """The last two tokens fed at ``cached - 1`` and ``cached`` (the first is in the state
+        already unless the whole last draft was accepted: rewriting it costs less than a ragged
+        forward), then one forward a draft token; a token past this LM's embedding table (a
+        target's padding id) is fed as the last row: it can only cost acceptance, never output."""
+        tables = [self._states[seq.seq_id].block_table for seq in seqs]
+        top = self.runner.vocab_size - 1
+        with self._inference():
+            logits = self.runner.forward_on_device(tables, cached - 1, last_two.reshape(-1).clamp(max=top), 2, bound)
+            drafts = [self._target_vocab(logits[1::2].float()).argmax(dim=-1)]
+            for d in range(1, depth):
+                logits = self.runner.forward_on_device(tables, cached + d, drafts[-1].clamp(max=top), 1, bound)
+                drafts.append(self._target_vocab(logits.float()).argmax(dim=-1))
+        return torch.stack(drafts, dim=1)
+
+    def settled_on_device(self, seq: SequenceView, num_valid: int) -> None:
+        state = self._states.get(seq.seq_id)
+        if state is not None:
+            state.num_cached = num_valid
+        self._draft_base.pop(seq.seq_id, None)
 
 
 class _Fork:

@@ -32,6 +32,7 @@ from .proposer import Proposal, Proposer
 from .request import SeqStatus, Sequence
 from .sampled import Sampled
 from .sampling import sample_tokens
+from .spec.device_chain import ChainLaunch, DeviceChains
 from .spec.kv_blocks import pack_verify_batch, release_unused_blocks
 from .spec.step import accept, commit, verify
 from .stats import EngineStats
@@ -48,14 +49,37 @@ class DecodeStep:
         generator: torch.Generator,
         stats: EngineStats,
         finish: Callable[[Sequence], None],
+        max_model_len: int,
     ) -> None:
         self.runner, self.config, self.proposer, self.taps = runner, config, proposer, taps
         self.generator, self.stats, self.finish = generator, stats, finish
-        self.in_flight: Sampled | None = None  # a plain step whose tokens are not read yet (config.overlap)
+        self.chains = DeviceChains(runner, proposer.drafter, max_model_len, stats, finish)
+        # a step whose tokens are not read yet (config.overlap): a plain one, or a chain's on the device
+        self.in_flight: Sampled | ChainLaunch | None = None
 
     def __call__(self, seqs: list[Sequence], strategy: Strategy, overlap: bool) -> tuple[list[int], Drafted | None]:
         """One step of ``strategy`` over ``seqs``: the ids of the requests it finished (overlapped: of
-        the step before it, read now), and for a speculative step what was drafted and accepted."""
+        the step before it, read now), and for a speculative step read now what was drafted and
+        accepted (None for a step launched on the device and read at the next)."""
+        if strategy.speculative and overlap:
+            launched = self.chains.launch(seqs, strategy, self.in_flight)
+            if launched is not None:
+                finished = self.settle()
+                self.in_flight = launched
+                self.stats.overlapped_steps += 1
+                return finished, None
+        finished = []
+        if self.in_flight is not None and (strategy.speculative or isinstance(self.in_flight, ChainLaunch)):
+            # a host-read step drafts and verifies from tokens on the host, and a plain step's inputs
+            # are a plain step's tokens: the step in flight is read first
+            finished = self.settle()
+            seqs = [seq for seq in seqs if seq.status is SeqStatus.RUNNING]
+            if not seqs:
+                return finished, None
+        done, drafted = self._step(seqs, strategy, overlap)
+        return finished + done, drafted
+
+    def _step(self, seqs: list[Sequence], strategy: Strategy, overlap: bool) -> tuple[list[int], Drafted | None]:
         start = time.perf_counter()
         proposal = self.proposer.propose(seqs, strategy, self.runner.cache.allocator, self.config.block_size)
         drafted_at = time.perf_counter()
@@ -130,6 +154,8 @@ class DecodeStep:
     def settle(self) -> list[int]:
         """Read the step in flight, if one is: its tokens appended, its finished requests finished."""
         launched, self.in_flight = self.in_flight, None
+        if isinstance(launched, ChainLaunch):
+            return self.chains.read(launched)
         return self.append(launched) if launched is not None else []
 
     def append(self, sampled: Sampled) -> list[int]:

@@ -107,7 +107,14 @@ class RolloutEngine:
         layers = self.drafter.feature_layers if self.drafter is not None else None
         self.taps = FeatureTaps(self.runner, layers, self.proposer.observe)  # what an EAGLE-style drafter reads
         self.decode = DecodeStep(
-            self.runner, self.config, self.proposer, self.taps, self.generator, self.stats, self.requests.finish
+            self.runner,
+            self.config,
+            self.proposer,
+            self.taps,
+            self.generator,
+            self.stats,
+            self.requests.finish,
+            self.limits.max_model_len,
         )
         self._settled_early: list[int] = []  # requests that finished when a step in flight was read outside a step
         self.set_strategy(self.config.strategy)
@@ -256,13 +263,15 @@ class RolloutEngine:
 
     def _overlaps(self) -> bool:
         """Whether this step may be launched before the step in flight is read (``config.overlap``):
-        a plain decode step that admits no prompt and preempts nothing (``rollout/sampled.py``);
-        under ``adaptive``, a step it plans plain (one it plans speculative reads the step in flight
-        first, :meth:`_decode_step`). A drafter reading the target's features gets a dropped row's
+        a decode step that admits no prompt and preempts nothing, plain (``rollout/sampled.py``) or
+        a fixed chain's on the device (``rollout/spec/device_chain.py``, where each batch is checked
+        again); under ``adaptive``, a step it plans plain (one it plans speculative reads the step
+        in flight first, :meth:`_decode_step`). A drafter reading the target's features gets a dropped row's
         too, past its sequence's last token: what it records is cut to the tokens at the finish."""
         scheduler = self.scheduler
-        plain = not (self.strategy.speculative or self.proposer.switch_pending)
-        return self.config.overlap and plain and not scheduler.waiting and scheduler.decode_fits()
+        steady = not self.proposer.switch_pending
+        steady &= not self.strategy.speculative or self.decode.chains.serves(self.strategy)
+        return self.config.overlap and steady and not scheduler.waiting and scheduler.decode_fits()
 
     def _read_in_flight(self) -> None:
         """Read an overlapped step in flight outside a step; its finished requests are the next step's."""
@@ -312,15 +321,16 @@ class RolloutEngine:
     def _decode_step(self, seqs: list[Sequence], overlap: bool) -> list[int]:
         """One decode step of the strategy the meter plans, timed by it."""
         plan, finished = self.meter.plan(seqs), []
-        if plan.strategy.speculative and self.decode.in_flight is not None:
-            # adaptive planned a speculative step after overlapped plain ones: drafting and
-            # verification read every token on the host, so the step in flight is read first,
-            # outside every step's timer (each overlapped step's timer ends with its read of the one before)
+        if plan.strategy.speculative and self.strategy.adaptive and self.decode.in_flight is not None:
+            # adaptive planned a speculative step after overlapped plain ones: it times a speculative
+            # step whole, so the step in flight is read first, outside every step's timer (each
+            # overlapped step's timer ends with its read of the one before)
             finished = self.decode.settle()
             if len(running := [s for s in seqs if s.status is SeqStatus.RUNNING]) < len(seqs):
                 if not running:  # every one stopped on the token just read
                     return finished
                 seqs, plan = running, self.meter.plan(running)
+        overlap &= not (plan.strategy.speculative and self.strategy.adaptive)  # ... and leaves none in flight
         # the first step of an overlapped run reads nothing: its timer holds a launch, not a step
         unread = overlap and not plan.strategy.speculative and self.decode.in_flight is None
         return finished + self.meter.run(plan, seqs, unread, lambda: self.decode(seqs, plan.strategy, overlap))

@@ -29,6 +29,7 @@ from .attention import (
 )
 from .cast_copy import rollout_model, weights_fingerprint
 from .compiled import CompiledLayers
+from .device_inputs import device_inputs
 from .eval_mode import eval_mode
 from .graph_pool import GraphKey, GraphPool, input_signature
 from .kv_cache import KVLayout, PagedKVCache
@@ -258,6 +259,28 @@ class ModelRunner:
                 **{METADATA_KWARG: meta},
             )
         return out.logits[0], features_of(captured, taps)
+
+    def forward_on_device(
+        self, tables: Sequence[list[int]], cached: torch.Tensor, ids: torch.Tensor, new: int, bound: int
+    ) -> torch.Tensor:
+        """``[len(tables) * new, vocab]`` logits of a forward whose lengths are on the device
+        (``device_inputs.py``): sequence ``i`` (block table ``tables[i]``, ``cached[i]`` tokens
+        cached) feeds ``ids[i * new : (i + 1) * new]``; ``bound``: an upper bound of every
+        ``cached[i] + new``. Replayed from the graph pool where a bucket holds it."""
+        n, bs = len(tables), self.cache.block_size
+        key = self.graph_key(n, new, bound)
+        if key is None:
+            shape = (n, new, max(len(t) for t in tables) * bs)
+            backend = attention_backend(self.cache, None, new)
+            inputs, meta = device_inputs(self.cache, tables, cached, ids, new, shape, 0, backend == "triton")
+            x = {METADATA_KWARG: meta}
+            return self.model(input_ids=inputs["ids"], position_ids=inputs["pos"], use_cache=False, **x).logits[0]
+        use_plan = attention_backend(self.cache, None, key.tokens) == "triton"
+        shape, scratch = (key.batch, key.tokens, key.context), self.scratch_slot // bs
+        inputs, meta = device_inputs(self.cache, tables, cached, ids, new, shape, scratch, use_plan)
+        logits = self.graph_pool.run(key, self._padded_forward_fn(meta, key), inputs)
+        rows = (np.arange(n)[:, None] * key.tokens + np.arange(new)).reshape(-1)
+        return take_rows(logits, rows)
 
     def graph_key(self, num_seqs: int, tokens: int, context: int, kernels: str | None = None) -> GraphKey | None:
         """The graph bucket a forward of ``num_seqs`` sequences, ``tokens`` new tokens each and

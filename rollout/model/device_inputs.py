@@ -1,0 +1,109 @@
+"""Inputs of a forward whose sequence lengths live on the device.
+
+A speculative step launched before the step in flight is read (``rollout/spec/device_chain.py``)
+does not know on the host how many tokens each sequence accepted: its lengths are a device tensor
+``cached`` (the tokens each sequence has in the cache before the forward). What the host knows are
+upper bounds: it reserved every sequence's blocks for a fully accepted draft, so its block tables
+are final, and every sequence contributes the same number of new tokens, ``new``, at positions
+``cached + 0 .. cached + new - 1``. Everything that depends on the lengths (positions, the slots the
+new K/V go to, the attention mask or the kernel's cached lengths) is computed here from ``cached``
+on the device, without a read.
+
+The shapes are those of :func:`~.padded_metadata.build_padded_metadata` (``[batch, tokens,
+context]``, padding rows writing the scratch slot), so a captured graph replays these inputs as it
+replays the host's, and the eager path runs the same tensors unpadded.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from ...kernels.paged_attention import PagedAttentionPlan, _causal
+from ...kernels.transfers import to_device
+from .attention import AttentionMetadata
+from .kv_cache import PagedKVCache
+
+
+def device_inputs(
+    cache: PagedKVCache,
+    tables: Sequence[Sequence[int]],
+    cached: torch.Tensor,
+    ids: torch.Tensor,
+    new: int,
+    shape: tuple[int, int, int],
+    scratch_block: int,
+    use_plan: bool,
+) -> tuple[dict[str, torch.Tensor], AttentionMetadata]:
+    """The inputs (the names and layout :meth:`ModelRunner.padded_inputs` gives a captured forward)
+    and metadata of a forward of ``len(tables)`` sequences with ``new`` tokens each (``ids``:
+    ``[len(tables) * new]`` on the device, sequence-major), padded to ``shape`` = ``(batch, tokens,
+    context)``. ``cached``: ``[len(tables)]`` int64 on the device. Rows past a sequence's ``new``
+    tokens and padding sequences write block ``scratch_block``; every sequence's block table must
+    hold its context (``cached + new`` tokens), which the caller reserved from upper bounds."""
+    batch, tokens, context = shape
+    n, bs, device = len(tables), cache.block_size, cached.device
+    width = -(-context // bs)
+    table = np.full((batch, width), scratch_block, dtype=np.int64)
+    for i, t in enumerate(tables):
+        head = t[:width]
+        table[i, : len(head)] = head
+    valid = np.zeros((batch, tokens), dtype=bool)
+    valid[:n, :new] = True
+    table_t, valid_t = to_device(table, device), to_device(valid, device)
+    lengths = torch.cat([cached, cached.new_zeros(batch - n)]) if batch > n else cached
+    index = lengths.unsqueeze(1) + torch.arange(tokens, device=device)  # [batch, tokens]: each row's cache index
+    positions = torch.where(valid_t, index, torch.zeros_like(index))
+    block = table_t.gather(1, (index // bs).clamp(max=width - 1))
+    slot_mapping = torch.where(valid_t, block * bs + index % bs, torch.full_like(index, scratch_block * bs))
+    if ids.numel() == batch * tokens:
+        padded_ids = ids
+    else:
+        rows = np.flatnonzero(valid)
+        padded_ids = ids.new_zeros(batch * tokens).index_copy_(0, to_device(rows, device), ids)
+    plan = None
+    if use_plan:  # the kernel reads block tables and lengths, not gathered slots and masks
+        gather = torch.zeros(batch, 0, dtype=torch.int64, device=device)
+        mask = torch.zeros(batch, 1, tokens, 0, dtype=torch.bool, device=device)
+        query_lens = np.where(np.arange(batch) < n, new, 0)
+        plan = PagedAttentionPlan(
+            block_tables=table_t.to(torch.int32),
+            cached_lens=lengths.to(torch.int32),
+            query_lens=to_device(query_lens.astype(np.int32), device),
+            query_start=to_device((np.arange(batch) * tokens).astype(np.int32), device),
+            query_positions=positions.reshape(-1).to(torch.int32),
+            tree_mask=to_device(np.broadcast_to(_causal(tokens), (batch, tokens, tokens)).copy(), device),
+            block_size=bs,
+            max_query_len=tokens,
+        )
+    else:
+        keys = torch.arange(context, device=device)
+        gather = table_t.gather(1, (keys // bs).expand(batch, -1)) * bs + keys % bs
+        mask = valid_t.unsqueeze(-1) & (keys <= index.unsqueeze(-1))  # the cached prefix and the rows up to itself
+        mask[:, :, 0] = True  # padding rows see one key (for real rows key 0 is visible anyway)
+        mask = mask.unsqueeze(1)
+    meta = AttentionMetadata(
+        cache=cache,
+        slot_mapping=slot_mapping.reshape(-1),
+        gather_slots=gather,
+        mask=mask,
+        query_positions=positions,
+        num_seqs=batch,
+        max_new=tokens,
+        query_index=None,
+        valid_queries=None,
+        plan=plan,
+    )
+    inputs = {
+        "ids": padded_ids.view(1, -1),
+        "pos": positions.view(1, -1),
+        "slot_mapping": meta.slot_mapping,
+        "gather_slots": gather,
+        "mask": mask,
+        "query_positions": positions,
+    }
+    if plan is not None:
+        inputs.update({f"plan.{k}": v for k, v in plan.tensors().items()})
+    return inputs, meta

@@ -1,0 +1,198 @@
+"""Greedy chain steps whose state stays on the device: step N + 1 is launched before step N is read.
+
+A speculative step read on the host before the next one is planned leaves the device idle while
+the host reads accept lengths, appends tokens and builds the next inputs. Here, as in SGLang's
+spec v2 and vLLM's async scheduling with speculative decoding, the device tensors are the truth
+and the host is one step behind:
+
+* **On the device**, per running sequence: ``cached`` (the tokens whose K/V the target cache
+  holds: its pending token's position) and ``last_two`` (its tokens at ``cached - 1`` and
+  ``cached``, the second one pending). A step drafts from them (:class:`DraftsOnDevice`: the
+  drafter LM feeds the two tokens, then its chain), runs the target over ``[pending, drafts]`` at
+  positions ``cached .. cached + k``, verifies greedily (each row's argmax; accept length ``L`` =
+  the drafts matching it, by a cumulative product), and leaves the next step's state:
+  ``cached + L + 1`` and ``[token at cached + L, argmax at row L]``. Nothing is read for it.
+* **The host assumes full acceptance.** Launching step N + 1 it knows each sequence's length up
+  to step N - 1 (read), so step N + 1's pending token lies at most ``k + 1`` past it: it reserves
+  blocks (target and drafter) for that bound plus the ``k + 1`` tokens step N + 1 writes, and
+  pads every shape to it. A sequence that cannot get the room, would pass ``max_model_len``, or
+  samples (T > 0), takes the host-read step instead (``DecodeStep``).
+* **Rejected slots are never attended to.** Step N writes K/V at ``cached .. cached + k``; a
+  sequence that accepted ``L`` drafts keeps ``cached .. cached + L`` (chain node ``j`` is written
+  at its own position), and its next pending token is written at ``cached + L + 1``, overwriting
+  the first rejected slot; every later query attends to keys below its own index only (the mask
+  is ``key <= cached + row``, the kernel's ``cached_lens``), and each step's slots past its
+  accepted tokens are rewritten by the next step before any query can reach them. The drafter's
+  state follows the same rule with the two tokens it feeds: the first rewrites the last kept
+  slot, so a fully accepted chain (whose last draft it never fed) is covered too.
+* **Stops are applied when the host reads**, one step late: tokens after a stop token or past
+  ``max_new_tokens`` are dropped, never returned; a sequence that finished in step N has a row in
+  step N + 1, computed and dropped (its blocks are freed after that row's writes are queued, so
+  whoever gets them next writes after it).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from ...draft_contract import Drafter, DraftsOnDevice
+from ...kernels.transfers import QueuedRead, select_rows, to_device
+from ..model.kv_cache import blocks_for
+from ..model.runner import ModelRunner
+from ..request import SeqStatus, Sequence
+from ..stats import EngineStats
+from ..strategy import Strategy
+
+
+@dataclass(eq=False)  # identity: a step is never "equal" to another
+class ChainLaunch:
+    """A greedy chain step launched and not read: its sequences (rows), the next step's state on
+    the device, and the queued read of what it emitted."""
+
+    seqs: list[Sequence]
+    strategy: Strategy
+    cached: torch.Tensor  # [B] the next step's: each sequence's cached tokens after this step
+    last_two: torch.Tensor  # [B, 2] the next step's: the tokens at cached - 1 and cached
+    pending: QueuedRead  # the rows' argmax [B, k + 1], accept lengths [B], their logprobs [B, k + 1]
+    draft_s: float
+    verify_s: float
+
+    def rows_of(self, seqs: list[Sequence]) -> list[int] | None:
+        """Each of ``seqs``' row here, None if one of them is not in this step."""
+        row_of = {id(seq): row for row, seq in enumerate(self.seqs)}
+        rows = [row_of.get(id(seq)) for seq in seqs]
+        return None if None in rows else rows
+
+
+def greedy_chain_verdicts(logits: torch.Tensor, drafts: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """On the device: each row's argmax ``[B, k + 1]``, each chain's accept length ``[B]`` (its
+    drafts equal to the argmax before them, up to the first that is not) and the argmax's logprob
+    ``[B, k + 1]``. The emitted tokens are the argmax of rows ``0 .. L``: the accepted drafts are
+    the argmax of the row before them, and row ``L``'s is the correction (or the bonus token)."""
+    batch, depth = drafts.shape
+    logprobs = torch.log_softmax(logits.float(), dim=-1).view(batch, depth + 1, -1)  # greedy rows' processed
+    best = logprobs.argmax(dim=-1)
+    accepted = (drafts == best[:, :depth]).long().cumprod(dim=1).sum(dim=1)
+    return best, accepted, logprobs.gather(2, best.unsqueeze(-1)).squeeze(-1)
+
+
+class DeviceChains:
+    """Launches and reads :class:`ChainLaunch` steps for a fixed ``chain:k`` strategy with a drafter
+    that drafts on the device."""
+
+    def __init__(
+        self,
+        runner: ModelRunner,
+        drafter: Drafter | None,
+        max_model_len: int,
+        stats: EngineStats,
+        finish: Callable[[Sequence], None],
+    ) -> None:
+        self.runner, self.max_model_len, self.stats, self.finish = runner, max_model_len, stats, finish
+        self.drafter = drafter if isinstance(drafter, DraftsOnDevice) else None
+
+    def serves(self, strategy: Strategy) -> bool:
+        """Whether steps of ``strategy`` may run here (each batch is checked again at launch)."""
+        return self.drafter is not None and strategy.kind == "chain"
+
+    def launch(self, seqs: list[Sequence], strategy: Strategy, in_flight: object | None) -> ChainLaunch | None:
+        """Launch a step of ``strategy`` over ``seqs`` from the state of ``in_flight`` (a step of the
+        same strategy holding every one of them) or, with nothing in flight, from the host's; None
+        (nothing launched, no room taken) where this batch cannot run here."""
+        if not self.serves(strategy) or not all(s.params.greedy and not s.params.position_keyed for s in seqs):
+            return None
+        depth = strategy.shape.depth
+        previous = in_flight if isinstance(in_flight, ChainLaunch) and in_flight.strategy == strategy else None
+        rows = previous.rows_of(seqs) if previous is not None else None
+        if in_flight is not None and rows is None:
+            return None
+        if previous is None and not self.drafter.ready_on_device(seqs):
+            return None
+        # each pending token's position: exact from the host, or at most k + 1 past it (in flight)
+        lengths = [s.num_cached + (depth + 1 if previous is not None else 0) for s in seqs]
+        bound = max(lengths) + depth + 1  # every position this step writes is below it
+        if bound > self.max_model_len or not self._reserve(seqs, lengths, depth):
+            return None
+        start = time.perf_counter()
+        if previous is None:
+            cached = to_device(np.asarray([s.num_cached for s in seqs], dtype=np.int64), self.runner.device)
+            two = [[s.token_at(s.num_cached - 1), s.token_at(s.num_cached)] for s in seqs]
+            last_two = to_device(np.asarray(two, dtype=np.int64), self.runner.device)
+        elif rows == list(range(len(previous.seqs))):
+            cached, last_two = previous.cached, previous.last_two
+        else:
+            cached, last_two = select_rows(previous.cached, rows), select_rows(previous.last_two, rows)
+        drafts = self.drafter.draft_on_device(seqs, last_two, cached, depth, bound)
+        drafted_at = time.perf_counter()
+        ids = torch.cat([last_two[:, 1:], drafts.to(last_two.device)], dim=1).reshape(-1)
+        tables = [s.block_table for s in seqs]
+        logits = self.runner.forward_on_device(tables, cached, ids, depth + 1, bound)
+        best, accepted, logprobs = greedy_chain_verdicts(logits, drafts.to(logits.device))
+        last_kept = best.gather(1, (accepted - 1).clamp(min=0).unsqueeze(1)).squeeze(1)
+        before_pending = torch.where(accepted > 0, last_kept, last_two[:, 1])
+        final = best.gather(1, accepted.unsqueeze(1)).squeeze(1)
+        launched = ChainLaunch(
+            seqs,
+            strategy,
+            cached + accepted + 1,
+            torch.stack([before_pending, final], dim=1),
+            QueuedRead(best, accepted, logprobs),
+            drafted_at - start,
+            time.perf_counter() - drafted_at,
+        )
+        self.stats.model_time_s += launched.verify_s
+        return launched
+
+    def _reserve(self, seqs: list[Sequence], lengths: list[int], depth: int) -> bool:
+        """Blocks for each sequence's fully accepted step (its pending token at ``lengths[i]``, then
+        ``depth`` drafts), in the target's cache and the drafter's; False, taking none of the
+        target's, where the free blocks do not cover them."""
+        bs, allocator = self.runner.cache.block_size, self.runner.cache.allocator
+        missing = [blocks_for(n + depth + 1, bs) - len(s.block_table) for s, n in zip(seqs, lengths)]
+        if sum(m for m in missing if m > 0) > allocator.num_free:
+            return False
+        if not self.drafter.reserve_on_device(seqs, [n + depth for n in lengths]):
+            return False
+        for seq, m in zip(seqs, missing):
+            if m > 0:
+                seq.block_table += allocator.allocate(m)
+        return True
+
+    def read(self, launched: ChainLaunch) -> list[int]:
+        """Append what ``launched`` emitted (waiting for it), up to each sequence's stop; the ids of
+        the requests it finished. A row of a request that finished, was aborted or handed over
+        meanwhile is dropped."""
+        best, accepted, logprobs = launched.pending.result()
+        width = launched.strategy.shape.depth + 1
+        finished, emitted, kept = [], 0, 0
+        for i, seq in enumerate(launched.seqs):
+            if seq.status is SeqStatus.FINISHED:
+                self.stats.dropped_rows += 1
+                continue
+            n = accepted[i]
+            seq.num_cached += n + 1
+            seq.num_spec_steps += 1
+            seq.num_drafted += width - 1
+            seq.num_accepted += n
+            kept += n
+            self.drafter.settled_on_device(seq, seq.num_cached - 1)
+            for j in range(i * width, i * width + n + 1):
+                seq.append(best[j], logprobs[j])
+                emitted += 1
+                if seq.done:
+                    break
+            if seq.done:
+                self.finish(seq)
+                finished.append(seq.seq_id)
+        rows = len(launched.seqs)
+        s = self.stats
+        s.record_spec_step(
+            str(launched.strategy), rows, rows * (width - 1), kept, emitted, launched.draft_s, launched.verify_s
+        )
+        s.generated_tokens += emitted
+        return finished

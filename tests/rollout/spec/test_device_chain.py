@@ -1,0 +1,194 @@
+"""Greedy chain steps launched from state on the device (rollout/spec/device_chain.py): with
+``RolloutConfig(overlap=True)`` a ``chain:k`` step is launched before the one in flight is read.
+Its tokens are plain decoding's; what changes is when the host learns them."""
+
+import numpy as np
+import pytest
+import torch
+from rollout_helpers import EOS, cached_model, random_prompts
+
+from tailspec.kernels.dispatch import kernel_backend
+from tailspec.rollout import RolloutConfig, RolloutEngine, SamplingParams
+from tailspec.rollout.model.attention import SequenceSlice
+from tailspec.rollout.model.device_inputs import device_inputs
+from tailspec.rollout.model.runner import ModelRunner
+from tailspec.rollout.spec.device_chain import DeviceChains, greedy_chain_verdicts
+from tailspec.testing import across_architectures, perturbed_copy, stopping_params
+
+DRAFTERS = {"agreeing": 0.05, "disagreeing": 0.3}  # perturbation of the target's weights
+
+
+def _engine(model, drafter, overlap: bool, **config) -> RolloutEngine:
+    config = {"block_size": 4, "kv_cache_tokens": 4096, **config}
+    return RolloutEngine(
+        model, RolloutConfig(strategy="chain:3", overlap=overlap, **config), drafter=drafter, eos_token_ids=[EOS]
+    )
+
+
+def _generate(model, drafter, prompts, params, overlap: bool, **config):
+    engine = _engine(model, drafter, overlap, **config)
+    outs = engine.generate(prompts, params)
+    assert not engine.has_unfinished() and engine.decode.in_flight is None
+    return outs, engine
+
+
+@pytest.mark.parametrize(
+    ("arch", "drafter", "graph_backend"),
+    across_architectures(
+        [("agreeing", "none"), ("disagreeing", "none"), ("agreeing", "eager"), ("disagreeing", "eager")]
+    ),
+)
+def test_overlapped_greedy_chains_equal_plain_decoding(arch, drafter, graph_backend):
+    """Sequences stopping at different steps, each for its own reason (a stop token, max_new_tokens):
+    the tokens past a stop that a step computed are dropped, and every completion, finish reason
+    and logprob is plain decoding's; padded to a captured bucket (eager graphs) too."""
+    model = cached_model(arch)
+    draft = perturbed_copy(model, noise=DRAFTERS[drafter], seed=7)
+    prompts = random_prompts(7, seed=31, min_len=2, max_len=14)
+    params = stopping_params(model, prompts, n=22)
+    plain = RolloutEngine(model, RolloutConfig(block_size=4, kv_cache_tokens=4096), eos_token_ids=[EOS])
+    want = plain.generate(prompts, params)
+    got, engine = _generate(model, draft, prompts, params, overlap=True, graph_backend=graph_backend)
+    assert [o.completion_ids for o in got] == [o.completion_ids for o in want]
+    assert [o.finish_reason for o in got] == [o.finish_reason for o in want]
+    for g, w in zip(got, want):
+        assert g.logprobs == pytest.approx(w.logprobs, abs=1e-5)
+    stats = engine.stats
+    assert stats.overlapped_steps > stats.spec_steps // 2 and stats.dropped_rows > 0
+    assert stats.generated_tokens == sum(len(o.completion_ids) for o in got)
+    assert sum(o.num_accepted for o in got) > 0 if drafter == "agreeing" else True
+    # every block comes back (but a captured forward's scratch block), those reserved for rejected drafts too
+    allocator = engine.runner.cache.allocator
+    assert allocator.num_free == allocator.num_blocks - (engine.runner.scratch_slot >= 0)
+
+
+def test_each_step_is_read_after_the_next_is_launched(monkeypatch):
+    """What the device state is for: step N is waited for only once step N + 1 is queued. Every read
+    of a chain step follows a later launch, except the reads that end a call (nothing left to launch)."""
+    model = cached_model("llama")
+    events: list[tuple[str, object]] = []
+    launch, read = DeviceChains.launch, DeviceChains.read
+
+    def logged_launch(self, seqs, strategy, in_flight):
+        launched = launch(self, seqs, strategy, in_flight)
+        if launched is not None:
+            events.append(("launch", launched))
+        return launched
+
+    def logged_read(self, launched):
+        events.append(("read", launched))
+        return read(self, launched)
+
+    monkeypatch.setattr(DeviceChains, "launch", logged_launch)
+    monkeypatch.setattr(DeviceChains, "read", logged_read)
+    prompts = random_prompts(3, seed=34, min_len=4, max_len=8)
+    params = SamplingParams(temperature=0.0, max_new_tokens=20, ignore_eos=True)
+    _generate(model, perturbed_copy(model, noise=0.05, seed=7), prompts, params, overlap=True)
+    launches = [step for kind, step in events if kind == "launch"]
+    reads = [(i, step) for i, (kind, step) in enumerate(events) if kind == "read"]
+    assert len(launches) >= 4 and [step for _, step in reads] == launches  # each read once, in order
+    for i, step in reads[:-1]:
+        assert events[i - 1][0] == "launch" and events[i - 1][1] is launches[launches.index(step) + 1]
+
+
+def test_preemption_admission_and_the_context_limit_fall_back_to_host_read_steps_and_stay_exact():
+    """Fewer slots than prompts (admissions mid-run), a pool too small for all of them (preemptions)
+    and a context limit a full acceptance could pass: each makes a step read the one in flight
+    first, and the tokens do not change."""
+    model = cached_model("qwen3")
+    draft = perturbed_copy(model, noise=0.05, seed=7)
+    prompts = random_prompts(8, seed=32, min_len=3, max_len=12)
+    params = stopping_params(model, prompts, n=24)
+    small = {"max_num_seqs": 3, "num_blocks": 18, "max_model_len": 36}
+    want, plain = _generate(model, draft, prompts, params, overlap=False, **small)
+    got, engine = _generate(model, draft, prompts, params, overlap=True, **small)
+    assert [o.completion_ids for o in got] == [o.completion_ids for o in want]
+    assert plain.stats.preemptions > 0 and engine.stats.preemptions > 0
+    assert 0 < engine.stats.overlapped_steps < engine.stats.spec_steps
+
+
+def test_release_abort_and_handoff_read_the_step_in_flight_first():
+    model = cached_model("llama")
+    draft = perturbed_copy(model, noise=0.05, seed=7)
+    prompts = random_prompts(3, seed=35, min_len=3, max_len=9)
+    params = SamplingParams(temperature=0.0, max_new_tokens=30, ignore_eos=True)
+    want = RolloutEngine(model, RolloutConfig(block_size=4, kv_cache_tokens=4096)).generate(prompts, params)
+    engine = _engine(model, draft, overlap=True)
+    ids = [engine.add_request(p, params) for p in prompts]
+    for _ in range(5):
+        assert engine.step() == []
+    assert engine.decode.in_flight is not None and engine.stats.overlapped_steps > 0
+    partial = engine.release(ids[0])  # what the step in flight emitted belongs to what is handed over
+    assert 5 < len(partial.output_ids) < 30 and partial.output_ids == want[0].completion_ids[: len(partial.output_ids)]
+    engine.abort(ids[1])
+    finished = []
+    while engine.has_unfinished():
+        finished += engine.step()
+    assert finished == [ids[2]] and engine.pop_output(ids[2]).completion_ids == want[2].completion_ids
+    aborted = engine.pop_output(ids[1])
+    assert (
+        aborted.finish_reason == "abort"
+        and aborted.completion_ids == want[1].completion_ids[: len(aborted.completion_ids)]
+    )
+    resumed = _engine(model, draft, overlap=True)
+    rid = resumed.add_request(prompts[0], params, resume=partial)
+    while resumed.has_unfinished():
+        resumed.step()
+    assert resumed.pop_output(rid).completion_ids == want[0].completion_ids
+    for e in (engine, resumed):
+        assert e.runner.cache.allocator.num_free == e.runner.cache.allocator.num_blocks
+
+
+def test_sampled_requests_take_host_read_steps():
+    """T > 0 verifies by rejection sampling on the host's verdicts: such a batch is not launched on
+    the device, and its samples are the host-read steps' (seeded: the same tokens)."""
+    model = cached_model("qwen2")
+    draft = perturbed_copy(model, noise=0.05, seed=7)
+    prompts = random_prompts(3, seed=36, min_len=3, max_len=9)
+    params = [SamplingParams(temperature=0.8, seed=i, max_new_tokens=12) for i in range(3)]
+    want, _ = _generate(model, draft, prompts, params, overlap=False)
+    got, engine = _generate(model, draft, prompts, params, overlap=True)
+    assert [o.completion_ids for o in got] == [o.completion_ids for o in want]
+    assert engine.stats.overlapped_steps == 0
+
+
+def test_greedy_chain_verdicts_accept_up_to_the_first_mismatch():
+    vocab = 6
+    argmax = torch.tensor([[1, 2, 3, 4], [5, 5, 5, 5], [0, 1, 2, 3]])  # [B, k + 1]
+    logits = torch.nn.functional.one_hot(argmax, vocab).float().reshape(-1, vocab) * 4.0
+    drafts = torch.tensor([[1, 2, 0], [4, 5, 5], [0, 1, 2]])
+    best, accepted, logprobs = greedy_chain_verdicts(logits, drafts)
+    assert best.tolist() == argmax.tolist()
+    assert accepted.tolist() == [2, 0, 3]  # a match after the first mismatch does not count
+    want = torch.log_softmax(torch.tensor([4.0] + [0.0] * (vocab - 1)), dim=0)[0].item()
+    assert logprobs.flatten().tolist() == pytest.approx([want] * 12, abs=1e-6)
+
+
+@pytest.mark.parametrize("kernels", ["torch", "triton"])
+def test_device_inputs_equal_the_hosts_padded_inputs_for_the_same_lengths(kernels):
+    """The inputs a replay reads are the same whether the lengths were known on the host
+    (``padded_inputs``) or only on the device (``device_inputs``)."""
+    model = cached_model("llama")
+    runner = ModelRunner(model, num_blocks=64, block_size=4, graph_pool=None)
+    runner.scratch_slot = 63 * 4
+    tables = [[3, 4, 5, 6], [7, 8, 9], [10, 11, 12, 13, 14]]
+    cached, new, shape = [9, 6, 15], 3, (4, 4, 24)
+    slices = [SequenceSlice(t, c, new) for t, c in zip(tables, cached)]
+    positions = [c + r for c in cached for r in range(new)]
+    ids = np.arange(len(positions)) + 1
+    with kernel_backend(kernels, ("attention",)):
+        from tailspec.rollout.model.graph_pool import GraphKey
+
+        host, _, _ = runner.padded_inputs(slices, ids.tolist(), positions, GraphKey(*shape))
+        use_plan = "plan.block_tables" in host
+        device, _ = device_inputs(
+            runner.cache, tables, torch.tensor(cached), torch.from_numpy(ids), new, shape, 63, use_plan
+        )
+    assert use_plan == (kernels == "triton") and sorted(device) == sorted(host)
+    for name, tensor in host.items():
+        assert device[name].shape == tensor.shape and device[name].dtype == tensor.dtype, name
+        if name == "gather_slots" and tensor.numel():  # keys no row sees: masked, whatever slot they name
+            visible = host["mask"][:, 0].any(dim=1)
+            assert torch.equal(device[name][visible], tensor[visible])
+            continue
+        assert torch.equal(device[name], tensor), name
