@@ -333,10 +333,10 @@ class Stateful(Protocol):
 
 @runtime_checkable
 class DraftsOnDevice(Protocol):
-    """A drafter that drafts greedy chains from state on the device: a step launched before the one
-    in flight is read (``rollout/spec/device_chain.py``) hands it each sequence's last two tokens
-    and length as device tensors, never read. Its own state must then already hold each
-    sequence's tokens before the last two (one host-read step with this drafter gives it that)."""
+    """A drafter that drafts chains from state on the device: a step launched before the one in
+    flight is read (``rollout/spec/device_chain.py``) hands it each sequence's last two tokens and
+    length as device tensors, never read. Its own state must then already hold each sequence's
+    tokens before the last two (one host-read step with this drafter gives it that)."""
 
     def ready_on_device(self, seqs: Sequence[SequenceView]) -> bool:
         """Whether its state holds each sequence's tokens up to its second-to-last (host lengths)."""
@@ -348,10 +348,11 @@ class DraftsOnDevice(Protocol):
 
     def draft_on_device(
         self, seqs: Sequence[SequenceView], last_two: torch.Tensor, cached: torch.Tensor, depth: int, bound: int
-    ) -> torch.Tensor:
-        """``[len(seqs), depth]`` greedy drafts on the device: sequence ``i``'s tokens at positions
-        ``cached[i] - 1`` and ``cached[i]`` are ``last_two[i]``; ``bound`` is an upper bound of every
-        ``cached[i] + depth``."""
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``[len(seqs), depth]`` draft tokens on the device, each picked by its request's sampling
+        rule, and (None for an all-greedy batch) their ``[len(seqs), depth, vocab]`` draft
+        distributions. Sequence ``i``'s tokens at positions ``cached[i] - 1`` and ``cached[i]``
+        are ``last_two[i]``; ``bound`` is an upper bound of every ``cached[i] + depth``."""
         ...
 
     def settled_on_device(self, seq: SequenceView, num_valid: int) -> None:

@@ -31,13 +31,14 @@ from functools import partial
 import torch
 
 from ..draft_contract import Drafter, DraftRequest, DraftShape, DraftsOnDevice, DraftTree, SequenceView
-from ..kernels.transfers import select_rows
+from ..kernels.transfers import select_rows, to_device
 from ..rollout.mirror.hosted import weights_bytes
 from ..rollout.model.attention import SequenceSlice, paged_attention_enabled
 from ..rollout.model.graph_pool import GraphPool
 from ..rollout.model.kv_cache import blocks_for
 from ..rollout.model.runner import LM_HEAD_INPUT, ModelRunner
-from .draft_sampling import ChainDrafts, draft_chains_on_device, draft_generator
+from ..rollout.sampling import BatchSamplingTensors
+from .draft_sampling import ChainDrafts, chain_uniforms, draft_chains_on_device, draft_generator, pick_draft_tokens
 from .lm_trainer import versioned_lm
 from .streaming import StreamingHeads
 from .tree_search import LevelInput, grow_trees
@@ -418,20 +419,31 @@ class SmallLMDrafter(Drafter, DraftsOnDevice):
 
     def draft_on_device(
         self, seqs: Seq[SequenceView], last_two: torch.Tensor, cached: torch.Tensor, depth: int, bound: int
-    ) -> torch.Tensor:
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The last two tokens fed at ``cached - 1`` and ``cached`` (the first is in the state
         already unless the whole last draft was accepted: rewriting it costs less than a ragged
-        forward), then one forward a draft token; a token past this LM's embedding table (a
-        target's padding id) is fed as the last row: it can only cost acceptance, never output."""
+        forward), then one forward a draft token, each picked by the request's rule
+        (:func:`pick_draft_tokens`, its uniforms drawn beforehand). A token past this LM's embedding
+        table (a target's padding id) is fed as the last row: it can only cost acceptance."""
         tables = [self._states[seq.seq_id].block_table for seq in seqs]
         top = self.runner.vocab_size - 1
+        st = uniforms = None
+        if not all(seq.params.greedy for seq in seqs):
+            st = BatchSamplingTensors.from_params([seq.params for seq in seqs], self.runner.device)
+            grid = chain_uniforms(seqs, self.generator, [depth] * len(seqs), depth)
+            uniforms = to_device(grid, self.runner.device)
+        drafts, probs = [], []
         with self._inference():
             logits = self.runner.forward_on_device(tables, cached - 1, last_two.reshape(-1).clamp(max=top), 2, bound)
-            drafts = [self._target_vocab(logits[1::2].float()).argmax(dim=-1)]
-            for d in range(1, depth):
-                logits = self.runner.forward_on_device(tables, cached + d, drafts[-1].clamp(max=top), 1, bound)
-                drafts.append(self._target_vocab(logits.float()).argmax(dim=-1))
-        return torch.stack(drafts, dim=1)
+            logits = logits[1::2]
+            for d in range(depth):
+                if d:
+                    logits = self.runner.forward_on_device(tables, cached + d, drafts[-1].clamp(max=top), 1, bound)
+                row_uniforms = None if uniforms is None else uniforms[:, d]
+                token, q = pick_draft_tokens(seqs, self._target_vocab(logits.float()), row_uniforms, (), st)
+                drafts.append(token)
+                probs.append(q)
+        return torch.stack(drafts, dim=1), None if st is None else torch.stack(probs, dim=1)
 
     def settled_on_device(self, seq: SequenceView, num_valid: int) -> None:
         state = self._states.get(seq.seq_id)

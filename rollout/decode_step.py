@@ -53,7 +53,7 @@ class DecodeStep:
     ) -> None:
         self.runner, self.config, self.proposer, self.taps = runner, config, proposer, taps
         self.generator, self.stats, self.finish = generator, stats, finish
-        self.chains = DeviceChains(runner, proposer.drafter, max_model_len, stats, finish)
+        self.chains = DeviceChains(runner, proposer.drafter, max_model_len, stats, finish, generator)
         # a step whose tokens are not read yet (config.overlap): a plain one, or a chain's on the device
         self.in_flight: Sampled | ChainLaunch | None = None
 

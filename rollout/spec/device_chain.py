@@ -1,4 +1,4 @@
-"""Greedy chain steps whose state stays on the device: step N + 1 is launched before step N is read.
+"""Chain steps whose state stays on the device: step N + 1 is launched before step N is read.
 
 A speculative step read on the host before the next one is planned leaves the device idle while
 the host reads accept lengths, appends tokens and builds the next inputs. Here, as in SGLang's
@@ -8,15 +8,18 @@ and the host is one step behind:
 * **On the device**, per running sequence: ``cached`` (the tokens whose K/V the target cache
   holds: its pending token's position) and ``last_two`` (its tokens at ``cached - 1`` and
   ``cached``, the second one pending). A step drafts from them (:class:`DraftsOnDevice`: the
-  drafter LM feeds the two tokens, then its chain), runs the target over ``[pending, drafts]`` at
-  positions ``cached .. cached + k``, verifies greedily (each row's argmax; accept length ``L`` =
-  the drafts matching it, by a cumulative product), and leaves the next step's state:
-  ``cached + L + 1`` and ``[token at cached + L, argmax at row L]``. Nothing is read for it.
+  drafter LM feeds the two tokens, then its chain, each token picked by the request's sampling
+  rule), runs the target over ``[pending, drafts]`` at positions ``cached .. cached + k``, and
+  verifies every row at once: greedy rows accept drafts equal to the argmax, sampled rows by
+  speculative sampling (:func:`sampled_chain_verdicts`, with uniforms drawn on the host and
+  queued), up to the first rejection ``L`` (a cumulative product). It leaves the next step's
+  state, ``cached + L + 1`` and ``[token at cached + L, final token]``. Nothing is read for it.
 * **The host assumes full acceptance.** Launching step N + 1 it knows each sequence's length up
   to step N - 1 (read), so step N + 1's pending token lies at most ``k + 1`` past it: it reserves
   blocks (target and drafter) for that bound plus the ``k + 1`` tokens step N + 1 writes, and
-  pads every shape to it. A sequence that cannot get the room, would pass ``max_model_len``, or
-  samples (T > 0), takes the host-read step instead (``DecodeStep``).
+  pads every shape to it. A batch that cannot get the room, would pass ``max_model_len``, or
+  holds a position-keyed request (whose noise follows a completion index the host learns a step
+  late), takes the host-read step instead (``DecodeStep``).
 * **Rejected slots are never attended to.** Step N writes K/V at ``cached .. cached + k``; a
   sequence that accepted ``L`` drafts keeps ``cached .. cached + L`` (chain node ``j`` is written
   at its own position), and its next pending token is written at ``cached + L + 1``, overwriting
@@ -28,7 +31,8 @@ and the host is one step behind:
 * **Stops are applied when the host reads**, one step late: tokens after a stop token or past
   ``max_new_tokens`` are dropped, never returned; a sequence that finished in step N has a row in
   step N + 1, computed and dropped (its blocks are freed after that row's writes are queued, so
-  whoever gets them next writes after it).
+  whoever gets them next writes after it). An unseeded sampled request's dropped row draws from
+  the engine's generator, as overlapped plain decoding's does (``rollout/sampled.py``).
 """
 
 from __future__ import annotations
@@ -45,13 +49,14 @@ from ...kernels.transfers import QueuedRead, select_rows, to_device
 from ..model.kv_cache import blocks_for
 from ..model.runner import ModelRunner
 from ..request import SeqStatus, Sequence
+from ..sampling import BatchSamplingTensors, draw_uniforms, processed_logprobs, sample_from_probs
 from ..stats import EngineStats
 from ..strategy import Strategy
 
 
 @dataclass(eq=False)  # identity: a step is never "equal" to another
 class ChainLaunch:
-    """A greedy chain step launched and not read: its sequences (rows), the next step's state on
+    """A chain step launched and not read: its sequences (rows), the next step's state on
     the device, and the queued read of what it emitted."""
 
     seqs: list[Sequence]
@@ -70,10 +75,10 @@ class ChainLaunch:
 
 
 def greedy_chain_verdicts(logits: torch.Tensor, drafts: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """On the device: each row's argmax ``[B, k + 1]``, each chain's accept length ``[B]`` (its
-    drafts equal to the argmax before them, up to the first that is not) and the argmax's logprob
-    ``[B, k + 1]``. The emitted tokens are the argmax of rows ``0 .. L``: the accepted drafts are
-    the argmax of the row before them, and row ``L``'s is the correction (or the bonus token)."""
+    """On the device, for greedy chains: the emitted tokens ``[B, k + 1]`` (row ``j``'s argmax: an
+    accepted draft is the argmax of the row before it, and row ``L``'s is the correction or the
+    bonus token), each chain's accept length ``L`` ``[B]`` (its drafts equal to the argmax before
+    them, up to the first that is not) and the tokens' logprobs ``[B, k + 1]``."""
     batch, depth = drafts.shape
     logprobs = torch.log_softmax(logits.float(), dim=-1).view(batch, depth + 1, -1)  # greedy rows' processed
     best = logprobs.argmax(dim=-1)
@@ -81,9 +86,43 @@ def greedy_chain_verdicts(logits: torch.Tensor, drafts: torch.Tensor) -> tuple[t
     return best, accepted, logprobs.gather(2, best.unsqueeze(-1)).squeeze(-1)
 
 
+def sampled_chain_verdicts(
+    logprobs: torch.Tensor, drafts: torch.Tensor, q: torch.Tensor, uniforms: torch.Tensor, greedy: torch.Tensor
+) -> tuple[torch.Tensor, ...]:
+    """:func:`greedy_chain_verdicts` for a batch with sampled rows, on the device: the target's
+    processed ``logprobs`` ``[B * (k + 1), V]``, the drafts and the distributions ``q`` ``[B, k, V]``
+    they were drawn from, ``uniforms`` ``[B, k + 1]`` (float64), ``greedy`` ``[B]`` bool.
+
+    Draft ``j`` (token ``x`` from ``q_j``) is accepted with probability ``min(1, p_j(x) / q_j(x))``
+    (``u_j q_j(x) < p_j(x)``); after the first rejection, at ``L``, the final token is drawn from
+    ``normalize(max(0, p_L - q_L))`` with ``u_k``, or from ``p_k`` when every draft was accepted:
+    speculative sampling's chain case (``rollout/spec/verify.py`` proves it exact; this is the same
+    walk for a chain, every row at once). Greedy rows accept the argmax and emit it, as greedy chains."""
+    batch, depth = drafts.shape
+    logprobs = logprobs.view(batch, depth + 1, -1)
+    p = logprobs.exp()
+    x = drafts.unsqueeze(-1)
+    p_x, q_x = p[:, :depth].gather(2, x).squeeze(-1), q.to(p).gather(2, x).squeeze(-1)
+    sampled_ok = (q_x > 0) & (uniforms[:, :depth] * q_x < p_x)
+    best = logprobs.argmax(dim=-1)
+    ok = torch.where(greedy.unsqueeze(1), drafts == best[:, :depth], sampled_ok)
+    accepted = ok.long().cumprod(dim=1).sum(dim=1)
+    at = accepted.view(batch, 1, 1).expand(-1, 1, p.shape[-1])
+    p_at = p.gather(1, at).squeeze(1)
+    q_at = q.to(p).gather(1, at.clamp(max=depth - 1)).squeeze(1)
+    residual = (p_at - q_at).clamp_min(0.0)
+    rejected = (accepted < depth).unsqueeze(1) & (residual.sum(dim=-1, keepdim=True) > 0)
+    final = sample_from_probs(torch.where(rejected, residual, p_at), uniforms[:, depth])
+    final = torch.where(greedy, best.gather(1, accepted.unsqueeze(1)).squeeze(1), final)
+    columns = torch.arange(depth + 1, device=drafts.device)
+    padded = torch.cat([drafts, drafts[:, :1]], dim=1)
+    emitted = torch.where(columns < accepted.unsqueeze(1), padded, final.unsqueeze(1))
+    return emitted, accepted, logprobs.gather(2, emitted.unsqueeze(-1)).squeeze(-1)
+
+
 class DeviceChains:
     """Launches and reads :class:`ChainLaunch` steps for a fixed ``chain:k`` strategy with a drafter
-    that drafts on the device."""
+    that drafts on the device (:class:`DraftsOnDevice`: the drafter LM)."""
 
     def __init__(
         self,
@@ -92,8 +131,10 @@ class DeviceChains:
         max_model_len: int,
         stats: EngineStats,
         finish: Callable[[Sequence], None],
+        generator: torch.Generator,
     ) -> None:
         self.runner, self.max_model_len, self.stats, self.finish = runner, max_model_len, stats, finish
+        self.generator = generator  # the verification's uniforms for rows without a generator of their own
         self.drafter = drafter if isinstance(drafter, DraftsOnDevice) else None
 
     def serves(self, strategy: Strategy) -> bool:
@@ -104,8 +145,8 @@ class DeviceChains:
         """Launch a step of ``strategy`` over ``seqs`` from the state of ``in_flight`` (a step of the
         same strategy holding every one of them) or, with nothing in flight, from the host's; None
         (nothing launched, no room taken) where this batch cannot run here."""
-        if not self.serves(strategy) or not all(s.params.greedy and not s.params.position_keyed for s in seqs):
-            return None
+        if not self.serves(strategy) or any(s.params.position_keyed for s in seqs):
+            return None  # a keyed row's noise follows its completion index, which the host learns a step late
         depth = strategy.shape.depth
         previous = in_flight if isinstance(in_flight, ChainLaunch) and in_flight.strategy == strategy else None
         rows = previous.rows_of(seqs) if previous is not None else None
@@ -127,12 +168,12 @@ class DeviceChains:
             cached, last_two = previous.cached, previous.last_two
         else:
             cached, last_two = select_rows(previous.cached, rows), select_rows(previous.last_two, rows)
-        drafts = self.drafter.draft_on_device(seqs, last_two, cached, depth, bound)
+        drafts, q = self.drafter.draft_on_device(seqs, last_two, cached, depth, bound)
         drafted_at = time.perf_counter()
-        ids = torch.cat([last_two[:, 1:], drafts.to(last_two.device)], dim=1).reshape(-1)
-        tables = [s.block_table for s in seqs]
-        logits = self.runner.forward_on_device(tables, cached, ids, depth + 1, bound)
-        best, accepted, logprobs = greedy_chain_verdicts(logits, drafts.to(logits.device))
+        drafts = drafts.to(last_two.device)
+        ids = torch.cat([last_two[:, 1:], drafts], dim=1).reshape(-1)
+        logits = self.runner.forward_on_device([s.block_table for s in seqs], cached, ids, depth + 1, bound)
+        best, accepted, logprobs = self._verdicts(seqs, logits, drafts, q)
         last_kept = best.gather(1, (accepted - 1).clamp(min=0).unsqueeze(1)).squeeze(1)
         before_pending = torch.where(accepted > 0, last_kept, last_two[:, 1])
         final = best.gather(1, accepted.unsqueeze(1)).squeeze(1)
@@ -147,6 +188,18 @@ class DeviceChains:
         )
         self.stats.model_time_s += launched.verify_s
         return launched
+
+    def _verdicts(self, seqs: list[Sequence], logits: torch.Tensor, drafts: torch.Tensor, q: torch.Tensor | None):
+        """The emitted tokens, accept lengths and logprobs of one verification, on the device; a
+        batch with sampled rows draws its uniforms (``k + 1`` a row) on the host and queues them."""
+        if q is None:
+            return greedy_chain_verdicts(logits, drafts)
+        width, device = drafts.shape[1] + 1, logits.device
+        st = BatchSamplingTensors.from_params([s.params for s in seqs], device, repeats=[width] * len(seqs))
+        uniforms = draw_uniforms([s.generator for s in seqs], self.generator, [width] * len(seqs))
+        greedy = to_device(np.asarray([s.params.greedy for s in seqs]), device)
+        logprobs = processed_logprobs(logits, st)
+        return sampled_chain_verdicts(logprobs, drafts, q, to_device(uniforms.view(-1, width), device), greedy)
 
     def _reserve(self, seqs: list[Sequence], lengths: list[int], depth: int) -> bool:
         """Blocks for each sequence's fully accepted step (its pending token at ``lengths[i]``, then

@@ -16,9 +16,12 @@ from tailspec.rollout import RolloutConfig, RolloutEngine, SamplingParams
 from tailspec.testing import perturbed_copy, with_synchronizations
 
 READS = ("tolist", "item", "__float__", "__int__", "__bool__")
+STEP_COUNTERS = ("prefill_steps", "decode_steps", "spec_steps")
 
 
-def generate_counting_reads(monkeypatch, engine: RolloutEngine, prompts, params):
+def generate_counting_reads(monkeypatch, engine: RolloutEngine, prompts, params, counters=STEP_COUNTERS):
+    """The reads of tensors one warmed ``generate`` makes, and how much each of ``counters`` (engine
+    statistics) grew in it."""
     engine.generate(prompts, params)  # warm: the reads of a first call (calibration, tables) aside
     counts: collections.Counter = collections.Counter()
     for name in READS:
@@ -29,15 +32,10 @@ def generate_counting_reads(monkeypatch, engine: RolloutEngine, prompts, params)
             return _original(self, *args, **kwargs)
 
         monkeypatch.setattr(torch.Tensor, name, counting)
-    prefills, decodes, specs = (engine.stats.prefill_steps, engine.stats.decode_steps, engine.stats.spec_steps)
+    before = [getattr(engine.stats, name) for name in counters]
     engine.generate(prompts, params)
     monkeypatch.undo()
-    steps = (
-        engine.stats.prefill_steps - prefills,
-        engine.stats.decode_steps - decodes,
-        engine.stats.spec_steps - specs,
-    )
-    return sum(counts.values()), steps
+    return sum(counts.values()), tuple(getattr(engine.stats, name) - b for name, b in zip(counters, before))
 
 
 @pytest.mark.parametrize("graph_backend", ["none", "eager"])
@@ -72,6 +70,25 @@ def test_a_greedy_speculative_step_reads_its_drafts_and_its_verification(
     )
     assert specs > 0
     assert reads <= prefills + (decodes - specs) + specs * reads_per_spec_step
+
+
+@pytest.mark.parametrize("graph_backend", ["none", "eager"])
+def test_an_overlapped_greedy_chain_step_reads_once(monkeypatch, graph_backend):
+    """``overlap=True``: a greedy chain step launched from state on the device drafts, verifies and
+    leaves the next step's state without a read; its one read (what it emitted) comes after the
+    next step's launch. Only the first chain step after a prefill reads its drafts and its verdicts."""
+    model = cached_model("llama")
+    drafter = perturbed_copy(model, noise=0.05, seed=7)
+    config = RolloutConfig(strategy="chain:4", graph_backend=graph_backend, overlap=True)
+    engine = RolloutEngine(model, config, drafter=drafter)
+    params = SamplingParams(max_new_tokens=40, temperature=0.0)
+    counters = (*STEP_COUNTERS, "overlapped_steps")
+    reads, (prefills, decodes, specs, overlapped) = generate_counting_reads(
+        monkeypatch, engine, random_prompts(3, seed=4), params, counters
+    )
+    host_read = specs - overlapped
+    assert specs > 4 and host_read <= 1
+    assert reads == prefills + (decodes - specs) + 2 * host_read + (specs - host_read)
 
 
 def test_a_position_keyed_chain_step_reads_as_a_greedy_one(monkeypatch):

@@ -70,15 +70,16 @@ def joint_counts(
     seed: int = 0,
     verify_kernel: str = "auto",
     n: int = N,
+    overlap: bool = False,
 ) -> torch.Tensor:
-    engine = RolloutEngine(
-        target(),
-        RolloutConfig(strategy=strategy, seed=seed, max_num_seqs=n, block_size=4, kv_cache_tokens=n * 16),
-        drafter=drafter(kind) if kind else None,
+    config = RolloutConfig(
+        strategy=strategy, seed=seed, max_num_seqs=n, block_size=4, kv_cache_tokens=n * 16, overlap=overlap
     )
+    engine = RolloutEngine(target(), config, drafter=drafter(kind) if kind else None)
     with kernel_backend(verify_kernel, kernels=("verify",)):
         outs = engine.generate([PROMPT] * n, params.with_updates(max_new_tokens=4, ignore_eos=True))
     assert engine.stats.drafted_tokens > 0
+    assert engine.stats.overlapped_steps > 0 if overlap else True
     pairs = torch.tensor([o.completion_ids[1] * V + o.completion_ids[2] for o in outs])
     return torch.bincount(pairs, minlength=V * V)
 
@@ -156,6 +157,14 @@ def test_triton_attention_and_verify_kernels_draw_the_same_samples():
         engine = RolloutEngine(target(), config, drafter=drafter("eagle3"))
         outputs.append([(o.completion_ids, o.num_accepted) for o in engine.generate(prompts, params)])
     assert outputs[0] == outputs[1]
+
+
+@pytest.mark.parametrize(("kind", "name"), [("good", "T1-topk-topp"), ("bad", "T0.7-minp")])
+def test_chains_drafted_and_verified_on_the_device_follow_the_target(kind, name):
+    """``overlap=True``: after the first chain step, each one is launched from state on the device
+    and verified there (``rollout/spec/device_chain.py``); tokens 2 and 3 then come from such steps."""
+    counts = joint_counts("chain:2", kind, SETTING[name], overlap=True)
+    assert chi_square_pvalue(counts, exact_joint_of_tokens_2_and_3(SETTING[name])) > 1e-3
 
 
 def test_suffix_drafter_samples_follow_the_target():

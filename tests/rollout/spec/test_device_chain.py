@@ -12,7 +12,7 @@ from tailspec.rollout import RolloutConfig, RolloutEngine, SamplingParams
 from tailspec.rollout.model.attention import SequenceSlice
 from tailspec.rollout.model.device_inputs import device_inputs
 from tailspec.rollout.model.runner import ModelRunner
-from tailspec.rollout.spec.device_chain import DeviceChains, greedy_chain_verdicts
+from tailspec.rollout.spec.device_chain import DeviceChains, greedy_chain_verdicts, sampled_chain_verdicts
 from tailspec.testing import across_architectures, perturbed_copy, stopping_params
 
 DRAFTERS = {"agreeing": 0.05, "disagreeing": 0.3}  # perturbation of the target's weights
@@ -139,17 +139,41 @@ def test_release_abort_and_handoff_read_the_step_in_flight_first():
         assert e.runner.cache.allocator.num_free == e.runner.cache.allocator.num_blocks
 
 
-def test_sampled_requests_take_host_read_steps():
-    """T > 0 verifies by rejection sampling on the host's verdicts: such a batch is not launched on
-    the device, and its samples are the host-read steps' (seeded: the same tokens)."""
+def test_position_keyed_requests_take_host_read_steps():
+    """A position-keyed row's noise follows its completion index, which the host learns a step
+    late: such a batch is not launched on the device, and its tokens are the host-read steps'."""
     model = cached_model("qwen2")
     draft = perturbed_copy(model, noise=0.05, seed=7)
     prompts = random_prompts(3, seed=36, min_len=3, max_len=9)
-    params = [SamplingParams(temperature=0.8, seed=i, max_new_tokens=12) for i in range(3)]
+    params = [SamplingParams(temperature=0.8, seed=i, noise="position", max_new_tokens=12) for i in range(3)]
     want, _ = _generate(model, draft, prompts, params, overlap=False)
     got, engine = _generate(model, draft, prompts, params, overlap=True)
     assert [o.completion_ids for o in got] == [o.completion_ids for o in want]
     assert engine.stats.overlapped_steps == 0
+
+
+def test_sampled_chain_verdicts_emit_the_targets_first_token_and_greedy_rows_their_argmax():
+    """Every row of one batch verifies the same chain case: its first emitted token is the
+    target's ``p_0`` exactly (accepted draft or residual sample), whatever the drafts' ``q``; a
+    greedy row in the batch accepts and emits argmax tokens."""
+    from rollout_helpers import chi_square_pvalue
+
+    gen = torch.Generator().manual_seed(0)
+    vocab, depth, rows = 5, 2, 40000
+    p = torch.softmax(torch.randn(depth + 1, vocab, generator=gen) * 1.5, dim=-1)
+    q = torch.softmax(torch.randn(depth, vocab, generator=gen) * 1.5, dim=-1)
+    drafts = torch.stack([torch.multinomial(q[j], rows, replacement=True, generator=gen) for j in range(depth)], 1)
+    uniforms = torch.rand(rows, depth + 1, generator=gen, dtype=torch.float64)
+    logprobs = p.log().repeat(rows, 1)
+    greedy = torch.zeros(rows, dtype=torch.bool)
+    greedy[-1] = True
+    drafts[-1] = p[:depth].argmax(dim=-1)
+    emitted, accepted, lps = sampled_chain_verdicts(logprobs, drafts, q.expand(rows, -1, -1), uniforms, greedy)
+    counts = torch.bincount(emitted[:-1, 0], minlength=vocab)
+    assert chi_square_pvalue(counts, p[0]) > 1e-3
+    assert 0 < accepted[:-1].float().mean() < depth
+    assert accepted[-1] == depth and emitted[-1].tolist() == p.argmax(dim=-1).tolist()
+    assert torch.allclose(lps, p.log().gather(1, emitted.T).T)
 
 
 def test_greedy_chain_verdicts_accept_up_to_the_first_mismatch():
@@ -192,3 +216,30 @@ def test_device_inputs_equal_the_hosts_padded_inputs_for_the_same_lengths(kernel
             assert torch.equal(device[name][visible], tensor[visible])
             continue
         assert torch.equal(device[name], tensor), name
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_on_cuda_a_chain_step_launched_on_the_device_does_not_wait_for_it(temperature):
+    """torch's sync debug mode flags every call that waits for the device: a warmed overlapped chain
+    step (captured graphs) waits for none (its read of the step before is an event's wait); only
+    prefills and the first, host-read chain step after them do. Greedy, its tokens are plain decoding's."""
+    from tailspec.testing import tiny_random_model, with_synchronizations
+
+    model = tiny_random_model("llama", seed=1).cuda()
+    drafter = perturbed_copy(model, noise=0.05, seed=7)
+    engine = RolloutEngine(model, RolloutConfig(strategy="chain:4", overlap=True), drafter=drafter)
+    prompts, params = random_prompts(3, seed=4), SamplingParams(max_new_tokens=40, temperature=temperature, seed=3)
+    engine.generate(prompts, params)  # captures every graph the measured call replays
+    before = (engine.stats.prefill_steps, engine.stats.spec_steps, engine.stats.overlapped_steps)
+    outs, waits = with_synchronizations(lambda: engine.generate(prompts, params))
+    prefills, specs, overlapped = (
+        engine.stats.prefill_steps - before[0],
+        engine.stats.spec_steps - before[1],
+        engine.stats.overlapped_steps - before[2],
+    )
+    assert overlapped > specs // 2 and waits <= prefills + 2 * (specs - overlapped), waits
+    if temperature == 0.0:
+        plain = RolloutEngine(model, RolloutConfig()).generate(prompts, params)
+        assert [o.completion_ids for o in outs] == [o.completion_ids for o in plain]
