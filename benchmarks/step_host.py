@@ -25,7 +25,8 @@ from ..testing import perturbed_copy, tiny_random_model
 from .policies import torch_threads
 
 STEP_HOST_TITLE = "Host time of one decode step"
-ARMS = ("none", "chain:4", "tree:4,2,8")
+ARMS = ("none", "chain:4", "chain:4 overlap", "tree:4,2,8")
+OVERLAP = " overlap"  # an arm's suffix: RolloutConfig(overlap=True), a chain's steps launched on the device
 BATCHES = (1, 16, 64, 256)
 PROMPT_TOKENS = 8
 
@@ -73,10 +74,12 @@ def models() -> tuple[torch.nn.Module, torch.nn.Module]:
 def measure_run(arm: str, batch: int, new_tokens: int, target, drafter) -> tuple[float, float, float]:
     """(mean host ms, mean forward ms, tokens emitted) per decode step of one rollout of ``batch``
     prompts under ``arm``; prefill steps are left out."""
+    strategy = arm.removesuffix(OVERLAP)
+    kv_tokens = batch * (PROMPT_TOKENS + new_tokens + 32)
     config = RolloutConfig(
-        strategy=arm, max_num_seqs=batch, kv_cache_tokens=batch * (PROMPT_TOKENS + new_tokens + 32), seed=0
+        strategy=strategy, max_num_seqs=batch, kv_cache_tokens=kv_tokens, seed=0, overlap=arm.endswith(OVERLAP)
     )
-    engine = RolloutEngine(target, config, eos_token_ids=[1], drafter=drafter if arm != "none" else None)
+    engine = RolloutEngine(target, config, eos_token_ids=[1], drafter=drafter if strategy != "none" else None)
     gen = torch.Generator().manual_seed(batch)
     params = SamplingParams(temperature=0.0, max_new_tokens=new_tokens, ignore_eos=True)
     for _ in range(batch):

@@ -34,6 +34,7 @@ from ..draft_contract import Drafter, DraftRequest, DraftShape, DraftsOnDevice, 
 from ..kernels.transfers import select_rows, to_device
 from ..rollout.mirror.hosted import weights_bytes
 from ..rollout.model.attention import SequenceSlice, paged_attention_enabled
+from ..rollout.model.device_inputs import BlockTables
 from ..rollout.model.graph_pool import GraphPool
 from ..rollout.model.kv_cache import blocks_for
 from ..rollout.model.runner import LM_HEAD_INPUT, ModelRunner
@@ -425,7 +426,7 @@ class SmallLMDrafter(Drafter, DraftsOnDevice):
         forward), then one forward a draft token, each picked by the request's rule
         (:func:`pick_draft_tokens`, its uniforms drawn beforehand). A token past this LM's embedding
         table (a target's padding id) is fed as the last row: it can only cost acceptance."""
-        tables = [self._states[seq.seq_id].block_table for seq in seqs]
+        tables = BlockTables([self._states[seq.seq_id].block_table for seq in seqs])
         top = self.runner.vocab_size - 1
         st = uniforms = None
         if not all(seq.params.greedy for seq in seqs):

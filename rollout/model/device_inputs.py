@@ -17,6 +17,7 @@ replays the host's, and the eager path runs the same tensors unpadded.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from itertools import chain
 
 import numpy as np
 import torch
@@ -27,9 +28,39 @@ from .attention import AttentionMetadata
 from .kv_cache import PagedKVCache
 
 
+class BlockTables:
+    """One step's block tables (the host's lists, final for the step), padded to a shape on the
+    device once per shape: a drafter's forwards in a step share theirs."""
+
+    def __init__(self, tables: Sequence[list[int]]) -> None:
+        self.tables = tables
+        self._padded: dict[tuple, torch.Tensor] = {}
+
+    def __len__(self) -> int:
+        return len(self.tables)
+
+    def longest(self) -> int:
+        return max(len(t) for t in self.tables)
+
+    def padded(self, batch: int, width: int, fill: int, device: torch.device) -> torch.Tensor:
+        """``[batch, width]`` int64 on ``device``: each table's first ``width`` blocks, then ``fill``."""
+        key = (batch, width, fill, device)
+        if key not in self._padded:
+            lengths = np.fromiter((len(t) for t in self.tables), np.int64, len(self.tables))
+            table = np.full((batch, width), fill, dtype=np.int64)
+            if (lengths <= width).all():
+                flat = np.fromiter(chain.from_iterable(self.tables), np.int64, int(lengths.sum()))
+                table[: len(self.tables)][np.arange(width) < lengths[:, None]] = flat
+            else:
+                for i, t in enumerate(self.tables):
+                    table[i, : min(len(t), width)] = t[:width]
+            self._padded[key] = to_device(table, device)
+        return self._padded[key]
+
+
 def device_inputs(
     cache: PagedKVCache,
-    tables: Sequence[Sequence[int]],
+    tables: BlockTables,
     cached: torch.Tensor,
     ids: torch.Tensor,
     new: int,
@@ -46,13 +77,10 @@ def device_inputs(
     batch, tokens, context = shape
     n, bs, device = len(tables), cache.block_size, cached.device
     width = -(-context // bs)
-    table = np.full((batch, width), scratch_block, dtype=np.int64)
-    for i, t in enumerate(tables):
-        head = t[:width]
-        table[i, : len(head)] = head
+    table_t = tables.padded(batch, width, scratch_block, device)
     valid = np.zeros((batch, tokens), dtype=bool)
     valid[:n, :new] = True
-    table_t, valid_t = to_device(table, device), to_device(valid, device)
+    valid_t = to_device(valid, device)
     lengths = torch.cat([cached, cached.new_zeros(batch - n)]) if batch > n else cached
     index = lengths.unsqueeze(1) + torch.arange(tokens, device=device)  # [batch, tokens]: each row's cache index
     positions = torch.where(valid_t, index, torch.zeros_like(index))

@@ -29,7 +29,7 @@ from .attention import (
 )
 from .cast_copy import rollout_model, weights_fingerprint
 from .compiled import CompiledLayers
-from .device_inputs import device_inputs
+from .device_inputs import BlockTables, device_inputs
 from .eval_mode import eval_mode
 from .graph_pool import GraphKey, GraphPool, input_signature
 from .kv_cache import KVLayout, PagedKVCache
@@ -261,7 +261,7 @@ class ModelRunner:
         return out.logits[0], features_of(captured, taps)
 
     def forward_on_device(
-        self, tables: Sequence[list[int]], cached: torch.Tensor, ids: torch.Tensor, new: int, bound: int
+        self, tables: BlockTables, cached: torch.Tensor, ids: torch.Tensor, new: int, bound: int
     ) -> torch.Tensor:
         """``[len(tables) * new, vocab]`` logits of a forward whose lengths are on the device
         (``device_inputs.py``): sequence ``i`` (block table ``tables[i]``, ``cached[i]`` tokens
@@ -270,7 +270,7 @@ class ModelRunner:
         n, bs = len(tables), self.cache.block_size
         key = self.graph_key(n, new, bound)
         if key is None:
-            shape = (n, new, max(len(t) for t in tables) * bs)
+            shape = (n, new, tables.longest() * bs)
             backend = attention_backend(self.cache, None, new)
             inputs, meta = device_inputs(self.cache, tables, cached, ids, new, shape, 0, backend == "triton")
             x = {METADATA_KWARG: meta}

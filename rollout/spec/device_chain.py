@@ -46,6 +46,7 @@ import torch
 
 from ...draft_contract import Drafter, DraftsOnDevice
 from ...kernels.transfers import QueuedRead, select_rows, to_device
+from ..model.device_inputs import BlockTables
 from ..model.kv_cache import blocks_for
 from ..model.runner import ModelRunner
 from ..request import SeqStatus, Sequence
@@ -172,7 +173,9 @@ class DeviceChains:
         drafted_at = time.perf_counter()
         drafts = drafts.to(last_two.device)
         ids = torch.cat([last_two[:, 1:], drafts], dim=1).reshape(-1)
-        logits = self.runner.forward_on_device([s.block_table for s in seqs], cached, ids, depth + 1, bound)
+        logits = self.runner.forward_on_device(
+            BlockTables([s.block_table for s in seqs]), cached, ids, depth + 1, bound
+        )
         best, accepted, logprobs = self._verdicts(seqs, logits, drafts, q)
         last_kept = best.gather(1, (accepted - 1).clamp(min=0).unsqueeze(1)).squeeze(1)
         before_pending = torch.where(accepted > 0, last_kept, last_two[:, 1])

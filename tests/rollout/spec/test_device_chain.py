@@ -10,7 +10,7 @@ from rollout_helpers import EOS, cached_model, random_prompts
 from tailspec.kernels.dispatch import kernel_backend
 from tailspec.rollout import RolloutConfig, RolloutEngine, SamplingParams
 from tailspec.rollout.model.attention import SequenceSlice
-from tailspec.rollout.model.device_inputs import device_inputs
+from tailspec.rollout.model.device_inputs import BlockTables, device_inputs
 from tailspec.rollout.model.runner import ModelRunner
 from tailspec.rollout.spec.device_chain import DeviceChains, greedy_chain_verdicts, sampled_chain_verdicts
 from tailspec.testing import across_architectures, perturbed_copy, stopping_params
@@ -206,7 +206,7 @@ def test_device_inputs_equal_the_hosts_padded_inputs_for_the_same_lengths(kernel
         host, _, _ = runner.padded_inputs(slices, ids.tolist(), positions, GraphKey(*shape))
         use_plan = "plan.block_tables" in host
         device, _ = device_inputs(
-            runner.cache, tables, torch.tensor(cached), torch.from_numpy(ids), new, shape, 63, use_plan
+            runner.cache, BlockTables(tables), torch.tensor(cached), torch.from_numpy(ids), new, shape, 63, use_plan
         )
     assert use_plan == (kernels == "triton") and sorted(device) == sorted(host)
     for name, tensor in host.items():
