@@ -10,7 +10,7 @@ import torch
 
 from ..draft_contract import DraftRequest, DraftTree
 from ..kernels.transfers import read_back, to_device
-from ..rollout.position_noise import keyed_scores
+from ..rollout.position_noise import keyed_scores, keyed_scores_at
 from ..rollout.request import Sequence as EngineSequence
 from ..rollout.sampling import BatchSamplingTensors, draw_uniforms, processed_logprobs, sample_from_logprobs
 
@@ -29,12 +29,14 @@ def pick_draft_tokens(
     uniforms: torch.Tensor | None,
     depths: Sequence[int] = (),
     st: BatchSamplingTensors | None = None,
+    indices: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Next draft token per row, as a tensor on the logits' device (nothing is read back): the
     argmax for greedy requests, a sample from the processed distribution otherwise (``uniforms``:
     one per row, on the device; None for an all-greedy batch), and, when any row samples, every
     row's processed draft distribution. ``st``: the rows' sampling tensors, when the caller built
-    them once for several forwards.
+    them once for several forwards; ``indices``: the rows' completion indices on the device, where
+    the host does not know them (``depths`` then unused).
 
     A position-keyed request's row (``rollout/position_noise.py``) takes the argmax of its draft
     logprobs perturbed by the noise the target will use at that completion index (its
@@ -48,8 +50,12 @@ def pick_draft_tokens(
     st = st if st is not None else BatchSamplingTensors.from_params([s.params for s in seqs], logits.device)
     logprobs = processed_logprobs(logits, st)
     chosen = torch.where(st.temperature > 0, sample_from_logprobs(logprobs, uniforms), logprobs.argmax(dim=-1))
-    depths = list(depths) or [0] * len(seqs)
-    keyed = keyed_scores(logprobs, [s.params for s in seqs], [len(s.output_ids) + d for s, d in zip(seqs, depths)])
+    params = [s.params for s in seqs]
+    if indices is not None:
+        keyed = keyed_scores_at(logprobs, params, indices)
+    else:
+        depths = list(depths) or [0] * len(seqs)
+        keyed = keyed_scores(logprobs, params, [len(s.output_ids) + d for s, d in zip(seqs, depths)])
     if keyed is not None:
         chosen = torch.where(keyed[1], keyed[0].argmax(dim=-1), chosen)
     return chosen, logprobs.exp()

@@ -34,7 +34,7 @@ from ..draft_contract import Drafter, DraftRequest, DraftShape, DraftsOnDevice, 
 from ..kernels.transfers import select_rows, to_device
 from ..rollout.mirror.hosted import weights_bytes
 from ..rollout.model.attention import SequenceSlice, paged_attention_enabled
-from ..rollout.model.device_inputs import BlockTables
+from ..rollout.model.device_inputs import BlockTables, completion_offsets
 from ..rollout.model.graph_pool import GraphPool
 from ..rollout.model.kv_cache import blocks_for
 from ..rollout.model.runner import LM_HEAD_INPUT, ModelRunner
@@ -433,6 +433,9 @@ class SmallLMDrafter(Drafter, DraftsOnDevice):
             st = BatchSamplingTensors.from_params([seq.params for seq in seqs], self.runner.device)
             grid = chain_uniforms(seqs, self.generator, [depth] * len(seqs), depth)
             uniforms = to_device(grid, self.runner.device)
+        indices = None  # position-keyed rows: each draft's completion index, from the lengths on the device
+        if any(seq.params.position_keyed for seq in seqs):
+            indices = cached + to_device(completion_offsets(seqs), cached.device)
         drafts, probs = [], []
         with self._inference():
             logits = self.runner.forward_on_device(tables, cached - 1, last_two.reshape(-1).clamp(max=top), 2, bound)
@@ -441,7 +444,8 @@ class SmallLMDrafter(Drafter, DraftsOnDevice):
                 if d:
                     logits = self.runner.forward_on_device(tables, cached + d, drafts[-1].clamp(max=top), 1, bound)
                 row_uniforms = None if uniforms is None else uniforms[:, d]
-                token, q = pick_draft_tokens(seqs, self._target_vocab(logits.float()), row_uniforms, (), st)
+                at = None if indices is None else indices + d
+                token, q = pick_draft_tokens(seqs, self._target_vocab(logits.float()), row_uniforms, (), st, at)
                 drafts.append(token)
                 probs.append(q)
         return torch.stack(drafts, dim=1), None if st is None else torch.stack(probs, dim=1)

@@ -50,12 +50,16 @@ def _key_words(seed: int) -> tuple[int, int]:
     return s & _MASK32, s >> 32
 
 
+def _seed_keys(seeds: Sequence[int]) -> np.ndarray:
+    """Each row's seed hashed to 32 bits (the part of its key that no index changes)."""
+    words = np.asarray([_key_words(s) for s in seeds], dtype=np.int64).reshape(-1, 2)
+    return _mix32(_mix32(words[:, 0] ^ 0x68E31DA4) ^ words[:, 1])
+
+
 def _row_keys(seeds: Sequence[int], indices: Sequence[int]) -> np.ndarray:
     """Each row's 32-bit key from ``(seed, index)``, hashed on the host: a few operations on ``R``
     numbers, which on a GPU would be as many kernel launches."""
-    words = np.asarray([_key_words(s) for s in seeds], dtype=np.int64).reshape(-1, 2)
-    index = np.asarray(indices, dtype=np.int64) & _MASK32
-    return _mix32(_mix32(_mix32(words[:, 0] ^ 0x68E31DA4) ^ words[:, 1]) ^ index)
+    return _mix32(_seed_keys(seeds) ^ (np.asarray(indices, dtype=np.int64) & _MASK32))
 
 
 @functools.lru_cache(maxsize=16)
@@ -103,6 +107,23 @@ def keyed_scores(
     packed = to_device(np.stack([_row_keys(seeds, indices), np.asarray(keyed, dtype=np.int64)]), logprobs.device)
     mask = packed[1].bool()
     scores = torch.where(mask.unsqueeze(-1), logprobs + _gumbel_of(packed[0], logprobs.shape[-1]), logprobs)
+    return scores, mask
+
+
+def keyed_scores_at(
+    logprobs: torch.Tensor, params: Sequence[SamplingParams], indices: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """:func:`keyed_scores` with the rows' completion ``indices`` a tensor on the device (a step
+    launched before the host knows its sequences' lengths): the seeds' part of each key is hashed
+    on the host, the index's on the device, the same hash."""
+    keyed = [p.position_keyed for p in params]
+    if not any(keyed):
+        return None
+    seeds = [p.seed if k else 0 for p, k in zip(params, keyed)]
+    packed = to_device(np.stack([_seed_keys(seeds), np.asarray(keyed, dtype=np.int64)]), logprobs.device)
+    mask = packed[1].bool()
+    rows = _mix32(packed[0] ^ (indices.to(torch.int64) & _MASK32))
+    scores = torch.where(mask.unsqueeze(-1), logprobs + _gumbel_of(rows, logprobs.shape[-1]), logprobs)
     return scores, mask
 
 

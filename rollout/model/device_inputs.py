@@ -58,6 +58,12 @@ class BlockTables:
         return self._padded[key]
 
 
+def completion_offsets(seqs: Sequence) -> np.ndarray:
+    """``[len(seqs)]`` int64: what turns a sequence's cached length on the device (its pending
+    token's position) into the completion index of the token that follows it (``1 - prompt length``)."""
+    return 1 - np.fromiter((len(seq.prompt_ids) for seq in seqs), np.int64, len(seqs))
+
+
 def device_inputs(
     cache: PagedKVCache,
     tables: BlockTables,

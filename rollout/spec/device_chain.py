@@ -17,9 +17,9 @@ and the host is one step behind:
 * **The host assumes full acceptance.** Launching step N + 1 it knows each sequence's length up
   to step N - 1 (read), so step N + 1's pending token lies at most ``k + 1`` past it: it reserves
   blocks (target and drafter) for that bound plus the ``k + 1`` tokens step N + 1 writes, and
-  pads every shape to it. A batch that cannot get the room, would pass ``max_model_len``, or
-  holds a position-keyed request (whose noise follows a completion index the host learns a step
-  late), takes the host-read step instead (``DecodeStep``).
+  pads every shape to it. A batch that cannot get the room or would pass ``max_model_len`` takes
+  the host-read step instead (``DecodeStep``). Position-keyed rows, whose noise follows each
+  token's completion index, take that index from the device lengths.
 * **Rejected slots are never attended to.** Step N writes K/V at ``cached .. cached + k``; a
   sequence that accepted ``L`` drafts keeps ``cached .. cached + L`` (chain node ``j`` is written
   at its own position), and its next pending token is written at ``cached + L + 1``, overwriting
@@ -46,9 +46,10 @@ import torch
 
 from ...draft_contract import Drafter, DraftsOnDevice
 from ...kernels.transfers import QueuedRead, select_rows, to_device
-from ..model.device_inputs import BlockTables
+from ..model.device_inputs import BlockTables, completion_offsets
 from ..model.kv_cache import blocks_for
 from ..model.runner import ModelRunner
+from ..position_noise import keyed_scores_at
 from ..request import SeqStatus, Sequence
 from ..sampling import BatchSamplingTensors, draw_uniforms, processed_logprobs, sample_from_probs
 from ..stats import EngineStats
@@ -75,24 +76,33 @@ class ChainLaunch:
         return None if None in rows else rows
 
 
-def greedy_chain_verdicts(logits: torch.Tensor, drafts: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """On the device, for greedy chains: the emitted tokens ``[B, k + 1]`` (row ``j``'s argmax: an
-    accepted draft is the argmax of the row before it, and row ``L``'s is the correction or the
-    bonus token), each chain's accept length ``L`` ``[B]`` (its drafts equal to the argmax before
-    them, up to the first that is not) and the tokens' logprobs ``[B, k + 1]``."""
+def greedy_chain_verdicts(
+    logprobs: torch.Tensor, drafts: torch.Tensor, scores: torch.Tensor | None = None
+) -> tuple[torch.Tensor, ...]:
+    """On the device, for chains whose rows all take an argmax: the emitted tokens ``[B, k + 1]``
+    (row ``j``'s argmax: an accepted draft is the argmax of the row before it, and row ``L``'s is
+    the correction or the bonus token), each chain's accept length ``L`` ``[B]`` (its drafts equal
+    to the argmax before them, up to the first that is not) and the tokens' logprobs ``[B, k + 1]``.
+    ``logprobs``: the processed ``[B * (k + 1), V]``; ``scores``: what the argmax is of, where not
+    the logprobs (position-keyed rows' perturbed scores, which verify as greedy ones)."""
     batch, depth = drafts.shape
-    logprobs = torch.log_softmax(logits.float(), dim=-1).view(batch, depth + 1, -1)  # greedy rows' processed
-    best = logprobs.argmax(dim=-1)
+    logprobs = logprobs.view(batch, depth + 1, -1)
+    best = (logprobs if scores is None else scores.view(batch, depth + 1, -1)).argmax(dim=-1)
     accepted = (drafts == best[:, :depth]).long().cumprod(dim=1).sum(dim=1)
     return best, accepted, logprobs.gather(2, best.unsqueeze(-1)).squeeze(-1)
 
 
 def sampled_chain_verdicts(
-    logprobs: torch.Tensor, drafts: torch.Tensor, q: torch.Tensor, uniforms: torch.Tensor, greedy: torch.Tensor
+    logprobs: torch.Tensor,
+    drafts: torch.Tensor,
+    q: torch.Tensor,
+    uniforms: torch.Tensor,
+    greedy: torch.Tensor,
+    scores: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, ...]:
-    """:func:`greedy_chain_verdicts` for a batch with sampled rows, on the device: the target's
-    processed ``logprobs`` ``[B * (k + 1), V]``, the drafts and the distributions ``q`` ``[B, k, V]``
-    they were drawn from, ``uniforms`` ``[B, k + 1]`` (float64), ``greedy`` ``[B]`` bool.
+    """:func:`greedy_chain_verdicts` for a batch with sampled rows, on the device: the drafts and the
+    distributions ``q`` ``[B, k, V]`` they were drawn from, ``uniforms`` ``[B, k + 1]`` (float64),
+    ``greedy`` ``[B]`` bool (rows that take the argmax of their ``scores``).
 
     Draft ``j`` (token ``x`` from ``q_j``) is accepted with probability ``min(1, p_j(x) / q_j(x))``
     (``u_j q_j(x) < p_j(x)``); after the first rejection, at ``L``, the final token is drawn from
@@ -105,7 +115,7 @@ def sampled_chain_verdicts(
     x = drafts.unsqueeze(-1)
     p_x, q_x = p[:, :depth].gather(2, x).squeeze(-1), q.to(p).gather(2, x).squeeze(-1)
     sampled_ok = (q_x > 0) & (uniforms[:, :depth] * q_x < p_x)
-    best = logprobs.argmax(dim=-1)
+    best = (logprobs if scores is None else scores.view(batch, depth + 1, -1)).argmax(dim=-1)
     ok = torch.where(greedy.unsqueeze(1), drafts == best[:, :depth], sampled_ok)
     accepted = ok.long().cumprod(dim=1).sum(dim=1)
     at = accepted.view(batch, 1, 1).expand(-1, 1, p.shape[-1])
@@ -146,8 +156,8 @@ class DeviceChains:
         """Launch a step of ``strategy`` over ``seqs`` from the state of ``in_flight`` (a step of the
         same strategy holding every one of them) or, with nothing in flight, from the host's; None
         (nothing launched, no room taken) where this batch cannot run here."""
-        if not self.serves(strategy) or any(s.params.position_keyed for s in seqs):
-            return None  # a keyed row's noise follows its completion index, which the host learns a step late
+        if not self.serves(strategy):
+            return None
         depth = strategy.shape.depth
         previous = in_flight if isinstance(in_flight, ChainLaunch) and in_flight.strategy == strategy else None
         rows = previous.rows_of(seqs) if previous is not None else None
@@ -176,7 +186,7 @@ class DeviceChains:
         logits = self.runner.forward_on_device(
             BlockTables([s.block_table for s in seqs]), cached, ids, depth + 1, bound
         )
-        best, accepted, logprobs = self._verdicts(seqs, logits, drafts, q)
+        best, accepted, logprobs = self._verdicts(seqs, logits, drafts, q, cached)
         last_kept = best.gather(1, (accepted - 1).clamp(min=0).unsqueeze(1)).squeeze(1)
         before_pending = torch.where(accepted > 0, last_kept, last_two[:, 1])
         final = best.gather(1, accepted.unsqueeze(1)).squeeze(1)
@@ -192,17 +202,26 @@ class DeviceChains:
         self.stats.model_time_s += launched.verify_s
         return launched
 
-    def _verdicts(self, seqs: list[Sequence], logits: torch.Tensor, drafts: torch.Tensor, q: torch.Tensor | None):
-        """The emitted tokens, accept lengths and logprobs of one verification, on the device; a
-        batch with sampled rows draws its uniforms (``k + 1`` a row) on the host and queues them."""
-        if q is None:
-            return greedy_chain_verdicts(logits, drafts)
+    def _verdicts(
+        self, seqs: list[Sequence], logits: torch.Tensor, drafts: torch.Tensor, q: torch.Tensor | None, cached
+    ) -> tuple[torch.Tensor, ...]:
+        """The emitted tokens, accept lengths and logprobs of one verification, on the device.
+        Position-keyed rows are keyed on completion indices computed from ``cached``; a batch with
+        sampled rows draws its uniforms (``k + 1`` a row) on the host and queues them."""
         width, device = drafts.shape[1] + 1, logits.device
-        st = BatchSamplingTensors.from_params([s.params for s in seqs], device, repeats=[width] * len(seqs))
-        uniforms = draw_uniforms([s.generator for s in seqs], self.generator, [width] * len(seqs))
-        greedy = to_device(np.asarray([s.params.greedy for s in seqs]), device)
-        logprobs = processed_logprobs(logits, st)
-        return sampled_chain_verdicts(logprobs, drafts, q, to_device(uniforms.view(-1, width), device), greedy)
+        params = [s.params for s in seqs]
+        logprobs = processed_logprobs(logits, BatchSamplingTensors.from_params(params, device, [width] * len(seqs)))
+        scores = None
+        if any(p.position_keyed for p in params):
+            first = cached + to_device(completion_offsets(seqs), device)
+            indices = (first.unsqueeze(1) + torch.arange(width, device=device)).reshape(-1)
+            scores, _ = keyed_scores_at(logprobs, [p for p in params for _ in range(width)], indices)
+        greedy = [p.greedy or p.position_keyed for p in params]
+        if q is None or all(greedy):
+            return greedy_chain_verdicts(logprobs, drafts, scores)
+        uniforms = draw_uniforms([s.generator for s in seqs], self.generator, [width] * len(seqs)).view(-1, width)
+        greedy_t = to_device(np.asarray(greedy), device)
+        return sampled_chain_verdicts(logprobs, drafts, q, to_device(uniforms, device), greedy_t, scores)
 
     def _reserve(self, seqs: list[Sequence], lengths: list[int], depth: int) -> bool:
         """Blocks for each sequence's fully accepted step (its pending token at ``lengths[i]``, then

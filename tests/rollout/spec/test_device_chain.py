@@ -139,17 +139,21 @@ def test_release_abort_and_handoff_read_the_step_in_flight_first():
         assert e.runner.cache.allocator.num_free == e.runner.cache.allocator.num_blocks
 
 
-def test_position_keyed_requests_take_host_read_steps():
-    """A position-keyed row's noise follows its completion index, which the host learns a step
-    late: such a batch is not launched on the device, and its tokens are the host-read steps'."""
+def test_position_keyed_samples_are_plain_decodings_on_the_device():
+    """A position-keyed row's token is the argmax of its scores perturbed by noise keyed on its
+    completion index, which a step on the device computes from the lengths there: every token is
+    the one plain decoding draws, whatever was drafted."""
     model = cached_model("qwen2")
     draft = perturbed_copy(model, noise=0.05, seed=7)
-    prompts = random_prompts(3, seed=36, min_len=3, max_len=9)
-    params = [SamplingParams(temperature=0.8, seed=i, noise="position", max_new_tokens=12) for i in range(3)]
-    want, _ = _generate(model, draft, prompts, params, overlap=False)
+    prompts = random_prompts(4, seed=36, min_len=3, max_len=9)
+    params = [SamplingParams(temperature=0.8, seed=i, noise="position", max_new_tokens=24) for i in range(4)]
+    plain = RolloutEngine(model, RolloutConfig(block_size=4, kv_cache_tokens=4096), eos_token_ids=[EOS])
+    want = plain.generate(prompts, params)
     got, engine = _generate(model, draft, prompts, params, overlap=True)
     assert [o.completion_ids for o in got] == [o.completion_ids for o in want]
-    assert engine.stats.overlapped_steps == 0
+    for g, w in zip(got, want):
+        assert g.logprobs == pytest.approx(w.logprobs, abs=1e-5)
+    assert engine.stats.overlapped_steps > engine.stats.spec_steps // 2 and engine.stats.accepted_tokens > 0
 
 
 def test_sampled_chain_verdicts_emit_the_targets_first_token_and_greedy_rows_their_argmax():
@@ -181,7 +185,7 @@ def test_greedy_chain_verdicts_accept_up_to_the_first_mismatch():
     argmax = torch.tensor([[1, 2, 3, 4], [5, 5, 5, 5], [0, 1, 2, 3]])  # [B, k + 1]
     logits = torch.nn.functional.one_hot(argmax, vocab).float().reshape(-1, vocab) * 4.0
     drafts = torch.tensor([[1, 2, 0], [4, 5, 5], [0, 1, 2]])
-    best, accepted, logprobs = greedy_chain_verdicts(logits, drafts)
+    best, accepted, logprobs = greedy_chain_verdicts(torch.log_softmax(logits, dim=-1), drafts)
     assert best.tolist() == argmax.tolist()
     assert accepted.tolist() == [2, 0, 3]  # a match after the first mismatch does not count
     want = torch.log_softmax(torch.tensor([4.0] + [0.0] * (vocab - 1)), dim=0)[0].item()
