@@ -331,15 +331,39 @@ class Stateful(Protocol):
     def load_state_dict(self, state: dict) -> None: ...
 
 
+@dataclass
+class StepOnDevice:
+    """A chain step as its verification left it on the device (``rollout/spec/device_chain.py``):
+    the pending tokens' positions it ran at, its emitted tokens (row ``j``'s token; ``accepted``
+    drafts then the final token are real, the rest padding), its accept lengths, and the target's
+    features at its rows (for a drafter that reads them; None otherwise)."""
+
+    cached: torch.Tensor  # [B]
+    emitted: torch.Tensor  # [B, k + 1]
+    accepted: torch.Tensor  # [B]
+    features: torch.Tensor | None = None  # [B, k + 1, feature_size]
+
+
+@dataclass
+class DeviceDraftInputs:
+    """What a step launched on the device drafts from, every tensor on the device, never read:
+    each sequence's pending token's position (``cached``), its tokens at ``cached - 1`` and
+    ``cached`` (``last_two``), and the step before it (None when the step is launched from the
+    host's state, which is exact then)."""
+
+    cached: torch.Tensor  # [B]
+    last_two: torch.Tensor  # [B, 2]
+    previous: StepOnDevice | None = None
+
+
 @runtime_checkable
 class DraftsOnDevice(Protocol):
     """A drafter that drafts chains from state on the device: a step launched before the one in
-    flight is read (``rollout/spec/device_chain.py``) hands it each sequence's last two tokens and
-    length as device tensors, never read. Its own state must then already hold each sequence's
-    tokens before the last two (one host-read step with this drafter gives it that)."""
+    flight is read (``rollout/spec/device_chain.py``) hands it :class:`DeviceDraftInputs`, never
+    read, and tells it what the host read of each step once the step is read."""
 
     def ready_on_device(self, seqs: Sequence[SequenceView]) -> bool:
-        """Whether its state holds each sequence's tokens up to its second-to-last (host lengths)."""
+        """Whether it can draft for every one of ``seqs`` from the host's state (nothing in flight)."""
         ...
 
     def reserve_on_device(self, seqs: Sequence[SequenceView], lengths: Sequence[int]) -> bool:
@@ -347,16 +371,16 @@ class DraftsOnDevice(Protocol):
         ...
 
     def draft_on_device(
-        self, seqs: Sequence[SequenceView], last_two: torch.Tensor, cached: torch.Tensor, depth: int, bound: int
+        self, seqs: Sequence[SequenceView], inputs: DeviceDraftInputs, depth: int, bound: int
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``[len(seqs), depth]`` draft tokens on the device, each picked by its request's sampling
         rule, and (None for an all-greedy batch) their ``[len(seqs), depth, vocab]`` draft
-        distributions. Sequence ``i``'s tokens at positions ``cached[i] - 1`` and ``cached[i]``
-        are ``last_two[i]``; ``bound`` is an upper bound of every ``cached[i] + depth``."""
+        distributions; ``bound`` is an upper bound of every ``cached[i] + depth + 1``."""
         ...
 
-    def settled_on_device(self, seq: SequenceView, num_valid: int) -> None:
-        """The host read a device step: its state holds at least the sequence's first ``num_valid`` tokens."""
+    def settled_on_device(self, seq: SequenceView, cached: int, accepted: int, consumed: bool) -> None:
+        """The host read a step of ``seq``: it ran with the pending token at ``cached`` and accepted
+        ``accepted`` drafts; ``consumed``: a later step launched on the device drafted from it."""
         ...
 
 

@@ -30,7 +30,15 @@ from functools import partial
 
 import torch
 
-from ..draft_contract import Drafter, DraftRequest, DraftShape, DraftsOnDevice, DraftTree, SequenceView
+from ..draft_contract import (
+    DeviceDraftInputs,
+    Drafter,
+    DraftRequest,
+    DraftShape,
+    DraftsOnDevice,
+    DraftTree,
+    SequenceView,
+)
 from ..kernels.transfers import select_rows, to_device
 from ..rollout.mirror.hosted import weights_bytes
 from ..rollout.model.attention import SequenceSlice, paged_attention_enabled
@@ -408,10 +416,8 @@ class SmallLMDrafter(Drafter, DraftsOnDevice):
 
     # -- greedy chains from state on the device (DraftsOnDevice) ---------------------------
     def ready_on_device(self, seqs: Seq[SequenceView]) -> bool:
-        if self.heads is not None:  # streaming heads draft several tokens a forward, from host lengths
-            return False
-        states = [self._states.get(seq.seq_id) for seq in seqs]
-        return all(st is not None and st.num_cached >= seq.num_tokens - 2 for st, seq in zip(states, seqs))
+        # streaming heads draft several tokens a forward, from host lengths
+        return self.heads is None and all(self._can_read(seq) for seq in seqs)
 
     def reserve_on_device(self, seqs: Seq[SequenceView], lengths: Seq[int]) -> bool:
         self._clock += 1
@@ -419,15 +425,17 @@ class SmallLMDrafter(Drafter, DraftsOnDevice):
         return all(self._ensure_room(seq.seq_id, n, busy) for seq, n in zip(seqs, lengths))
 
     def draft_on_device(
-        self, seqs: Seq[SequenceView], last_two: torch.Tensor, cached: torch.Tensor, depth: int, bound: int
+        self, seqs: Seq[SequenceView], inputs: DeviceDraftInputs, depth: int, bound: int
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The last two tokens fed at ``cached - 1`` and ``cached`` (the first is in the state
+        """Catch up, then one forward a draft token, each picked by the request's rule
+        (:func:`pick_draft_tokens`, its uniforms drawn beforehand). From the host's state the
+        catch-up feeds the tokens the state lacks (the prompt, the first time); from a step on the
+        device, the last two tokens at ``cached - 1`` and ``cached`` (the first is in the state
         already unless the whole last draft was accepted: rewriting it costs less than a ragged
-        forward), then one forward a draft token, each picked by the request's rule
-        (:func:`pick_draft_tokens`, its uniforms drawn beforehand). A token past this LM's embedding
-        table (a target's padding id) is fed as the last row: it can only cost acceptance."""
+        forward). A token past this LM's embedding table (a target's padding id) is fed as the last
+        row: it can only cost acceptance."""
         tables = BlockTables([self._states[seq.seq_id].block_table for seq in seqs])
-        top = self.runner.vocab_size - 1
+        top, cached = self.runner.vocab_size - 1, inputs.cached
         st = uniforms = None
         if not all(seq.params.greedy for seq in seqs):
             st = BatchSamplingTensors.from_params([seq.params for seq in seqs], self.runner.device)
@@ -438,22 +446,31 @@ class SmallLMDrafter(Drafter, DraftsOnDevice):
             indices = cached + to_device(completion_offsets(seqs), cached.device)
         drafts, probs = [], []
         with self._inference():
-            logits = self.runner.forward_on_device(tables, cached - 1, last_two.reshape(-1).clamp(max=top), 2, bound)
-            logits = logits[1::2]
+            if inputs.previous is None:  # the host's lengths are exact: catch up as propose does
+                for seq in seqs:
+                    state = self._states[seq.seq_id]
+                    state.num_cached = min(state.num_cached, seq.num_tokens - 1)
+                logits = self._catch_up(list(seqs))
+            else:
+                fed = inputs.last_two.reshape(-1).clamp(max=top)
+                logits = self._target_vocab(self.runner.forward_on_device(tables, cached - 1, fed, 2, bound)[0][1::2])
             for d in range(depth):
                 if d:
-                    logits = self.runner.forward_on_device(tables, cached + d, drafts[-1].clamp(max=top), 1, bound)
+                    fed = drafts[-1].clamp(max=top)
+                    logits = self._target_vocab(self.runner.forward_on_device(tables, cached + d, fed, 1, bound)[0])
                 row_uniforms = None if uniforms is None else uniforms[:, d]
                 at = None if indices is None else indices + d
-                token, q = pick_draft_tokens(seqs, self._target_vocab(logits.float()), row_uniforms, (), st, at)
+                token, q = pick_draft_tokens(seqs, logits.float(), row_uniforms, (), st, at)
                 drafts.append(token)
                 probs.append(q)
         return torch.stack(drafts, dim=1), None if st is None else torch.stack(probs, dim=1)
 
-    def settled_on_device(self, seq: SequenceView, num_valid: int) -> None:
+    def settled_on_device(self, seq: SequenceView, cached: int, accepted: int, consumed: bool) -> None:
+        """Its state holds the sequence's tokens before ``cached + accepted`` (the last kept one
+        included unless the whole chain was accepted), whichever steps ran since."""
         state = self._states.get(seq.seq_id)
         if state is not None:
-            state.num_cached = num_valid
+            state.num_cached = cached + accepted
         self._draft_base.pop(seq.seq_id, None)
 
 

@@ -53,7 +53,7 @@ class DecodeStep:
     ) -> None:
         self.runner, self.config, self.proposer, self.taps = runner, config, proposer, taps
         self.generator, self.stats, self.finish = generator, stats, finish
-        self.chains = DeviceChains(runner, proposer.drafter, max_model_len, stats, finish, generator)
+        self.chains = DeviceChains(runner, proposer.drafter, max_model_len, stats, finish, generator, taps)
         # a step whose tokens are not read yet (config.overlap): a plain one, or a chain's on the device
         self.in_flight: Sampled | ChainLaunch | None = None
 
@@ -64,7 +64,7 @@ class DecodeStep:
         if strategy.speculative and overlap:
             launched = self.chains.launch(seqs, strategy, self.in_flight)
             if launched is not None:
-                finished = self.settle()
+                finished = self.settle(consumed=True)
                 self.in_flight = launched
                 self.stats.overlapped_steps += 1
                 return finished, None
@@ -151,11 +151,12 @@ class DecodeStep:
             seq.tokens_in_flight += 1
         return Sampled(seqs, tokens, QueuedRead(tokens, logprobs))
 
-    def settle(self) -> list[int]:
-        """Read the step in flight, if one is: its tokens appended, its finished requests finished."""
+    def settle(self, consumed: bool = False) -> list[int]:
+        """Read the step in flight, if one is: its tokens appended, its finished requests finished
+        (``consumed``: a chain step launched since drafted from its state on the device)."""
         launched, self.in_flight = self.in_flight, None
         if isinstance(launched, ChainLaunch):
-            return self.chains.read(launched)
+            return self.chains.read(launched, consumed)
         return self.append(launched) if launched is not None else []
 
     def append(self, sampled: Sampled) -> list[int]:

@@ -32,13 +32,31 @@ from functools import partial
 import numpy as np
 import torch
 
-from ...draft_contract import Drafter, DraftRequest, DraftShape, DraftTree, SequenceView, observed_rows
+from ...draft_contract import (
+    DeviceDraftInputs,
+    Drafter,
+    DraftRequest,
+    DraftShape,
+    DraftsOnDevice,
+    DraftTree,
+    SequenceView,
+    observed_rows,
+)
 from ...kernels.transfers import select_rows, to_device
-from ...rollout.model.attention import METADATA_KWARG, SequenceSlice, build_metadata, paged_attention_forward
+from ...rollout.model.attention import (
+    METADATA_KWARG,
+    AttentionMetadata,
+    SequenceSlice,
+    attention_backend,
+    build_metadata,
+    paged_attention_forward,
+)
+from ...rollout.model.device_inputs import BlockTables, completion_offsets, device_inputs
 from ...rollout.model.eval_mode import eval_mode
 from ...rollout.model.kv_cache import KVLayout, PagedKVCache, blocks_for
 from ...rollout.model.runner import model_device_dtype
-from ..draft_sampling import ChainDrafts, draft_chains_on_device, draft_generator
+from ...rollout.sampling import BatchSamplingTensors
+from ..draft_sampling import ChainDrafts, chain_uniforms, draft_chains_on_device, draft_generator, pick_draft_tokens
 from ..tree_search import LevelInput, grow_trees
 from .data import FeatureBuffer, SequenceRecorder
 from .model import Eagle3Head
@@ -74,7 +92,7 @@ class _HeadState:
     last: tuple[torch.Tensor, torch.Tensor] | None = None  # the last catch-up row's (hidden out, logits)
 
 
-class Eagle3Drafter(Drafter):
+class Eagle3Drafter(Drafter, DraftsOnDevice):
     """Drafts with an :class:`Eagle3Head` for ``target`` (whose input embeddings it shares), or,
     without a target, over ``embed`` (a copy of them: what a draft process holds).
 
@@ -223,7 +241,22 @@ class Eagle3Drafter(Drafter):
         device = self.cache.layout.device
         ids = tokens if isinstance(tokens, torch.Tensor) else to_device(np.asarray(tokens, dtype=np.int64), device)
         pos = to_device(np.asarray(positions, dtype=np.int64), device)
-        meta = build_metadata(self.cache, slices, pos)
+        return self._forward(build_metadata(self.cache, slices, pos), hidden, ids, pos)
+
+    def _run_on_device(
+        self, tables: BlockTables, cached: torch.Tensor, hidden: torch.Tensor, tokens: torch.Tensor, new: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`_run` with the lengths on the device: sequence ``i`` feeds ``new`` rows at positions
+        ``cached[i] ..`` (``device_inputs``)."""
+        n, bs = len(tables), self.block_size
+        use_plan = attention_backend(self.cache, None, new) == "triton"
+        shape = (n, new, tables.longest() * bs)
+        inputs, meta = device_inputs(self.cache, tables, cached, tokens, new, shape, 0, use_plan)
+        return self._forward(meta, hidden, tokens, inputs["pos"].view(-1))
+
+    def _forward(
+        self, meta: AttentionMetadata, hidden: torch.Tensor, ids: torch.Tensor, pos: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         attn = self.head.midlayer.self_attn
         scale = self.head.config.head_dim**-0.5
 
@@ -393,6 +426,72 @@ class Eagle3Drafter(Drafter):
 
         trees, _ = grow_trees(requests, torch.log_softmax(root_logits, dim=-1), shape, score_level)
         return trees
+
+    # -- chains from state on the device (DraftsOnDevice) -----------------------------------
+    def ready_on_device(self, seqs: Seq[SequenceView]) -> bool:
+        """Every sequence has the features of all its tokens but the pending one, some not run yet."""
+        states = [self._states.get(seq.seq_id) for seq in seqs]
+        return all(
+            st is not None and not st.blind and st.feature_end == seq.num_tokens - 1 > st.num_cached
+            for st, seq in zip(states, seqs)
+        )
+
+    def reserve_on_device(self, seqs: Seq[SequenceView], lengths: Seq[int]) -> bool:
+        return all(self._ensure_room(self._states[seq.seq_id], n) for seq, n in zip(seqs, lengths))
+
+    def draft_on_device(
+        self, seqs: Seq[SequenceView], inputs: DeviceDraftInputs, depth: int, bound: int
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Catch up, then draft a chain, its forwards fed with the head's own hidden output. From the
+        host's state the catch-up runs the pending features as :meth:`propose` does; from a step on
+        the device it runs that step's ``k + 1`` rows at its positions (the target's features there,
+        the tokens it emitted), and the row of each sequence's last kept token gives the first draft
+        and the hidden state carried on: the rows past it write slots the next catch-up rewrites."""
+        tables = BlockTables([self._states[seq.seq_id].block_table for seq in seqs])
+        device = self.cache.layout.device
+        st = uniforms = indices = None
+        if not all(seq.params.greedy for seq in seqs):
+            st = BatchSamplingTensors.from_params([seq.params for seq in seqs], device)
+            uniforms = to_device(chain_uniforms(seqs, self.generator, [depth] * len(seqs), depth), device)
+        if any(seq.params.position_keyed for seq in seqs):
+            indices = inputs.cached + to_device(completion_offsets(seqs), device)
+        drafts, probs = [], []
+        with eval_mode(self.head), torch.no_grad():
+            previous = inputs.previous
+            if previous is None:
+                hidden, logits = self._catch_up(list(seqs))
+            else:
+                width = previous.emitted.shape[1]
+                features = previous.features.reshape(len(seqs) * width, -1)
+                hidden_in = self.head.project(features)
+                out, all_logits = self._run_on_device(
+                    tables, previous.cached, hidden_in, previous.emitted.reshape(-1), width
+                )
+                last = torch.arange(len(seqs), device=device) * width + previous.accepted
+                hidden, logits = out.index_select(0, last), all_logits.index_select(0, last)
+                for seq in seqs:
+                    self._states[seq.seq_id].last = None
+            for d in range(depth):
+                if d:
+                    hidden, logits = self._run_on_device(tables, inputs.cached + d - 1, hidden, drafts[-1], 1)
+                row_uniforms = None if uniforms is None else uniforms[:, d]
+                at = None if indices is None else indices + d
+                token, q = pick_draft_tokens(seqs, logits, row_uniforms, (), st, at)
+                drafts.append(token)
+                probs.append(q)
+        return torch.stack(drafts, dim=1), None if st is None else torch.stack(probs, dim=1)
+
+    def settled_on_device(self, seq: SequenceView, cached: int, accepted: int, consumed: bool) -> None:
+        """The step's kept features were just observed (positions ``cached .. cached + accepted``):
+        a later step on the device ran them (``consumed``), else they wait for a host catch-up."""
+        state = self._states.get(seq.seq_id)
+        if state is None:
+            return
+        if consumed:
+            state.num_cached, state.pending = state.feature_end, []
+        else:
+            state.num_cached = cached
+        state.last = None
 
 
 def _rebuilt(modules: bytes, kv_cache_tokens: int, block_size: int, seed: int, target_vocab: int) -> Eagle3Drafter:

@@ -261,26 +261,32 @@ class ModelRunner:
         return out.logits[0], features_of(captured, taps)
 
     def forward_on_device(
-        self, tables: BlockTables, cached: torch.Tensor, ids: torch.Tensor, new: int, bound: int
-    ) -> torch.Tensor:
+        self, tables: BlockTables, cached: torch.Tensor, ids: torch.Tensor, new: int, bound: int, taps=()
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``[len(tables) * new, vocab]`` logits of a forward whose lengths are on the device
-        (``device_inputs.py``): sequence ``i`` (block table ``tables[i]``, ``cached[i]`` tokens
-        cached) feeds ``ids[i * new : (i + 1) * new]``; ``bound``: an upper bound of every
-        ``cached[i] + new``. Replayed from the graph pool where a bucket holds it."""
-        n, bs = len(tables), self.cache.block_size
+        (``device_inputs.py``), and the hidden states entering the ``taps`` layers (None without):
+        sequence ``i`` (block table ``tables[i]``, ``cached[i]`` tokens cached) feeds
+        ``ids[i * new : (i + 1) * new]``; ``bound``: an upper bound of every ``cached[i] + new``.
+        Replayed from the graph pool where a bucket holds it."""
+        n, bs, taps = len(tables), self.cache.block_size, tuple(taps)
         key = self.graph_key(n, new, bound)
         if key is None:
             shape = (n, new, tables.longest() * bs)
             backend = attention_backend(self.cache, None, new)
             inputs, meta = device_inputs(self.cache, tables, cached, ids, new, shape, 0, backend == "triton")
-            x = {METADATA_KWARG: meta}
-            return self.model(input_ids=inputs["ids"], position_ids=inputs["pos"], use_cache=False, **x).logits[0]
+            with tapped(self.model, taps) as captured:
+                out = self.model(
+                    input_ids=inputs["ids"], position_ids=inputs["pos"], use_cache=False, **{METADATA_KWARG: meta}
+                )
+            return out.logits[0], features_of(captured, taps)
+        key = replace(key, taps=taps)
         use_plan = attention_backend(self.cache, None, key.tokens) == "triton"
         shape, scratch = (key.batch, key.tokens, key.context), self.scratch_slot // bs
         inputs, meta = device_inputs(self.cache, tables, cached, ids, new, shape, scratch, use_plan)
-        logits = self.graph_pool.run(key, self._padded_forward_fn(meta, key), inputs)
+        out = self.graph_pool.run(key, self._padded_forward_fn(meta, key), inputs)
+        logits, features = out if taps else (out, None)
         rows = (np.arange(n)[:, None] * key.tokens + np.arange(new)).reshape(-1)
-        return take_rows(logits, rows)
+        return take_rows(logits, rows), None if features is None else take_rows(features, rows)
 
     def graph_key(self, num_seqs: int, tokens: int, context: int, kernels: str | None = None) -> GraphKey | None:
         """The graph bucket a forward of ``num_seqs`` sequences, ``tokens`` new tokens each and

@@ -44,8 +44,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ...draft_contract import Drafter, DraftsOnDevice
-from ...kernels.transfers import QueuedRead, select_rows, to_device
+from ...draft_contract import DeviceDraftInputs, Drafter, DraftsOnDevice, StepOnDevice
+from ...kernels.transfers import QueuedRead, to_device
+from ..feature_taps import FeatureTaps
 from ..model.device_inputs import BlockTables, completion_offsets
 from ..model.kv_cache import blocks_for
 from ..model.runner import ModelRunner
@@ -63,11 +64,23 @@ class ChainLaunch:
 
     seqs: list[Sequence]
     strategy: Strategy
+    step: StepOnDevice  # what its verification left: what the next step's drafter reads
     cached: torch.Tensor  # [B] the next step's: each sequence's cached tokens after this step
     last_two: torch.Tensor  # [B, 2] the next step's: the tokens at cached - 1 and cached
-    pending: QueuedRead  # the rows' argmax [B, k + 1], accept lengths [B], their logprobs [B, k + 1]
+    pending: QueuedRead  # the emitted tokens [B, k + 1], accept lengths [B], their logprobs [B, k + 1]
+    logits: torch.Tensor | None  # [B * (k + 1), V] with a drafter reading features: what it is handed at the read
     draft_s: float
     verify_s: float
+
+    def next_inputs(self, rows: list[int]) -> DeviceDraftInputs:
+        """What the next step over this step's ``rows`` drafts from, picked on the device."""
+        if rows == list(range(len(self.seqs))):
+            return DeviceDraftInputs(self.cached, self.last_two, self.step)
+        index = to_device(np.asarray(rows, dtype=np.int64), self.cached.device)
+        step = self.step
+        features = None if step.features is None else step.features.index_select(0, index)
+        picked = StepOnDevice(*(t.index_select(0, index) for t in (step.cached, step.emitted, step.accepted)), features)
+        return DeviceDraftInputs(self.cached.index_select(0, index), self.last_two.index_select(0, index), picked)
 
     def rows_of(self, seqs: list[Sequence]) -> list[int] | None:
         """Each of ``seqs``' row here, None if one of them is not in this step."""
@@ -143,10 +156,12 @@ class DeviceChains:
         stats: EngineStats,
         finish: Callable[[Sequence], None],
         generator: torch.Generator,
+        taps: FeatureTaps,
     ) -> None:
         self.runner, self.max_model_len, self.stats, self.finish = runner, max_model_len, stats, finish
         self.generator = generator  # the verification's uniforms for rows without a generator of their own
         self.drafter = drafter if isinstance(drafter, DraftsOnDevice) else None
+        self.taps = taps  # the target's features, for a drafter that reads them
 
     def serves(self, strategy: Strategy) -> bool:
         """Whether steps of ``strategy`` may run here (each batch is checked again at launch)."""
@@ -174,28 +189,29 @@ class DeviceChains:
         if previous is None:
             cached = to_device(np.asarray([s.num_cached for s in seqs], dtype=np.int64), self.runner.device)
             two = [[s.token_at(s.num_cached - 1), s.token_at(s.num_cached)] for s in seqs]
-            last_two = to_device(np.asarray(two, dtype=np.int64), self.runner.device)
-        elif rows == list(range(len(previous.seqs))):
-            cached, last_two = previous.cached, previous.last_two
+            inputs = DeviceDraftInputs(cached, to_device(np.asarray(two, dtype=np.int64), self.runner.device))
         else:
-            cached, last_two = select_rows(previous.cached, rows), select_rows(previous.last_two, rows)
-        drafts, q = self.drafter.draft_on_device(seqs, last_two, cached, depth, bound)
+            inputs = previous.next_inputs(rows)
+        cached, last_two = inputs.cached, inputs.last_two
+        drafts, q = self.drafter.draft_on_device(seqs, inputs, depth, bound)
         drafted_at = time.perf_counter()
         drafts = drafts.to(last_two.device)
         ids = torch.cat([last_two[:, 1:], drafts], dim=1).reshape(-1)
-        logits = self.runner.forward_on_device(
-            BlockTables([s.block_table for s in seqs]), cached, ids, depth + 1, bound
-        )
-        best, accepted, logprobs = self._verdicts(seqs, logits, drafts, q, cached)
-        last_kept = best.gather(1, (accepted - 1).clamp(min=0).unsqueeze(1)).squeeze(1)
+        tables, layers = BlockTables([s.block_table for s in seqs]), self.taps.layers or ()
+        logits, features = self.runner.forward_on_device(tables, cached, ids, depth + 1, bound, layers)
+        emitted, accepted, logprobs = self._verdicts(seqs, logits, drafts, q, cached)
+        last_kept = emitted.gather(1, (accepted - 1).clamp(min=0).unsqueeze(1)).squeeze(1)
         before_pending = torch.where(accepted > 0, last_kept, last_two[:, 1])
-        final = best.gather(1, accepted.unsqueeze(1)).squeeze(1)
+        final = emitted.gather(1, accepted.unsqueeze(1)).squeeze(1)
+        rows_features = None if features is None else features.view(len(seqs), depth + 1, -1)
         launched = ChainLaunch(
             seqs,
             strategy,
+            StepOnDevice(cached, emitted, accepted, rows_features),
             cached + accepted + 1,
             torch.stack([before_pending, final], dim=1),
-            QueuedRead(best, accepted, logprobs),
+            QueuedRead(emitted, accepted, logprobs),
+            logits if features is not None else None,
             drafted_at - start,
             time.perf_counter() - drafted_at,
         )
@@ -238,36 +254,51 @@ class DeviceChains:
                 seq.block_table += allocator.allocate(m)
         return True
 
-    def read(self, launched: ChainLaunch) -> list[int]:
+    def read(self, launched: ChainLaunch, consumed: bool) -> list[int]:
         """Append what ``launched`` emitted (waiting for it), up to each sequence's stop; the ids of
         the requests it finished. A row of a request that finished, was aborted or handed over
-        meanwhile is dropped."""
-        best, accepted, logprobs = launched.pending.result()
+        meanwhile is dropped. ``consumed``: a step launched since drafted from this one's state.
+        A drafter reading features is handed those of the kept tokens, before any finishes."""
+        tokens, accepted, logprobs = launched.pending.result()
         width = launched.strategy.shape.depth + 1
-        finished, emitted, kept = [], 0, 0
+        read, emitted, kept = [], 0, 0
         for i, seq in enumerate(launched.seqs):
             if seq.status is SeqStatus.FINISHED:
                 self.stats.dropped_rows += 1
                 continue
-            n = accepted[i]
+            cached, n = seq.num_cached, accepted[i]
             seq.num_cached += n + 1
             seq.num_spec_steps += 1
             seq.num_drafted += width - 1
             seq.num_accepted += n
             kept += n
-            self.drafter.settled_on_device(seq, seq.num_cached - 1)
+            rows = []
             for j in range(i * width, i * width + n + 1):
-                seq.append(best[j], logprobs[j])
-                emitted += 1
+                seq.append(tokens[j], logprobs[j])
+                rows.append(j)
                 if seq.done:
                     break
+            emitted += len(rows)
+            read.append((seq, cached, n, rows))
+        if launched.logits is not None and read:
+            features = launched.step.features.reshape(len(launched.seqs) * width, -1)
+            self.taps.observer([(seq, c, rows, rows) for seq, c, _, rows in read], features, launched.logits)
+        finished = []
+        for seq, cached, n, _ in read:
             if seq.done:
                 self.finish(seq)
                 finished.append(seq.seq_id)
-        rows = len(launched.seqs)
+            else:
+                self.drafter.settled_on_device(seq, cached, n, consumed)
         s = self.stats
         s.record_spec_step(
-            str(launched.strategy), rows, rows * (width - 1), kept, emitted, launched.draft_s, launched.verify_s
+            str(launched.strategy),
+            len(read),
+            len(read) * (width - 1),
+            kept,
+            emitted,
+            launched.draft_s,
+            launched.verify_s,
         )
         s.generated_tokens += emitted
         return finished

@@ -30,6 +30,26 @@ def _assert_same_samples(got, want, count: int) -> None:
         torch.testing.assert_close(a.label_probs, b.label_probs, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("graph_backend", ["none", "eager"])
+def test_chains_launched_on_the_device_decode_and_record_what_plain_decoding_does(graph_backend):
+    """``overlap=True`` with ``chain:3``: the head catches up on the step before's rows from the
+    device (the target's features there, the tokens it emitted) and drafts from the row of each
+    sequence's last kept token; its recorder gets each step's kept rows when the host reads them.
+    Tokens and recorded samples are plain decoding's."""
+    model, head = target("llama"), trained_head("llama")
+    prompts = random_prompts(7, seed=44)
+    params = stopping_params(model, prompts, n=24, stop_from=3)
+    _, plain, plain_buffer = collect(model, head, prompts, params)
+    host_read, _, _ = collect(model, head, prompts, params, "chain:3", graph_backend=graph_backend)
+    engine, outs, buffer = collect(model, head, prompts, params, "chain:3", overlap=True, graph_backend=graph_backend)
+    assert [o.completion_ids for o in outs] == [o.completion_ids for o in plain]
+    stats = engine.stats
+    assert stats.overlapped_steps == stats.spec_steps > 0 and stats.dropped_rows > 0
+    # the head drafts on the device what it drafts from the host (the same tokens accepted)
+    assert stats.accepted_tokens == host_read.stats.accepted_tokens > 0
+    _assert_same_samples(buffer.samples(), plain_buffer.samples(), len(prompts))
+
+
 def test_adaptive_overlaps_plain_steps_between_the_heads_chains():
     """The head catches up on features that overlapped steps handed it, then drafts; greedy output
     is plain decoding's."""

@@ -75,9 +75,9 @@ def test_each_step_is_read_after_the_next_is_launched(monkeypatch):
             events.append(("launch", launched))
         return launched
 
-    def logged_read(self, launched):
+    def logged_read(self, launched, consumed):
         events.append(("read", launched))
-        return read(self, launched)
+        return read(self, launched, consumed)
 
     monkeypatch.setattr(DeviceChains, "launch", logged_launch)
     monkeypatch.setattr(DeviceChains, "read", logged_read)
