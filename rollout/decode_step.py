@@ -24,7 +24,6 @@ import torch
 
 from ..kernels.transfers import QueuedRead
 from .adaptive.acceptance import first_branch
-from .adaptive.meter import Drafted
 from .feature_taps import FeatureTaps
 from .model.runner import ModelRunner
 from .params import RolloutConfig
@@ -35,7 +34,7 @@ from .sampling import sample_tokens
 from .spec.device_chain import ChainLaunch, DeviceChains
 from .spec.kv_blocks import pack_verify_batch, release_unused_blocks
 from .spec.step import accept, commit, verify
-from .stats import EngineStats
+from .stats import Drafted, EngineStats, StepResult
 from .strategy import Strategy
 
 
@@ -53,31 +52,38 @@ class DecodeStep:
     ) -> None:
         self.runner, self.config, self.proposer, self.taps = runner, config, proposer, taps
         self.generator, self.stats, self.finish = generator, stats, finish
-        self.chains = DeviceChains(runner, proposer.drafter, max_model_len, stats, finish, generator, taps)
+        self.chains = DeviceChains(
+            runner, proposer.drafter, max_model_len, stats, finish, generator, taps.layers, taps.observer
+        )
         # a step whose tokens are not read yet (config.overlap): a plain one, or a chain's on the device
         self.in_flight: Sampled | ChainLaunch | None = None
 
-    def __call__(self, seqs: list[Sequence], strategy: Strategy, overlap: bool) -> tuple[list[int], Drafted | None]:
-        """One step of ``strategy`` over ``seqs``: the ids of the requests it finished (overlapped: of
-        the step before it, read now), and for a speculative step read now what was drafted and
-        accepted (None for a step launched on the device and read at the next)."""
-        if strategy.speculative and overlap:
-            launched = self.chains.launch(seqs, strategy, self.in_flight)
+    def __call__(self, seqs: list[Sequence], strategy: Strategy, overlap: bool) -> StepResult:
+        """One step of ``strategy`` over ``seqs`` (``overlap``: it may be left in flight)."""
+        finished: list[int] = []
+        if strategy.speculative and overlap and self.chains.serves(strategy):
+            if self.in_flight is not None and not isinstance(self.in_flight, ChainLaunch):
+                finished, seqs = self._read_first(seqs)  # a plain step's tokens: the host's state, exact again
+            launched = self.chains.launch(seqs, strategy, self.in_flight) if seqs else None
             if launched is not None:
-                finished = self.settle(consumed=True)
+                done, drafted = self._read(consumed=True)
                 self.in_flight = launched
                 self.stats.overlapped_steps += 1
-                return finished, None
-        finished = []
+                return StepResult(finished + done, drafted, launched=True)
         if self.in_flight is not None and (strategy.speculative or isinstance(self.in_flight, ChainLaunch)):
             # a host-read step drafts and verifies from tokens on the host, and a plain step's inputs
             # are a plain step's tokens: the step in flight is read first
-            finished = self.settle()
-            seqs = [seq for seq in seqs if seq.status is SeqStatus.RUNNING]
-            if not seqs:
-                return finished, None
+            done, seqs = self._read_first(seqs)
+            finished += done
+        if not seqs:
+            return StepResult(finished)
         done, drafted = self._step(seqs, strategy, overlap)
-        return finished + done, drafted
+        return StepResult(finished + done, drafted)
+
+    def _read_first(self, seqs: list[Sequence]) -> tuple[list[int], list[Sequence]]:
+        """Read the step in flight; the requests it finished, and those of ``seqs`` still running."""
+        finished = self.settle()
+        return finished, [seq for seq in seqs if seq.status is SeqStatus.RUNNING]
 
     def _step(self, seqs: list[Sequence], strategy: Strategy, overlap: bool) -> tuple[list[int], Drafted | None]:
         start = time.perf_counter()
@@ -151,13 +157,17 @@ class DecodeStep:
             seq.tokens_in_flight += 1
         return Sampled(seqs, tokens, QueuedRead(tokens, logprobs))
 
-    def settle(self, consumed: bool = False) -> list[int]:
-        """Read the step in flight, if one is: its tokens appended, its finished requests finished
-        (``consumed``: a chain step launched since drafted from its state on the device)."""
+    def settle(self) -> list[int]:
+        """Read the step in flight, if one is: its tokens appended, its finished requests finished."""
+        return self._read()[0]
+
+    def _read(self, consumed: bool = False) -> tuple[list[int], Drafted | None]:
+        """:meth:`settle`, with what a chain step read drafted and accepted (``consumed``: a chain
+        step launched since drafted from its state on the device)."""
         launched, self.in_flight = self.in_flight, None
         if isinstance(launched, ChainLaunch):
             return self.chains.read(launched, consumed)
-        return self.append(launched) if launched is not None else []
+        return (self.append(launched) if launched is not None else []), None
 
     def append(self, sampled: Sampled) -> list[int]:
         """Append the sampled tokens (waiting for them); the ids of the requests they finished. A

@@ -321,16 +321,17 @@ class RolloutEngine:
     def _decode_step(self, seqs: list[Sequence], overlap: bool) -> list[int]:
         """One decode step of the strategy the meter plans, timed by it."""
         plan, finished = self.meter.plan(seqs), []
-        if plan.strategy.speculative and self.strategy.adaptive and self.decode.in_flight is not None:
-            # adaptive planned a speculative step after overlapped plain ones: it times a speculative
-            # step whole, so the step in flight is read first, outside every step's timer (each
-            # overlapped step's timer ends with its read of the one before)
+        on_device = self.decode.chains.serves(plan.strategy)  # a chain step launched from the device's state
+        if plan.strategy.speculative and not on_device and self.decode.in_flight is not None:
+            # adaptive planned a host-read speculative step after overlapped ones: it is timed whole,
+            # so the step in flight is read first, outside every step's timer (each overlapped step's
+            # timer ends with its read of the one before)
             finished = self.decode.settle()
             if len(running := [s for s in seqs if s.status is SeqStatus.RUNNING]) < len(seqs):
                 if not running:  # every one stopped on the token just read
                     return finished
                 seqs, plan = running, self.meter.plan(running)
-        overlap &= not (plan.strategy.speculative and self.strategy.adaptive)  # ... and leaves none in flight
+        overlap &= not plan.strategy.speculative or on_device  # ... and leaves none in flight
         # the first step of an overlapped run reads nothing: its timer holds a launch, not a step
         unread = overlap and not plan.strategy.speculative and self.decode.in_flight is None
         return finished + self.meter.run(plan, seqs, unread, lambda: self.decode(seqs, plan.strategy, overlap))

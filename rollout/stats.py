@@ -6,6 +6,28 @@ from collections import deque
 from dataclasses import dataclass, field, fields
 
 
+@dataclass(frozen=True)
+class Drafted:
+    """A speculative step's drafts, per sequence: the draft tokens verified, how many were
+    accepted, and its tree's first branch (depth, kept): what ``adaptive`` learns acceptance from."""
+
+    drafted: list[int]
+    accepted: list[int]
+    branches: list[tuple[int, int]]
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """What a decode step returns: the ids of the requests it finished (of a step in flight too, read
+    now), what the speculative step read now drafted and accepted (None for plain steps), and
+    whether this step was launched and left in flight (then ``drafted`` is the step before's, read
+    after this one's launch, or None if none was in flight)."""
+
+    finished: list[int] = field(default_factory=list)
+    drafted: Drafted | None = None
+    launched: bool = False
+
+
 @dataclass
 class SpecStepRecord:
     """What one speculative step did (kept in ``EngineStats.spec_log``)."""

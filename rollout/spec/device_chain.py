@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
 import numpy as np
@@ -46,14 +47,13 @@ import torch
 
 from ...draft_contract import DeviceDraftInputs, Drafter, DraftsOnDevice, StepOnDevice
 from ...kernels.transfers import QueuedRead, to_device
-from ..feature_taps import FeatureTaps
 from ..model.device_inputs import BlockTables, completion_offsets
 from ..model.kv_cache import blocks_for
 from ..model.runner import ModelRunner
 from ..position_noise import keyed_scores_at
 from ..request import SeqStatus, Sequence
 from ..sampling import BatchSamplingTensors, draw_uniforms, processed_logprobs, sample_from_probs
-from ..stats import EngineStats
+from ..stats import Drafted, EngineStats
 from ..strategy import Strategy
 
 
@@ -156,32 +156,35 @@ class DeviceChains:
         stats: EngineStats,
         finish: Callable[[Sequence], None],
         generator: torch.Generator,
-        taps: FeatureTaps,
+        feature_layers: Seq[int] | None,
+        observer: Callable[[list, torch.Tensor, torch.Tensor], None],
     ) -> None:
         self.runner, self.max_model_len, self.stats, self.finish = runner, max_model_len, stats, finish
         self.generator = generator  # the verification's uniforms for rows without a generator of their own
         self.drafter = drafter if isinstance(drafter, DraftsOnDevice) else None
-        self.taps = taps  # the target's features, for a drafter that reads them
+        # a drafter reading the target's features: the layers tapped, and what is handed the kept rows
+        self.feature_layers, self.observer = tuple(feature_layers or ()), observer
 
     def serves(self, strategy: Strategy) -> bool:
         """Whether steps of ``strategy`` may run here (each batch is checked again at launch)."""
         return self.drafter is not None and strategy.kind == "chain"
 
     def launch(self, seqs: list[Sequence], strategy: Strategy, in_flight: object | None) -> ChainLaunch | None:
-        """Launch a step of ``strategy`` over ``seqs`` from the state of ``in_flight`` (a step of the
-        same strategy holding every one of them) or, with nothing in flight, from the host's; None
+        """Launch a step of ``strategy`` over ``seqs`` from the state of ``in_flight`` (a chain step,
+        of any depth, holding every one of them) or, with nothing in flight, from the host's; None
         (nothing launched, no room taken) where this batch cannot run here."""
         if not self.serves(strategy):
             return None
         depth = strategy.shape.depth
-        previous = in_flight if isinstance(in_flight, ChainLaunch) and in_flight.strategy == strategy else None
+        previous = in_flight if isinstance(in_flight, ChainLaunch) else None  # of any depth
         rows = previous.rows_of(seqs) if previous is not None else None
         if in_flight is not None and rows is None:
             return None
         if previous is None and not self.drafter.ready_on_device(seqs):
             return None
         # each pending token's position: exact from the host, or at most k + 1 past it (in flight)
-        lengths = [s.num_cached + (depth + 1 if previous is not None else 0) for s in seqs]
+        ahead = previous.strategy.shape.depth + 1 if previous is not None else 0
+        lengths = [s.num_cached + ahead for s in seqs]
         bound = max(lengths) + depth + 1  # every position this step writes is below it
         if bound > self.max_model_len or not self._reserve(seqs, lengths, depth):
             return None
@@ -197,7 +200,7 @@ class DeviceChains:
         drafted_at = time.perf_counter()
         drafts = drafts.to(last_two.device)
         ids = torch.cat([last_two[:, 1:], drafts], dim=1).reshape(-1)
-        tables, layers = BlockTables([s.block_table for s in seqs]), self.taps.layers or ()
+        tables, layers = BlockTables([s.block_table for s in seqs]), self.feature_layers
         logits, features = self.runner.forward_on_device(tables, cached, ids, depth + 1, bound, layers)
         emitted, accepted, logprobs = self._verdicts(seqs, logits, drafts, q, cached)
         last_kept = emitted.gather(1, (accepted - 1).clamp(min=0).unsqueeze(1)).squeeze(1)
@@ -254,11 +257,12 @@ class DeviceChains:
                 seq.block_table += allocator.allocate(m)
         return True
 
-    def read(self, launched: ChainLaunch, consumed: bool) -> list[int]:
+    def read(self, launched: ChainLaunch, consumed: bool) -> tuple[list[int], Drafted]:
         """Append what ``launched`` emitted (waiting for it), up to each sequence's stop; the ids of
-        the requests it finished. A row of a request that finished, was aborted or handed over
-        meanwhile is dropped. ``consumed``: a step launched since drafted from this one's state.
-        A drafter reading features is handed those of the kept tokens, before any finishes."""
+        the requests it finished, and its drafts and accept lengths (of the rows read). A row of a
+        request that finished, was aborted or handed over meanwhile is dropped. ``consumed``: a
+        step launched since drafted from this one's state. A drafter reading features is handed
+        those of the kept tokens, before any finishes."""
         tokens, accepted, logprobs = launched.pending.result()
         width = launched.strategy.shape.depth + 1
         read, emitted, kept = [], 0, 0
@@ -282,7 +286,7 @@ class DeviceChains:
             read.append((seq, cached, n, rows))
         if launched.logits is not None and read:
             features = launched.step.features.reshape(len(launched.seqs) * width, -1)
-            self.taps.observer([(seq, c, rows, rows) for seq, c, _, rows in read], features, launched.logits)
+            self.observer([(seq, c, rows, rows) for seq, c, _, rows in read], features, launched.logits)
         finished = []
         for seq, cached, n, _ in read:
             if seq.done:
@@ -301,4 +305,5 @@ class DeviceChains:
             launched.verify_s,
         )
         s.generated_tokens += emitted
-        return finished
+        counts = [n for _, _, n, _ in read]
+        return finished, Drafted([width - 1] * len(read), counts, [(width - 1, n) for n in counts])

@@ -91,6 +91,26 @@ def test_an_overlapped_greedy_chain_step_reads_once(monkeypatch, graph_backend):
     assert reads == prefills + (decodes - specs) + 2 * host_read + (specs - host_read)
 
 
+def test_adaptive_reads_at_most_once_a_step_between_plain_and_chain_steps(monkeypatch):
+    """``adaptive`` with ``overlap=True`` moving between ``none``, ``chain:2`` and ``chain:4`` of the
+    drafter LM: every step is launched before the one in flight is read (a chain from the state
+    on the device, after a plain step from the host's, read first in the step), so no step reads
+    more than once; the call's last read ends it."""
+    model = cached_model("llama")
+    engine = RolloutEngine(
+        model, RolloutConfig(strategy="adaptive", overlap=True), drafter=perturbed_copy(model, noise=0.05, seed=7)
+    )
+    by_name = {str(arm): arm for arm in engine.selector.arms}
+    cycle, plans = ["none", "chain:4", "chain:4", "chain:2", "none", "none", "chain:2"], iter(range(10**6))
+    engine.selector.choose = lambda n, remaining, lag: by_name[cycle[next(plans) % len(cycle)]]
+    counters = (*STEP_COUNTERS, "overlapped_steps")
+    reads, (prefills, decodes, specs, overlapped) = generate_counting_reads(
+        monkeypatch, engine, random_prompts(3, seed=4), SamplingParams(max_new_tokens=40, temperature=0.0), counters
+    )
+    assert specs > 4 and overlapped == decodes
+    assert reads <= prefills + decodes + 1
+
+
 def test_a_position_keyed_chain_step_reads_as_a_greedy_one(monkeypatch):
     """Position-keyed rows verify as greedy ones on their perturbed scores: the drafts, then each
     row's argmax with its logprob in one read (GPU run 14's long tail was keyed: its drafting cost

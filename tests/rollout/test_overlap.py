@@ -231,9 +231,10 @@ def _scripted_adaptive(model, arms: list[str], drafter=None) -> tuple[RolloutEng
 )
 def test_adaptive_overlaps_the_plain_steps_it_plans_and_reads_before_a_speculative_one(arch_model, noise, arm):
     """``adaptive`` switching between ``none`` and a speculative arm (a model drafter's too, which
-    catches up on the tokens overlapped steps emitted): its plain steps are overlapped, a
+    catches up on the tokens overlapped steps emitted): its plain steps are overlapped, a host-read
     speculative step first reads the step in flight (sequences that stopped on it leave the batch,
-    which is planned again), and the tokens are plain decoding's."""
+    which is planned again), a chain of the drafter LM is launched on the device too (its first
+    after plain steps from the host's state, read in the step), and the tokens are plain decoding's."""
     prompts = random_prompts(7, seed=38, min_len=2, max_len=14)
     params = stopping_params(arch_model, prompts, n=24)
     if noise == "position-keyed":
@@ -248,11 +249,12 @@ def test_adaptive_overlaps_the_plain_steps_it_plans_and_reads_before_a_speculati
     assert [o.finish_reason for o in outs] == [o.finish_reason for o in plain]
     stats = engine.stats
     steps = {str(arm).split(":")[0]: count for arm, count in stats.strategy_steps.items()}
-    assert stats.overlapped_steps == steps["none"] > 0 and steps[arm] > 0
+    on_device = steps[arm] if arm == "chain" else 0  # chains of the drafter LM are launched on the device
+    assert stats.overlapped_steps == steps["none"] + on_device and steps["none"] > 0 and steps[arm] > 0
     if arm == "chain":  # the token in flight at its plan counts in what the drafter catches up on
         after_two = [
             c for a, b, c in zip(seen, seen[1:], seen[2:]) if a["arm"] == b["arm"] == "none" and a["n"] == c["n"]
-        ]
+        ][1:]  # the first chain meets the prompts: its drafter has nothing to catch up on yet
         assert after_two and all(c["lag"] == 2 * c["n"] for c in after_two), after_two
     assert stats.generated_tokens == sum(len(o.completion_ids) for o in outs)
     # a plain step right after a speculative one (or the first) read nothing: it teaches no costs

@@ -139,6 +139,28 @@ def test_release_abort_and_handoff_read_the_step_in_flight_first():
         assert e.runner.cache.allocator.num_free == e.runner.cache.allocator.num_blocks
 
 
+def test_adaptive_moves_between_chain_depths_and_plain_steps_and_stays_exact():
+    """``adaptive`` planning ``none``, ``chain:2`` and ``chain:4`` in turn: a chain is launched from
+    the chain in flight whatever its depth (the host reserves for the one in flight's), a plain
+    step reads the chain first; the tokens are plain decoding's and every step was overlapped."""
+    model = cached_model("qwen2")
+    draft = perturbed_copy(model, noise=0.05, seed=7)
+    prompts = random_prompts(6, seed=37, min_len=2, max_len=12)
+    params = stopping_params(model, prompts, n=26)
+    plain = RolloutEngine(model, RolloutConfig(block_size=4, kv_cache_tokens=4096), eos_token_ids=[EOS])
+    want = plain.generate(prompts, params)
+    config = RolloutConfig(strategy="adaptive", overlap=True, block_size=4, kv_cache_tokens=4096)
+    engine = RolloutEngine(model, config, drafter=draft, eos_token_ids=[EOS])
+    by_name = {str(arm): arm for arm in engine.selector.arms}
+    cycle, plans = ["chain:4", "chain:2", "chain:4", "none", "chain:2", "chain:2", "none"], iter(range(10**6))
+    engine.selector.choose = lambda n, remaining, lag: by_name[cycle[next(plans) % len(cycle)]]
+    got = engine.generate(prompts, params)
+    assert [o.completion_ids for o in got] == [o.completion_ids for o in want]
+    stats = engine.stats
+    assert stats.overlapped_steps == stats.decode_steps and stats.spec_steps > stats.decode_steps // 2
+    assert stats.accepted_tokens > 0
+
+
 def test_position_keyed_samples_are_plain_decodings_on_the_device():
     """A position-keyed row's token is the argmax of its scores perturbed by noise keyed on its
     completion index, which a step on the device computes from the lengths there: every token is
