@@ -115,6 +115,8 @@ def demo_config(stage: Stage, policy_dir: Path, drafter: str, out: Path):
     ).with_overrides(
         **{
             "rollout.workers.num_workers": 0,
+            # each step launched before the last is read, chains from state on the device (the twin's too)
+            "rollout.engine.overlap": True,
             "rollout.training.drafter_train_steps": 4,
             # position-keyed sampling: the twin must emit the very same completions (lossless, per step)
             "rollout.position_noise": True,
