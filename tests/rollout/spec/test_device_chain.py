@@ -9,6 +9,7 @@ from rollout_helpers import EOS, cached_model, random_prompts
 
 from tailspec.kernels.dispatch import kernel_backend
 from tailspec.rollout import RolloutConfig, RolloutEngine, SamplingParams
+from tailspec.rollout.handoff import InboxItem, RequestInbox
 from tailspec.rollout.model.attention import SequenceSlice
 from tailspec.rollout.model.device_inputs import BlockTables, device_inputs
 from tailspec.rollout.model.runner import ModelRunner
@@ -159,6 +160,42 @@ def test_adaptive_moves_between_chain_depths_and_plain_steps_and_stays_exact():
     stats = engine.stats
     assert stats.overlapped_steps == stats.decode_steps and stats.spec_steps > stats.decode_steps // 2
     assert stats.accepted_tokens > 0
+
+
+def test_serving_an_inbox_with_chains_on_the_device_matches_plain_decoding():
+    """``serve`` (what a Ray worker runs) with chains on the device: requests joining the running
+    batch (the chain in flight is read before their prefill), one handed back mid-run and finished
+    by another engine; every completion is plain decoding's and every block is free at the end."""
+    model = cached_model("llama")
+    draft = perturbed_copy(model, noise=0.05, seed=7)
+    prompts = random_prompts(8, seed=40, min_len=2, max_len=12)
+    params = stopping_params(model, prompts, n=30)
+    plain = RolloutEngine(model, RolloutConfig(block_size=4, kv_cache_tokens=4096), eos_token_ids=[EOS])
+    want = plain.generate(prompts, params)
+    engine, inbox = _engine(model, draft, overlap=True), RequestInbox()
+    inbox.put([InboxItem(i, prompts[i], params[i]) for i in range(5)])
+    updates = engine.serve(inbox, idle_wait_s=0.05)
+    got = dict(next(updates).finished)
+    moved = max((k for k in range(5) if k not in got), key=lambda k: len(want[k].completion_ids))
+    inbox.put([InboxItem(i, prompts[i], params[i]) for i in range(5, 8)])  # joins the running batch
+    inbox.release([moved])
+    inbox.close(len(prompts))
+    released = {}
+    for update in updates:
+        got.update(update.finished)
+        released.update(update.released)
+    assert sorted([*got, *released]) == list(range(len(prompts))) and list(released) == [moved]
+    assert engine.stats.overlapped_steps > 0 and engine.decode.in_flight is None
+    other = _engine(model, draft, overlap=True)
+    rid = other.add_request(prompts[moved], params[moved], resume=released[moved])
+    while other.has_unfinished():
+        other.step()
+    got[moved] = other.pop_output(rid)
+    assert [got[i].completion_ids for i in range(len(prompts))] == [o.completion_ids for o in want]
+    for e in (engine, other):
+        allocator = e.runner.cache.allocator
+        assert allocator.num_free == allocator.num_blocks
+        assert e.drafter.allocator.num_free == e.drafter.allocator.num_blocks
 
 
 def test_position_keyed_samples_are_plain_decodings_on_the_device():
