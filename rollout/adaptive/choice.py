@@ -56,6 +56,7 @@ class StepOutcome:
     drafted: list[int] | None = None
     accepted: list[int] | None = None
     branches: list[tuple[int, int]] | None = None
+    forward_seconds: float | None = None  # the target forward's share of ``seconds`` (None: not measured)
 
 
 class DrafterLag:
@@ -193,6 +194,7 @@ class StrategyChoice:
                 plan.lag_tokens,
                 outcome.branches,
                 timed=not outcome.one_off,
+                forward_seconds=outcome.forward_seconds,
             )
 
     def state_dict(self) -> dict[str, Any] | None:

@@ -15,9 +15,14 @@ which RL does not move, so:
   drafter's host cost is ``ratio x`` a one-token forward per drafted node, per bucket too; a model
   drafter's **catch-up** on the tokens steps of other arms emitted is ``ratio x`` a forward over
   them;
-* online, each arm has a **correction** of its verification (the step's time less its drafting,
-  against the table) per batch bucket, and an arm of two drafters (``hybrid``) one of its drafting
-  too (the single-drafter arms' drafting is what their ratios learn): the two parts judged apart,
+* the **host's part** of a step (scheduling, sampling and reading tokens back, verification,
+  committing, the drafting's glue outside the drafter's forwards: what calibration, which times
+  forwards, never sees) is measured on every step as its time less its target forward and
+  drafting, per arm and batch bucket (:class:`HostSeconds`); an arm that has not run yet is priced
+  with what the arms of its kind (plain or speculative) measured, never as free;
+* online, each arm has a **correction** of its verification forward (its measured time against
+  the table) per batch bucket, and an arm of two drafters (``hybrid``) one of its drafting
+  too (the single-drafter arms' drafting is what their ratios learn): the parts judged apart,
   so a change in the drafting's cost is learned once, by its ratio, never also by a correction
   taken against the old ratio. Every factor is a median of clipped log ratios, shrunk towards 1,
   robust to outliers, and reset by a run of measurements all off it on one side (a level shift:
@@ -257,6 +262,57 @@ class BatchRatio:
         self._values.clear()
 
 
+class HostSeconds:
+    """The host's seconds in a step, per arm and batch bucket: the median of the arm's recent
+    measurements in the bucket, shrunk towards its kind's (the plain arm, or every speculative
+    arm) as if that were ``kind_weight`` more steps (in logs, level shifts followed as by
+    :func:`push`). A bucket the arm has not measured reads its kind's there, else the nearest
+    measured bucket (the arm's, its kind's, the other kind's) scaled by the batch size: the host's
+    work grows with the rows it handles. Nothing measured at all: 0."""
+
+    FLOOR = 1e-6  # seconds: a step's host part is never priced below this (its log stays finite)
+
+    def __init__(self, window: int = 32, kind_weight: float = 4.0) -> None:
+        self.window, self.kind_weight = window, kind_weight
+        self.by_arm: dict[tuple[str, int], deque[float]] = {}  # (arm, bucket) -> log seconds
+        self.by_kind: dict[tuple[bool, int], deque[float]] = {}  # (speculative, bucket) -> log seconds
+
+    def add(self, arm: Strategy, n: int, seconds: float) -> None:
+        bucket, value = batch_bucket(n), math.log(max(seconds, self.FLOOR))
+        push(self.by_arm.setdefault((str(arm), bucket), deque(maxlen=self.window)), value)
+        push(self.by_kind.setdefault((arm.speculative, bucket), deque(maxlen=self.window)), value)
+
+    def value(self, arm: Strategy, n: int) -> float:
+        bucket = batch_bucket(n)
+        own, kind = self.by_arm.get((str(arm), bucket)), self.by_kind.get((arm.speculative, bucket))
+        if own and kind:
+            m = len(own)
+            log = (m * statistics.median(own) + self.kind_weight * statistics.median(kind)) / (m + self.kind_weight)
+            return math.exp(log)
+        if own or kind:
+            return math.exp(statistics.median(own or kind))
+        return self._nearest(arm, n)
+
+    def _nearest(self, arm: Strategy, n: int) -> float:
+        stores = ((self.by_arm, str(arm)), (self.by_kind, arm.speculative), (self.by_kind, not arm.speculative))
+        for store, key in stores:
+            buckets = [b for (k, b), logs in store.items() if k == key and logs]
+            if buckets:
+                near = min(buckets, key=lambda b: abs(b - batch_bucket(n)))
+                return math.exp(statistics.median(store[(key, near)])) * max(n, 1) / (1 << near)
+        return 0.0
+
+    def state(self) -> dict:
+        return {
+            "by_arm": [[a, b, list(v)] for (a, b), v in self.by_arm.items()],
+            "by_kind": [[k, b, list(v)] for (k, b), v in self.by_kind.items()],
+        }
+
+    def load(self, state: dict) -> None:
+        self.by_arm = {(a, b): deque(v, maxlen=self.window) for a, b, v in state["by_arm"]}
+        self.by_kind = {(bool(k), b): deque(v, maxlen=self.window) for k, b, v in state["by_kind"]}
+
+
 def _correction_in(corrections: dict[Strategy, BatchRatio], arm: Strategy) -> BatchRatio:
     """``arm``'s correction in ``corrections``, made at 1.0 if it has none yet: measured / predicted
     seconds, per batch bucket, shrunk towards 1 and robust to outliers."""
@@ -266,8 +322,8 @@ def _correction_in(corrections: dict[Strategy, BatchRatio], arm: Strategy) -> Ba
 
 
 class StepCosts:
-    """Predicted seconds of each arm's step: the calibrated forward, the drafting ratios, and a
-    correction per arm (see the module doc)."""
+    """Predicted seconds of each arm's whole step: the calibrated forward with a correction per
+    arm, the drafting ratios, and the host's part (see the module doc)."""
 
     def __init__(self, table: ForwardTable) -> None:
         self.table = table
@@ -278,6 +334,7 @@ class StepCosts:
         self.correction: dict[Strategy, BatchRatio] = {}  # per arm: its verification forward
         self.draft_correction: dict[Strategy, BatchRatio] = {}  # per arm of two drafters: its drafting
         self._warm: set[tuple[Strategy, int]] = set()  # (arm, batch bucket) pairs past their first step
+        self.host = HostSeconds()
 
     def _model_unit(self, arm: Strategy, n: int) -> float:
         """The target's seconds for one of ``arm``'s draft levels over ``n`` sequences."""
@@ -305,15 +362,26 @@ class StepCosts:
         draft = self.draft_seconds(arm, n)
         if arm in self.draft_correction:
             draft *= self.draft_correction[arm].value(n)
-        return self.verify_seconds(arm, n) * _correction_in(self.correction, arm).value(n) + draft
+        verify = self.verify_seconds(arm, n) * _correction_in(self.correction, arm).value(n)
+        return verify + draft + self.host.value(arm, n)
 
     def catch_up_seconds(self, lag_tokens: int) -> float:
         """A model drafter's catch-up on ``lag_tokens`` tokens it did not see (0: none)."""
         return self.catch_up.value * self.table.seconds(lag_tokens, 1) if lag_tokens else 0.0
 
-    def observe(self, arm: Strategy, n: int, seconds: float, draft_seconds: float, lag_tokens: int) -> None:
-        """A step of ``arm`` on ``n`` sequences took ``seconds``, ``draft_seconds`` of them drafting,
-        after ``lag_tokens`` tokens its model drafter had to catch up on. An arm's first step at a
+    def observe(
+        self,
+        arm: Strategy,
+        n: int,
+        seconds: float,
+        draft_seconds: float,
+        lag_tokens: int,
+        forward_seconds: float | None = None,
+    ) -> float | None:
+        """A step of ``arm`` on ``n`` sequences took ``seconds``, ``draft_seconds`` of them drafting
+        and ``forward_seconds`` in the target's forward (None: not measured apart; the host's part
+        then stays in the correction), after ``lag_tokens`` tokens its model drafter had to catch
+        up on. What is left is the host's part, learned for every step of the arm. An arm's first step at a
         batch bucket teaches nothing: it pays what a shape's first use pays once (a kernel's
         compilation, the allocator's growth), and one such step read as the arm's cost would keep
         the arm from ever running there again.
@@ -322,23 +390,31 @@ class StepCosts:
         correction), the drafting by the ratio it teaches (a drafter alone: a chain or tree of the
         model drafter, a suffix tree) or, for an arm of two drafters, by a drafting correction of
         its own. One correction of the whole step would count a drafting ratio's change twice: its
-        logs, taken against the old ratio, would still say "slower" once the ratio had learned it."""
+        logs, taken against the old ratio, would still say "slower" once the ratio had learned it.
+
+        Returns how far the step's prediction was off (|log(measured / predicted)|, made before
+        this step taught anything), or None for a step that teaches no costs of the arm's own."""
         if (arm, batch_bucket(n)) not in self._warm:
             self._warm.add((arm, batch_bucket(n)))
-            return
+            return None
+        error = abs(math.log(seconds / max(self.seconds(arm, n), 1e-9))) if seconds > 0 else None
+        forward = seconds - draft_seconds if forward_seconds is None else forward_seconds
+        if forward_seconds is not None:
+            self.host.add(arm, n, seconds - draft_seconds - forward)
         pure = arm.kind in ("chain", "tree")  # drafting by the model drafter alone, serially
         if lag_tokens and arm.uses_model_drafter:
             if pure:
                 catch_up = draft_seconds - self.draft["model"].value(n) * self._model_unit(arm, n)
                 self.catch_up.add(catch_up, self.table.seconds(lag_tokens, 1))
-            return  # a switch: the arm's own costs are judged on steady steps
+            return None  # a switch: the arm's own costs are judged on steady steps
         if pure:
             self.draft["model"].add(n, draft_seconds, self._model_unit(arm, n))
         elif arm.kind == "suffix":
             self.draft["suffix"].add(n, draft_seconds, self._suffix_unit(arm, n))
         elif arm.speculative:
             _correction_in(self.draft_correction, arm).add(n, draft_seconds, self.draft_seconds(arm, n))
-        _correction_in(self.correction, arm).add(n, seconds - draft_seconds, self.verify_seconds(arm, n))
+        _correction_in(self.correction, arm).add(n, forward, self.verify_seconds(arm, n))
+        return error
 
     def drift(self) -> float:
         """How far, as a factor >= 1, the median arm's correction is from 1 (the table is stale when
@@ -355,6 +431,7 @@ class StepCosts:
             "catch_up": self.catch_up.state(),
             "correction": {str(a): r.state() for a, r in self.correction.items()},
             "draft_correction": {str(a): r.state() for a, r in self.draft_correction.items()},
+            "host": self.host.state(),
         }
 
     def load_state_dict(self, state: dict, arms: Iterable[Strategy]) -> None:
@@ -366,3 +443,5 @@ class StepCosts:
                 _correction_in(self.correction, arm).load(state["correction"][str(arm)])
             if str(arm) in state.get("draft_correction", {}):
                 _correction_in(self.draft_correction, arm).load(state["draft_correction"][str(arm)])
+        if "host" in state:
+            self.host.load(state["host"])

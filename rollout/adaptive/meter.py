@@ -79,7 +79,9 @@ class StepMeter:
             self._launched, one_off = None, True
         drafted = result.drafted
         counts = (drafted.drafted, drafted.accepted, drafted.branches) if drafted is not None else ()
-        self.choice.record(learned, sizes, StepOutcome(seconds, stats.draft_time_s - draft_s, one_off, *counts))
+        forward = stats.model_time_s - model_s if not result.launched else None  # launched: not the device's
+        outcome = StepOutcome(seconds, stats.draft_time_s - draft_s, one_off, *counts, forward_seconds=forward)
+        self.choice.record(learned, sizes, outcome)
         self._peak_active = max(self._peak_active, n)
         in_tail = n <= self.tail_fraction * self._peak_active
         stats.record_decode_step(StepRecord(n, str(plan.strategy), stats.generated_tokens - emitted, seconds, in_tail))

@@ -5,13 +5,17 @@ predicted to finish that work in
 
     catch_up(a) + remaining * seconds(a, n) / (n * expected(a))
 
-where ``seconds`` is the step's cost (``rollout/adaptive/cost_model.py``: the verification
-forward timed once per shape at calibration, the drafting as a ratio of it, corrections per arm
-and batch bucket), ``expected`` the tokens a sequence-step emits
-(``rollout/adaptive/acceptance.py``: pooled per drafter from every verified step), and
-``catch_up`` what a model drafter pays for the tokens it missed while other arms ran: a
+where ``seconds`` is the whole step's cost (``rollout/adaptive/cost_model.py``: the verification
+forward timed once per shape at calibration, the drafting as a ratio of it, corrections per arm and
+batch bucket, and the host's part measured on every step), ``expected`` the tokens a
+sequence-step emits (``rollout/adaptive/acceptance.py``: pooled per drafter from every verified
+step), and ``catch_up`` what a model drafter pays for the tokens it missed while other arms ran: a
 switch to a model arm happens only when its gain over the remaining work beats that. The arm with
-the least predicted time runs. Uncertainty is handled on acceptance only, the costs being
+the least predicted time runs, except that the last step's arm keeps running unless another is
+predicted faster by more than the model's own error: the median of how far its recent step
+predictions were off (the arms' predictions often lie within a few percent of each other, and a
+switch on a difference the model cannot resolve costs steps of the worse arm). Uncertainty is
+handled on acceptance only, the costs being
 measured: an arm's expected tokens are moved towards its best case as if that were ``optimism``
 more sequence-steps of evidence, so an arm never drafted is tried once where it could win; one step
 of any chain arm teaches every depth of its drafter, and a tree starts from its drafter's chain.
@@ -25,6 +29,9 @@ costs are the architecture's). Workers' acceptance books merge at each policy sy
 from __future__ import annotations
 
 import logging
+import math
+import statistics
+from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,7 +43,10 @@ from .cost_model import StepCosts
 
 logger = logging.getLogger(__name__)
 
-STATE_VERSION = 5  # 5: corrections per batch bucket, the verification's and the drafting's apart
+ERROR_WINDOW = 32  # steady steps whose prediction errors make the model's error
+ERROR_MIN_STEPS = 8  # before this many, no margin: the arms are still being measured
+
+STATE_VERSION = 6  # 6: the host's part of a step; 5: corrections per batch bucket
 
 
 @dataclass(frozen=True)
@@ -66,6 +76,9 @@ class StrategySelector:
         self.drafter_version: int | None = None
         self._model_keys = {book_key(a) for a in self.arms if a.uses_model_drafter}
         self._saved_costs: dict | None = None  # a loaded state's costs, until calibration
+        self.last_arm: Strategy | None = None  # the arm of the last step observed
+        # |log(measured / predicted)| of recent steady steps: how far the cost model is off
+        self.errors: deque[float] = deque(maxlen=ERROR_WINDOW)
 
     def predictions(
         self, n: int, remaining: int, lag_tokens: int = 0, optimism: float | None = None
@@ -86,9 +99,21 @@ class StrategySelector:
             out.append(Prediction(arm, seconds, expected, hopeful, catch_up, finish))
         return sorted(out, key=lambda p: p.finish_s)
 
+    @property
+    def error(self) -> float:
+        """The cost model's measured error: the median |log(measured / predicted)| of a step's
+        seconds over recent steady steps (0 until :data:`ERROR_MIN_STEPS` were measured)."""
+        return statistics.median(self.errors) if len(self.errors) >= ERROR_MIN_STEPS else 0.0
+
     def choose(self, n: int, remaining: int | None = None, lag_tokens: int = 0) -> Strategy:
-        """The arm predicted to finish the remaining work soonest (``remaining`` unknown: one step's)."""
-        return self.predictions(n, remaining if remaining is not None else n, lag_tokens)[0].arm
+        """The arm predicted to finish the remaining work soonest (``remaining`` unknown: one
+        step's), unless the last step's arm is within the model's error of it (:attr:`error`)."""
+        ranked = self.predictions(n, remaining if remaining is not None else n, lag_tokens)
+        best = ranked[0]
+        current = next((p for p in ranked if p.arm == self.last_arm), None)
+        if current is not None and current.finish_s <= best.finish_s * math.exp(self.error):
+            return current.arm
+        return best.arm
 
     def observe(
         self,
@@ -101,16 +126,21 @@ class StrategySelector:
         lag_tokens: int = 0,
         branches: list[tuple[int, int]] | None = None,
         timed: bool = True,
+        forward_seconds: float | None = None,
     ) -> None:
         """A step of ``arm`` on ``n`` sequences took ``seconds`` (``draft_seconds`` drafting, after
         ``lag_tokens`` tokens of catch-up); per sequence, ``drafted`` draft tokens were verified
         and ``accepted`` kept, and its tree's first branch went ``branches`` (depth, kept) deep.
         ``timed`` False: its times are not the arm's (it paid a one-time cost: a graph capture, a
-        model drafter's first look at a prompt), only its acceptance counts."""
+        model drafter's first look at a prompt), only its acceptance counts. ``forward_seconds``:
+        the target forward's share (None: all but the drafting)."""
         if arm not in self.arms or seconds <= 0 or n < 1:
             return
+        self.last_arm = arm
         if self.costs is not None and timed:
-            self.costs.observe(arm, n, seconds, draft_seconds, lag_tokens)
+            error = self.costs.observe(arm, n, seconds, draft_seconds, lag_tokens, forward_seconds)
+            if error is not None:
+                self.errors.append(error)
         if arm.speculative and drafted is not None:
             self.acceptance.observe(arm, drafted, accepted, branches)
 

@@ -239,6 +239,56 @@ def test_the_drafting_and_the_verification_are_corrected_apart():
     assert costs.correction[hybrid].value(n) == pytest.approx(1.0)
 
 
+def test_the_hosts_part_of_a_step_is_measured_and_prices_an_arm_that_never_ran():
+    """Calibration times forwards only: a step's sampling, reading and bookkeeping are learned from
+    every step (its time less its forward and drafting). An arm that never ran is priced with its
+    kind's host part (every speculative arm's), never as free; another batch bucket with the
+    nearest measured one's, scaled by the batch."""
+    costs = linear_costs()
+    none, chain2, chain4 = S("none"), S("chain:2"), S("chain:4")
+    n = 4
+    before = costs.seconds(chain2, n)
+    forward = costs.verify_seconds(chain4, n)
+    errors = []
+    for _ in range(20):  # chain:4 steps whose host part is 5 ms beyond the forward and the drafting
+        draft = costs.draft_seconds(chain4, n)
+        errors.append(costs.observe(chain4, n, forward + draft + 5e-3, draft, 0, forward_seconds=forward))
+    assert errors[0] is None and errors[-1] == pytest.approx(0.0, abs=0.01)  # the first step teaches nothing
+    assert costs.host.value(chain4, n) == pytest.approx(5e-3, rel=1e-6)
+    assert costs.seconds(chain4, n) == pytest.approx(forward + costs.draft_seconds(chain4, n) + 5e-3, rel=0.02)
+    assert costs.seconds(chain2, n) == pytest.approx(before + 5e-3, rel=0.02)  # its kind's, untried
+    assert costs.host.value(none, n) == pytest.approx(5e-3, rel=1e-6)  # the other kind's: the nearest known
+    assert costs.host.value(chain4, 2 * n) == pytest.approx(10e-3, rel=1e-6)  # a larger bucket: scaled
+    assert costs.correction[chain4].value(n) == pytest.approx(1.0)  # the forward itself was as calibrated
+    state = costs.state_dict()
+    again = linear_costs()
+    again.load_state_dict(state, [none, chain2, chain4])
+    assert again.host.value(chain4, n) == pytest.approx(5e-3, rel=1e-6)
+
+
+def test_the_last_arm_keeps_running_unless_another_is_faster_by_more_than_the_models_error():
+    """Predictions within the cost model's own measured error of each other cannot be told apart:
+    the arm of the last step keeps running, and a switch needs a predicted gain beyond the error."""
+    selector = selector_with(linear_costs(), optimism=0.0)
+    teach_chain(selector, hazard=0.8)
+    n, remaining = 1, 100
+    ranked = selector.predictions(n, remaining)
+    best, second = ranked[0], ranked[1]
+    assert selector.error == 0.0 and selector.choose(n, remaining) == best.arm
+    selector.last_arm = second.arm
+    gap = math.log(second.finish_s / best.finish_s)
+    selector.errors.extend([1.5 * gap] * 8)  # the model is off by more than the gap
+    assert selector.error == pytest.approx(1.5 * gap)
+    assert selector.choose(n, remaining) == second.arm
+    selector.errors.extend([0.5 * gap] * 32)  # ... by less
+    assert selector.choose(n, remaining) == best.arm
+    # steady steps of an arm record how far their prediction was off
+    selector = selector_with(linear_costs(), optimism=0.0)
+    for _ in range(12):
+        selector.observe(S("none"), 2, 1.2 * selector.costs.seconds(S("none"), 2))
+    assert selector.last_arm == S("none") and len(selector.errors) == 11 and selector.error > 0
+
+
 def test_the_choice_follows_goodput_where_the_best_arm_changes_with_batch_size():
     selector = selector_with(linear_costs(), optimism=0.0)
     teach_chain(selector, hazard=0.8)
@@ -336,12 +386,12 @@ def spy_on(engine) -> list[dict]:
     seen = []
     observe = engine.selector.observe
 
-    def spy(arm, n, seconds, draft_seconds=0.0, drafted=None, accepted=None, lag_tokens=0, branches=None, timed=True):
+    def spy(arm, n, seconds, draft_seconds=0.0, drafted=None, accepted=None, lag_tokens=0, branches=None, **kwargs):
         seen.append(
             {"arm": arm, "n": n, "seconds": seconds, "drafted": drafted, "accepted": accepted, "lag": lag_tokens}
         )
-        seen[-1].update(branches=branches, timed=timed)
-        observe(arm, n, seconds, draft_seconds, drafted, accepted, lag_tokens, branches, timed)
+        seen[-1].update(branches=branches, timed=kwargs.get("timed", True), forward=kwargs.get("forward_seconds"))
+        observe(arm, n, seconds, draft_seconds, drafted, accepted, lag_tokens, branches, **kwargs)
 
     engine.selector.observe = spy
     return seen
