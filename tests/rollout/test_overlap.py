@@ -215,10 +215,10 @@ def _scripted_adaptive(model, arms: list[str], drafter=None) -> tuple[RolloutEng
     engine.selector.choose = lambda n, remaining, lag: by_kind[arms[next(plans) % len(arms)]]
     observe = engine.selector.observe
 
-    def spy(arm, n, seconds, *rest, timed=True):
+    def spy(arm, n, seconds, *rest, timed=True, **kwargs):
         lag = rest[3] if len(rest) > 3 else 0
         seen.append({"arm": str(arm), "n": n, "timed": timed, "lag": lag})
-        observe(arm, n, seconds, *rest, timed=timed)
+        observe(arm, n, seconds, *rest, timed=timed, **kwargs)
 
     engine.selector.observe = spy
     return engine, seen

@@ -30,12 +30,14 @@ def _assert_same_samples(got, want, count: int) -> None:
         torch.testing.assert_close(a.label_probs, b.label_probs, rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("graph_backend", ["none", "eager"])
-def test_chains_launched_on_the_device_decode_and_record_what_plain_decoding_does(graph_backend):
+def test_chains_launched_on_the_device_decode_and_record_what_plain_decoding_does():
     """``overlap=True`` with ``chain:3``: the head catches up on the step before's rows from the
     device (the target's features there, the tokens it emitted) and drafts from the row of each
     sequence's last kept token; its recorder gets each step's kept rows when the host reads them.
-    Tokens and recorded samples are plain decoding's."""
+    Tokens and recorded samples are plain decoding's. The target's forwards replay padded buckets
+    (eager graphs: the features come out of the captured forward); the unpadded path of the same
+    inputs is the drafter LM's test (tests/rollout/spec/test_device_chain.py)."""
+    graph_backend = "eager"
     model, head = target("llama"), trained_head("llama")
     prompts = random_prompts(7, seed=44)
     params = stopping_params(model, prompts, n=24, stop_from=3)

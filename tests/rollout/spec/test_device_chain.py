@@ -169,7 +169,7 @@ def test_serving_an_inbox_with_chains_on_the_device_matches_plain_decoding():
     model = cached_model("llama")
     draft = perturbed_copy(model, noise=0.05, seed=7)
     prompts = random_prompts(8, seed=40, min_len=2, max_len=12)
-    params = stopping_params(model, prompts, n=30)
+    params = stopping_params(model, prompts, n=22)
     plain = RolloutEngine(model, RolloutConfig(block_size=4, kv_cache_tokens=4096), eos_token_ids=[EOS])
     want = plain.generate(prompts, params)
     engine, inbox = _engine(model, draft, overlap=True), RequestInbox()
