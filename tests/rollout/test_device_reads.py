@@ -9,7 +9,7 @@ import collections
 
 import pytest
 import torch
-from rollout_helpers import cached_model, random_prompts
+from rollout_helpers import cached_model, random_prompts, with_growth
 
 from tailspec.kernels.dispatch import kernel_backend
 from tailspec.rollout import RolloutConfig, RolloutEngine, SamplingParams
@@ -32,10 +32,9 @@ def generate_counting_reads(monkeypatch, engine: RolloutEngine, prompts, params,
             return _original(self, *args, **kwargs)
 
         monkeypatch.setattr(torch.Tensor, name, counting)
-    before = [getattr(engine.stats, name) for name in counters]
-    engine.generate(prompts, params)
+    _, grown = with_growth(engine, counters, lambda: engine.generate(prompts, params))
     monkeypatch.undo()
-    return sum(counts.values()), tuple(getattr(engine.stats, name) - b for name, b in zip(counters, before))
+    return sum(counts.values()), grown
 
 
 @pytest.mark.parametrize("graph_backend", ["none", "eager"])
@@ -157,11 +156,7 @@ def test_on_cuda_a_step_waits_for_the_device_only_where_it_reads(strategy, sampl
     elif sampling == "sampled":
         params = params.with_updates(temperature=1.0, seed=3)
     engine.generate(prompts, params)  # captures every graph the measured call replays
-    before = (engine.stats.prefill_steps, engine.stats.decode_steps, engine.stats.spec_steps)
-    _, waits = with_synchronizations(lambda: engine.generate(prompts, params))
-    prefills, decodes, specs = (
-        engine.stats.prefill_steps - before[0],
-        engine.stats.decode_steps - before[1],
-        engine.stats.spec_steps - before[2],
+    (_, waits), (prefills, decodes, specs) = with_growth(
+        engine, STEP_COUNTERS, lambda: with_synchronizations(lambda: engine.generate(prompts, params))
     )
     assert decodes > 0 and waits <= prefills + (decodes - specs) + specs * waits_per_spec_step, waits

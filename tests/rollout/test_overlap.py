@@ -5,12 +5,11 @@ from dataclasses import replace
 
 import pytest
 import torch
-from rollout_helpers import EOS, chi_square_pvalue, hf_greedy, random_prompts
+from rollout_helpers import EOS, chi_square_pvalue, hf_greedy, random_prompts, serve_handing_one_over
 from test_spec_sampling import PROMPT, V, exact_joint_of_tokens_2_and_3, target
 
 from tailspec.kernels.transfers import QueuedRead
 from tailspec.rollout import RolloutConfig, RolloutEngine, SamplingParams
-from tailspec.rollout.handoff import InboxItem, RequestInbox
 from tailspec.rollout.model.runner import ModelRunner
 from tailspec.testing import perturbed_copy, stopping_params, with_synchronizations
 
@@ -164,25 +163,9 @@ def test_serving_an_inbox_overlapped_matches_plain_decoding(arch_model):
     params = stopping_params(arch_model, prompts, n=20)
     plain, _ = _completions(arch_model, prompts, params)
     config = RolloutConfig(block_size=4, kv_cache_tokens=4096, overlap=True)
-    engine, inbox = RolloutEngine(arch_model, config, eos_token_ids=[EOS]), RequestInbox()
-    inbox.put([InboxItem(i, prompts[i], params[i]) for i in range(5)])
-    updates = engine.serve(inbox, idle_wait_s=0.05)
-    got = dict(next(updates).finished)
-    moved = max((k for k in range(5) if k not in got), key=lambda k: len(plain[k].completion_ids))
-    inbox.put([InboxItem(i, prompts[i], params[i]) for i in range(5, 8)])  # joins the running batch
-    inbox.release([moved])
-    inbox.close(len(prompts))
-    released = {}
-    for update in updates:
-        got.update(update.finished)
-        released.update(update.released)
-    assert sorted([*got, *released]) == list(range(len(prompts))) and list(released) == [moved]
-    assert engine.stats.overlapped_steps > 0 and engine.decode.in_flight is None
-    other = RolloutEngine(arch_model, config, eos_token_ids=[EOS])
-    rid = other.add_request(prompts[moved], params[moved], resume=released[moved])
-    while other.has_unfinished():
-        other.step()
-    got[moved] = other.pop_output(rid)
+    engine, other = (RolloutEngine(arch_model, config, eos_token_ids=[EOS]) for _ in range(2))
+    got = serve_handing_one_over(engine, other, prompts, params, [len(o.completion_ids) for o in plain])
+    assert engine.stats.overlapped_steps > 0
     assert [got[i].completion_ids for i in range(len(prompts))] == [o.completion_ids for o in plain]
     for e in (engine, other):
         assert e.runner.cache.allocator.num_free == e.runner.cache.allocator.num_blocks

@@ -5,11 +5,17 @@ Its tokens are plain decoding's; what changes is when the host learns them."""
 import numpy as np
 import pytest
 import torch
-from rollout_helpers import EOS, cached_model, random_prompts
+from rollout_helpers import (
+    EOS,
+    cached_model,
+    plain_greedy_outputs,
+    random_prompts,
+    serve_handing_one_over,
+    with_growth,
+)
 
 from tailspec.kernels.dispatch import kernel_backend
 from tailspec.rollout import RolloutConfig, RolloutEngine, SamplingParams
-from tailspec.rollout.handoff import InboxItem, RequestInbox
 from tailspec.rollout.model.attention import SequenceSlice
 from tailspec.rollout.model.device_inputs import BlockTables, device_inputs
 from tailspec.rollout.model.runner import ModelRunner
@@ -47,8 +53,7 @@ def test_overlapped_greedy_chains_equal_plain_decoding(arch, drafter, graph_back
     draft = perturbed_copy(model, noise=DRAFTERS[drafter], seed=7)
     prompts = random_prompts(7, seed=31, min_len=2, max_len=14)
     params = stopping_params(model, prompts, n=22)
-    plain = RolloutEngine(model, RolloutConfig(block_size=4, kv_cache_tokens=4096), eos_token_ids=[EOS])
-    want = plain.generate(prompts, params)
+    want = plain_greedy_outputs(model, prompts, params)
     got, engine = _generate(model, draft, prompts, params, overlap=True, graph_backend=graph_backend)
     assert [o.completion_ids for o in got] == [o.completion_ids for o in want]
     assert [o.finish_reason for o in got] == [o.finish_reason for o in want]
@@ -148,8 +153,7 @@ def test_adaptive_moves_between_chain_depths_and_plain_steps_and_stays_exact():
     draft = perturbed_copy(model, noise=0.05, seed=7)
     prompts = random_prompts(6, seed=37, min_len=2, max_len=12)
     params = stopping_params(model, prompts, n=26)
-    plain = RolloutEngine(model, RolloutConfig(block_size=4, kv_cache_tokens=4096), eos_token_ids=[EOS])
-    want = plain.generate(prompts, params)
+    want = plain_greedy_outputs(model, prompts, params)
     config = RolloutConfig(strategy="adaptive", overlap=True, block_size=4, kv_cache_tokens=4096)
     engine = RolloutEngine(model, config, drafter=draft, eos_token_ids=[EOS])
     by_name = {str(arm): arm for arm in engine.selector.arms}
@@ -170,27 +174,10 @@ def test_serving_an_inbox_with_chains_on_the_device_matches_plain_decoding():
     draft = perturbed_copy(model, noise=0.05, seed=7)
     prompts = random_prompts(8, seed=40, min_len=2, max_len=12)
     params = stopping_params(model, prompts, n=22)
-    plain = RolloutEngine(model, RolloutConfig(block_size=4, kv_cache_tokens=4096), eos_token_ids=[EOS])
-    want = plain.generate(prompts, params)
-    engine, inbox = _engine(model, draft, overlap=True), RequestInbox()
-    inbox.put([InboxItem(i, prompts[i], params[i]) for i in range(5)])
-    updates = engine.serve(inbox, idle_wait_s=0.05)
-    got = dict(next(updates).finished)
-    moved = max((k for k in range(5) if k not in got), key=lambda k: len(want[k].completion_ids))
-    inbox.put([InboxItem(i, prompts[i], params[i]) for i in range(5, 8)])  # joins the running batch
-    inbox.release([moved])
-    inbox.close(len(prompts))
-    released = {}
-    for update in updates:
-        got.update(update.finished)
-        released.update(update.released)
-    assert sorted([*got, *released]) == list(range(len(prompts))) and list(released) == [moved]
-    assert engine.stats.overlapped_steps > 0 and engine.decode.in_flight is None
-    other = _engine(model, draft, overlap=True)
-    rid = other.add_request(prompts[moved], params[moved], resume=released[moved])
-    while other.has_unfinished():
-        other.step()
-    got[moved] = other.pop_output(rid)
+    want = plain_greedy_outputs(model, prompts, params)
+    engine, other = _engine(model, draft, overlap=True), _engine(model, draft, overlap=True)
+    got = serve_handing_one_over(engine, other, prompts, params, [len(o.completion_ids) for o in want])
+    assert engine.stats.overlapped_steps > 0
     assert [got[i].completion_ids for i in range(len(prompts))] == [o.completion_ids for o in want]
     for e in (engine, other):
         allocator = e.runner.cache.allocator
@@ -206,8 +193,7 @@ def test_position_keyed_samples_are_plain_decodings_on_the_device():
     draft = perturbed_copy(model, noise=0.05, seed=7)
     prompts = random_prompts(4, seed=36, min_len=3, max_len=9)
     params = [SamplingParams(temperature=0.8, seed=i, noise="position", max_new_tokens=24) for i in range(4)]
-    plain = RolloutEngine(model, RolloutConfig(block_size=4, kv_cache_tokens=4096), eos_token_ids=[EOS])
-    want = plain.generate(prompts, params)
+    want = plain_greedy_outputs(model, prompts, params)
     got, engine = _generate(model, draft, prompts, params, overlap=True)
     assert [o.completion_ids for o in got] == [o.completion_ids for o in want]
     for g, w in zip(got, want):
@@ -295,12 +281,9 @@ def test_on_cuda_a_chain_step_launched_on_the_device_does_not_wait_for_it(temper
     engine = RolloutEngine(model, RolloutConfig(strategy="chain:4", overlap=True), drafter=drafter)
     prompts, params = random_prompts(3, seed=4), SamplingParams(max_new_tokens=40, temperature=temperature, seed=3)
     engine.generate(prompts, params)  # captures every graph the measured call replays
-    before = (engine.stats.prefill_steps, engine.stats.spec_steps, engine.stats.overlapped_steps)
-    outs, waits = with_synchronizations(lambda: engine.generate(prompts, params))
-    prefills, specs, overlapped = (
-        engine.stats.prefill_steps - before[0],
-        engine.stats.spec_steps - before[1],
-        engine.stats.overlapped_steps - before[2],
+    counters = ("prefill_steps", "spec_steps", "overlapped_steps")
+    (outs, waits), (prefills, specs, overlapped) = with_growth(
+        engine, counters, lambda: with_synchronizations(lambda: engine.generate(prompts, params))
     )
     assert overlapped > specs // 2 and waits <= prefills + 2 * (specs - overlapped), waits
     if temperature == 0.0:
