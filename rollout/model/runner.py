@@ -264,10 +264,9 @@ class ModelRunner:
         self, tables: BlockTables, cached: torch.Tensor, ids: torch.Tensor, new: int, bound: int, taps=()
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``[len(tables) * new, vocab]`` logits of a forward whose lengths are on the device
-        (``device_inputs.py``), and the hidden states entering the ``taps`` layers (None without):
-        sequence ``i`` (block table ``tables[i]``, ``cached[i]`` tokens cached) feeds
-        ``ids[i * new : (i + 1) * new]``; ``bound``: an upper bound of every ``cached[i] + new``.
-        Replayed from the graph pool where a bucket holds it."""
+        (``device_inputs.py``; sequence ``i`` feeds ``ids[i * new : (i + 1) * new]`` after its
+        ``cached[i]`` tokens; ``bound`` caps every ``cached[i] + new``), and the hidden states
+        entering the ``taps`` layers (None without). Replayed from the graph pool where it can."""
         n, bs, taps = len(tables), self.cache.block_size, tuple(taps)
         key = self.graph_key(n, new, bound)
         if key is None:
