@@ -128,6 +128,40 @@ def draft_chains_on_device(
     return trees
 
 
+class DeviceChainPicks:
+    """The picks of a chain drafted from state on the device (``rollout/spec/device_chain.py``), one
+    :meth:`pick` per depth: each request's rule (:func:`pick_draft_tokens`) with the chain's uniforms
+    drawn beforehand (``generator``: the drafter's stream) and, for position-keyed rows, completion
+    indices from the device lengths ``cached``. :meth:`result` gives the drafts and (None for an
+    all-greedy batch) their distributions."""
+
+    def __init__(self, seqs: Sequence[EngineSequence], generator: torch.Generator, depth: int, cached: torch.Tensor):
+        from ..rollout.model.device_inputs import completion_offsets
+
+        self.seqs, device = seqs, cached.device
+        self.st = self.uniforms = self.indices = None
+        if not all(s.params.greedy for s in seqs):
+            self.st = BatchSamplingTensors.from_params([s.params for s in seqs], device)
+            self.uniforms = to_device(chain_uniforms(seqs, generator, [depth] * len(seqs), depth), device)
+        if any(s.params.position_keyed for s in seqs):
+            self.indices = cached + to_device(completion_offsets(seqs), device)
+        self.tokens: list[torch.Tensor] = []
+        self.probs: list[torch.Tensor | None] = []
+
+    def pick(self, logits: torch.Tensor) -> torch.Tensor:
+        """The next depth's tokens from ``logits`` (target vocabulary), kept and returned."""
+        d = len(self.tokens)
+        uniforms = None if self.uniforms is None else self.uniforms[:, d]
+        at = None if self.indices is None else self.indices + d
+        token, q = pick_draft_tokens(self.seqs, logits.float(), uniforms, (), self.st, at)
+        self.tokens.append(token)
+        self.probs.append(q)
+        return token
+
+    def result(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return torch.stack(self.tokens, dim=1), None if self.st is None else torch.stack(self.probs, dim=1)
+
+
 class ChainDrafts:
     """The chains a model drafter is growing, one per request: each :meth:`extend` picks the next
     token of every active chain from ``logits`` (rows in ``active`` order), then retires chains

@@ -39,15 +39,14 @@ from ..draft_contract import (
     DraftTree,
     SequenceView,
 )
-from ..kernels.transfers import select_rows, to_device
+from ..kernels.transfers import select_rows
 from ..rollout.mirror.hosted import weights_bytes
 from ..rollout.model.attention import SequenceSlice, paged_attention_enabled
-from ..rollout.model.device_inputs import BlockTables, completion_offsets
+from ..rollout.model.device_inputs import BlockTables
 from ..rollout.model.graph_pool import GraphPool
 from ..rollout.model.kv_cache import blocks_for
 from ..rollout.model.runner import LM_HEAD_INPUT, ModelRunner
-from ..rollout.sampling import BatchSamplingTensors
-from .draft_sampling import ChainDrafts, chain_uniforms, draft_chains_on_device, draft_generator, pick_draft_tokens
+from .draft_sampling import ChainDrafts, DeviceChainPicks, draft_chains_on_device, draft_generator
 from .lm_trainer import versioned_lm
 from .streaming import StreamingHeads
 from .tree_search import LevelInput, grow_trees
@@ -436,15 +435,7 @@ class SmallLMDrafter(Drafter, DraftsOnDevice):
         row: it can only cost acceptance."""
         tables = BlockTables([self._states[seq.seq_id].block_table for seq in seqs])
         top, cached = self.runner.vocab_size - 1, inputs.cached
-        st = uniforms = None
-        if not all(seq.params.greedy for seq in seqs):
-            st = BatchSamplingTensors.from_params([seq.params for seq in seqs], self.runner.device)
-            grid = chain_uniforms(seqs, self.generator, [depth] * len(seqs), depth)
-            uniforms = to_device(grid, self.runner.device)
-        indices = None  # position-keyed rows: each draft's completion index, from the lengths on the device
-        if any(seq.params.position_keyed for seq in seqs):
-            indices = cached + to_device(completion_offsets(seqs), cached.device)
-        drafts, probs = [], []
+        picks = DeviceChainPicks(seqs, self.generator, depth, cached)
         with self._inference():
             if inputs.previous is None:  # the host's lengths are exact: catch up as propose does
                 for seq in seqs:
@@ -454,16 +445,13 @@ class SmallLMDrafter(Drafter, DraftsOnDevice):
             else:
                 fed = inputs.last_two.reshape(-1).clamp(max=top)
                 logits = self._target_vocab(self.runner.forward_on_device(tables, cached - 1, fed, 2, bound)[0][1::2])
-            for d in range(depth):
-                if d:
-                    fed = drafts[-1].clamp(max=top)
-                    logits = self._target_vocab(self.runner.forward_on_device(tables, cached + d, fed, 1, bound)[0])
-                row_uniforms = None if uniforms is None else uniforms[:, d]
-                at = None if indices is None else indices + d
-                token, q = pick_draft_tokens(seqs, logits.float(), row_uniforms, (), st, at)
-                drafts.append(token)
-                probs.append(q)
-        return torch.stack(drafts, dim=1), None if st is None else torch.stack(probs, dim=1)
+            token = picks.pick(logits)
+            for d in range(1, depth):
+                fed = token.clamp(max=top)
+                token = picks.pick(
+                    self._target_vocab(self.runner.forward_on_device(tables, cached + d, fed, 1, bound)[0])
+                )
+        return picks.result()
 
     def settled_on_device(self, seq: SequenceView, cached: int, accepted: int, consumed: bool) -> None:
         """Its state holds the sequence's tokens before ``cached + accepted`` (the last kept one

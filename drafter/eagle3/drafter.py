@@ -51,12 +51,11 @@ from ...rollout.model.attention import (
     build_metadata,
     paged_attention_forward,
 )
-from ...rollout.model.device_inputs import BlockTables, completion_offsets, device_inputs
+from ...rollout.model.device_inputs import BlockTables, device_inputs
 from ...rollout.model.eval_mode import eval_mode
 from ...rollout.model.kv_cache import KVLayout, PagedKVCache, blocks_for
 from ...rollout.model.runner import model_device_dtype
-from ...rollout.sampling import BatchSamplingTensors
-from ..draft_sampling import ChainDrafts, chain_uniforms, draft_chains_on_device, draft_generator, pick_draft_tokens
+from ..draft_sampling import ChainDrafts, DeviceChainPicks, draft_chains_on_device, draft_generator
 from ..tree_search import LevelInput, grow_trees
 from .data import FeatureBuffer, SequenceRecorder
 from .model import Eagle3Head
@@ -449,13 +448,7 @@ class Eagle3Drafter(Drafter, DraftsOnDevice):
         and the hidden state carried on: the rows past it write slots the next catch-up rewrites."""
         tables = BlockTables([self._states[seq.seq_id].block_table for seq in seqs])
         device = self.cache.layout.device
-        st = uniforms = indices = None
-        if not all(seq.params.greedy for seq in seqs):
-            st = BatchSamplingTensors.from_params([seq.params for seq in seqs], device)
-            uniforms = to_device(chain_uniforms(seqs, self.generator, [depth] * len(seqs), depth), device)
-        if any(seq.params.position_keyed for seq in seqs):
-            indices = inputs.cached + to_device(completion_offsets(seqs), device)
-        drafts, probs = [], []
+        picks = DeviceChainPicks(seqs, self.generator, depth, inputs.cached)
         with eval_mode(self.head), torch.no_grad():
             previous = inputs.previous
             if previous is None:
@@ -471,15 +464,11 @@ class Eagle3Drafter(Drafter, DraftsOnDevice):
                 hidden, logits = out.index_select(0, last), all_logits.index_select(0, last)
                 for seq in seqs:
                     self._states[seq.seq_id].last = None
-            for d in range(depth):
-                if d:
-                    hidden, logits = self._run_on_device(tables, inputs.cached + d - 1, hidden, drafts[-1], 1)
-                row_uniforms = None if uniforms is None else uniforms[:, d]
-                at = None if indices is None else indices + d
-                token, q = pick_draft_tokens(seqs, logits, row_uniforms, (), st, at)
-                drafts.append(token)
-                probs.append(q)
-        return torch.stack(drafts, dim=1), None if st is None else torch.stack(probs, dim=1)
+            token = picks.pick(logits)
+            for d in range(1, depth):
+                hidden, logits = self._run_on_device(tables, inputs.cached + d - 1, hidden, token, 1)
+                token = picks.pick(logits)
+        return picks.result()
 
     def settled_on_device(self, seq: SequenceView, cached: int, accepted: int, consumed: bool) -> None:
         """The step's kept features were just observed (positions ``cached .. cached + accepted``):
