@@ -39,7 +39,9 @@ class CheckSize:
     big_batches: tuple[int, ...]  # ... decoded at these batch sizes
     batch1_passes: int  # the speed stage's batch-1 contenders, timed in this many interleaved passes
     tail_passes: int  # ... and the long tail's (fresh prompts each pass), and `none` at the largest batch
-    anatomy_passes: int = 3  # the speed stage's decode-step profiles, in this many interleaved passes
+    anatomy_passes: int = 3  # the speed stage's decode-step profiles, in this many interleaved passes ...
+    anatomy_batches: tuple[int, ...] = (1, 16, 64)  # ... at these batch sizes
+    fast_path_passes: int = 3  # fast_path's contenders, timed in this many interleaved passes
 
     @classmethod
     def of(cls, name: str) -> CheckSize:
@@ -50,8 +52,11 @@ class CheckSize:
                 (4096, 14336, 32), (1,), 5, 3,
             )  # fmt: skip
         if name == "tiny":
+            # the rehearsal proves every part runs (CI runs it): the fewest passes, batches and tokens
+            # that still take each path (interleaving, same-pass ratios, a batch above 1)
             return cls(
-                "tiny", 384, 960, 26, (1, 4), (1, 4), 12, 6, 600, 4, True, (128, 256), (512, 1280, 28), (1,), 2, 2, 1
+                "tiny", 384, 960, 26, (1, 4), (1, 4), 8, 4, 600, 4, True, (128,), (512, 1280, 28), (1,), 2, 2, 1,
+                anatomy_batches=(1,), fast_path_passes=2,
             )  # fmt: skip
         raise ValueError(f"size must be 'full' or 'tiny', got {name!r}")
 
@@ -99,6 +104,7 @@ class StageReport:
     results: dict[str, Any] = field(default_factory=dict)
     skipped: list[dict[str, str]] = field(default_factory=list)
     errors: list[dict[str, str]] = field(default_factory=list)
+    part_seconds: dict[str, float] = field(default_factory=dict)  # each part that ran: its wall seconds
 
 
 class Stage:
@@ -151,11 +157,14 @@ class Stage:
             self.skip(name, f"stage budget: {self.left():.0f} s left, needs about {needs_s:.0f} s")
             yield False
             return
+        started = time.perf_counter()
         try:
             yield True
         except Exception as e:  # a failing part is a finding, not the end of the check
             self.report.errors.append({"part": name, "error": repr(e), "traceback": traceback.format_exc()})
             logger.exception("%s %s failed", self.report.stage, name)
+        finally:
+            self.report.part_seconds[name] = round(time.perf_counter() - started, 2)
             self.save()
 
     def finish(self) -> StageReport:

@@ -7,10 +7,10 @@ add, the norm and the MLP's activation after it); compiled with merged projectio
 (``RolloutConfig.merge_projections``: QKV and gate-up one GEMM each). On the grown 1.0B policy
 (``speed.grow``), batch sizes of the pack's speed stage:
 
-* ``none`` with CUDA graphs on each path, 3 passes interleaved (the order rotating), median and
-  spread of the same-pass ratio to the eager layers; the same completions or not (bf16 fusions
-  round differently, so a near-tie may flip: reported; in fp32, the CPU rehearsal, checked: CI's
-  check that Inductor's generated code decodes as the eager layers do);
+* ``none`` with CUDA graphs on each path, in ``CheckSize.fast_path_passes`` interleaved passes
+  (the order rotating), median and spread of the same-pass ratio to the eager layers; the same
+  completions or not (bf16 fusions round differently, so a near-tie may flip: reported; in fp32,
+  the CPU rehearsal, checked: CI's check that Inductor's generated code decodes as the eager layers do);
 * kernels per batch-1 decode step and their device time on each path (the profile of one graph
   replay), and the step against its bandwidth floor;
 * ``chain:4`` with the drafter LM on each path at batch 1;
@@ -45,7 +45,6 @@ from .speed import (
     start_speed_run,
 )
 
-PASSES = 3
 LONG_CONTEXT_NEW = 32  # tokens decoded after a long prompt (ignore_eos: every context decodes as many)
 
 
@@ -90,7 +89,7 @@ def compiled_against_eager(speed: SpeedRun, strategy: str, batches) -> None:
             f"{strategy} graphs{suffix}": lambda p, f=fields, b=batch: _rate(speed, strategy, b, f)
             for _, suffix, fields in variants(strategy, batch)
         }
-        runs = speed.in_passes(batch, rates, PASSES)
+        runs = speed.in_passes(batch, rates, speed.stage.size.fast_path_passes)
         eager = runs[f"{strategy} graphs"]
         for name, suffix, _ in variants(strategy, batch)[1:]:
             variant = runs[f"{strategy} graphs{suffix}"]
@@ -199,7 +198,8 @@ def long_contexts(speed: SpeedRun, policy, copy_gbs: float, attention: str) -> N
     """Batch-1 decoding after a long prompt (RL reasoning rollouts run 4k-32k tokens): the decode
     step against its bandwidth floor at each context, with each attention path (gather + SDPA, and
     the split-KV Triton kernel on a GPU). Per context an engine per path, warmed on another prompt
-    of the same length (its graphs captured), then timed in 3 passes, the paths interleaved."""
+    of the same length (its graphs captured), then timed in ``CheckSize.fast_path_passes`` passes,
+    the paths interleaved."""
     greedy = SamplingParams(temperature=0.0, max_new_tokens=LONG_CONTEXT_NEW, ignore_eos=True)
     paths = ("torch", "triton") if torch.cuda.is_available() else (attention,)
     vocab = sorted(set(range(len(speed.contenders.tokenizer))) - set(speed.contenders.tokenizer.all_special_ids))
@@ -215,7 +215,7 @@ def long_contexts(speed: SpeedRun, policy, copy_gbs: float, attention: str) -> N
                         engines[kernels] = _long_context_engine(speed, policy, context, kernels)
                         engines[kernels].generate(warm, greedy)
             steps: dict[str, list[float]] = {k: [] for k in engines}
-            for p in range(PASSES):
+            for p in range(speed.stage.size.fast_path_passes):
                 for kernels in list(engines) if p % 2 == 0 else list(reversed(engines)):
                     with speed.stage.part(f"none kernels={kernels} context {context} pass {p + 1}", 5) as ok:
                         if ok:

@@ -34,8 +34,8 @@ CHAIN_ON_DEVICE = "chain:4 overlapped"  # RolloutConfig(overlap=True): launched 
 SPEC_CONTENDERS = {s: (s, {}) for s in SPEC_STRATEGIES} | {CHAIN_ON_DEVICE: ("chain:4", {"overlap": True})}
 # chain:4 launched on the device / none (issue targets, the median of same-pass ratios)
 DEVICE_CHAIN_TARGETS = {1: 2.6, 16: 1.8, 64: 1.6}
-# a decode step's anatomy (wall against device busy, the host's CUDA calls): these arms at every
-# speculative batch size, in ``CheckSize.anatomy_passes`` interleaved passes (``step_anatomy``)
+# a decode step's anatomy (wall against device busy, the host's CUDA calls): these arms at
+# ``CheckSize.anatomy_batches``, in ``CheckSize.anatomy_passes`` interleaved passes (``step_anatomy``)
 ANATOMY = (("none", "none", {}), ("none overlapped", "none", {"overlap": True}), ("chain:4", "chain:4", {}))
 ANATOMY = (*ANATOMY, (CHAIN_ON_DEVICE, "chain:4", {"overlap": True}), ("tree:4,2,8", "tree:4,2,8", {}))
 
@@ -462,7 +462,7 @@ def run(stage: Stage) -> None:
     speculation(speed, other_kernels)
     long_tail(stage, speed.contenders, speed.contenders.tokenizer, speed.graphs, speed.add, speed.headline)
     passes = range(stage.size.anatomy_passes)
-    later = [(p, b) for p in passes for b in stage.size.spec_batches if (p, b) != (0, 1)]
+    later = [(p, b) for p in passes for b in stage.size.anatomy_batches if (p, b) != (0, 1)]
     step_anatomy(speed, later)
     stage.record("headline", speed.headline)
     speed.contenders.close()
