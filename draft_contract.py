@@ -86,6 +86,19 @@ class DraftTree:
     def is_chain(self) -> bool:
         return all(p == i - 1 for i, p in enumerate(self.parents))
 
+    def first_branch(self, path: Sequence[int]) -> tuple[int, int]:
+        """How deep the first branch goes (the first child at every level: what this tree's
+        drafter's chain would have drafted) and how much of it the accepted ``path`` (node
+        indices) kept: what ``adaptive`` learns its drafter's chains from."""
+        branch, node = [], -1
+        while kids := self.children[node + 1]:
+            node = kids[0]
+            branch.append(node)
+        kept = 0
+        while kept < min(len(branch), len(path)) and branch[kept] == path[kept]:
+            kept += 1
+        return len(branch), kept
+
     def ancestor_mask(self) -> torch.Tensor:
         """``[n + 1, n + 1]`` bool mask over the root and the nodes: True where the row may attend.
         Built in numpy (a row copy per node: torch's per-element indexing costs ~10x more, and a
@@ -333,15 +346,18 @@ class Stateful(Protocol):
 
 @dataclass
 class StepOnDevice:
-    """A chain step as its verification left it on the device (``rollout/spec/device_chain.py``):
-    the pending tokens' positions it ran at, its emitted tokens (row ``j``'s token; ``accepted``
-    drafts then the final token are real, the rest padding), its accept lengths, and the target's
-    features at its rows (for a drafter that reads them; None otherwise)."""
+    """A step as its verification left it on the device (``rollout/spec/device_step.py``): the
+    pending tokens' positions it ran at, its emitted tokens (``emitted[:, j]`` is the token at
+    ``cached + 1 + j``; ``accepted`` drafts then the final token are real, the rest padding), its
+    accept lengths, the target's features at its rows (a chain's, for a drafter that reads them;
+    None otherwise), and whether its drafts were a tree (whose drafter forwards wrote scratch,
+    not the kept tokens, past the pending one)."""
 
     cached: torch.Tensor  # [B]
-    emitted: torch.Tensor  # [B, k + 1]
+    emitted: torch.Tensor  # [B, depth + 1]
     accepted: torch.Tensor  # [B]
     features: torch.Tensor | None = None  # [B, k + 1, feature_size]
+    tree: bool = False
 
 
 @dataclass
@@ -359,7 +375,7 @@ class DeviceDraftInputs:
 @runtime_checkable
 class DraftsOnDevice(Protocol):
     """A drafter that drafts chains from state on the device: a step launched before the one in
-    flight is read (``rollout/spec/device_chain.py``) hands it :class:`DeviceDraftInputs`, never
+    flight is read (``rollout/spec/device_step.py``) hands it :class:`DeviceDraftInputs`, never
     read, and tells it what the host read of each step once the step is read."""
 
     def ready_on_device(self, seqs: Sequence[SequenceView]) -> bool:
@@ -378,9 +394,36 @@ class DraftsOnDevice(Protocol):
         distributions; ``bound`` is an upper bound of every ``cached[i] + depth + 1``."""
         ...
 
-    def settled_on_device(self, seq: SequenceView, cached: int, accepted: int, consumed: bool) -> None:
-        """The host read a step of ``seq``: it ran with the pending token at ``cached`` and accepted
-        ``accepted`` drafts; ``consumed``: a later step launched on the device drafted from it."""
+    def settled_on_device(self, seq: SequenceView, cached: int, kept: int, consumed: bool) -> None:
+        """The host read a step of ``seq``: it ran with the pending token at ``cached``, and its
+        drafter's forwards left the ``kept`` drafts after it at their positions (a chain's accepted
+        drafts; none for a tree); ``consumed``: a later step launched on the device drafted from it."""
+        ...
+
+
+def static_tree_nodes(shape: DraftShape) -> int:
+    """How many nodes a tree of ``shape`` drafted on the device has (the same for every sequence):
+    the ``budget`` best of level 1's ``topk`` and each further level's ``topk ** 2``."""
+    return min(shape.max_nodes, shape.topk + (shape.depth - 1) * shape.topk**2)
+
+
+def static_tree_scratch(shape: DraftShape) -> int:
+    """The most rows past the pending token a drafter's forward writes growing a tree of ``shape``
+    on the device (its last level runs ``topk`` paths of ``depth - 1`` tokens)."""
+    return shape.topk * (shape.depth - 1)
+
+
+@runtime_checkable
+class TreesOnDevice(DraftsOnDevice, Protocol):
+    """A drafter that also drafts trees from state on the device."""
+
+    def draft_tree_on_device(
+        self, seqs: Sequence[SequenceView], inputs: DeviceDraftInputs, shape: DraftShape, bound: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``[len(seqs), n]`` draft tokens and their parents (node indices, -1 for a child of the
+        root), a best-first tree of ``shape`` per sequence with the same ``n`` for all
+        (``drafter/tree_search.grow_static_trees``); ``bound``: an upper bound of every position
+        its forwards or the verification write, plus one."""
         ...
 
 

@@ -129,7 +129,7 @@ def draft_chains_on_device(
 
 
 class DeviceChainPicks:
-    """The picks of a chain drafted from state on the device (``rollout/spec/device_chain.py``), one
+    """The picks of a chain drafted from state on the device (``rollout/spec/device_step.py``), one
     :meth:`pick` per depth: each request's rule (:func:`pick_draft_tokens`) with the chain's uniforms
     drawn beforehand (``generator``: the drafter's stream) and, for position-keyed rows, completion
     indices from the device lengths ``cached``. :meth:`result` gives the drafts and (None for an

@@ -35,21 +35,21 @@ from ..draft_contract import (
     Drafter,
     DraftRequest,
     DraftShape,
-    DraftsOnDevice,
     DraftTree,
     SequenceView,
+    TreesOnDevice,
 )
 from ..kernels.transfers import select_rows
 from ..rollout.mirror.hosted import weights_bytes
 from ..rollout.model.attention import SequenceSlice, paged_attention_enabled
-from ..rollout.model.device_inputs import BlockTables
+from ..rollout.model.device_inputs import BlockTables, static_paths
 from ..rollout.model.graph_pool import GraphPool
 from ..rollout.model.kv_cache import blocks_for
 from ..rollout.model.runner import LM_HEAD_INPUT, ModelRunner
 from .draft_sampling import ChainDrafts, DeviceChainPicks, draft_chains_on_device, draft_generator
 from .lm_trainer import versioned_lm
 from .streaming import StreamingHeads
-from .tree_search import LevelInput, grow_trees
+from .tree_search import LevelInput, grow_static_trees, grow_trees
 
 logger = logging.getLogger(__name__)
 
@@ -98,7 +98,7 @@ def output_rows(model: torch.nn.Module) -> int:
     return int(model.get_output_embeddings().weight.shape[0])
 
 
-class SmallLMDrafter(Drafter, DraftsOnDevice):
+class SmallLMDrafter(Drafter, TreesOnDevice):
     name = "small_lm"
     forks_branches = True
     # chains drafted on the device with one read a step (draft_chains_on_device); False: the
@@ -413,7 +413,7 @@ class SmallLMDrafter(Drafter, DraftsOnDevice):
         trees, _ = grow_trees(requests, torch.log_softmax(root_logits, dim=-1), shape, score_level)
         return trees
 
-    # -- greedy chains from state on the device (DraftsOnDevice) ---------------------------
+    # -- chains and trees from state on the device (TreesOnDevice) -------------------------
     def ready_on_device(self, seqs: Seq[SequenceView]) -> bool:
         # streaming heads draft several tokens a forward, from host lengths
         return self.heads is None and all(self._can_read(seq) for seq in seqs)
@@ -423,29 +423,39 @@ class SmallLMDrafter(Drafter, DraftsOnDevice):
         busy = {seq.seq_id for seq in seqs}
         return all(self._ensure_room(seq.seq_id, n, busy) for seq, n in zip(seqs, lengths))
 
+    def _root_on_device(self, seqs: Seq[SequenceView], inputs: DeviceDraftInputs, tables, bound: int) -> torch.Tensor:
+        """The logits after each sequence's pending token. From the host's state the catch-up feeds
+        the tokens the state lacks (the prompt, the first time). From a chain step on the device,
+        the last two tokens at ``cached - 1`` and ``cached`` (the first is in the state already
+        unless the whole last draft was accepted: rewriting it costs less than a ragged forward);
+        from a tree step, whose forwards left scratch past its pending token, every token it
+        emitted, padded, the row at its accept length giving the logits. A token past this LM's
+        embedding table (a target's padding id) is fed as the last row: it can only cost acceptance."""
+        previous, top = inputs.previous, self.runner.vocab_size - 1
+        if previous is None:  # the host's lengths are exact: catch up as propose does
+            for seq in seqs:
+                state = self._states[seq.seq_id]
+                state.num_cached = min(state.num_cached, seq.num_tokens - 1)
+            return self._catch_up(list(seqs))
+        if not previous.tree:
+            fed = inputs.last_two.reshape(-1).clamp(max=top)
+            return self._target_vocab(self.runner.forward_on_device(tables, inputs.cached - 1, fed, 2, bound)[0][1::2])
+        width = previous.emitted.shape[1]
+        fed = previous.emitted.reshape(-1).clamp(max=top)
+        logits = self.runner.forward_on_device(tables, previous.cached + 1, fed, width, bound)[0]
+        at = torch.arange(len(seqs), device=logits.device) * width + previous.accepted
+        return self._target_vocab(logits.index_select(0, at))
+
     def draft_on_device(
         self, seqs: Seq[SequenceView], inputs: DeviceDraftInputs, depth: int, bound: int
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Catch up, then one forward a draft token, each picked by the request's rule
-        (:func:`pick_draft_tokens`, its uniforms drawn beforehand). From the host's state the
-        catch-up feeds the tokens the state lacks (the prompt, the first time); from a step on the
-        device, the last two tokens at ``cached - 1`` and ``cached`` (the first is in the state
-        already unless the whole last draft was accepted: rewriting it costs less than a ragged
-        forward). A token past this LM's embedding table (a target's padding id) is fed as the last
-        row: it can only cost acceptance."""
+        """Catch up (:meth:`_root_on_device`), then one forward a draft token, each picked by the
+        request's rule (:func:`pick_draft_tokens`, its uniforms drawn beforehand)."""
         tables = BlockTables([self._states[seq.seq_id].block_table for seq in seqs])
         top, cached = self.runner.vocab_size - 1, inputs.cached
         picks = DeviceChainPicks(seqs, self.generator, depth, cached)
         with self._inference():
-            if inputs.previous is None:  # the host's lengths are exact: catch up as propose does
-                for seq in seqs:
-                    state = self._states[seq.seq_id]
-                    state.num_cached = min(state.num_cached, seq.num_tokens - 1)
-                logits = self._catch_up(list(seqs))
-            else:
-                fed = inputs.last_two.reshape(-1).clamp(max=top)
-                logits = self._target_vocab(self.runner.forward_on_device(tables, cached - 1, fed, 2, bound)[0][1::2])
-            token = picks.pick(logits)
+            token = picks.pick(self._root_on_device(seqs, inputs, tables, bound))
             for d in range(1, depth):
                 fed = token.clamp(max=top)
                 token = picks.pick(
@@ -453,12 +463,33 @@ class SmallLMDrafter(Drafter, DraftsOnDevice):
                 )
         return picks.result()
 
-    def settled_on_device(self, seq: SequenceView, cached: int, accepted: int, consumed: bool) -> None:
-        """Its state holds the sequence's tokens before ``cached + accepted`` (the last kept one
-        included unless the whole chain was accepted), whichever steps ran since."""
+    def draft_tree_on_device(
+        self, seqs: Seq[SequenceView], inputs: DeviceDraftInputs, shape: DraftShape, bound: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Catch up, then :func:`grow_static_trees`: each level's forward runs the frontier's
+        ``topk`` paths from the root as independent chains after the pending token (at ``cached +
+        1 ..``, written there as scratch the next step's catch-up rewrites)."""
+        tables = BlockTables([self._states[seq.seq_id].block_table for seq in seqs])
+        top, after_pending = self.runner.vocab_size - 1, inputs.cached + 1
+
+        def level(paths: torch.Tensor) -> torch.Tensor:
+            batch, k, length = paths.shape
+            rows = static_paths(k, length, paths.device)
+            fed = paths.reshape(-1).clamp(max=top)
+            logits = self.runner.forward_on_device(tables, after_pending, fed, k * length, bound, tree=rows)[0]
+            last = self._target_vocab(logits.view(batch * k, length, -1)[:, -1])
+            return torch.log_softmax(last, dim=-1).view(batch, k, -1)
+
+        with self._inference():
+            root = torch.log_softmax(self._root_on_device(seqs, inputs, tables, bound), dim=-1)
+            return grow_static_trees(root, shape, level)
+
+    def settled_on_device(self, seq: SequenceView, cached: int, kept: int, consumed: bool) -> None:
+        """Its state holds the sequence's tokens before ``cached + kept`` (the last kept one included
+        unless a whole chain was accepted), whichever steps ran since."""
         state = self._states.get(seq.seq_id)
         if state is not None:
-            state.num_cached = cached + accepted
+            state.num_cached = cached + kept
         self._draft_base.pop(seq.seq_id, None)
 
 

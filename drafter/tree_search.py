@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..draft_contract import DraftRequest, DraftShape, DraftTree
+from ..draft_contract import DraftRequest, DraftShape, DraftTree, static_tree_nodes
 from ..kernels.transfers import read_back
 
 
@@ -126,3 +126,44 @@ def select(nodes: list[Node], budget: int) -> DraftTree:
     order = sorted(chosen, key=lambda n: (len(ancestors(nodes, n)), -nodes[n].score, n))
     local = {n: k for k, n in enumerate(order)}
     return DraftTree([nodes[n].token for n in order], [local.get(nodes[n].parent, -1) for n in order])
+
+
+# -- static trees, grown on the device -----------------------------------------------------
+# LevelPaths(paths) -> log-probabilities [B, topk, V] after each path: paths [B, topk, level - 1]
+LevelPaths = Callable[[torch.Tensor], torch.Tensor]
+
+
+def grow_static_trees(
+    root_logprobs: torch.Tensor, shape: DraftShape, level_logprobs: LevelPaths
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Best-first trees of one shape for every row, on the device, never read: the same search as
+    :func:`grow_trees` with every level the same size. Level 1 is the root's ``topk`` best
+    children; each further level expands the ``topk`` best nodes of the level before (by
+    cumulative log-probability; ``level_logprobs`` runs their paths from the root) into their
+    ``topk`` best children; the :func:`static_tree_nodes` best nodes of all levels form the tree
+    (ties to the earlier node, so a node's parent always comes along). Returns ``[B, n]`` tokens
+    and parents (node indices, -1 for a child of the root), in topological order, siblings best
+    first."""
+    k, batch = shape.topk, root_logprobs.shape[0]
+    scores, tokens = root_logprobs.topk(k, dim=-1)  # level 1, best first
+    all_scores, all_tokens = [scores], [tokens]
+    all_parents = [torch.full_like(tokens, -1)]
+    frontier, paths = torch.arange(k, device=tokens.device).expand(batch, k), tokens.unsqueeze(2)
+    for level in range(2, shape.depth + 1):
+        child_scores, child_tokens = level_logprobs(paths).topk(k, dim=-1)  # [B, k paths, k children]
+        child_scores = (child_scores + scores.unsqueeze(2)).reshape(batch, k * k)
+        child_tokens = child_tokens.reshape(batch, k * k)
+        all_scores.append(child_scores)
+        all_tokens.append(child_tokens)
+        all_parents.append(frontier.unsqueeze(2).expand(-1, -1, k).reshape(batch, k * k))
+        scores, best = child_scores.topk(k, dim=-1)  # the next frontier
+        frontier = k + (level - 2) * k * k + best
+        ancestors = paths.gather(1, (best // k).unsqueeze(2).expand(-1, -1, level - 1))
+        paths = torch.cat([ancestors, child_tokens.gather(1, best).unsqueeze(2)], dim=2)
+    scores, tokens, parents = (torch.cat(x, dim=1) for x in (all_scores, all_tokens, all_parents))
+    n = static_tree_nodes(shape)
+    chosen = torch.argsort(-scores, dim=1, stable=True)[:, :n].sort(dim=1).values  # topological
+    local = torch.full_like(parents, -1)
+    local.scatter_(1, chosen, torch.arange(n, device=chosen.device).expand(batch, n))
+    parent = parents.gather(1, chosen)
+    return tokens.gather(1, chosen), torch.where(parent >= 0, local.gather(1, parent.clamp(min=0)), parent)

@@ -23,7 +23,6 @@ from collections.abc import Callable
 import torch
 
 from ..kernels.transfers import QueuedRead
-from .adaptive.acceptance import first_branch
 from .feature_taps import FeatureTaps
 from .model.runner import ModelRunner
 from .params import RolloutConfig
@@ -31,7 +30,7 @@ from .proposer import Proposal, Proposer
 from .request import SeqStatus, Sequence
 from .sampled import Sampled
 from .sampling import sample_tokens
-from .spec.device_chain import ChainLaunch, DeviceChains
+from .spec.device_step import DeviceLaunch, DeviceSteps
 from .spec.kv_blocks import pack_verify_batch, release_unused_blocks
 from .spec.step import accept, commit, verify
 from .stats import Drafted, EngineStats, StepResult
@@ -52,25 +51,25 @@ class DecodeStep:
     ) -> None:
         self.runner, self.config, self.proposer, self.taps = runner, config, proposer, taps
         self.generator, self.stats, self.finish = generator, stats, finish
-        self.chains = DeviceChains(
+        self.on_device = DeviceSteps(
             runner, proposer.drafter, max_model_len, stats, finish, generator, taps.layers, taps.observer
         )
         # a step whose tokens are not read yet (config.overlap): a plain one, or a chain's on the device
-        self.in_flight: Sampled | ChainLaunch | None = None
+        self.in_flight: Sampled | DeviceLaunch | None = None
 
     def __call__(self, seqs: list[Sequence], strategy: Strategy, overlap: bool) -> StepResult:
         """One step of ``strategy`` over ``seqs`` (``overlap``: it may be left in flight)."""
         finished: list[int] = []
-        if strategy.speculative and overlap and self.chains.serves(strategy):
-            if self.in_flight is not None and not isinstance(self.in_flight, ChainLaunch):
+        if strategy.speculative and overlap and self.on_device.serves(strategy):
+            if self.in_flight is not None and not isinstance(self.in_flight, DeviceLaunch):
                 finished, seqs = self._read_first(seqs)  # a plain step's tokens: the host's state, exact again
-            launched = self.chains.launch(seqs, strategy, self.in_flight) if seqs else None
+            launched = self.on_device.launch(seqs, strategy, self.in_flight) if seqs else None
             if launched is not None:
                 done, drafted = self._read(consumed=True)
                 self.in_flight = launched
                 self.stats.overlapped_steps += 1
                 return StepResult(finished + done, drafted, launched=True)
-        if self.in_flight is not None and (strategy.speculative or isinstance(self.in_flight, ChainLaunch)):
+        if self.in_flight is not None and (strategy.speculative or isinstance(self.in_flight, DeviceLaunch)):
             # a host-read step drafts and verifies from tokens on the host, and a plain step's inputs
             # are a plain step's tokens: the step in flight is read first
             done, seqs = self._read_first(seqs)
@@ -147,7 +146,7 @@ class DecodeStep:
         for seq in finished:
             self.finish(seq)
         paths = [v.path for v in verified.verdicts]
-        branches = [first_branch(t, p) for t, p in zip(trees, paths)]
+        branches = [t.first_branch(p) for t, p in zip(trees, paths)]
         return [seq.seq_id for seq in finished], Drafted([len(t) for t in trees], [len(p) for p in paths], branches)
 
     def sample(self, seqs: list[Sequence], logits: torch.Tensor) -> Sampled:
@@ -165,8 +164,8 @@ class DecodeStep:
         """:meth:`settle`, with what a chain step read drafted and accepted (``consumed``: a chain
         step launched since drafted from its state on the device)."""
         launched, self.in_flight = self.in_flight, None
-        if isinstance(launched, ChainLaunch):
-            return self.chains.read(launched, consumed)
+        if isinstance(launched, DeviceLaunch):
+            return self.on_device.read(launched, consumed)
         return (self.append(launched) if launched is not None else []), None
 
     def append(self, sampled: Sampled) -> list[int]:

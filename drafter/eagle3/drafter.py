@@ -470,7 +470,7 @@ class Eagle3Drafter(Drafter, DraftsOnDevice):
                 token = picks.pick(logits)
         return picks.result()
 
-    def settled_on_device(self, seq: SequenceView, cached: int, accepted: int, consumed: bool) -> None:
+    def settled_on_device(self, seq: SequenceView, cached: int, kept: int, consumed: bool) -> None:
         """The step's kept features were just observed (positions ``cached .. cached + accepted``):
         a later step on the device ran them (``consumed``), else they wait for a host catch-up."""
         state = self._states.get(seq.seq_id)

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ...draft_contract import DraftTree
 from ..strategy import Strategy
 
 PRIOR_HAZARD = 0.5  # a drafted token's acceptance before any evidence, weighted as one sequence-step
@@ -71,19 +70,6 @@ class ArmCounts:
     @property
     def evidence(self) -> float:
         return self.steps
-
-
-def first_branch(tree: DraftTree, path: list[int]) -> tuple[int, int]:
-    """How deep ``tree``'s first branch goes (the first child at every level: what its drafter's
-    chain would have drafted) and how much of it the accepted ``path`` (node indices) kept."""
-    branch, node = [], -1
-    while kids := tree.children[node + 1]:
-        node = kids[0]
-        branch.append(node)
-    kept = 0
-    while kept < min(len(branch), len(path)) and branch[kept] == path[kept]:
-        kept += 1
-    return len(branch), kept
 
 
 def _chain_key_of_tree(arm: Strategy) -> str | None:

@@ -1,6 +1,6 @@
 """Inputs of a forward whose sequence lengths live on the device.
 
-A speculative step launched before the step in flight is read (``rollout/spec/device_chain.py``)
+A speculative step launched before the step in flight is read (``rollout/spec/device_step.py``)
 does not know on the host how many tokens each sequence accepted: its lengths are a device tensor
 ``cached`` (the tokens each sequence has in the cache before the forward). What the host knows are
 upper bounds: it reserved every sequence's blocks for a fully accepted draft, so its block tables
@@ -17,6 +17,7 @@ replays the host's, and the eager path runs the same tensors unpadded.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from itertools import chain
 
 import numpy as np
@@ -26,6 +27,26 @@ from ...kernels.paged_attention import PagedAttentionPlan, _causal
 from ...kernels.transfers import to_device
 from .attention import AttentionMetadata
 from .kv_cache import PagedKVCache
+
+
+@dataclass(frozen=True)
+class TreeRows:
+    """How a forward's ``new`` rows of each sequence relate, where not as a chain: row ``r`` is at
+    position ``cached + offsets[r]`` and sees new row ``j`` where ``visible[r, j]`` (itself and its
+    ancestors); row ``r`` still writes cache index ``cached + r``. A leading dimension of 1 is the
+    same layout for every sequence (a drafter's static paths), else one per sequence (a draft tree)."""
+
+    offsets: torch.Tensor  # [1 or B, new] int64
+    visible: torch.Tensor  # [1 or B, new, new] bool
+
+
+def static_paths(paths: int, length: int, device: torch.device) -> TreeRows:
+    """``paths`` independent chains of ``length`` rows each, path-major: row ``i * length + j`` is
+    path ``i``'s ``j``-th token, at offset ``j``, seeing its own path's rows up to itself."""
+    new = paths * length
+    path_of, step = np.divmod(np.arange(new), length)
+    visible = (path_of[:, None] == path_of[None, :]) & (step[None, :] <= step[:, None])
+    return TreeRows(to_device(step[None].astype(np.int64), device), to_device(visible[None], device))
 
 
 class BlockTables:
@@ -73,13 +94,15 @@ def device_inputs(
     shape: tuple[int, int, int],
     scratch_block: int,
     use_plan: bool,
+    tree: TreeRows | None = None,
 ) -> tuple[dict[str, torch.Tensor], AttentionMetadata]:
     """The inputs (the names and layout :meth:`ModelRunner.padded_inputs` gives a captured forward)
     and metadata of a forward of ``len(tables)`` sequences with ``new`` tokens each (``ids``:
     ``[len(tables) * new]`` on the device, sequence-major), padded to ``shape`` = ``(batch, tokens,
     context)``. ``cached``: ``[len(tables)]`` int64 on the device. Rows past a sequence's ``new``
     tokens and padding sequences write block ``scratch_block``; every sequence's block table must
-    hold its context (``cached + new`` tokens), which the caller reserved from upper bounds."""
+    hold its context (``cached + new`` tokens), which the caller reserved from upper bounds.
+    ``tree``: the rows' positions and visibility where they are not a chain."""
     batch, tokens, context = shape
     n, bs, device = len(tables), cache.block_size, cached.device
     width = -(-context // bs)
@@ -89,7 +112,9 @@ def device_inputs(
     valid_t = to_device(valid, device)
     lengths = torch.cat([cached, cached.new_zeros(batch - n)]) if batch > n else cached
     index = lengths.unsqueeze(1) + torch.arange(tokens, device=device)  # [batch, tokens]: each row's cache index
-    positions = torch.where(valid_t, index, torch.zeros_like(index))
+    visible = None if tree is None else _padded_visible(tree, n, batch, tokens)  # [batch, tokens, tokens]
+    at = index if tree is None else lengths.unsqueeze(1) + _padded(tree.offsets, (batch, tokens))
+    positions = torch.where(valid_t, at, torch.zeros_like(index))
     block = table_t.gather(1, (index // bs).clamp(max=width - 1))
     slot_mapping = torch.where(valid_t, block * bs + index % bs, torch.full_like(index, scratch_block * bs))
     if ids.numel() == batch * tokens:
@@ -108,14 +133,24 @@ def device_inputs(
             query_lens=to_device(query_lens.astype(np.int32), device),
             query_start=to_device((np.arange(batch) * tokens).astype(np.int32), device),
             query_positions=positions.reshape(-1).to(torch.int32),
-            tree_mask=to_device(np.broadcast_to(_causal(tokens), (batch, tokens, tokens)).copy(), device),
+            tree_mask=(
+                to_device(np.broadcast_to(_causal(tokens), (batch, tokens, tokens)).copy(), device)
+                if visible is None
+                else visible.to(torch.uint8)
+            ),
             block_size=bs,
             max_query_len=tokens,
         )
     else:
         keys = torch.arange(context, device=device)
         gather = table_t.gather(1, (keys // bs).expand(batch, -1)) * bs + keys % bs
-        mask = valid_t.unsqueeze(-1) & (keys <= index.unsqueeze(-1))  # the cached prefix and the rows up to itself
+        if visible is None:  # the cached prefix and the rows up to itself
+            mask = valid_t.unsqueeze(-1) & (keys <= index.unsqueeze(-1))
+        else:  # the cached prefix and the new rows it sees
+            new_row = keys - lengths.unsqueeze(1)  # [batch, context]: the new row a key holds, if any
+            among = (new_row >= 0) & (new_row < tokens)
+            sees = visible.gather(2, new_row.clamp(0, tokens - 1).unsqueeze(1).expand(-1, tokens, -1))
+            mask = valid_t.unsqueeze(-1) & ((new_row < 0).unsqueeze(1) | (among.unsqueeze(1) & sees))
         mask[:, :, 0] = True  # padding rows see one key (for real rows key 0 is visible anyway)
         mask = mask.unsqueeze(1)
     meta = AttentionMetadata(
@@ -141,3 +176,23 @@ def device_inputs(
     if plan is not None:
         inputs.update({f"plan.{k}": v for k, v in plan.tensors().items()})
     return inputs, meta
+
+
+def _padded(values: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+    """``values`` (a leading dimension of 1 broadcast) in the top-left corner of zeros of ``shape``."""
+    if values.shape[0] == 1:
+        values = values.expand(shape[0], *values.shape[1:])
+    if tuple(values.shape) == shape:
+        return values
+    out = values.new_zeros(shape)
+    out[tuple(slice(0, n) for n in values.shape)] = values
+    return out
+
+
+def _padded_visible(tree: TreeRows, n: int, batch: int, tokens: int) -> torch.Tensor:
+    """``tree.visible`` for the ``n`` sequences in a causal ``[batch, tokens, tokens]`` (what the
+    host's padded plans hold past the real rows)."""
+    visible = tree.visible.expand(n, -1, -1)
+    out = torch.ones(tokens, tokens, dtype=torch.bool, device=visible.device).tril().repeat(batch, 1, 1)
+    out[:n, : visible.shape[1], : visible.shape[2]] = visible
+    return out

@@ -261,18 +261,18 @@ class ModelRunner:
         return out.logits[0], features_of(captured, taps)
 
     def forward_on_device(
-        self, tables: BlockTables, cached: torch.Tensor, ids: torch.Tensor, new: int, bound: int, taps=()
+        self, tables: BlockTables, cached: torch.Tensor, ids: torch.Tensor, new: int, bound: int, taps=(), tree=None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``[len(tables) * new, vocab]`` logits of a forward whose lengths are on the device
         (``device_inputs.py``; sequence ``i`` feeds ``ids[i * new : (i + 1) * new]`` after its
-        ``cached[i]`` tokens; ``bound`` caps every ``cached[i] + new``), and the hidden states
-        entering the ``taps`` layers (None without). Replayed from the graph pool where it can."""
+        ``cached[i]`` tokens, as ``tree`` relates them, else a chain; ``bound`` caps every ``cached[i]
+        + new``), and the inputs of the ``taps`` layers (None without), from the graph pool if it can."""
         n, bs, taps = len(tables), self.cache.block_size, tuple(taps)
         key = self.graph_key(n, new, bound)
         if key is None:
             shape = (n, new, tables.longest() * bs)
             backend = attention_backend(self.cache, None, new)
-            inputs, meta = device_inputs(self.cache, tables, cached, ids, new, shape, 0, backend == "triton")
+            inputs, meta = device_inputs(self.cache, tables, cached, ids, new, shape, 0, backend == "triton", tree)
             with tapped(self.model, taps) as captured:
                 out = self.model(
                     input_ids=inputs["ids"], position_ids=inputs["pos"], use_cache=False, **{METADATA_KWARG: meta}
@@ -281,7 +281,7 @@ class ModelRunner:
         key = replace(key, taps=taps)
         use_plan = attention_backend(self.cache, None, key.tokens) == "triton"
         shape, scratch = (key.batch, key.tokens, key.context), self.scratch_slot // bs
-        inputs, meta = device_inputs(self.cache, tables, cached, ids, new, shape, scratch, use_plan)
+        inputs, meta = device_inputs(self.cache, tables, cached, ids, new, shape, scratch, use_plan, tree)
         out = self.graph_pool.run(key, self._padded_forward_fn(meta, key), inputs)
         logits, features = out if taps else (out, None)
         rows = (np.arange(n)[:, None] * key.tokens + np.arange(new)).reshape(-1)

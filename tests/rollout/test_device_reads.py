@@ -71,14 +71,18 @@ def test_a_greedy_speculative_step_reads_its_drafts_and_its_verification(
     assert reads <= prefills + (decodes - specs) + specs * reads_per_spec_step
 
 
-@pytest.mark.parametrize("graph_backend", ["none", "eager"])
-def test_an_overlapped_greedy_chain_step_reads_once(monkeypatch, graph_backend):
-    """``overlap=True``: a greedy chain step launched from state on the device drafts, verifies and
-    leaves the next step's state without a read; its one read (what it emitted) comes after the
-    next step's launch. Only the first chain step after a prefill reads its drafts and its verdicts."""
+@pytest.mark.parametrize(
+    ("strategy", "graph_backend", "reads_host_read"),
+    [("chain:4", "none", 2), ("chain:4", "eager", 2), ("tree:3,2,6", "eager", 4)],
+)
+def test_an_overlapped_greedy_speculative_step_reads_once(monkeypatch, strategy, graph_backend, reads_host_read):
+    """``overlap=True``: a greedy chain or tree step launched from state on the device drafts,
+    verifies and leaves the next step's state without a read; its one read (what it emitted) comes
+    after the next step's launch. Only the first step after a prefill reads as a host-read step
+    does (``reads_host_read``: its drafts, a tree's level by level, and its verdicts)."""
     model = cached_model("llama")
     drafter = perturbed_copy(model, noise=0.05, seed=7)
-    config = RolloutConfig(strategy="chain:4", graph_backend=graph_backend, overlap=True)
+    config = RolloutConfig(strategy=strategy, graph_backend=graph_backend, overlap=True)
     engine = RolloutEngine(model, config, drafter=drafter)
     params = SamplingParams(max_new_tokens=40, temperature=0.0)
     counters = (*STEP_COUNTERS, "overlapped_steps")
@@ -87,20 +91,21 @@ def test_an_overlapped_greedy_chain_step_reads_once(monkeypatch, graph_backend):
     )
     host_read = specs - overlapped
     assert specs > 4 and host_read <= 1
-    assert reads == prefills + (decodes - specs) + 2 * host_read + (specs - host_read)
+    assert reads == prefills + (decodes - specs) + reads_host_read * host_read + (specs - host_read)
 
 
-def test_adaptive_reads_at_most_once_a_step_between_plain_and_chain_steps(monkeypatch):
-    """``adaptive`` with ``overlap=True`` moving between ``none``, ``chain:2`` and ``chain:4`` of the
-    drafter LM: every step is launched before the one in flight is read (a chain from the state
-    on the device, after a plain step from the host's, read first in the step), so no step reads
-    more than once; the call's last read ends it."""
+def test_adaptive_reads_at_most_once_a_step_between_plain_chain_and_tree_steps(monkeypatch):
+    """``adaptive`` with ``overlap=True`` moving between ``none``, ``chain:2``, ``chain:4`` and its
+    tree arm of the drafter LM: every step is launched before the one in flight is read (a chain or
+    a tree from the state on the device, after a plain step from the host's, read first in the
+    step), so no step reads more than once; the call's last read ends it."""
     model = cached_model("llama")
     engine = RolloutEngine(
         model, RolloutConfig(strategy="adaptive", overlap=True), drafter=perturbed_copy(model, noise=0.05, seed=7)
     )
     by_name = {str(arm): arm for arm in engine.selector.arms}
-    cycle, plans = ["none", "chain:4", "chain:4", "chain:2", "none", "none", "chain:2"], iter(range(10**6))
+    tree = next(name for name in by_name if name.startswith("tree:"))
+    cycle, plans = ["none", "chain:4", tree, "chain:2", tree, "none", "chain:2"], iter(range(10**6))
     engine.selector.choose = lambda n, remaining, lag: by_name[cycle[next(plans) % len(cycle)]]
     counters = (*STEP_COUNTERS, "overlapped_steps")
     reads, (prefills, decodes, specs, overlapped) = generate_counting_reads(

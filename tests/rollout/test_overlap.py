@@ -173,7 +173,7 @@ def test_serving_an_inbox_overlapped_matches_plain_decoding(arch_model):
 
 def test_steps_drafted_on_the_host_are_not_overlapped(arch_model):
     """The suffix drafter drafts from the host's text: its steps read the step before them (chains
-    from the drafter LM are overlapped: tests/rollout/spec/test_device_chain.py)."""
+    from the drafter LM are overlapped: tests/rollout/spec/test_device_step.py)."""
     prompts = random_prompts(4, seed=36, min_len=3, max_len=9)
     params = SamplingParams(temperature=0.0, max_new_tokens=12)
     plain, _ = _completions(arch_model, prompts, params, strategy="suffix")

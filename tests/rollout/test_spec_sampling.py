@@ -159,11 +159,15 @@ def test_triton_attention_and_verify_kernels_draw_the_same_samples():
     assert outputs[0] == outputs[1]
 
 
-@pytest.mark.parametrize(("kind", "name"), [("good", "T1-topk-topp"), ("bad", "T0.7-minp")])
-def test_chains_drafted_and_verified_on_the_device_follow_the_target(kind, name):
-    """``overlap=True``: after the first chain step, each one is launched from state on the device
-    and verified there (``rollout/spec/device_chain.py``); tokens 2 and 3 then come from such steps."""
-    counts = joint_counts("chain:2", kind, SETTING[name], overlap=True)
+@pytest.mark.parametrize(
+    ("strategy", "kind", "name"),
+    [("chain:2", "good", "T1-topk-topp"), ("chain:2", "bad", "T0.7-minp"), ("tree:2,3,6", "bad", "T1")],
+)
+def test_drafts_verified_on_the_device_follow_the_target(strategy, kind, name):
+    """``overlap=True``: after the first step, each one is launched from state on the device and
+    verified there (``rollout/spec/device_step.py``; a tree by ``device_tree.tree_verdicts``'s
+    recursive rejection sampling); tokens 2 and 3 then come from such steps."""
+    counts = joint_counts(strategy, kind, SETTING[name], overlap=True)
     assert chi_square_pvalue(counts, exact_joint_of_tokens_2_and_3(SETTING[name])) > 1e-3
 
 

@@ -36,7 +36,7 @@ def test_chains_launched_on_the_device_decode_and_record_what_plain_decoding_doe
     sequence's last kept token; its recorder gets each step's kept rows when the host reads them.
     Tokens and recorded samples are plain decoding's. The target's forwards replay padded buckets
     (eager graphs: the features come out of the captured forward); the unpadded path of the same
-    inputs is the drafter LM's test (tests/rollout/spec/test_device_chain.py)."""
+    inputs is the drafter LM's test (tests/rollout/spec/test_device_step.py)."""
     graph_backend = "eager"
     model, head = target("llama"), trained_head("llama")
     prompts = random_prompts(7, seed=44)

@@ -10,7 +10,7 @@ from rollout_helpers import cached_model, random_prompts
 from tailspec.config_tree import ConfigError
 from tailspec.draft_contract import DraftTree
 from tailspec.rollout import RolloutConfig, RolloutEngine, SamplingParams
-from tailspec.rollout.adaptive.acceptance import AcceptanceBook, book_key, first_branch
+from tailspec.rollout.adaptive.acceptance import AcceptanceBook, book_key
 from tailspec.rollout.adaptive.choice import calibrated_batch
 from tailspec.rollout.adaptive.cost_model import SHIFT_RUN, BatchRatio, ForwardTable, StepCosts, push
 from tailspec.rollout.adaptive.selector import SelectorConfig, StrategySelector
@@ -89,10 +89,10 @@ def test_a_trees_first_branch_teaches_its_drafters_chains():
     branch the accepted path kept is what the chain would have kept: a tree arm's steps tell the
     selector what ``chain:K`` accepts without running it."""
     tree = DraftTree([5, 6, 7, 8, 9], [-1, -1, 0, 0, 2])  # first branch: nodes 0 -> 2 -> 4
-    assert first_branch(tree, [0, 2, 4]) == (3, 3)
-    assert first_branch(tree, [0, 3]) == (3, 1)  # left the first branch at depth 2
-    assert first_branch(tree, [1]) == (3, 0)
-    assert first_branch(DraftTree.chain([1, 2, 3]), [0, 1]) == (3, 2)
+    assert tree.first_branch([0, 2, 4]) == (3, 3)
+    assert tree.first_branch([0, 3]) == (3, 1)  # left the first branch at depth 2
+    assert tree.first_branch([1]) == (3, 0)
+    assert DraftTree.chain([1, 2, 3]).first_branch([0, 1]) == (3, 2)
     book = AcceptanceBook()
     book.observe(S("tree:4,2,8"), [8] * 100, [3] * 100, [(4, 3)] * 100)
     assert evidence(book, S("chain:4")) == 100

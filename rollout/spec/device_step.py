@@ -1,4 +1,4 @@
-"""Chain steps whose state stays on the device: step N + 1 is launched before step N is read.
+"""Speculative steps whose state stays on the device: step N + 1 is launched before step N is read.
 
 A speculative step read on the host before the next one is planned leaves the device idle while
 the host reads accept lengths, appends tokens and builds the next inputs. Here, as in SGLang's
@@ -28,6 +28,13 @@ and the host is one step behind:
   accepted tokens are rewritten by the next step before any query can reach them. The drafter's
   state follows the same rule with the two tokens it feeds: the first rewrites the last kept
   slot, so a fully accepted chain (whose last draft it never fed) is covered too.
+* **Trees** (a drafter that declares :class:`TreesOnDevice`) take the same course with static
+  shapes: the drafter grows a best-first tree of ``n`` nodes per sequence on the device, the
+  target runs the pending token and the nodes (node ``i`` at cache index ``cached + 1 + i``, at
+  position ``cached + depth``, seeing its ancestors), ``device_tree.tree_verdicts`` walks every
+  tree at once as ``verify.py`` walks one, and ``keep_path_kv`` moves the accepted nodes' K/V to
+  ``cached + 1 ..``, so the sequence's cache is a chain's again before the next step reads it. The
+  host reserves for ``n`` nodes, and the next step's pending token is at most ``depth + 1`` past.
 * **Stops are applied when the host reads**, one step late: tokens after a stop token or past
   ``max_new_tokens`` are dropped, never returned; a sequence that finished in step N has a row in
   step N + 1, computed and dropped (its blocks are freed after that row's writes are queued, so
@@ -45,7 +52,16 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ...draft_contract import DeviceDraftInputs, Drafter, DraftsOnDevice, StepOnDevice
+from ...draft_contract import (
+    DeviceDraftInputs,
+    Drafter,
+    DraftsOnDevice,
+    DraftTree,
+    StepOnDevice,
+    TreesOnDevice,
+    static_tree_nodes,
+    static_tree_scratch,
+)
 from ...kernels.transfers import QueuedRead, to_device
 from ..model.device_inputs import BlockTables, completion_offsets
 from ..model.kv_cache import blocks_for
@@ -55,19 +71,22 @@ from ..request import SeqStatus, Sequence
 from ..sampling import BatchSamplingTensors, draw_uniforms, processed_logprobs, sample_from_probs
 from ..stats import Drafted, EngineStats
 from ..strategy import Strategy
+from .device_tree import keep_path_kv, tree_rows, tree_verdicts
 
 
 @dataclass(eq=False)  # identity: a step is never "equal" to another
-class ChainLaunch:
-    """A chain step launched and not read: its sequences (rows), the next step's state on
-    the device, and the queued read of what it emitted."""
+class DeviceLaunch:
+    """A step launched and not read: its sequences (rows), the next step's state on the device,
+    and the queued read of what it emitted (a tree's nodes and accepted path too)."""
 
     seqs: list[Sequence]
     strategy: Strategy
     step: StepOnDevice  # what its verification left: what the next step's drafter reads
     cached: torch.Tensor  # [B] the next step's: each sequence's cached tokens after this step
     last_two: torch.Tensor  # [B, 2] the next step's: the tokens at cached - 1 and cached
-    pending: QueuedRead  # the emitted tokens [B, k + 1], accept lengths [B], their logprobs [B, k + 1]
+    # the emitted tokens [B, depth + 1], accept lengths [B], their logprobs [B, depth + 1]; a tree's
+    # tokens and parents [B, n] and accepted nodes [B, depth]
+    pending: QueuedRead
     logits: torch.Tensor | None  # [B * (k + 1), V] with a drafter reading features: what it is handed at the read
     draft_s: float
     verify_s: float
@@ -79,7 +98,9 @@ class ChainLaunch:
         index = to_device(np.asarray(rows, dtype=np.int64), self.cached.device)
         step = self.step
         features = None if step.features is None else step.features.index_select(0, index)
-        picked = StepOnDevice(*(t.index_select(0, index) for t in (step.cached, step.emitted, step.accepted)), features)
+        picked = StepOnDevice(
+            *(t.index_select(0, index) for t in (step.cached, step.emitted, step.accepted)), features, step.tree
+        )
         return DeviceDraftInputs(self.cached.index_select(0, index), self.last_two.index_select(0, index), picked)
 
     def rows_of(self, seqs: list[Sequence]) -> list[int] | None:
@@ -144,9 +165,11 @@ def sampled_chain_verdicts(
     return emitted, accepted, logprobs.gather(2, emitted.unsqueeze(-1)).squeeze(-1)
 
 
-class DeviceChains:
-    """Launches and reads :class:`ChainLaunch` steps for a fixed ``chain:k`` strategy with a drafter
-    that drafts on the device (:class:`DraftsOnDevice`: the drafter LM)."""
+class DeviceSteps:
+    """Launches and reads :class:`DeviceLaunch` steps of ``chain`` strategies with a drafter that
+    drafts on the device (:class:`DraftsOnDevice`: the drafter LM, ``self:L``, the EAGLE-3 head),
+    and of ``tree`` strategies with one that drafts trees there (:class:`TreesOnDevice`: the
+    drafter LM, ``self:L``)."""
 
     def __init__(
         self,
@@ -167,26 +190,30 @@ class DeviceChains:
 
     def serves(self, strategy: Strategy) -> bool:
         """Whether steps of ``strategy`` may run here (each batch is checked again at launch)."""
+        if strategy.kind == "tree":
+            return isinstance(self.drafter, TreesOnDevice)
         return self.drafter is not None and strategy.kind == "chain"
 
-    def launch(self, seqs: list[Sequence], strategy: Strategy, in_flight: object | None) -> ChainLaunch | None:
-        """Launch a step of ``strategy`` over ``seqs`` from the state of ``in_flight`` (a chain step,
-        of any depth, holding every one of them) or, with nothing in flight, from the host's; None
-        (nothing launched, no room taken) where this batch cannot run here."""
+    def launch(self, seqs: list[Sequence], strategy: Strategy, in_flight: object | None) -> DeviceLaunch | None:
+        """Launch a step of ``strategy`` over ``seqs`` from the state of ``in_flight`` (a step
+        launched here, of any shape, holding every one of them) or, with nothing in flight, from
+        the host's; None (nothing launched, no room taken) where this batch cannot run here."""
         if not self.serves(strategy):
             return None
-        depth = strategy.shape.depth
-        previous = in_flight if isinstance(in_flight, ChainLaunch) else None  # of any depth
+        shape, tree = strategy.shape, strategy.kind == "tree"
+        nodes = static_tree_nodes(shape) if tree else shape.depth
+        previous = in_flight if isinstance(in_flight, DeviceLaunch) else None  # of any shape
         rows = previous.rows_of(seqs) if previous is not None else None
         if in_flight is not None and rows is None:
             return None
         if previous is None and not self.drafter.ready_on_device(seqs):
             return None
-        # each pending token's position: exact from the host, or at most k + 1 past it (in flight)
+        # each pending token's position: exact from the host, or at most depth + 1 past it (in flight)
         ahead = previous.strategy.shape.depth + 1 if previous is not None else 0
         lengths = [s.num_cached + ahead for s in seqs]
-        bound = max(lengths) + depth + 1  # every position this step writes is below it
-        if bound > self.max_model_len or not self._reserve(seqs, lengths, depth):
+        drafter_rows = 1 + static_tree_scratch(shape) if tree else shape.depth  # its forwards' rows past each
+        bound = max(lengths) + max(nodes + 1, drafter_rows)  # every position this step writes is below it
+        if bound > self.max_model_len or not self._reserve(seqs, lengths, nodes, drafter_rows):
             return None
         start = time.perf_counter()
         if previous is None:
@@ -195,77 +222,128 @@ class DeviceChains:
             inputs = DeviceDraftInputs(cached, to_device(np.asarray(two, dtype=np.int64), self.runner.device))
         else:
             inputs = previous.next_inputs(rows)
+        tables = BlockTables([s.block_table for s in seqs])
+        if tree:
+            verified = self._tree_step(seqs, inputs, shape, tables, bound)
+        else:
+            verified = self._chain_step(seqs, inputs, shape.depth, tables, bound)
+        drafted_at, (emitted, accepted, logprobs, features, logits, read_also) = start + verified[0], verified[1:]
         cached, last_two = inputs.cached, inputs.last_two
-        drafts, q = self.drafter.draft_on_device(seqs, inputs, depth, bound)
-        drafted_at = time.perf_counter()
-        drafts = drafts.to(last_two.device)
-        ids = torch.cat([last_two[:, 1:], drafts], dim=1).reshape(-1)
-        tables, layers = BlockTables([s.block_table for s in seqs]), self.feature_layers
-        logits, features = self.runner.forward_on_device(tables, cached, ids, depth + 1, bound, layers)
-        emitted, accepted, logprobs = self._verdicts(seqs, logits, drafts, q, cached)
         last_kept = emitted.gather(1, (accepted - 1).clamp(min=0).unsqueeze(1)).squeeze(1)
         before_pending = torch.where(accepted > 0, last_kept, last_two[:, 1])
         final = emitted.gather(1, accepted.unsqueeze(1)).squeeze(1)
-        rows_features = None if features is None else features.view(len(seqs), depth + 1, -1)
-        launched = ChainLaunch(
+        launched = DeviceLaunch(
             seqs,
             strategy,
-            StepOnDevice(cached, emitted, accepted, rows_features),
+            StepOnDevice(cached, emitted, accepted, features, tree),
             cached + accepted + 1,
             torch.stack([before_pending, final], dim=1),
-            QueuedRead(emitted, accepted, logprobs),
-            logits if features is not None else None,
+            QueuedRead(emitted, accepted, logprobs, *read_also),
+            logits,
             drafted_at - start,
             time.perf_counter() - drafted_at,
         )
         self.stats.model_time_s += launched.verify_s
         return launched
 
-    def _verdicts(
-        self, seqs: list[Sequence], logits: torch.Tensor, drafts: torch.Tensor, q: torch.Tensor | None, cached
-    ) -> tuple[torch.Tensor, ...]:
-        """The emitted tokens, accept lengths and logprobs of one verification, on the device.
-        Position-keyed rows are keyed on completion indices computed from ``cached``; a batch with
-        sampled rows draws its uniforms (``k + 1`` a row) on the host and queues them."""
-        width, device = drafts.shape[1] + 1, logits.device
+    def _chain_step(self, seqs, inputs: DeviceDraftInputs, depth: int, tables: BlockTables, bound: int) -> tuple:
+        """Draft, run and verify a chain: the drafting's seconds, the emitted tokens, accept
+        lengths and logprobs, the target's features at the rows (with a drafter reading them, else
+        None), the logits kept for it, and nothing more to read."""
+        start = time.perf_counter()
+        drafts, q = self.drafter.draft_on_device(seqs, inputs, depth, bound)
+        drafted = time.perf_counter() - start
+        drafts = drafts.to(inputs.last_two.device)
+        ids = torch.cat([inputs.last_two[:, 1:], drafts], dim=1).reshape(-1)
+        logits, features = self.runner.forward_on_device(
+            tables, inputs.cached, ids, depth + 1, bound, self.feature_layers
+        )
+        emitted, accepted, logprobs = self._verdicts(seqs, logits, drafts, q, inputs.cached)
+        rows_features = None if features is None else features.view(len(seqs), depth + 1, -1)
+        return drafted, emitted, accepted, logprobs, rows_features, logits if features is not None else None, ()
+
+    def _tree_step(self, seqs, inputs: DeviceDraftInputs, shape, tables: BlockTables, bound: int) -> tuple:
+        """:meth:`_chain_step` for a tree: its accepted nodes' K/V moved into place, and its
+        tokens, parents and accepted nodes read with the rest (to learn its first branch)."""
+        start = time.perf_counter()
+        tokens, parents = self.drafter.draft_tree_on_device(seqs, inputs, shape, bound)
+        drafted = time.perf_counter() - start
+        cached, device = inputs.cached, inputs.last_two.device
+        tokens, parents = tokens.to(device), parents.to(device)
+        rows = tree_rows(parents, shape.depth)
+        ids = torch.cat([inputs.last_two[:, 1:], tokens], dim=1).reshape(-1)
+        logits, _ = self.runner.forward_on_device(tables, cached, ids, tokens.shape[1] + 1, bound, tree=rows)
+        emitted, accepted, path, logprobs = self._tree_verdicts(seqs, logits, tokens, parents, shape, cached, rows)
+        padded = tables.padded(len(seqs), tables.longest(), 0, device)
+        keep_path_kv(self.runner.cache, padded, cached, path, accepted)
+        return drafted, emitted, accepted, logprobs, None, None, (tokens, parents, path)
+
+    def _processed(self, seqs: list[Sequence], logits: torch.Tensor, cached, offsets: torch.Tensor) -> tuple:
+        """The processed logprobs of ``offsets.shape[1]`` rows a sequence, the scores position-keyed
+        rows take their argmax of (keyed on completion indices from ``cached`` and the rows'
+        ``offsets`` ``[1 or B, width]``; None without such rows), and which rows take an argmax."""
+        width, device = offsets.shape[1], logits.device
         params = [s.params for s in seqs]
         logprobs = processed_logprobs(logits, BatchSamplingTensors.from_params(params, device, [width] * len(seqs)))
         scores = None
         if any(p.position_keyed for p in params):
             first = cached + to_device(completion_offsets(seqs), device)
-            indices = (first.unsqueeze(1) + torch.arange(width, device=device)).reshape(-1)
+            indices = (first.unsqueeze(1) + offsets).reshape(-1)
             scores, _ = keyed_scores_at(logprobs, [p for p in params for _ in range(width)], indices)
-        greedy = [p.greedy or p.position_keyed for p in params]
+        return logprobs, scores, [p.greedy or p.position_keyed for p in params]
+
+    def _uniforms(self, seqs: list[Sequence], width: int, device: torch.device) -> torch.Tensor:
+        """``[B, width]`` float64 on the device: each row's verification draws, drawn on the host."""
+        uniforms = draw_uniforms([s.generator for s in seqs], self.generator, [width] * len(seqs))
+        return to_device(uniforms.view(-1, width), device)
+
+    def _verdicts(
+        self, seqs: list[Sequence], logits: torch.Tensor, drafts: torch.Tensor, q: torch.Tensor | None, cached
+    ) -> tuple[torch.Tensor, ...]:
+        """The emitted tokens, accept lengths and logprobs of a chain's verification, on the device.
+        A batch with sampled rows draws its uniforms (``k + 1`` a row) on the host and queues them."""
+        width, device = drafts.shape[1] + 1, logits.device
+        offsets = torch.arange(width, device=device).unsqueeze(0)
+        logprobs, scores, greedy = self._processed(seqs, logits, cached, offsets)
         if q is None or all(greedy):
             return greedy_chain_verdicts(logprobs, drafts, scores)
-        uniforms = draw_uniforms([s.generator for s in seqs], self.generator, [width] * len(seqs)).view(-1, width)
         greedy_t = to_device(np.asarray(greedy), device)
-        return sampled_chain_verdicts(logprobs, drafts, q, to_device(uniforms, device), greedy_t, scores)
+        uniforms = self._uniforms(seqs, width, device)
+        return sampled_chain_verdicts(logprobs, drafts, q, uniforms, greedy_t, scores)
 
-    def _reserve(self, seqs: list[Sequence], lengths: list[int], depth: int) -> bool:
+    def _tree_verdicts(self, seqs, logits, tokens, parents, shape, cached, rows) -> tuple[torch.Tensor, ...]:
+        """:meth:`_verdicts` for trees (``device_tree.tree_verdicts``): also the accepted nodes."""
+        logprobs, scores, greedy = self._processed(seqs, logits, cached, rows.offsets)
+        greedy_t = to_device(np.asarray(greedy), logits.device)
+        uniforms = None if all(greedy) else self._uniforms(seqs, tokens.shape[1] + 1, logits.device)
+        return tree_verdicts(logprobs, tokens, parents, shape.depth, shape.topk, greedy_t, uniforms, scores)
+
+    def _reserve(self, seqs: list[Sequence], lengths: list[int], nodes: int, drafter_rows: int) -> bool:
         """Blocks for each sequence's fully accepted step (its pending token at ``lengths[i]``, then
-        ``depth`` drafts), in the target's cache and the drafter's; False, taking none of the
-        target's, where the free blocks do not cover them."""
+        ``nodes`` drafts) in the target's cache, and for the drafter's ``drafter_rows`` past the
+        pending token in its own; False, taking none of the target's, where the free blocks do not
+        cover them."""
         bs, allocator = self.runner.cache.block_size, self.runner.cache.allocator
-        missing = [blocks_for(n + depth + 1, bs) - len(s.block_table) for s, n in zip(seqs, lengths)]
+        missing = [blocks_for(n + nodes + 1, bs) - len(s.block_table) for s, n in zip(seqs, lengths)]
         if sum(m for m in missing if m > 0) > allocator.num_free:
             return False
-        if not self.drafter.reserve_on_device(seqs, [n + depth for n in lengths]):
+        if not self.drafter.reserve_on_device(seqs, [n + drafter_rows for n in lengths]):
             return False
         for seq, m in zip(seqs, missing):
             if m > 0:
                 seq.block_table += allocator.allocate(m)
         return True
 
-    def read(self, launched: ChainLaunch, consumed: bool) -> tuple[list[int], Drafted]:
+    def read(self, launched: DeviceLaunch, consumed: bool) -> tuple[list[int], Drafted]:
         """Append what ``launched`` emitted (waiting for it), up to each sequence's stop; the ids of
         the requests it finished, and its drafts and accept lengths (of the rows read). A row of a
         request that finished, was aborted or handed over meanwhile is dropped. ``consumed``: a
         step launched since drafted from this one's state. A drafter reading features is handed
         those of the kept tokens, before any finishes."""
-        tokens, accepted, logprobs = launched.pending.result()
-        width = launched.strategy.shape.depth + 1
-        read, emitted, kept = [], 0, 0
+        tokens, accepted, logprobs, *tree = launched.pending.result()
+        width, is_tree = launched.strategy.shape.depth + 1, launched.step.tree
+        nodes = len(tree[0]) // len(launched.seqs) if is_tree else width - 1
+        read, emitted, kept, branches = [], 0, 0, []
         for i, seq in enumerate(launched.seqs):
             if seq.status is SeqStatus.FINISHED:
                 self.stats.dropped_rows += 1
@@ -273,9 +351,10 @@ class DeviceChains:
             cached, n = seq.num_cached, accepted[i]
             seq.num_cached += n + 1
             seq.num_spec_steps += 1
-            seq.num_drafted += width - 1
+            seq.num_drafted += nodes
             seq.num_accepted += n
             kept += n
+            branches.append(_first_branch(tree, i, nodes, width - 1, n) if is_tree else (width - 1, n))
             rows = []
             for j in range(i * width, i * width + n + 1):
                 seq.append(tokens[j], logprobs[j])
@@ -292,13 +371,13 @@ class DeviceChains:
             if seq.done:
                 self.finish(seq)
                 finished.append(seq.seq_id)
-            else:
-                self.drafter.settled_on_device(seq, cached, n, consumed)
+            else:  # a tree's drafter forwards wrote scratch, not its accepted nodes
+                self.drafter.settled_on_device(seq, cached, 0 if is_tree else n, consumed)
         s = self.stats
         s.record_spec_step(
             str(launched.strategy),
             len(read),
-            len(read) * (width - 1),
+            len(read) * nodes,
             kept,
             emitted,
             launched.draft_s,
@@ -306,4 +385,12 @@ class DeviceChains:
         )
         s.generated_tokens += emitted
         counts = [n for _, _, n, _ in read]
-        return finished, Drafted([width - 1] * len(read), counts, [(width - 1, n) for n in counts])
+        return finished, Drafted([nodes] * len(read), counts, branches)
+
+
+def _first_branch(read: list[list], i: int, nodes: int, depth: int, accepted: int) -> tuple[int, int]:
+    """Row ``i``'s tree's first branch and how much of it its accepted path kept, from the read
+    tokens, parents and accepted nodes."""
+    tokens, parents, path = read
+    tree = DraftTree(tokens[i * nodes : (i + 1) * nodes], parents[i * nodes : (i + 1) * nodes])
+    return tree.first_branch(path[i * depth : i * depth + accepted])

@@ -1,6 +1,6 @@
-"""Greedy chain steps launched from state on the device (rollout/spec/device_chain.py): with
-``RolloutConfig(overlap=True)`` a ``chain:k`` step is launched before the one in flight is read.
-Its tokens are plain decoding's; what changes is when the host learns them."""
+"""Speculative steps launched from state on the device (rollout/spec/device_step.py): with
+``RolloutConfig(overlap=True)`` a ``chain:k`` or ``tree:d,k,n`` step is launched before the one in
+flight is read. Its tokens are plain decoding's; what changes is when the host learns them."""
 
 import numpy as np
 import pytest
@@ -14,22 +14,23 @@ from rollout_helpers import (
     with_growth,
 )
 
+from tailspec.draft_contract import DraftTree
 from tailspec.kernels.dispatch import kernel_backend
 from tailspec.rollout import RolloutConfig, RolloutEngine, SamplingParams
 from tailspec.rollout.model.attention import SequenceSlice
 from tailspec.rollout.model.device_inputs import BlockTables, device_inputs
 from tailspec.rollout.model.runner import ModelRunner
-from tailspec.rollout.spec.device_chain import DeviceChains, greedy_chain_verdicts, sampled_chain_verdicts
+from tailspec.rollout.spec.device_step import DeviceSteps, greedy_chain_verdicts, sampled_chain_verdicts
+from tailspec.rollout.spec.device_tree import tree_rows, tree_verdicts
+from tailspec.rollout.spec.verify import verify_batch
 from tailspec.testing import across_architectures, perturbed_copy, stopping_params
 
 DRAFTERS = {"agreeing": 0.05, "disagreeing": 0.3}  # perturbation of the target's weights
 
 
 def _engine(model, drafter, overlap: bool, **config) -> RolloutEngine:
-    config = {"block_size": 4, "kv_cache_tokens": 4096, **config}
-    return RolloutEngine(
-        model, RolloutConfig(strategy="chain:3", overlap=overlap, **config), drafter=drafter, eos_token_ids=[EOS]
-    )
+    config = {"block_size": 4, "kv_cache_tokens": 4096, "strategy": "chain:3", **config}
+    return RolloutEngine(model, RolloutConfig(overlap=overlap, **config), drafter=drafter, eos_token_ids=[EOS])
 
 
 def _generate(model, drafter, prompts, params, overlap: bool, **config):
@@ -40,21 +41,29 @@ def _generate(model, drafter, prompts, params, overlap: bool, **config):
 
 
 @pytest.mark.parametrize(
-    ("arch", "drafter", "graph_backend"),
+    ("arch", "drafter", "graph_backend", "strategy"),
     across_architectures(
-        [("agreeing", "none"), ("disagreeing", "none"), ("agreeing", "eager"), ("disagreeing", "eager")]
+        [
+            ("agreeing", "none", "chain:3"),
+            ("disagreeing", "none", "chain:3"),
+            ("agreeing", "eager", "chain:3"),
+            ("disagreeing", "eager", "chain:3"),
+            ("agreeing", "none", "tree:3,2,6"),
+            ("disagreeing", "eager", "tree:4,3,10"),
+        ]
     ),
 )
-def test_overlapped_greedy_chains_equal_plain_decoding(arch, drafter, graph_backend):
+def test_overlapped_greedy_steps_equal_plain_decoding(arch, drafter, graph_backend, strategy):
     """Sequences stopping at different steps, each for its own reason (a stop token, max_new_tokens):
     the tokens past a stop that a step computed are dropped, and every completion, finish reason
-    and logprob is plain decoding's; padded to a captured bucket (eager graphs) too."""
+    and logprob is plain decoding's; padded to a captured bucket (eager graphs) too. A tree's
+    accepted nodes, wherever they were written, are where the next step reads them."""
     model = cached_model(arch)
     draft = perturbed_copy(model, noise=DRAFTERS[drafter], seed=7)
     prompts = random_prompts(7, seed=31, min_len=2, max_len=14)
     params = stopping_params(model, prompts, n=22)
     want = plain_greedy_outputs(model, prompts, params)
-    got, engine = _generate(model, draft, prompts, params, overlap=True, graph_backend=graph_backend)
+    got, engine = _generate(model, draft, prompts, params, overlap=True, graph_backend=graph_backend, strategy=strategy)
     assert [o.completion_ids for o in got] == [o.completion_ids for o in want]
     assert [o.finish_reason for o in got] == [o.finish_reason for o in want]
     for g, w in zip(got, want):
@@ -73,7 +82,7 @@ def test_each_step_is_read_after_the_next_is_launched(monkeypatch):
     of a chain step follows a later launch, except the reads that end a call (nothing left to launch)."""
     model = cached_model("llama")
     events: list[tuple[str, object]] = []
-    launch, read = DeviceChains.launch, DeviceChains.read
+    launch, read = DeviceSteps.launch, DeviceSteps.read
 
     def logged_launch(self, seqs, strategy, in_flight):
         launched = launch(self, seqs, strategy, in_flight)
@@ -85,8 +94,8 @@ def test_each_step_is_read_after_the_next_is_launched(monkeypatch):
         events.append(("read", launched))
         return read(self, launched, consumed)
 
-    monkeypatch.setattr(DeviceChains, "launch", logged_launch)
-    monkeypatch.setattr(DeviceChains, "read", logged_read)
+    monkeypatch.setattr(DeviceSteps, "launch", logged_launch)
+    monkeypatch.setattr(DeviceSteps, "read", logged_read)
     prompts = random_prompts(3, seed=34, min_len=4, max_len=8)
     params = SamplingParams(temperature=0.0, max_new_tokens=20, ignore_eos=True)
     _generate(model, perturbed_copy(model, noise=0.05, seed=7), prompts, params, overlap=True)
@@ -145,10 +154,11 @@ def test_release_abort_and_handoff_read_the_step_in_flight_first():
         assert e.runner.cache.allocator.num_free == e.runner.cache.allocator.num_blocks
 
 
-def test_adaptive_moves_between_chain_depths_and_plain_steps_and_stays_exact():
-    """``adaptive`` planning ``none``, ``chain:2`` and ``chain:4`` in turn: a chain is launched from
-    the chain in flight whatever its depth (the host reserves for the one in flight's), a plain
-    step reads the chain first; the tokens are plain decoding's and every step was overlapped."""
+def test_adaptive_moves_between_chains_trees_and_plain_steps_and_stays_exact():
+    """``adaptive`` planning ``none``, ``chain:2``, ``chain:4`` and its tree in turn: a chain or a
+    tree is launched from the step in flight whatever its shape (the host reserves for the one in
+    flight's; the drafter catches up on a tree's emitted tokens), a plain step reads the one in
+    flight first; the tokens are plain decoding's and every step was overlapped."""
     model = cached_model("qwen2")
     draft = perturbed_copy(model, noise=0.05, seed=7)
     prompts = random_prompts(6, seed=37, min_len=2, max_len=12)
@@ -157,7 +167,8 @@ def test_adaptive_moves_between_chain_depths_and_plain_steps_and_stays_exact():
     config = RolloutConfig(strategy="adaptive", overlap=True, block_size=4, kv_cache_tokens=4096)
     engine = RolloutEngine(model, config, drafter=draft, eos_token_ids=[EOS])
     by_name = {str(arm): arm for arm in engine.selector.arms}
-    cycle, plans = ["chain:4", "chain:2", "chain:4", "none", "chain:2", "chain:2", "none"], iter(range(10**6))
+    tree = next(name for name in by_name if name.startswith("tree:"))
+    cycle, plans = ["chain:4", tree, "chain:2", tree, tree, "none", "chain:2", "chain:4", "none"], iter(range(10**6))
     engine.selector.choose = lambda n, remaining, lag: by_name[cycle[next(plans) % len(cycle)]]
     got = engine.generate(prompts, params)
     assert [o.completion_ids for o in got] == [o.completion_ids for o in want]
@@ -238,16 +249,26 @@ def test_greedy_chain_verdicts_accept_up_to_the_first_mismatch():
 
 
 @pytest.mark.parametrize("kernels", ["torch", "triton"])
-def test_device_inputs_equal_the_hosts_padded_inputs_for_the_same_lengths(kernels):
+@pytest.mark.parametrize("layout", ["chain", "tree"])
+def test_device_inputs_equal_the_hosts_padded_inputs_for_the_same_lengths(kernels, layout):
     """The inputs a replay reads are the same whether the lengths were known on the host
-    (``padded_inputs``) or only on the device (``device_inputs``)."""
+    (``padded_inputs``) or only on the device (``device_inputs``), for a chain's rows and for
+    draft trees' (positions by depth, each row seeing its ancestors)."""
     model = cached_model("llama")
     runner = ModelRunner(model, num_blocks=64, block_size=4, graph_pool=None)
     runner.scratch_slot = 63 * 4
     tables = [[3, 4, 5, 6], [7, 8, 9], [10, 11, 12, 13, 14]]
     cached, new, shape = [9, 6, 15], 3, (4, 4, 24)
-    slices = [SequenceSlice(t, c, new) for t, c in zip(tables, cached)]
-    positions = [c + r for c in cached for r in range(new)]
+    trees = [DraftTree([1, 2], [-1, -1]), DraftTree([1, 2], [-1, 0]), DraftTree([3, 4], [-1, -1])]
+    tree = None
+    if layout == "tree":
+        parents = torch.tensor([t.parents for t in trees])
+        tree = tree_rows(parents, depth=2)
+        slices = [SequenceSlice(tb, c, new, t.ancestor_mask()) for tb, c, t in zip(tables, cached, trees)]
+        positions = [c + d for c, t in zip(cached, trees) for d in (0, *t.depths)]
+    else:
+        slices = [SequenceSlice(t, c, new) for t, c in zip(tables, cached)]
+        positions = [c + r for c in cached for r in range(new)]
     ids = np.arange(len(positions)) + 1
     with kernel_backend(kernels, ("attention",)):
         from tailspec.rollout.model.graph_pool import GraphKey
@@ -255,7 +276,15 @@ def test_device_inputs_equal_the_hosts_padded_inputs_for_the_same_lengths(kernel
         host, _, _ = runner.padded_inputs(slices, ids.tolist(), positions, GraphKey(*shape))
         use_plan = "plan.block_tables" in host
         device, _ = device_inputs(
-            runner.cache, BlockTables(tables), torch.tensor(cached), torch.from_numpy(ids), new, shape, 63, use_plan
+            runner.cache,
+            BlockTables(tables),
+            torch.tensor(cached),
+            torch.from_numpy(ids),
+            new,
+            shape,
+            63,
+            use_plan,
+            tree,
         )
     assert use_plan == (kernels == "triton") and sorted(device) == sorted(host)
     for name, tensor in host.items():
@@ -265,6 +294,53 @@ def test_device_inputs_equal_the_hosts_padded_inputs_for_the_same_lengths(kernel
             assert torch.equal(device[name][visible], tensor[visible])
             continue
         assert torch.equal(device[name], tensor), name
+
+
+def _random_tree(rng: np.random.Generator, n: int, depth: int, topk: int, vocab: int) -> DraftTree:
+    """``n`` nodes at most ``depth`` deep with at most ``topk`` children a node, siblings distinct."""
+    parents, depths, children = [], [], {}
+    for _ in range(n):
+        options = [p for p in range(-1, len(parents)) if children.get(p, 0) < topk and (p < 0 or depths[p] < depth)]
+        p = int(rng.choice(options))
+        children[p] = children.get(p, 0) + 1
+        parents.append(p)
+        depths.append(1 if p < 0 else depths[p] + 1)
+    tokens: list[int] = []
+    for p in parents:
+        taken = {t for t, q in zip(tokens, parents) if q == p}
+        tokens.append(int(rng.choice([t for t in range(vocab) if t not in taken])))
+    return DraftTree(tokens, parents)
+
+
+@pytest.mark.parametrize("batch_kind", ["greedy", "mixed"])
+def test_tree_verdicts_walk_every_tree_as_the_host_walks_one(batch_kind):
+    """``tree_verdicts`` on the device, every tree at once, against ``verify_batch``'s walk of each
+    (the reference the chi-square tests hold exact) with the same uniforms: the same accepted
+    nodes, final tokens, emitted tokens and logprobs; and ``tree_rows`` are the trees' own
+    positions and ancestor masks."""
+    rng, gen = np.random.default_rng(5), torch.Generator().manual_seed(5)
+    depth, topk, vocab, batch = 4, 3, 6, 6
+    for _ in range(40):
+        n = int(rng.integers(1, 10))
+        trees = [_random_tree(rng, n, depth, topk, vocab) for _ in range(batch)]
+        tokens, parents = torch.tensor([t.tokens for t in trees]), torch.tensor([t.parents for t in trees])
+        rows = tree_rows(parents, depth)
+        for b, t in enumerate(trees):
+            assert torch.equal(rows.visible[b], t.ancestor_mask()) and rows.offsets[b].tolist() == [0, *t.depths]
+        logprobs = torch.log_softmax(torch.randn(batch * (n + 1), vocab, generator=gen) * 1.5, dim=-1)
+        greedy = [True] * batch if batch_kind == "greedy" else [i % 3 == 0 for i in range(batch)]
+        uniforms = torch.rand(batch, n + 1, generator=gen, dtype=torch.float64)
+        want = verify_batch(trees, logprobs, greedy, uniforms.reshape(-1), backend="torch")
+        drawn = None if all(greedy) else uniforms
+        emitted, accepted, path, lps = tree_verdicts(
+            logprobs, tokens, parents, depth, topk, torch.tensor(greedy), drawn
+        )
+        for b, (t, v) in enumerate(zip(trees, want)):
+            n_acc = int(accepted[b])
+            assert path[b, :n_acc].tolist() == v.path
+            assert emitted[b, : n_acc + 1].tolist() == [tok for tok, _ in v.emitted(t)]
+            expected = [logprobs[b * (n + 1) + r, tok].item() for tok, r in v.emitted(t)]
+            assert lps[b, : n_acc + 1].tolist() == pytest.approx(expected, abs=1e-6)
 
 
 @pytest.mark.gpu
