@@ -25,8 +25,8 @@ from ..testing import perturbed_copy, tiny_random_model
 from .policies import torch_threads
 
 STEP_HOST_TITLE = "Host time of one decode step"
-ARMS = ("none", "chain:4", "chain:4 overlap", "tree:4,2,8")
-OVERLAP = " overlap"  # an arm's suffix: RolloutConfig(overlap=True), a chain's steps launched on the device
+ARMS = ("none", "chain:4", "chain:4 overlap", "tree:4,2,8", "tree:4,2,8 overlap")
+OVERLAP = " overlap"  # an arm's suffix: RolloutConfig(overlap=True), its steps launched on the device
 BATCHES = (1, 16, 64, 256)
 PROMPT_TOKENS = 8
 

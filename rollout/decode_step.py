@@ -54,7 +54,7 @@ class DecodeStep:
         self.on_device = DeviceSteps(
             runner, proposer.drafter, max_model_len, stats, finish, generator, taps.layers, taps.observer
         )
-        # a step whose tokens are not read yet (config.overlap): a plain one, or a chain's on the device
+        # a step whose tokens are not read yet (config.overlap): a plain one, or a chain's or tree's on the device
         self.in_flight: Sampled | DeviceLaunch | None = None
 
     def __call__(self, seqs: list[Sequence], strategy: Strategy, overlap: bool) -> StepResult:
@@ -161,7 +161,7 @@ class DecodeStep:
         return self._read()[0]
 
     def _read(self, consumed: bool = False) -> tuple[list[int], Drafted | None]:
-        """:meth:`settle`, with what a chain step read drafted and accepted (``consumed``: a chain
+        """:meth:`settle`, with what a speculative step read drafted and accepted (``consumed``: a
         step launched since drafted from its state on the device)."""
         launched, self.in_flight = self.in_flight, None
         if isinstance(launched, DeviceLaunch):

@@ -264,8 +264,8 @@ class RolloutEngine:
     def _overlaps(self) -> bool:
         """Whether this step may be launched before the step in flight is read (``config.overlap``):
         a decode step that admits no prompt and preempts nothing, plain (``rollout/sampled.py``) or
-        a fixed chain's on the device (``rollout/spec/device_step.py``, where each batch is checked
-        again); under ``adaptive``, a step it plans plain (one it plans speculative reads the step
+        a fixed chain's or tree's on the device (``rollout/spec/device_step.py``, where each batch
+        is checked again); under ``adaptive``, a step it plans plain (one it plans speculative reads the step
         in flight first, :meth:`_decode_step`). A drafter reading the target's features gets a dropped row's
         too, past its sequence's last token: what it records is cut to the tokens at the finish."""
         scheduler = self.scheduler
@@ -321,7 +321,7 @@ class RolloutEngine:
     def _decode_step(self, seqs: list[Sequence], overlap: bool) -> list[int]:
         """One decode step of the strategy the meter plans, timed by it."""
         plan, finished = self.meter.plan(seqs), []
-        on_device = self.decode.on_device.serves(plan.strategy)  # a chain step launched from the device's state
+        on_device = self.decode.on_device.serves(plan.strategy)  # a step launched from the device's state
         if plan.strategy.speculative and not on_device and self.decode.in_flight is not None:
             # adaptive planned a host-read speculative step after overlapped ones: it is timed whole,
             # so the step in flight is read first, outside every step's timer (each overlapped step's

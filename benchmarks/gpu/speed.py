@@ -38,6 +38,7 @@ DEVICE_CHAIN_TARGETS = {1: 2.6, 16: 1.8, 64: 1.6}
 # ``CheckSize.anatomy_batches``, in ``CheckSize.anatomy_passes`` interleaved passes (``step_anatomy``)
 ANATOMY = (("none", "none", {}), ("none overlapped", "none", {"overlap": True}), ("chain:4", "chain:4", {}))
 ANATOMY = (*ANATOMY, (CHAIN_ON_DEVICE, "chain:4", {"overlap": True}), ("tree:4,2,8", "tree:4,2,8", {}))
+ANATOMY = (*ANATOMY, ("tree:4,2,8 overlapped", "tree:4,2,8", {"overlap": True}))
 
 
 def count_tokens(rows: list[list[int]], eos: int) -> int:

@@ -110,6 +110,21 @@ class DeviceLaunch:
         return None if None in rows else rows
 
 
+@dataclass(eq=False)
+class _Verified:
+    """A step drafted, run and verified on the device, nothing read: its drafting's seconds, the
+    emitted tokens, accept lengths and their logprobs, the target's features at its rows and the
+    logits kept for a drafter that reads them (None otherwise), and what else its read brings."""
+
+    draft_s: float
+    emitted: torch.Tensor
+    accepted: torch.Tensor
+    logprobs: torch.Tensor
+    features: torch.Tensor | None = None
+    logits: torch.Tensor | None = None
+    also_read: tuple[torch.Tensor, ...] = ()
+
+
 def greedy_chain_verdicts(
     logprobs: torch.Tensor, drafts: torch.Tensor, scores: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, ...]:
@@ -224,32 +239,29 @@ class DeviceSteps:
             inputs = previous.next_inputs(rows)
         tables = BlockTables([s.block_table for s in seqs])
         if tree:
-            verified = self._tree_step(seqs, inputs, shape, tables, bound)
+            done = self._tree_step(seqs, inputs, shape, tables, bound)
         else:
-            verified = self._chain_step(seqs, inputs, shape.depth, tables, bound)
-        drafted_at, (emitted, accepted, logprobs, features, logits, read_also) = start + verified[0], verified[1:]
-        cached, last_two = inputs.cached, inputs.last_two
+            done = self._chain_step(seqs, inputs, shape.depth, tables, bound)
+        cached, emitted, accepted = inputs.cached, done.emitted, done.accepted
         last_kept = emitted.gather(1, (accepted - 1).clamp(min=0).unsqueeze(1)).squeeze(1)
-        before_pending = torch.where(accepted > 0, last_kept, last_two[:, 1])
+        before_pending = torch.where(accepted > 0, last_kept, inputs.last_two[:, 1])
         final = emitted.gather(1, accepted.unsqueeze(1)).squeeze(1)
         launched = DeviceLaunch(
             seqs,
             strategy,
-            StepOnDevice(cached, emitted, accepted, features, tree),
+            StepOnDevice(cached, emitted, accepted, done.features, tree),
             cached + accepted + 1,
             torch.stack([before_pending, final], dim=1),
-            QueuedRead(emitted, accepted, logprobs, *read_also),
-            logits,
-            drafted_at - start,
-            time.perf_counter() - drafted_at,
+            QueuedRead(emitted, accepted, done.logprobs, *done.also_read),
+            done.logits,
+            done.draft_s,
+            time.perf_counter() - start - done.draft_s,
         )
         self.stats.model_time_s += launched.verify_s
         return launched
 
-    def _chain_step(self, seqs, inputs: DeviceDraftInputs, depth: int, tables: BlockTables, bound: int) -> tuple:
-        """Draft, run and verify a chain: the drafting's seconds, the emitted tokens, accept
-        lengths and logprobs, the target's features at the rows (with a drafter reading them, else
-        None), the logits kept for it, and nothing more to read."""
+    def _chain_step(self, seqs, inputs: DeviceDraftInputs, depth: int, tables: BlockTables, bound: int) -> _Verified:
+        """Draft, run and verify a chain, the target's features tapped for a drafter reading them."""
         start = time.perf_counter()
         drafts, q = self.drafter.draft_on_device(seqs, inputs, depth, bound)
         drafted = time.perf_counter() - start
@@ -259,12 +271,13 @@ class DeviceSteps:
             tables, inputs.cached, ids, depth + 1, bound, self.feature_layers
         )
         emitted, accepted, logprobs = self._verdicts(seqs, logits, drafts, q, inputs.cached)
-        rows_features = None if features is None else features.view(len(seqs), depth + 1, -1)
-        return drafted, emitted, accepted, logprobs, rows_features, logits if features is not None else None, ()
+        if features is None:
+            return _Verified(drafted, emitted, accepted, logprobs)
+        return _Verified(drafted, emitted, accepted, logprobs, features.view(len(seqs), depth + 1, -1), logits)
 
-    def _tree_step(self, seqs, inputs: DeviceDraftInputs, shape, tables: BlockTables, bound: int) -> tuple:
-        """:meth:`_chain_step` for a tree: its accepted nodes' K/V moved into place, and its
-        tokens, parents and accepted nodes read with the rest (to learn its first branch)."""
+    def _tree_step(self, seqs, inputs: DeviceDraftInputs, shape, tables: BlockTables, bound: int) -> _Verified:
+        """Draft, run and verify a tree; its accepted nodes' K/V moved into place, and its tokens,
+        parents and accepted nodes read with the rest (to learn its first branch)."""
         start = time.perf_counter()
         tokens, parents = self.drafter.draft_tree_on_device(seqs, inputs, shape, bound)
         drafted = time.perf_counter() - start
@@ -276,7 +289,7 @@ class DeviceSteps:
         emitted, accepted, path, logprobs = self._tree_verdicts(seqs, logits, tokens, parents, shape, cached, rows)
         padded = tables.padded(len(seqs), tables.longest(), 0, device)
         keep_path_kv(self.runner.cache, padded, cached, path, accepted)
-        return drafted, emitted, accepted, logprobs, None, None, (tokens, parents, path)
+        return _Verified(drafted, emitted, accepted, logprobs, also_read=(tokens, parents, path))
 
     def _processed(self, seqs: list[Sequence], logits: torch.Tensor, cached, offsets: torch.Tensor) -> tuple:
         """The processed logprobs of ``offsets.shape[1]`` rows a sequence, the scores position-keyed

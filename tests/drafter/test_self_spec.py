@@ -37,9 +37,11 @@ def test_the_shallow_model_is_the_target_s_first_layers(arch):
 
 
 @pytest.mark.parametrize("arch", ARCHITECTURES)
-@pytest.mark.parametrize("strategy", ["chain:3", "chain:3 overlap", "tree:3,2,6", "mirror:chain:3,k=0"])
+@pytest.mark.parametrize(
+    "strategy", ["chain:3", "chain:3 overlap", "tree:3,2,6", "tree:3,2,6 overlap", "mirror:chain:3,k=0"]
+)
 def test_greedy_with_the_self_drafter_matches_plain_decoding(arch, strategy):
-    """``overlap``: chain steps launched from state on the device (rollout/spec/device_step.py)."""
+    """``overlap``: steps launched from state on the device (rollout/spec/device_step.py)."""
     model = policy(arch)
     prompts = random_prompts(5, seed=9)
     params = SamplingParams(max_new_tokens=24, temperature=0.0)
