@@ -80,6 +80,7 @@ def tree_verdicts(
     final = torch.zeros(batch, dtype=torch.int64, device=device)
     sampled = uniforms is not None  # the caller passes none for an all-greedy batch
     p = logprobs[at, tip].exp() if sampled else None
+    left = p  # each sampled row's distribution where its walk stopped: its final token's
     for level in range(depth + 1):
         children = (parent_row == tip.unsqueeze(1)) & alive.unsqueeze(1)  # [B, n], in sibling order
         want = best[at, tip]
@@ -88,17 +89,19 @@ def tree_verdicts(
         if sampled:
             took, picked, p = _try_children(p, children, tokens, uniforms, topk)
             moved, node = torch.where(greedy, moved, took), torch.where(greedy, node, picked)
-            drawn = sample_from_probs(p, uniforms[:, n])
-            want = torch.where(greedy, want, drawn)
         stop = alive & ~moved
         final = torch.where(stop, want, final)
+        if sampled:
+            left = torch.where(stop.unsqueeze(1), p, left)
         if level < depth:
             path[:, level] = torch.where(moved, node, path[:, level])
         accepted += moved.long()
         tip = torch.where(moved, node + 1, tip)
-        if sampled:
+        if sampled and level < depth:
             p = torch.where(moved.unsqueeze(1), logprobs[at, tip].exp(), p)
         alive = moved
+    if sampled:  # greedy rows emit the argmax where they stopped, sampled ones a draw from what was left
+        final = torch.where(greedy, final, sample_from_probs(left, uniforms[:, n]))
     columns = torch.arange(depth + 1, device=device)
     padded = torch.cat([tokens.gather(1, path), final.unsqueeze(1)], dim=1)
     taken = columns < accepted.unsqueeze(1)
