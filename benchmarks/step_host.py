@@ -6,7 +6,8 @@ between kernels unless the next step is already launched. This section measures 
 the target and the drafter LM are one-layer models 16 wide, whose forwards cost next to nothing,
 and every forward's time (the target's, the drafter LM's: hooks on both modules) is subtracted
 from each decode step's wall time. Arms: ``none``, ``chain:4`` and ``tree:4,2,8`` with the drafter
-LM (a perturbed copy of the target: long accepted runs at greedy); batch 1, 16, 64 and 256; every
+LM (a perturbed copy of the target: long accepted runs at greedy), the speculative ones also
+overlapped (launched from state on the device); batch 1, 16, 64 and 256; every
 pass runs each (arm, batch) once, interleaved; the table gives the median over passes of each
 run's mean host milliseconds per decode step, with the spread, and the accepted tokens per step.
 """
