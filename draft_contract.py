@@ -336,6 +336,17 @@ class Portable(Protocol):
 
 
 @runtime_checkable
+class TimesDraftLevels(Protocol):
+    """A model drafter that can time one of its draft levels before it drafts: what ``adaptive``
+    prices its arms' drafting from until their steps measure it (``rollout/adaptive/choice.py``)."""
+
+    def draft_level_seconds(self, n: int, repeats: int) -> float:
+        """Seconds of one draft forward over ``n`` sequences, one token each at a short context, on
+        scratch state (the median of ``repeats`` runs after a first, untimed one)."""
+        ...
+
+
+@runtime_checkable
 class Stateful(Protocol):
     """A drafter with learned state worth a checkpoint (the suffix drafter's history)."""
 

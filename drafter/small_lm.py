@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import io
 import logging
+import statistics
 from collections.abc import Callable, Iterator
 from collections.abc import Sequence as Seq
 from contextlib import contextmanager
@@ -37,9 +38,12 @@ from ..draft_contract import (
     DraftShape,
     DraftTree,
     SequenceView,
+    TimesDraftLevels,
     TreesOnDevice,
 )
 from ..kernels.transfers import select_rows
+from ..rollout.adaptive.calibration import CONTEXT as CALIBRATION_CONTEXT
+from ..rollout.adaptive.calibration import forward_timer
 from ..rollout.mirror.hosted import weights_bytes
 from ..rollout.model.attention import SequenceSlice, paged_attention_enabled
 from ..rollout.model.device_inputs import BlockTables, static_paths
@@ -98,7 +102,7 @@ def output_rows(model: torch.nn.Module) -> int:
     return int(model.get_output_embeddings().weight.shape[0])
 
 
-class SmallLMDrafter(Drafter, TreesOnDevice):
+class SmallLMDrafter(Drafter, TreesOnDevice, TimesDraftLevels):
     name = "small_lm"
     forks_branches = True
     # chains drafted on the device with one read a step (draft_chains_on_device); False: the
@@ -311,6 +315,12 @@ class SmallLMDrafter(Drafter, TreesOnDevice):
             last.append(len(tokens) - 1)
             state.num_cached = seq.num_tokens
         return self._logits(slices, tokens, positions, last)
+
+    def draft_level_seconds(self, n: int, repeats: int) -> float:
+        timer = forward_timer(self.runner, self.block_size, CALIBRATION_CONTEXT)
+        with self._inference():
+            timer(n, 1)  # a first run: a graph's capture, the allocator's growth
+            return statistics.median(timer(n, 1) for _ in range(repeats))
 
     # -- drafting ------------------------------------------------------------------------
     def propose(self, requests: Seq[DraftRequest], shape: DraftShape) -> list[DraftTree]:

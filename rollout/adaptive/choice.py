@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ...draft_contract import Drafter, Versioned
+from ...draft_contract import Drafter, TimesDraftLevels, Versioned
 from ..params import RolloutConfig
 from ..strategy import Strategy, parse_strategy
 from .cost_model import ForwardTable, StepCosts
@@ -96,6 +96,8 @@ class StrategyChoice:
         self.has_model_drafter = drafter is not None
         # a drafter trained online changes version: what its arms measured then counts less
         self._versioned = drafter if isinstance(drafter, Versioned) else None
+        # one that times its draft levels: its arms' drafting is priced from that before they run
+        self._timed_drafter = drafter if isinstance(drafter, TimesDraftLevels) else None
         self._calibrate = calibrate
         self.strategy = Strategy("none")
         self.selector: StrategySelector | None = None
@@ -145,6 +147,11 @@ class StrategyChoice:
             selector.use_costs(StepCosts(table))
         else:
             selector.costs.table = table
+        if self._timed_drafter is not None and any(a.uses_model_drafter for a in selector.arms):
+            timed = {n for n, _ in known.measured} if known is not None else set()
+            sizes = sorted({n for n, _ in table.measured} - timed)
+            repeats = selector.config.calibration_repeats
+            selector.costs.seed_drafting({n: self._timed_drafter.draft_level_seconds(n, repeats) for n in sizes})
         self.covered_batch = up_to
 
     def before_rollout(self, requests: int) -> None:

@@ -9,12 +9,11 @@ which RL does not move, so:
   and token widths (:class:`ForwardTable`); under CUDA graphs a shape is first padded to its
   bucket, so step time is the step function the replays really are;
 * **drafting** is a drafter's forward per draft level, costed as ``ratio x`` the target's forward
-  over the same rows (``model``: learned from the first step that drafts and every one after,
-  pooled over all arms of that drafter, and kept per power-of-two batch bucket, since a drafter's
-  host work grows with the batch faster than a GPU forward does: :class:`BatchRatio`); the suffix
-  drafter's host cost is ``ratio x`` a one-token forward per drafted node, per bucket too; a model
-  drafter's **catch-up** on the tokens steps of other arms emitted is ``ratio x`` a forward over
-  them;
+  over the same rows (``model``: seeded by the drafter's level timed at calibration where it times
+  one, learned from every step that drafts, pooled over its arms and kept per power-of-two batch
+  bucket, since a drafter's host work grows with the batch faster than a GPU forward does:
+  :class:`BatchRatio`); the suffix drafter's, ``ratio x`` a one-token forward per drafted node; a
+  model drafter's **catch-up** on what other arms emitted, ``ratio x`` a forward over it;
 * the **host's part** of a step (scheduling, sampling and reading tokens back, verification,
   committing, the drafting's glue outside the drafter's forwards: what calibration, which times
   forwards, never sees) is measured on every step as its time less its target forward and
@@ -303,9 +302,10 @@ class HostSeconds:
         return 0.0
 
     def state(self) -> dict:
+        by_arm, by_kind = self.by_arm.items(), self.by_kind.items()
         return {
-            "by_arm": [[a, b, list(v)] for (a, b), v in self.by_arm.items()],
-            "by_kind": [[k, b, list(v)] for (k, b), v in self.by_kind.items()],
+            "by_arm": [[a, b, list(v)] for (a, b), v in by_arm],
+            "by_kind": [[k, b, list(v)] for (k, b), v in by_kind],
         }
 
     def load(self, state: dict) -> None:
@@ -322,13 +322,12 @@ def _correction_in(corrections: dict[Strategy, BatchRatio], arm: Strategy) -> Ba
 
 
 class StepCosts:
-    """Predicted seconds of each arm's whole step: the calibrated forward with a correction per
-    arm, the drafting ratios, and the host's part (see the module doc)."""
+    """Each arm's whole step: the forward with its correction, the drafting, the host's part."""
 
     def __init__(self, table: ForwardTable) -> None:
         self.table = table
-        # priors until the first measurement: a drafter level a tenth of the target's forward,
-        # a suffix node a hundredth of a one-token step, a catch-up token a fifth of a verified row
+        # priors until the first measurement (or seed_drafting): a drafter level a tenth of the target's
+        # forward, a suffix node a hundredth of a one-token step, a catch-up token a fifth of a row
         self.draft = {"model": BatchRatio(0.1, 0.5), "suffix": BatchRatio(0.01, 0.5)}
         self.catch_up = Ratio(0.2, 0.5)
         self.correction: dict[Strategy, BatchRatio] = {}  # per arm: its verification forward
@@ -365,6 +364,12 @@ class StepCosts:
         verify = self.verify_seconds(arm, n) * _correction_in(self.correction, arm).value(n)
         return verify + draft + self.host.value(arm, n)
 
+    def seed_drafting(self, levels: dict[int, float]) -> None:
+        """``levels[n]``: seconds of a model drafter's level over ``n`` sequences, timed at calibration;
+        one measurement of its ratio at each ``n``, which its arms' steps then outweigh."""
+        for n, seconds in levels.items():
+            self.draft["model"].add(n, seconds, self.table.seconds(n, 1))
+
     def catch_up_seconds(self, lag_tokens: int) -> float:
         """A model drafter's catch-up on ``lag_tokens`` tokens it did not see (0: none)."""
         return self.catch_up.value * self.table.seconds(lag_tokens, 1) if lag_tokens else 0.0
@@ -381,16 +386,14 @@ class StepCosts:
         """A step of ``arm`` on ``n`` sequences took ``seconds``, ``draft_seconds`` of them drafting
         and ``forward_seconds`` in the target's forward (None: not measured apart; the host's part
         then stays in the correction), after ``lag_tokens`` tokens its model drafter had to catch
-        up on. What is left is the host's part, learned for every step of the arm. An arm's first step at a
-        batch bucket teaches nothing: it pays what a shape's first use pays once (a kernel's
-        compilation, the allocator's growth), and one such step read as the arm's cost would keep
-        the arm from ever running there again.
+        up on. What is left is the host's part, learned for every step of the arm. An arm's first
+        step at a batch bucket teaches nothing: it pays a shape's first use (a kernel's compilation,
+        the allocator's growth), which read as the arm's cost would keep it from running there again.
 
         The step's two parts are judged apart: the verification against the table (the arm's
-        correction), the drafting by the ratio it teaches (a drafter alone: a chain or tree of the
-        model drafter, a suffix tree) or, for an arm of two drafters, by a drafting correction of
-        its own. One correction of the whole step would count a drafting ratio's change twice: its
-        logs, taken against the old ratio, would still say "slower" once the ratio had learned it.
+        correction), the drafting by the ratio it teaches (a drafter alone) or, for an arm of two
+        drafters, by a drafting correction of its own: one correction of the whole step would count
+        a drafting ratio's change twice (its logs, taken against the old ratio, still say "slower")
 
         Returns how far the step's prediction was off (|log(measured / predicted)|, made before
         this step taught anything), or None for a step that teaches no costs of the arm's own."""

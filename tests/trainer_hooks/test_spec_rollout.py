@@ -308,7 +308,9 @@ def test_adaptive_rollout_is_lossless_and_reports_its_strategy_mix(task_tokenize
         model=tiny_policy,
         strategy="adaptive",
         drafter=perturbed_copy(tiny_policy, noise=0.2, seed=1),
-        selector={"optimism": 4.0},
+        # the drafter is the policy's size, priced as such from calibration: with strong optimism
+        # it still tries its chains beside plain steps
+        selector={"optimism": 4.0, "arms": ("none", "chain:2", "chain:4")},
     )
     out = rollout(prompts, trainer)
     assert out["completion_ids"] == plain["completion_ids"]

@@ -161,6 +161,35 @@ def test_the_drafting_ratio_follows_the_batch_size():
     assert [restored.draft["model"].value(n) for n in (1, 4, 64)] == [model.value(n) for n in (1, 4, 64)]
 
 
+def test_a_drafter_level_timed_at_calibration_prices_the_drafting_until_steps_outweigh_it():
+    """Before any step drafts, a model arm's drafting is priced from the drafter's level timed at
+    calibration (``seed_drafting``), not from the prior ratio (a tenth of the target's forward,
+    which made an untried tree look three times cheaper than it was on the deep policy); the
+    arms' steps then take over, as from any first measurement."""
+    costs = linear_costs()
+    chain = S("chain:4")
+    costs.seed_drafting({1: 0.35 * costs.table.seconds(1, 1), 8: 0.5 * costs.table.seconds(8, 1)})
+    model = costs.draft["model"]
+    assert model.value(1) == pytest.approx(0.35, rel=0.25) and model.value(8) == pytest.approx(0.5, rel=0.25)
+    assert costs.draft_seconds(chain, 1) == pytest.approx(4 * model.value(1) * costs.table.seconds(1, 1))
+    for _ in range(30):
+        costs.observe(chain, 8, 1.0, draft_seconds=0.9 * costs._model_unit(chain, 8), lag_tokens=0)
+    assert model.value(8) == pytest.approx(0.9, rel=0.1)
+
+
+def test_calibration_times_the_drafter_lms_level():
+    """The drafter LM times one of its levels at every batch size calibration timed the target at
+    (``TimesDraftLevels``), so a model arm is priced from its drafter's real cost from the first step."""
+    model = cached_model("llama")
+    engine = RolloutEngine(model, RolloutConfig(strategy="adaptive"), drafter=perturbed_copy(model, 0.3, 7))
+    engine.choice.calibrate(4)
+    costs = engine.selector.costs
+    sizes = {n for n, _ in costs.table.measured}
+    assert len(sizes) > 1 and len(costs.draft["model"].pooled.logs) == len(sizes)  # one timing per batch size
+    # the drafter is the target's copy: a level costs about a one-token target forward, not a tenth of it
+    assert costs.draft["model"].value(1) > 0.3
+
+
 def test_corrections_shrink_to_one_and_resist_outliers():
     costs = linear_costs()
     none = S("none")
@@ -448,10 +477,12 @@ def test_calibration_captures_the_graphs_and_one_off_steps_teach_no_costs(monkey
 
     monkeypatch.setattr(graph_pool.EagerBackend, "capture", slow_capture)
     model = cached_model("llama")
+    # a drafter as large as the target costs about what it saves: close drafts (noise 0.05) still run
+    arms = {"arms": ("none", "chain:2", "chain:4")}
     engine = RolloutEngine(
         model,
-        RolloutConfig(strategy="adaptive", graph_backend="eager", max_num_seqs=8),
-        drafter=perturbed_copy(model, 0.3, 7),
+        RolloutConfig(strategy="adaptive", graph_backend="eager", max_num_seqs=8, selector=arms),
+        drafter=perturbed_copy(model, 0.05, 7),
     )
     # fine context buckets below calibration's (context 128 -> 256): the rollout's first steps capture
     pool = engine.runner.graph_pool = graph_pool.GraphPool(
