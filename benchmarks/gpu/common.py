@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from ...rollout.params import MirrorConfig
+from ...rollout.params import MirrorConfig, RolloutConfig
 
 logger = logging.getLogger(__name__)
 
@@ -42,6 +42,9 @@ class CheckSize:
     anatomy_passes: int = 3  # the speed stage's decode-step profiles, in this many interleaved passes ...
     anatomy_batches: tuple[int, ...] = (1, 16, 64)  # ... at these batch sizes
     fast_path_passes: int = 3  # fast_path's contenders, timed in this many interleaved passes
+    # each engine's KV pool in the speed and selector stages, which keep an engine per contender (a
+    # dozen): the engine's default at full size; the rehearsal's share 24 GB of host memory
+    kv_cache_tokens: int = RolloutConfig.kv_cache_tokens
 
     @classmethod
     def of(cls, name: str) -> CheckSize:
@@ -56,7 +59,7 @@ class CheckSize:
             # that still take each path (interleaving, same-pass ratios, a batch above 1)
             return cls(
                 "tiny", 384, 960, 26, (1, 4), (1, 4), 8, 4, 600, 4, True, (128,), (512, 1280, 28), (1,), 2, 2, 1,
-                anatomy_batches=(1,), fast_path_passes=2,
+                anatomy_batches=(1,), fast_path_passes=2, kv_cache_tokens=8192,
             )  # fmt: skip
         raise ValueError(f"size must be 'full' or 'tiny', got {name!r}")
 

@@ -181,7 +181,8 @@ def run(stage: Stage) -> None:
         if not ok:
             return
         policy = grow(stage, dev, dtype, task_prompts(tokenizer, 4, seed=41))
-    contenders = Contenders(policy, drafter.to(dev), tokenizer, max_num_seqs=max(*batches, size.long_tail_prompts))
+    max_num_seqs = max(*batches, size.long_tail_prompts)
+    contenders = Contenders(policy, drafter.to(dev), tokenizer, max_num_seqs, kv_cache_tokens=size.kv_cache_tokens)
     arms = [*DEFAULT_ARMS, "adaptive"]
     with stage.part("calibration", 15) as ok:
         if ok:

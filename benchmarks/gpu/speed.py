@@ -433,7 +433,8 @@ def start_speed_run(stage: Stage, seed: int) -> tuple[SpeedRun, torch.nn.Module,
         if not ok:
             return None
         policy = grow(stage, dev, dtype, prompts)
-    speed = SpeedRun(stage, Contenders(policy, drafter.to(dev), tokenizer), graph_backend(), prompts, warm, greedy)
+    contenders = Contenders(policy, drafter.to(dev), tokenizer, kv_cache_tokens=stage.size.kv_cache_tokens)
+    speed = SpeedRun(stage, contenders, graph_backend(), prompts, warm, greedy)
     copy_gbs = copy_bandwidth_gbs(1 << 30 if cuda else 1 << 26)
     stage.record("copy_gbs", round(copy_gbs, 1))
     return speed, policy, copy_gbs
