@@ -19,6 +19,9 @@ GPU_BUDGET_ARG = $(if $(GPU_BUDGET),--budget $(GPU_BUDGET))
 REHEARSE_VENV := .venv-gpu-rehearse
 REHEARSE_PY   := $(REHEARSE_VENV)/bin/python
 REHEARSE_STAMP := $(REHEARSE_VENV)/.installed
+# --no-compile: its stages run one process at a time, each compiling what it imports on first use;
+# byte-compiling every installed file up front took longer than the install (106 s against 42 s)
+REHEARSE_PIP := -m pip install -q --no-compile
 IMAGE_PACKAGES := torch==2.13.0 transformers==5.17.0 triton==3.6.0 tokenizers safetensors numpy pyyaml jinja2 \
                   tqdm pytest pytest-timeout accelerate==1.15.0 pandas pyarrow psutil xxhash fsspec requests httpx
 # what the training stage needs and the image lacks: carried as wheels (make gpu-wheels), installed --no-deps
@@ -27,13 +30,11 @@ WHEEL_PLATFORMS := --python-version 3.12 --implementation cp --platform manylinu
                    --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64
 
 # Everything the project promises is installed, DeepSpeed included, so only GPU tests skip on CPU.
-# --no-compile: Python compiles a module when it is first imported; byte-compiling every installed
-# file up front (torch's, transformers', ray's) took longer than the installs (106 s against 42 s
-# for the rehearsal's environment)
-PIP_INSTALL := -m pip install -q --no-compile
+# The test environment is byte-compiled at install: the suite starts dozens of processes at once
+# (Ray workers, CLI runs), which would otherwise each compile the modules they import.
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) $(PIP_INSTALL) -e ".[dev,deepspeed]"
+	$(PY) -m pip install -q -e ".[dev,deepspeed]"
 	touch $(STAMP)
 
 demo: $(STAMP)
@@ -120,8 +121,8 @@ gpu-wheels:
 
 $(REHEARSE_STAMP): Makefile
 	test -x $(REHEARSE_PY) || $(PYTHON) -m venv $(REHEARSE_VENV)
-	$(REHEARSE_PY) $(PIP_INSTALL) $(IMAGE_PACKAGES)
-	$(REHEARSE_PY) $(PIP_INSTALL) --no-deps $(TRAIN_WHEELS)
+	$(REHEARSE_PY) $(REHEARSE_PIP) $(IMAGE_PACKAGES)
+	$(REHEARSE_PY) $(REHEARSE_PIP) --no-deps $(TRAIN_WHEELS)
 	touch $(REHEARSE_STAMP)
 
 gpu-rehearse: $(REHEARSE_STAMP)
