@@ -28,23 +28,13 @@ def tree_rows(parents: torch.Tensor, depth: int) -> TreeRows:
     up = torch.cat([parents.new_zeros(batch, 1), parents + 1], dim=1)  # [B, n + 1]: each row's parent row
     visible = torch.eye(n + 1, dtype=torch.bool, device=parents.device).expand(batch, -1, -1).clone()
     visible[:, :, 0] = True
+    depths = (torch.arange(n + 1, device=parents.device) > 0).long().expand(batch, -1).clone()
     above = up
     for _ in range(depth):  # after step t each row sees its ancestors up to t levels up
         visible.scatter_(2, above.unsqueeze(2), True)
+        depths += above > 0  # a node above it: one level deeper
         above = up.gather(1, above)
-    return TreeRows(_depths(parents, depth), visible)
-
-
-def _depths(parents: torch.Tensor, depth: int) -> torch.Tensor:
-    """``[B, n + 1]``: 0 for the root row, each node's depth (children of the root: 1) for the rest."""
-    batch, n = parents.shape
-    up = torch.cat([parents.new_zeros(batch, 1), parents + 1], dim=1)
-    depths = torch.zeros(batch, n + 1, dtype=torch.int64, device=parents.device)
-    above = torch.arange(n + 1, device=parents.device).expand(batch, -1)
-    for _ in range(depth):
-        depths += above > 0
-        above = up.gather(1, above)
-    return depths
+    return TreeRows(depths, visible)
 
 
 def tree_verdicts(
