@@ -94,12 +94,14 @@ NON_NEGATIVE = _int_at_least(0)
 def _demo(args: argparse.Namespace) -> int:
     _from_checkout("`tailspec demo`")
     from .config_tree import parse_assignments
-    from .demo import DemoConfig, run_demo
-    from .trainer_hooks.deepspeed import configs_dir
+    from .configs import configs_dir
 
+    # the user's mistakes first: the trainer stack takes seconds to import
     config = _existing_file(args.config, "--config") if args.config else configs_dir() / "demo_cpu.yaml"
-    cfg = DemoConfig.from_yaml(config)
     overrides = parse_assignments(args.set or [])
+    from .demo import DemoConfig, run_demo
+
+    cfg = DemoConfig.from_yaml(config)
     flags = {
         "max_steps": args.steps,
         "strategy": args.strategy,

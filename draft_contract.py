@@ -360,14 +360,15 @@ class StepOnDevice:
     """A step as its verification left it on the device (``rollout/spec/device_step.py``): the
     pending tokens' positions it ran at, its emitted tokens (``emitted[:, j]`` is the token at
     ``cached + 1 + j``; ``accepted`` drafts then the final token are real, the rest padding), its
-    accept lengths, the target's features at its rows (a chain's, for a drafter that reads them;
-    None otherwise), and whether its drafts were a tree (whose drafter forwards wrote scratch,
-    not the kept tokens, past the pending one)."""
+    accept lengths, the target's features at the rows of its pending token and its drafts (a
+    tree's: at its accepted path's, then padding) for a drafter that reads them (None otherwise),
+    and whether its drafts were a tree (whose drafter forwards wrote scratch, not the kept
+    tokens, past the pending one)."""
 
     cached: torch.Tensor  # [B]
     emitted: torch.Tensor  # [B, depth + 1]
     accepted: torch.Tensor  # [B]
-    features: torch.Tensor | None = None  # [B, k + 1, feature_size]
+    features: torch.Tensor | None = None  # [B, depth + 1, feature_size]
     tree: bool = False
 
 

@@ -8,6 +8,7 @@ carriage returns or cursor movement, so a log stays one readable line per update
 
 from __future__ import annotations
 
+import os
 import re
 import sys
 from typing import IO, Any
@@ -62,15 +63,22 @@ def progress_bar(iterable: Any = None, **kwargs: Any) -> tqdm:
 
 def quiet_library_bars(stream: Any = None) -> None:
     """Turn off the progress bars of Hugging Face libraries (weight loading, datasets) unless
-    ``stream`` (default: stderr) is a terminal."""
+    ``stream`` (default: stderr) is a terminal: those already imported are told now, the others
+    start quiet (their environment switches), so a command that stops at a bad argument has
+    imported none of them."""
     if is_terminal(stream if stream is not None else sys.stderr):
         return
-    from transformers.utils import logging as hf_logging
+    for switch in ("HF_HUB_DISABLE_PROGRESS_BARS", "HF_DATASETS_DISABLE_PROGRESS_BARS"):
+        os.environ.setdefault(switch, "1")
+    if "huggingface_hub" in sys.modules:
+        from huggingface_hub.utils import disable_progress_bars
 
-    hf_logging.disable_progress_bar()
-    try:
+        disable_progress_bars()
+    if "transformers" in sys.modules:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+    if "datasets" in sys.modules:
         import datasets
 
         datasets.disable_progress_bars()
-    except ImportError:
-        pass

@@ -482,7 +482,7 @@ class SmallLMDrafter(Drafter, TreesOnDevice, TimesDraftLevels):
         tables = BlockTables([self._states[seq.seq_id].block_table for seq in seqs])
         top, after_pending = self.runner.vocab_size - 1, inputs.cached + 1
 
-        def level(paths: torch.Tensor) -> torch.Tensor:
+        def level(paths: torch.Tensor, _extends: torch.Tensor | None) -> torch.Tensor:
             batch, k, length = paths.shape
             rows = static_paths(k, length, paths.device)
             fed = paths.reshape(-1).clamp(max=top)

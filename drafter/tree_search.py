@@ -129,8 +129,10 @@ def select(nodes: list[Node], budget: int) -> DraftTree:
 
 
 # -- static trees, grown on the device -----------------------------------------------------
-# LevelPaths(paths) -> log-probabilities [B, topk, V] after each path: paths [B, topk, level - 1]
-LevelPaths = Callable[[torch.Tensor], torch.Tensor]
+# LevelPaths(paths, extends) -> log-probabilities [B, topk, V] after each path: paths [B, topk,
+# level - 1]; extends [B, topk]: which of the previous call's paths each one extends (None on the
+# first call, whose paths are the root's children), for a drafter that carries state along a path
+LevelPaths = Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor]
 
 
 def grow_static_trees(
@@ -149,8 +151,9 @@ def grow_static_trees(
     all_scores, all_tokens = [scores], [tokens]
     all_parents = [torch.full_like(tokens, -1)]
     frontier, paths = torch.arange(k, device=tokens.device).expand(batch, k), tokens.unsqueeze(2)
+    extends = None
     for level in range(2, shape.depth + 1):
-        child_scores, child_tokens = level_logprobs(paths).topk(k, dim=-1)  # [B, k paths, k children]
+        child_scores, child_tokens = level_logprobs(paths, extends).topk(k, dim=-1)  # [B, k paths, k children]
         child_scores = (child_scores + scores.unsqueeze(2)).reshape(batch, k * k)
         child_tokens = child_tokens.reshape(batch, k * k)
         all_scores.append(child_scores)
@@ -158,7 +161,8 @@ def grow_static_trees(
         all_parents.append(frontier.unsqueeze(2).expand(-1, -1, k).reshape(batch, k * k))
         scores, best = child_scores.topk(k, dim=-1)  # the next frontier
         frontier = k + (level - 2) * k * k + best
-        ancestors = paths.gather(1, (best // k).unsqueeze(2).expand(-1, -1, level - 1))
+        extends = best // k
+        ancestors = paths.gather(1, extends.unsqueeze(2).expand(-1, -1, level - 1))
         paths = torch.cat([ancestors, child_tokens.gather(1, best).unsqueeze(2)], dim=2)
     scores, tokens, parents = (torch.cat(x, dim=1) for x in (all_scores, all_tokens, all_parents))
     n = static_tree_nodes(shape)

@@ -12,13 +12,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from ..configs import configs_dir
 from ..distributed import single_process_deepspeed
 
 SHIPPED = {"zero2": "deepspeed_zero2.json", "zero3": "deepspeed_zero3.json"}
-
-
-def configs_dir() -> Path:
-    return Path(__file__).resolve().parent.parent / "configs"
 
 
 def deepspeed_config(spec: str) -> str:

@@ -7,13 +7,13 @@ import importlib
 import json
 import logging
 import os
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 from .common import CheckSize, Stage
+from .stage_process import ask_cuda_without_initialising_it, preload, run_forked
 
 # stage -> seconds it may take on a lent GPU: together with the children's start-up they fit the
 # 7 minutes that leave room for a rerun inside a 15-minute lease
@@ -48,7 +48,7 @@ SHORTEST_STAGE_S = 30
 
 def run_stage(name: str, size: CheckSize, work: Path, budget: float) -> None:
     """One stage, in this process (the driver starts one child per stage)."""
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", force=True)
     module = importlib.import_module(f"{__package__}.{name}")
     stage = Stage(name, size, budget, work)
     try:
@@ -117,17 +117,19 @@ def write_outputs(out: Path, work: Path, reports: dict[str, dict], started: floa
 
 
 def run_stages(
-    stages: list[str], args: argparse.Namespace, budget: dict[str, float], out: Path, work: Path
+    stages: list[str], args: argparse.Namespace, size: CheckSize, budget: dict[str, float], out: Path, work: Path
 ) -> tuple[dict[str, dict], str]:
-    """Each stage in a child process of its own, its report and log in ``work``; ``out`` rewritten
+    """Each stage in a child process of its own (forked from this one once it has imported what
+    the stages import: ``stage_process``), its report and log in ``work``; ``out`` rewritten
     after every stage. Returns the reports and the summary's text."""
     started = time.time()
-    env = dict(os.environ)
-    import torch  # only to learn whether Triton must run interpreted here
+    ask_cuda_without_initialising_it()
+    import torch
 
-    if not torch.cuda.is_available():
-        env.setdefault("TRITON_INTERPRET", "1")
+    if not torch.cuda.is_available():  # set before the stages' kernels are defined
+        os.environ.setdefault("TRITON_INTERPRET", "1")
     reports: dict[str, dict] = {}
+    preloaded = False
     for name in stages:
         seconds = stage_seconds(budget[name], args.within, time.time() - started)
         if seconds is None:
@@ -138,17 +140,20 @@ def run_stages(
         command += ["--rehearse"] if args.rehearse else []
         command += ["--budget", f"{seconds:g}"] if seconds != BUDGETS[name] else []
         print(f"[gpu-check] stage {name} (budget {seconds:g} s) ...", flush=True)
-        with open(work / f"{name}.log", "w") as log:
-            try:
-                subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, env=env, timeout=seconds + GRACE_S)
-                killed = None
-            except subprocess.TimeoutExpired:
-                killed = f"killed after {seconds + GRACE_S:g} s"
+        if not preloaded:  # once, before the first stage that runs
+            preload([f"{__package__}.{later}" for later in stages[stages.index(name) :]])
+            preloaded = True
+        stopped = run_forked(
+            lambda name=name, seconds=seconds: run_stage(name, size, work, seconds),
+            command,
+            work / f"{name}.log",
+            timeout_s=seconds + GRACE_S,
+        )
         path = work / f"{name}.json"
         report = json.loads(path.read_text()) if path.exists() else {"stage": name, "checks": [], "skipped": []}
-        if killed or report.get("status") in (None, "running"):
-            report["status"] = "killed" if killed else "crashed"
-            report.setdefault("errors", []).append({"part": "stage", "error": killed or "the child exited early"})
+        if stopped or report.get("status") in (None, "running"):
+            report["status"] = "killed" if stopped else "crashed"
+            report.setdefault("errors", []).append({"part": "stage", "error": stopped or "the child exited early"})
         reports[name] = report
         write_outputs(out, work, reports, started)  # after every stage: a cut-off run keeps what it did
         print(f"[gpu-check] stage {name}: {report['status']}", flush=True)
@@ -192,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         parser.error(f"--stages: unknown {unknown}; allowed: {list(BUDGETS)} and 'pack' (the stages of make gpu-check)")
     with tempfile.TemporaryDirectory(prefix="tailspec-gpu-check-") as work:  # its logs end up in --out
-        reports, text = run_stages(stages, args, budget, Path(args.out), Path(work))
+        reports, text = run_stages(stages, args, size, budget, Path(args.out), Path(work))
     for report in reports.values():  # what failed, with its traceback, before the table
         for error in report.get("errors", []):
             print(f"\n--- {report['stage']} / {error['part']}: {error['error']}\n{error.get('traceback', '')[-1500:]}")

@@ -56,9 +56,10 @@ class CheckSize:
             )  # fmt: skip
         if name == "tiny":
             # the rehearsal proves every part runs (CI runs it): the fewest passes, batches and tokens
-            # that still take each path (interleaving, same-pass ratios, a batch above 1)
+            # that still take each path (interleaving, same-pass ratios, a batch above 1), on the
+            # smallest policies that still grow (one layer deeper; the big one wider too)
             return cls(
-                "tiny", 384, 960, 26, (1, 4), (1, 4), 8, 4, 600, 4, True, (128,), (512, 1280, 28), (1,), 2, 2, 1,
+                "tiny", 256, 768, 25, (1, 4), (1, 4), 8, 4, 600, 4, True, (128,), (384, 960, 26), (1,), 2, 2, 1,
                 anatomy_batches=(1,), fast_path_passes=2, kv_cache_tokens=8192,
             )  # fmt: skip
         raise ValueError(f"size must be 'full' or 'tiny', got {name!r}")

@@ -37,9 +37,9 @@ from ...draft_contract import (
     Drafter,
     DraftRequest,
     DraftShape,
-    DraftsOnDevice,
     DraftTree,
     SequenceView,
+    TreesOnDevice,
     observed_rows,
 )
 from ...kernels.transfers import select_rows, to_device
@@ -51,12 +51,12 @@ from ...rollout.model.attention import (
     build_metadata,
     paged_attention_forward,
 )
-from ...rollout.model.device_inputs import BlockTables, device_inputs
+from ...rollout.model.device_inputs import BlockTables, TreeRows, device_inputs, static_paths
 from ...rollout.model.eval_mode import eval_mode
 from ...rollout.model.kv_cache import KVLayout, PagedKVCache, blocks_for
 from ...rollout.model.runner import model_device_dtype
 from ..draft_sampling import ChainDrafts, DeviceChainPicks, draft_chains_on_device, draft_generator
-from ..tree_search import LevelInput, grow_trees
+from ..tree_search import LevelInput, grow_static_trees, grow_trees
 from .data import FeatureBuffer, SequenceRecorder
 from .model import Eagle3Head
 
@@ -91,7 +91,7 @@ class _HeadState:
     last: tuple[torch.Tensor, torch.Tensor] | None = None  # the last catch-up row's (hidden out, logits)
 
 
-class Eagle3Drafter(Drafter, DraftsOnDevice):
+class Eagle3Drafter(Drafter, TreesOnDevice):
     """Drafts with an :class:`Eagle3Head` for ``target`` (whose input embeddings it shares), or,
     without a target, over ``embed`` (a copy of them: what a draft process holds).
 
@@ -243,14 +243,20 @@ class Eagle3Drafter(Drafter, DraftsOnDevice):
         return self._forward(build_metadata(self.cache, slices, pos), hidden, ids, pos)
 
     def _run_on_device(
-        self, tables: BlockTables, cached: torch.Tensor, hidden: torch.Tensor, tokens: torch.Tensor, new: int
+        self,
+        tables: BlockTables,
+        cached: torch.Tensor,
+        hidden: torch.Tensor,
+        tokens: torch.Tensor,
+        new: int,
+        tree: TreeRows | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """:meth:`_run` with the lengths on the device: sequence ``i`` feeds ``new`` rows at positions
-        ``cached[i] ..`` (``device_inputs``)."""
+        """:meth:`_run` with the lengths on the device: sequence ``i`` feeds ``new`` rows after
+        ``cached[i]`` (``device_inputs``), as ``tree`` relates them, else a chain."""
         n, bs = len(tables), self.block_size
         use_plan = attention_backend(self.cache, None, new) == "triton"
         shape = (n, new, tables.longest() * bs)
-        inputs, meta = device_inputs(self.cache, tables, cached, tokens, new, shape, 0, use_plan)
+        inputs, meta = device_inputs(self.cache, tables, cached, tokens, new, shape, 0, use_plan, tree)
         return self._forward(meta, hidden, tokens, inputs["pos"].view(-1))
 
     def _forward(
@@ -426,7 +432,7 @@ class Eagle3Drafter(Drafter, DraftsOnDevice):
         trees, _ = grow_trees(requests, torch.log_softmax(root_logits, dim=-1), shape, score_level)
         return trees
 
-    # -- chains from state on the device (DraftsOnDevice) -----------------------------------
+    # -- chains and trees from state on the device (TreesOnDevice) -------------------------
     def ready_on_device(self, seqs: Seq[SequenceView]) -> bool:
         """Every sequence has the features of all its tokens but the pending one, some not run yet."""
         states = [self._states.get(seq.seq_id) for seq in seqs]
@@ -438,37 +444,73 @@ class Eagle3Drafter(Drafter, DraftsOnDevice):
     def reserve_on_device(self, seqs: Seq[SequenceView], lengths: Seq[int]) -> bool:
         return all(self._ensure_room(self._states[seq.seq_id], n) for seq, n in zip(seqs, lengths))
 
+    def _root_on_device(
+        self, seqs: Seq[SequenceView], inputs: DeviceDraftInputs, tables: BlockTables
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Catch up: each sequence's hidden output and logits at the row of its last kept token
+        (which feeds the pending one). From the host's state the catch-up runs the pending
+        features as :meth:`propose` does; from a step on the device it runs that step's ``k + 1``
+        rows at its positions (the target's features there, the tokens it emitted; a tree step's
+        are its accepted path's), and the rows past the last kept one write slots the next
+        catch-up rewrites."""
+        previous = inputs.previous
+        if previous is None:
+            return self._catch_up(list(seqs))
+        width = previous.emitted.shape[1]
+        features = previous.features.reshape(len(seqs) * width, -1)
+        out, logits = self._run_on_device(
+            tables, previous.cached, self.head.project(features), previous.emitted.reshape(-1), width
+        )
+        last = torch.arange(len(seqs), device=out.device) * width + previous.accepted
+        for seq in seqs:
+            self._states[seq.seq_id].last = None
+        return out.index_select(0, last), logits.index_select(0, last)
+
     def draft_on_device(
         self, seqs: Seq[SequenceView], inputs: DeviceDraftInputs, depth: int, bound: int
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Catch up, then draft a chain, its forwards fed with the head's own hidden output. From the
-        host's state the catch-up runs the pending features as :meth:`propose` does; from a step on
-        the device it runs that step's ``k + 1`` rows at its positions (the target's features there,
-        the tokens it emitted), and the row of each sequence's last kept token gives the first draft
-        and the hidden state carried on: the rows past it write slots the next catch-up rewrites."""
+        """Catch up (:meth:`_root_on_device`), then draft a chain, its forwards fed with the head's
+        own hidden output."""
         tables = BlockTables([self._states[seq.seq_id].block_table for seq in seqs])
-        device = self.cache.layout.device
         picks = DeviceChainPicks(seqs, self.generator, depth, inputs.cached)
         with eval_mode(self.head), torch.no_grad():
-            previous = inputs.previous
-            if previous is None:
-                hidden, logits = self._catch_up(list(seqs))
-            else:
-                width = previous.emitted.shape[1]
-                features = previous.features.reshape(len(seqs) * width, -1)
-                hidden_in = self.head.project(features)
-                out, all_logits = self._run_on_device(
-                    tables, previous.cached, hidden_in, previous.emitted.reshape(-1), width
-                )
-                last = torch.arange(len(seqs), device=device) * width + previous.accepted
-                hidden, logits = out.index_select(0, last), all_logits.index_select(0, last)
-                for seq in seqs:
-                    self._states[seq.seq_id].last = None
+            hidden, logits = self._root_on_device(seqs, inputs, tables)
             token = picks.pick(logits)
             for d in range(1, depth):
                 hidden, logits = self._run_on_device(tables, inputs.cached + d - 1, hidden, token, 1)
                 token = picks.pick(logits)
         return picks.result()
+
+    def draft_tree_on_device(
+        self, seqs: Seq[SequenceView], inputs: DeviceDraftInputs, shape: DraftShape, bound: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Catch up, then :func:`grow_static_trees`: each level's forward runs the frontier's
+        ``topk`` paths from the root as independent chains from the pending token's position (the
+        row of a path's ``j``-th node at ``cached + j``, written there as scratch the next catch-up
+        rewrites), each row fed the hidden output of its parent, which the level before computed
+        (the root's for a path's first node)."""
+        tables = BlockTables([self._states[seq.seq_id].block_table for seq in seqs])
+        outputs: list[torch.Tensor] = []  # the last level's hidden outputs [B, k, length, H]
+
+        def level(paths: torch.Tensor, extends: torch.Tensor | None) -> torch.Tensor:
+            batch, k, length = paths.shape
+            first = root_hidden.unsqueeze(1).unsqueeze(2).expand(-1, k, 1, -1)
+            if extends is None:
+                hidden_in = first
+            else:
+                before = outputs.pop()
+                index = extends.view(batch, k, 1, 1).expand(-1, -1, before.shape[2], before.shape[3])
+                hidden_in = torch.cat([first, before.gather(1, index)], dim=2)
+            rows = static_paths(k, length, paths.device)
+            out, logits = self._run_on_device(
+                tables, inputs.cached, hidden_in.reshape(batch * k * length, -1), paths.reshape(-1), k * length, rows
+            )
+            outputs.append(out.view(batch, k, length, -1))
+            return torch.log_softmax(logits.view(batch * k, length, -1)[:, -1], dim=-1).view(batch, k, -1)
+
+        with eval_mode(self.head), torch.no_grad():
+            root_hidden, root_logits = self._root_on_device(seqs, inputs, tables)
+            return grow_static_trees(torch.log_softmax(root_logits, dim=-1), shape, level)
 
     def settled_on_device(self, seq: SequenceView, cached: int, kept: int, consumed: bool) -> None:
         """The step's kept features were just observed (positions ``cached .. cached + accepted``):

@@ -184,7 +184,7 @@ class DeviceSteps:
     """Launches and reads :class:`DeviceLaunch` steps of ``chain`` strategies with a drafter that
     drafts on the device (:class:`DraftsOnDevice`: the drafter LM, ``self:L``, the EAGLE-3 head),
     and of ``tree`` strategies with one that drafts trees there (:class:`TreesOnDevice`: the
-    drafter LM, ``self:L``)."""
+    drafter LM, ``self:L``, the EAGLE-3 head)."""
 
     def __init__(
         self,
@@ -276,8 +276,10 @@ class DeviceSteps:
         return _Verified(drafted, emitted, accepted, logprobs, features.view(len(seqs), depth + 1, -1), logits)
 
     def _tree_step(self, seqs, inputs: DeviceDraftInputs, shape, tables: BlockTables, bound: int) -> _Verified:
-        """Draft, run and verify a tree; its accepted nodes' K/V moved into place, and its tokens,
-        parents and accepted nodes read with the rest (to learn its first branch)."""
+        """Draft, run and verify a tree; its accepted nodes' K/V moved into place, its tokens,
+        parents and accepted nodes read with the rest (to learn its first branch), and for a drafter
+        reading features the target's features and logits at the kept tokens' rows, laid out as a
+        chain step's."""
         start = time.perf_counter()
         tokens, parents = self.drafter.draft_tree_on_device(seqs, inputs, shape, bound)
         drafted = time.perf_counter() - start
@@ -285,11 +287,21 @@ class DeviceSteps:
         tokens, parents = tokens.to(device), parents.to(device)
         rows = tree_rows(parents, shape.depth)
         ids = torch.cat([inputs.last_two[:, 1:], tokens], dim=1).reshape(-1)
-        logits, _ = self.runner.forward_on_device(tables, cached, ids, tokens.shape[1] + 1, bound, tree=rows)
+        width = tokens.shape[1] + 1
+        logits, features = self.runner.forward_on_device(
+            tables, cached, ids, width, bound, self.feature_layers, tree=rows
+        )
         emitted, accepted, path, logprobs = self._tree_verdicts(seqs, logits, tokens, parents, shape, cached, rows)
         padded = tables.padded(len(seqs), tables.longest(), 0, device)
         keep_path_kv(self.runner.cache, padded, cached, path, accepted)
-        return _Verified(drafted, emitted, accepted, logprobs, also_read=(tokens, parents, path))
+        read = (tokens, parents, path)
+        if features is None:
+            return _Verified(drafted, emitted, accepted, logprobs, also_read=read)
+        # the kept tokens' rows as a chain's: the pending token's, then the accepted nodes' (padding past them)
+        kept = torch.cat([torch.zeros_like(path[:, :1]), path + 1], dim=1)
+        flat = (torch.arange(len(seqs), device=device).unsqueeze(1) * width + kept).reshape(-1)
+        kept_features = features.index_select(0, flat).view(len(seqs), shape.depth + 1, -1)
+        return _Verified(drafted, emitted, accepted, logprobs, kept_features, logits.index_select(0, flat), read)
 
     def _processed(self, seqs: list[Sequence], logits: torch.Tensor, cached, offsets: torch.Tensor) -> tuple:
         """The processed logprobs of ``offsets.shape[1]`` rows a sequence, the scores position-keyed

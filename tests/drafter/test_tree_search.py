@@ -19,7 +19,7 @@ def test_static_trees_hold_the_best_nodes_of_their_levels_with_their_ancestors(d
     table = torch.log_softmax(torch.randn(vocab, vocab, generator=gen) * 3, dim=-1)
     root = torch.log_softmax(torch.randn(batch, vocab, generator=gen) * 3, dim=-1)
     shape = DraftShape(depth, topk, budget)
-    tokens, parents = grow_static_trees(root, shape, lambda paths: table[paths[:, :, -1]])
+    tokens, parents = grow_static_trees(root, shape, lambda paths, _: table[paths[:, :, -1]])
     assert tokens.shape == parents.shape == (batch, static_tree_nodes(shape))
     for b in range(batch):
         tree = DraftTree(tokens[b].tolist(), parents[b].tolist())  # checks parents precede children
@@ -54,3 +54,23 @@ def _ancestors(tree: DraftTree, i: int) -> list[int]:
         out.append(node)
         node = tree.parents[node]
     return out
+
+
+def test_each_level_says_which_path_of_the_level_before_each_path_extends():
+    """A drafter carrying state along a path (the EAGLE-3 head's hidden outputs) finds it through
+    ``extends``: a level's path minus its last token is the earlier level's path it names."""
+    gen = torch.Generator().manual_seed(3)
+    vocab, batch, shape = 30, 2, DraftShape(5, 3, 20)
+    table = torch.log_softmax(torch.randn(vocab, vocab, generator=gen) * 3, dim=-1)
+    root = torch.log_softmax(torch.randn(batch, vocab, generator=gen) * 3, dim=-1)
+    calls = []
+
+    def level(paths, extends):
+        calls.append((paths, extends))
+        return table[paths[:, :, -1]]
+
+    grow_static_trees(root, shape, level)
+    assert len(calls) == shape.depth - 1 and calls[0][1] is None
+    for (before, _), (paths, extends) in zip(calls, calls[1:]):
+        assert extends.shape == (batch, shape.topk)
+        assert torch.equal(paths[:, :, :-1], before.gather(1, extends.unsqueeze(2).expand(-1, -1, before.shape[2])))

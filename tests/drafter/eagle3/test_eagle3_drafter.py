@@ -314,6 +314,51 @@ def test_chains_drafted_on_the_device_equal_the_step_by_step_loop(monkeypatch):
     assert on_device.stats.accepted_tokens > 0
 
 
+def test_device_trees_equal_the_search_run_path_by_path_on_the_host():
+    """The head's static trees on the device (each level's paths in one forward, every row fed its
+    parent's hidden output from the level before) equal the same search whose paths are run one
+    token at a time from the root's hidden output, sequence by sequence."""
+    import copy
+
+    from tailspec.draft_contract import DeviceDraftInputs, DraftShape, static_tree_scratch
+    from tailspec.drafter.tree_search import grow_static_trees
+    from tailspec.rollout.model.attention import SequenceSlice
+
+    model = target("qwen2")
+    drafter = Eagle3Drafter(trained_head("qwen2"), model)
+    engine = RolloutEngine(model, RolloutConfig(), drafter=drafter)
+    params = SamplingParams(max_new_tokens=30, temperature=0.0)
+    ids = [engine.add_request(p, params) for p in random_prompts(3, seed=13)]
+    engine.step()  # the prefill: the head observes the prompts' features
+    engine.step()  # one decode step
+    seqs = [engine.requests.seqs[i] for i in ids]
+    shape = DraftShape(4, 3, 12)
+    lengths = [s.num_cached + 1 + static_tree_scratch(shape) for s in seqs]
+    twin = copy.deepcopy(drafter)
+    cached = torch.tensor([s.num_cached for s in seqs])
+    two = torch.tensor([[s.token_at(s.num_cached - 1), s.token_at(s.num_cached)] for s in seqs])
+    with torch.no_grad():
+        assert drafter.ready_on_device(seqs) and drafter.reserve_on_device(seqs, lengths)
+        got = drafter.draft_tree_on_device(seqs, DeviceDraftInputs(cached, two), shape, max(lengths) + 1)
+        assert twin.reserve_on_device(seqs, lengths)
+        root_hidden, root_logits = twin._catch_up(seqs)
+
+        def level(paths, _extends):
+            rows = []
+            for b, seq in enumerate(seqs):
+                state = twin._states[seq.seq_id]
+                for path in paths[b].tolist():
+                    hidden = root_hidden[b : b + 1]
+                    for j, token in enumerate(path):
+                        at = state.num_cached + j
+                        hidden, logits = twin._run([SequenceSlice(state.block_table, at, 1)], hidden, [token], [at])
+                    rows.append(torch.log_softmax(logits[0], dim=-1))
+            return torch.stack(rows).view(len(seqs), paths.shape[1], -1)
+
+        want = grow_static_trees(torch.log_softmax(root_logits, dim=-1), shape, level)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
 def test_device_chains_draft_the_loop_s_tokens_and_distributions():
     """Position-keyed sampling: the drafts and their distributions (which depend on every position
     and K/V slot the head's forwards use) equal the step-by-step loop's, from the same state."""

@@ -52,6 +52,25 @@ def test_chains_launched_on_the_device_decode_and_record_what_plain_decoding_doe
     _assert_same_samples(buffer.samples(), plain_buffer.samples(), len(prompts))
 
 
+def test_trees_launched_on_the_device_decode_and_record_what_plain_decoding_does():
+    """``overlap=True`` with ``tree:3,2,6``: the head grows static trees on the device and the step
+    hands it the target's features at the accepted path's rows, so its catch-up and its recorder
+    read a tree step as a chain's. Tokens and recorded samples are plain decoding's, and the trees
+    accept about as many drafts as the host-read trees of the same shape."""
+    model, head = target("llama"), trained_head("llama")
+    prompts = random_prompts(7, seed=45)
+    params = stopping_params(model, prompts, n=24, stop_from=3)
+    _, plain, plain_buffer = collect(model, head, prompts, params)
+    host_read, _, _ = collect(model, head, prompts, params, "tree:3,2,6")
+    engine, outs, buffer = collect(model, head, prompts, params, "tree:3,2,6", overlap=True)
+    assert [o.completion_ids for o in outs] == [o.completion_ids for o in plain]
+    stats = engine.stats
+    assert stats.overlapped_steps == stats.spec_steps > 0 and stats.dropped_rows > 0
+    per_step = stats.accepted_tokens / stats.spec_steps
+    assert per_step > 0.7 * host_read.stats.accepted_tokens / host_read.stats.spec_steps > 0
+    _assert_same_samples(buffer.samples(), plain_buffer.samples(), len(prompts))
+
+
 def test_adaptive_overlaps_plain_steps_between_the_heads_chains():
     """The head catches up on features that overlapped steps handed it, then drafts; greedy output
     is plain decoding's."""
