@@ -25,6 +25,18 @@ def test_a_submitted_job_succeeds_and_a_process_without_an_address_starts_its_ow
         "--output-dir",
         str(tmp_path / "out"),
     ]
+    # one head serves both (a head costs seconds): while the job runs, a process given no address
+    # beside it (both mostly wait on Ray starting up, so they share the time)
+    probe = (
+        "import ray\n"
+        "from tailspec.workers.coordinator import ensure_ray\n"
+        "ensure_ray(num_cpus=1)\n"
+        "print('gcs', ray.get_runtime_context().gcs_address)\n"
+        "ray.shutdown()\n"
+    )
+    alone = subprocess.Popen(
+        [sys.executable, "-c", probe], env=ray_head.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
     job = subprocess.run(
         [ray_head.ray, "job", "submit", "--address", ray_head.dashboard, "--", *entrypoint],
         env=ray_head.env,
@@ -32,6 +44,7 @@ def test_a_submitted_job_succeeds_and_a_process_without_an_address_starts_its_ow
         text=True,
         timeout=900,
     )
+    out, err = alone.communicate(timeout=300)
     log = job.stdout + job.stderr
     assert job.returncode == 0, log[-5000:]
     assert "succeeded" in log
@@ -41,15 +54,6 @@ def test_a_submitted_job_succeeds_and_a_process_without_an_address_starts_its_ow
     assert summary["policy_syncs"] == 1  # the second rollout saw the first optimizer step
     assert summary["workers_died"] == 0
 
-    # one head started for both (a head costs seconds): a process given no address beside it
-    probe = (
-        "import ray\n"
-        "from tailspec.workers.coordinator import ensure_ray\n"
-        "ensure_ray(num_cpus=1)\n"
-        "print('gcs', ray.get_runtime_context().gcs_address)\n"
-        "ray.shutdown()\n"
-    )
-    run = subprocess.run([sys.executable, "-c", probe], env=ray_head.env, capture_output=True, text=True, timeout=300)
-    assert run.returncode == 0, run.stderr[-3000:]
-    gcs = next(line.split()[1] for line in run.stdout.splitlines() if line.startswith("gcs "))
+    assert alone.returncode == 0, err[-3000:]
+    gcs = next(line.split()[1] for line in out.splitlines() if line.startswith("gcs "))
     assert not gcs.endswith(f":{ray_head.gcs_port}")
