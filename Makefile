@@ -19,8 +19,8 @@ GPU_BUDGET_ARG = $(if $(GPU_BUDGET),--budget $(GPU_BUDGET))
 REHEARSE_VENV := .venv-gpu-rehearse
 REHEARSE_PY   := $(REHEARSE_VENV)/bin/python
 REHEARSE_STAMP := $(REHEARSE_VENV)/.installed
-# --no-compile: its stages run one process at a time, each compiling what it imports on first use;
-# byte-compiling every installed file up front took longer than the install (106 s against 42 s)
+# --no-compile: byte-compiling every installed file up front took longer than the install (106 s
+# against 42 s); the rehearsal compiles what it imports, once (gpu-rehearse writes byte code)
 REHEARSE_PIP := -m pip install -q --no-compile
 IMAGE_PACKAGES := torch==2.13.0 transformers==5.17.0 triton==3.6.0 tokenizers safetensors numpy pyyaml jinja2 \
                   tqdm pytest pytest-timeout accelerate==1.15.0 pandas pyarrow psutil xxhash fsspec requests httpx
@@ -45,11 +45,15 @@ demo: $(STAMP)
 # out in tests/conftest.py's order, longest first (--no-loadscope-reorder: xdist would otherwise
 # order them by their number of tests, and a long file of few tests would run last). Tests marked
 # `solo` judge what adaptive picks from measured step times: they run afterwards, alone.
+# Byte code is written whatever the environment says (an image may set PYTHONDONTWRITEBYTECODE):
+# without it every process the suite starts (Ray workers, CLI runs, draft processes) compiles
+# tailspec's modules again, about 2 s each, and pytest rewrites every test module in each one.
 TEST_WORKERS ?= 2
 SOLO_TESTS := tests/workers/test_adaptive_on_workers.py  # the files holding `solo` tests (tests/conftest.py checks)
+WRITE_BYTECODE := PYTHONDONTWRITEBYTECODE=
 test: $(STAMP)
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder -m "not solo"
-	$(PY) -m pytest -q -m solo $(SOLO_TESTS)
+	$(WRITE_BYTECODE) $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder -m "not solo"
+	$(WRITE_BYTECODE) $(PY) -m pytest -q -m solo $(SOLO_TESTS)
 
 # the wheel as a user installs it (tests/wheel_check.py): built from the tracked files, installed into a
 # new virtual environment without the checkout, every module imported, a speculative generate and a
@@ -125,7 +129,9 @@ $(REHEARSE_STAMP): Makefile
 	$(REHEARSE_PY) $(REHEARSE_PIP) --no-deps $(TRAIN_WHEELS)
 	touch $(REHEARSE_STAMP)
 
+# (its processes write byte code as they import: the environment is installed without it, and the
+# stages' own children, a pytest run and an import probe, then read what the driver compiled)
 gpu-rehearse: $(REHEARSE_STAMP)
 	$(LINK_TREE)
-	PYTHONPATH=$(GPU_PATH) PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 $(REHEARSE_PY) -m tailspec.benchmarks.gpu --rehearse \
+	$(WRITE_BYTECODE) PYTHONPATH=$(GPU_PATH) PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 $(REHEARSE_PY) -m tailspec.benchmarks.gpu --rehearse \
 		--out outputs/gpu-rehearse
