@@ -17,7 +17,7 @@ def machine_line() -> str:
     device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "CPU only"
     return (
         f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, {device}; "
-        f"torch {torch.__version__}, {torch.get_num_threads()} threads"
+        f"torch {torch.__version__}, {torch.get_num_threads()} thread{'s' if torch.get_num_threads() != 1 else ''}"
     )
 
 

@@ -182,7 +182,8 @@ def big_policy(speed: SpeedRun, copy_gbs: float) -> None:
         max_num_seqs=max(size.big_batches),
         kv_cache_tokens=max(size.big_batches) * context,
     )
-    big_run = replace(speed, contenders=contenders, label=f"{params / 1e9:.1f}B policy: ")
+    size_name = f"{params / 1e9:.1f}B" if params >= 1e9 else f"{params / 1e6:.0f}M"  # the rehearsal's is small
+    big_run = replace(speed, contenders=contenders, label=f"{size_name} policy: ")
     try:
         compiled_against_eager(big_run, "none", size.big_batches)
         kernels_per_step(big_run, big, copy_gbs)
