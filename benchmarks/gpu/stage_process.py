@@ -32,20 +32,18 @@ def ask_cuda_without_initialising_it() -> None:
     os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
 
 
-def preload(modules: Sequence[str]) -> list[str]:
-    """Import ``modules`` here so that forked stages start with them; returns those that failed
-    (their stage imports them again and its log holds the traceback)."""
-    failed = []
+def preload(modules: Sequence[str]) -> None:
+    """Import ``modules`` here so that forked stages start with them; one that fails to import is
+    left to its stage, which imports it again and logs the traceback."""
     for module in modules:
         try:
             importlib.import_module(module)
         except Exception:  # a stage's own failure, reported by that stage
-            failed.append(module)
+            pass
     import torch
 
     if torch.cuda.is_initialized():  # a forked stage could not use CUDA: say why the run is slower
         logger.warning("CUDA was initialised while preloading; each stage will start a fresh interpreter")
-    return failed
 
 
 def run_forked(run: Callable[[], None], fresh_command: list[str], log: Path, timeout_s: float) -> str | None:

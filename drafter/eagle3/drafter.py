@@ -490,26 +490,23 @@ class Eagle3Drafter(Drafter, TreesOnDevice):
         rewrites), each row fed the hidden output of its parent, which the level before computed
         (the root's for a path's first node)."""
         tables = BlockTables([self._states[seq.seq_id].block_table for seq in seqs])
-        outputs: list[torch.Tensor] = []  # the last level's hidden outputs [B, k, length, H]
-
-        def level(paths: torch.Tensor, extends: torch.Tensor | None) -> torch.Tensor:
-            batch, k, length = paths.shape
-            first = root_hidden.unsqueeze(1).unsqueeze(2).expand(-1, k, 1, -1)
-            if extends is None:
-                hidden_in = first
-            else:
-                before = outputs.pop()
-                index = extends.view(batch, k, 1, 1).expand(-1, -1, before.shape[2], before.shape[3])
-                hidden_in = torch.cat([first, before.gather(1, index)], dim=2)
-            rows = static_paths(k, length, paths.device)
-            out, logits = self._run_on_device(
-                tables, inputs.cached, hidden_in.reshape(batch * k * length, -1), paths.reshape(-1), k * length, rows
-            )
-            outputs.append(out.view(batch, k, length, -1))
-            return torch.log_softmax(logits.view(batch * k, length, -1)[:, -1], dim=-1).view(batch, k, -1)
-
         with eval_mode(self.head), torch.no_grad():
             root_hidden, root_logits = self._root_on_device(seqs, inputs, tables)
+            outputs: list[torch.Tensor] = []  # the last level's hidden outputs [B, k, length, H]
+
+            def level(paths: torch.Tensor, extends: torch.Tensor | None) -> torch.Tensor:
+                batch, k, length = paths.shape
+                hidden_in = root_hidden.unsqueeze(1).unsqueeze(2).expand(-1, k, 1, -1)  # a path's first node
+                if extends is not None:  # the later nodes: their parents' outputs, one level back
+                    before = outputs.pop()
+                    index = extends.view(batch, k, 1, 1).expand(-1, -1, before.shape[2], before.shape[3])
+                    hidden_in = torch.cat([hidden_in, before.gather(1, index)], dim=2)
+                rows = static_paths(k, length, paths.device)
+                hidden_in = hidden_in.reshape(batch * k * length, -1)
+                out, logits = self._run_on_device(tables, inputs.cached, hidden_in, paths.reshape(-1), k * length, rows)
+                outputs.append(out.view(batch, k, length, -1))
+                return torch.log_softmax(logits.view(batch * k, length, -1)[:, -1], dim=-1).view(batch, k, -1)
+
             return grow_static_trees(torch.log_softmax(root_logits, dim=-1), shape, level)
 
     def settled_on_device(self, seq: SequenceView, cached: int, kept: int, consumed: bool) -> None:
