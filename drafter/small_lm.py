@@ -425,53 +425,93 @@ class SmallLMDrafter(Drafter, TreesOnDevice, TimesDraftLevels):
 
     # -- chains and trees from state on the device (TreesOnDevice) -------------------------
     def ready_on_device(self, seqs: Seq[SequenceView]) -> bool:
-        # streaming heads draft several tokens a forward, from host lengths
-        return self.heads is None and all(self._can_read(seq) for seq in seqs)
+        return all(self._can_read(seq) for seq in seqs)
 
     def reserve_on_device(self, seqs: Seq[SequenceView], lengths: Seq[int]) -> bool:
         self._clock += 1
         busy = {seq.seq_id for seq in seqs}
         return all(self._ensure_room(seq.seq_id, n, busy) for seq, n in zip(seqs, lengths))
 
-    def _root_on_device(self, seqs: Seq[SequenceView], inputs: DeviceDraftInputs, tables, bound: int) -> torch.Tensor:
-        """The logits after each sequence's pending token. From the host's state the catch-up feeds
-        the tokens the state lacks (the prompt, the first time). From a chain step on the device,
-        the last two tokens at ``cached - 1`` and ``cached`` (the first is in the state already
-        unless the whole last draft was accepted: rewriting it costs less than a ragged forward);
-        from a tree step, whose forwards left scratch past its pending token, every token it
-        emitted, padded, the row at its accept length giving the logits. A token past this LM's
-        embedding table (a target's padding id) is fed as the last row: it can only cost acceptance."""
+    def _root_on_device(
+        self, seqs: Seq[SequenceView], inputs: DeviceDraftInputs, tables, bound: int, hidden: bool = False
+    ) -> torch.Tensor:
+        """The logits after each sequence's pending token (and with ``hidden``, the LM head's input
+        there in ``self._hidden``). From the host's state the catch-up feeds the tokens the state
+        lacks (the prompt, the first time). From a chain step on the device, the last two tokens at
+        ``cached - 1`` and ``cached`` (the first is in the state already unless the whole last draft
+        was accepted: rewriting it costs less than a ragged forward); from a tree step, whose
+        forwards left scratch past its pending token, or a streamed chain, whose last block of
+        drafts was never fed, every token it emitted, padded, the row at its accept length giving
+        the logits. A token past this LM's embedding table (a target's padding id) is fed as the
+        last row: it can only cost acceptance."""
         previous, top = inputs.previous, self.runner.vocab_size - 1
         if previous is None:  # the host's lengths are exact: catch up as propose does
             for seq in seqs:
                 state = self._states[seq.seq_id]
                 state.num_cached = min(state.num_cached, seq.num_tokens - 1)
             return self._catch_up(list(seqs))
-        if not previous.tree:
+        rows = torch.arange(len(seqs), device=inputs.cached.device)
+        if not previous.tree and self.heads is None:
             fed = inputs.last_two.reshape(-1).clamp(max=top)
-            return self._target_vocab(self.runner.forward_on_device(tables, inputs.cached - 1, fed, 2, bound)[0][1::2])
+            return self._logits_on_device(tables, inputs.cached - 1, fed, 2, bound, rows * 2 + 1, hidden)
         width = previous.emitted.shape[1]
         fed = previous.emitted.reshape(-1).clamp(max=top)
-        logits = self.runner.forward_on_device(tables, previous.cached + 1, fed, width, bound)[0]
-        at = torch.arange(len(seqs), device=logits.device) * width + previous.accepted
-        return self._target_vocab(logits.index_select(0, at))
+        at = rows * width + previous.accepted
+        return self._logits_on_device(tables, previous.cached + 1, fed, width, bound, at, hidden)
+
+    def _logits_on_device(
+        self, tables, cached: torch.Tensor, fed: torch.Tensor, width: int, bound: int, rows: torch.Tensor, hidden: bool
+    ) -> torch.Tensor:
+        """The logits at ``rows`` of a forward feeding ``width`` tokens a sequence after its
+        ``cached`` ones, in the target's vocabulary; with ``hidden``, the LM head's input at those
+        rows goes to ``self._hidden`` (what streaming heads read)."""
+        taps = (LM_HEAD_INPUT,) if hidden else ()
+        logits, features = self.runner.forward_on_device(tables, cached, fed, width, bound, taps)
+        if hidden:
+            self._hidden = features.index_select(0, rows)
+        return self._target_vocab(logits.index_select(0, rows))
 
     def draft_on_device(
         self, seqs: Seq[SequenceView], inputs: DeviceDraftInputs, depth: int, bound: int
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Catch up (:meth:`_root_on_device`), then one forward a draft token, each picked by the
-        request's rule (:func:`pick_draft_tokens`, its uniforms drawn beforehand)."""
+        request's rule (:func:`pick_draft_tokens`, its uniforms drawn beforehand); with streaming
+        heads, :meth:`_stream_on_device`."""
         tables = BlockTables([self._states[seq.seq_id].block_table for seq in seqs])
         top, cached = self.runner.vocab_size - 1, inputs.cached
         picks = DeviceChainPicks(seqs, self.generator, depth, cached)
         with self._inference():
-            token = picks.pick(self._root_on_device(seqs, inputs, tables, bound))
+            logits = self._root_on_device(seqs, inputs, tables, bound, hidden=self.heads is not None)
+            if self.heads is not None:
+                return self._stream_on_device(picks, logits, tables, cached, depth, bound)
+            token = picks.pick(logits)
             for d in range(1, depth):
                 fed = token.clamp(max=top)
                 token = picks.pick(
                     self._target_vocab(self.runner.forward_on_device(tables, cached + d, fed, 1, bound)[0])
                 )
         return picks.result()
+
+    def _stream_on_device(
+        self, picks: DeviceChainPicks, logits: torch.Tensor, tables, cached: torch.Tensor, depth: int, bound: int
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Speculative streaming from state on the device, as :meth:`_streamed_chain` drafts on the
+        host: a forward's last row gives the next token (the LM head) and the ones after it (the
+        heads, from the LM head's input there); the next forward feeds that block at its
+        positions. The last block is never fed, so the next step's root refeeds what was emitted."""
+        top, rows = self.runner.vocab_size - 1, torch.arange(len(picks.seqs), device=cached.device)
+        while True:
+            block = [picks.pick(logits)]
+            for j in range(len(self.heads)):
+                if len(picks.tokens) == depth:
+                    break
+                block.append(picks.pick(self._head_logits(j, self._hidden)))
+            if len(picks.tokens) == depth:
+                return picks.result()
+            width = len(block)
+            fed = torch.stack(block, dim=1).reshape(-1).clamp(max=top)
+            start = cached + len(picks.tokens) - width + 1  # the block's first token's position
+            logits = self._logits_on_device(tables, start, fed, width, bound, rows * width + width - 1, True)
 
     def draft_tree_on_device(
         self, seqs: Seq[SequenceView], inputs: DeviceDraftInputs, shape: DraftShape, bound: int
@@ -498,8 +538,8 @@ class SmallLMDrafter(Drafter, TreesOnDevice, TimesDraftLevels):
         """Its state holds the sequence's tokens before ``cached + kept`` (the last kept one included
         unless a whole chain was accepted), whichever steps ran since."""
         state = self._states.get(seq.seq_id)
-        if state is not None:
-            state.num_cached = cached + kept
+        if state is not None:  # a streamed chain's last block was never fed: count none of its drafts
+            state.num_cached = cached + (kept if self.heads is None else 0)
         self._draft_base.pop(seq.seq_id, None)
 
 

@@ -35,17 +35,42 @@ def _plain(model, prompts, params):
     return RolloutEngine(model, RolloutConfig()).generate(prompts, params)
 
 
-@pytest.mark.parametrize("arch", ARCHITECTURES)
-@pytest.mark.parametrize("strategy", ["chain:4", "chain:7", "mirror:chain:4,k=0"])
-def test_greedy_with_streaming_heads_matches_plain_decoding(arch, strategy):
-    prompts = random_prompts(5, seed=6)
-    params = SamplingParams(max_new_tokens=24, temperature=0.0)
-    config = RolloutConfig(strategy=strategy, mirror={"executor": "inline"})
-    engine = RolloutEngine(target(arch), config, drafter=streaming_drafter(arch))
-    for a, b in zip(engine.generate(prompts, params), _plain(target(arch), prompts, params)):
+def _assert_plain(engine, arch, outputs, prompts, params):
+    for a, b in zip(outputs, _plain(target(arch), prompts, params)):
         assert a.completion_ids == b.completion_ids
         assert a.logprobs == pytest.approx(b.logprobs, abs=1e-4)
     assert engine.stats.drafted_tokens > 0
+
+
+# overlapped chains are drafted from state on the device: chain:7 with two heads streams blocks
+# of 3, 3 and 1 (the last never fed, so the next step's root refeeds what was emitted)
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+@pytest.mark.parametrize("strategy,overlap", [("chain:4", False), ("chain:7", True), ("mirror:chain:4,k=0", False)])
+def test_greedy_with_streaming_heads_matches_plain_decoding(arch, strategy, overlap):
+    prompts = random_prompts(5, seed=6)
+    params = SamplingParams(max_new_tokens=24, temperature=0.0)
+    config = RolloutConfig(strategy=strategy, mirror={"executor": "inline"}, overlap=overlap)
+    engine = RolloutEngine(target(arch), config, drafter=streaming_drafter(arch))
+    _assert_plain(engine, arch, engine.generate(prompts, params), prompts, params)
+    assert (engine.stats.overlapped_steps > 0) == overlap
+    engine.close()
+
+
+def test_overlapped_streamed_chains_and_trees_in_turn_decode_as_plain_decoding():
+    """Each step launched from the one in flight, the strategy switched every step: a tree's root
+    after a streamed chain, a streamed chain after a tree, chains of other depths after both."""
+    arch = "llama"
+    prompts = random_prompts(4, seed=8)
+    params = SamplingParams(max_new_tokens=30, temperature=0.0)
+    engine = RolloutEngine(target(arch), RolloutConfig(overlap=True), drafter=streaming_drafter(arch))
+    ids = [engine.add_request(p, params) for p in prompts]
+    strategies, step = ["chain:4", "tree:3,2,6", "chain:2", "chain:6", "tree:2,2,3"], 0
+    while engine.has_unfinished():
+        engine.set_strategy(strategies[step % len(strategies)])
+        engine.step()
+        step += 1
+    _assert_plain(engine, arch, [engine.pop_output(i) for i in ids], prompts, params)
+    assert engine.stats.overlapped_steps > step // 2
     engine.close()
 
 
@@ -169,3 +194,44 @@ def test_the_streamed_held_out_score_equals_an_enumeration_of_the_streamed_chain
     score = streamed_held_out_acceptance(model, heads, samples, depth)
     assert score == pytest.approx(accepted / positions, rel=1e-5)
     assert streamed_held_out_acceptance(model, heads, samples, depth, should_stop=lambda: True) is None
+
+
+@pytest.mark.parametrize("accepted", [0, 2, 5])
+def test_a_streamed_chain_drafted_on_the_device_equals_the_host_s(accepted):
+    """From a step left on the device (its pending token at ``c``, ``accepted`` drafts and the final
+    token emitted after it, padding past them), the drafter refeeds what was emitted, then streams
+    blocks of 3 (the LM head and two heads) as the host does from the tokens it read."""
+    import copy
+
+    from tailspec.draft_contract import DeviceDraftInputs, StepOnDevice
+    from tailspec.rollout.model.kv_cache import slot_of
+
+    arch, depth, width = "qwen2", 7, 6  # width: the step before's depth + 1
+    drafter = streaming_drafter(arch)
+    engine = RolloutEngine(target(arch), RolloutConfig(strategy="chain:3"), drafter=drafter)
+    params = SamplingParams(max_new_tokens=40, temperature=0.0, ignore_eos=True)
+    ids = [engine.add_request(p, params) for p in random_prompts(3, seed=13)]
+    for _ in range(4):  # the prefill, then chains: the drafter holds each sequence's prefix
+        engine.step()
+    seqs = [engine.requests.seqs[i] for i in ids]
+    twin = copy.deepcopy(drafter)
+    cached = torch.tensor([s.num_cached for s in seqs])  # the pending tokens' positions
+    start = cached - accepted - 1  # the step before's pending token
+    emitted = torch.zeros(len(seqs), width, dtype=torch.long)  # padding past its final token: 0
+    for b, seq in enumerate(seqs):
+        emitted[b, : accepted + 1] = torch.tensor([seq.token_at(int(start[b]) + 1 + j) for j in range(accepted + 1)])
+    two = torch.tensor([[s.token_at(s.num_cached - 1), s.token_at(s.num_cached)] for s in seqs])
+    previous = StepOnDevice(start, emitted, torch.full((len(seqs),), accepted))
+    lengths = [s.num_cached + 1 + depth for s in seqs]
+    with torch.no_grad():
+        assert drafter.ready_on_device(seqs) and drafter.reserve_on_device(seqs, lengths)
+        cache = drafter.runner.cache
+        for b, seq in enumerate(seqs):  # what it holds past the step before's pending token is never read
+            state = drafter._states[seq.seq_id]
+            state.num_cached = int(start[b]) + 1
+            past = [slot_of(state.block_table, i, cache.block_size) for i in range(state.num_cached, lengths[b])]
+            for kv in (*cache.k, *cache.v):
+                kv[past] = torch.randn_like(kv[past])
+        got, _ = drafter.draft_on_device(seqs, DeviceDraftInputs(cached, two, previous), depth, max(lengths) + width)
+    want = twin.propose([DraftRequest(seq, depth) for seq in seqs], DraftShape(depth))
+    assert got.tolist() == [tree.tokens for tree in want]

@@ -72,16 +72,22 @@ def test_a_greedy_speculative_step_reads_its_drafts_and_its_verification(
 
 
 @pytest.mark.parametrize(
-    ("strategy", "graph_backend", "reads_host_read"),
-    [("chain:4", "none", 2), ("chain:4", "eager", 2), ("tree:3,2,6", "eager", 4)],
+    ("strategy", "graph_backend", "reads_host_read", "heads"),
+    [("chain:4", "none", 2, 0), ("chain:4", "eager", 2, 0), ("tree:3,2,6", "eager", 4, 0), ("chain:4", "eager", 3, 2)],
 )
-def test_an_overlapped_greedy_speculative_step_reads_once(monkeypatch, strategy, graph_backend, reads_host_read):
+def test_an_overlapped_greedy_speculative_step_reads_once(monkeypatch, strategy, graph_backend, reads_host_read, heads):
     """``overlap=True``: a greedy chain or tree step launched from state on the device drafts,
     verifies and leaves the next step's state without a read; its one read (what it emitted) comes
     after the next step's launch. Only the first step after a prefill reads as a host-read step
-    does (``reads_host_read``: its drafts, a tree's level by level, and its verdicts)."""
+    does (``reads_host_read``: its drafts, a tree's level by level, a streamed chain's block by
+    block, and its verdicts). With streaming ``heads`` the drafter LM streams its chains."""
+    from tailspec.drafter.small_lm import SmallLMDrafter
+    from tailspec.drafter.streaming import StreamingHeads
+
     model = cached_model("llama")
     drafter = perturbed_copy(model, noise=0.05, seed=7)
+    if heads:
+        drafter = SmallLMDrafter(drafter, streaming_heads=StreamingHeads(model.config.hidden_size, heads))
     config = RolloutConfig(strategy=strategy, graph_backend=graph_backend, overlap=True)
     engine = RolloutEngine(model, config, drafter=drafter)
     params = SamplingParams(max_new_tokens=40, temperature=0.0)

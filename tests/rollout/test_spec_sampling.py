@@ -194,9 +194,11 @@ def test_the_check_rejects_a_wrong_residual(monkeypatch):
     assert chi_square_pvalue(counts, exact_joint_of_tokens_2_and_3(params)) < 1e-6
 
 
-def test_streamed_samples_follow_the_target():
+@pytest.mark.parametrize("overlap", [False, True], ids=["host", "device"])
+def test_streamed_samples_follow_the_target(overlap):
     """Speculative streaming: a chain's second token comes from a streaming head of the same
-    forward, drawn from that head's distribution; the output is still exactly the target's."""
+    forward, drawn from that head's distribution, its third from the forward that fed both; the
+    output is still exactly the target's, on the host and drafted from state on the device."""
     from tailspec.drafter.small_lm import SmallLMDrafter
     from tailspec.drafter.streaming import StreamingHeads
 
@@ -205,5 +207,6 @@ def test_streamed_samples_follow_the_target():
     heads = StreamingHeads(bad.config.hidden_size, 1)
     torch.nn.init.normal_(heads.blocks[0].weight, std=0.3)
     params = SamplingParams(temperature=1.0)
-    counts = joint_counts("chain:2", SmallLMDrafter(bad, streaming_heads=heads, kv_cache_tokens=N * 16), params)
+    drafter = SmallLMDrafter(bad, streaming_heads=heads, kv_cache_tokens=N * 16)
+    counts = joint_counts("chain:3", drafter, params, overlap=overlap)
     assert chi_square_pvalue(counts, exact_joint_of_tokens_2_and_3(params)) > 1e-3
