@@ -31,8 +31,13 @@ def _signature(kernel, pointer_types: dict[str, str], scalar_types: dict[str, st
     return sig
 
 
-def compile_kernels(arch: int, head_dim: int = 128, group: int = 4) -> dict[str, int]:
-    """Cubin size per kernel variant for ``sm_<arch>``."""
+def compile_kernels(
+    arch: int, head_dim: int = 128, group: int = 4, dtypes: tuple[str, ...] = ATTENTION_DTYPES
+) -> dict[str, int]:
+    """Cubin size per kernel variant for ``sm_<arch>``, attention for the caches of ``dtypes``."""
+    bad = [d for d in dtypes if d not in ATTENTION_DTYPES]
+    if bad or not dtypes:
+        raise ValueError(f"dtypes must be a non-empty subset of {ATTENTION_DTYPES}, got {dtypes!r}")
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         raise RuntimeError("ahead-of-time compilation needs TRITON_INTERPRET unset (the kernels are interpreted)")
     import triton
@@ -48,7 +53,7 @@ def compile_kernels(arch: int, head_dim: int = 128, group: int = 4) -> dict[str,
     verify = ASTSource(verify_trees_kernel, _signature(verify_trees_kernel, floats, {}), {"BLOCK_V": 1024})
     sizes["verify"] = len(triton.compile(verify, target=target, options={"enable_fp_fusion": False}).asm["cubin"])
     block_d = max(16, 1 << (head_dim - 1).bit_length())
-    for dtype in ATTENTION_DTYPES:
+    for dtype in dtypes:
         for tree in (False, True):
             for window in (False, True):
                 constexprs = {
@@ -111,8 +116,12 @@ def main(argv: list[str] | None = None) -> int:
         "--arch", type=int, default=90, help="compute capability without the dot (80: Ampere, 90: Hopper)"
     )
     parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument(
+        "--dtypes", default=",".join(ATTENTION_DTYPES), help="the attention caches' dtypes, comma-separated"
+    )
     args = parser.parse_args(argv)
-    print(json.dumps(compile_kernels(args.arch, args.head_dim), indent=1))
+    dtypes = tuple(d.strip() for d in args.dtypes.split(",") if d.strip())
+    print(json.dumps(compile_kernels(args.arch, args.head_dim, dtypes=dtypes), indent=1))
     return 0
 
 

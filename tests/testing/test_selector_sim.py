@@ -1,11 +1,12 @@
-"""The selector simulator's regimes, judged by issue 46's targets (the minimum over seeds)."""
+"""The selector simulator's regimes, judged by issue 46's targets (the minimum over seeds; the bench
+section, docs/BENCHMARKS.md, runs 5 seeds of each)."""
 
 import pytest
 
 from tailspec.testing.selector_sim import REGIMES, judge, simulate, worst_case
 
 
-@pytest.mark.parametrize("regime, seeds", [("gpu", 5), ("gpu_host", 2), ("cpu", 2), ("crossover", 3)])
+@pytest.mark.parametrize("regime, seeds", [("gpu", 3), ("gpu_host", 2), ("cpu", 2), ("crossover", 3)])
 def test_adaptive_keeps_up_with_the_best_fixed_arm_and_the_oracle(regime, seeds):
     verdicts = worst_case(regime, range(seeds))
     for v in verdicts:
