@@ -11,6 +11,7 @@ cost anything where speculation cannot pay.
 from __future__ import annotations
 
 import logging
+import statistics
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -37,15 +38,17 @@ class RunResult:
     steps: list[StepRecord] = field(default_factory=list)  # the last pass's decode steps (the plot)
     strategy_steps: dict[str, int] = field(default_factory=dict)
     all_steps: list[StepRecord] = field(default_factory=list)  # every pass's decode steps
+    pass_seconds: list[float] = field(default_factory=list)  # each pass's, in round order
 
     @property
     def tokens_per_s(self) -> float:
         return self.tokens / self.seconds if self.seconds else 0.0
 
 
-def _per_request(params: SamplingParams, n: int, rep: int) -> list[SamplingParams]:
-    """Seeded per request, so every contender's plain-decoding passes sample the same completions."""
-    return [params.with_updates(seed=1000 * rep + i) for i in range(n)]
+def _per_request(params: SamplingParams, n: int, workload: int) -> list[SamplingParams]:
+    """Seeded per request: every contender's pass on ``workload`` samples the same completions
+    with plain decoding, and with every strategy under position-keyed noise."""
+    return [params.with_updates(seed=1000 * workload + i) for i in range(n)]
 
 
 class _EngineContender:
@@ -58,14 +61,14 @@ class _EngineContender:
         if not parsed.wants_model_drafter:
             drafter = None  # an attached EAGLE-3 head makes every forward tap features: not plain decoding
         self.engine = RolloutEngine(model, RolloutConfig(strategy=strategy), drafter=drafter, eos_token_ids=eos)
-        self.engine.generate([list(p) for p in prompts[:2]], params.with_updates(max_new_tokens=8))  # warm-up
+        self.engine.generate([list(p) for p in prompts[:2]], params.with_updates(max_new_tokens=8, seed=0))  # warm-up
 
-    def run_pass(self, rep: int) -> RunResult:
+    def run_pass(self, workload: int) -> RunResult:
         engine = self.engine
         before_log, before_tail = len(engine.stats.step_log), engine.stats.tail_time_s
         before_steps = dict(engine.stats.strategy_steps)
         start = time.perf_counter()
-        outs = engine.generate([list(p) for p in self.prompts], _per_request(self.params, len(self.prompts), rep))
+        outs = engine.generate([list(p) for p in self.prompts], _per_request(self.params, len(self.prompts), workload))
         seconds = time.perf_counter() - start
         used = {k: v - before_steps.get(k, 0) for k, v in engine.stats.strategy_steps.items()}
         return RunResult(
@@ -82,12 +85,13 @@ class _HFContender:
     """HF ``generate`` on left-padded batches, as TRL calls it."""
 
     def __init__(self, model, prompts, params, eos, pad_token_id):
+        params = params.with_updates(noise="stream", seed=None)  # HF draws from torch's global stream
         self.name, self.split_cold = "HF generate", False
         self.model, self.prompts, self.params, self.eos, self.pad = model, prompts, params, eos, pad_token_id
         hf_generate(model, [list(p) for p in prompts[:2]], params.with_updates(max_new_tokens=8), eos, pad_token_id)
 
-    def run_pass(self, rep: int) -> RunResult:
-        torch.manual_seed(rep)
+    def run_pass(self, workload: int) -> RunResult:
+        torch.manual_seed(workload)
         start = time.perf_counter()
         completions = hf_generate(self.model, [list(p) for p in self.prompts], self.params, self.eos, self.pad)
         return RunResult(self.name, time.perf_counter() - start, sum(len(c) for c in completions))
@@ -102,26 +106,35 @@ def _merge(label: str, group: list[RunResult]) -> RunResult:
         group[-1].steps,
         {k: sum(p.strategy_steps.get(k, 0) for p in group) for k in {k for p in group for k in p.strategy_steps}},
         [s for p in group for s in p.steps],
+        [p.seconds for p in group],
     )
     logger.info("%s: %.2fs, %.0f tok/s", label, merged.seconds, merged.tokens_per_s)
     return merged
 
 
-def _interleaved(contenders: list, passes: list[int]) -> list[RunResult]:
-    """Each contender's passes merged into one result (a ``split_cold`` contender's first pass
-    apart from the rest). Pass ``rep`` of every contender, then pass ``rep + 1`` of every contender, and so on: a
-    shared machine's speed drifts over minutes, and interleaving spreads the drift over all of
-    them instead of favouring whoever ran while the machine was fast."""
+def _interleaved(contenders: list, repeats: int) -> list[RunResult]:
+    """Each contender's ``repeats`` passes merged into one result, round by round: in round ``r``
+    every contender runs workload ``r`` (the same prompts and seeds), so a shared machine's speed
+    drift over minutes hits all of them alike and each round's passes can be compared pair by
+    pair. A ``split_cold`` contender first makes a cold pass (its fresh engine's first call, on a
+    workload of its own, ``repeats``), reported apart: its later passes are what later RL steps see."""
+    cold = {i: c.run_pass(repeats) for i, c in enumerate(contenders) if c.split_cold}
     done: list[list[RunResult]] = [[] for _ in contenders]
-    for rep in range(max(passes)):
+    for workload in range(repeats):
         for i, contender in enumerate(contenders):
-            if rep < passes[i]:
-                done[i].append(contender.run_pass(rep))
+            done[i].append(contender.run_pass(workload))
     merged = []
-    for c, runs in zip(contenders, done):
-        groups = [(f"{c.name} (cold)", runs[:1]), (f"{c.name} (warm)", runs[1:])] if c.split_cold else [(c.name, runs)]
-        merged += [_merge(label, group) for label, group in groups if group]
+    for i, (c, runs) in enumerate(zip(contenders, done)):
+        groups = [(f"{c.name} (cold)", [cold[i]]), (f"{c.name} (warm)", runs)] if c.split_cold else [(c.name, runs)]
+        merged += [_merge(label, group) for label, group in groups]
     return merged
+
+
+def same_pass_ratios(results: Sequence[RunResult], name: str, against: str) -> list[float]:
+    """Round by round, ``against``'s seconds over ``name``'s on the same workload (> 1: ``name``
+    was faster), the median of which is what the guide asks for on a noisy machine."""
+    by = {r.name: r for r in results}
+    return [b / a for a, b in zip(by[name].pass_seconds, by[against].pass_seconds)]
 
 
 def measure_long_tail(
@@ -134,13 +147,14 @@ def measure_long_tail(
     fixed: Sequence[str] = ("chain:2", "chain:4", "tree:4,2,8", "suffix", "hybrid"),
     repeats: int = 3,
 ) -> list[RunResult]:
-    """Every contender makes ``repeats`` passes (T > 0 completions differ between passes; totals
-    over several passes are what is compared), interleaved; adaptive makes one more (its cold pass)."""
+    """Every contender makes ``repeats`` passes, interleaved round by round (:func:`_interleaved`);
+    adaptive makes one more (its cold pass). With position-keyed noise every engine emits the same
+    completions on a workload, so a round's passes differ only in how fast they decode them."""
     contenders = [_HFContender(model, prompts, params, eos, pad_token_id)]
     for strategy in ("none", *fixed):
         contenders.append(_EngineContender(strategy, model, drafter, prompts, params, eos, strategy))
     contenders.append(_EngineContender("adaptive", model, drafter, prompts, params, eos, "adaptive", split_cold=True))
-    return _interleaved(contenders, [repeats] * (len(contenders) - 1) + [repeats + 1])
+    return _interleaved(contenders, repeats)
 
 
 def measure_uniform(model, drafter, prompts, params: SamplingParams, eos: list[int], repeats: int = 3):
@@ -150,7 +164,7 @@ def measure_uniform(model, drafter, prompts, params: SamplingParams, eos: list[i
         _EngineContender("none", model, drafter, prompts, uniform, eos, "none"),
         _EngineContender("adaptive", model, drafter, prompts, uniform, eos, "adaptive", split_cold=True),
     ]
-    return _interleaved(contenders, [repeats, repeats + 1])
+    return _interleaved(contenders, repeats)
 
 
 def long_tail_table(results: Sequence[RunResult]) -> str:
@@ -170,6 +184,21 @@ def long_tail_table(results: Sequence[RunResult]) -> str:
         lines.append(
             f"| {r.name}{mark} | {r.tokens:,} | {r.seconds:.2f} | {r.tokens_per_s:,.0f} | "
             f"{r.tokens_per_s / none:.2f}x | {vs_hf} | {r.tail_s:.2f} | {used} |"
+        )
+    return "\n".join(lines)
+
+
+def same_pass_table(results: Sequence[RunResult]) -> str:
+    """Each fixed arm's seconds over ``adaptive (warm)``'s, round by round: median and spread."""
+    engines = [r for r in results if r.name not in ("HF generate", "none") and not r.name.startswith("adaptive")]
+    best = max(engines, key=lambda r: r.tokens_per_s)
+    lines = ["| against | rounds | median | spread |", "|---|---:|---:|---|"]
+    for r in engines:
+        ratios = same_pass_ratios(results, "adaptive (warm)", r.name)
+        mark = " (best fixed)" if r is best else ""
+        lines.append(
+            f"| {r.name}{mark} | {len(ratios)} | {statistics.median(ratios):.2f}x | "
+            f"{min(ratios):.2f}-{max(ratios):.2f} |"
         )
     return "\n".join(lines)
 

@@ -17,6 +17,7 @@ from .adaptive import (
     measure_uniform,
     oracle_bound,
     plot_adaptive,
+    same_pass_table,
 )
 from .atts import ATTS_TITLE, ATTSBenchConfig, atts_section, atts_table, measure_atts, plot_atts
 from .draft_hosts import (
@@ -498,8 +499,10 @@ def long_tail_section(
     head = bench.head if drafter == "eagle3" else bench.drafter_lm
     eos = [tokenizer.eos_token_id]
     prompts = task_prompts(tokenizer, 16 if quick else 64, seed + 4)
+    params = params.with_updates(noise="position", seed=seed)  # every engine emits the same completions a round
     results = measure_long_tail(model, head, prompts, params, eos, tokenizer.pad_token_id)
     adaptive = [r for r in results if r.name.startswith("adaptive")]
+    paired = same_pass_table(results)
     plot_name = "bench_adaptive.png" if bench.name == "tiny" else f"bench_adaptive_{bench.name}.png"
     plot_name = plot_name if drafter == "eagle3" else plot_name.replace(".png", f"_{drafter}.png")
     plot_adaptive(adaptive[-1], docs / plot_name)
@@ -525,22 +528,25 @@ def long_tail_section(
         f"picks an arm per step (`none`, `chain:2`, `chain:4`, `tree:4,2,8`, `suffix`, `hybrid:4,2,12`) by "
         f"the least predicted time for the batch's remaining tokens (step costs calibrated when the engine "
         f"starts, acceptance pooled per drafter); *cold* is a fresh selector, *warm* the same engine's "
-        f"second call, as the next RL step finds it. Every contender makes 3 passes (adaptive 4), interleaved "
-        f"(pass 1 of each, then pass 2 of each, ...) so that the machine's speed drift hits them alike. "
-        f"Prompt lengths {lengths[0]}-{lengths[-1]} tokens.\n\n"
-        f"{table}\n\n![adaptive]({plot_name})\n\n"
+        f"second call, as the next RL step finds it. T = 1 sampling with position-keyed noise: every token "
+        f"is an exact sample of the policy's distribution and every engine emits the same completions on "
+        f"the same prompts and seeds, so all share one long tail. Every contender makes 3 passes, round by "
+        f"round (round r: every contender on workload r, the same prompts and seeds), so that the "
+        f"machine's speed drift hits them alike; adaptive's cold pass runs first, on a workload of its "
+        f"own. Prompt lengths {lengths[0]}-{lengths[-1]} tokens.\n\n"
+        f"{table}\n\n**Same-round ratios** (the fixed arm's seconds over `adaptive (warm)`'s on the "
+        f"same completions; > 1: adaptive was faster), median and spread over the rounds:\n\n"
+        f"{paired}\n\n![adaptive]({plot_name})\n\n"
         f"**Per batch-size bucket** (decode steps of every pass): goodput of each "
         f"run, and the fixed arm that was best there. No selector over these arms can beat the best fixed "
         f"arm of every bucket: decoding the no-speculation run's tokens of each bucket at that bucket's best "
         f"goodput takes {oracle.oracle_decode_s:.2f} s against its {oracle.none_decode_s:.2f} s, a bound of "
         f"**{oracle.speedup:.2f}x** over no speculation for any per-bucket choice on this machine with these "
         f"drafters (prefill, the same for all, left out).\n\n{oracle.table}\n\n"
-        f"**Weighted by the same tokens per bucket.** At T = 1 speculative sampling draws other completions "
-        f"than plain decoding (as likely, not the same), so every run has its own long tail, and a pass's "
-        f"total leans on how long its longest completions happened to be. Decoding the no-speculation run's "
-        f"tokens of every bucket at each run's own goodput there takes:\n\n{weighted_table}\n\n"
+        f"**Weighted by the same tokens per bucket.** Decoding the no-speculation run's tokens of every "
+        f"bucket at each run's own goodput there takes:\n\n{weighted_table}\n\n"
         f"**Uniform lengths, full batch** ({len(prompts)} sequences, every one exactly "
         f"{64 if quick else 128} tokens, EOS ignored): where speculation cannot pay, adaptive should cost "
         f"nothing.\n\n{uniform_table}"
     )
-    return body, f"{table}\n\n{uniform_table}"
+    return body, f"{table}\n\n{paired}\n\n{uniform_table}"

@@ -8,6 +8,8 @@ from tailspec.benchmarks.adaptive import (
     measure_uniform,
     oracle_bound,
     plot_adaptive,
+    same_pass_ratios,
+    same_pass_table,
 )
 from tailspec.rollout import SamplingParams
 from tailspec.rollout.engine import StepRecord
@@ -18,11 +20,19 @@ def test_measure_and_report_long_tail(tmp_path):
     model = tiny_random_model("qwen2", seed=1)
     drafter = perturbed_copy(model, noise=0.1, seed=2)
     prompts = [[5, 6, 7], [8, 9], [10, 11, 12, 13], [14, 15]]
-    params = SamplingParams(temperature=1.0, max_new_tokens=16)
+    params = SamplingParams(temperature=1.0, max_new_tokens=16, noise="position", seed=0)
     results = measure_long_tail(model, drafter, prompts, params, [1], 0, fixed=("chain:2", "suffix"), repeats=2)
     names = [r.name for r in results]
     assert names == ["HF generate", "none", "chain:2", "suffix", "adaptive (cold)", "adaptive (warm)"]
     assert all(r.tokens > 0 and r.seconds > 0 for r in results)
+    # position-keyed noise: every engine emits the same completions on the same rounds' workloads
+    engines = [r for r in results if r.name not in ("HF generate", "adaptive (cold)")]
+    assert len({r.tokens for r in engines}) == 1 and all(len(r.pass_seconds) == 2 for r in engines)
+    ratios = same_pass_ratios(results, "adaptive (warm)", "chain:2")
+    by = {r.name: r for r in results}
+    assert ratios == [b / a for a, b in zip(by["adaptive (warm)"].pass_seconds, by["chain:2"].pass_seconds)]
+    paired = same_pass_table(results)
+    assert "| chain:2" in paired and "| suffix" in paired and paired.count("(best fixed)") == 1
     adaptive = results[-1]
     assert adaptive.steps and sum(adaptive.strategy_steps.values()) >= len(adaptive.steps)  # steps: the last pass
     table = long_tail_table(results)
