@@ -30,6 +30,9 @@ class SelectorConfig:
     calibration_rows: int = 64  # without graphs, calibration times forwards of up to this many rows (linear beyond)
     calibration_repeats: int = 3  # timings per calibrated shape (their median)
     recalibrate_at: float = 2.0  # recalibrate (between rollouts) once the arms run this x off the table
+    # leave the last step's arm only for one predicted faster by this many standard errors of the
+    # two predictions' difference (StrategySelector.margin); 0: the point estimates alone
+    switch_margin: float = 1.0
 
     def __post_init__(self) -> None:
         self.arms = tuple(self.arms)
@@ -50,6 +53,7 @@ class SelectorConfig:
                 "an int in [1, 20]",
             ),
             ("recalibrate_at", self.recalibrate_at > 1, "a float > 1"),
+            ("switch_margin", number_at_least(self.switch_margin, 0), "a float >= 0"),
         ]
         for name, ok, allowed in checks:
             require(ok, name, allowed, getattr(self, name))

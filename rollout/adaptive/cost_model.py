@@ -370,6 +370,11 @@ class StepCosts:
         for n, seconds in levels.items():
             self.draft["model"].add(n, seconds, self.table.seconds(n, 1))
 
+    def observations(self, arm: Strategy) -> int:
+        """How many steady steps ``arm``'s correction has learned from (its window's)."""
+        correction = self.correction.get(arm)
+        return len(correction.pooled.logs) if correction is not None else 0
+
     def catch_up_seconds(self, lag_tokens: int) -> float:
         """A model drafter's catch-up on ``lag_tokens`` tokens it did not see (0: none)."""
         return self.catch_up.value * self.table.seconds(lag_tokens, 1) if lag_tokens else 0.0

@@ -12,9 +12,12 @@ sequence-step emits (``rollout/adaptive/acceptance.py``: pooled per drafter from
 step), and ``catch_up`` what a model drafter pays for the tokens it missed while other arms ran: a
 switch to a model arm happens only when its gain over the remaining work beats that. The arm with
 the least predicted time runs, except that the last step's arm keeps running unless another is
-predicted faster by more than the model's own error: the median of how far its recent step
-predictions were off (the arms' predictions often lie within a few percent of each other, and a
-switch on a difference the model cannot resolve costs steps of the worse arm). Uncertainty is
+predicted faster by more than the model can resolve (:meth:`StrategySelector.margin`): a standard
+error of the two predictions' difference, from the model's own error (the median of how far its
+recent step predictions were off) and the steps each arm's cost was learned from. The arms'
+predictions often lie within a few percent of each other: a switch on a difference the model
+cannot resolve costs steps of the worse arm, and a margin of a whole step's error keeps the worse
+one running where the model had resolved it. Uncertainty is
 handled on acceptance only, the costs being
 measured: an arm's expected tokens are moved towards its best case as if that were ``optimism``
 more sequence-steps of evidence, so an arm never drafted is tried once where it could win; one step
@@ -45,6 +48,9 @@ logger = logging.getLogger(__name__)
 
 ERROR_WINDOW = 32  # steady steps whose prediction errors make the model's error
 ERROR_MIN_STEPS = 8  # before this many, no margin: the arms are still being measured
+# the standard error of the median of m logs, over (their median absolute deviation / sqrt(m)),
+# for normal noise: 1.2533 * 1.4826
+MEDIAN_SE = 1.858
 
 STATE_VERSION = 6  # 6: the host's part of a step; 5: corrections per batch bucket
 
@@ -111,9 +117,19 @@ class StrategySelector:
         ranked = self.predictions(n, remaining if remaining is not None else n, lag_tokens)
         best = ranked[0]
         current = next((p for p in ranked if p.arm == self.last_arm), None)
-        if current is not None and current.finish_s <= best.finish_s * math.exp(self.error):
+        if current is not None and current.finish_s <= best.finish_s * math.exp(self.margin(current.arm, best.arm)):
             return current.arm
         return best.arm
+
+    def margin(self, a: Strategy, b: Strategy) -> float:
+        """The log gap by which ``b``'s prediction must beat ``a``'s before the selector leaves ``a``:
+        ``switch_margin`` standard errors of their difference. Each arm's cost is the median of the
+        steps its correction learned from, so its standard error is the model's per-step error
+        (:attr:`error`) over the square root of their number (an arm that ran none counts one)."""
+        if a == b or not self.error:
+            return 0.0
+        counts = [max(1, self.costs.observations(arm)) for arm in (a, b)]
+        return self.config.switch_margin * MEDIAN_SE * self.error * math.sqrt(1 / counts[0] + 1 / counts[1])
 
     def observe(
         self,

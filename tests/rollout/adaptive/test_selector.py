@@ -12,8 +12,8 @@ from tailspec.draft_contract import DraftTree
 from tailspec.rollout import RolloutConfig, RolloutEngine, SamplingParams
 from tailspec.rollout.adaptive.acceptance import AcceptanceBook, book_key
 from tailspec.rollout.adaptive.choice import calibrated_batch
-from tailspec.rollout.adaptive.cost_model import SHIFT_RUN, BatchRatio, ForwardTable, StepCosts, push
-from tailspec.rollout.adaptive.selector import SelectorConfig, StrategySelector
+from tailspec.rollout.adaptive.cost_model import SHIFT_RUN, BatchRatio, ForwardTable, StepCosts, _correction_in, push
+from tailspec.rollout.adaptive.selector import MEDIAN_SE, SelectorConfig, StrategySelector
 from tailspec.rollout.strategy import parse_strategy
 from tailspec.testing import perturbed_copy
 
@@ -56,6 +56,7 @@ def teach_chain(selector: StrategySelector, hazard: float, steps: int = 400, dep
         ("calibration_rows", 0),
         ("calibration_repeats", 0),
         ("recalibrate_at", 1),
+        ("switch_margin", -0.5),
     ],
 )
 def test_bad_config_names_the_field(field, value):
@@ -295,9 +296,11 @@ def test_the_hosts_part_of_a_step_is_measured_and_prices_an_arm_that_never_ran()
     assert again.host.value(chain4, n) == pytest.approx(5e-3, rel=1e-6)
 
 
-def test_the_last_arm_keeps_running_unless_another_is_faster_by_more_than_the_models_error():
-    """Predictions within the cost model's own measured error of each other cannot be told apart:
-    the arm of the last step keeps running, and a switch needs a predicted gain beyond the error."""
+def test_the_last_arm_keeps_running_unless_another_is_faster_by_more_than_the_model_can_resolve():
+    """Predictions closer than a standard error of their difference cannot be told apart: the arm
+    of the last step keeps running. That error shrinks with the steps each arm's cost was learned
+    from (the per-step error over the root of their number), so a gap the model could not resolve
+    at first is acted on once both arms ran often enough."""
     selector = selector_with(linear_costs(), optimism=0.0)
     teach_chain(selector, hazard=0.8)
     n, remaining = 1, 100
@@ -306,10 +309,18 @@ def test_the_last_arm_keeps_running_unless_another_is_faster_by_more_than_the_mo
     assert selector.error == 0.0 and selector.choose(n, remaining) == best.arm
     selector.last_arm = second.arm
     gap = math.log(second.finish_s / best.finish_s)
-    selector.errors.extend([1.5 * gap] * 8)  # the model is off by more than the gap
-    assert selector.error == pytest.approx(1.5 * gap)
-    assert selector.choose(n, remaining) == second.arm
-    selector.errors.extend([0.5 * gap] * 32)  # ... by less
+    selector.errors.extend([gap] * 8)  # per step, the model is off by as much as the gap
+    assert selector.margin(second.arm, best.arm) == pytest.approx(MEDIAN_SE * gap * math.sqrt(2))
+    assert selector.choose(n, remaining) == second.arm  # neither arm's cost rests on a step yet
+    for arm in (best.arm, second.arm):  # 32 steady steps each, as predicted
+        for _ in range(32):
+            _correction_in(selector.costs.correction, arm).add(n, 1.0, 1.0)
+    assert selector.margin(second.arm, best.arm) == pytest.approx(MEDIAN_SE * gap / 4)
+    assert selector.predictions(n, remaining)[0].arm == best.arm and selector.choose(n, remaining) == best.arm
+    # switch_margin 0: the point estimates alone
+    selector = selector_with(linear_costs(), optimism=0.0, switch_margin=0.0)
+    teach_chain(selector, hazard=0.8)
+    selector.last_arm, selector.errors = second.arm, deque([10 * gap] * 8)
     assert selector.choose(n, remaining) == best.arm
     # steady steps of an arm record how far their prediction was off
     selector = selector_with(linear_costs(), optimism=0.0)
