@@ -16,8 +16,8 @@ predicted faster by more than the model can resolve (:meth:`StrategySelector.mar
 error of the two predictions' difference, from the model's own error (the median of how far its
 recent step predictions were off) and the steps each arm's cost was learned from. The arms'
 predictions often lie within a few percent of each other: a switch on a difference the model
-cannot resolve costs steps of the worse arm, and a margin of a whole step's error keeps the worse
-one running where the model had resolved it. Uncertainty is
+cannot resolve costs steps of the worse arm, and a margin wider than what it can resolve keeps a
+worse arm running. Uncertainty is
 handled on acceptance only, the costs being
 measured: an arm's expected tokens are moved towards its best case as if that were ``optimism``
 more sequence-steps of evidence, so an arm never drafted is tried once where it could win; one step
