@@ -61,7 +61,7 @@ class _EngineContender:
         if not parsed.wants_model_drafter:
             drafter = None  # an attached EAGLE-3 head makes every forward tap features: not plain decoding
         self.engine = RolloutEngine(model, RolloutConfig(strategy=strategy), drafter=drafter, eos_token_ids=eos)
-        self.engine.generate([list(p) for p in prompts[:2]], params.with_updates(max_new_tokens=8, seed=0))  # warm-up
+        self.engine.generate([list(p) for p in prompts[:2]], params.with_updates(max_new_tokens=8))  # warm-up
 
     def run_pass(self, workload: int) -> RunResult:
         engine = self.engine

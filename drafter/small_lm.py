@@ -450,26 +450,25 @@ class SmallLMDrafter(Drafter, TreesOnDevice, TimesDraftLevels):
                 state = self._states[seq.seq_id]
                 state.num_cached = min(state.num_cached, seq.num_tokens - 1)
             return self._catch_up(list(seqs))
-        rows = torch.arange(len(seqs), device=inputs.cached.device)
         if not previous.tree and self.heads is None:
             fed = inputs.last_two.reshape(-1).clamp(max=top)
-            return self._logits_on_device(tables, inputs.cached - 1, fed, 2, bound, rows * 2 + 1, hidden)
+            return self._logits_on_device(tables, inputs.cached - 1, fed, 2, bound, slice(1, None, 2), hidden)
         width = previous.emitted.shape[1]
         fed = previous.emitted.reshape(-1).clamp(max=top)
-        at = rows * width + previous.accepted
+        at = torch.arange(len(seqs), device=fed.device) * width + previous.accepted
         return self._logits_on_device(tables, previous.cached + 1, fed, width, bound, at, hidden)
 
     def _logits_on_device(
-        self, tables, cached: torch.Tensor, fed: torch.Tensor, width: int, bound: int, rows: torch.Tensor, hidden: bool
+        self, tables, cached: torch.Tensor, fed: torch.Tensor, width: int, bound: int, rows, hidden: bool
     ) -> torch.Tensor:
-        """The logits at ``rows`` of a forward feeding ``width`` tokens a sequence after its
-        ``cached`` ones, in the target's vocabulary; with ``hidden``, the LM head's input at those
-        rows goes to ``self._hidden`` (what streaming heads read)."""
+        """The logits at ``rows`` (a slice or an index tensor) of a forward feeding ``width`` tokens a
+        sequence after its ``cached`` ones, in the target's vocabulary; with ``hidden``, the LM head's
+        input at those rows goes to ``self._hidden`` (what streaming heads read)."""
         taps = (LM_HEAD_INPUT,) if hidden else ()
         logits, features = self.runner.forward_on_device(tables, cached, fed, width, bound, taps)
         if hidden:
-            self._hidden = features.index_select(0, rows)
-        return self._target_vocab(logits.index_select(0, rows))
+            self._hidden = features[rows]
+        return self._target_vocab(logits[rows])
 
     def draft_on_device(
         self, seqs: Seq[SequenceView], inputs: DeviceDraftInputs, depth: int, bound: int
@@ -499,7 +498,7 @@ class SmallLMDrafter(Drafter, TreesOnDevice, TimesDraftLevels):
         host: a forward's last row gives the next token (the LM head) and the ones after it (the
         heads, from the LM head's input there); the next forward feeds that block at its
         positions. The last block is never fed, so the next step's root refeeds what was emitted."""
-        top, rows = self.runner.vocab_size - 1, torch.arange(len(picks.seqs), device=cached.device)
+        top, width = self.runner.vocab_size - 1, 1 + len(self.heads)
         while True:
             block = [picks.pick(logits)]
             for j in range(len(self.heads)):
@@ -508,10 +507,10 @@ class SmallLMDrafter(Drafter, TreesOnDevice, TimesDraftLevels):
                 block.append(picks.pick(self._head_logits(j, self._hidden)))
             if len(picks.tokens) == depth:
                 return picks.result()
-            width = len(block)
+            # every fed block is whole (a short one is the last, never fed): its last row is the next root
             fed = torch.stack(block, dim=1).reshape(-1).clamp(max=top)
             start = cached + len(picks.tokens) - width + 1  # the block's first token's position
-            logits = self._logits_on_device(tables, start, fed, width, bound, rows * width + width - 1, True)
+            logits = self._logits_on_device(tables, start, fed, width, bound, slice(width - 1, None, width), True)
 
     def draft_tree_on_device(
         self, seqs: Seq[SequenceView], inputs: DeviceDraftInputs, shape: DraftShape, bound: int
