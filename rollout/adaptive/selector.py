@@ -14,7 +14,8 @@ switch to a model arm happens only when its gain over the remaining work beats t
 the least predicted time runs, except that the last step's arm keeps running unless another is
 predicted faster by more than the model can resolve (:meth:`StrategySelector.margin`): a standard
 error of the two predictions' difference, from the model's own error (the median of how far its
-recent step predictions were off) and the steps each arm's cost was learned from. The arms'
+recent step predictions were off) and the steps each arm's cost was learned from (an arm no step
+has measured is tried as soon as its optimistic prediction wins). The arms'
 predictions often lie within a few percent of each other: a switch on a difference the model
 cannot resolve costs steps of the worse arm, and a margin wider than what it can resolve keeps a
 worse arm running. Uncertainty is
@@ -125,10 +126,12 @@ class StrategySelector:
         """The log gap by which ``b``'s prediction must beat ``a``'s before the selector leaves ``a``:
         ``switch_margin`` standard errors of their difference. Each arm's cost is the median of the
         steps its correction learned from, so its standard error is the model's per-step error
-        (:attr:`error`) over the square root of their number (an arm that ran none counts one)."""
-        if a == b or not self.error:
+        (:attr:`error`) over the square root of their number. An arm no steady step has measured
+        yet gets none: only running it measures it, and ``optimism`` already decides whether its
+        best case is worth a try."""
+        counts = [self.costs.observations(arm) for arm in (a, b)]
+        if a == b or not self.error or not all(counts):
             return 0.0
-        counts = [max(1, self.costs.observations(arm)) for arm in (a, b)]
         return self.config.switch_margin * MEDIAN_SE * self.error * math.sqrt(1 / counts[0] + 1 / counts[1])
 
     def observe(
