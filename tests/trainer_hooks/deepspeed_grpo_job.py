@@ -1,8 +1,10 @@
-"""GRPO under a shipped DeepSpeed ZeRO config on CPU, one process (run by test_deepspeed_grpo.py in a
+"""GRPO under shipped DeepSpeed ZeRO configs on CPU, one process (run by test_deepspeed_grpo.py in a
 subprocess, so DeepSpeed's global state and distributed environment stay out of the test process).
+Each stage named on the command line trains in turn in that process (its imports, most of its
+seconds, paid once); Accelerate's and transformers' DeepSpeed state is reset between them.
 
-Prints one JSON line: the importance-sampling ratios TRL logged, weight syncs vs optimizer steps,
-how far the (gathered) weights moved, and whether rollouts produced valid token ids.
+Prints one JSON line per stage: the importance-sampling ratios TRL logged, weight syncs vs
+optimizer steps, how far the (gathered) weights moved, and whether rollouts produced valid token ids.
 """
 
 import json
@@ -13,7 +15,20 @@ os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 os.environ["WANDB_MODE"] = "disabled"
 
 
-def main(stage: str, out_dir: str) -> None:
+def main(stages: list[str], out_dir: str) -> None:
+    from accelerate.state import AcceleratorState
+    from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+
+    from tailspec.trainer_hooks.deepspeed import single_process_deepspeed
+
+    single_process_deepspeed()
+    for stage in stages:
+        train(stage, f"{out_dir}/{stage}")
+        AcceleratorState._reset_state(reset_partial_state=True)
+        unset_hf_deepspeed_config()
+
+
+def train(stage: str, out_dir: str) -> None:
     import deepspeed
     from datasets import Dataset
     from trl import GRPOConfig
@@ -22,9 +37,8 @@ def main(stage: str, out_dir: str) -> None:
     from tailspec.drafter.eagle3 import Eagle3Config, Eagle3Head
     from tailspec.tasks.tokenizer import build_tokenizer
     from tailspec.testing import tiny_random_model
-    from tailspec.trainer_hooks.deepspeed import deepspeed_config, single_process_deepspeed
+    from tailspec.trainer_hooks.deepspeed import deepspeed_config
 
-    single_process_deepspeed()
     tok = build_tokenizer()
     model = tiny_random_model(
         "qwen2", seed=3, vocab_size=len(tok), eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
@@ -79,4 +93,4 @@ def main(stage: str, out_dir: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    main(sys.argv[1].split(","), sys.argv[2])
