@@ -27,6 +27,7 @@ One strategy runs per batch step; the engine can switch between steps
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 from ..draft_contract import DraftShape
 
@@ -66,7 +67,7 @@ class Strategy:
     def mirror(self) -> bool:
         return self.kind == "mirror"
 
-    @property
+    @cached_property  # the selector asks these of every arm at every step: computed once
     def speculative(self) -> bool:
         return self.kind not in ("none", "adaptive")
 
@@ -79,7 +80,7 @@ class Strategy:
         """The drafters a step of this strategy runs: ``"model"`` and/or ``"suffix"``."""
         return _DRAFTERS[self.kind]
 
-    @property
+    @cached_property
     def uses_model_drafter(self) -> bool:
         return "model" in self.drafters
 
@@ -90,12 +91,19 @@ class Strategy:
         ``adaptive`` keeps only the model-free arms."""
         return self.uses_model_drafter or self.adaptive
 
-    @property
+    @cached_property
     def max_draft_nodes(self) -> int:
         """The most draft tokens one sequence can get verified per step (0 without speculation)."""
         return self.shape.max_nodes if self.shape is not None else 0
 
     def __str__(self) -> str:
+        cached = self.__dict__.get("_str")
+        if cached is None:
+            cached = self._spell()
+            object.__setattr__(self, "_str", cached)
+        return cached
+
+    def _spell(self) -> str:
         if self.shape is None:
             return self.kind
         s = self.shape
