@@ -132,13 +132,14 @@ def test_triton_verify_kernel_draws_the_same_samples(strategy, kind, params):
     torch rule and decides identically, so a seeded engine samples the same completions: with the
     chi-square tests of the torch rule above, the kernel's samples follow the target too."""
     pytest.importorskip("triton")
-    prompts = [PROMPT[: 1 + i % 5] for i in range(24)]
+    prompts = [PROMPT[: 1 + i % 5] for i in range(8)]
     outputs = []
     for backend in ("torch", "triton"):
         engine = RolloutEngine(target(), RolloutConfig(strategy=strategy, seed=5), drafter=drafter(kind))
         with kernel_backend(backend, kernels=("verify",)):
             outs = engine.generate(prompts, params.with_updates(max_new_tokens=8, ignore_eos=True))
-        assert engine.stats.drafted_tokens > 0
+        # the kernel decided both ways: drafts accepted and drafts rejected
+        assert engine.stats.drafted_tokens > engine.stats.accepted_tokens > 0
         outputs.append([(o.completion_ids, o.num_accepted) for o in outs])
     assert outputs[0] == outputs[1]
 

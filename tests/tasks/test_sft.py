@@ -19,7 +19,9 @@ from tailspec.tasks.sft import (
     encode_example,
     evaluate_accuracy,
     load_tiny,
+    build_parser,
     main,
+    native_bf16,
     tiny_assets_dir,
     train_model,
 )
@@ -142,6 +144,15 @@ def test_loss_falls_and_model_round_trips(tok, tmp_path):
     train_model(SMALL, cfg, tok, tmp_path / "again", progress=False)
     first, second = load_file(tmp_path / "m" / "model.safetensors"), load_file(tmp_path / "again" / "model.safetensors")
     assert first.keys() == second.keys() and all(torch.equal(first[k], second[k]) for k in first)
+
+
+def test_bf16_autocast_is_used_where_the_cpu_computes_bf16_natively_unless_told():
+    assert SFTConfig().uses_bf16 == native_bf16()
+    assert SFTConfig(bf16=True).uses_bf16 and not SFTConfig(bf16=False).uses_bf16
+    parser = build_parser()
+    assert parser.parse_args(["--bf16"]).bf16 and parser.parse_args(["--no-bf16"]).no_bf16
+    with pytest.raises(SystemExit):  # one or the other
+        parser.parse_args(["--bf16", "--no-bf16"])
 
 
 def test_recipe_cli_quick(tmp_path):
