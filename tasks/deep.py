@@ -172,11 +172,17 @@ class DeepRecipe:
     eval_problems: int = 200
     long_eval_problems: int = 100
     max_new_tokens: int = 512
+    cost_repeats: int = 40  # timed forwards per shape of the card's cost table (their median)
+    cost_context: int = 128  # tokens of context those forwards attend to
     threads: int = 2
     seed: int = 0
 
     def __post_init__(self) -> None:
-        for name in ("num_layers", "batch_size", "warmup_prompts", "warmup_rounds", "eval_problems", "threads"):
+        positive = (
+            "num_layers", "batch_size", "warmup_prompts", "warmup_rounds", "eval_problems", "cost_repeats",
+            "cost_context", "threads",
+        )  # fmt: skip
+        for name in positive:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)!r}")
         for name in ("finetune_steps", "distill_steps", "warmup_steps", "long_eval_problems"):
@@ -320,7 +326,8 @@ def run_recipe(
     evals, sizes = _evaluate(recipe, tokenizer, {"deep policy": policy, "drafter LM": drafter, "tiny policy": tiny})
     for kind, key in (("policy", "deep policy"), ("drafter", "drafter LM")):
         (out / kind / "eval.json").write_text(json.dumps(evals[key], indent=2) + "\n")
-    costs = {name: measure_shape_costs(m, threads=1) for name, m in (("deep policy", policy), ("tiny policy", tiny))}
+    models = (("deep policy", policy), ("tiny policy", tiny))
+    costs = {name: measure_shape_costs(m, 1, recipe.cost_context, recipe.cost_repeats) for name, m in models}
     (out / "costs.json").write_text(json.dumps({k: asdict(v) for k, v in costs.items()}, indent=2) + "\n")
     wall = time.perf_counter() - start
     (out / "MODEL_CARD.md").write_text(_card(recipe, log, policy, ft, dist, rounds, evals, costs, *sizes))
@@ -426,8 +433,9 @@ tokens, on the tiny model card's sets: "task" = {n_task} held-out problems from 
 
 ## Cost ratios on this machine
 
-HF forward over {costs["deep policy"].context} cached tokens, median of 40, {costs["deep policy"].threads} torch
-thread; *one layer* is the middle decoder layer timed by hooks inside the one-token forward.
+HF forward over {costs["deep policy"].context} cached tokens, median of {recipe.cost_repeats},
+{costs["deep policy"].threads} torch thread; *one layer* is the middle decoder layer timed by hooks inside the
+one-token forward.
 
 | model | batch 1, 1 token ms | batch 1, 5 tokens ms | one layer ms (share) | batch 16, 1 tok. ms | 16, 5 tok. ms |
 |---|---:|---:|---:|---:|---:|
@@ -490,6 +498,8 @@ def main(argv: list[str] | None = None) -> int:
             eval_problems=4,
             long_eval_problems=0,
             max_new_tokens=24,
+            cost_repeats=3,
+            cost_context=16,
             threads=args.threads,
             seed=args.seed,
         )

@@ -612,7 +612,9 @@ def build_parser() -> argparse.ArgumentParser:
     precision = parser.add_mutually_exclusive_group()
     precision.add_argument("--bf16", action="store_true", help="bf16 autocast even where the CPU emulates bf16")
     precision.add_argument(
-        "--no-bf16", action="store_true", help="plain fp32 (default: bf16 autocast where the CPU computes bf16 natively)"
+        "--no-bf16",
+        action="store_true",
+        help="plain fp32 (default: bf16 autocast where the CPU computes bf16 natively)",
     )
     parser.add_argument("--eval-problems", type=int, default=200, help="held-out problems from the task distribution")
     parser.add_argument("--long-eval-problems", type=int, default=100, help="extra held-out problems with n >= 15")

@@ -83,6 +83,8 @@ def test_recipe_validates_its_fields():
         DeepRecipe(finetune_lr=0)
     with pytest.raises(ValueError, match="warmup_rounds"):
         DeepRecipe(warmup_rounds=0)
+    with pytest.raises(ValueError, match="cost_repeats"):
+        DeepRecipe(cost_repeats=0)
 
 
 @pytest.fixture(scope="module")

@@ -40,4 +40,6 @@ def test_grpo_trains_under_zero2_and_zero3_with_tailspec_rollouts(tmp_path):
         assert result["shapes_ok"] and result["moved"] > 1e-4  # the optimizer really stepped the policy
         # an EAGLE-3 head trained from the trainer's loss forwards (gathered embeddings / LM head under ZeRO-3)
         assert result["drafter_samples"] == 3 * 8 and result["drafter_version"] == 3 * 2
-        assert len(result["drafter_losses"]) == 3 and all(loss == loss and loss > 0 for loss in result["drafter_losses"])
+        assert len(result["drafter_losses"]) == 3 and all(
+            loss == loss and loss > 0 for loss in result["drafter_losses"]
+        )
