@@ -31,7 +31,7 @@ and the host is one step behind:
 * **Trees** (a drafter that declares :class:`TreesOnDevice`) take the same course with static
   shapes: the drafter grows a best-first tree of ``n`` nodes per sequence on the device, the
   target runs the pending token and the nodes (node ``i`` at cache index ``cached + 1 + i``, at
-  position ``cached + depth``, seeing its ancestors), ``device_tree.tree_verdicts`` walks every
+  position ``cached + depth``, seeing its ancestors), ``verdicts.tree_verdicts`` walks every
   tree at once as ``verify.py`` walks one, and ``keep_path_kv`` moves the accepted nodes' K/V to
   ``cached + 1 ..``, so the sequence's cache is a chain's again before the next step reads it. The
   host reserves for ``n`` nodes, and the next step's pending token is at most ``depth + 1`` past.
@@ -68,10 +68,11 @@ from ..model.kv_cache import blocks_for
 from ..model.runner import ModelRunner
 from ..position_noise import keyed_scores_at
 from ..request import SeqStatus, Sequence
-from ..sampling import BatchSamplingTensors, draw_uniforms, processed_logprobs, sample_from_probs
+from ..sampling import BatchSamplingTensors, draw_uniforms, processed_logprobs
 from ..stats import Drafted, EngineStats
 from ..strategy import Strategy
-from .device_tree import keep_path_kv, tree_rows, tree_verdicts
+from .device_tree import keep_path_kv, tree_rows
+from .verdicts import greedy_chain_verdicts, sampled_chain_verdicts, tree_verdicts
 
 
 @dataclass(eq=False)  # identity: a step is never "equal" to another
@@ -123,61 +124,6 @@ class _Verified:
     features: torch.Tensor | None = None
     logits: torch.Tensor | None = None
     also_read: tuple[torch.Tensor, ...] = ()
-
-
-def greedy_chain_verdicts(
-    logprobs: torch.Tensor, drafts: torch.Tensor, scores: torch.Tensor | None = None
-) -> tuple[torch.Tensor, ...]:
-    """On the device, for chains whose rows all take an argmax: the emitted tokens ``[B, k + 1]``
-    (row ``j``'s argmax: an accepted draft is the argmax of the row before it, and row ``L``'s is
-    the correction or the bonus token), each chain's accept length ``L`` ``[B]`` (its drafts equal
-    to the argmax before them, up to the first that is not) and the tokens' logprobs ``[B, k + 1]``.
-    ``logprobs``: the processed ``[B * (k + 1), V]``; ``scores``: what the argmax is of, where not
-    the logprobs (position-keyed rows' perturbed scores, which verify as greedy ones)."""
-    batch, depth = drafts.shape
-    logprobs = logprobs.view(batch, depth + 1, -1)
-    best = (logprobs if scores is None else scores.view(batch, depth + 1, -1)).argmax(dim=-1)
-    accepted = (drafts == best[:, :depth]).long().cumprod(dim=1).sum(dim=1)
-    return best, accepted, logprobs.gather(2, best.unsqueeze(-1)).squeeze(-1)
-
-
-def sampled_chain_verdicts(
-    logprobs: torch.Tensor,
-    drafts: torch.Tensor,
-    q: torch.Tensor,
-    uniforms: torch.Tensor,
-    greedy: torch.Tensor,
-    scores: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, ...]:
-    """:func:`greedy_chain_verdicts` for a batch with sampled rows, on the device: the drafts and the
-    distributions ``q`` ``[B, k, V]`` they were drawn from, ``uniforms`` ``[B, k + 1]`` (float64),
-    ``greedy`` ``[B]`` bool (rows that take the argmax of their ``scores``).
-
-    Draft ``j`` (token ``x`` from ``q_j``) is accepted with probability ``min(1, p_j(x) / q_j(x))``
-    (``u_j q_j(x) < p_j(x)``); after the first rejection, at ``L``, the final token is drawn from
-    ``normalize(max(0, p_L - q_L))`` with ``u_k``, or from ``p_k`` when every draft was accepted:
-    speculative sampling's chain case (``rollout/spec/verify.py`` proves it exact; this is the same
-    walk for a chain, every row at once). Greedy rows accept the argmax and emit it, as greedy chains."""
-    batch, depth = drafts.shape
-    logprobs = logprobs.view(batch, depth + 1, -1)
-    p = logprobs.exp()
-    x = drafts.unsqueeze(-1)
-    p_x, q_x = p[:, :depth].gather(2, x).squeeze(-1), q.to(p).gather(2, x).squeeze(-1)
-    sampled_ok = (q_x > 0) & (uniforms[:, :depth] * q_x < p_x)
-    best = (logprobs if scores is None else scores.view(batch, depth + 1, -1)).argmax(dim=-1)
-    ok = torch.where(greedy.unsqueeze(1), drafts == best[:, :depth], sampled_ok)
-    accepted = ok.long().cumprod(dim=1).sum(dim=1)
-    at = accepted.view(batch, 1, 1).expand(-1, 1, p.shape[-1])
-    p_at = p.gather(1, at).squeeze(1)
-    q_at = q.to(p).gather(1, at.clamp(max=depth - 1)).squeeze(1)
-    residual = (p_at - q_at).clamp_min(0.0)
-    rejected = (accepted < depth).unsqueeze(1) & (residual.sum(dim=-1, keepdim=True) > 0)
-    final = sample_from_probs(torch.where(rejected, residual, p_at), uniforms[:, depth])
-    final = torch.where(greedy, best.gather(1, accepted.unsqueeze(1)).squeeze(1), final)
-    columns = torch.arange(depth + 1, device=drafts.device)
-    padded = torch.cat([drafts, drafts[:, :1]], dim=1)
-    emitted = torch.where(columns < accepted.unsqueeze(1), padded, final.unsqueeze(1))
-    return emitted, accepted, logprobs.gather(2, emitted.unsqueeze(-1)).squeeze(-1)
 
 
 class DeviceSteps:

@@ -13,6 +13,10 @@ residual is ``p`` with ``x`` removed.
 
 Greedy is the temperature-to-zero case: follow the child whose token is the target's argmax,
 and emit the argmax where no child matches, which reproduces argmax decoding token for token.
+
+:func:`verify_each` walks each tree on its own, the reference; :func:`verify_batch` verifies the
+sampled drafts of a batch that share a shape together (``verdicts.py``: the same rule and the
+same uniforms, a few tensor operations per batch instead of dozens per sequence).
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from ...draft_contract import DraftTree
 from ...kernels.dispatch import resolve_backend
 from ...kernels.transfers import read_back, to_device
 from ..sampling import sample_from_probs
+from .verdicts import sampled_chain_verdicts, tree_verdicts
 
 
 @dataclass
@@ -117,25 +122,87 @@ def verify_batch(
     ``argmax``: each row's argmax when the caller has read it already. ``emitted_from``: a
     ``[R, V]`` distribution (the processed logprobs, where ``logprobs`` are perturbed scores) whose
     values at the emitted tokens the fused kernel's verdicts carry, read with them.
-    ``backend`` picks the fused Triton kernel or this module's loop (see ``tailspec.kernels``). An
+    ``backend`` picks the fused Triton kernel or torch (see ``tailspec.kernels``): there, sampled
+    trees that share a shape are verified together (``verdicts.py``), the others walked one by
+    one (:func:`verify_each`, the reference both are held to). An
     all-greedy batch walks its trees on the host whatever the backend: it needs only the rows'
     argmax, one read, where the kernel's inputs and outputs would cost several transfers.
     """
     if not all(greedy) and resolve_backend(logprobs.device, backend, kernel="verify") == "triton":
         return _verify_batch_triton(trees, logprobs, greedy, uniforms, emitted_from)
-    probs = logprobs.exp() if not all(greedy) else None
+    verdicts: list[Verdict | None] = [None] * len(trees)
+    if not all(greedy):
+        _verify_shared_shapes(trees, logprobs, greedy, uniforms, verdicts)
+    return verify_each(trees, logprobs, greedy, uniforms, argmax, verdicts)
+
+
+def verify_each(
+    trees: Sequence[DraftTree],
+    logprobs: torch.Tensor,
+    greedy: Sequence[bool],
+    uniforms: torch.Tensor,
+    argmax: Sequence[int] | None = None,
+    verdicts: list[Verdict | None] | None = None,
+) -> list[Verdict]:
+    """:func:`verify_batch`'s reference: every tree walked on its own (:func:`verify_greedy`,
+    :func:`verify_sampled`), except those ``verdicts`` holds already."""
+    verdicts = verdicts if verdicts is not None else [None] * len(trees)
+    todo = [b for b, v in enumerate(verdicts) if v is None]
+    sampled = any(not greedy[b] for b in todo)
+    probs = logprobs.exp() if sampled else None
     if argmax is None:
-        argmax = logprobs.argmax(dim=-1).tolist() if any(greedy) else []
-    verdicts, offset = [], 0
-    for tree, is_greedy in zip(trees, greedy):
-        n = len(tree) + 1
-        if is_greedy:
-            verdicts.append(verify_greedy(tree, list(argmax[offset : offset + n])))
+        argmax = logprobs.argmax(dim=-1).tolist() if any(greedy[b] for b in todo) else []
+    starts = list(accumulate((len(t) + 1 for t in trees), initial=0))
+    for b in todo:
+        tree, offset, n = trees[b], starts[b], len(trees[b]) + 1
+        if greedy[b]:
+            verdicts[b] = verify_greedy(tree, list(argmax[offset : offset + n]))
         else:
             rows = probs[offset : offset + n]
-            verdicts.append(verify_sampled(tree, lambda r, rows=rows: rows[r], uniforms[offset : offset + n].tolist()))
-        offset += n
+            verdicts[b] = verify_sampled(tree, lambda r, rows=rows: rows[r], uniforms[offset : offset + n].tolist())
     return verdicts
+
+
+def _verify_shared_shapes(
+    trees: Sequence[DraftTree],
+    logprobs: torch.Tensor,
+    greedy: Sequence[bool],
+    uniforms: torch.Tensor,
+    verdicts: list[Verdict | None],
+) -> None:
+    """Sampled trees that share a shape, verified together (``verdicts.py``: the same rule and
+    uniforms as :func:`verify_sampled`): chains of one length (drafted with distributions or
+    deterministically), deterministic trees of one size. Fills their entries of ``verdicts``."""
+    groups: dict[tuple, list[int]] = {}
+    for b, tree in enumerate(trees):
+        if greedy[b] or not len(tree) or (tree.draft_probs is not None and not tree.is_chain):
+            continue
+        kind = ("chain", tree.draft_probs is not None) if tree.is_chain else ("tree", False)
+        groups.setdefault((*kind, len(tree)), []).append(b)
+    starts = list(accumulate((len(t) + 1 for t in trees), initial=0))
+    device = logprobs.device
+    for (kind, with_probs, n), members in groups.items():
+        rows = torch.tensor([starts[b] + r for b in members for r in range(n + 1)], device=device)
+        scored, drawn = logprobs.index_select(0, rows), uniforms.to(device).index_select(0, rows).view(-1, n + 1)
+        tokens = torch.tensor([trees[b].tokens for b in members], device=device)
+        no_greedy = torch.zeros(len(members), dtype=torch.bool, device=device)
+        if kind == "chain":
+            q = (
+                torch.stack([trees[b].draft_probs for b in members]).to(device)
+                if with_probs
+                else torch.nn.functional.one_hot(tokens, logprobs.shape[-1])
+            )
+            emitted, accepted, _ = sampled_chain_verdicts(scored, tokens, q, drawn, no_greedy)
+            paths = [list(range(a)) for a in accepted.tolist()]
+        else:
+            parents = torch.tensor([trees[b].parents for b in members], device=device)
+            depth = max(max(trees[b].depths) for b in members)
+            topk = max(max(len(c) for c in trees[b].children) for b in members)
+            emitted, accepted, path, _ = tree_verdicts(scored, tokens, parents, depth, topk, no_greedy, drawn)
+            paths = [p[:a] for p, a in zip(path.tolist(), accepted.tolist())]
+        finals = emitted.gather(1, accepted.unsqueeze(1)).squeeze(1).tolist()
+        for b, p, final in zip(members, paths, finals):
+            verdicts[b] = Verdict(p, final)
 
 
 def _verify_batch_triton(

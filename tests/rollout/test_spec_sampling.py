@@ -15,6 +15,7 @@ from rollout_helpers import chi_square_pvalue
 from tailspec.drafter.eagle3 import Eagle3Config, Eagle3Drafter, Eagle3Head
 from tailspec.kernels.dispatch import kernel_backend
 from tailspec.rollout import RolloutConfig, RolloutEngine, SamplingParams
+from tailspec.rollout.spec import verdicts as verdicts_module
 from tailspec.rollout.spec import verify as verify_module
 from tailspec.testing import exact_joint_of_tokens_2_and_3 as exact_joint
 from tailspec.testing import perturbed_copy, processed_probs, tiny_random_model
@@ -164,7 +165,7 @@ def test_triton_attention_and_verify_kernels_draw_the_same_samples():
 )
 def test_drafts_verified_on_the_device_follow_the_target(strategy, kind, name):
     """``overlap=True``: after the first step, each one is launched from state on the device and
-    verified there (``rollout/spec/device_step.py``; a tree by ``device_tree.tree_verdicts``'s
+    verified there (``rollout/spec/device_step.py``; a tree by ``verdicts.tree_verdicts``'s
     recursive rejection sampling); tokens 2 and 3 then come from such steps."""
     counts = joint_counts(strategy, kind, SETTING[name], overlap=True)
     assert chi_square_pvalue(counts, exact_joint_of_tokens_2_and_3(SETTING[name])) > 1e-3
@@ -189,7 +190,8 @@ def test_plain_decoding_passes_the_same_check():
 def test_the_check_rejects_a_wrong_residual(monkeypatch):
     """Resampling from the target instead of the residual after a rejection biases the output
     towards the drafter; the check above must catch it."""
-    monkeypatch.setattr(verify_module, "residual", lambda p, q, token: p)
+    monkeypatch.setattr(verify_module, "residual", lambda p, q, token: p)  # a tree walked on its own
+    monkeypatch.setattr(verdicts_module, "chain_residual", lambda p, q: p)  # chains verified together
     params = SamplingParams(temperature=1.0)
     counts = joint_counts("chain:2", "bad", params)
     assert chi_square_pvalue(counts, exact_joint_of_tokens_2_and_3(params)) < 1e-6

@@ -344,9 +344,11 @@ def test_the_check_rejects_a_wrong_residual_on_the_mirror_path(monkeypatch):
     """Any draft chosen independently of the verification's draws is verified exactly, so what can
     break a mirror step is the verification it feeds; resampling from the target instead of the
     residual after a rejection biases the output, and the check above catches it."""
+    from tailspec.rollout.spec import verdicts as verdicts_module
     from tailspec.rollout.spec import verify as verify_module
 
     monkeypatch.setattr(verify_module, "residual", lambda p, q, token: p)
+    monkeypatch.setattr(verdicts_module, "chain_residual", lambda p, q: p)
     params = SETTINGS[0]
     counts = mirror_joint_counts("mirror:chain:1,k=2", "bad", params, "inline")
     assert chi_square_pvalue(counts, exact_joint_of_tokens_3_and_4(params)) < 1e-6
