@@ -14,6 +14,9 @@ import pytest
 import torch
 
 if "OMP_NUM_THREADS" not in os.environ:
+    # in the environment too: child processes inherit it, and Accelerate, finding it unset when a
+    # trainer starts, raises torch's threads to the physical cores for the rest of the process
+    os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
 
 if not torch.cuda.is_available():
