@@ -327,7 +327,8 @@ def run_recipe(
     for kind, key in (("policy", "deep policy"), ("drafter", "drafter LM")):
         (out / kind / "eval.json").write_text(json.dumps(evals[key], indent=2) + "\n")
     models = (("deep policy", policy), ("tiny policy", tiny))
-    costs = {name: measure_shape_costs(m, 1, recipe.cost_context, recipe.cost_repeats) for name, m in models}
+    measure = dict(threads=1, context=recipe.cost_context, repeats=recipe.cost_repeats)
+    costs = {name: measure_shape_costs(m, **measure) for name, m in models}
     (out / "costs.json").write_text(json.dumps({k: asdict(v) for k, v in costs.items()}, indent=2) + "\n")
     wall = time.perf_counter() - start
     (out / "MODEL_CARD.md").write_text(_card(recipe, log, policy, ft, dist, rounds, evals, costs, *sizes))

@@ -276,11 +276,12 @@ def fit_model(
     seq_tokens = loss_tokens = 0
     start = time.perf_counter()
     bar = progress_bar(range(sft_cfg.steps), desc=desc, disable=not progress, mininterval=5)
+    bf16 = sft_cfg.uses_bf16  # asks the CPU: once, not every step
     for step in bar:
         input_ids, attention_mask, labels = next(batches)
         for group in optimizer.param_groups:
             group["lr"] = sft_cfg.lr_at(step)
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=sft_cfg.uses_bf16):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
             loss = _sft_loss(model, teacher, input_ids, attention_mask, labels)
         if not torch.isfinite(loss):
             raise FloatingPointError(f"non-finite loss {loss.item()} at step {step}")

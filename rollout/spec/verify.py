@@ -131,9 +131,15 @@ def verify_batch(
     if not all(greedy) and resolve_backend(logprobs.device, backend, kernel="verify") == "triton":
         return _verify_batch_triton(trees, logprobs, greedy, uniforms, emitted_from)
     verdicts: list[Verdict | None] = [None] * len(trees)
+    starts = _row_starts(trees)
     if not all(greedy):
-        _verify_shared_shapes(trees, logprobs, greedy, uniforms, verdicts)
-    return verify_each(trees, logprobs, greedy, uniforms, argmax, verdicts)
+        _verify_shared_shapes(trees, starts, logprobs, greedy, uniforms, verdicts)
+    return verify_each(trees, logprobs, greedy, uniforms, argmax, verdicts, starts)
+
+
+def _row_starts(trees: Sequence[DraftTree]) -> list[int]:
+    """The first packed row of each tree (tree ``b`` owns ``len(trees[b]) + 1`` rows)."""
+    return list(accumulate((len(t) + 1 for t in trees), initial=0))
 
 
 def verify_each(
@@ -143,16 +149,18 @@ def verify_each(
     uniforms: torch.Tensor,
     argmax: Sequence[int] | None = None,
     verdicts: list[Verdict | None] | None = None,
+    starts: list[int] | None = None,
 ) -> list[Verdict]:
     """:func:`verify_batch`'s reference: every tree walked on its own (:func:`verify_greedy`,
-    :func:`verify_sampled`), except those ``verdicts`` holds already."""
+    :func:`verify_sampled`), except those ``verdicts`` holds already; ``starts``: each tree's first
+    row, where the caller has them."""
     verdicts = verdicts if verdicts is not None else [None] * len(trees)
     todo = [b for b, v in enumerate(verdicts) if v is None]
     sampled = any(not greedy[b] for b in todo)
     probs = logprobs.exp() if sampled else None
     if argmax is None:
         argmax = logprobs.argmax(dim=-1).tolist() if any(greedy[b] for b in todo) else []
-    starts = list(accumulate((len(t) + 1 for t in trees), initial=0))
+    starts = starts if starts is not None else _row_starts(trees)
     for b in todo:
         tree, offset, n = trees[b], starts[b], len(trees[b]) + 1
         if greedy[b]:
@@ -165,6 +173,7 @@ def verify_each(
 
 def _verify_shared_shapes(
     trees: Sequence[DraftTree],
+    starts: list[int],
     logprobs: torch.Tensor,
     greedy: Sequence[bool],
     uniforms: torch.Tensor,
@@ -175,11 +184,13 @@ def _verify_shared_shapes(
     deterministically), deterministic trees of one size. Fills their entries of ``verdicts``."""
     groups: dict[tuple, list[int]] = {}
     for b, tree in enumerate(trees):
-        if greedy[b] or not len(tree) or (tree.draft_probs is not None and not tree.is_chain):
+        with_probs = tree.draft_probs is not None
+        if greedy[b] or not len(tree):
             continue
-        kind = ("chain", tree.draft_probs is not None) if tree.is_chain else ("tree", False)
-        groups.setdefault((*kind, len(tree)), []).append(b)
-    starts = list(accumulate((len(t) + 1 for t in trees), initial=0))
+        if tree.is_chain:
+            groups.setdefault(("chain", with_probs, len(tree)), []).append(b)
+        elif not with_probs:
+            groups.setdefault(("tree", False, len(tree)), []).append(b)
     device = logprobs.device
     for (kind, with_probs, n), members in groups.items():
         rows = torch.tensor([starts[b] + r for b in members for r in range(n + 1)], device=device)
