@@ -340,9 +340,10 @@ class TimesDraftLevels(Protocol):
     """A model drafter that can time one of its draft levels before it drafts: what ``adaptive``
     prices its arms' drafting from until their steps measure it (``rollout/adaptive/choice.py``)."""
 
-    def draft_level_seconds(self, n: int, repeats: int) -> float:
+    def draft_level_seconds(self, n: int, repeats: int) -> float | None:
         """Seconds of one draft forward over ``n`` sequences, one token each at a short context, on
-        scratch state (the median of ``repeats`` runs after a first, untimed one)."""
+        scratch state (the median of ``repeats`` runs after a first, untimed one); None when its
+        cache has no room to time one."""
         ...
 
 

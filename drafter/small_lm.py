@@ -42,8 +42,7 @@ from ..draft_contract import (
     TreesOnDevice,
 )
 from ..kernels.transfers import select_rows
-from ..rollout.adaptive.calibration import CONTEXT as CALIBRATION_CONTEXT
-from ..rollout.adaptive.calibration import forward_timer
+from ..rollout.adaptive.calibration import forward_timer, scratch_fit
 from ..rollout.mirror.hosted import weights_bytes
 from ..rollout.model.attention import SequenceSlice, paged_attention_enabled
 from ..rollout.model.device_inputs import BlockTables, static_paths
@@ -316,11 +315,15 @@ class SmallLMDrafter(Drafter, TreesOnDevice, TimesDraftLevels):
             state.num_cached = seq.num_tokens
         return self._logits(slices, tokens, positions, last)
 
-    def draft_level_seconds(self, n: int, repeats: int) -> float:
-        timer = forward_timer(self.runner, self.block_size, CALIBRATION_CONTEXT)
+    def draft_level_seconds(self, n: int, repeats: int) -> float | None:
+        # on what the drafter's cache has free: fewer sequences than n are timed and scaled to n
+        batch, context = scratch_fit(self.runner.cache.allocator.num_free, self.block_size, n, 1)
+        if batch == 0:
+            return None
+        timer = forward_timer(self.runner, self.block_size, context)
         with self._inference():
-            timer(n, 1)  # a first run: a graph's capture, the allocator's growth
-            return statistics.median(timer(n, 1) for _ in range(repeats))
+            timer(batch, 1)  # a first run: a graph's capture, the allocator's growth
+            return statistics.median(timer(batch, 1) for _ in range(repeats)) * n / batch
 
     # -- drafting ------------------------------------------------------------------------
     def propose(self, requests: Seq[DraftRequest], shape: DraftShape) -> list[DraftTree]:

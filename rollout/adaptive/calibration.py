@@ -41,6 +41,18 @@ def graph_padding(runner: ModelRunner, context: int, kernels: str) -> Pad | None
     return pad
 
 
+def scratch_fit(free_blocks: int, block_size: int, n: int, width: int, context: int = CONTEXT) -> tuple[int, int]:
+    """``(batch, context)``: the most of ``n`` scratch sequences of ``width`` new tokens that
+    ``free_blocks`` hold, and the longest context up to ``context`` at which they fit (a small
+    cache times shorter contexts or fewer sequences rather than running out of blocks); batch 0:
+    not even one sequence fits."""
+    batch = min(n, free_blocks // blocks_for(width, block_size))
+    if batch == 0:
+        return 0, 0
+    per_seq = free_blocks // batch
+    return batch, max(0, min(context, per_seq * block_size - width))
+
+
 def forward_timer(
     runner: ModelRunner, block_size: int, context: int, forward: Forward | None = None
 ) -> Callable[[int, int], float]:
@@ -86,7 +98,7 @@ def calibrate_costs(
     ``fresh``: time even what this process timed on the same kind of model."""
     widths = sorted({1 + a.max_draft_nodes for a in arms})
     free = runner.cache.allocator.num_free
-    context = min(CONTEXT, max(free * block_size - widths[-1] - block_size, 0))  # a small cache: shorter
+    _, context = scratch_fit(free, block_size, 1, widths[-1])  # a small cache: a shorter context
     max_batch = max(1, min(max_batch, free // blocks_for(context + widths[-1], block_size)))
     pad = graph_padding(runner, context, kernels)
     shapes = calibration_shapes(widths, max_batch, config.calibration_rows, pad)

@@ -364,11 +364,12 @@ class StepCosts:
         verify = self.verify_seconds(arm, n) * _correction_in(self.correction, arm).value(n)
         return verify + draft + self.host.value(arm, n)
 
-    def seed_drafting(self, levels: dict[int, float]) -> None:
-        """``levels[n]``: seconds of a model drafter's level over ``n`` sequences, timed at calibration;
-        one measurement of its ratio at each ``n``, which its arms' steps then outweigh."""
+    def seed_drafting(self, levels: dict[int, float | None]) -> None:
+        """``levels[n]``: seconds of a model drafter's level over ``n`` sequences, timed at calibration
+        (None: not timed); one measurement of its ratio at each ``n``, which its arms' steps then outweigh."""
         for n, seconds in levels.items():
-            self.draft["model"].add(n, seconds, self.table.seconds(n, 1))
+            if seconds is not None:
+                self.draft["model"].add(n, seconds, self.table.seconds(n, 1))
 
     def observations(self, arm: Strategy) -> int:
         """How many steady steps ``arm``'s correction has learned from (its window's)."""
