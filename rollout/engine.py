@@ -127,6 +127,12 @@ class RolloutEngine:
         self.choice.set(strategy)
         self.proposer.prepare(self.choice.arms)
 
+    def expect_batch(self, batch: int) -> None:
+        """The next rollouts reach about ``batch`` sequences at once though they start with fewer
+        (requests arriving while it runs, as on a Ray worker): ``adaptive`` calibrates that batch
+        before the first of them rather than extrapolating to it."""
+        self.choice.expect(batch)
+
     @property
     def strategy(self) -> Strategy:
         return self.choice.strategy

@@ -231,6 +231,7 @@ class RolloutRound:
             policy_ref,
             v.policy if policy_ref is not None else None,
             drafter_ref,
+            self._session_batch(items),
         )
         self.pool.set_held(
             worker,
@@ -238,6 +239,15 @@ class RolloutRound:
             drafter=v.drafter if drafter_ref is not None else None,
         )
         return stream
+
+    def _session_batch(self, items: list[InboxItem]) -> int:
+        """The most requests a session opened with ``items`` will hold at once: a static shard's
+        are all there; a divided session grows by chunks up to the in-flight limit or about the
+        worker's share of the rollout (what ``adaptive`` calibrates the worker's steps for)."""
+        if self.plan.schedule == "static":
+            return len(items)
+        share = -(-len(self.prompts) // max(1, len(self.pool.workers)))
+        return max(len(items), min(self.inflight, share))
 
     def _close_dry_sessions(self) -> None:
         """A session holding nothing, with nothing to pull, takes work moved off a busy worker if

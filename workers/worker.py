@@ -158,13 +158,17 @@ class RolloutWorker:
         policy_state: dict[str, torch.Tensor] | None = None,
         policy_version: int | None = None,
         drafter_state: DrafterState | None = None,
+        expected_batch: int | None = None,
     ) -> Iterator[FinishedRequests | ReleasedRequests | ShardEnd]:
         """A serving session: starts with ``items``; more arrive by :meth:`submit` (they join the
         running batch), :meth:`release` gives requests back, and :meth:`close_session` (or
         ``total``, the session's item count if known up front) ends it once everything is done.
         Streams :class:`FinishedRequests` / :class:`ReleasedRequests` as they happen, then one
         :class:`ShardEnd`. Policy weights or a drafter version this worker lacks come with the
-        call (the coordinator sends them only when stale) and are loaded first."""
+        call (the coordinator sends them only when stale) and are loaded first. ``expected_batch``:
+        the most requests the session will hold at once, if known (``adaptive`` calibrates for it)."""
+        if expected_batch is not None:
+            self.engine.expect_batch(expected_batch)
         if policy_state is not None:
             self.set_policy(policy_state, policy_version if policy_version is not None else self.policy_version)
         if drafter_state is not None:

@@ -103,6 +103,7 @@ class StrategyChoice:
         self.selector: StrategySelector | None = None
         self.covered_batch = 0  # the largest batch the selector's forward table was timed at
         self.largest_batch = 0  # the most sequences a decode step of this engine ran
+        self.expected_batch = 0  # the batch a caller said its next rollouts reach (:meth:`expect`)
 
     def set(self, strategy: str | Strategy) -> Strategy:
         parsed = parse_strategy(strategy)
@@ -154,16 +155,29 @@ class StrategyChoice:
             selector.costs.seed_drafting({n: self._timed_drafter.draft_level_seconds(n, repeats) for n in sizes})
         self.covered_batch = up_to
 
+    def expect(self, batch: int) -> None:
+        """The next rollouts reach about ``batch`` sequences at once, though fewer may start them
+        (a Ray worker's session: its requests arrive in chunks): calibration covers that batch
+        from the first of them, not from the second on."""
+        if not isinstance(batch, int) or isinstance(batch, bool) or batch < 1:
+            raise ValueError(f"expected batch must be an int >= 1, got {batch!r}")
+        self.expected_batch = batch
+
+    def _reach(self, requests: int) -> int:
+        """The batch a calibration before a rollout of ``requests`` covers."""
+        reach = max(requests, self.largest_batch, self.expected_batch)
+        return calibrated_batch(reach, self.config.max_num_seqs)
+
     def before_rollout(self, requests: int) -> None:
         """Nothing runs and ``requests`` wait to start: ``adaptive``'s step costs are calibrated
         up to the batch the rollout can reach (on first need, or beyond what was timed), or timed
         again once the arms drifted far off them. The batch it can reach is its requests, or the
         largest an earlier rollout reached (a server's or a Ray worker's batch grows inside a
-        rollout as requests arrive: the first such rollout runs its larger batches on the table's
-        extrapolation, the next ones on timings)."""
+        rollout as requests arrive: unless the caller said how large (:meth:`expect`), the first
+        such rollout runs its larger batches on the table's extrapolation, the next ones on timings)."""
         if self.selector is None or not self.strategy.adaptive or not requests:
             return
-        batch = calibrated_batch(max(requests, self.largest_batch), self.config.max_num_seqs)
+        batch = self._reach(requests)
         if self.selector.costs is None:
             self.calibrate(batch, fresh=False)
         elif self.selector.needs_recalibration:
@@ -181,7 +195,7 @@ class StrategyChoice:
         strategy = self.strategy
         if strategy.adaptive:
             if self.selector.costs is None:  # switched to adaptive inside a rollout: calibrate now
-                self.calibrate(calibrated_batch(max(num_active, self.largest_batch), self.config.max_num_seqs), False)
+                self.calibrate(self._reach(num_active), False)
             if self.has_model_drafter:
                 self.selector.on_drafter_version(self._versioned.version if self._versioned is not None else 0)
             strategy = self.selector.choose(num_active, tokens_to_go, lag_tokens)

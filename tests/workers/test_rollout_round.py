@@ -21,3 +21,22 @@ def test_a_round_charges_waits_to_idle_workers_only_while_another_generates():
     ledger.finished(0, [0, 1], ["r0", "r1"])
     RolloutRound._clock_idle(round_, 5.0, training=True)  # nobody generates: not the tail's idle time
     assert (round_.result.idle_worker_s, round_.result.spot_busy_s) == (4.0, 1.0)
+
+
+def test_a_session_is_told_the_batch_it_grows_to():
+    """What ``adaptive`` on the worker calibrates for before the session's first step."""
+    items = [object()] * 4  # one chunk opens the session
+
+    def batch(schedule: str, prompts: int, workers: int, inflight: int, opened_with: list = items) -> int:
+        round_ = SimpleNamespace(
+            plan=SimpleNamespace(schedule=schedule),
+            prompts=[[1]] * prompts,
+            pool=SimpleNamespace(workers=dict.fromkeys(range(workers))),
+            inflight=inflight,
+        )
+        return RolloutRound._session_batch(round_, opened_with)
+
+    assert batch("divided", prompts=56, workers=2, inflight=256) == 28  # its share of the rollout
+    assert batch("divided", prompts=56, workers=2, inflight=16) == 16  # the in-flight limit
+    assert batch("divided", prompts=3, workers=2, inflight=16) == 4  # never fewer than it opened with
+    assert batch("static", prompts=56, workers=2, inflight=56, opened_with=[object()] * 30) == 30  # a whole shard

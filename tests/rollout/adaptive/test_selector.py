@@ -598,6 +598,31 @@ def test_calibration_covers_the_batch_a_rollout_reaches_and_grows_with_it():
     assert engine.choice.covered_batch == 32 and max(n for n, _ in engine.selector.costs.table.measured) == 32
 
 
+def test_a_rollout_told_its_batch_calibrates_it_from_the_first_step():
+    """A Ray worker's session starts with one chunk and grows as more arrive: told the batch it
+    reaches (``expect_batch``), its first rollout times that batch before it starts, and the next
+    rollout, starting with as few, times nothing more."""
+    model = cached_model("llama")
+    config = RolloutConfig(strategy="adaptive", max_num_seqs=64, selector={"recalibrate_at": 1e9})
+    engine = RolloutEngine(model, config, drafter=perturbed_copy(model, 0.3, 7))
+    with pytest.raises(ValueError, match="expected batch must be an int >= 1"):
+        engine.expect_batch(0)
+    engine.expect_batch(12)
+    short = SamplingParams(max_new_tokens=4, temperature=0.0)
+    for prompt in random_prompts(2, seed=8):
+        engine.add_request(prompt, short)
+    engine.step()
+    assert engine.choice.covered_batch == 16  # timed up to 12 -> 16 before the first step, not 2
+    for prompt in random_prompts(10, seed=9):
+        engine.add_request(prompt, short)
+    while engine.has_unfinished():
+        engine.step()
+    timed = dict(engine.selector.costs.table.measured)
+    assert max(n for n, _ in timed) == 16
+    engine.generate(random_prompts(2, seed=10), short)
+    assert engine.selector.costs.table.measured == timed and engine.choice.covered_batch == 16
+
+
 def test_switching_to_adaptive_inside_a_rollout_calibrates_then():
     model = cached_model("llama")
     prompts = random_prompts(3, seed=11)
