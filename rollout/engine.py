@@ -23,7 +23,7 @@ from ..draft_contract import Drafter, Stateful, drafter_factory
 from . import serving
 from .adaptive.calibration import calibrate_costs
 from .adaptive.choice import StrategyChoice
-from .adaptive.cost_model import ForwardTable
+from .adaptive.forward_table import ForwardTable
 from .adaptive.meter import StepMeter
 from .adaptive.selector import SelectorConfig, StrategySelector
 from .admission import RequestLimits, eos_ids_of, prepare_requests

@@ -21,7 +21,7 @@ import numpy as np
 
 from ..rollout.adaptive.acceptance import AcceptanceBook
 from ..rollout.adaptive.choice import StepOutcome, StrategyChoice
-from ..rollout.adaptive.cost_model import ForwardTable, calibrate, calibration_shapes
+from ..rollout.adaptive.forward_table import ForwardTable, calibrate, calibration_shapes
 from ..rollout.model.graph_pool import _round_up
 from ..rollout.params import DEFAULT_ARMS, RolloutConfig, SelectorConfig
 from ..rollout.strategy import Strategy, parse_strategy

@@ -93,3 +93,11 @@ def test_rollout_config_imports_no_implementation():
     """params.py and strategy.py (what users configure) import only each other and token ids."""
     for name in ("params", "strategy"):
         assert _rollout_imports(Path("rollout") / f"{name}.py") <= {"params", "strategy", "token_ids"}, name
+
+
+def test_the_rollout_modules_stay_small():
+    """A step you read in a few lines: the engine at most 350 lines, no other rollout module over 450
+    (a module outgrowing that is split by job, as the forward table was from the cost model)."""
+    sizes = {rel: len((ROOT / rel).read_text().splitlines()) for rel in _modules() if rel.parts[0] == "rollout"}
+    assert sizes[Path("rollout/engine.py")] <= 350
+    assert not {str(rel): n for rel, n in sizes.items() if n > 450}

@@ -17,7 +17,7 @@ from ..model.attention import SequenceSlice
 from ..model.kv_cache import blocks_for
 from ..model.runner import Forward, ModelRunner
 from ..strategy import Strategy
-from .cost_model import ForwardTable, Pad, calibrate, calibration_shapes
+from .forward_table import ForwardTable, Pad, calibrate, calibration_shapes
 from .selector import SelectorConfig
 
 logger = logging.getLogger(__name__)

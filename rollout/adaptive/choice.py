@@ -19,7 +19,8 @@ from typing import Any
 from ...draft_contract import Drafter, TimesDraftLevels, Versioned
 from ..params import RolloutConfig
 from ..strategy import Strategy, parse_strategy
-from .cost_model import ForwardTable, StepCosts
+from .cost_model import StepCosts
+from .forward_table import ForwardTable
 from .selector import SelectorConfig, StrategySelector
 
 logger = logging.getLogger(__name__)

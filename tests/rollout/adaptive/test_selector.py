@@ -13,7 +13,8 @@ from tailspec.rollout import RolloutConfig, RolloutEngine, SamplingParams
 from tailspec.rollout.adaptive.acceptance import AcceptanceBook, book_key
 from tailspec.rollout.adaptive.calibration import scratch_fit
 from tailspec.rollout.adaptive.choice import calibrated_batch
-from tailspec.rollout.adaptive.cost_model import SHIFT_RUN, BatchRatio, ForwardTable, StepCosts, _correction_in, push
+from tailspec.rollout.adaptive.cost_model import SHIFT_RUN, BatchRatio, StepCosts, _correction_in, push
+from tailspec.rollout.adaptive.forward_table import ForwardTable
 from tailspec.rollout.adaptive.selector import MEDIAN_SE, SelectorConfig, StrategySelector
 from tailspec.rollout.strategy import parse_strategy
 from tailspec.testing import perturbed_copy
