@@ -37,11 +37,13 @@ def calibrated_batch(requests: int, max_num_seqs: int) -> int:
 
 @dataclass(frozen=True)
 class StepPlan:
-    """A decode step's strategy, and the tokens its model drafter must catch up on first
-    (emitted by steps of other arms since it last drafted)."""
+    """A decode step's strategy, the tokens its model drafter must catch up on first (emitted by
+    steps of other arms since it last drafted), and for ``adaptive`` its sequences' mean context
+    (what it was priced at, and what its outcome is judged against)."""
 
     strategy: Strategy
     lag_tokens: int = 0
+    context: float | None = None
 
 
 @dataclass(frozen=True)
@@ -190,17 +192,19 @@ class StrategyChoice:
             logger.info("adaptive: calibrating batches up to %d (%d requests waiting)", batch, requests)
             self.calibrate(batch, fresh=False)
 
-    def plan(self, num_active: int, tokens_to_go: int, lag_tokens: int = 0) -> StepPlan:
-        """The strategy of a step of ``num_active`` sequences expected to generate ``tokens_to_go``
-        more, whose model drafter missed ``lag_tokens`` of their tokens (:class:`DrafterLag`)."""
+    def plan(self, num_active: int, tokens_to_go: int, lag_tokens: int = 0, context: float | None = None) -> StepPlan:
+        """The strategy of a step of ``num_active`` sequences of mean ``context`` cached tokens
+        expected to generate ``tokens_to_go`` more, whose model drafter missed ``lag_tokens`` of
+        their tokens (:class:`DrafterLag`)."""
         strategy = self.strategy
         if strategy.adaptive:
             if self.selector.costs is None:  # switched to adaptive inside a rollout: calibrate now
                 self.calibrate(self._reach(num_active), False)
             if self.has_model_drafter:
                 self.selector.on_drafter_version(self._versioned.version if self._versioned is not None else 0)
-            strategy = self.selector.choose(num_active, tokens_to_go, lag_tokens)
-        return StepPlan(strategy, lag_tokens if strategy.uses_model_drafter else 0)
+            strategy = self.selector.choose(num_active, tokens_to_go, lag_tokens, context)
+            return StepPlan(strategy, lag_tokens if strategy.uses_model_drafter else 0, context)
+        return StepPlan(strategy)
 
     def record(self, plan: StepPlan, num_active: int, outcome: StepOutcome) -> None:
         """What a step of ``plan`` on ``num_active`` sequences did."""
@@ -217,6 +221,7 @@ class StrategyChoice:
                 outcome.branches,
                 timed=not outcome.one_off,
                 forward_seconds=outcome.forward_seconds,
+                context=plan.context,
             )
 
     def state_dict(self) -> dict[str, Any] | None:

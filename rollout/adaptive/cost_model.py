@@ -260,9 +260,9 @@ class StepCosts:
     def _suffix_unit(self, arm: Strategy, n: int) -> float:
         return n * arm.shape.max_nodes * self.table.seconds(1, 1)
 
-    def verify_seconds(self, arm: Strategy, n: int) -> float:
-        """Uncorrected: the verification forward (the calibrated table)."""
-        return self.table.seconds(n, 1 + arm.max_draft_nodes)
+    def verify_seconds(self, arm: Strategy, n: int, context: float | None = None) -> float:
+        """Uncorrected: the verification forward (the calibrated table) at a mean ``context``."""
+        return self.table.seconds(n, 1 + arm.max_draft_nodes, context)
 
     def draft_seconds(self, arm: Strategy, n: int) -> float:
         """Uncorrected: the drafting, from the drafters' learned ratios."""
@@ -273,11 +273,12 @@ class StepCosts:
             seconds += self.draft["suffix"].value(n) * self._suffix_unit(arm, n)
         return seconds
 
-    def seconds(self, arm: Strategy, n: int) -> float:
+    def seconds(self, arm: Strategy, n: int, context: float | None = None) -> float:
+        """A step of ``arm`` on ``n`` sequences of mean ``context`` cached tokens (None: calibration's)."""
         draft = self.draft_seconds(arm, n)
         if arm in self.draft_correction:
             draft *= self.draft_correction[arm].value(n)
-        verify = self.verify_seconds(arm, n) * _correction_in(self.correction, arm).value(n)
+        verify = self.verify_seconds(arm, n, context) * _correction_in(self.correction, arm).value(n)
         return verify + draft + self.host.value(arm, n)
 
     def seed_drafting(self, levels: dict[int, float | None]) -> None:
@@ -304,13 +305,15 @@ class StepCosts:
         draft_seconds: float,
         lag_tokens: int,
         forward_seconds: float | None = None,
+        context: float | None = None,
     ) -> float | None:
         """A step of ``arm`` on ``n`` sequences took ``seconds``, ``draft_seconds`` of them drafting
         and ``forward_seconds`` in the target's forward (None: not measured apart; the host's part
         then stays in the correction), after ``lag_tokens`` tokens its model drafter had to catch
-        up on. What is left is the host's part, learned for every step of the arm. An arm's first
-        step at a batch bucket teaches nothing: it pays a shape's first use (a kernel's compilation,
-        the allocator's growth), which read as the arm's cost would keep it from running there again.
+        up on; ``context``: its sequences' mean cached tokens (None: calibration's). What is left is
+        the host's part, learned for every step of the arm. An arm's first step at a batch bucket
+        teaches nothing: it pays a shape's first use (a kernel's compilation, the allocator's
+        growth), which read as the arm's cost would keep it from running there again.
 
         The step's two parts are judged apart: the verification against the table (the arm's
         correction), the drafting by the ratio it teaches (a drafter alone) or, for an arm of two
@@ -322,7 +325,7 @@ class StepCosts:
         if (arm, batch_bucket(n)) not in self._warm:
             self._warm.add((arm, batch_bucket(n)))
             return None
-        error = abs(math.log(seconds / max(self.seconds(arm, n), 1e-9))) if seconds > 0 else None
+        error = abs(math.log(seconds / max(self.seconds(arm, n, context), 1e-9))) if seconds > 0 else None
         forward = seconds - draft_seconds if forward_seconds is None else forward_seconds
         if forward_seconds is not None:
             self.host.add(arm, n, seconds - draft_seconds - forward)
@@ -338,7 +341,7 @@ class StepCosts:
             self.draft["suffix"].add(n, draft_seconds, self._suffix_unit(arm, n))
         elif arm.speculative:
             _correction_in(self.draft_correction, arm).add(n, draft_seconds, self.draft_seconds(arm, n))
-        _correction_in(self.correction, arm).add(n, forward, self.verify_seconds(arm, n))
+        _correction_in(self.correction, arm).add(n, forward, self.verify_seconds(arm, n, context))
         return error
 
     def drift(self) -> float:

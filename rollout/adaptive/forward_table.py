@@ -2,9 +2,16 @@
 arm's predicted step (``cost_model.py`` adds the drafting, the host's part and the corrections).
 
 Each ``(sequences, tokens)`` shape is timed once at calibration (:func:`calibrate`: the median of
-a few runs, after the graph pool captured it) and interpolated between measured batch sizes and
-token widths (:class:`ForwardTable`); under CUDA graphs a shape is first padded to its bucket, so
-step time is the step function the replays really are.
+a few runs, after the graph pool captured it) at a short context and interpolated between measured
+batch sizes and token widths (:class:`ForwardTable`); under CUDA graphs a shape is first padded to
+its bucket, so step time is the step function the replays really are.
+
+A step's context moves its cost too: attention reads every cached token of every sequence, so a
+rollout's long tail, at a few thousand tokens, costs more per step than its first steps did, and
+more for every arm alike. Each width is also timed at a longer context, which gives its seconds
+per sequence per cached token beyond the short one (:meth:`ForwardTable.seconds` adds them for a
+step's mean context); without that, the arm that ran last would carry the whole rise in its
+correction, and the arms that did not run would look cheaper than they are.
 """
 
 from __future__ import annotations
@@ -45,13 +52,25 @@ def monotone(ys: list[float]) -> list[float]:
 class ForwardTable:
     """Seconds of a target forward per measured ``(sequences, tokens)`` shape, interpolated in the
     batch size for each measured width, then between widths; ``pad`` maps a shape to the one that
-    actually runs (a graph bucket), so predictions there are the measured replays."""
+    actually runs (a graph bucket), so predictions there are the measured replays. The shapes were
+    timed at ``context`` cached tokens; ``per_token[t]``: a sequence's seconds per cached token
+    beyond it at width ``t`` (none measured: the context is not priced)."""
 
-    def __init__(self, seconds: dict[Shape, float], pad: Pad | None = None) -> None:
+    def __init__(
+        self,
+        seconds: dict[Shape, float],
+        pad: Pad | None = None,
+        context: int = 0,
+        per_token: dict[int, float] | None = None,
+    ) -> None:
         if not seconds:
             raise ValueError("a forward table needs at least one measured shape")
         self.measured = dict(seconds)
         self.pad = pad
+        self.context = context
+        self.per_token = dict(per_token or {})
+        self._slope_widths = sorted(self.per_token)
+        self._slopes = monotone([self.per_token[t] for t in self._slope_widths])
         columns: dict[int, tuple[list[int], list[float]]] = {}
         for (n, t), s in sorted(seconds.items()):
             column = columns.setdefault(t, ([], []))
@@ -61,13 +80,19 @@ class ForwardTable:
         self._widths = sorted(self._columns)
         self._known: dict[Shape, float] = {}  # answers so far: every adaptive step asks for each arm's
 
-    def seconds(self, n: int, t: int) -> float:
+    def seconds(self, n: int, t: int, context: float | None = None) -> float:
+        """A forward of ``n`` sequences of ``t`` new tokens, their mean context ``context`` cached
+        tokens (None: the calibration's)."""
         if self.pad is not None:
             n, t = self.pad(n, t)
         seconds = self._known.get((n, t))
         if seconds is None:
             at = monotone([_interpolate(*self._columns[w], n) for w in self._widths])
             seconds = self._known[(n, t)] = _interpolate(self._widths, at, t)
+        if context is not None and self._slope_widths:
+            # a shorter context than calibration's saves at most half the forward (its weights' part stays)
+            longer = n * _interpolate(self._slope_widths, self._slopes, t) * (context - self.context)
+            seconds = max(seconds + longer, seconds / 2)
         return seconds
 
 

@@ -38,10 +38,13 @@ class StepMeter:
         self._launched = None
 
     def plan(self, seqs: Sequence) -> StepPlan:
-        """The step's strategy; only ``adaptive`` weighs the remaining work and a drafter's catch-up."""
+        """The step's strategy; only ``adaptive`` weighs the remaining work, a drafter's catch-up
+        and the sequences' mean context."""
         n = len(seqs)
-        adaptive = self.choice.strategy.adaptive
-        return self.choice.plan(n, *((self.tokens_to_go(seqs), self.lag.of(seqs)) if adaptive else (n, 0)))
+        if not self.choice.strategy.adaptive:
+            return self.choice.plan(n, n)
+        context = sum(s.num_tokens for s in seqs) / n
+        return self.choice.plan(n, self.tokens_to_go(seqs), self.lag.of(seqs), context)
 
     def run(self, plan: StepPlan, seqs: Sequence, unread: bool, step: Callable[[], StepResult]) -> list[int]:
         """Run ``step`` (a decode step of ``plan`` over ``seqs``), timed; return the requests it

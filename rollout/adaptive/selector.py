@@ -88,17 +88,23 @@ class StrategySelector:
         self.errors: deque[float] = deque(maxlen=ERROR_WINDOW)
 
     def predictions(
-        self, n: int, remaining: int, lag_tokens: int = 0, optimism: float | None = None
+        self,
+        n: int,
+        remaining: int,
+        lag_tokens: int = 0,
+        optimism: float | None = None,
+        context: float | None = None,
     ) -> list[Prediction]:
-        """Every arm's prediction for a step of ``n`` sequences with ``remaining`` tokens to go,
-        best first; the model drafter missed ``lag_tokens`` tokens since it last drafted.
-        ``optimism``: the configured one unless given (0: the point estimates)."""
+        """Every arm's prediction for a step of ``n`` sequences of mean ``context`` cached tokens
+        (None: calibration's) with ``remaining`` tokens to go, best first; the model drafter missed
+        ``lag_tokens`` tokens since it last drafted. ``optimism``: the configured one unless given
+        (0: the point estimates)."""
         optimism = self.config.optimism if optimism is None else optimism
         if self.costs is None:
             raise RuntimeError("the selector has no step costs yet: calibrate it first (StrategySelector.costs)")
         out = []
         for arm in self.arms:
-            seconds = self.costs.seconds(arm, n)
+            seconds = self.costs.seconds(arm, n, context)
             expected = self.acceptance.expected(arm)
             hopeful = self.acceptance.expected(arm, optimism)
             catch_up = self.costs.catch_up_seconds(lag_tokens) if arm.uses_model_drafter else 0.0
@@ -112,10 +118,12 @@ class StrategySelector:
         seconds over recent steady steps (0 until :data:`ERROR_MIN_STEPS` were measured)."""
         return statistics.median(self.errors) if len(self.errors) >= ERROR_MIN_STEPS else 0.0
 
-    def choose(self, n: int, remaining: int | None = None, lag_tokens: int = 0) -> Strategy:
+    def choose(
+        self, n: int, remaining: int | None = None, lag_tokens: int = 0, context: float | None = None
+    ) -> Strategy:
         """The arm predicted to finish the remaining work soonest (``remaining`` unknown: one
         step's), unless the last step's arm is within the model's error of it (:attr:`error`)."""
-        ranked = self.predictions(n, remaining if remaining is not None else n, lag_tokens)
+        ranked = self.predictions(n, remaining if remaining is not None else n, lag_tokens, context=context)
         best = ranked[0]
         current = next((p for p in ranked if p.arm == self.last_arm), None)
         if current is not None and current.finish_s <= best.finish_s * math.exp(self.margin(current.arm, best.arm)):
@@ -146,18 +154,20 @@ class StrategySelector:
         branches: list[tuple[int, int]] | None = None,
         timed: bool = True,
         forward_seconds: float | None = None,
+        context: float | None = None,
     ) -> None:
         """A step of ``arm`` on ``n`` sequences took ``seconds`` (``draft_seconds`` drafting, after
         ``lag_tokens`` tokens of catch-up); per sequence, ``drafted`` draft tokens were verified
         and ``accepted`` kept, and its tree's first branch went ``branches`` (depth, kept) deep.
         ``timed`` False: its times are not the arm's (it paid a one-time cost: a graph capture, a
         model drafter's first look at a prompt), only its acceptance counts. ``forward_seconds``:
-        the target forward's share (None: all but the drafting)."""
+        the target forward's share (None: all but the drafting); ``context``: the sequences' mean
+        cached tokens (None: calibration's)."""
         if arm not in self.arms or seconds <= 0 or n < 1:
             return
         self.last_arm = arm
         if self.costs is not None and timed:
-            error = self.costs.observe(arm, n, seconds, draft_seconds, lag_tokens, forward_seconds)
+            error = self.costs.observe(arm, n, seconds, draft_seconds, lag_tokens, forward_seconds, context)
             if error is not None:
                 self.errors.append(error)
         if arm.speculative and drafted is not None:

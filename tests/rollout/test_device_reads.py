@@ -112,7 +112,7 @@ def test_adaptive_reads_at_most_once_a_step_between_plain_chain_and_tree_steps(m
     by_name = {str(arm): arm for arm in engine.selector.arms}
     tree = next(name for name in by_name if name.startswith("tree:"))
     cycle, plans = ["none", "chain:4", tree, "chain:2", tree, "none", "chain:2"], iter(range(10**6))
-    engine.selector.choose = lambda n, remaining, lag: by_name[cycle[next(plans) % len(cycle)]]
+    engine.selector.choose = lambda n, remaining, lag, context: by_name[cycle[next(plans) % len(cycle)]]
     counters = (*STEP_COUNTERS, "overlapped_steps")
     reads, (prefills, decodes, specs, overlapped) = generate_counting_reads(
         monkeypatch, engine, random_prompts(3, seed=4), SamplingParams(max_new_tokens=40, temperature=0.0), counters

@@ -195,7 +195,7 @@ def _scripted_adaptive(model, arms: list[str], drafter=None) -> tuple[RolloutEng
     seen: list[dict] = []
     plans = iter(range(10**6))
     by_kind = {arm.kind: arm for arm in engine.selector.arms}
-    engine.selector.choose = lambda n, remaining, lag: by_kind[arms[next(plans) % len(arms)]]
+    engine.selector.choose = lambda n, remaining, lag, context: by_kind[arms[next(plans) % len(arms)]]
     observe = engine.selector.observe
 
     def spy(arm, n, seconds, *rest, timed=True, **kwargs):

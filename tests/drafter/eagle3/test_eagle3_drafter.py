@@ -203,8 +203,10 @@ def test_adaptive_calibrates_the_forward_that_taps_the_head_s_features():
     config = RolloutConfig(strategy="adaptive", graph_backend="eager", max_num_seqs=4)
     engine = RolloutEngine(model, config, drafter=Eagle3Drafter(head, model))
     engine.choice.before_rollout(4)
-    keys = engine.runner.graph_pool.keys()
-    assert len(keys) == len(engine.selector.costs.table.measured)
+    keys, table = engine.runner.graph_pool.keys(), engine.selector.costs.table
+    # every timed shape, and at a longer context the two widths that price a cached token
+    assert len(keys) == len(table.measured) + len(table.per_token) and len(table.per_token) == 2
+    assert len({key.context for key in keys}) == 2
     assert all(key.taps == tuple(head.config.aux_layer_ids) for key in keys)
 
 

@@ -82,7 +82,7 @@ def test_adaptive_overlaps_plain_steps_between_the_heads_chains():
     by_kind = {arm.kind: arm for arm in engine.selector.arms}
     plans = iter(range(10**6))
     cycle = ["none", "none", "chain", "chain"]  # a plan made again after a read stays a chain
-    engine.selector.choose = lambda n, remaining, lag: by_kind[cycle[next(plans) % len(cycle)]]
+    engine.selector.choose = lambda n, remaining, lag, context: by_kind[cycle[next(plans) % len(cycle)]]
     outs = engine.generate(prompts, params)
     assert [o.completion_ids for o in outs] == [o.completion_ids for o in plain]
     stats = engine.stats

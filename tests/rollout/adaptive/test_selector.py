@@ -11,7 +11,6 @@ from tailspec.config_tree import ConfigError
 from tailspec.draft_contract import DraftTree
 from tailspec.rollout import RolloutConfig, RolloutEngine, SamplingParams
 from tailspec.rollout.adaptive.acceptance import AcceptanceBook, book_key
-from tailspec.rollout.adaptive.calibration import scratch_fit
 from tailspec.rollout.adaptive.choice import calibrated_batch
 from tailspec.rollout.adaptive.cost_model import SHIFT_RUN, BatchRatio, StepCosts, _correction_in, push
 from tailspec.rollout.adaptive.forward_table import ForwardTable
@@ -122,15 +121,6 @@ def test_versions_fade_and_workers_merge_by_averaging():
     assert pooled.counts["chain-chain"].passed[0] == pytest.approx(25)
 
 
-def test_forward_table_interpolates_and_pads_to_graph_buckets():
-    table = ForwardTable({(1, 1): 1.0, (4, 1): 4.0, (1, 5): 2.0, (4, 5): 8.0})
-    assert table.seconds(2, 1) == pytest.approx(2.0)
-    assert table.seconds(8, 1) == pytest.approx(8.0)  # linear past the last point
-    assert table.seconds(2, 3) == pytest.approx((2.0 + 4.0) / 2)
-    padded = ForwardTable({(1, 1): 1.0, (4, 1): 2.0}, pad=lambda n, t: (1 if n == 1 else 4, 1))
-    assert padded.seconds(2, 1) == padded.seconds(3, 1) == 2.0  # a step function, as replays are
-
-
 def test_drafting_and_catch_up_ratios_are_learned_from_steps():
     costs = linear_costs()
     chain = S("chain:4")
@@ -191,32 +181,6 @@ def test_calibration_times_the_drafter_lms_level():
     assert len(sizes) > 1 and len(costs.draft["model"].pooled.logs) == len(sizes)  # one timing per batch size
     # the drafter is the target's copy: a level costs about a one-token target forward, not a tenth of it
     assert costs.draft["model"].value(1) > 0.3
-
-
-def test_adaptive_calibrates_on_a_kv_cache_too_small_for_its_scratch_context():
-    """A cache too small for calibration's scratch sequences at its usual context: target and
-    drafter are timed on fewer sequences or a shorter context (the drafter's level scaled to the
-    batch), never out of blocks, and the rollout stays lossless."""
-    model = cached_model("llama")
-    config = RolloutConfig(strategy="adaptive", max_num_seqs=2, kv_cache_tokens=96, block_size=16)  # 6 blocks
-    engine = RolloutEngine(model, config, eos_token_ids=[], drafter=perturbed_copy(model, 0.3, 7))
-    prompts = [[3 + i, 5, 7, 11] for i in range(2)]
-    params = SamplingParams(temperature=0.0, max_new_tokens=8, ignore_eos=True)
-    out = engine.generate(prompts, params)
-    costs = engine.selector.costs
-    assert costs is not None and len(costs.draft["model"].pooled.logs) >= 1  # the drafter's level was timed
-    plain = RolloutEngine(model, RolloutConfig(strategy="none", max_num_seqs=2, kv_cache_tokens=96), eos_token_ids=[])
-    assert [o.completion_ids for o in out] == [o.completion_ids for o in plain.generate(prompts, params)]
-
-
-def test_scratch_fit_keeps_calibration_within_the_free_blocks():
-    assert scratch_fit(100, 16, 4, 1) == (4, 128)  # room for all at the usual context
-    assert scratch_fit(12, 16, 4, 1) == (4, 47)  # 3 blocks each: a shorter context
-    assert scratch_fit(3, 16, 4, 1) == (3, 15)  # one block each, for 3 of the 4
-    assert scratch_fit(0, 16, 4, 1) == (0, 0)
-    for free, n, width in [(7, 3, 5), (40, 8, 9), (1, 1, 16), (9, 2, 33)]:
-        batch, context = scratch_fit(free, 16, n, width)
-        assert batch * -(-(context + width) // 16) <= free
 
 
 def test_corrections_shrink_to_one_and_resist_outliers():
@@ -480,7 +444,7 @@ def test_the_engine_reports_each_sequences_draft_and_what_a_model_drafter_caught
     )
     seen = spy_on(engine)
     cycle = [S("none"), S("none"), S("chain:4"), S("suffix"), S("chain:2")]
-    engine.selector.choose = lambda n, remaining, lag: cycle[len(seen) % len(cycle)]  # switch arms often
+    engine.selector.choose = lambda n, remaining, lag, context: cycle[len(seen) % len(cycle)]  # switch arms often
     prompts = random_prompts(4, seed=5)
     engine.generate(prompts, SamplingParams(max_new_tokens=40, temperature=0.0))
     spec = [s for s in seen if s["arm"].speculative]
@@ -541,7 +505,7 @@ def test_calibration_captures_the_graphs_and_one_off_steps_teach_no_costs(monkey
     seen = spy_on(engine)
     # what the selector picks follows this machine's timings: take every arm in turn instead
     cycle = [S("none"), S("chain:4"), S("none"), S("chain:2")]
-    engine.selector.choose = lambda n, remaining, lag: cycle[len(seen) % len(cycle)]
+    engine.selector.choose = lambda n, remaining, lag, context: cycle[len(seen) % len(cycle)]
     capturing = []  # per decode step: whether a graph was captured in it
     decode_step = engine._decode_step
 

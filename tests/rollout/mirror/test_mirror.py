@@ -407,7 +407,7 @@ def test_the_spare_core_goes_to_the_draft_on_mirror_steps_and_to_the_target_othe
     )
     engine = RolloutEngine(cached_model("llama"), config, drafter=good_drafter("llama"))
     arms, steps = engine.selector.arms, iter(range(10**6))
-    engine.selector.choose = lambda n, remaining, lag: arms[next(steps) % 2]  # both arms, in turn
+    engine.selector.choose = lambda n, remaining, lag, context: arms[next(steps) % 2]  # both arms, in turn
     engine.generate(random_prompts(3, seed=4), SamplingParams(max_new_tokens=12, temperature=0.0))
     by_strategy = {}
     for record, threads in zip(engine.stats.step_log, calls):

@@ -168,7 +168,7 @@ def test_adaptive_moves_between_chains_trees_and_plain_steps_and_stays_exact():
     by_name = {str(arm): arm for arm in engine.selector.arms}
     tree = next(name for name in by_name if name.startswith("tree:"))
     cycle, plans = ["chain:4", tree, "chain:2", tree, tree, "none", "chain:2", "chain:4", "none"], iter(range(10**6))
-    engine.selector.choose = lambda n, remaining, lag: by_name[cycle[next(plans) % len(cycle)]]
+    engine.selector.choose = lambda n, remaining, lag, context: by_name[cycle[next(plans) % len(cycle)]]
     got = engine.generate(prompts, params)
     assert [o.completion_ids for o in got] == [o.completion_ids for o in want]
     stats = engine.stats
