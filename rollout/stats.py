@@ -90,6 +90,7 @@ class EngineCounts:
     decode_time_s: float = 0.0
     decode_model_time_s: float = 0.0  # target forwards inside decode steps (the rest: drafting and bookkeeping)
     capture_time_s: float = 0.0  # of decode steps' time, what graph pools spent capturing (target's and drafter's)
+    calibration_time_s: float = 0.0  # adaptive's forward table timed (before a rollout, or on a switch to adaptive)
     strategy_steps: dict[str, int] = field(default_factory=dict)  # decode steps per strategy
 
     def counts(self) -> EngineCounts:

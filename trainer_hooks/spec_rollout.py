@@ -66,6 +66,7 @@ class RolloutStats:
     completions_digest: str = ""  # a hash of the call's completions, in request order (same digest: same rollout)
     completion_digests: tuple[str, ...] = ()  # each completion's hash, in request order
     capture_time_s: float = 0.0  # of the call's time, what graph pools spent capturing (in-process and workers)
+    calibration_time_s: float = 0.0  # of the call's time (summed over workers), adaptive's forward table timed
     drafter_health: float | None = None  # DrafterHealth's score (None without a model drafter)
 
     @property
@@ -506,6 +507,7 @@ class SpecRollout:
             completions_digest=completions_digest(completion_ids),
             completion_digests=tuple(completions_digest([ids]) for ids in completion_ids),
             capture_time_s=counts.capture_time_s,
+            calibration_time_s=counts.calibration_time_s,
         )
         if self.drafter is not None:
             model_steps = sum(n for k, n in counts.strategy_steps.items() if parse_strategy(k).uses_model_drafter)
@@ -514,13 +516,14 @@ class SpecRollout:
         self.last_stats = stats
         self.history.append(stats)
         logger.info(
-            "rollout: %d completions, %d tokens in %.2fs (%.0f tok/s; %.2fs capturing graphs), strategy %s, "
-            "accept length %.2f",
+            "rollout: %d completions, %d tokens in %.2fs (%.0f tok/s; %.2fs capturing graphs, %.2fs calibrating), "
+            "strategy %s, accept length %.2f",
             stats.num_prompts,
             total,
             elapsed,
             stats.tokens_per_s,
             stats.capture_time_s,
+            stats.calibration_time_s,
             stats.strategy,
             stats.mean_accept_length,
         )
@@ -535,6 +538,8 @@ class SpecRollout:
         logged["rollout/time_s"].append(stats.time_s)
         logged["rollout/tokens_per_s"].append(stats.tokens_per_s)
         logged["rollout/tail_s"].append(stats.tail_time_s)
+        if stats.calibration_time_s:
+            logged["rollout/calibration_s"].append(stats.calibration_time_s)
         steps = sum(stats.strategy_steps.values())
         if steps:
             spec = sum(v for k, v in stats.strategy_steps.items() if k != "none")

@@ -12,6 +12,7 @@ and timed again between rollouts once the arms run far off them.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -107,6 +108,7 @@ class StrategyChoice:
         self.covered_batch = 0  # the largest batch the selector's forward table was timed at
         self.largest_batch = 0  # the most sequences a decode step of this engine ran
         self.expected_batch = 0  # the batch a caller said its next rollouts reach (:meth:`expect`)
+        self.calibration_s = 0.0  # seconds spent calibrating, in all
 
     def set(self, strategy: str | Strategy) -> Strategy:
         parsed = parse_strategy(strategy)
@@ -143,6 +145,7 @@ class StrategyChoice:
         """Time the selector's forward table at batch sizes up to ``up_to`` (default: what it
         covers already). ``fresh``: every shape again, and the arms' corrections start over;
         otherwise only shapes not yet timed (a table extended to larger batches keeps the rest)."""
+        start = time.perf_counter()
         selector = self.ensure_selector()
         up_to = max(up_to or 0, self.covered_batch, 1)
         known = None if fresh or selector.costs is None else selector.costs.table
@@ -157,6 +160,7 @@ class StrategyChoice:
             repeats = selector.config.calibration_repeats
             selector.costs.seed_drafting({n: self._timed_drafter.draft_level_seconds(n, repeats) for n in sizes})
         self.covered_batch = up_to
+        self.calibration_s += time.perf_counter() - start
 
     def expect(self, batch: int) -> None:
         """The next rollouts reach about ``batch`` sequences at once, though fewer may start them

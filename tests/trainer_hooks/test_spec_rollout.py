@@ -317,6 +317,7 @@ def test_adaptive_rollout_is_lossless_and_reports_its_strategy_mix(task_tokenize
     stats = rollout.last_stats
     assert stats.strategy == "adaptive" and len(stats.strategy_steps) >= 2
     assert metrics["eval"]["rollout/speculative_step_fraction"] and metrics["eval"]["rollout/tail_s"]
+    assert stats.calibration_time_s > 0 and metrics["eval"]["rollout/calibration_s"]  # its first rollout calibrated
     prefix = "rollout/strategy_fraction/"
     mix = {k[len(prefix) :]: v for k, v in metrics["eval"].items() if k.startswith(prefix)}
     ran = {k: v[-1] for k, v in mix.items() if k in stats.strategy_steps}  # (the plain rollout logged `none`)

@@ -578,6 +578,8 @@ def test_a_rollout_told_its_batch_calibrates_it_from_the_first_step():
         engine.add_request(prompt, short)
     engine.step()
     assert engine.choice.covered_batch == 16  # timed up to 12 -> 16 before the first step, not 2
+    calibrated = engine.stats.calibration_time_s
+    assert calibrated > 0
     for prompt in random_prompts(10, seed=9):
         engine.add_request(prompt, short)
     while engine.has_unfinished():
@@ -586,6 +588,7 @@ def test_a_rollout_told_its_batch_calibrates_it_from_the_first_step():
     assert max(n for n, _ in timed) == 16
     engine.generate(random_prompts(2, seed=10), short)
     assert engine.selector.costs.table.measured == timed and engine.choice.covered_batch == 16
+    assert engine.stats.calibration_time_s == calibrated  # nothing timed again
 
 
 def test_switching_to_adaptive_inside_a_rollout_calibrates_then():
