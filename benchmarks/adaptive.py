@@ -10,6 +10,7 @@ cost anything where speculation cannot pay.
 
 from __future__ import annotations
 
+import gc
 import logging
 import statistics
 import time
@@ -116,13 +117,18 @@ def _interleaved(contenders: list, repeats: int) -> list[RunResult]:
     """Each contender's ``repeats`` passes merged into one result, round by round: in round ``r``
     every contender runs workload ``r`` (the same prompts and seeds), so a shared machine's speed
     drift over minutes hits all of them alike and each round's passes can be compared pair by
-    pair. A ``split_cold`` contender first makes a cold pass (its fresh engine's first call, on a
-    workload of its own, ``repeats``), reported apart: its later passes are what later RL steps see."""
+    pair. The order rotates from round to round, so no contender always follows the same one,
+    and the garbage a pass leaves is collected before the next starts (a slow host-heavy arm's
+    garbage would otherwise be the next pass's collection). A ``split_cold`` contender first makes
+    a cold pass (its fresh engine's first call, on a workload of its own, ``repeats``), reported
+    apart: its later passes are what later RL steps see."""
     cold = {i: c.run_pass(repeats) for i, c in enumerate(contenders) if c.split_cold}
     done: list[list[RunResult]] = [[] for _ in contenders]
     for workload in range(repeats):
-        for i, contender in enumerate(contenders):
-            done[i].append(contender.run_pass(workload))
+        shift = workload * len(contenders) // repeats
+        for i in [*range(shift, len(contenders)), *range(shift)]:
+            gc.collect()
+            done[i].append(contenders[i].run_pass(workload))
     merged = []
     for i, (c, runs) in enumerate(zip(contenders, done)):
         groups = [(f"{c.name} (cold)", [cold[i]]), (f"{c.name} (warm)", runs)] if c.split_cold else [(c.name, runs)]

@@ -82,10 +82,10 @@ def run_adaptive_section(
     torch.manual_seed(seed)
     bench = BenchPolicy.load(policy)
     params = SamplingParams(temperature=1.0, max_new_tokens=384)
-    with torch_threads(threads):
-        body, table = long_tail_section(bench, params, out.parent, quick, seed, drafter)
     command = f"tailspec bench --section adaptive --policy {policy} --drafter {drafter}" + (" --quick" if quick else "")
-    replace_section(out, adaptive_title(policy, drafter), body, command)
+    with torch_threads(threads):  # the section's machine line then names the threads it was measured with
+        body, table = long_tail_section(bench, params, out.parent, quick, seed, drafter)
+        replace_section(out, adaptive_title(policy, drafter), body, command)
     return table
 
 
@@ -105,7 +105,8 @@ def run_sweep_section(out: Path, quick: bool = False, seed: int = 1234, policy: 
     """Every arm against ``none`` at batch 1, 4 and 16 on ``policy`` (interleaved passes), in place."""
     body, table = sweep_section(policy, out.parent, quick, seed, threads)
     command = f"tailspec bench --section sweep --policy {policy}" + (" --quick" if quick else "")
-    replace_section(out, sweep_title(policy), body, command)
+    with torch_threads(threads):  # the section's machine line names the threads it was measured with
+        replace_section(out, sweep_title(policy), body, command)
     return table
 
 

@@ -150,5 +150,6 @@ def run_step_host_section(out: Path, quick: bool = False) -> str:
         "step is launched before this one is read.\n\n"
         f"{table}"
     )
-    replace_section(out, STEP_HOST_TITLE, body, "tailspec bench --section step_host")
+    with torch_threads(1):  # the section's machine line names the threads it was measured with
+        replace_section(out, STEP_HOST_TITLE, body, "tailspec bench --section step_host")
     return table
