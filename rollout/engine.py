@@ -31,6 +31,7 @@ from .decode_step import DecodeStep
 from .feature_taps import FeatureTaps
 from .handoff import PartialRequest, RequestInbox, ServeUpdate
 from .model.graph_pool import graph_pool_for
+from .model.host_memory import keep_freed_host_memory
 from .model.runner import ModelRunner
 from .params import RolloutConfig, SamplingParams
 from .prefill import commit_prefill, pack_prefill
@@ -78,6 +79,7 @@ class RolloutEngine:
             dtype=self.config.dtype,
         )
         self.model = model = self.runner.model  # what it decodes on: the model, or its copy in config.dtype
+        keep_freed_host_memory(self.runner.device.type)  # CPU forwards: freed buffers kept for reuse
         self.vocab_size = self.runner.vocab_size
         self.limits = RequestLimits.of(model, self.config)
         self.max_model_len = self.limits.max_model_len
