@@ -103,7 +103,7 @@ class RolloutEngine:
             )
         self.proposer = Proposer(model, drafters, self.config)
         self.drafter, self.suffix_drafter = drafters.model, drafters.suffix
-        self.choice = StrategyChoice(self.config, self.drafter, self._calibrate)
+        self.choice = StrategyChoice(self.config, self.drafter, self._calibrate, self.stats)
         self.meter = StepMeter(self.choice, self.stats, self.config.tail_fraction, tokens_to_go)
         self.requests = RequestBook(self.scheduler, self.limits, self.eos_ids, self.proposer)
         layers = self.drafter.feature_layers if self.drafter is not None else None

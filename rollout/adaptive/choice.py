@@ -19,6 +19,7 @@ from typing import Any
 
 from ...draft_contract import Drafter, TimesDraftLevels, Versioned
 from ..params import RolloutConfig
+from ..stats import EngineCounts
 from ..strategy import Strategy, parse_strategy
 from .cost_model import StepCosts
 from .forward_table import ForwardTable
@@ -95,8 +96,11 @@ class StrategyChoice:
     per step; the selector is made on first need and kept across calls and strategy changes
     (what it measured is the engine's learned state)."""
 
-    def __init__(self, config: RolloutConfig, drafter: Drafter | None, calibrate: Calibrate) -> None:
+    def __init__(
+        self, config: RolloutConfig, drafter: Drafter | None, calibrate: Calibrate, stats: EngineCounts | None = None
+    ) -> None:
         self.config = config
+        self.stats = stats if stats is not None else EngineCounts()  # its calibration_time_s: what calibrating took
         self.has_model_drafter = drafter is not None
         # a drafter trained online changes version: what its arms measured then counts less
         self._versioned = drafter if isinstance(drafter, Versioned) else None
@@ -108,7 +112,6 @@ class StrategyChoice:
         self.covered_batch = 0  # the largest batch the selector's forward table was timed at
         self.largest_batch = 0  # the most sequences a decode step of this engine ran
         self.expected_batch = 0  # the batch a caller said its next rollouts reach (:meth:`expect`)
-        self.calibration_s = 0.0  # seconds spent calibrating, in all
 
     def set(self, strategy: str | Strategy) -> Strategy:
         parsed = parse_strategy(strategy)
@@ -160,7 +163,7 @@ class StrategyChoice:
             repeats = selector.config.calibration_repeats
             selector.costs.seed_drafting({n: self._timed_drafter.draft_level_seconds(n, repeats) for n in sizes})
         self.covered_batch = up_to
-        self.calibration_s += time.perf_counter() - start
+        self.stats.calibration_time_s += time.perf_counter() - start
 
     def expect(self, batch: int) -> None:
         """The next rollouts reach about ``batch`` sequences at once, though fewer may start them

@@ -79,6 +79,7 @@ class ForwardTable:
         self._columns = {t: (ns, monotone(ys)) for t, (ns, ys) in columns.items()}
         self._widths = sorted(self._columns)
         self._known: dict[Shape, float] = {}  # answers so far: every adaptive step asks for each arm's
+        self._slope_at: dict[int, float] = {}  # per width: a sequence's seconds per cached token
 
     def seconds(self, n: int, t: int, context: float | None = None) -> float:
         """A forward of ``n`` sequences of ``t`` new tokens, their mean context ``context`` cached
@@ -90,9 +91,11 @@ class ForwardTable:
             at = monotone([_interpolate(*self._columns[w], n) for w in self._widths])
             seconds = self._known[(n, t)] = _interpolate(self._widths, at, t)
         if context is not None and self._slope_widths:
+            slope = self._slope_at.get(t)
+            if slope is None:
+                slope = self._slope_at[t] = _interpolate(self._slope_widths, self._slopes, t)
             # a shorter context than calibration's saves at most half the forward (its weights' part stays)
-            longer = n * _interpolate(self._slope_widths, self._slopes, t) * (context - self.context)
-            seconds = max(seconds + longer, seconds / 2)
+            seconds = max(seconds + n * slope * (context - self.context), seconds / 2)
         return seconds
 
 

@@ -33,7 +33,6 @@ class StepMeter:
     def before_rollout(self, waiting: int) -> None:
         """Nothing runs: a new wave starts (``adaptive`` may calibrate for it)."""
         self.choice.before_rollout(waiting)
-        self.stats.calibration_time_s = self.choice.calibration_s
         self.lag.clear()
         self._peak_active = 0
         self._launched = None
@@ -45,9 +44,7 @@ class StepMeter:
         if not self.choice.strategy.adaptive:
             return self.choice.plan(n, n)
         context = sum(s.num_tokens for s in seqs) / n
-        plan = self.choice.plan(n, self.tokens_to_go(seqs), self.lag.of(seqs), context)
-        self.stats.calibration_time_s = self.choice.calibration_s  # a switch to adaptive calibrates here
-        return plan
+        return self.choice.plan(n, self.tokens_to_go(seqs), self.lag.of(seqs), context)
 
     def run(self, plan: StepPlan, seqs: Sequence, unread: bool, step: Callable[[], StepResult]) -> list[int]:
         """Run ``step`` (a decode step of ``plan`` over ``seqs``), timed; return the requests it
