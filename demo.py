@@ -54,8 +54,9 @@ class DemoConfig(WithRollout):
     beta: float = 0.0
     seed: int = 0
     num_train_prompts: int = 2000
-    # a fixed problem set ("add 7 7 8", ...) trained on whole at every step, so the reward is comparable
-    # from step to step; prompts_per_step must then equal its size. None: num_train_prompts sampled ones
+    # a fixed problem set ("add 7 7 8", ...) trained on in order, prompts_per_step of them a step (its size
+    # a multiple of prompts_per_step; equal to it: the whole set every step, so the reward is comparable
+    # from step to step). None: num_train_prompts sampled ones
     problems: list[str] | None = None
     output_dir: str = "outputs/demo"
     wandb: bool = True
@@ -69,6 +70,10 @@ class DemoConfig(WithRollout):
     warmup_steps: int = 0  # EAGLE-3 warm-up steps on the policy's rollouts before RL (0 = use the shipped head as is)
     warmup_prompts: int = 48
     baseline: bool = False  # a plain-decoding twin rolls out every step's prompts too: same-step ratios (PairedRollout)
+    # other drafters (names as `drafter` takes them) rolling out every step's prompts on the same weights
+    # beside the main rollout and the twin (needs baseline): which drafter pays on this workload, step by
+    # step; the trainer trains on the main rollout's completions only
+    compare_drafters: list[str] = field(default_factory=list)
     export: str | None = None  # export the trained head for "sglang" or "vllm" into output_dir
     deepspeed: str | None = None  # "zero2" | "zero3" | a DeepSpeed JSON path (needs tailspec[deepspeed])
     # the rollout, passed to SpecRollout as it is (tailspec.SpecRolloutConfig): the strategy
@@ -120,19 +125,40 @@ class DemoConfig(WithRollout):
             except ValueError as e:
                 raise ConfigError("problems", f"holds {question!r}: {e}") from None
         require(
-            self.prompts_per_step == len(self.problems),
+            len(self.problems) % self.prompts_per_step == 0,
             "prompts_per_step",
-            f"the number of problems ({len(self.problems)}) when problems is set",
+            f"a divisor of the number of problems ({len(self.problems)}) when problems is set",
             self.prompts_per_step,
         )
 
     def _check_drafter(self) -> None:
         require(
-            self.drafter in ("eagle3", "small_lm") or _is_self_drafter(self.drafter),
-            "drafter",
-            "'eagle3', 'small_lm' or 'self:L'",
-            self.drafter,
+            isinstance(self.compare_drafters, list),
+            "compare_drafters",
+            "a list of drafter names",
+            self.compare_drafters,
         )
+        for name, value in (("drafter", self.drafter), *(("compare_drafters", d) for d in self.compare_drafters)):
+            require(
+                value in ("eagle3", "small_lm") or _is_self_drafter(value),
+                name,
+                "'eagle3', 'small_lm' or 'self:L'",
+                value,
+            )
+        if self.compare_drafters:
+            require(
+                self.baseline,
+                "baseline",
+                "true when compare_drafters is set (they are judged against the twin)",
+                self.baseline,
+            )
+            names = [self.drafter, *self.compare_drafters]
+            require(
+                len(set(names)) == len(names),
+                "compare_drafters",
+                f"drafters other than each other and drafter {self.drafter!r}",
+                self.compare_drafters,
+            )
 
     def with_overrides(self, **overrides: Any) -> DemoConfig:
         """A copy with ``overrides`` set: the demo's own fields by name, the rollout's by dotted path
@@ -320,8 +346,19 @@ def train_dataset(cfg: DemoConfig):
     from .tasks.chain_sum import ChainSumConfig, ChainSumProblem, grpo_dataset_of, make_grpo_dataset
 
     if cfg.problems:
-        return grpo_dataset_of([ChainSumProblem.from_question(q) for q in cfg.problems] * cfg.max_steps)
+        rounds = -(-cfg.max_steps * cfg.prompts_per_step // len(cfg.problems))  # the set, as often as the steps take
+        return grpo_dataset_of([ChainSumProblem.from_question(q) for q in cfg.problems] * rounds)
     return make_grpo_dataset(cfg.num_train_prompts, seed=cfg.seed, cfg=ChainSumConfig())
+
+
+def _for_drafter(cfg: DemoConfig, drafter: str) -> DemoConfig:
+    """``cfg`` for the rollout drafting with ``drafter`` (the main one, or one of
+    ``compare_drafters``): ``rollout.training.self_adapter_rank`` belongs to the ``self:L`` rollout
+    among them, so the others leave it unset."""
+    others_self = any(_is_self_drafter(d) for d in (cfg.drafter, *cfg.compare_drafters) if d != drafter)
+    keep_rank = _is_self_drafter(drafter) or not others_self
+    rank = {} if keep_rank else {"self_adapter_rank": None}
+    return cfg.with_overrides(drafter=drafter, compare_drafters=[], **rank)  # the one rollout's config
 
 
 def _plain_twin(cfg: DemoConfig) -> Any:
@@ -345,11 +382,13 @@ def _grpo_run(
     label: str = "tailspec",
     callbacks: list | None = None,
     catch_up: dict | None = None,
+    starts: dict[str, Any] | None = None,
 ):
     """One GRPO run: (printed rows per step, the SpecRollout, its PairedRollout with the plain twin
     when ``cfg.baseline`` (else None), wall seconds, wandb run name);
     ``callbacks`` join the trainer's (benchmarks measure through them); ``catch_up``: a catch-up
-    rule's state to continue from (``SpecRollout.catch_up.state_dict()`` of an earlier run)."""
+    rule's state to continue from (``SpecRollout.catch_up.state_dict()`` of an earlier run);
+    ``starts``: by name, the drafters of ``cfg.compare_drafters`` to start from (else the shipped ones)."""
     from transformers.trainer_callback import ProgressCallback
 
     from .tasks.chain_sum import chain_sum_reward
@@ -359,9 +398,15 @@ def _grpo_run(
     run_name = f"demo-{label.replace(' ', '-')}-{int(time.time())}"
     args, dataset = _grpo_config(cfg, out, run_name), train_dataset(cfg)
     printer = _step_printer()
-    rollout = _make_rollout(cfg, start)
+    rollout = _make_rollout(_for_drafter(cfg, cfg.drafter), start)
     rollout.catch_up.load_state_dict(catch_up)
-    paired = PairedRollout(rollout, _plain_twin(cfg)) if cfg.baseline else None
+    paired = None
+    if cfg.baseline:
+        beside = {
+            name: _make_rollout(_for_drafter(cfg, name).with_overrides(log_metrics=False), (starts or {}).get(name))
+            for name in cfg.compare_drafters
+        }
+        paired = PairedRollout(rollout, _plain_twin(cfg), beside)
     trainer = GRPOTrainer(
         model=model,
         reward_funcs=chain_sum_reward,
@@ -499,19 +544,23 @@ def _drafter_cell(stats: Any) -> str:
     return f"v{stats.drafter_version}" + (f" +{stats.spot_shipped}" if stats.spot_shipped else "")
 
 
-def _print_comparison(rows: list[dict[str, Any]], paired: PairedRollout, strategy: str) -> None:
-    """Per step, the main rollout against its plain-decoding twin of the same step: times,
-    throughput, their ratio, how many completions were the same, the accept length and the
-    strategy mix."""
-    print(f"\n== per step: {strategy} vs no speculation (the same step's prompts and policy weights) ==")
+def _print_comparison(
+    rows: list[dict[str, Any]], paired: PairedRollout, strategy: str, drafter: str, rollout: Any = None
+) -> None:
+    """Per step, a rollout (the main one unless given) against its plain-decoding twin of the same
+    step: times, throughput, their ratio, how many completions were the same, the accept length
+    and the strategy mix."""
+    ours = rollout or paired.main
+    alike = paired.identical_completions if rollout is None else paired.identical_beside[drafter]
+    print(f"\n== per step: {strategy} ({drafter}) vs no speculation (the same step's prompts and policy weights) ==")
     print(
         f"{'step':>4}  {'reward':>7}  {'rollout s':>9} {'(none)':>7}  {'tok/s':>6} {'(none)':>6}  "
         f"{'ratio':>6}  {'same':>7}  {'accept':>6}  {'drafter':>7}  strategies"
     )
-    steps = zip(rows, paired.main.history, paired.twin.history, paired.step_ratios())
+    steps = zip(rows, ours.history, paired.twin.history, paired.step_ratios(ours))
     for i, (r, main, twin, ratio) in enumerate(steps):
-        accept = f"{r['accept_len']:>6.2f}" if r["accept_len"] is not None else f"{'-':>6}"
-        same = "{}/{}".format(*paired.identical_completions[i])  # completions alike / all
+        accept = f"{main.mean_accept_length:>6.2f}" if main.drafted_tokens else f"{'-':>6}"
+        same = "{}/{}".format(*alike[i])  # completions alike / all
         print(
             f"{r['step']:>4}  {r['reward']:>7.3f}  {main.time_s:>9.2f} {twin.time_s:>7.2f}  "
             f"{main.tokens_per_s:>6.0f} {twin.tokens_per_s:>6.0f}  {ratio:>5.2f}x  {same:>7}  {accept}  "
@@ -520,20 +569,26 @@ def _print_comparison(rows: list[dict[str, Any]], paired: PairedRollout, strateg
 
 
 def run_demo_with_rollout(
-    cfg: DemoConfig, callbacks: list | None = None, start: Any = None, catch_up: dict | None = None
+    cfg: DemoConfig,
+    callbacks: list | None = None,
+    start: Any = None,
+    catch_up: dict | None = None,
+    starts: dict[str, Any] | None = None,
 ) -> tuple[dict[str, Any], Any]:
     """:func:`run_demo`, also returning the ``SpecRollout`` of the main run (its per-call
     ``history``, coordinator). With ``warmup_steps``, ``baseline`` and ``export`` it is the whole
     story: warm the drafter up, train, compare with no speculation, export the drafter. ``start``:
     the drafter (an EAGLE-3 head, a drafter LM) to start from instead of the shipped one,
     ``catch_up`` the catch-up rule's state (benchmarks carry both across runs, as one continuing
-    run would)."""
+    run would); ``starts`` the same for each of ``cfg.compare_drafters``, by name."""
     out = _prepare_environment(cfg)
     print(f"tailspec demo: GRPO on the chain-sum task, config {asdict(cfg)}", flush=True)
     uses_head = parse_strategy(cfg.strategy).wants_model_drafter and cfg.drafter == "eagle3"
     if start is None and uses_head and cfg.warmup_steps:
         start = _warm_up(cfg)
-    rows, rollout, paired, wall, run_name = _grpo_run(cfg, out, start, callbacks=callbacks, catch_up=catch_up)
+    rows, rollout, paired, wall, run_name = _grpo_run(
+        cfg, out, start, callbacks=callbacks, catch_up=catch_up, starts=starts
+    )
     summary = _summarize(cfg, rows, rollout, wall)
     if paired is not None:
         summary |= _against_twin(cfg, rows, paired, wall)
@@ -545,8 +600,11 @@ def run_demo_with_rollout(
 
 
 def _against_twin(cfg: DemoConfig, rows: list[dict[str, Any]], paired: PairedRollout, wall: float) -> dict:
-    """Per step (printed) and over the run, the main rollout against its plain-decoding twin."""
-    _print_comparison(rows, paired, cfg.strategy)
+    """Per step (printed) and over the run, the main rollout (and each beside it) against its
+    plain-decoding twin."""
+    _print_comparison(rows, paired, cfg.strategy, cfg.drafter)
+    for name, rollout in paired.beside.items():
+        _print_comparison(rows, paired, cfg.strategy, name, rollout)
     return paired.compare(wall)
 
 

@@ -105,7 +105,7 @@ def test_demo_tells_the_whole_story(tmp_path, capsys):
     for stream in (captured.out, captured.err):  # not a terminal: no bar redraws, no per-step warnings
         assert "\r" not in stream and "is deprecated" not in stream
     assert "drafter warm-up: 4 rollouts" in printed
-    assert "per step: chain:3 vs no speculation" in printed
+    assert "per step: chain:3 (eagle3) vs no speculation" in printed
     assert "accept  drafter  strategies" in printed and "chain:3 100%" in printed  # per step: accept length, mix
     assert "reward, mean of the first vs last 1 steps:" in printed
     assert "plain decoding emitted the same completions at 2 of 2 steps" in printed
@@ -143,8 +143,11 @@ def test_a_fixed_problem_set_is_every_step_in_order():
     data = train_dataset(cfg)
     assert [row["prompt"][0]["content"] for row in data] == problems * 3
     assert data[0]["answer"] == 22 and data[2]["answer"] == 27
-    with pytest.raises(ValueError, match=r"prompts_per_step must be the number of problems \(3\) when problems"):
+    with pytest.raises(ValueError, match=r"prompts_per_step must be a divisor of the number of problems \(3\)"):
         DemoConfig(prompts_per_step=2, problems=problems)
+    # a set of more than a step's prompts: a step's worth at a time, in order, as long as the steps take
+    blocks = DemoConfig(max_steps=3, prompts_per_step=1, problems=problems[:2])
+    assert [row["prompt"][0]["content"] for row in train_dataset(blocks)] == problems[:2] * 2
     with pytest.raises(ValueError, match="problems holds 'add 12 3': a chain-sum question"):
         DemoConfig(prompts_per_step=1, problems=["add 12 3"])
     with pytest.raises(ValueError, match="problems must be null or a non-empty list"):
@@ -155,6 +158,31 @@ def test_a_fixed_problem_set_is_every_step_in_order():
         DemoConfig(policy="huge")
     with pytest.raises(ValueError, match="deepspeed"):
         DemoConfig(deepspeed="zero4")
+
+
+def test_drafters_compared_beside_the_main_one_are_checked():
+    cfg = DemoConfig(drafter="small_lm", baseline=True, compare_drafters=["eagle3", "self:4"])
+    assert cfg.compare_drafters == ["eagle3", "self:4"]
+    with pytest.raises(ValueError, match="baseline must be true when compare_drafters is set"):
+        DemoConfig(compare_drafters=["small_lm"])
+    with pytest.raises(ValueError, match="compare_drafters must be drafters other than each other"):
+        DemoConfig(drafter="eagle3", baseline=True, compare_drafters=["eagle3"])
+    with pytest.raises(ValueError, match="compare_drafters must be 'eagle3', 'small_lm' or 'self:L', got 'tree'"):
+        DemoConfig(baseline=True, compare_drafters=["tree"])
+    with pytest.raises(ValueError, match="compare_drafters must be a list"):
+        DemoConfig(baseline=True, compare_drafters="eagle3")
+
+
+def test_the_adapter_rank_belongs_to_the_self_drafter_among_those_compared():
+    from tailspec.demo import _for_drafter
+
+    cfg = DemoConfig(drafter="small_lm", baseline=True, compare_drafters=["self:4"]).with_overrides(
+        self_adapter_rank=8
+    )
+    assert _for_drafter(cfg, "self:4").rollout.training.self_adapter_rank == 8
+    assert _for_drafter(cfg, "small_lm").rollout.training.self_adapter_rank is None
+    alone = DemoConfig(drafter="small_lm").with_overrides(self_adapter_rank=8)  # the user's mistake stays theirs
+    assert _for_drafter(alone, "small_lm").rollout.training.self_adapter_rank == 8
 
 
 def test_the_demo_problems_leave_the_shipped_policy_room_to_learn():

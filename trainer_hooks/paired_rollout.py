@@ -1,9 +1,12 @@
 """A rollout beside a plain-decoding twin: what speculation bought at each RL step, and the proof
-that it changed nothing (the demo's ``baseline``; any ``SpecRollout`` pair works)."""
+that it changed nothing (the demo's ``baseline``; any ``SpecRollout`` pair works). Other drafters'
+rollouts may run beside the two on the same prompts and weights (the demo's ``compare_drafters``):
+which drafter pays on this workload, measured step by step on one policy trajectory."""
 
 from __future__ import annotations
 
 import statistics
+from collections.abc import Mapping
 from typing import Any
 
 
@@ -18,22 +21,34 @@ class PairedRollout:
     the two run kernels of other shapes, whose rounding differs: a near-tied draw can flip and a
     completion diverge from there.) The trainer trains on the main
     rollout's outputs and sees nothing of the twin (it logs no metrics); what the trainer asks of a
-    rollout besides (sync, close, state, a drafter trained beside it) goes to the main one."""
+    rollout besides (sync, close, state, a drafter trained beside it) goes to the main one.
 
-    def __init__(self, main: Any, twin: Any) -> None:
+    ``beside``: more rollouts by name (other drafters), each run on the same prompts and weights
+    at every call and checked against the twin as the main one is; the trainer sees none of their
+    outputs. Their order and the main one's and the twin's rotate from call to call, so no
+    rollout always runs first (or right after the same other one)."""
+
+    def __init__(self, main: Any, twin: Any, beside: Mapping[str, Any] | None = None) -> None:
         self.main, self.twin = main, twin
+        self.beside = dict(beside or {})
         self.identical_completions: list[tuple[int, int]] = []  # per call: (completions equal to the twin's, of)
+        # per call and rollout of ``beside``: (completions equal to the twin's, of)
+        self.identical_beside: dict[str, list[tuple[int, int]]] = {name: [] for name in self.beside}
 
     def __call__(self, prompts: list, trainer: Any) -> dict[str, list]:
-        if len(self.identical_completions) % 2 == 0:
-            self._run_twin(prompts, trainer)
-            out = self.main(prompts, trainer)
-        else:
-            out = self.main(prompts, trainer)
-            self._run_twin(prompts, trainer)
-        main, twin = self.main.last_stats, self.twin.last_stats
-        equal = sum(a == b for a, b in zip(main.completion_digests, twin.completion_digests))
-        self.identical_completions.append((equal, len(main.completion_digests)))
+        order = ["twin", "main", *self.beside]
+        shift = len(self.identical_completions) % len(order)
+        out: dict[str, list] = {}
+        for name in order[shift:] + order[:shift]:
+            self._settle()  # no drafter training beside another rollout's
+            if name == "main":
+                out = self.main(prompts, trainer)
+            else:
+                (self.twin if name == "twin" else self.beside[name])(prompts, trainer)
+        twin = self.twin.last_stats.completion_digests
+        self.identical_completions.append(_alike(self.main.last_stats.completion_digests, twin))
+        for name, rollout in self.beside.items():
+            self.identical_beside[name].append(_alike(rollout.last_stats.completion_digests, twin))
         return out
 
     @property
@@ -41,18 +56,21 @@ class PairedRollout:
         """Per call: whether the twin emitted every completion the main rollout did."""
         return [equal == total for equal, total in self.identical_completions]
 
-    def _run_twin(self, prompts: list, trainer: Any) -> None:
-        if self.main.coordinator is not None:
-            self.main.coordinator.settle(wait=True)  # no drafter training beside the twin's rollout
-        self.twin(prompts, trainer)
+    def _rollouts(self) -> list[Any]:
+        return [self.main, self.twin, *self.beside.values()]
+
+    def _settle(self) -> None:
+        for rollout in self._rollouts():
+            if rollout.coordinator is not None:
+                rollout.coordinator.settle(wait=True)
 
     def sync_weights(self, trainer: Any) -> None:
-        self.main.sync_weights(trainer)
-        self.twin.sync_weights(trainer)
+        for rollout in self._rollouts():
+            rollout.sync_weights(trainer)
 
     def close(self, *, wait: bool = True) -> None:
-        self.twin.close(wait=wait)
-        self.main.close(wait=wait)
+        for rollout in reversed(self._rollouts()):
+            rollout.close(wait=wait)
 
     def state_dict(self) -> dict[str, Any]:
         return self.main.state_dict()
@@ -67,37 +85,60 @@ class PairedRollout:
     def drafter_lr_scale(self) -> float:  # read by DrafterFromTrainer
         return self.main.drafter_lr_scale
 
-    def step_ratios(self) -> list[float]:
-        """Per call, the main rollout's tokens/s over the twin's (a ratio of times where the
-        completions are the same); nan where the twin emitted nothing."""
+    def step_ratios(self, rollout: Any = None) -> list[float]:
+        """Per call, ``rollout``'s (the main one's by default) tokens/s over the twin's (a ratio of
+        times where the completions are the same); nan where the twin emitted nothing."""
+        history = (rollout or self.main).history
         return [
-            main.tokens_per_s / twin.tokens_per_s if twin.tokens_per_s else float("nan")
-            for main, twin in zip(self.main.history, self.twin.history)
+            ours.tokens_per_s / twin.tokens_per_s if twin.tokens_per_s else float("nan")
+            for ours, twin in zip(history, self.twin.history)
         ]
 
     def compare(self, wall_s: float) -> dict[str, Any]:
-        """Over the run so far (``wall_s`` seconds of training, both rollouts included): the twin's
+        """Over the run so far (``wall_s`` seconds of training, every rollout included): the twin's
         rollout time and throughput, the main one's against it, the per-step ratios and their
         median, the run's wall time with either rollout alone, and at how many steps (and in how many
-        completions) the two emitted the same tokens."""
+        completions) the two emitted the same tokens; under ``beside``, the ratios and alike
+        completions of each rollout beside them."""
         main, twin = self.main.history, self.twin.history
+        beside_time = sum(s.time_s for rollout in self.beside.values() for s in rollout.history)
         main_time, main_tokens = sum(s.time_s for s in main), sum(s.completion_tokens for s in main)
         twin_time, twin_tokens = sum(s.time_s for s in twin), sum(s.completion_tokens for s in twin)
-        out: dict[str, Any] = {}
-        per_step = self.step_ratios()
-        ratios = [r for r in per_step if r == r]
-        if ratios:
-            out["rollout_ratio_median_per_step"] = statistics.median(ratios)
-            out["rollout_ratio_per_step"] = per_step
+        out: dict[str, Any] = _ratios(self.step_ratios())
         out["baseline_rollout_time_s"] = twin_time
         out["baseline_rollout_tokens_per_s"] = twin_tokens / twin_time if twin_time else 0.0
         if out["baseline_rollout_tokens_per_s"] and main_time:
             out["rollout_throughput_vs_none"] = (main_tokens / main_time) / out["baseline_rollout_tokens_per_s"]
         # the whole run's wall time with either rollout alone: the same training, one rollout per step
-        out["run_wall_s_speculative"] = wall_s - twin_time
-        out["run_wall_s_plain"] = wall_s - main_time
+        out["run_wall_s_speculative"] = wall_s - twin_time - beside_time
+        out["run_wall_s_plain"] = wall_s - main_time - beside_time
         out["run_speedup"] = out["run_wall_s_plain"] / out["run_wall_s_speculative"]
         out["same_completions_steps"] = f"{sum(self.same_completions)} of {len(self.same_completions)}"
-        equal, total = (sum(col) for col in zip(*self.identical_completions)) if self.identical_completions else (0, 0)
-        out["same_completions"] = f"{equal} of {total}"
+        out["same_completions"] = _alike_total(self.identical_completions)
+        if self.beside:
+            out["beside"] = {
+                name: {
+                    **_ratios(self.step_ratios(rollout)),
+                    "same_completions": _alike_total(self.identical_beside[name]),
+                }
+                for name, rollout in self.beside.items()
+            }
         return out
+
+
+def _alike(ours: tuple[str, ...], twins: tuple[str, ...]) -> tuple[int, int]:
+    return sum(a == b for a, b in zip(ours, twins)), len(ours)
+
+
+def _alike_total(per_call: list[tuple[int, int]]) -> str:
+    equal, total = (sum(col) for col in zip(*per_call)) if per_call else (0, 0)
+    return f"{equal} of {total}"
+
+
+def _ratios(per_step: list[float]) -> dict[str, Any]:
+    ratios = [r for r in per_step if r == r]
+    return (
+        {"rollout_ratio_median_per_step": statistics.median(ratios), "rollout_ratio_per_step": per_step}
+        if ratios
+        else {}
+    )

@@ -65,6 +65,7 @@ class RolloutStats:
     drafter_lr_scale: float = 1.0  # catch-up: the drafter's learning-rate scale after this rollout
     completions_digest: str = ""  # a hash of the call's completions, in request order (same digest: same rollout)
     completion_digests: tuple[str, ...] = ()  # each completion's hash, in request order
+    completion_lengths: tuple[int, ...] = ()  # each completion's tokens, in request order
     capture_time_s: float = 0.0  # of the call's time, what graph pools spent capturing (in-process and workers)
     calibration_time_s: float = 0.0  # of the call's time (summed over workers), adaptive's forward table timed
     drafter_health: float | None = None  # DrafterHealth's score (None without a model drafter)
@@ -506,6 +507,7 @@ class SpecRollout:
             strategy_steps=dict(counts.strategy_steps),
             completions_digest=completions_digest(completion_ids),
             completion_digests=tuple(completions_digest([ids]) for ids in completion_ids),
+            completion_lengths=tuple(lengths),
             capture_time_s=counts.capture_time_s,
             calibration_time_s=counts.calibration_time_s,
         )

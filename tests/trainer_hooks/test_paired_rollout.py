@@ -69,3 +69,23 @@ def test_the_twin_alternates_and_the_trainer_sees_only_the_main_rollout():
     assert (run["run_wall_s_speculative"], run["run_wall_s_plain"]) == (16.0, 16.0)
     assert run["run_speedup"] == 1.0 and run["same_completions_steps"] == "2 of 3"
     assert run["same_completions"] == "5 of 6"  # step 2 differed in one completion of two
+
+
+def test_rollouts_beside_run_on_every_call_in_rotating_order_and_are_compared_with_the_twin():
+    log = []
+    main = FakeRollout("main", [(1.0, 100, "a", ("p", "q"))] * 3, log)
+    twin = FakeRollout("twin", [(2.0, 100, "a", ("p", "q"))] * 3, log)
+    head = FakeRollout("head", [(4.0, 100, "a", ("p", "x"))] * 3, log)  # slower than the twin, one completion off
+    paired = PairedRollout(main, twin, beside={"head": head})
+    outs = [paired(["p", "q"], trainer=None) for _ in range(3)]
+    assert log == ["twin", "main", "head", "main", "head", "twin", "head", "twin", "main"]
+    assert all(out == {"completion_ids": [[1], [1]]} for out in outs)  # only the main rollout's outputs
+    paired.sync_weights(trainer=None)
+    assert head.synced == 1
+    assert paired.step_ratios(head) == [0.5, 0.5, 0.5]
+    run = paired.compare(wall_s=30.0)
+    assert run["beside"] == {
+        "head": {"rollout_ratio_median_per_step": 0.5, "rollout_ratio_per_step": [0.5] * 3, "same_completions": "3 of 6"}
+    }
+    # either rollout alone: the training's time is what is left after all three rollouts
+    assert (run["run_wall_s_speculative"], run["run_wall_s_plain"]) == (30.0 - 6.0 - 12.0, 30.0 - 3.0 - 12.0)
