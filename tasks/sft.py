@@ -137,10 +137,12 @@ class SFTConfig:
             if not ok:
                 raise ValueError(f"{name} must be {allowed}, got {getattr(self, name)!r}")
 
-    @property
-    def uses_bf16(self) -> bool:
-        """Whether the fit runs under bf16 autocast (``bf16`` None: :func:`native_bf16`)."""
-        return native_bf16() if self.bf16 is None else self.bf16
+    def uses_bf16(self, device: torch.device) -> bool:
+        """Whether the fit on ``device`` runs under bf16 autocast (``bf16`` None: on CUDA, or on a
+        CPU that computes bf16 natively, :func:`native_bf16`)."""
+        if self.bf16 is not None:
+            return self.bf16
+        return device.type == "cuda" or native_bf16()
 
     def lr_at(self, step: int) -> float:
         """Linear warmup, then cosine decay to ``lr * min_lr_ratio`` at the last step."""
@@ -258,8 +260,8 @@ def fit_model(
     desc: str = "sft",
     teacher: torch.nn.Module | None = None,
 ) -> dict[str, Any]:
-    """Train ``model`` in place for ``sft_cfg.steps`` steps on the task's solutions; save it to
-    ``out_dir`` (safetensors) and return metrics.
+    """Train ``model`` in place for ``sft_cfg.steps`` steps on the task's solutions, on the device
+    its weights are on; save it to ``out_dir`` (safetensors) and return metrics.
 
     Without a ``teacher`` the loss is cross-entropy on the response tokens; with one it is
     :func:`distillation_loss` against the teacher's logits on the same batches (the teacher runs
@@ -276,12 +278,13 @@ def fit_model(
     seq_tokens = loss_tokens = 0
     start = time.perf_counter()
     bar = progress_bar(range(sft_cfg.steps), desc=desc, disable=not progress, mininterval=5)
-    bf16 = sft_cfg.uses_bf16  # asks the CPU: once, not every step
+    device = next(model.parameters()).device
+    bf16 = sft_cfg.uses_bf16(device)  # asks the CPU: once, not every step
     for step in bar:
-        input_ids, attention_mask, labels = next(batches)
+        input_ids, attention_mask, labels = (t.to(device) for t in next(batches))
         for group in optimizer.param_groups:
             group["lr"] = sft_cfg.lr_at(step)
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
             loss = _sft_loss(model, teacher, input_ids, attention_mask, labels)
         if not torch.isfinite(loss):
             raise FloatingPointError(f"non-finite loss {loss.item()} at step {step}")
@@ -657,7 +660,7 @@ def _model_card(args, cfg: SFTConfig, tokenizer, train_rows, eval_rows, eval_set
         seed=args.seed,
         threads=args.threads,
         machine=_machine(),
-        precision="fp32 weights, bf16 autocast" if cfg.uses_bf16 else "fp32",
+        precision="fp32 weights, bf16 autocast" if cfg.uses_bf16(torch.device("cpu")) else "fp32",
         torch_version=torch.__version__,
         tf_version=transformers.__version__,
         tail_exponent=f"{task.tail_exponent:g}",

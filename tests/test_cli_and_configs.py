@@ -176,9 +176,7 @@ def test_drafters_compared_beside_the_main_one_are_checked():
 def test_the_adapter_rank_belongs_to_the_self_drafter_among_those_compared():
     from tailspec.demo import _for_drafter
 
-    cfg = DemoConfig(drafter="small_lm", baseline=True, compare_drafters=["self:4"]).with_overrides(
-        self_adapter_rank=8
-    )
+    cfg = DemoConfig(drafter="small_lm", baseline=True, compare_drafters=["self:4"]).with_overrides(self_adapter_rank=8)
     assert _for_drafter(cfg, "self:4").rollout.training.self_adapter_rank == 8
     assert _for_drafter(cfg, "small_lm").rollout.training.self_adapter_rank is None
     alone = DemoConfig(drafter="small_lm").with_overrides(self_adapter_rank=8)  # the user's mistake stays theirs

@@ -147,8 +147,9 @@ def test_loss_falls_and_model_round_trips(tok, tmp_path):
 
 
 def test_bf16_autocast_is_used_where_the_cpu_computes_bf16_natively_unless_told():
-    assert SFTConfig().uses_bf16 == native_bf16()
-    assert SFTConfig(bf16=True).uses_bf16 and not SFTConfig(bf16=False).uses_bf16
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert SFTConfig().uses_bf16(cpu) == native_bf16() and SFTConfig().uses_bf16(cuda)
+    assert SFTConfig(bf16=True).uses_bf16(cpu) and not SFTConfig(bf16=False).uses_bf16(cuda)
     parser = build_parser()
     assert parser.parse_args(["--bf16"]).bf16 and parser.parse_args(["--no-bf16"]).no_bf16
     with pytest.raises(SystemExit):  # one or the other

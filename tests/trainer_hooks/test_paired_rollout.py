@@ -85,7 +85,11 @@ def test_rollouts_beside_run_on_every_call_in_rotating_order_and_are_compared_wi
     assert paired.step_ratios(head) == [0.5, 0.5, 0.5]
     run = paired.compare(wall_s=30.0)
     assert run["beside"] == {
-        "head": {"rollout_ratio_median_per_step": 0.5, "rollout_ratio_per_step": [0.5] * 3, "same_completions": "3 of 6"}
+        "head": {
+            "rollout_ratio_median_per_step": 0.5,
+            "rollout_ratio_per_step": [0.5] * 3,
+            "same_completions": "3 of 6",
+        }
     }
     # either rollout alone: the training's time is what is left after all three rollouts
     assert (run["run_wall_s_speculative"], run["run_wall_s_plain"]) == (30.0 - 6.0 - 12.0, 30.0 - 3.0 - 12.0)
