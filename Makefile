@@ -75,12 +75,13 @@ gpu-check:
 	$(LINK_TREE)
 	PYTHONPATH=$(GPU_PATH) PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 python3 -m tailspec.benchmarks.gpu --out $(GPU_OUT)
 
-# a lease in one call (docs/GPU.md, "The next lease"): the pack of gpu-check, then issue 49's
-# training (carry .whl) and issue 48's fast_path, within GPU_WITHIN seconds in all (the device tool's
-# 600 s a call): each stage gets its budget or what is left, and one that cannot fit is left out by
-# name. Runs 13 and 15 lost their second call: a machine goes back after 30 s idle.
+# a lease in one call (docs/GPU.md, "The next lease"): the pack's correctness stage, the training
+# stage (GRPO on the long-tailed workload; carry .whl) and fast_path, within GPU_WITHIN seconds in all
+# (the device tool's 600 s a call): each stage gets its budget or what is left, and one that cannot
+# fit is left out by name, as are the parts of fast_path its share cannot hold (gpu-next holds them).
+# Runs 13 and 15 lost their second call: a machine goes back after 30 s idle.
 GPU_WITHIN ?= 570
-GPU_LEASE_STAGES ?= pack,training,fast_path
+GPU_LEASE_STAGES ?= correctness,training,fast_path
 gpu-lease:
 	$(LINK_TREE)
 	PYTHONPATH=$(GPU_PATH) PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 python3 -m tailspec.benchmarks.gpu \
@@ -93,8 +94,8 @@ gpu-selector:
 	PYTHONPATH=$(GPU_PATH) PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 python3 -m tailspec.benchmarks.gpu --stages selector \
 		--out $(GPU_OUT)/selector $(GPU_BUDGET_ARG)
 
-# the training stage on the GPU (issue 49): GRPO with SpecRollout; needs `make gpu-wheels` first and
-# .whl carried with the call
+# the training stage on the GPU: GRPO with SpecRollout(adaptive) on the long-tailed workload, every
+# drafter beside a plain twin; needs `make gpu-wheels` first and .whl carried with the call
 gpu-train:
 	$(LINK_TREE)
 	PYTHONPATH=$(GPU_PATH) PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 python3 -m tailspec.benchmarks.gpu --stages training \
@@ -113,11 +114,14 @@ gpu-speed:
 	PYTHONPATH=$(GPU_PATH) PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 python3 -m tailspec.benchmarks.gpu \
 		--stages fast_path --out $(GPU_OUT)/speed $(GPU_BUDGET_ARG)
 
-# a lease's second call, right after `make gpu-check` (docs/GPU.md, "The next lease"; a machine
-# goes back after 30 s idle): training (carry .whl) then fast_path, each within its own budget
+# a lease's second call, right after `make gpu-lease` (docs/GPU.md, "The next lease"; a machine goes
+# back after 30 s idle): fast_path whole (the first call's share holds its first parts), then the GPU
+# tests, within GPU_NEXT_WITHIN seconds
+GPU_NEXT_WITHIN ?= 250
 gpu-next:
-	-$(MAKE) --no-print-directory gpu-train GPU_BUDGET=180
-	$(MAKE) --no-print-directory gpu-speed GPU_BUDGET=220
+	$(LINK_TREE)
+	PYTHONPATH=$(GPU_PATH) PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 python3 -m tailspec.benchmarks.gpu \
+		--stages fast_path,gpu_tests --within $(GPU_NEXT_WITHIN) --out $(GPU_OUT)/next
 
 # the image's Python (3.12) wheels of TRAIN_WHEELS into .whl/ (ignored; about 1.7 MB)
 gpu-wheels:

@@ -574,10 +574,12 @@ def run_demo_with_rollout(
     start: Any = None,
     catch_up: dict | None = None,
     starts: dict[str, Any] | None = None,
-) -> tuple[dict[str, Any], Any]:
+) -> tuple[dict[str, Any], Any, PairedRollout | None]:
     """:func:`run_demo`, also returning the ``SpecRollout`` of the main run (its per-call
-    ``history``, coordinator). With ``warmup_steps``, ``baseline`` and ``export`` it is the whole
-    story: warm the drafter up, train, compare with no speculation, export the drafter. ``start``:
+    ``history``, coordinator) and, with ``baseline``, the ``PairedRollout`` the trainer drove (the
+    twin's and ``compare_drafters``' rollouts; else None). With ``warmup_steps``, ``baseline`` and
+    ``export`` it is the whole story: warm the drafter up, train, compare with no speculation, export
+    the drafter. ``start``:
     the drafter (an EAGLE-3 head, a drafter LM) to start from instead of the shipped one,
     ``catch_up`` the catch-up rule's state (benchmarks carry both across runs, as one continuing
     run would); ``starts`` the same for each of ``cfg.compare_drafters``, by name."""
@@ -596,7 +598,7 @@ def run_demo_with_rollout(
     if exported is not None:
         summary["exported_drafter"] = exported
     _print_summary(cfg, rows, summary, paired, out, run_name, uses_head)
-    return summary, rollout
+    return summary, rollout, paired
 
 
 def _against_twin(cfg: DemoConfig, rows: list[dict[str, Any]], paired: PairedRollout, wall: float) -> dict:

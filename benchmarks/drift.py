@@ -313,7 +313,7 @@ def measure_drift(cfg: DriftBenchConfig) -> tuple[list[DriftRun], FormatShift | 
     for arm in arms_of(cfg):
         drift, clock = PolicyDrift(probes, eos, cfg.probe_tokens), StepClock()
         with torch.random.fork_rng():
-            summary, rollout = run_demo_with_rollout(_arm_config(base, arm, self_layers), callbacks=[clock, drift])
+            summary, rollout, _ = run_demo_with_rollout(_arm_config(base, arm, self_layers), callbacks=[clock, drift])
         drafters[arm] = _trained_drafter(rollout)
         catch_ups[arm] = rollout.catch_up.state_dict()
         runs.append(_drift_run(arm, rollout.history, drift, clock, summary))
@@ -328,7 +328,7 @@ def measure_drift(cfg: DriftBenchConfig) -> tuple[list[DriftRun], FormatShift | 
         if run.arm in NOT_SHIFTED:
             continue
         with torch.random.fork_rng():
-            _, rollout = run_demo_with_rollout(
+            _, rollout, _ = run_demo_with_rollout(
                 _arm_config(shifted, run.arm, self_layers), start=drafters[run.arm], catch_up=catch_ups[run.arm]
             )
         run.shift_accept_length = [h.mean_accept_length for h in rollout.history]

@@ -43,7 +43,7 @@ def measure_spot_training(steps: int, workers: int = 2, seed: int = 0, quick: bo
         base = base.with_overrides(prompts_per_step=2, num_generations=4, max_completion_length=96)
     runs = []
     for name, spot in (("spot training on", True), ("spot training off", False)):
-        summary, rollout = run_demo_with_rollout(base.with_overrides(spot_training=spot))
+        summary, rollout, _ = run_demo_with_rollout(base.with_overrides(spot_training=spot))
         history = rollout.history
         runs.append(
             SpotRun(

@@ -80,7 +80,8 @@ def warmup_head(
     if head is None:
         torch.manual_seed(cfg.seed)
         head_cfg = Eagle3Config.for_target(model.config, aux_layer_ids=cfg.aux_layer_ids)
-        head = Eagle3Head(head_cfg).to(next(model.parameters()).dtype)
+        weight = next(model.parameters())
+        head = Eagle3Head(head_cfg).to(device=weight.device, dtype=weight.dtype)  # beside the model
     head.config.check_target(model.config)
     params = SamplingParams(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature)
     trainer: DrafterTrainer | None = None
@@ -121,6 +122,6 @@ def _with_draft_vocab(head: Eagle3Head, buffer: FeatureBuffer, size: int | None,
     if size is None or size == head.config.vocab_size:
         return head
     cfg = Eagle3Config.from_dict({**head.config.to_dict(), "draft_vocab_size": size})
-    reduced = Eagle3Head(cfg).to(head.fc.weight.dtype)
+    reduced = Eagle3Head(cfg).to(device=head.fc.weight.device, dtype=head.fc.weight.dtype)
     reduced.set_vocab_map(vocab_from_counts(buffer.token_counts(cfg.vocab_size), size, always=sorted(keep_ids)))
     return reduced

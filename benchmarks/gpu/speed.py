@@ -183,9 +183,10 @@ def _accept_length(before: dict, after: dict) -> float | None:
     return round(emitted / steps, 3) if steps else None
 
 
-def grow(stage: Stage, dev: torch.device, dtype: torch.dtype, prompts):
-    """The grown policy in ``dtype``; its function is checked in fp32 against the deep policy first."""
-    deep, _ = load_shipped("deep", "policy")
+def grow(stage: Stage, dev: torch.device, dtype: torch.dtype, prompts, source: torch.nn.Module | None = None):
+    """The grown policy in ``dtype``, from ``source`` (the shipped deep policy by default); its
+    function is checked in fp32 against the source's first."""
+    deep = source if source is not None else load_shipped("deep", "policy")[0]
     size = stage.size
     grown = grow_policy(
         deep,
@@ -217,7 +218,7 @@ def grow(stage: Stage, dev: torch.device, dtype: torch.dtype, prompts):
         },
     )
     stage.check(
-        "grown policy computes the deep policy's function (fp32)",
+        "grown policy computes its source's function (fp32)",
         worst < 1e-3 and agree == total,
         f"{params / 1e9:.2f}B parameters, max logit diff {worst:.1e}, argmax {agree}/{total}",
     )

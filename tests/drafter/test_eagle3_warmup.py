@@ -1,5 +1,6 @@
 """The offline warm-up recipe: a fresh head's first round cannot speculate; a continued head does."""
 
+import pytest
 import torch
 
 from tailspec.drafter.eagle3.train import DrafterTrainingConfig
@@ -35,3 +36,11 @@ def test_a_continued_head_speculates_from_its_first_round():
     )
     assert rounds[0].accept_length > 1.5  # the shipped head drafts, and its drafts are accepted
     assert any(not torch.equal(before[k], v) for k, v in head.state_dict().items())  # and it trained
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_on_cuda_a_fresh_head_is_made_beside_its_target():
+    model, tokenizer, prompts, cfg = _setup()
+    head, _, rounds = warmup_head(model.cuda(), prompts, cfg, eos_token_ids=[tokenizer.eos_token_id], progress=False)
+    assert next(head.parameters()).device.type == "cuda" and rounds[0].completions == 4
