@@ -159,6 +159,12 @@ class DemoConfig(WithRollout):
                 f"drafters other than each other and drafter {self.drafter!r}",
                 self.compare_drafters,
             )
+            require(
+                self.rollout.workers.num_workers == 0,
+                "rollout.workers.num_workers",
+                "0 when compare_drafters is set (the drafters compared roll out in-process)",
+                self.rollout.workers.num_workers,
+            )
 
     def with_overrides(self, **overrides: Any) -> DemoConfig:
         """A copy with ``overrides`` set: the demo's own fields by name, the rollout's by dotted path

@@ -163,6 +163,8 @@ def test_a_fixed_problem_set_is_every_step_in_order():
 def test_drafters_compared_beside_the_main_one_are_checked():
     cfg = DemoConfig(drafter="small_lm", baseline=True, compare_drafters=["eagle3", "self:4"])
     assert cfg.compare_drafters == ["eagle3", "self:4"]
+    with pytest.raises(ValueError, match="rollout.workers.num_workers must be 0 when compare_drafters is set"):
+        cfg.with_overrides(workers=2, drafter_train_steps=0)
     with pytest.raises(ValueError, match="baseline must be true when compare_drafters is set"):
         DemoConfig(compare_drafters=["small_lm"])
     with pytest.raises(ValueError, match="compare_drafters must be drafters other than each other"):
