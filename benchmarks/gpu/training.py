@@ -206,8 +206,9 @@ def per_step(paired: Any, log: Any) -> dict[str, list[dict[str, Any]]]:
     for i, wall in enumerate(log.step_s):
         if i >= len(twin) or any(i >= len(r.history) for r in rollouts.values()):
             break
-        # the step less every rollout in it: the scoring and the update, the same whichever rollout ran
-        rest = wall - twin[i].time_s - sum(r.history[i].time_s for r in rollouts.values())
+        # the step less every rollout in it and the drafter training after each: the scoring and the
+        # update, the same whichever rollout ran
+        rest = wall - _own(twin[i]) - sum(_own(r.history[i]) for r in rollouts.values())
         for name, rollout in rollouts.items():
             ours = rollout.history[i]
             rows[name].append(
@@ -216,9 +217,9 @@ def per_step(paired: Any, log: Any) -> dict[str, list[dict[str, Any]]]:
                     "rollout_s": round(ours.time_s, 3),
                     "twin_rollout_s": round(twin[i].time_s, 3),
                     "rollout_vs_plain": _ratio(twin[i].time_s, ours.time_s),
-                    "step_s": round(rest + ours.time_s, 3),
-                    "twin_step_s": round(rest + twin[i].time_s, 3),
-                    "step_vs_plain": _ratio(rest + twin[i].time_s, rest + ours.time_s),
+                    "step_s": round(rest + _own(ours), 3),
+                    "twin_step_s": round(rest + _own(twin[i]), 3),
+                    "step_vs_plain": _ratio(rest + _own(twin[i]), rest + _own(ours)),
                     "tail_share": _ratio(ours.tail_time_s, ours.time_s),
                     "twin_tail_share": _ratio(twin[i].tail_time_s, twin[i].time_s),
                     "accept_length": round(ours.mean_accept_length, 3),
@@ -232,6 +233,11 @@ def per_step(paired: Any, log: Any) -> dict[str, list[dict[str, Any]]]:
                 }
             )
     return rows
+
+
+def _own(stats: Any) -> float:
+    """What a rollout adds to a GRPO step: the rollout, and its drafter's training after it."""
+    return stats.time_s + stats.drafter_train_s
 
 
 def _ratio(a: float, b: float) -> float | None:

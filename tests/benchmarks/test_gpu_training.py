@@ -23,6 +23,7 @@ class Stats:
     strategy_steps: dict = field(default_factory=dict)
     capture_time_s: float = 0.0
     calibration_time_s: float = 0.0
+    drafter_train_s: float = 0.0
 
 
 def _paired(twin, main, head):
@@ -37,16 +38,18 @@ def _paired(twin, main, head):
 
 def test_a_step_is_the_training_less_every_rollout_plus_ones_own():
     twin = [Stats(10.0, tail_time_s=6.0), Stats(8.0, tail_time_s=5.0)]
-    main = [Stats(5.0, tail_time_s=2.0, mean_accept_length=3.5, strategy_steps={"chain:4": 9, "none": 1})] * 2
-    head = [Stats(4.0, mean_accept_length=4.0)] * 2
-    log = SimpleNamespace(step_s=[22.0, 19.0], memory=[{"free_gib": 80.0}, {}])
+    steps = {"chain:4": 9, "none": 1}
+    main = [Stats(5.0, tail_time_s=2.0, mean_accept_length=3.5, strategy_steps=steps, drafter_train_s=0.5)] * 2
+    head = [Stats(4.0, mean_accept_length=4.0, drafter_train_s=1.0)] * 2
+    log = SimpleNamespace(step_s=[23.5, 20.5], memory=[{"free_gib": 80.0}, {}])
     rows = per_step(_paired(twin, main, head), log)
     first = rows["small_lm"][0]
-    # step 1: 22 s of wall, 19 s of rollouts: 3 s of scoring and update
-    assert (first["step_s"], first["twin_step_s"]) == (8.0, 13.0) and first["step_vs_plain"] == pytest.approx(13 / 8)
+    # step 1: 23.5 s of wall, 19 s of rollouts and 1.5 s of drafter training after them: 3 s of scoring
+    # and update; a step with one rollout is that, the rollout and its drafter's training
+    assert (first["step_s"], first["twin_step_s"]) == (8.5, 13.0) and first["step_vs_plain"] == round(13 / 8.5, 3)
     assert first["rollout_vs_plain"] == 2.0 and first["tail_share"] == 0.4 and first["twin_tail_share"] == 0.6
     assert first["strategies"] == "chain:4 90% none 10%" and first["free_gib"] == 80.0
-    assert rows["eagle3"][1]["step_s"] == 19.0 - 17.0 + 4.0 and rows["eagle3"][1]["same_completions"] == "60 of 64"
+    assert rows["eagle3"][1]["step_s"] == 20.5 - 18.5 + 5.0 and rows["eagle3"][1]["same_completions"] == "60 of 64"
 
 
 def test_the_targets_are_judged_on_the_steps_run(tmp_path):
