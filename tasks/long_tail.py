@@ -19,6 +19,8 @@ chains:
   on [12, 200]) and lets its config admit contexts of :data:`MAX_CONTEXT` tokens;
   :func:`distill_drafter` distils a drafter LM onto it, on the same stream. Both are short SFT runs
   (:func:`tasks.sft.fit_model`) on whatever device the models are on.
+* :func:`length_fidelity`: whether a policy's greedy completions of long problems follow the chain
+  (their lengths against the references', ended by EOS, right);
 * :func:`length_summary`: what a rollout's completion lengths look like (median, p90, p99, max).
 """
 
@@ -138,6 +140,43 @@ def distill_drafter(
     metrics = fit_model(drafter, sft, tokenizer, None, progress, "distil drafter", teacher=policy)
     drafter.config.max_position_embeddings = max(drafter.config.max_position_embeddings, MAX_CONTEXT)
     return metrics
+
+
+def length_fidelity(policy: torch.nn.Module, tokenizer: Any, num_terms: Sequence[int], seed: int = 0) -> dict:
+    """How closely ``policy``'s greedy completions of problems of ``num_terms`` terms follow the
+    chain the task calls for: per problem the completion's tokens against the reference response's
+    (EOS included), whether it ended by EOS, whether its answer is right; and over all, the median
+    length ratio and the shares ended and right. A policy that lost the chain runs to the token
+    limit (twice the reference) or stops early."""
+    from ..rollout.engine import RolloutEngine
+    from ..rollout.params import RolloutConfig, SamplingParams
+    from .chain_sum import extract_answer
+    from .tokenizer import chat_ids
+
+    rng = random.Random(seed)
+    problems = [sample_problem(rng, num_terms=n) for n in num_terms]
+    prompts = [chat_ids(tokenizer, [{"role": "user", "content": p.question}], True) for p in problems]
+    references = [len(p.solution) + 1 for p in problems]  # a character a token, and EOS
+    longest = max(len(p) for p in prompts) + 2 * max(references)
+    config = RolloutConfig(max_model_len=longest, kv_cache_tokens=sum(len(p) for p in prompts) + 2 * sum(references))
+    engine = RolloutEngine(policy, config, tokenizer=tokenizer)
+    outs = engine.generate(prompts, SamplingParams(temperature=0.0, max_new_tokens=2 * max(references)))
+    rows = [
+        {
+            "terms": len(p.terms),
+            "reference": ref,
+            "completion": len(o.completion_ids),
+            "ended": o.finish_reason == "stop",
+            "right": extract_answer(tokenizer.decode(o.completion_ids, skip_special_tokens=True)) == p.answer,
+        }
+        for p, ref, o in zip(problems, references, outs)
+    ]
+    return {
+        "length_ratio_median": round(statistics.median(r["completion"] / r["reference"] for r in rows), 3),
+        "ended": sum(r["ended"] for r in rows) / len(rows),
+        "right": sum(r["right"] for r in rows) / len(rows),
+        "problems": rows,
+    }
 
 
 def length_summary(lengths: Sequence[int]) -> dict[str, float]:

@@ -50,7 +50,14 @@ import torch
 
 from ...rollout.engine import RolloutEngine
 from ...rollout.params import RolloutConfig, SamplingParams
-from ...tasks.long_tail import ExtendRecipe, distill_drafter, extend_policy, length_summary, long_tail_problems
+from ...tasks.long_tail import (
+    ExtendRecipe,
+    distill_drafter,
+    extend_policy,
+    length_fidelity,
+    length_summary,
+    long_tail_problems,
+)
 from ...tasks.sft import load_shipped
 from ...tasks.tokenizer import chat_ids
 from .common import Stage, device
@@ -80,16 +87,17 @@ class TrainingSize:
     warmup_steps: int  # ... for this many steps
     warmup_prompts: int  # prompts a round
     needs_s: dict[str, float]  # each part's seconds at least (the stage's budget skips what will not fit)
+    fidelity_terms: tuple[int, ...]  # the extended policy's greedy completions of problems this long, checked
 
     @classmethod
     def of(cls, name: str) -> TrainingSize:
         if name == "full":
             parts = {"policy": 60, "grow": 20, "head": 40, "grpo": 120, "reload": 15}
-            return cls(8, 8, 8, 2048, ExtendRecipe(), 2, 150, 24, parts)
+            return cls(8, 8, 8, 2048, ExtendRecipe(), 2, 150, 24, parts, (40, 80, 120, 160, 180, 200))
         if name == "tiny":
             recipe = ExtendRecipe(policy_steps=2, drafter_steps=2, batch_size=2, max_terms=16)
             parts = {"policy": 5, "grow": 5, "head": 5, "grpo": 20, "reload": 5}
-            return cls(2, 2, 2, 24, recipe, 1, 2, 2, parts)
+            return cls(2, 2, 2, 24, recipe, 1, 2, 2, parts, (14, 16))
         raise ValueError(f"size must be 'full' or 'tiny', got {name!r}")
 
 
@@ -333,14 +341,25 @@ def long_tailed_models(stage: Stage, size: TrainingSize, tokenizer) -> tuple[tor
     started = time.perf_counter()
     fitted = extend_policy(policy, tokenizer, size.extend)
     distilled = distill_drafter(drafter, policy, tokenizer, size.extend)
+    seconds = time.perf_counter() - started
+    fidelity = length_fidelity(policy, tokenizer, size.fidelity_terms)
     stage.record(
         "long-tailed policy",
         {
             "recipe": {k: getattr(size.extend, k) for k in size.extend.__dataclass_fields__},
             "policy": _fit_row(fitted),
             "drafter": _fit_row(distilled),
-            "seconds": round(time.perf_counter() - started, 1),
+            "seconds": round(seconds, 1),
+            "greedy_lengths": fidelity,
         },
+    )
+    ratio, ended = fidelity["length_ratio_median"], fidelity["ended"]
+    stage.target(
+        "the extended policy follows long chains: greedy completions within 20% of their reference's length "
+        "(median), every one ended by EOS",
+        0.8 <= ratio <= 1.2 and ended == 1.0,
+        f"terms {list(size.fidelity_terms)}: length ratio {ratio:.2f}, ended {ended:.0%}, "
+        f"right {fidelity['right']:.0%}",
     )
     return policy, drafter
 

@@ -11,6 +11,7 @@ from tailspec.tasks.long_tail import (
     ExtendRecipe,
     distill_drafter,
     extend_policy,
+    length_fidelity,
     length_summary,
     long_tail_problems,
 )
@@ -70,3 +71,12 @@ def test_extending_a_policy_trains_it_and_admits_long_contexts():
     assert policy.config.max_position_embeddings == MAX_CONTEXT
     distilled = distill_drafter(drafter, policy, tokenizer, recipe)
     assert distilled["steps"] == 2 and drafter.config.max_position_embeddings == MAX_CONTEXT
+
+
+def test_length_fidelity_says_how_a_policy_follows_the_chain():
+    policy, tokenizer = load_tiny("policy")
+    fidelity = length_fidelity(policy, tokenizer, [3, 4])
+    assert [r["terms"] for r in fidelity["problems"]] == [3, 4]
+    # the tiny policy learned sums of up to 40 terms: it ends these, about as long as their references
+    assert fidelity["ended"] == 1.0 and 0.5 <= fidelity["length_ratio_median"] <= 1.5
+    assert 0 < fidelity["length_ratio_median"] <= 2 and 0 <= fidelity["right"] <= fidelity["ended"] <= 1
