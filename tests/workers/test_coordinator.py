@@ -141,7 +141,9 @@ def test_training_lost_with_its_worker_resumes_from_the_last_version():
             if state["seen"] == state["kill_at"]:
                 coord.actors.kill(coord.workers[event.worker])
 
-    coord = coordinator(on_event=kill_trainer_at_second_chunk, schedule="static")
+    # no held-out judgement: every chunk that returns ships, so the drafting version is the last
+    # returned chunk's whichever steps the machine's load let each chunk take
+    coord = coordinator(on_event=kill_trainer_at_second_chunk, schedule="static", spot_holdout_every=0)
     report = coord.generate(prompts, params)
     assert [o.completion_ids for o in report.outputs] == [o.completion_ids for o in want]
     coord.settle()
