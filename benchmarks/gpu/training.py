@@ -36,6 +36,7 @@ image). Without them the stage says so and is skipped.
 
 from __future__ import annotations
 
+import gc
 import importlib
 import statistics
 import subprocess
@@ -323,6 +324,7 @@ def grpo_on_the_long_tail(stage: Stage, size: TrainingSize, work: Path) -> None:
     with stage.part("EAGLE-3 head warmed on the grown policy", size.needs_s["head"]) as ok:
         head = warm_head(stage, size, grown, tokenizer) if ok else None
     del grown
+    _release_memory()  # the grown policy and the warm-up's KV: the GRPO run loads its own
     if head is None:
         return
     with stage.part("GRPO on the long tail", size.needs_s["grpo"]) as ok:
@@ -332,6 +334,12 @@ def grpo_on_the_long_tail(stage: Stage, size: TrainingSize, work: Path) -> None:
     with stage.part("the exported drafter LM", size.needs_s["reload"]) as ok:
         if ok and trained is not None:
             reload_drafts_alike(stage, *trained, work / "policy", tokenizer)
+
+
+def _release_memory() -> None:
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def long_tailed_models(stage: Stage, size: TrainingSize, tokenizer) -> tuple[torch.nn.Module, torch.nn.Module]:
