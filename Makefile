@@ -49,7 +49,7 @@ demo: $(STAMP)
 # without it every process the suite starts (Ray workers, CLI runs, draft processes) compiles
 # tailspec's modules again, about 2 s each, and pytest rewrites every test module in each one.
 TEST_WORKERS ?= 2
-SOLO_TESTS := tests/workers/test_adaptive_on_workers.py  # the files holding `solo` tests (tests/conftest.py checks)
+SOLO_TESTS := tests/workers/test_adaptive_on_workers.py tests/trainer_hooks/test_spec_rollout.py  # the files holding `solo` tests (tests/conftest.py checks)
 WRITE_BYTECODE := PYTHONDONTWRITEBYTECODE=
 test: $(STAMP)
 	$(WRITE_BYTECODE) $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder -m "not solo"

@@ -297,6 +297,7 @@ def test_the_self_speculative_exit_adapter_trains_online_and_resumes(task_tokeni
         SpecRollout(strategy="chain:2", drafter="self:1", self_adapter_rank=0)
 
 
+@pytest.mark.solo  # whether it tries its chains follows measured step times
 def test_adaptive_rollout_is_lossless_and_reports_its_strategy_mix(task_tokenizer, tiny_policy):
     from tailspec.testing import perturbed_copy
 
