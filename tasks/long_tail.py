@@ -127,7 +127,7 @@ def extend_policy(policy: torch.nn.Module, tokenizer: Any, recipe: ExtendRecipe,
     metrics = fit_model(
         policy, recipe.sft(recipe.policy_steps, recipe.policy_lr), tokenizer, None, progress, "extend policy"
     )
-    policy.config.max_position_embeddings = max(policy.config.max_position_embeddings, MAX_CONTEXT)
+    _admit_long_contexts(policy)
     return metrics
 
 
@@ -139,8 +139,14 @@ def distill_drafter(
     policy.eval()
     sft = recipe.sft(recipe.drafter_steps, recipe.drafter_lr)
     metrics = fit_model(drafter, sft, tokenizer, None, progress, "distil drafter", teacher=policy)
-    drafter.config.max_position_embeddings = max(drafter.config.max_position_embeddings, MAX_CONTEXT)
+    _admit_long_contexts(drafter)
     return metrics
+
+
+def _admit_long_contexts(model: torch.nn.Module) -> None:
+    """The engine admits a sequence up to the config's ``max_position_embeddings``: raise it to
+    :data:`MAX_CONTEXT` (RoPE positions need nothing else)."""
+    model.config.max_position_embeddings = max(model.config.max_position_embeddings, MAX_CONTEXT)
 
 
 def length_fidelity(policy: torch.nn.Module, tokenizer: Any, num_terms: Sequence[int], seed: int = 0) -> dict:

@@ -39,12 +39,11 @@ class PairedRollout:
         order = ["twin", "main", *self.beside]
         shift = len(self.identical_completions) % len(order)
         out: dict[str, list] = {}
+        named = {"twin": self.twin, "main": self.main, **self.beside}
         for name in order[shift:] + order[:shift]:
-            self._settle()  # no drafter training beside another rollout's
-            if name == "main":
-                out = self.main(prompts, trainer)
-            else:
-                (self.twin if name == "twin" else self.beside[name])(prompts, trainer)
+            self._settle(but=named[name])  # no drafter training beside another rollout's
+            result = named[name](prompts, trainer)
+            out = result if name == "main" else out
         twin = self.twin.last_stats.completion_digests
         self.identical_completions.append(_alike(self.main.last_stats.completion_digests, twin))
         for name, rollout in self.beside.items():
@@ -59,9 +58,11 @@ class PairedRollout:
     def _rollouts(self) -> list[Any]:
         return [self.main, self.twin, *self.beside.values()]
 
-    def _settle(self) -> None:
+    def _settle(self, but: Any) -> None:
+        """Every other rollout's drafter training stopped and collected before ``but`` runs (``but``'s
+        own is its rollout's to handle, as it would be without the others)."""
         for rollout in self._rollouts():
-            if rollout.coordinator is not None:
+            if rollout is not but and rollout.coordinator is not None:
                 rollout.coordinator.settle(wait=True)
 
     def sync_weights(self, trainer: Any) -> None:
