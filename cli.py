@@ -198,9 +198,10 @@ def _train_deep(args: argparse.Namespace) -> int:
 
 def _load_policy(spec: str, tokenizer_path: str | None):
     """``tiny`` / ``deep`` (a shipped policy), a local Hugging Face model directory or a hub id."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     from .packed_weights import weights_location
+    from .safe_files import load_causal_lm
 
     tokenizer = _model_location(tokenizer_path, "--tokenizer") if tokenizer_path else None
     if not Path(spec).expanduser().exists() and not _HUB_REPO_ID.match(spec):  # a shipped policy's name
@@ -211,7 +212,7 @@ def _load_policy(spec: str, tokenizer_path: str | None):
             model, shipped_tokenizer = load_shipped(spec, "policy")
             return model, AutoTokenizer.from_pretrained(tokenizer) if tokenizer else shipped_tokenizer
     policy = _model_location(spec, "--policy (a shipped policy tiny, deep or a model directory)")
-    model = AutoModelForCausalLM.from_pretrained(weights_location(policy), dtype="auto").eval()
+    model = load_causal_lm(weights_location(policy), dtype="auto").eval()
     return model, AutoTokenizer.from_pretrained(tokenizer or policy)
 
 

@@ -310,11 +310,11 @@ def _policy(cfg: DemoConfig):
     model, tokenizer = load_shipped(cfg.policy, "policy")
     if cfg.policy_dir is not None:
         import torch
-        from transformers import AutoModelForCausalLM
 
         from .packed_weights import weights_location
+        from .safe_files import load_causal_lm
 
-        model = AutoModelForCausalLM.from_pretrained(weights_location(cfg.policy_dir), dtype=torch.float32)
+        model = load_causal_lm(weights_location(cfg.policy_dir), dtype=torch.float32)
     return model, tokenizer
 
 

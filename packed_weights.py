@@ -29,6 +29,8 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
+from .safe_files import check_safetensors_bytes
+
 logger = logging.getLogger(__name__)
 
 WEIGHTS_FILE = "model.safetensors"
@@ -106,11 +108,12 @@ def _restored(model_dir: Path) -> tuple[dict, bytes]:
         planes = lzma.decompress(packed.read_bytes())
     except (lzma.LZMAError, EOFError) as e:
         raise ValueError(f"{packed} is damaged or truncated ({e}); {fix}") from None
-    if len(planes) != size:
+    if len(planes) != size + (-size % stride):  # to_planes pads the last word
         raise ValueError(f"{packed} holds {len(planes)} bytes where {index} says {size}; {fix}")
     data = from_planes(planes, stride, size)
     if _sha256(data) != digest:
         raise ValueError(f"{packed} is corrupted: its SHA-256 differs from {index}'s; {fix}")
+    check_safetensors_bytes(data, packed)  # its hash is the pack's own word: what it unpacks to is checked
     return meta, data
 
 

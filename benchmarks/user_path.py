@@ -78,14 +78,15 @@ def warm_up_head(cfg: UserPathConfig, policy_dir: Path) -> tuple[Path, float, li
 
 
 def measure_user_path(cfg: UserPathConfig) -> tuple[list[PathRun], float, list[str]]:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     from ..drafter.eagle3.checkpoint import load_checkpoint
+    from ..safe_files import load_causal_lm
     from ..trainer_hooks.spec_rollout import SpecRollout
 
     policy_dir = make_user_policy(cfg)
     head_dir, warmup_s, rounds = warm_up_head(cfg, policy_dir)
-    policy = AutoModelForCausalLM.from_pretrained(policy_dir, dtype=torch.float32).eval()
+    policy = load_causal_lm(policy_dir, dtype=torch.float32).eval()
     tokenizer = AutoTokenizer.from_pretrained(policy_dir)
     path = GRPOPathConfig(strategies=cfg.strategies, workers=(cfg.workers,), steps=cfg.steps)
     contenders = {}

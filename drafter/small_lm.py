@@ -252,7 +252,9 @@ class SmallLMDrafter(Drafter, TreesOnDevice, TimesDraftLevels):
 
     def load_weights(self, data: bytes) -> None:
         """Replace the weights with :func:`weights_bytes` of another copy's ``shipped_weights``."""
-        self.shipped_weights().load_state_dict(torch.load(io.BytesIO(data), map_location=self.runner.device))
+        self.shipped_weights().load_state_dict(
+            torch.load(io.BytesIO(data), map_location=self.runner.device, weights_only=True)
+        )
 
     def accepted(self, seq: SequenceView, num_accepted: int) -> None:
         state, base = self._states.get(seq.seq_id), self._draft_base.pop(seq.seq_id, None)
@@ -570,7 +572,7 @@ def _rebuilt(
     heads: tuple[int, int, bytes] | None = None,
 ) -> SmallLMDrafter:
     model = structure().eval()
-    model.load_state_dict(torch.load(io.BytesIO(weights)))
+    model.load_state_dict(torch.load(io.BytesIO(weights), weights_only=True))
     streaming = StreamingHeads.from_bytes(*heads) if heads is not None else None
     drafter = SmallLMDrafter(
         model, kv_cache_tokens=kv_cache_tokens, block_size=block_size, seed=seed, streaming_heads=streaming

@@ -53,7 +53,7 @@ class StreamingHeads(nn.Module):
     @classmethod
     def from_bytes(cls, hidden_size: int, num_heads: int, data: bytes) -> StreamingHeads:
         heads = cls(hidden_size, num_heads)
-        heads.load_state_dict(torch.load(io.BytesIO(data)))
+        heads.load_state_dict(torch.load(io.BytesIO(data), weights_only=True))
         return heads
 
 

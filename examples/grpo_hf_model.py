@@ -193,14 +193,15 @@ def main(argv: list[str] | None = None) -> dict:
     os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     import tailspec
+    from tailspec.safe_files import load_causal_lm
 
     cuda = torch.cuda.is_available()
     dtype = torch.bfloat16 if (cfg.bf16 and cuda) else torch.float32
     tokenizer = AutoTokenizer.from_pretrained(cfg.model)
-    model = AutoModelForCausalLM.from_pretrained(cfg.model, dtype=dtype)
+    model = load_causal_lm(cfg.model, dtype=dtype)
     if cuda and cfg.num_workers == 0 and cfg.deepspeed is None:
         model = model.to("cuda")
     dataset = load_prompts(cfg)

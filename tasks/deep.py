@@ -28,9 +28,10 @@ from typing import Any
 
 import torch
 import transformers
-from transformers import AutoModelForCausalLM, DynamicCache
+from transformers import DynamicCache
 
 from ..packed_weights import unpacked_dir
+from ..safe_files import load_causal_lm
 from .chain_sum import ChainSumConfig, sample_problems
 from .sft import (
     SFTConfig,
@@ -263,7 +264,7 @@ def _log_command(out: Path, command: str, stages: tuple[str, ...]) -> list[dict[
 def _load_fp32(path: Path):
     if not (path / "config.json").exists():
         raise FileNotFoundError(f"{path} is missing: run the stage that makes it first (--stages)")
-    return AutoModelForCausalLM.from_pretrained(unpacked_dir(path), dtype=torch.float32).eval()
+    return load_causal_lm(unpacked_dir(path), dtype=torch.float32).eval()
 
 
 def _check_inputs(out: Path, stages: tuple[str, ...], continue_head: bool) -> None:

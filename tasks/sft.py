@@ -28,10 +28,11 @@ from typing import Any
 
 import torch
 import transformers
-from transformers import AutoModelForCausalLM, PreTrainedTokenizerBase, Qwen2Config, Qwen2ForCausalLM
+from transformers import PreTrainedTokenizerBase, Qwen2Config, Qwen2ForCausalLM
 
 from ..packed_weights import unpacked_dir
 from ..progress import progress_bar
+from ..safe_files import load_causal_lm
 from .chain_sum import LAYOUTS, ChainSumConfig, ChainSumProblem, extract_answer, sample_problem, sample_problems
 from .tokenizer import build_tokenizer, chat_ids, save_beside
 
@@ -496,7 +497,7 @@ def load_shipped(name: str = "tiny", kind: str = "policy", dtype: torch.dtype = 
         raise FileNotFoundError(f"no shipped {kind} at {root / kind}; make it with `{_RECIPES[name]}`")
     folder = unpacked_dir(root / kind)  # a whole checkpoint: config, tokenizer, weights
     tokenizer = AutoTokenizer.from_pretrained(folder)
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype)
+    model = load_causal_lm(folder, dtype=dtype)
     return model.eval(), tokenizer
 
 
@@ -633,7 +634,7 @@ def _train_and_evaluate(name, spec, cfg: SFTConfig, tokenizer, out: Path, eval_s
     problems, long_set = eval_sets
     logger.info("training %s (%s) for %d steps", name, spec.describe(), cfg.steps)
     metrics = train_model(spec, cfg, tokenizer, out / name, progress=not args.no_progress)
-    model = AutoModelForCausalLM.from_pretrained(out / name)  # evaluate what was saved
+    model = load_causal_lm(out / name)  # evaluate what was saved
     ev_start = time.perf_counter()
     ev = evaluate_accuracy(model, tokenizer, problems, max_new_tokens, progress=not args.no_progress)
     ev_long = evaluate_accuracy(model, tokenizer, long_set, max_new_tokens, progress=not args.no_progress)

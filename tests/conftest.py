@@ -108,6 +108,45 @@ LONGEST_FIRST = (  # by their time in the last measured run; Ray's and the other
 )
 
 
+class _Payload:
+    """Unpickled, it runs code: it writes ``marker`` (what a crafted checkpoint file would do)."""
+
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (exec, (f"open({self.marker!r}, 'w').write('ran')",))
+
+
+class CraftedFiles:
+    """Files that would run code if a loader unpickled them, and whether any did."""
+
+    def __init__(self, folder) -> None:
+        self.marker = folder / "payload-ran"
+
+    def payload(self) -> _Payload:
+        return _Payload(str(self.marker))
+
+    def torch_file(self, path) -> None:
+        """A ``torch.save`` of an optimizer-shaped dict with the payload inside."""
+        torch.save({"state": {0: {"exp_avg": self.payload()}}, "param_groups": []}, path)
+
+    def pickle_file(self, path) -> None:
+        """A plain pickle of the payload, under whatever name ``path`` has (a .safetensors, a .yaml...)."""
+        import pickle
+
+        path.write_bytes(pickle.dumps(self.payload()))
+
+    @property
+    def ran(self) -> bool:
+        return self.marker.exists()
+
+
+@pytest.fixture
+def crafted(tmp_path) -> CraftedFiles:
+    return CraftedFiles(tmp_path)
+
+
 def _solo_files(tests_dir: str) -> set[str]:
     """The files `make test` runs the `solo` tests from (its second command collects only these)."""
     makefile = open(os.path.join(tests_dir, os.pardir, "Makefile")).read()

@@ -27,6 +27,10 @@ def files(tmp_path):
     (tmp_path / "not_yaml.yaml").write_text("max_steps: [3\n")
     (tmp_path / "prompts.jsonl").write_text('{"prompt": "1 + 2 ="}\n{"question": "no prompt key"}\n')
     (tmp_path / "a_file").write_text("x")
+    pickled = tmp_path / "pickled_model"
+    pickled.mkdir()
+    (pickled / "config.json").write_text('{"model_type": "llama"}')
+    (pickled / "pytorch_model.bin").write_bytes(b"a pickle")
     return tmp_path
 
 
@@ -45,6 +49,7 @@ CASES = [
     (["drafter", "warmup", "--policy", "/no/such/dir", "--out", "{tmp}/w"], "no such directory: /no/such/dir"),
     (["drafter", "warmup", "--policy", "./relative/dir", "--out", "{tmp}/w"], "no such directory: ./relative/dir"),
     (["drafter", "warmup", "--policy", "{tmp}/a_file", "--out", "{tmp}/w"], "is a file"),
+    (["drafter", "warmup", "--policy", "{tmp}/pickled_model", "--out", "{tmp}/w"], "pytorch_model.bin (pickles)"),
     (["drafter", "warmup", "--policy", "tiny", "--tokenizer", "/no/tok", "--out", "{tmp}/w"], "--tokenizer: no such"),
     (["drafter", "warmup", "--prompts", "/no/p.jsonl", "--out", "{tmp}/w"], "no such file: /no/p.jsonl"),
     (["drafter", "warmup", "--prompts", "{tmp}/prompts.jsonl", "--out", "/no/dir/w"], "the folder /no/dir"),
@@ -126,3 +131,23 @@ def test_what_needs_the_checkout_says_so_where_the_wheel_is_installed(argv, what
         assert "runs from a checkout" not in err and err.startswith("tailspec: error:")  # its own error: no config.json
     else:
         assert err.startswith(f"tailspec: error: {what} runs from a checkout of the tailspec repository"), err
+
+
+def test_a_crafted_config_is_refused_and_never_runs(tmp_path, crafted, capsys, monkeypatch):
+    """Configs are read with ``yaml.safe_load``: a Python tag is a one-line error, and its code never
+    runs (read unsafely, the same file would run it: the last lines show the file is live)."""
+    import yaml
+
+    from tailspec.config_tree import parse_assignments
+
+    monkeypatch.delenv("TAILSPEC_DEBUG", raising=False)
+    payload = f"!!python/object/apply:builtins.exec [\"open({str(crafted.marker)!r}, 'w').write('ran')\"]"
+    config = tmp_path / "crafted.yaml"
+    config.write_text(f"max_steps: {payload}\n")
+    assert main(["demo", "--config", str(config)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("tailspec: error: ") and "python/object/apply" in err[-1], err
+    assert parse_assignments([f"max_steps={payload}"]) == {"max_steps": payload}  # kept as text
+    assert not crafted.ran
+    yaml.unsafe_load(config.read_text())
+    assert crafted.ran

@@ -45,6 +45,18 @@ def test_a_corrupted_pack_is_refused(model_dir):
         sw.unpacked_dir(model_dir)
 
 
+def test_a_pack_of_a_pickle_is_refused_and_never_runs(model_dir, tmp_path, crafted):
+    """A crafted pack carries its own matching hash: what it unpacks to must be a safetensors file."""
+    from tailspec.safe_files import UnsafeFile
+
+    crafted.torch_file(model_dir / sw.WEIGHTS_FILE)
+    sw.pack(model_dir)
+    with pytest.raises(UnsafeFile, match="refused: not a safetensors file"):
+        sw.unpacked_dir(model_dir)
+    assert not (tmp_path / "cache").exists() or not any((tmp_path / "cache").rglob(sw.WEIGHTS_FILE))
+    assert not crafted.ran
+
+
 @pytest.mark.parametrize("damage", ["truncated", "garbage", "no index", "bad index", "wrong size"])
 def test_a_damaged_pack_is_a_clear_error_and_leaves_nothing_in_the_cache(model_dir, tmp_path, damage):
     sw.pack(model_dir)

@@ -463,10 +463,10 @@ def _median(rows: list[dict[str, Any]], key: str) -> float:
 def reload_drafts_alike(stage: Stage, exported: Path, trained: torch.nn.Module, policy_dir: Path, tokenizer) -> None:
     """The exported drafter LM, loaded back, drafts at the accept length the trained one had (on
     the policy as it was before training: the two drafters are compared on the same target)."""
-    from transformers import AutoModelForCausalLM
+    from ...safe_files import load_causal_lm
 
-    policy = AutoModelForCausalLM.from_pretrained(policy_dir, dtype=torch.float32).to(device()).eval()
-    reloaded = AutoModelForCausalLM.from_pretrained(exported, dtype=torch.float32).to(device())
+    policy = load_causal_lm(policy_dir, dtype=torch.float32).to(device()).eval()
+    reloaded = load_causal_lm(exported, dtype=torch.float32).to(device())
     prompts = task_prompts(tokenizer, 8, seed=77)
     params = SamplingParams(temperature=0.0, max_new_tokens=64 if stage.size.name == "full" else 16)
     accept = {}

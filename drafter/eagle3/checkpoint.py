@@ -29,10 +29,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from ...packed_weights import weights_location
+from ...safe_files import join_optimizer_state, read_json, read_safetensors, split_optimizer_state
 from .model import Eagle3Config, Eagle3Head, default_aux_layer_ids
 
 logger = logging.getLogger(__name__)
@@ -182,98 +182,6 @@ def _write_json(path: Path, data: dict[str, Any]) -> None:
     path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
 
 
-def _read_json(path: Path) -> dict[str, Any]:
-    if not path.is_file():
-        raise ValueError(f"{path} is missing")
-    try:
-        data = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(f"{path} is not valid JSON: {e}") from e
-    if not isinstance(data, dict):
-        raise ValueError(f"{path} must hold a JSON object")
-    return data
-
-
-def _read_safetensors(path: Path, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
-    if not path.is_file():
-        raise ValueError(f"{path} is missing")
-    try:
-        return load_file(str(path), device=str(device))
-    except (SafetensorError, OSError, ValueError, RuntimeError) as e:
-        raise ValueError(f"{path} is corrupted or not a safetensors file: {e}") from e
-
-
-# -- optimizer state ---------------------------------------------------------------------
-# A torch optimizer state dict is {"state": {param_index: {name: value}}, "param_groups": [...]}.
-# JSON keeps everything but tensors: n-d tensors go to optimizer.safetensors under their dotted
-# path (``state.{index}.{name}``) and are referenced as {"__tensor__": key}; 0-d tensors (AdamW's
-# ``step``) stay in JSON as {"__scalar__": number, "dtype": ...}; tuples (``betas``) as
-# {"__tuple__": [...]}. Decoding restores the exact types, so the state dict round-trips.
-def _encode(value: Any, key: str, tensors: dict[str, torch.Tensor]) -> Any:
-    if isinstance(value, torch.Tensor):
-        if value.dim() == 0:
-            return {"__scalar__": value.item(), "dtype": str(value.dtype).removeprefix("torch.")}
-        tensors[key] = value
-        return {"__tensor__": key}
-    if isinstance(value, tuple):
-        return {"__tuple__": [_encode(v, f"{key}.{i}", tensors) for i, v in enumerate(value)]}
-    if isinstance(value, list):
-        return [_encode(v, f"{key}.{i}", tensors) for i, v in enumerate(value)]
-    if isinstance(value, dict):
-        return {str(k): _encode(v, f"{key}.{k}", tensors) for k, v in value.items()}
-    if value is None or isinstance(value, (bool, int, float, str)):
-        return value
-    raise ValueError(f"optimizer state entry {key} holds a {type(value).__name__}, which a checkpoint cannot store")
-
-
-def _decode(value: Any, tensors: dict[str, torch.Tensor], used: set[str]) -> Any:
-    if isinstance(value, list):
-        return [_decode(v, tensors, used) for v in value]
-    if not isinstance(value, dict):
-        return value
-    if "__tensor__" in value:
-        key = value["__tensor__"]
-        if key not in tensors:
-            raise ValueError(f"{OPTIMIZER_FILE} lacks the tensor {key!r} that config.json refers to")
-        used.add(key)
-        return tensors[key]
-    if "__scalar__" in value:
-        dtype = getattr(torch, str(value.get("dtype")), None)
-        if not isinstance(dtype, torch.dtype):
-            raise ValueError(f"optimizer scalar has an unknown dtype {value.get('dtype')!r}")
-        return torch.tensor(value["__scalar__"], dtype=dtype)
-    if "__tuple__" in value:
-        return tuple(_decode(v, tensors, used) for v in value["__tuple__"])
-    return {k: _decode(v, tensors, used) for k, v in value.items()}
-
-
-def _split_optimizer(state: dict[str, Any]) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
-    if not isinstance(state, dict) or not {"state", "param_groups"} <= set(state):
-        raise ValueError("optimizer_state must be a torch optimizer state_dict() (with 'state' and 'param_groups')")
-    tensors: dict[str, torch.Tensor] = {}
-    meta = {
-        "state": {str(i): _encode(entry, f"state.{i}", tensors) for i, entry in state["state"].items()},
-        "param_groups": [_encode(g, f"param_groups.{i}", tensors) for i, g in enumerate(state["param_groups"])],
-    }
-    return meta, tensors
-
-
-def _join_optimizer(meta: Any, tensors: dict[str, torch.Tensor], source: Path) -> dict[str, Any]:
-    if not isinstance(meta, dict) or not isinstance(meta.get("state"), dict):
-        raise ValueError(f"{source}: 'optimizer' must hold 'state' and 'param_groups'")
-    used: set[str] = set()
-    try:
-        state = {int(i): _decode(entry, tensors, used) for i, entry in meta["state"].items()}
-        groups = _decode(meta["param_groups"], tensors, used)
-    except (KeyError, TypeError) as e:
-        raise ValueError(f"{source}: malformed optimizer state: {e!r}") from e
-    if set(tensors) - used:
-        raise ValueError(
-            f"{source}: {OPTIMIZER_FILE} has tensors config.json does not name: {sorted(set(tensors) - used)}"
-        )
-    return {"state": state, "param_groups": groups}
-
-
 # -- tailspec checkpoints ----------------------------------------------------------------
 def save_checkpoint(
     path: str | Path,
@@ -298,7 +206,7 @@ def save_checkpoint(
     }
     opt_tensors: dict[str, torch.Tensor] = {}
     if optimizer_state is not None:
-        config["optimizer"], opt_tensors = _split_optimizer(optimizer_state)
+        config["optimizer"], opt_tensors = split_optimizer_state(optimizer_state)
     try:
         json.dumps(config)
     except (TypeError, ValueError) as e:
@@ -334,7 +242,7 @@ def load_checkpoint(
         raise ValueError(f"EAGLE-3 checkpoint directory {path} does not exist")
     path = Path(weights_location(path))  # a shipped head (assets/*/eagle3) is packed
     config_path = path / CONFIG_FILE
-    config = _read_json(config_path)
+    config = read_json(config_path)
     if config.get("format") != FORMAT:
         raise ValueError(f"{config_path} is not a tailspec EAGLE-3 checkpoint (format {config.get('format')!r})")
     version = config.get("checkpoint_version")
@@ -348,13 +256,13 @@ def load_checkpoint(
         raise ValueError(f"{config_path}: missing or malformed 'eagle3_config': {e!r}") from e
     if target_config is not None:
         cfg.check_target(target_config)
-    tensors = _read_safetensors(path / MODEL_FILE, map_location)
+    tensors = read_safetensors(path / MODEL_FILE, map_location)
     check_state_dict(tensors, cfg, str(path / MODEL_FILE))
     head = _head_from_tensors(cfg, tensors)
     optimizer_state = None
     if config.get("optimizer") is not None:
-        opt_tensors = _read_safetensors(path / OPTIMIZER_FILE, map_location)
-        optimizer_state = _join_optimizer(config["optimizer"], opt_tensors, path)
+        opt_tensors = read_safetensors(path / OPTIMIZER_FILE, map_location)
+        optimizer_state = join_optimizer_state(config["optimizer"], opt_tensors, path / OPTIMIZER_FILE)
     step, weights_version, metadata = config.get("step", 0), config.get("version", 0), config.get("metadata", {})
     if not isinstance(step, int) or not isinstance(weights_version, int) or not isinstance(metadata, dict):
         raise ValueError(f"{config_path}: 'step' and 'version' must be integers and 'metadata' an object")
@@ -476,7 +384,7 @@ def read_exported(path: str | Path) -> tuple[dict[str, Any], dict[str, torch.Ten
     path = Path(path)
     if not path.is_dir():
         raise ValueError(f"exported EAGLE-3 directory {path} does not exist")
-    return _read_json(path / CONFIG_FILE), _read_safetensors(path / MODEL_FILE)
+    return read_json(path / CONFIG_FILE), read_safetensors(path / MODEL_FILE)
 
 
 def head_from_export(path: str | Path, *, format: str, target_num_layers: int | None = None) -> Eagle3Head:
@@ -488,7 +396,7 @@ def head_from_export(path: str | Path, *, format: str, target_num_layers: int | 
     config, tensors = read_exported(path)
     if config.get("architectures") != [EXPORT_ARCHITECTURE]:
         raise ValueError(f"{path} is not an {EXPORT_ARCHITECTURE} export (architectures {config.get('architectures')})")
-    ours = _read_json(path / EXPORT_META_FILE) if (path / EXPORT_META_FILE).is_file() else {}
+    ours = read_json(path / EXPORT_META_FILE) if (path / EXPORT_META_FILE).is_file() else {}
     if ours.get("export_format", format) != format:
         raise ValueError(
             f"{path} was exported for {ours['export_format']}, not {format}; layer ids would be off by one"

@@ -151,7 +151,7 @@ class Eagle3Drafter(Drafter, TreesOnDevice):
     def load_weights(self, data: bytes) -> None:
         """Replace the head's and the embeddings' weights with :func:`weights_bytes` of ``shipped_weights``."""
         device = self.cache.layout.device
-        self.shipped_weights().load_state_dict(torch.load(io.BytesIO(data), map_location=device))
+        self.shipped_weights().load_state_dict(torch.load(io.BytesIO(data), map_location=device, weights_only=True))
 
     def add_features(self, seq_id: int, start: int, features: torch.Tensor) -> None:
         """Feature rows of positions ``start ..`` of a sequence, sent by the engine of another process."""
@@ -523,6 +523,8 @@ class Eagle3Drafter(Drafter, TreesOnDevice):
 
 
 def _rebuilt(modules: bytes, kv_cache_tokens: int, block_size: int, seed: int, target_vocab: int) -> Eagle3Drafter:
+    # whole modules (the head and the target's embedding class): bytes this run's own process made in
+    # rebuild() and handed over Ray or a pipe, never a file (docs/ARCHITECTURE.md, "What is loaded from where")
     parts = torch.load(io.BytesIO(modules), map_location="cpu", weights_only=False)
     head = parts["head"].eval()
     drafter = Eagle3Drafter(

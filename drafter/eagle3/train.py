@@ -22,6 +22,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -30,6 +31,7 @@ from ...config_tree import require
 from ...distributed import single_process_deepspeed
 from ...progress import progress_bar
 from ...rollout.model.eval_mode import eval_mode
+from ...safe_files import load_weights_only
 from .data import Eagle3Sample, FeatureBuffer
 from .model import Eagle3Head
 
@@ -299,6 +301,7 @@ class _DeepSpeedStepper:
         if not torch.distributed.is_initialized():
             single_process_deepspeed()
         self.engine, self.optimizer, _, _ = deepspeed.initialize(model=head, optimizer=_adamw(head, c), config=ds)
+        self.engine.checkpoint_engine = _WeightsOnlyFiles(self.engine.checkpoint_engine)
 
     def backward_and_step(self, loss: torch.Tensor) -> None:
         self.engine.backward(loss)
@@ -306,6 +309,32 @@ class _DeepSpeedStepper:
 
     def zero_grad(self) -> None:
         self.engine.zero_grad()
+
+    def save(self, folder: Path, tag: str) -> None:
+        self.engine.save_checkpoint(str(folder), tag=tag)
+
+    def load(self, folder: Path) -> None:
+        self.engine.load_checkpoint(str(folder))
+
+
+class _WeightsOnlyFiles:
+    """A DeepSpeed checkpoint engine whose reads go through the weights-only loader. DeepSpeed's
+    files are pickles; a ZeRO 0-2 file of a head holds nothing beyond tensors, containers and the
+    plain data classes allowed here, so a crafted file in a checkpoint folder is refused, never run."""
+
+    def __init__(self, inner: Any) -> None:
+        from deepspeed.runtime.fp16.loss_scaler import LossScaler
+        from deepspeed.runtime.zero.config import ZeroStageEnum
+        from deepspeed.utils.tensor_fragment import fragment_address
+
+        self.inner = inner
+        self.allowed = (LossScaler, ZeroStageEnum, fragment_address)
+
+    def load(self, path: str, map_location: Any = None) -> Any:
+        return load_weights_only(path, allow=self.allowed, map_location=map_location)
+
+    def __getattr__(self, name: str) -> Any:  # saving, commits: DeepSpeed's own
+        return getattr(self.inner, name)
 
 
 class DrafterTrainer:
@@ -413,7 +442,7 @@ class DrafterTrainer:
             metadata=metadata,
         )
         if self.uses_deepspeed and include_optimizer:
-            self.stepper.engine.save_checkpoint(str(out / "deepspeed"), tag=f"step{self.step_count}")
+            self.stepper.save(out / "deepspeed", tag=f"step{self.step_count}")
         return out
 
     def load(self, path: str | Path, target_config=None) -> None:
@@ -425,7 +454,7 @@ class DrafterTrainer:
             raise ValueError("checkpoint was made for a head of another shape; build the trainer from its config")
         self.head.load_state_dict(ckpt.head.state_dict())
         if self.uses_deepspeed and (Path(path) / "deepspeed").is_dir():
-            self.stepper.engine.load_checkpoint(str(Path(path) / "deepspeed"))
+            self.stepper.load(Path(path) / "deepspeed")
         elif ckpt.optimizer_state is not None and not self.uses_deepspeed:
             self.optimizer.load_state_dict(ckpt.optimizer_state)
         self.step_count = ckpt.step

@@ -4,8 +4,10 @@ with every trainer checkpoint and restored on resume, so right after resuming th
 it did and the selector chooses as it would have."""
 
 import copy
+import json
 from pathlib import Path
 
+import pytest
 import torch
 
 import tailspec
@@ -101,3 +103,68 @@ def test_the_checkpoint_keeps_spot_trainings_unshipped_state_and_the_catch_up_ru
     assert loaded["drafter_trained"].version == 9 and torch.equal(loaded["drafter_trained"].weights["w"], torch.ones(3))
     assert loaded["drafter_trained"].optimizer == trained.optimizer
     assert loaded["catch_up"] == state["catch_up"] and loaded["engines"] == [{"x": 1}]
+
+
+def _saved_with_optimizer(folder: Path) -> dict:
+    from tailspec.drafter.online_training import DrafterState
+    from tailspec.trainer_hooks.rollout_state import save_rollout_state
+
+    layer = torch.nn.Linear(3, 2)
+    opt = torch.optim.AdamW(layer.parameters(), lr=1e-3)
+    layer(torch.ones(1, 3)).sum().backward()
+    opt.step()
+    state = {"engines": [], "drafter": DrafterState(dict(layer.state_dict()), 5, 1, opt.state_dict())}
+    save_rollout_state(state, folder)
+    return opt.state_dict()
+
+
+def test_the_optimizer_is_saved_as_safetensors_and_json_and_comes_back_exactly(tmp_path):
+    optimizer = _saved_with_optimizer(tmp_path)
+    assert sorted(p.name for p in (tmp_path / FOLDER).iterdir()) == [
+        "drafter.safetensors",
+        "drafter_optimizer.safetensors",
+        "state.json",
+    ]
+    loaded = load_rollout_state(tmp_path)["drafter"].optimizer
+    assert loaded["param_groups"] == optimizer["param_groups"]
+    for name, value in optimizer["state"][0].items():
+        assert torch.equal(loaded["state"][0][name], value) and loaded["state"][0][name].dtype == value.dtype
+
+
+def test_an_earlier_checkpoints_optimizer_pt_still_resumes(tmp_path):
+    """A checkpoint an earlier tailspec wrote keeps its optimizer in ``drafter_optimizer.pt``: read weights-only."""
+    optimizer = _saved_with_optimizer(tmp_path)
+    folder = tmp_path / FOLDER
+    (folder / "drafter_optimizer.safetensors").unlink()
+    meta = json.loads((folder / "state.json").read_text())
+    meta["drafter"].pop("optimizer")
+    (folder / "state.json").write_text(json.dumps(meta))
+    torch.save(optimizer, folder / "drafter_optimizer.pt")
+    loaded = load_rollout_state(tmp_path)["drafter"].optimizer
+    assert torch.equal(loaded["state"][0]["exp_avg"], optimizer["state"][0]["exp_avg"])
+
+
+@pytest.mark.parametrize(
+    "crafted_file", ["drafter_optimizer.pt", "drafter_optimizer.safetensors", "drafter.safetensors"]
+)
+def test_a_crafted_checkpoint_is_refused_before_training_and_never_runs(crafted_file, common, crafted, tmp_path):
+    checkpoint = tmp_path / "checkpoint-2"
+    _saved_with_optimizer(checkpoint)
+    folder = checkpoint / FOLDER
+    if crafted_file.endswith(".pt"):  # as an earlier tailspec laid it out
+        (folder / "drafter_optimizer.safetensors").unlink()
+        meta = json.loads((folder / "state.json").read_text())
+        meta["drafter"].pop("optimizer")
+        (folder / "state.json").write_text(json.dumps(meta))
+        crafted.torch_file(folder / crafted_file)
+    else:
+        crafted.pickle_file(folder / crafted_file)
+    with pytest.raises(ValueError) as refused:
+        load_rollout_state(checkpoint)
+    assert crafted_file in str(refused.value) and "\n" not in str(refused.value)
+
+    trainer = tailspec.GRPOTrainer(**common, rollout=_rollout(_head(common["model"], 0)))
+    with pytest.raises(ValueError, match=crafted_file):
+        trainer.train(resume_from_checkpoint=str(checkpoint))
+    assert trainer.state.global_step == 0 and trainer.rollout.history == []
+    assert not crafted.ran

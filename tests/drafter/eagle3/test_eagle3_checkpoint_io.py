@@ -565,3 +565,19 @@ def test_export_refuses_bad_weights_and_vocabulary_maps(tmp_path):
     head = tiny_head()
     head.norm.weight = torch.nn.Parameter(torch.ones(33))
     refused(head, r"norm.weight has shape \[33\], expected \[32\]")
+
+
+@pytest.mark.parametrize("name", ["model.safetensors", "optimizer.safetensors"])
+def test_a_crafted_file_in_a_checkpoint_or_export_is_refused_and_never_runs(name, tmp_path, crafted):
+    head = tiny_head()
+    opt = torch.optim.AdamW(head.parameters(), lr=1e-2)
+    train_steps(head, opt, 1, seed=0)
+    path = save_checkpoint(tmp_path / "ck", head, step=1, optimizer_state=opt.state_dict())
+    crafted.pickle_file(path / name)
+    with pytest.raises(ValueError, match=f"{name} is corrupted or not a safetensors file"):
+        load_checkpoint(path)
+    out = export_checkpoint(tiny_head(), tmp_path / "export", format="vllm")
+    crafted.pickle_file(out / "model.safetensors")
+    with pytest.raises(ValueError, match="model.safetensors is corrupted or not a safetensors file"):
+        head_from_export(out, format="vllm")
+    assert not crafted.ran

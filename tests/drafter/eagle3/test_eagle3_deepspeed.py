@@ -60,3 +60,26 @@ def test_zero3_is_refused():
             buffer,
             deepspeed_config={"zero_optimization": {"stage": 3}},
         )
+
+
+def test_a_crafted_deepspeed_file_is_refused_and_never_runs(tmp_path, crafted):
+    """DeepSpeed's files are pickles: read weights-only, a crafted one is refused in one line."""
+    from tailspec.safe_files import UnsafeFile
+
+    model, buffer = _setup()
+    cfg = DrafterTrainingConfig(batch_size=2, seed=3, learning_rate=1e-3)
+    ds_config = {"zero_optimization": {"stage": 1}}
+    ds = DrafterTrainer(
+        random_head(model, seed=1), model.get_input_embeddings(), buffer, cfg, deepspeed_config=ds_config
+    )
+    ds.train(1)
+    ds.save(tmp_path / "ck")
+    (optim,) = (tmp_path / "ck" / "deepspeed").rglob("*optim_states.pt")
+    crafted.torch_file(optim)
+    resumed = DrafterTrainer(
+        random_head(model, seed=7), model.get_input_embeddings(), buffer, cfg, deepspeed_config=ds_config
+    )
+    with pytest.raises(UnsafeFile, match="optim_states.pt: refused") as refused:
+        resumed.load(tmp_path / "ck")
+    assert "\n" not in str(refused.value)
+    assert not crafted.ran
