@@ -21,7 +21,7 @@ from torch import nn
 
 from ..rollout.model.early_exit import check_exit_layer, final_norm
 from ..rollout.model.eval_mode import eval_mode
-from ..rollout.model.runner import capture_layer_inputs
+from ..rollout.model.layer_taps import capture_layer_inputs
 from .lm_trainer import SequenceSample, lm_held_out_acceptance
 from .part_trainer import PartTrainer, StopCheck, frozen
 from .small_lm import SmallLMDrafter
@@ -89,7 +89,10 @@ def shallow_model(target: nn.Module, num_layers: int, adapter: ExitAdapter | Non
     shallow.lm_head = target.get_output_embeddings()
     left = [n for n, t in [*shallow.named_parameters(), *shallow.named_buffers()] if t.is_meta]
     if left:
-        raise ValueError(f"cannot build a shallow {type(target).__name__}: {left[:3]} not shared with the target")
+        raise ValueError(
+            f"self:{num_layers} cannot draft for {type(target).__name__}: its decoder holds {left[:3]} beside "
+            "its layers (per-layer inputs), which an early exit after some layers does not share"
+        )
     return shallow.train(target.training)
 
 

@@ -48,7 +48,8 @@ from ..rollout.model.attention import SequenceSlice, paged_attention_enabled
 from ..rollout.model.device_inputs import BlockTables, static_paths
 from ..rollout.model.graph_pool import GraphPool
 from ..rollout.model.kv_cache import blocks_for
-from ..rollout.model.runner import LM_HEAD_INPUT, ModelRunner
+from ..rollout.model.layer_taps import LM_HEAD_INPUT
+from ..rollout.model.runner import ModelRunner
 from .draft_sampling import ChainDrafts, DeviceChainPicks, draft_chains_on_device, draft_generator
 from .lm_trainer import versioned_lm
 from .streaming import StreamingHeads
@@ -126,7 +127,9 @@ class SmallLMDrafter(Drafter, TreesOnDevice, TimesDraftLevels):
         self.tokenizer = tokenizer
         self.block_size = block_size
         # with a graph pool (the engine gives one on CUDA), draft forwards replay captured graphs
-        self.runner = ModelRunner(model, kv_cache_tokens // block_size, block_size, graph_pool=graph_pool)
+        self.runner = ModelRunner(
+            model, kv_cache_tokens // block_size, block_size, graph_pool=graph_pool, role=f"drafter ({self.name})"
+        )
         self.allocator = self.runner.cache.allocator
         self.seed = seed
         self.generator = draft_generator(seed)

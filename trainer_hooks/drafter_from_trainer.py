@@ -31,7 +31,7 @@ from transformers import TrainerCallback
 from ..drafter.eagle3.data import Eagle3Sample, FeatureBuffer, soft_labels
 from ..drafter.eagle3.model import Eagle3Head
 from ..drafter.eagle3.train import DrafterTrainer, DrafterTrainingConfig
-from ..rollout.model.runner import capture_layer_inputs
+from ..rollout.model.layer_taps import capture_layer_inputs
 from .deepspeed import gathered
 
 logger = logging.getLogger(__name__)

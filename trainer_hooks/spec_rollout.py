@@ -23,6 +23,7 @@ from ..drafter.catch_up import CatchUp
 from ..drafter.factory import DrafterFor
 from ..drafter.online_training import DrafterState, online_training, trained_part
 from ..rollout.engine import RolloutEngine, eos_ids_of
+from ..rollout.model.model_support import check_model
 from ..rollout.params import SamplingParams
 from ..rollout.position_noise import derived_seed
 from ..rollout.stats import EngineCounts, acceptance_rate
@@ -195,6 +196,7 @@ class SpecRollout:
         with self._policy(trainer) as model:
             self._require_fit(model, tokenizer)
             if self._coordinator is None:
+                check_model(model)  # here, before any worker starts: a refusal is one line, not a failed shard
                 self._coordinator = RolloutCoordinator(
                     model,
                     self.config.engine_config(self._seed(trainer)),

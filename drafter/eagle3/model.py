@@ -116,13 +116,14 @@ class Eagle3Config:
         """A head shaped like one layer of the target (the usual EAGLE-3 choice)."""
         tc = target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
         heads = tc.num_attention_heads
+        fields = tc.to_dict()  # not getattr: a per-layer field (Gemma 4's head_dim) raises there
         rope = getattr(tc, "rope_parameters", None) or {}
         values: dict[str, Any] = dict(
             hidden_size=tc.hidden_size,
             intermediate_size=tc.intermediate_size,
             num_attention_heads=heads,
-            num_key_value_heads=getattr(tc, "num_key_value_heads", None) or heads,
-            head_dim=getattr(tc, "head_dim", None) or tc.hidden_size // heads,
+            num_key_value_heads=fields.get("num_key_value_heads") or heads,
+            head_dim=fields.get("head_dim") or tc.hidden_size // heads,
             vocab_size=tc.vocab_size,
             draft_vocab_size=draft_vocab_size or tc.vocab_size,
             target_hidden_size=tc.hidden_size,

@@ -17,7 +17,8 @@ import torch
 from ...draft_contract import Drafter, DraftTree, Portable
 from ..model.early_exit import check_exit_layer
 from ..model.kv_cache import BlockAllocator
-from ..model.runner import decoder_layers, model_device_dtype
+from ..model.layer_taps import decoder_layers
+from ..model.runner import model_device_dtype
 from ..params import EXECUTORS, MirrorConfig
 from ..request import Sequence
 from ..strategy import Strategy

@@ -69,6 +69,8 @@ class AttentionMetadata:
 def attention_backend(cache: PagedKVCache, kernels: str | None, max_new: int) -> str:
     """The backend of a forward's attention over ``cache`` with at most ``max_new`` new tokens per
     sequence (``kernels``: a ``RolloutConfig.kernels`` choice, None for the enclosing one)."""
+    if not cache.layout.triton_ready:  # sinks, soft caps, per-layer or unequal K/V sizes: torch only
+        return "torch"
     suits = attention_suits_triton(cache.layout.dtype, max_new)
     return resolve_backend(cache.layout.device, kernels, triton_suits=suits)
 
@@ -193,12 +195,17 @@ def paged_attention_forward(
     scaling: float | None = None,
     dropout: float = 0.0,
     sliding_window: int | None = None,
+    s_aux: torch.Tensor | None = None,
+    softcap: float | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
     """``AttentionInterface`` function: write new K/V into the paged cache, attend over it.
 
-    ``query`` is ``[1, heads, T, head_dim]`` after RoPE, ``key``/``value`` ``[1, kv_heads, T, head_dim]``.
-    Returns ``[1, T, heads, head_dim]``. In compiled decoder layers (``RolloutConfig.compile``)
+    ``query`` is ``[1, heads, T, head_dim]`` after RoPE, ``key``/``value`` ``[1, kv_heads, T, head_dim]``
+    (values may be of another size: MLA). Returns ``[1, T, heads, value size]``. ``s_aux``: one
+    sink logit per head (gpt-oss); ``softcap``: logits capped to ``softcap * tanh(s / softcap)``
+    before the mask (Gemma 2). Which keywords a model may pass is checked before its first
+    forward (``model_support.py``). In compiled decoder layers (``RolloutConfig.compile``)
     the new K/V rows (layout change and cast) are traced, so Inductor fuses them with RoPE; their
     scatter into the cache runs with the attention, outside the compiled region: traced, the
     scatter becomes an out-of-place copy of the layer's whole cache on CUDA (two cache-sized
@@ -212,7 +219,19 @@ def paged_attention_forward(
         )
     dtype = meta.cache.layout.dtype
     k_rows, v_rows = kv_rows(key, dtype), kv_rows(value, dtype)
-    return _write_and_attend(module, query, k_rows, v_rows, meta, scaling, sliding_window), None
+    extras = AttentionExtras(s_aux, softcap)
+    return _write_and_attend(module, query, k_rows, v_rows, meta, scaling, sliding_window, extras), None
+
+
+@dataclass(frozen=True)
+class AttentionExtras:
+    """What some families add to softmax attention: per-head sink logits, a logit soft cap."""
+
+    sinks: torch.Tensor | None = None
+    softcap: float | None = None
+
+    def __bool__(self) -> bool:
+        return self.sinks is not None or bool(self.softcap)
 
 
 def kv_rows(states: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -229,11 +248,19 @@ def write_kv(
 
 
 @torch.compiler.disable  # compiled decoders fuse around it, not through it
-def _write_and_attend(module, query, k_rows, v_rows, meta: AttentionMetadata, scaling, sliding_window) -> torch.Tensor:
+def _write_and_attend(
+    module, query, k_rows, v_rows, meta: AttentionMetadata, scaling, sliding_window, extras: AttentionExtras
+) -> torch.Tensor:
     # the layer index is read here, untraced: dynamo would compile once per layer for an int
     k_cache, v_cache = meta.cache.k[module.layer_idx], meta.cache.v[module.layer_idx]
+    if k_rows.shape[1] != k_cache[0].numel() or v_rows.shape[1] != v_cache[0].numel():
+        raise RuntimeError(
+            f"{type(module).__name__} (layer {module.layer_idx}) hands keys of {k_rows.shape[1]} and values of "
+            f"{v_rows.shape[1]} numbers a token where the paged cache holds {k_cache[0].numel()} and "
+            f"{v_cache[0].numel()}: its cache layout was not read right (model_support.kv_layout_of)"
+        )
     write_kv(k_cache, v_cache, meta.slot_mapping, k_rows, v_rows)
-    return attend(meta, k_cache, v_cache, query, scaling, sliding_window)
+    return attend(meta, k_cache, v_cache, query, scaling, sliding_window, extras)
 
 
 @torch.compiler.disable  # compiled decoders fuse around it, not through it
@@ -244,13 +271,17 @@ def attend(
     query: torch.Tensor,
     scaling: float | None,
     sliding_window: int | None,
+    extras: AttentionExtras = AttentionExtras(),
 ) -> torch.Tensor:
     """``query`` (``[1, heads, T, head_dim]``) over the cache (its new K/V already written):
-    ``[1, T, heads, head_dim]``, by the Triton kernels when the metadata has their plan, else by
-    gathering each sequence's context and SDPA."""
+    ``[1, T, heads, value size]``, by the Triton kernels when the metadata has their plan, else by
+    gathering each sequence's context and SDPA (or, with ``extras``, :func:`softmax_attention`)."""
     num_heads, head_dim, kv_heads = query.shape[1], query.shape[3], k_cache.shape[1]
+    value_dim = v_cache.shape[2]
     total = query.shape[2]
     if meta.plan is not None:
+        if extras:
+            raise RuntimeError("the Triton attention kernels implement neither sinks nor soft caps")
         # decode and verification (a few new tokens per sequence over a long context): the split-KV
         # kernel; prefill: one program per 16 new tokens and query head
         kernel = paged_attention_split_kv if meta.plan.max_query_len <= SPLIT_KV_MAX_NEW else paged_attention_triton
@@ -258,28 +289,56 @@ def attend(
         return out.unsqueeze(0).to(query.dtype)
     b, q = meta.num_seqs, meta.max_new
     flat_k, flat_v = k_cache.view(k_cache.shape[0], -1), v_cache.view(v_cache.shape[0], -1)
-    ctx_shape = (*meta.gather_slots.shape, kv_heads, head_dim)
     # index_select on the 2-D view is several times faster than advanced indexing on CPU
     gather = meta.gather_slots.reshape(-1)
-    keys = flat_k.index_select(0, gather).view(ctx_shape).transpose(1, 2)  # [B, kv_heads, L, D]
-    values = flat_v.index_select(0, gather).view(ctx_shape).transpose(1, 2)
+    keys = flat_k.index_select(0, gather).view(*meta.gather_slots.shape, kv_heads, head_dim).transpose(1, 2)
+    values = flat_v.index_select(0, gather).view(*meta.gather_slots.shape, kv_heads, value_dim).transpose(1, 2)
     if meta.query_index is None:
         queries = query[0].view(num_heads, b, q, head_dim).transpose(0, 1)
     else:
         queries = query[0][:, meta.query_index].transpose(0, 1)  # [B, H, Q, D]
-    out = F.scaled_dot_product_attention(
-        queries.to(keys.dtype),
-        keys,
-        values,
-        attn_mask=meta.mask_for(sliding_window),
-        scale=scaling,
-        enable_gqa=keys.shape[1] != num_heads,
-    ).transpose(1, 2)  # [B, Q, H, D]
-    if meta.query_index is None:
-        out = out.reshape(1, total, num_heads, head_dim)
+    mask = meta.mask_for(sliding_window)
+    if extras:
+        out = softmax_attention(queries.to(keys.dtype), keys, values, mask, scaling, extras)
     else:
-        out = out.reshape(b * q, num_heads, head_dim)[meta.valid_queries].unsqueeze(0)
+        out = F.scaled_dot_product_attention(
+            queries.to(keys.dtype), keys, values, attn_mask=mask, scale=scaling, enable_gqa=keys.shape[1] != num_heads
+        )
+    out = out.transpose(1, 2)  # [B, Q, H, value size]
+    if meta.query_index is None:
+        out = out.reshape(1, total, num_heads, value_dim)
+    else:
+        out = out.reshape(b * q, num_heads, value_dim)[meta.valid_queries].unsqueeze(0)
     return out.to(query.dtype)
+
+
+def softmax_attention(
+    queries: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    mask: torch.Tensor,
+    scaling: float | None,
+    extras: AttentionExtras,
+) -> torch.Tensor:
+    """Attention written out, for what SDPA cannot express: logits ``scale * q k^T``, capped to
+    ``softcap * tanh(s / softcap)`` before the mask (Gemma 2), and a per-head sink logit that takes
+    a share of the softmax and gives no value (gpt-oss). ``[B, H, Q, D]`` queries over ``[B, kv_heads,
+    L, D]`` keys and values (expanded for grouped queries) and a ``[B, 1, Q, L]`` mask."""
+    heads, kv_heads = queries.shape[1], keys.shape[1]
+    if heads != kv_heads:
+        keys = keys.repeat_interleave(heads // kv_heads, dim=1)
+        values = values.repeat_interleave(heads // kv_heads, dim=1)
+    scale = scaling if scaling is not None else queries.shape[-1] ** -0.5
+    logits = (queries @ keys.transpose(-1, -2)).float() * scale
+    if extras.softcap:
+        logits = extras.softcap * torch.tanh(logits / extras.softcap)
+    logits = logits.masked_fill(~mask, float("-inf"))
+    if extras.sinks is not None:
+        sink = extras.sinks.float().view(1, heads, 1, 1).expand(*logits.shape[:-1], 1)
+        probs = torch.cat([logits, sink], dim=-1).softmax(dim=-1)[..., :-1]
+    else:
+        probs = logits.softmax(dim=-1)
+    return probs.to(values.dtype) @ values
 
 
 _registered = False

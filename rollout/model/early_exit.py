@@ -15,7 +15,7 @@ from contextlib import contextmanager
 import torch
 
 from .eval_mode import eval_mode
-from .runner import decoder_layers, decoder_of
+from .layer_taps import decoder_layers, decoder_of
 
 
 def final_norm(model: torch.nn.Module) -> torch.nn.Module:

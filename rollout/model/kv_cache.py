@@ -128,22 +128,45 @@ def blocks_for(num_tokens: int, block_size: int) -> int:
 
 @dataclass(frozen=True)
 class KVLayout:
+    """What each layer's cache holds per token: ``num_kv_heads`` heads of ``head_dim`` keys and
+    values, unless ``layer_shapes`` says otherwise for some layer: ``(kv_heads, key size, value
+    size)`` per layer (Gemma 4's per-layer head sizes; MLA's values smaller than its keys).
+    ``variants``: what the model's attention adds that only the torch path implements (``s_aux``
+    sinks, ``softcap``)."""
+
     num_layers: int
     num_kv_heads: int
     head_dim: int
     dtype: torch.dtype
     device: torch.device
+    layer_shapes: tuple[tuple[int, int, int], ...] | None = None
+    variants: frozenset[str] = frozenset()
 
     @classmethod
     def from_hf_config(cls, config, dtype: torch.dtype, device: torch.device) -> KVLayout:
+        config = config.get_text_config(decoder=True)
+        fields = config.to_dict()  # not getattr: a per-layer field (Gemma 4's head_dim) raises there
         heads = config.num_attention_heads
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-        kv_heads = getattr(config, "num_key_value_heads", None) or heads
+        head_dim = fields.get("head_dim") or config.hidden_size // heads
+        kv_heads = fields.get("num_key_value_heads") or heads
         return cls(config.num_hidden_layers, kv_heads, head_dim, dtype, device)
+
+    def shape_of(self, layer: int) -> tuple[int, int, int]:
+        """``(kv_heads, key size, value size)`` of ``layer``'s cache."""
+        if self.layer_shapes is not None:
+            return self.layer_shapes[layer]
+        return self.num_kv_heads, self.head_dim, self.head_dim
+
+    @property
+    def triton_ready(self) -> bool:
+        """Whether the Triton kernels serve this layout: one shape for every layer, keys and values
+        of one size, plain softmax attention."""
+        shapes = {self.shape_of(i) for i in range(self.num_layers)}
+        return not self.variants and len(shapes) == 1 and all(k == v for _, k, v in shapes)
 
     def bytes_per_token(self) -> int:
         elem = torch.empty((), dtype=self.dtype).element_size()
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * elem
+        return sum(heads * (k + v) * elem for heads, k, v in map(self.shape_of, range(self.num_layers)))
 
 
 class PagedKVCache:
@@ -154,9 +177,9 @@ class PagedKVCache:
         self.block_size = block_size
         self.allocator = BlockAllocator(num_blocks, cache_prefixes)
         slots = num_blocks * block_size
-        shape = (slots, layout.num_kv_heads, layout.head_dim)
-        self.k = [torch.zeros(shape, dtype=layout.dtype, device=layout.device) for _ in range(layout.num_layers)]
-        self.v = [torch.zeros(shape, dtype=layout.dtype, device=layout.device) for _ in range(layout.num_layers)]
+        shapes = [layout.shape_of(i) for i in range(layout.num_layers)]
+        self.k = [torch.zeros(slots, h, k, dtype=layout.dtype, device=layout.device) for h, k, _ in shapes]
+        self.v = [torch.zeros(slots, h, v, dtype=layout.dtype, device=layout.device) for h, _, v in shapes]
 
     @property
     def num_blocks(self) -> int:

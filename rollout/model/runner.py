@@ -10,9 +10,8 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from contextlib import contextmanager, nullcontext
 from dataclasses import replace
-from typing import Any
 
 import numpy as np
 import torch
@@ -32,8 +31,10 @@ from .compiled import CompiledLayers
 from .device_inputs import BlockTables, device_inputs
 from .eval_mode import eval_mode
 from .graph_pool import GraphKey, GraphPool, input_signature
-from .kv_cache import KVLayout, PagedKVCache
+from .kv_cache import PagedKVCache
+from .layer_taps import decoder_layers, features_of, tapped
 from .merged_projections import MergedProjections
+from .model_support import check_model, kv_layout_of
 from .padded_metadata import build_padded_metadata, padded_rows
 
 # a packed forward as the step loop and calibration call it (ModelRunner.forward, or a wrapper of
@@ -55,71 +56,6 @@ def model_vocab_size(model: torch.nn.Module) -> int:
     return int(model.config.vocab_size)
 
 
-def decoder_of(model: torch.nn.Module) -> torch.nn.Module | None:
-    """The decoder (embeddings, layers, final norm) of a Hugging Face causal LM."""
-    return model.get_decoder() if hasattr(model, "get_decoder") else getattr(model, "model", None)
-
-
-def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
-    """The decoder layer stack of a Hugging Face causal LM."""
-    layers = getattr(decoder_of(model), "layers", None)
-    if not isinstance(layers, torch.nn.ModuleList):
-        raise ValueError(f"cannot find the decoder layers of {type(model).__name__} to tap hidden states from")
-    return layers
-
-
-LM_HEAD_INPUT = -1  # a tap id: the final norm's output, which the LM head reads (streaming heads read it)
-
-
-@contextmanager
-def capture_layer_inputs(
-    model: torch.nn.Module, layer_ids: Sequence[int], *, keep_all: bool = False
-) -> Iterator[dict[int, Any]]:
-    """Within the block, each forward stores the hidden states entering layer ``i`` at
-    ``captured[i]`` (with ``keep_all``, appends them to the list ``captured[i]``, one per forward);
-    for ``LM_HEAD_INPUT``, the final norm's output: every token's, whatever logits are kept."""
-    layers = decoder_layers(model)
-    bad = [i for i in layer_ids if not (0 <= i < len(layers) or i == LM_HEAD_INPUT)]
-    if bad:
-        raise ValueError(f"layer ids {bad} are outside the model's {len(layers)} decoder layers")
-    captured: dict[int, Any] = {i: [] for i in layer_ids} if keep_all else {}
-
-    def store(i: int, hidden: torch.Tensor) -> None:
-        if keep_all:
-            captured[i].append(hidden)
-        else:
-            captured[i] = hidden
-
-    handles = []
-    for i in sorted(set(layer_ids)):
-        if i == LM_HEAD_INPUT:
-            norm = getattr(decoder_of(model), "norm", None)
-            if not isinstance(norm, torch.nn.Module):
-                raise ValueError(f"cannot find the final norm of {type(model).__name__} to tap the LM head's input")
-            handles.append(norm.register_forward_hook(lambda module, args, output: store(LM_HEAD_INPUT, output)))
-            continue
-
-        def hook(module, args, kwargs, i=i):
-            store(i, args[0] if args else kwargs["hidden_states"])
-
-        handles.append(layers[i].register_forward_pre_hook(hook, with_kwargs=True))
-    try:
-        yield captured
-    finally:
-        for handle in handles:
-            handle.remove()
-
-
-def tapped(model: torch.nn.Module, layer_ids: Sequence[int]) -> AbstractContextManager[dict[int, Any]]:
-    """:func:`capture_layer_inputs` where ``layer_ids`` are given, else nothing hooked."""
-    return capture_layer_inputs(model, layer_ids) if layer_ids else nullcontext({})
-
-
-def features_of(captured: dict[int, Any], layer_ids: Sequence[int]) -> torch.Tensor | None:
-    """The tapped hidden states of one packed forward, ``[T, len(layer_ids) * hidden]`` (None: no taps)."""
-    return torch.cat([captured[i][0] for i in layer_ids], dim=-1) if layer_ids else None
-
-
 class ModelRunner:
     """Packed forwards over the paged cache. With a :class:`GraphPool`, decode and verification
     forwards (few new tokens per sequence), tapped hidden states included, are padded to a bucket
@@ -135,12 +71,14 @@ class ModelRunner:
         compile_layers: bool = False,
         merge_projections: bool = False,
         dtype: str = "auto",
+        role: str = "policy",
     ) -> None:
+        check_model(model, role)  # a family it cannot decode exactly is refused before any forward
         self.model, self.cast = rollout_model(model, dtype)  # decodes on a copy in another dtype if asked
         model = self.model
         self.device, self.dtype = model_device_dtype(model)
         self.vocab_size = model_vocab_size(model)
-        self.layout = KVLayout.from_hf_config(model.config, self.dtype, self.device)
+        self.layout = kv_layout_of(model, self.dtype, self.device)
         self.graph_pool = graph_pool
         # one extra block: padding rows of captured forwards write their K/V there
         self.cache = PagedKVCache(

@@ -78,7 +78,7 @@ def test_the_drafter_forwards_that_feed_the_heads_replay_from_its_graph_pool():
     """The heads read the LM head's input, an output of the drafter's captured forward (on CUDA
     its forwards replay graphs; they ran eagerly for the heads' hook): the same drafts as eager."""
     from tailspec.rollout.model.graph_pool import EagerBackend, GraphPool
-    from tailspec.rollout.model.runner import LM_HEAD_INPUT
+    from tailspec.rollout.model.layer_taps import LM_HEAD_INPUT
 
     prompts = random_prompts(4, seed=2)
     params = SamplingParams(max_new_tokens=20, temperature=0.0)

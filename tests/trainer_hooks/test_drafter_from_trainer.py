@@ -5,7 +5,7 @@ import trl
 import tailspec
 from tailspec.drafter.eagle3 import Eagle3Config, Eagle3Head
 from tailspec.drafter.eagle3.checkpoint import load_checkpoint
-from tailspec.rollout.model.runner import capture_layer_inputs
+from tailspec.rollout.model.layer_taps import capture_layer_inputs
 from tailspec.trainer_hooks import SpecRollout
 from tailspec.trainer_hooks.drafter_from_trainer import DrafterFromTrainer, capture_final_hidden, samples_from_forward
 

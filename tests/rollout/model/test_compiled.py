@@ -10,7 +10,7 @@ from rollout_helpers import cached_model, random_prompts
 from test_spec_greedy import assert_same, good_drafter, mistral
 
 from tailspec.rollout import RolloutConfig, RolloutEngine, SamplingParams
-from tailspec.rollout.model.runner import decoder_layers
+from tailspec.rollout.model.layer_taps import decoder_layers
 from tailspec.testing import perturbed_copy
 
 PARAMS = SamplingParams(temperature=0.0, max_new_tokens=8)
