@@ -4,7 +4,8 @@ One program handles ``BLOCK_Q`` new tokens of one sequence for one query head. I
 sequence's context ``BLOCK_N`` keys at a time, finding each key's slot through the block table
 (any cache block size), and keeps an online softmax in fp32. A query sees every cached key and,
 among the new tokens, the causal prefix or, with a tree mask, its ancestors; an optional sliding
-window drops keys too far behind the query's position. Rows beyond a sequence's new tokens are
+window drops keys too far behind the query's position; logits may be soft-capped and each head
+may add a sink logit to its softmax. Rows beyond a sequence's new tokens are
 not written (the launcher zero-fills the output). See ``kernels/paged_attention.py``.
 """
 
@@ -76,6 +77,25 @@ def block_scores(q, k, scale, IEEE: tl.constexpr):
 
 
 @triton.jit
+def capped(scores, softcap, HAS_SOFTCAP: tl.constexpr):
+    """``softcap * tanh(scores / softcap)`` (Gemma 2's logit cap, before the mask), tanh written
+    as ``2 sigmoid(2x) - 1``; ``scores`` as they are without a cap."""
+    if HAS_SOFTCAP:
+        scores = softcap * (2.0 * tl.sigmoid(2.0 * scores / softcap) - 1.0)
+    return scores
+
+
+@triton.jit
+def with_sink(m, denom, acc, sink):
+    """A row's running maximum, sum and output with its head's sink logit added to the softmax: it
+    takes a share of the probability and gives no value (gpt-oss). Returns the normalised output."""
+    top = tl.maximum(m, sink)
+    rescale = tl.where(m == float("-inf"), 0.0, tl.exp(m - top))
+    total = denom * rescale + tl.exp(sink - top)
+    return acc * (rescale / total)[:, None]
+
+
+@triton.jit
 def online_softmax_step(scores, v, m, denom, acc, IEEE: tl.constexpr):
     """Folds one block of keys (``scores``, -inf where hidden, and their values ``v``) into each
     row's running maximum ``m``, sum ``denom`` and unnormalised output ``acc``; a row with nothing
@@ -97,9 +117,11 @@ def paged_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,  # [T, H, D]; [slots, KVH, D] each; [T, H, D] f32
     block_tables_ptr, cached_lens_ptr, query_lens_ptr, query_start_ptr,  # [B, max_blocks]; [B] (all i32)
     tree_mask_ptr, query_pos_ptr,  # [B, MQ, MQ] u8 (HAS_TREE); [T] i32 positions (HAS_WINDOW)
-    scale, window, head_dim, block_size, max_blocks, mask_q,
+    sinks_ptr,  # [H] f32 sink logits (HAS_SINKS)
+    scale, window, head_dim, block_size, max_blocks, mask_q, softcap,
     stride_qt, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_ot, stride_oh,
     GROUP: tl.constexpr, HAS_TREE: tl.constexpr, HAS_WINDOW: tl.constexpr,
+    HAS_SINKS: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
     b = tl.program_id(0)
@@ -139,11 +161,14 @@ def paged_attention_kernel(
         visible = visible_keys(
             keys, key_ok, rows, row_ok, cached, q_pos, window, tree_mask_ptr, b, mask_q, HAS_TREE, HAS_WINDOW
         )
-        scores = tl.where(visible, block_scores(q, k, scale, True), float("-inf"))
+        scores = tl.where(visible, capped(block_scores(q, k, scale, True), softcap, HAS_SOFTCAP), float("-inf"))
         v = load_kv(v_cache_ptr, slots, kv_head, stride_vs, stride_vh, dims, kv_mask)
         m, denom, acc = online_softmax_step(scores, v, m, denom, acc, True)
 
-    out = acc / tl.where(denom > 0, denom, 1.0)[:, None]
+    if HAS_SINKS:
+        out = with_sink(m, denom, acc, tl.load(sinks_ptr + h))
+    else:
+        out = acc / tl.where(denom > 0, denom, 1.0)[:, None]
     tl.store(
         out_ptr + packed_rows[:, None] * stride_ot + h * stride_oh + dims[None, :],
         out,
@@ -153,6 +178,8 @@ def paged_attention_kernel(
 
 __all__ = [
     "block_scores",
+    "capped",
+    "with_sink",
     "kv_slots",
     "load_kv",
     "online_softmax_step",

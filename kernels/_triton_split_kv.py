@@ -16,8 +16,10 @@ GPU idle at small batches and reads every K/V block once per query head of a gro
   GPU by itself, or a short context) the first kernel writes the normalised output into a zeroed
   buffer and the merge is not launched.
 
-Visibility is the paged kernel's: every cached key, among the new tokens the causal prefix or the
-tree mask's ancestors, and an optional sliding window. See ``kernels/paged_attention.py``.
+Logits may be soft-capped, and a head's sink logit joins the sum where the output is normalised
+(the one split, or the merge). Visibility is the paged kernel's: every cached key, among the new
+tokens the causal prefix or the tree mask's ancestors, and an optional sliding window. See
+``kernels/paged_attention.py``.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ._triton_attention import block_scores, kv_slots, load_kv, online_softmax_step, visible_keys
+from ._triton_attention import block_scores, capped, kv_slots, load_kv, online_softmax_step, visible_keys, with_sink
 
 
 @triton.jit
@@ -34,9 +36,11 @@ def split_kv_attention_kernel(
     part_out_ptr, part_max_ptr, part_sum_ptr,  # [S, T, H, D] f32 unnormalised; [S, T, H] f32 each
     block_tables_ptr, cached_lens_ptr, query_lens_ptr, query_start_ptr,  # [B, max_blocks]; [B] (all i32)
     tree_mask_ptr, query_pos_ptr,  # [B, MQ, MQ] u8 (HAS_TREE); [T] i32 positions (HAS_WINDOW)
-    scale, window, head_dim, block_size, max_blocks, mask_q, num_rows, num_heads,
+    sinks_ptr,  # [H] f32 sink logits (HAS_SINKS: added to the softmax where the output is normalised)
+    scale, window, head_dim, block_size, max_blocks, mask_q, softcap, num_rows, num_heads,
     stride_qt, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh,
     GROUP: tl.constexpr, NUM_SPLITS: tl.constexpr, HAS_TREE: tl.constexpr, HAS_WINDOW: tl.constexpr,
+    HAS_SINKS: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
     b = tl.program_id(0)
@@ -77,13 +81,16 @@ def split_kv_attention_kernel(
         visible = visible_keys(
             keys, key_ok, token, row_ok, cached, q_pos, window, tree_mask_ptr, b, mask_q, HAS_TREE, HAS_WINDOW
         )
-        scores = tl.where(visible, block_scores(q, k, scale, IEEE), float("-inf"))
+        scores = tl.where(visible, capped(block_scores(q, k, scale, IEEE), softcap, HAS_SOFTCAP), float("-inf"))
         v = load_kv(v_cache_ptr, slots, kv_head, stride_vs, stride_vh, dims, kv_mask)
         m, denom, acc = online_softmax_step(scores, v, m, denom, acc, IEEE)
 
     part = (split.to(tl.int64) * num_rows + packed) * num_heads + head
     if NUM_SPLITS == 1:  # the whole context: the output itself (a row that saw no key: 0, as merged)
-        acc = acc / tl.where(denom > 0, denom, 1.0)[:, None]
+        if HAS_SINKS:
+            acc = with_sink(m, denom, acc, tl.load(sinks_ptr + head, mask=row_ok, other=0.0))
+        else:
+            acc = acc / tl.where(denom > 0, denom, 1.0)[:, None]
     tl.store(part_out_ptr + part[:, None] * head_dim + dims[None, :], acc, mask=row_ok[:, None] & dim_ok[None, :])
     if NUM_SPLITS > 1:
         tl.store(part_max_ptr + part, m, mask=row_ok)
@@ -96,15 +103,17 @@ def merge_splits_kernel(
     part_max_ptr,  # [S, T, H]
     part_sum_ptr,
     out_ptr,  # [T, H, D] f32
+    sinks_ptr,  # [H] f32 (HAS_SINKS)
     num_rows,
     num_heads,
     head_dim,
     NUM_SPLITS: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
-    """One (row, head): its splits' partials merged. Maxima start at -inf (the launcher fills
-    them), so a split that saw no key, and a row of no sequence, weigh 0 and their other partials
-    (never written) are not read: such a row's output is 0."""
+    """One (row, head): its splits' partials merged, the head's sink logit joining the sum. Maxima
+    start at -inf (the launcher fills them), so a split that saw no key, and a row of no sequence,
+    weigh 0 and their other partials (never written) are not read: such a row's output is 0."""
     row = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     splits = tl.arange(0, NUM_SPLITS)
@@ -112,10 +121,15 @@ def merge_splits_kernel(
     maxima = tl.load(part_max_ptr + at)
     seen = maxima > float("-inf")
     top = tl.max(maxima, axis=0)
+    if HAS_SINKS:
+        sink = tl.load(sinks_ptr + head)
+        top = tl.maximum(top, sink)
     top = tl.where(top == float("-inf"), 0.0, top)
     weights = tl.where(seen, tl.exp(maxima - top), 0.0)
     sums = tl.load(part_sum_ptr + at, mask=seen, other=0.0)
     total = tl.sum(weights * sums, axis=0)
+    if HAS_SINKS:
+        total += tl.exp(sink - top)
     dims = tl.arange(0, BLOCK_D)
     dim_ok = dims < head_dim
     parts = tl.load(

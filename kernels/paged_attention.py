@@ -106,10 +106,14 @@ def paged_attention_reference(
     plan: PagedAttentionPlan,
     scale: float | None = None,
     sliding_window: int | None = None,
+    sinks: torch.Tensor | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """``query`` ``[T, H, D]``, caches ``[slots, KVH, D]`` (new K/V already written). Returns
     ``[T, H, D]`` in float32 (float64 for float64 inputs: the reference a kernel's relative error is
-    taken against); rows that belong to no sequence are zero."""
+    taken against); rows that belong to no sequence are zero. ``softcap``: logits become ``softcap *
+    tanh(s / softcap)`` before the mask; ``sinks`` (``[H]``): a logit per head that joins each
+    softmax and gives no value."""
     precise = torch.promote_types(query.dtype, torch.float32)
     num_rows, heads, head_dim = query.shape
     group = heads // k_cache.shape[1]
@@ -134,8 +138,14 @@ def paged_attention_reference(
             pos = plan.query_positions[start : start + q_len].long()
             visible &= (pos.unsqueeze(1) - keys_idx.unsqueeze(0)) < sliding_window
         scores = torch.einsum("qhd,khd->hqk", q, k) * scale
+        if softcap:
+            scores = softcap * torch.tanh(scores / softcap)
         scores = scores.masked_fill(~visible, float("-inf"))
-        weights = torch.nan_to_num(scores.softmax(dim=-1))  # a row with no visible key gives zeros
+        if sinks is not None:
+            sink = sinks.to(precise).view(heads, 1, 1).expand(heads, q_len, 1)
+            weights = torch.cat([scores, sink], dim=-1).softmax(dim=-1)[..., :-1]
+        else:
+            weights = torch.nan_to_num(scores.softmax(dim=-1))  # a row with no visible key gives zeros
         out[start : start + q_len] = torch.einsum("hqk,khd->qhd", weights, v)
     return out
 
@@ -147,6 +157,8 @@ def paged_attention_triton(
     plan: PagedAttentionPlan,
     scale: float | None = None,
     sliding_window: int | None = None,
+    sinks: torch.Tensor | None = None,
+    softcap: float | None = None,
     block_q: int = 16,
     block_n: int = 32,
 ) -> torch.Tensor:
@@ -168,13 +180,16 @@ def paged_attention_triton(
         v_cache,
         out,
         *_plan_args(plan),
-        *_shape_args(plan, scale, sliding_window, head_dim),
+        _sinks_arg(sinks, plan),
+        *_shape_args(plan, scale, sliding_window, head_dim, softcap),
         *_stride_args(query, k_cache, v_cache),
         out.stride(0),
         out.stride(1),
         GROUP=heads // kv_heads,
         HAS_TREE=tree is not None,
         HAS_WINDOW=sliding_window is not None,
+        HAS_SINKS=sinks is not None,
+        HAS_SOFTCAP=bool(softcap),
         BLOCK_Q=block_q,
         BLOCK_N=block_n,
         BLOCK_D=max(16, 1 << (head_dim - 1).bit_length()),
@@ -199,6 +214,8 @@ def paged_attention_split_kv(
     plan: PagedAttentionPlan,
     scale: float | None = None,
     sliding_window: int | None = None,
+    sinks: torch.Tensor | None = None,
+    softcap: float | None = None,
     num_splits: int | None = None,
     block_n: int = 64,
 ) -> torch.Tensor:
@@ -231,7 +248,8 @@ def paged_attention_split_kv(
         maxima,
         sums,
         *_plan_args(plan),
-        *_shape_args(plan, scale, sliding_window, head_dim),
+        _sinks_arg(sinks, plan),
+        *_shape_args(plan, scale, sliding_window, head_dim, softcap),
         num_rows,
         heads,
         *_stride_args(query, k_cache, v_cache),
@@ -239,6 +257,8 @@ def paged_attention_split_kv(
         NUM_SPLITS=num_splits,
         HAS_TREE=tree is not None,
         HAS_WINDOW=sliding_window is not None,
+        HAS_SINKS=sinks is not None,
+        HAS_SOFTCAP=bool(softcap),
         IEEE=k_cache.dtype == torch.float32,
         BLOCK_M=max(16, 1 << (plan.max_query_len * group - 1).bit_length()),
         BLOCK_N=block_n,
@@ -248,7 +268,17 @@ def paged_attention_split_kv(
         return parts[0]
     out = torch.empty(num_rows, heads, head_dim, dtype=torch.float32, device=query.device)
     merge_splits_kernel[(num_rows, heads)](
-        parts, maxima, sums, out, num_rows, heads, head_dim, NUM_SPLITS=num_splits, BLOCK_D=block_d
+        parts,
+        maxima,
+        sums,
+        out,
+        _sinks_arg(sinks, plan),
+        num_rows,
+        heads,
+        head_dim,
+        NUM_SPLITS=num_splits,
+        HAS_SINKS=sinks is not None,
+        BLOCK_D=block_d,
     )
     return out
 
@@ -269,10 +299,25 @@ def _plan_args(plan: PagedAttentionPlan) -> tuple[torch.Tensor, ...]:
     return plan.block_tables, plan.cached_lens, plan.query_lens, plan.query_start, tree, plan.query_positions
 
 
-def _shape_args(plan: PagedAttentionPlan, scale: float, window: int | None, head_dim: int) -> tuple:
-    """scale, window, head_dim, block_size, max_blocks, mask_q, in the kernels' order."""
+def _sinks_arg(sinks: torch.Tensor | None, plan: PagedAttentionPlan) -> torch.Tensor:
+    """The sink logits as the kernels read them (fp32, contiguous); a stand-in, never read, without."""
+    return sinks.detach().float().contiguous() if sinks is not None else plan.query_lens
+
+
+def _shape_args(
+    plan: PagedAttentionPlan, scale: float, window: int | None, head_dim: int, softcap: float | None
+) -> tuple:
+    """scale, window, head_dim, block_size, max_blocks, mask_q, softcap, in the kernels' order."""
     mask_q = plan.tree_mask.shape[1] if plan.tree_mask is not None else 1
-    return float(scale), int(window or 0), head_dim, plan.block_size, plan.block_tables.shape[1], mask_q
+    return (
+        float(scale),
+        int(window or 0),
+        head_dim,
+        plan.block_size,
+        plan.block_tables.shape[1],
+        mask_q,
+        float(softcap or 0),
+    )
 
 
 def _stride_args(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[int, ...]:

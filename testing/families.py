@@ -44,7 +44,7 @@ SIZES: dict[str, Any] = {
     "q_lora_rank": 24,
     "qk_rope_head_dim": 8,
     "qk_nope_head_dim": 16,
-    "v_head_dim": 24,
+    "v_head_dim": 16,  # unlike the keys (qk_nope + qk_rope = 24): MLA caches two sizes
     # soft caps low enough to bind
     "attn_logit_softcapping": 4.0,
     "final_logit_softcapping": 8.0,

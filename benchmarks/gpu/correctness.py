@@ -5,6 +5,9 @@
   and ``chain:4`` with an EAGLE-3 head (its target's forwards replay graphs that return its features);
 - sampled: the chi-square test of the joint of completion tokens 2 and 3 (the first speculative step)
   against the target's exact processed distribution;
+- model families: gpt-oss (sinks), Gemma 2 (soft cap), Gemma 4 (per-layer head sizes) and DeepSeek
+  V3 (MLA) at tiny size, each strategy on the device's kernels and graphs against a no-cache
+  recompute (greedy tokens and every sampled token's logprob); a hybrid (Qwen3-Next) refused;
 - bf16: each strategy at full batch against a batch-1 bf16 control of ``none`` (the divergence method
   of "Batch Speculative Decoding Done Right"): where a completion first differs, the control's logit
   margin (top-1 minus top-2) says whether rounding could explain it.
@@ -130,9 +133,82 @@ def bf16_divergence(stage: Stage) -> None:
             )
 
 
+FAMILIES = ("gpt_oss", "gemma2", "gemma4_text", "deepseek_v3")
+FAMILY_STRATEGIES = ("none", "chain:4", "tree:3,2,6", "suffix", "hybrid")
+
+
+def families(stage: Stage, family: str) -> None:
+    """One mechanism family, fp32 on the device: every strategy exact against a no-cache recompute."""
+    from ...rollout.model.model_support import UnservableModel
+    from ...testing.families import no_cache_greedy, no_cache_logprobs, tiny_family_model
+
+    dev = device()
+    try:
+        model = tiny_family_model(family).to(dev)
+    except ValueError as e:  # a transformers without this family (the image's may be older)
+        stage.skip(f"family {family}", f"transformers here cannot build it: {str(e).splitlines()[0][:120]}")
+        return
+    drafter = tiny_family_model("llama", seed=11).to(dev)
+    prompts = random_prompts(4, seed=5, min_len=3, max_len=12)
+    want = [no_cache_greedy(model, p, 12, eos_id=-1) for p in prompts]
+    for strategy in FAMILY_STRATEGIES:
+        try:
+            engine = RolloutEngine(
+                model,
+                RolloutConfig(strategy=strategy),
+                eos_token_ids=[],
+                drafter=None if strategy in ("none", "suffix") else drafter,
+            )
+        except UnservableModel as e:
+            stage.check(f"family {family} {strategy}", False, f"refused: {e}")
+            continue
+        got = [o.completion_ids for o in engine.generate(prompts, SamplingParams(temperature=0.0, max_new_tokens=12))]
+        sampled = engine.generate(prompts, SamplingParams(temperature=1.0, max_new_tokens=12, seed=2))
+        err = max(
+            float(
+                (torch.tensor(o.logprobs, dtype=torch.float64) - no_cache_logprobs(model, p, o.completion_ids))
+                .abs()
+                .max()
+            )
+            for p, o in zip(prompts, sampled)
+        )
+        backend = "triton" if engine.runner.cache.layout.triton_ready and dev.type == "cuda" else "torch"
+        engine.close()
+        same = sum(g == w for g, w in zip(got, want))
+        stage.check(
+            f"family {family} {strategy}",
+            same == len(want) and err < 1e-3,
+            f"{same}/{len(want)} greedy equal, logprob error {err:.1e}, attention {backend}",
+        )
+
+
+def hybrid_refused(stage: Stage) -> None:
+    from ...rollout.model.model_support import UnservableModel
+    from ...testing.families import tiny_family_model
+
+    try:
+        model = tiny_family_model("qwen3_next")
+    except ValueError as e:
+        stage.skip("hybrid refused", f"transformers here cannot build qwen3_next: {str(e).splitlines()[0][:120]}")
+        return
+    try:
+        RolloutEngine(model, RolloutConfig(), eos_token_ids=[])
+    except UnservableModel as e:
+        stage.check("hybrid refused", "keeps a recurrent state" in str(e), str(e))
+        return
+    stage.check("hybrid refused", False, "qwen3_next was served")
+
+
 def run(stage: Stage) -> None:
     for arch in ARCHS:
         greedy_against_hf(stage, arch)
+    for family in FAMILIES:
+        with stage.part(f"family {family}", 6) as ok:
+            if ok:
+                families(stage, family)
+    with stage.part("hybrid refused", 2) as ok:
+        if ok:
+            hybrid_refused(stage)
     for strategy, params in (
         ("chain:2", SamplingParams(temperature=1.0)),
         ("tree:2,3,6", SamplingParams(temperature=0.7, top_k=6, top_p=0.9)),

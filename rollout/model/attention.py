@@ -69,7 +69,7 @@ class AttentionMetadata:
 def attention_backend(cache: PagedKVCache, kernels: str | None, max_new: int) -> str:
     """The backend of a forward's attention over ``cache`` with at most ``max_new`` new tokens per
     sequence (``kernels``: a ``RolloutConfig.kernels`` choice, None for the enclosing one)."""
-    if not cache.layout.triton_ready:  # sinks, soft caps, per-layer or unequal K/V sizes: torch only
+    if not cache.layout.triton_ready:  # keys and values of unequal sizes (MLA): torch only
         return "torch"
     suits = attention_suits_triton(cache.layout.dtype, max_new)
     return resolve_backend(cache.layout.device, kernels, triton_suits=suits)
@@ -280,12 +280,19 @@ def attend(
     value_dim = v_cache.shape[2]
     total = query.shape[2]
     if meta.plan is not None:
-        if extras:
-            raise RuntimeError("the Triton attention kernels implement neither sinks nor soft caps")
         # decode and verification (a few new tokens per sequence over a long context): the split-KV
         # kernel; prefill: one program per 16 new tokens and query head
         kernel = paged_attention_split_kv if meta.plan.max_query_len <= SPLIT_KV_MAX_NEW else paged_attention_triton
-        out = kernel(query[0].transpose(0, 1), k_cache, v_cache, meta.plan, scaling, sliding_window)  # [T, H, D]
+        out = kernel(
+            query[0].transpose(0, 1),
+            k_cache,
+            v_cache,
+            meta.plan,
+            scaling,
+            sliding_window,
+            sinks=extras.sinks,
+            softcap=extras.softcap,
+        )  # [T, H, D]
         return out.unsqueeze(0).to(query.dtype)
     b, q = meta.num_seqs, meta.max_new
     flat_k, flat_v = k_cache.view(k_cache.shape[0], -1), v_cache.view(v_cache.shape[0], -1)

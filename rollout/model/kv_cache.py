@@ -130,9 +130,7 @@ def blocks_for(num_tokens: int, block_size: int) -> int:
 class KVLayout:
     """What each layer's cache holds per token: ``num_kv_heads`` heads of ``head_dim`` keys and
     values, unless ``layer_shapes`` says otherwise for some layer: ``(kv_heads, key size, value
-    size)`` per layer (Gemma 4's per-layer head sizes; MLA's values smaller than its keys).
-    ``variants``: what the model's attention adds that only the torch path implements (``s_aux``
-    sinks, ``softcap``)."""
+    size)`` per layer (Gemma 4's per-layer head sizes; MLA's values smaller than its keys)."""
 
     num_layers: int
     num_kv_heads: int
@@ -140,7 +138,6 @@ class KVLayout:
     dtype: torch.dtype
     device: torch.device
     layer_shapes: tuple[tuple[int, int, int], ...] | None = None
-    variants: frozenset[str] = frozenset()
 
     @classmethod
     def from_hf_config(cls, config, dtype: torch.dtype, device: torch.device) -> KVLayout:
@@ -159,10 +156,9 @@ class KVLayout:
 
     @property
     def triton_ready(self) -> bool:
-        """Whether the Triton kernels serve this layout: one shape for every layer, keys and values
-        of one size, plain softmax attention."""
-        shapes = {self.shape_of(i) for i in range(self.num_layers)}
-        return not self.variants and len(shapes) == 1 and all(k == v for _, k, v in shapes)
+        """Whether the Triton kernels serve this layout: keys and values of one size in every layer
+        (a layer's size is the launch's; MLA's smaller values are not)."""
+        return all(k == v for _, k, v in map(self.shape_of, range(self.num_layers)))
 
     def bytes_per_token(self) -> int:
         elem = torch.empty((), dtype=self.dtype).element_size()

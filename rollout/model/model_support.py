@@ -171,10 +171,6 @@ def check_model(model: torch.nn.Module, role: str = "model") -> None:
         raise refuse("not among the families measured exact against a no-cache recompute (README, 'Models')")
 
 
-# keywords of the attention call that only the torch path implements
-_TORCH_ONLY = frozenset({"s_aux", "softcap"})
-
-
 def _attention_module(layer: torch.nn.Module) -> torch.nn.Module | None:
     return next((m for m in layer.modules() if module_traits(type(m)).attention_keywords is not None), None)
 
@@ -198,7 +194,7 @@ def _cache_shape(module: torch.nn.Module, text_config) -> tuple[int, int, int]:
 
 def kv_layout_of(model: torch.nn.Module, dtype: torch.dtype, device: torch.device) -> KVLayout:
     """The paged cache's layout for ``model`` (checked by :func:`check_model`): each layer's K/V
-    shape as its attention module declares it, and the attention variants it uses."""
+    shape as its attention module declares it."""
     base = KVLayout.from_hf_config(model.config, dtype, device)
     layers = _layers(model)
     modules = [_attention_module(layer) for layer in layers] if layers is not None else []
@@ -206,7 +202,6 @@ def kv_layout_of(model: torch.nn.Module, dtype: torch.dtype, device: torch.devic
         return base
     text_config = model.config.get_text_config(decoder=True)
     shapes = tuple(_cache_shape(m, text_config) for m in modules)
-    variants = frozenset().union(*(module_traits(type(m)).attention_keywords & _TORCH_ONLY for m in modules))
     uniform = len(set(shapes)) == 1 and shapes[0][1] == shapes[0][2]
     heads, key, _ = shapes[0]
-    return KVLayout(len(shapes), heads, key, dtype, device, None if uniform else shapes, variants)
+    return KVLayout(len(shapes), heads, key, dtype, device, None if uniform else shapes)

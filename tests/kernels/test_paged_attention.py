@@ -186,3 +186,17 @@ def test_padded_layout_of_captured_graphs():
     torch.testing.assert_close(out[rows], dense, atol=2e-5, rtol=1e-4)
     padding = [r for r in range(batch * tokens) if r not in rows]
     assert torch.all(out[padding] == 0)
+
+
+@pytest.mark.parametrize("variant", ["sinks", "softcap", "both"])
+def test_sinks_and_soft_caps_equal_the_reference(variant):
+    """gpt-oss's per-head sink logits and Gemma 2's logit cap, in the kernel as in the reference."""
+    q, k, v, plan = random_case(77, 4, 8, 2, 16, trees=True)
+    q = q * 3  # logits large enough that the cap binds
+    sinks = torch.randn(8, generator=torch.Generator().manual_seed(5)) * 2 if variant != "softcap" else None
+    softcap = 2.5 if variant != "sinks" else None
+    for window in (None, 9):
+        want = paged_attention_reference(q, k, v, plan, 0.3, window, sinks=sinks, softcap=softcap)
+        assert not torch.allclose(want, paged_attention_reference(q, k, v, plan, 0.3, window), atol=1e-3)
+        got = paged_attention_triton(q, k, v, plan, 0.3, window, sinks=sinks, softcap=softcap)
+        torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)

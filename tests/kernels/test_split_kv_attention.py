@@ -64,3 +64,17 @@ def test_rows_of_no_sequence_are_zero_and_the_split_count_is_a_power_of_two():
     assert split_count(64, 8, 32768, 132, 64) == 1  # a full batch fills the SMs without splitting
     assert split_count(1, 8, 512, 132, 64) == 2  # no split shorter than 4 key blocks
     assert all(s & (s - 1) == 0 for s in (split_count(b, 4, 8192, 132, 64) for b in range(1, 300)))
+
+
+@pytest.mark.parametrize("splits", [1, 4])
+def test_split_kv_with_sinks_and_a_soft_cap_equals_reference(splits):
+    """The sink joins the sum where the output is normalised: in the one split, or in the merge."""
+    q, k, v, plan = random_case(31 + splits, 4, 8, 2, 16, trees=True)
+    q = q * 3
+    sinks = torch.randn(8, generator=torch.Generator().manual_seed(6)) * 2
+    for softcap in (None, 2.5):
+        want = paged_attention_reference(q, k, v, plan, 0.3, 9, sinks=sinks, softcap=softcap)
+        got = paged_attention_split_kv(
+            q, k, v, plan, 0.3, 9, sinks=sinks, softcap=softcap, num_splits=splits, block_n=16
+        )
+        torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)

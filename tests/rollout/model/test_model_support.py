@@ -190,3 +190,30 @@ def test_a_drafter_lm_of_a_refused_family_is_refused_as_the_drafter():
             eos_token_ids=[],
             drafter=tiny_family_model("qwen3_next"),
         )
+
+
+@pytest.mark.parametrize("family", ["gpt_oss", "gemma2", "gemma4_text", "deepseek_v3"])
+def test_each_mechanism_is_exact_on_the_triton_kernels(family):
+    """Sinks and soft caps in the Triton kernels (Triton's interpreter here), per-layer head sizes
+    launched per layer; MLA's unequal K/V sizes stay on the torch path whatever is asked."""
+    pytest.importorskip("triton")
+    model = tiny_family_model(family)
+    config = RolloutConfig(strategy="chain:3", kernels="triton", kv_cache_tokens=512)
+    engine = RolloutEngine(model, config, eos_token_ids=[], drafter=_drafter("lm", model))
+    assert engine.runner.cache.layout.triton_ready == (family != "deepseek_v3")
+    greedy = engine.generate(PROMPTS[:2], SamplingParams(temperature=0.0, max_new_tokens=8))
+    assert [o.completion_ids for o in greedy] == [no_cache_greedy(model, p, 8, eos_id=-1) for p in PROMPTS[:2]]
+    sampled = engine.generate(PROMPTS[:2], SamplingParams(temperature=1.0, max_new_tokens=8, seed=4))
+    for prompt, out in zip(PROMPTS, sampled):
+        want = no_cache_logprobs(model, prompt, out.completion_ids)
+        torch.testing.assert_close(torch.tensor(out.logprobs, dtype=torch.float64), want, atol=1e-4, rtol=0)
+
+
+def test_the_no_cache_oracle_is_hf_generate(mechanism_model):
+    """The recompute the walk trusts gives what transformers' own cached ``generate`` gives."""
+    from tailspec.testing import hf_greedy
+
+    for prompt in PROMPTS:
+        assert no_cache_greedy(mechanism_model, prompt, 10, eos_id=-1) == hf_greedy(
+            mechanism_model, prompt, 10, eos_id=-1
+        )
