@@ -70,30 +70,57 @@ def exit_layer_problems(target: nn.Module, num_layers: int) -> list[str]:
     return []
 
 
+# the decoder's own children an early exit replaces or takes from the target one by one
+_DECODER_PARTS = ("embed_tokens", "layers", "norm", "rotary_emb")
+
+
+def _beside_layers(decoder: nn.Module) -> list[str]:
+    """The decoder's other children that hold weights (Gemma 4's per-layer input embeddings and
+    projection): sized by the whole stack, so a shallow model shares them and keeps the target's
+    layer count in its config (the decoder still runs only the layers it holds)."""
+    return [
+        name
+        for name, child in decoder.named_children()
+        if name not in _DECODER_PARTS and any(True for _ in child.parameters())
+    ]
+
+
 def shallow_model(target: nn.Module, num_layers: int, adapter: ExitAdapter | None = None) -> nn.Module:
     """A causal LM of ``target``'s class whose embeddings, first ``num_layers`` decoder layers,
-    final norm and LM head are ``target``'s own modules (shared, not copied)."""
+    final norm and LM head are ``target``'s own modules (shared, not copied), and so are whatever
+    else its decoder holds beside its layers."""
     check_exit_layer(target, num_layers, "self-speculative num_layers")
-    config = copy.deepcopy(target.config)
-    config.num_hidden_layers = num_layers
-    if getattr(config, "layer_types", None) is not None:
-        config.layer_types = list(config.layer_types[:num_layers])
+    source = target.get_decoder()
+    beside = _beside_layers(source)
+    config = _shallow_config(target.config, num_layers, keep_count=bool(beside))
     with torch.device("meta"):
         shallow = type(target)(config)
-    source, decoder = target.get_decoder(), shallow.get_decoder()
+    decoder = shallow.get_decoder()
     decoder.embed_tokens = source.embed_tokens
     decoder.layers = nn.ModuleList(list(source.layers[:num_layers]))
     decoder.norm = final_norm(target) if adapter is None else _AdaptedNorm(adapter, final_norm(target))
-    if hasattr(source, "rotary_emb"):
-        decoder.rotary_emb = source.rotary_emb
+    for name in ("rotary_emb", *beside):
+        if hasattr(source, name):
+            setattr(decoder, name, getattr(source, name))
     shallow.lm_head = target.get_output_embeddings()
     left = [n for n, t in [*shallow.named_parameters(), *shallow.named_buffers()] if t.is_meta]
     if left:
         raise ValueError(
-            f"self:{num_layers} cannot draft for {type(target).__name__}: its decoder holds {left[:3]} beside "
-            "its layers (per-layer inputs), which an early exit after some layers does not share"
+            f"self:{num_layers} cannot draft for {type(target).__name__}: its decoder holds {left[:3]} that "
+            "an early exit after some layers does not share"
         )
     return shallow.train(target.training)
+
+
+def _shallow_config(config, num_layers: int, keep_count: bool):
+    """``config`` for a model of ``num_layers`` layers; ``keep_count``: the layer count kept (what
+    sizes the modules beside the layers), the decoder running the layers it holds."""
+    config = copy.deepcopy(config)
+    if not keep_count:
+        config.num_hidden_layers = num_layers
+        if getattr(config, "layer_types", None) is not None:
+            config.layer_types = list(config.layer_types[:num_layers])
+    return config
 
 
 class SelfSpecDrafter(SmallLMDrafter):
@@ -116,12 +143,15 @@ class SelfSpecDrafter(SmallLMDrafter):
 
     def model_structure(self):
         rank = self.adapter.down.out_features if self.adapter is not None else None
-        return partial(_shallow_structure, type(self.model), self.model.config, self.runner.dtype, rank)
+        return partial(
+            _shallow_structure, type(self.model), self.model.config, self.runner.dtype, rank, self.num_layers
+        )
 
 
-def _shallow_structure(cls: type, config, dtype: torch.dtype, adapter_rank: int | None) -> nn.Module:
+def _shallow_structure(cls: type, config, dtype: torch.dtype, adapter_rank: int | None, num_layers: int) -> nn.Module:
     """An untrained model shaped like a shallow model (and its adapter): a draft process's copy."""
     model = cls(config)
+    model.get_decoder().layers = nn.ModuleList(list(model.get_decoder().layers[:num_layers]))
     if adapter_rank is not None:
         model.get_decoder().norm = _AdaptedNorm(ExitAdapter(config.hidden_size, adapter_rank), model.get_decoder().norm)
     return model.to(dtype)
