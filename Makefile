@@ -29,12 +29,13 @@ TRAIN_WHEELS := trl==1.16.0 datasets==4.7.0 dill==0.4.0 multiprocess==0.70.18
 WHEEL_PLATFORMS := --python-version 3.12 --implementation cp --platform manylinux_2_28_x86_64 \
                    --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64
 
-# Everything the project promises is installed, DeepSpeed included, so only GPU tests skip on CPU.
+# Everything the project promises is installed (every extra, DeepSpeed included), at the exact tested
+# versions of constraints.txt, so only GPU tests skip on CPU.
 # The test environment is byte-compiled at install: the suite starts dozens of processes at once
 # (Ray workers, CLI runs), which would otherwise each compile the modules they import.
-$(STAMP): pyproject.toml Makefile
+$(STAMP): pyproject.toml constraints.txt Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q -e ".[dev,deepspeed]"
+	$(PY) -m pip install -q -c constraints.txt -e ".[dev,all]"
 	touch $(STAMP)
 
 demo: $(STAMP)

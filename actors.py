@@ -33,6 +33,8 @@ from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
+from .extras import need
+
 BACKENDS = ("ray", "threads")
 
 
@@ -98,13 +100,18 @@ def actors_for(backend: str) -> Actors:
 
 
 # -- Ray --------------------------------------------------------------------------------------
+def ray_module():
+    """Ray, or the one line saying to install ``tailspec[ray]``."""
+    return need("ray", "ray", "tailspec's Ray actors (rollout workers, draft hosts)")
+
+
 class RayActors(Actors):
     """Ray actors; Ray's errors are raised as this module's."""
 
     name = "ray"
 
     def spawn(self, cls: type, *args: Any, num_cpus: float, num_gpus: float, max_concurrency: int) -> Any:
-        import ray
+        ray = ray_module()
 
         remote = ray.remote(num_cpus=num_cpus, num_gpus=num_gpus, max_concurrency=max_concurrency)(cls)
         return remote.remote(*args)
@@ -116,12 +123,12 @@ class RayActors(Actors):
         return getattr(actor, method).options(num_returns="streaming").remote(*args)
 
     def put(self, value: Any) -> Any:
-        import ray
+        ray = ray_module()
 
         return ray.put(value)
 
     def get(self, refs: Any, timeout: float | None = None) -> Any:
-        import ray
+        ray = ray_module()
 
         try:
             return ray.get(refs, timeout=timeout)
@@ -133,17 +140,17 @@ class RayActors(Actors):
             raise CallFailed(str(e)) from e
 
     def wait(self, refs: Sequence[Any], num_returns: int = 1, timeout: float | None = None) -> tuple[list, list]:
-        import ray
+        ray = ray_module()
 
         return ray.wait(list(refs), num_returns=num_returns, timeout=timeout)
 
     def kill(self, actor: Any) -> None:
-        import ray
+        ray = ray_module()
 
         ray.kill(actor)
 
     def resources(self) -> str:
-        import ray
+        ray = ray_module()
 
         def amounts(resources: dict[str, float]) -> str:
             return f"CPU {resources.get('CPU', 0):g}, GPU {resources.get('GPU', 0):g}"

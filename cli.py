@@ -18,11 +18,13 @@ class UserError(Exception):
 
 
 # what a user's mistake surfaces as below the CLI: config and parameter validation (ValueError),
-# files that are missing or unreadable (OSError), YAML that does not parse
+# files that are missing or unreadable (OSError), YAML that does not parse, an extra not installed
 def _user_error_types() -> tuple[type[BaseException], ...]:
     import yaml
 
-    return (UserError, ValueError, OSError, yaml.YAMLError)
+    from .extras import MissingExtra
+
+    return (UserError, ValueError, OSError, yaml.YAMLError, MissingExtra)
 
 
 def _existing_file(value: str, what: str) -> Path:

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 import yaml
 
 from .config_tree import ConfigError, apply_overrides, coerce_subtrees, int_at_least, require
+from .extras import need
 from .progress import is_terminal, quiet_library_bars
 from .rollout.strategy import parse_strategy
 from .trainer_hooks.config import SpecRolloutConfig, WithRollout
@@ -289,6 +290,9 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
 
 
 def _prepare_environment(cfg: DemoConfig) -> Path:
+    need("trl", "trl", "tailspec demo")  # before any work: a missing extra is one line
+    if cfg.wandb:
+        need("wandb", "wandb", "the demo's wandb logging (--no-wandb turns it off)")
     os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
     # TRL 1.16 calls the gradient-checkpointing API transformers 5 renamed: a warning every step
     warnings.filterwarnings("ignore", message=r".*gradient_checkpointing.* is deprecated", category=FutureWarning)
@@ -443,17 +447,15 @@ def _grpo_run(
     finally:
         (paired or rollout).close(wait=exit_code == 0)
         if cfg.wandb:
-            import wandb
-
-            wandb.finish(exit_code=exit_code)
+            need("wandb", "wandb", "the demo's wandb logging").finish(exit_code=exit_code)
     return printer.rows, rollout, paired, time.perf_counter() - start, run_name
 
 
 def _grpo_config(cfg: DemoConfig, out: Path, run_name: str):
     """TRL's GRPOConfig for the demo's run."""
-    from trl import GRPOConfig
-
     from .trainer_hooks.config import grpo_args
+
+    GRPOConfig = need("trl", "trl", "tailspec demo").GRPOConfig
 
     return GRPOConfig(
         **grpo_args(cfg, str(out)),

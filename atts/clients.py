@@ -18,6 +18,7 @@ from typing import Any, Protocol
 
 import torch
 
+from ..actors import ray_module
 from ..rollout.engine import RequestLimits, RolloutEngine
 from ..rollout.params import RolloutConfig, SamplingParams
 from ..rollout.request import RequestOutput
@@ -172,7 +173,7 @@ class RayEngineClient:
         poll_timeout_s: float = 0.002,
         max_restarts: int = 3,
     ) -> None:
-        import ray
+        ray = ray_module()
 
         self.name = name
         self.poll_timeout_s = poll_timeout_s
@@ -197,7 +198,7 @@ class RayEngineClient:
         self.actor = self._actor_cls.remote(*self._actor_args)
 
     def _restart(self, error: Exception) -> None:
-        import ray
+        ray = ray_module()
 
         if self.restarts >= self.max_restarts:
             raise RuntimeError(f"{self.name}: engine actor died {self.restarts + 1} times; giving up") from error
@@ -225,7 +226,7 @@ class RayEngineClient:
         return ticket
 
     def poll(self) -> list[tuple[int, RequestOutput]]:
-        import ray
+        ray = ray_module()
 
         if not self._pending:
             return []
@@ -246,12 +247,12 @@ class RayEngineClient:
 
     @property
     def stats(self) -> dict[str, float]:
-        import ray
+        ray = ray_module()
 
         return ray.get(self.actor.stats.remote())
 
     def close(self) -> None:
-        import ray
+        ray = ray_module()
 
         try:
             ray.get(self.actor.close.remote())

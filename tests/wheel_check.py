@@ -1,7 +1,9 @@
 """The wheel as a user installs it: built from the tracked files, installed into a new virtual
 environment that holds the dependencies but not the checkout, every module imported from it, and
 the library used from it (a speculative ``RolloutEngine.generate`` with a drafter, and a two-step
-``GRPOTrainer(rollout=SpecRollout(...))``).
+``GRPOTrainer(rollout=SpecRollout(...))``); then, as a verl user installs it, ``tailspec[verl]`` into
+a new environment that already holds torch 2.13.0: that torch is kept, transformers resolves inside
+verl's range, ``import verl, tailspec`` works and the speculative ``generate`` runs there.
 
 ``make wheel-check`` (CI) runs this file; tests/test_wheel.py uses its pieces. The new environment
 reaches this environment's packages through a ``.pth`` file, whose folder's own ``.pth`` files
@@ -119,16 +121,14 @@ import tailspec
 print(json.dumps({"failed": failed, "location": tailspec.__file__}))
 """
 
-USE_THE_LIBRARY = """
+GENERATE = """
 import os, sys, tempfile
 os.environ.setdefault("WANDB_MODE", "disabled")
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 import torch
 torch.set_num_threads(1)
-from datasets import Dataset
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
-from trl import GRPOConfig
 
 import tailspec
 from tailspec.testing import perturbed_copy, tiny_task_policy
@@ -154,6 +154,13 @@ assert [o.completion_ids for o in spec] == [o.completion_ids for o in plain], "s
 drafted = sum(o.num_drafted for o in spec)
 assert drafted > 0, "chain:3 drafted nothing"
 print(f"generate: chain:3 with a drafter LM equals plain greedy decoding ({drafted} tokens drafted)")
+"""
+
+USE_THE_LIBRARY = (
+    GENERATE
+    + """
+from datasets import Dataset
+from trl import GRPOConfig
 
 rows = [{"prompt": [{"role": "user", "content": f"add {i % 10} {(3 * i) % 10}"}]} for i in range(8)]
 with tempfile.TemporaryDirectory() as out:
@@ -168,6 +175,48 @@ with tempfile.TemporaryDirectory() as out:
 assert trainer.state.global_step == 2 and len(rollout.history) == 2, (trainer.state.global_step, rollout.history)
 print("GRPOTrainer(rollout=SpecRollout(strategy='chain:3', drafter=...)): 2 steps")
 """
+)
+
+
+# beside verl: a user's environment that already holds torch, into which `pip install "tailspec[verl]"`
+# must keep that torch and resolve transformers inside verl's own range
+BESIDE_VERL = """
+import importlib.metadata as md, json
+from packaging.requirements import Requirement
+import torch, transformers, verl, tailspec
+wanted = [Requirement(r) for r in md.requires("verl") if r.startswith("transformers") and "extra ==" not in r]
+print(json.dumps({"torch": torch.__version__, "transformers": transformers.__version__, "verl": verl.__version__,
+                  "transformers_in_verls_range": all(r.specifier.contains(transformers.__version__) for r in wanted),
+                  "tailspec": tailspec.__file__}))
+"""
+TORCH = "torch==2.13.0"
+
+
+def beside_verl(work: Path, wheel: Path) -> str | None:
+    """Install ``wheel[verl]`` into a new environment that holds :data:`TORCH` and check it there
+    (the problem, or None)."""
+    env = work / "verl-env"
+    subprocess.run([sys.executable, "-m", "venv", str(env)], check=True)
+    python = env / "bin" / "python"
+    # pip first: the venv's own pip (23.2 with Python 3.11) backtracked for over five minutes on verl's
+    # requirements, where a current one resolves them in seconds
+    for what in (["-U", "pip"], [TORCH], [f"{wheel}[verl]"]):
+        done = subprocess.run([str(python), "-m", "pip", "install", "-q", *what], capture_output=True, text=True)
+        if done.returncode != 0:
+            return f"pip install {' '.join(what)} failed:\n{done.stderr[-3000:]}"
+    elsewhere = work / "elsewhere"
+    checked = run_in(python, BESIDE_VERL, cwd=elsewhere)
+    if checked.returncode != 0:
+        return f"import verl, tailspec failed:\n{checked.stderr[-3000:]}"
+    found = json.loads(checked.stdout.strip().splitlines()[-1])
+    print(f"wheel-check beside verl: {json.dumps(found)}")
+    if found["torch"].split("+")[0] != TORCH.split("==")[1]:
+        return f"installing tailspec[verl] replaced the environment's torch {TORCH} by {found['torch']}"
+    if not found["transformers_in_verls_range"]:
+        return f"transformers {found['transformers']} is outside verl's range"
+    used = run_in(python, GENERATE, cwd=elsewhere)
+    print(used.stdout, end="")
+    return None if used.returncode == 0 else f"generate beside verl failed:\n{used.stderr[-3000:]}"
 
 
 def run_in(python: Path, code: str, *args: str, cwd: Path) -> subprocess.CompletedProcess:
@@ -212,6 +261,10 @@ def main(argv: list[str] | None = None) -> int:
         print(used.stdout, end="")
         if used.returncode != 0:
             print(f"wheel-check: using the library from the wheel failed:\n{used.stderr[-4000:]}")
+            return 1
+        problem = beside_verl(work, wheel_path)
+        if problem is not None:
+            print(f"wheel-check beside verl: {problem}")
             return 1
         print("wheel-check: passed")
         return 0

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from ..configs import configs_dir
 from ..distributed import single_process_deepspeed
+from ..extras import need
 
 SHIPPED = {"zero2": "deepspeed_zero2.json", "zero3": "deepspeed_zero3.json"}
 
@@ -31,12 +32,7 @@ def deepspeed_config(spec: str) -> str:
 
 
 def require_deepspeed() -> None:
-    try:
-        import deepspeed  # noqa: F401
-    except ImportError as e:
-        raise ValueError(
-            "a DeepSpeed config was given but DeepSpeed is not installed: pip install 'tailspec[deepspeed]'"
-        ) from e
+    need("deepspeed", "deepspeed", "a DeepSpeed config")
 
 
 def deepspeed_training_args(spec: str | None) -> dict[str, str]:

@@ -8,14 +8,15 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import trl
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
 
+from ..extras import need
 from .importance import ImportanceStats, importance_sampling_ratio
 from .length_groups import forward_by_length
 from .rollout_state import load_rollout_state, save_rollout_state
 from .spec_rollout import SpecRollout
 
+trl = need("trl", "trl", "tailspec.GRPOTrainer")
 logger = logging.getLogger(__name__)
 
 

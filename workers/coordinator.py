@@ -46,7 +46,7 @@ from typing import Any
 
 import torch
 
-from ..actors import ActorDied, actors_for
+from ..actors import ActorDied, actors_for, ray_module
 from ..config_tree import require
 from ..drafter.eagle3 import Eagle3Head
 from ..drafter.online_training import DrafterState, TrainedPart
@@ -120,7 +120,7 @@ def ensure_ray(address: str | None = None, num_cpus: float | None = None) -> boo
     Without an address a new instance is started even when some other Ray cluster runs on this
     machine (Ray's default would join the latest one started here, and refuse ``num_cpus``).
     """
-    import ray
+    ray = ray_module()
 
     if ray.is_initialized():
         return False
@@ -271,7 +271,7 @@ class RolloutCoordinator:
             self.settle()
         self.pool.kill_all()
         if stop_ray and self.started_ray:
-            import ray
+            ray = ray_module()
 
             if ray.is_initialized():
                 ray.shutdown()

@@ -29,6 +29,7 @@ import torch.nn.functional as F
 
 from ...config_tree import require
 from ...distributed import single_process_deepspeed
+from ...extras import need
 from ...progress import progress_bar
 from ...rollout.model.eval_mode import eval_mode
 from ...safe_files import load_weights_only
@@ -285,10 +286,7 @@ class _DeepSpeedStepper:
     150k-token ``lm_head``): ``deepspeed.initialize`` with our AdamW, its backward and step."""
 
     def __init__(self, head: Eagle3Head, c: DrafterTrainingConfig, ds_config: dict) -> None:
-        try:
-            import deepspeed
-        except ImportError as e:
-            raise ValueError("deepspeed_config needs DeepSpeed: pip install 'tailspec[deepspeed]'") from e
+        deepspeed = need("deepspeed", "deepspeed", "deepspeed_config (DeepSpeed drafter training)")
         ds = dict(ds_config)
         stage = int(ds.get("zero_optimization", {}).get("stage", 0))
         if stage > 2:

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from ...actors import Actors, RayActors
+from ...actors import Actors, RayActors, ray_module
 from ...draft_contract import (
     BranchView,
     Drafter,
@@ -273,7 +273,7 @@ class RayExecutor(ActorExecutor):
         start_timeout_s: float = 300.0,
         kernels: str = "auto",
     ) -> None:
-        import ray
+        ray = ray_module()
 
         if not ray.is_initialized():
             raise ValueError("mirror executor 'ray' needs a running Ray (ray.init(...) or a cluster address)")
