@@ -172,7 +172,25 @@ class PagedKVCache:
         self.layout = layout
         self.block_size = block_size
         self.allocator = BlockAllocator(num_blocks, cache_prefixes)
-        slots = num_blocks * block_size
+        self.k: list[torch.Tensor] = []
+        self.v: list[torch.Tensor] = []
+        self.restore()
+
+    @property
+    def released(self) -> bool:
+        return not self.k
+
+    def release(self) -> None:
+        """Free the K/V memory (the blocks' bookkeeping stays; nothing may be running): a rollout
+        server asleep while the trainer uses the device. :meth:`restore` brings it back, empty."""
+        self.allocator.clear_prefixes()
+        self.k, self.v = [], []
+
+    def restore(self) -> None:
+        """Allocate every layer's K/V (zeros), if it is not allocated."""
+        if self.k:
+            return
+        layout, slots = self.layout, self.allocator.num_blocks * self.block_size
         shapes = [layout.shape_of(i) for i in range(layout.num_layers)]
         self.k = [torch.zeros(slots, h, k, dtype=layout.dtype, device=layout.device) for h, k, _ in shapes]
         self.v = [torch.zeros(slots, h, v, dtype=layout.dtype, device=layout.device) for h, _, v in shapes]

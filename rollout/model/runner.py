@@ -112,6 +112,17 @@ class ModelRunner:
             self.merged.forget()
         self.cache.allocator.clear_prefixes()
 
+    def release_memory(self) -> None:
+        """Free the KV cache and the captured graphs (which read its tensors); nothing may run until
+        :meth:`restore_memory`. The weights stay: a server whose trainer needs the device between
+        rollouts (verl's sleep) frees what decoding alone holds."""
+        if self.graph_pool is not None:
+            self.graph_pool.clear()
+        self.cache.release()
+
+    def restore_memory(self) -> None:
+        self.cache.restore()
+
     def forget_graphs_of_moved_weights(self) -> None:
         """A captured graph reads each weight at the address it was captured with. Changes in place
         (optimizer steps) it sees; a weight that moved (ZeRO-3 gathers the parameters anew for each
