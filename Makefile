@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.tailspec-installed
 
-.PHONY: demo test wheel-check bench lint clean-venv gpu-check gpu-lease gpu-selector gpu-train gpu-attention gpu-speed gpu-next gpu-wheels \
+.PHONY: demo test test-verl wheel-check bench lint clean-venv gpu-check gpu-lease gpu-selector gpu-train gpu-attention gpu-speed gpu-next gpu-wheels \
         gpu-rehearse
 
 # The GPU check (docs/GPU.md) runs on a lent GPU's image as it is: python3 with torch, triton and
@@ -55,6 +55,21 @@ WRITE_BYTECODE := PYTHONDONTWRITEBYTECODE=
 test: $(STAMP)
 	$(WRITE_BYTECODE) $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder -m "not solo"
 	$(WRITE_BYTECODE) $(PY) -m pytest -q -m solo $(SOLO_TESTS)
+
+# the verl backend's tests (tests/trainer_hooks/verl_backend) where verl is installed: an environment made as a
+# verl user's is (torch 2.13.0 first, then tailspec[verl], which keeps it and takes verl's transformers)
+VERL_VENV  := .venv-verl
+VERL_PY    := $(VERL_VENV)/bin/python
+VERL_STAMP := $(VERL_VENV)/.installed
+$(VERL_STAMP): pyproject.toml Makefile
+	test -x $(VERL_PY) || $(PYTHON) -m venv $(VERL_VENV)
+	$(VERL_PY) -m pip install -q -U pip
+	$(VERL_PY) -m pip install -q torch==2.13.0
+	$(VERL_PY) -m pip install -q -e ".[verl]" pytest pytest-timeout
+	touch $(VERL_STAMP)
+
+test-verl: $(VERL_STAMP)
+	$(WRITE_BYTECODE) $(VERL_PY) -m pytest -q -p no:cacheprovider tests/trainer_hooks/verl_backend
 
 # the wheel as a user installs it (tests/wheel_check.py): built from the tracked files, installed into a
 # new virtual environment without the checkout, every module imported, a speculative generate and a

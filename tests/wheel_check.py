@@ -105,12 +105,17 @@ def fresh_environment(where: Path, wheel: Path) -> Path:
 IMPORT_EVERY_MODULE = """
 import importlib, json, sys, traceback
 
+from tailspec.extras import MissingExtra
+
 development_only, modules = json.loads(sys.argv[1])
-failed = {}
+failed, needs_extra = {}, {}
 for module in modules:
     before = set(sys.modules)
     try:
         importlib.import_module(module)
+    except MissingExtra as e:  # a part whose extra this environment does not install: its one line
+        needs_extra[module] = str(e)
+        continue
     except Exception:
         failed[module] = traceback.format_exc(limit=-3)
         continue
@@ -118,7 +123,7 @@ for module in modules:
     if tools:
         failed[module] = f"imports development tools, not dependencies of the library: {tools}"
 import tailspec
-print(json.dumps({"failed": failed, "location": tailspec.__file__}))
+print(json.dumps({"failed": failed, "needs_extra": needs_extra, "location": tailspec.__file__}))
 """
 
 GENERATE = """
@@ -184,10 +189,13 @@ BESIDE_VERL = """
 import importlib.metadata as md, json
 from packaging.requirements import Requirement
 import torch, transformers, verl, tailspec
+from verl.workers.rollout.base import get_rollout_class
+from verl.workers.rollout.replica import RolloutReplicaRegistry
+registered = RolloutReplicaRegistry.get("tailspec").__name__, get_rollout_class("tailspec", "async").__name__
 wanted = [Requirement(r) for r in md.requires("verl") if r.startswith("transformers") and "extra ==" not in r]
 print(json.dumps({"torch": torch.__version__, "transformers": transformers.__version__, "verl": verl.__version__,
                   "transformers_in_verls_range": all(r.specifier.contains(transformers.__version__) for r in wanted),
-                  "tailspec": tailspec.__file__}))
+                  "registered_with_verl": list(registered), "tailspec": tailspec.__file__}))
 """
 TORCH = "torch==2.13.0"
 
@@ -256,7 +264,8 @@ def main(argv: list[str] | None = None) -> int:
             for module, error in report["failed"].items():
                 print(f"  {module}:\n    " + error.strip().replace("\n", "\n    "))
             return 1
-        print(f"wheel-check: every module imports from {report['location']}")
+        extra = "".join(f"\n  {m}: {why}" for m, why in report["needs_extra"].items())
+        print(f"wheel-check: every module imports from {report['location']}; what needs an extra says so:{extra}")
         used = run_in(python, USE_THE_LIBRARY, cwd=elsewhere)
         print(used.stdout, end="")
         if used.returncode != 0:

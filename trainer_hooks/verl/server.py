@@ -153,7 +153,11 @@ class TailspecServer:
         A complete push closes the drafter's "rollout": its accept length since the last push goes
         to the catch-up rule and the drafter's health. Returns the tensors copied."""
         named = list(named_tensors)
-        targets = {**dict(self.model.named_parameters()), **dict(self.model.named_buffers())}
+        model = self.model  # tied weights under every name they have (lm_head.weight and the embeddings)
+        targets = {
+            **dict(model.named_parameters(remove_duplicate=False)),
+            **dict(model.named_buffers(remove_duplicate=False)),
+        }
         for name, tensor in named:
             if name not in targets:
                 raise ValueError(f"update_weights: the model has no weight {name!r}")
@@ -193,8 +197,13 @@ class TailspecServer:
             self.health_score,
         )
 
+    @property
+    def busy(self) -> bool:
+        """Requests are being decoded (or wait to be)."""
+        return bool(self._waiting)
+
     async def _drained(self) -> None:
-        while self._waiting:
+        while self.busy:
             await asyncio.sleep(0.01)
 
     # -- what verl reads back ------------------------------------------------------------------------

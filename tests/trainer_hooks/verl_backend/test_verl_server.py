@@ -107,6 +107,22 @@ def test_a_weight_push_changes_the_outputs_and_the_originals_restore_them(policy
         server.close()
 
 
+def test_a_tied_model_takes_its_output_embedding_by_either_name():
+    tied = tiny_random_model("qwen2", seed=3, tie_word_embeddings=True)
+    assert tied.lm_head.weight is tied.get_input_embeddings().weight
+    server = TailspecServer(tied, None, response_length=6)
+    try:
+        state = perturbed_copy(tied, 0.5, seed=4).state_dict()
+        assert "lm_head.weight" in state
+        asyncio.run(server.update_weights(list(state.items())))
+        assert torch.equal(tied.lm_head.weight, state["lm_head.weight"])
+        assert [o.token_ids for o in _serve(server, PROMPTS, {"temperature": 0.0})] == [
+            no_cache_greedy(tied, p, 6) for p in PROMPTS
+        ]
+    finally:
+        server.close()
+
+
 def test_the_drafter_learns_between_pushes_and_says_its_version(policy):
     drafter = perturbed_copy(policy, 0.3)
     settings = {"strategy": "chain:3", "drafter_train_steps": 2, "holdout_every": 0}
