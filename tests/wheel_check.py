@@ -3,7 +3,8 @@ environment that holds the dependencies but not the checkout, every module impor
 the library used from it (a speculative ``RolloutEngine.generate`` with a drafter, and a two-step
 ``GRPOTrainer(rollout=SpecRollout(...))``); then, as a verl user installs it, ``tailspec[verl]`` into
 a new environment that already holds torch 2.13.0: that torch is kept, transformers resolves inside
-verl's range, ``import verl, tailspec`` works and the speculative ``generate`` runs there.
+verl's range, ``import verl, tailspec`` works, the speculative ``generate`` runs there, and verl's
+own ``LLMServerManager`` serves greedy requests through a tailspec replica (``rollout.name=tailspec``).
 
 ``make wheel-check`` (CI) runs this file; tests/test_wheel.py uses its pieces. The new environment
 reaches this environment's packages through a ``.pth`` file, whose folder's own ``.pth`` files
@@ -197,6 +198,36 @@ print(json.dumps({"torch": torch.__version__, "transformers": transformers.__ver
                   "transformers_in_verls_range": all(r.specifier.contains(transformers.__version__) for r in wanted),
                   "registered_with_verl": list(registered), "tailspec": tailspec.__file__}))
 """
+# verl's own LLMServerManager launching a tailspec replica (rollout.name=tailspec) on Ray's CPUs
+VERL_PATH = """
+import asyncio, os, tempfile
+import ray, torch, verl
+import verl.trainer.config as trainer_config
+from omegaconf import OmegaConf
+from verl.workers.rollout.llm_server import LLMServerManager
+from tailspec.testing import tiny_random_model
+from tailspec.testing.families import no_cache_greedy
+torch.set_num_threads(1)
+policy = tiny_random_model("qwen2", seed=2)
+folder = tempfile.mkdtemp()
+policy.save_pretrained(folder)
+cfg = OmegaConf.load(os.path.join(os.path.dirname(trainer_config.__file__), "_generated_ppo_trainer.yaml"))
+cfg.actor_rollout_ref.model.path = folder
+rollout = cfg.actor_rollout_ref.rollout
+rollout.name, rollout.nnodes, rollout.n_gpus_per_node, rollout.tensor_model_parallel_size = "tailspec", 1, 1, 1
+rollout.response_length = 12
+rollout.engine_kwargs = {"tailspec": {"strategy": "suffix"}}
+ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+client = LLMServerManager.create(config=cfg).get_client()
+prompts = [[5, 9, 17, 33, 3], [7, 7, 12, 7, 7, 12]]
+async def run():
+    greedy = {"temperature": 0.0}
+    calls = [client.generate(f"q{i}", prompt_ids=p, sampling_params=greedy) for i, p in enumerate(prompts)]
+    return await asyncio.gather(*calls)
+outs = asyncio.run(run())
+assert [o.token_ids for o in outs] == [no_cache_greedy(policy, p, 12) for p in prompts], "verl's greedy differs"
+print(f"verl path: LLMServerManager with rollout.name=tailspec, {len(outs)} greedy requests equal a recompute")
+"""
 TORCH = "torch==2.13.0"
 
 
@@ -222,9 +253,12 @@ def beside_verl(work: Path, wheel: Path) -> str | None:
         return f"installing tailspec[verl] replaced the environment's torch {TORCH} by {found['torch']}"
     if not found["transformers_in_verls_range"]:
         return f"transformers {found['transformers']} is outside verl's range"
-    used = run_in(python, GENERATE, cwd=elsewhere)
-    print(used.stdout, end="")
-    return None if used.returncode == 0 else f"generate beside verl failed:\n{used.stderr[-3000:]}"
+    for name, code in (("generate", GENERATE), ("the verl path", VERL_PATH)):
+        used = run_in(python, code, cwd=elsewhere)
+        print(used.stdout, end="")
+        if used.returncode != 0:
+            return f"{name} beside verl failed:\n{used.stderr[-3000:]}"
+    return None
 
 
 def run_in(python: Path, code: str, *args: str, cwd: Path) -> subprocess.CompletedProcess:

@@ -261,7 +261,13 @@ class TailspecServer:
 
     def _extra(self, spec_steps: int, accepted: int) -> dict[str, Any]:
         accept = (accepted + spec_steps) / spec_steps if spec_steps else 1.0
-        return {"accept_length": accept, "drafter_version": self.drafter_version, "weight_pushes": self.weight_pushes}
+        health = -1.0 if self.health_score is None else self.health_score  # -1: not scored yet (no push)
+        return {
+            "accept_length": accept,
+            "drafter_version": self.drafter_version,
+            "drafter_health": health,
+            "weight_pushes": self.weight_pushes,
+        }
 
     def _answer(self, key: int, answer: ServedOutput) -> None:
         waiting = self._waiting.pop(key, None)

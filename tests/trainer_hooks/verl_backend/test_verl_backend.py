@@ -108,6 +108,19 @@ def test_greedy_through_verls_client_equals_a_recompute(served):
     assert any(o.extra_fields["accept_length"] > 1 for o in outs), "chain:3 accepted no draft"
 
 
+@pytest.mark.parametrize("settings", [{"strategy": "none"}, {"strategy": "chain:2", "drafter": "self:1"}])
+def test_greedy_without_a_drafter_and_self_drafted_equals_a_recompute(ray_cpus, policy_dir, settings):
+    folder, _, policy = policy_dir
+    rank = 2 if settings["strategy"] == "none" else 3  # a replica's server is named by its rank
+    manager = LLMServerManager.create(config=_config(folder, settings), start_rank=rank)
+    try:
+        outs = _generate(manager.get_client(), PROMPTS, GREEDY)
+        assert [o.token_ids for o in outs] == [no_cache_greedy(policy, p, 16) for p in PROMPTS]
+    finally:
+        for server in manager.rollout_replicas[0].servers:
+            ray_cpus.kill(server)
+
+
 def test_sampled_requests_carry_the_targets_logprobs(served):
     _, client, policy = served
     outs = _generate(client, PROMPTS, {"temperature": 1.0, "seed": 3, "logprobs": True})
@@ -196,7 +209,7 @@ def test_verls_agent_loop_rolls_out_a_batch_through_tailspec(ray_cpus, tmp_path)
             prompt = out.batch["prompts"][i][out.batch["attention_mask"][i][:width].bool()].tolist()
             n = int(out.batch["response_mask"][i].sum())
             assert out.batch["responses"][i][:n].tolist() == no_cache_greedy(policy, prompt, 16)[:n]
-        assert {"accept_length", "drafter_version", "weight_pushes"} <= set(out.non_tensor_batch)
+        assert {"accept_length", "drafter_version", "drafter_health", "weight_pushes"} <= set(out.non_tensor_batch)
     finally:
         for server in manager.rollout_replicas[0].servers:
             ray_cpus.kill(server)
