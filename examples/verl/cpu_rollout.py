@@ -23,13 +23,13 @@ import ray
 import torch
 from omegaconf import OmegaConf
 from verl import DataProto
-from verl.experimental.agent_loop.agent_loop import AgentLoopManager
 from verl.workers.rollout.base import get_rollout_class
 from verl.workers.rollout.llm_server import LLMServerManager
 
 from tailspec.packed_weights import unpacked_dir
 from tailspec.tasks.chain_sum import make_grpo_dataset
 from tailspec.tasks.sft import assets_dir, load_shipped
+from tailspec.trainer_hooks.verl.agent_loop import TailspecAgentLoopManager
 
 
 def verl_config(policy_dir: str, settings: dict, response_length: int):
@@ -61,7 +61,7 @@ def main() -> None:
     cfg = verl_config(policy_dir, settings, args.response_length)
     ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
     manager = LLMServerManager.create(config=cfg)
-    agents = AgentLoopManager.create(config=cfg, llm_client=manager.get_client())
+    agents = TailspecAgentLoopManager.create(config=cfg, llm_client=manager.get_client())
     os.environ.setdefault("RANK", "0")
     adapter = get_rollout_class("tailspec", "async")(
         config=cfg.actor_rollout_ref.rollout, model_config=cfg.actor_rollout_ref.model, device_mesh=None
@@ -75,8 +75,8 @@ def main() -> None:
         out = agents.generate_sequences(batch)
         seconds = time.perf_counter() - start
         tokens = int(out.batch["response_mask"].sum())
-        accept = float(np.mean(out.non_tensor_batch["accept_length"]))
-        version = int(max(out.non_tensor_batch["drafter_version"]))
+        summary = out.meta_info["timing"]  # what verl's trainer logs, as timing_s/tailspec/...
+        accept, version = summary["tailspec/accept_length/mean"], int(summary["tailspec/drafter_version"])
         rate = tokens / seconds
         print(f"{step:4d}  {args.prompts:7d}  {tokens:6d}  {seconds:7.2f}  {rate:8.1f}  {accept:13.2f}  {version:15d}")
         asyncio.run(adapter.update_weights((name, t) for name, t in policy.state_dict().items()))

@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # GRPO with verl 0.9.1 on one 8-GPU node, rollouts through tailspec (rollout.name=tailspec): each GPU's
 # trainer worker has a tailspec server beside it (hybrid mode), speculating with `adaptive` from a
-# drafter LM that trains online on the rollouts and follows every weight push.
+# drafter LM that trains online on the rollouts and follows every weight push; tailspec's agent loop
+# manager adds each batch's accept length, drafter version and health to verl's logged metrics
+# (timing_s/tailspec/...).
 #   pip install "tailspec[verl]"   # keeps the environment's torch; verl 0.9.1 with transformers <5.11
 # Not run here (no GPU in tailspec's CI); the same backend runs verl's LLMServerManager and
 # AgentLoopManager on CPU in make test-verl and examples/verl/cpu_rollout.py.
@@ -29,6 +31,7 @@ python3 -m verl.trainer.main_ppo \
   +actor_rollout_ref.rollout.engine_kwargs.tailspec.drafter="$DRAFTER" \
   +actor_rollout_ref.rollout.engine_kwargs.tailspec.drafter_train_steps=4 \
   +actor_rollout_ref.rollout.engine_kwargs.tailspec.engine.dtype=bfloat16 \
+  +actor_rollout_ref.rollout.agent.agent_loop_manager_class=tailspec.trainer_hooks.verl.agent_loop.TailspecAgentLoopManager \
   trainer.n_gpus_per_node=8 \
   trainer.nnodes=1 \
   trainer.total_epochs=1 \

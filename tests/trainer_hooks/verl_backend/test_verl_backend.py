@@ -184,10 +184,12 @@ def test_a_weight_push_through_the_adapter_changes_the_outputs_and_back(served, 
 
 def test_verls_agent_loop_rolls_out_a_batch_through_tailspec(ray_cpus, tmp_path):
     """``AgentLoopManager.generate_sequences`` (verl's single-turn agent, its chat template, its
-    padding): every response is greedy's own, and tailspec's fields reach the batch."""
+    padding; tailspec's subclass, chosen by verl's ``agent_loop_manager_class``): every response is
+    greedy's own, tailspec's fields reach the batch and its summary the metrics verl logs."""
     import numpy as np
     from verl import DataProto
-    from verl.experimental.agent_loop.agent_loop import AgentLoopManager
+
+    from tailspec.trainer_hooks.verl.agent_loop import TailspecAgentLoopManager
 
     tokenizer, vocab = _tokenizer()
     tokenizer.chat_template = CHAT_TEMPLATE
@@ -198,7 +200,7 @@ def test_verls_agent_loop_rolls_out_a_batch_through_tailspec(ray_cpus, tmp_path)
     cfg.actor_rollout_ref.rollout.agent.num_workers = 1
     manager = LLMServerManager.create(config=cfg, start_rank=1)  # rank 0 is the served fixture's
     try:
-        agents = AgentLoopManager.create(config=cfg, llm_client=manager.get_client())
+        agents = TailspecAgentLoopManager.create(config=cfg, llm_client=manager.get_client())
         messages = [[{"role": "user", "content": f"add {i} {i + 3}"}] for i in range(4)]
         batch = DataProto.from_dict(
             non_tensors={"raw_prompt": np.array(messages, dtype=object)}, meta_info={"validate": True}
@@ -210,9 +212,30 @@ def test_verls_agent_loop_rolls_out_a_batch_through_tailspec(ray_cpus, tmp_path)
             n = int(out.batch["response_mask"][i].sum())
             assert out.batch["responses"][i][:n].tolist() == no_cache_greedy(policy, prompt, 16)[:n]
         assert {"accept_length", "drafter_version", "drafter_health", "weight_pushes"} <= set(out.non_tensor_batch)
+        timing = out.meta_info["timing"]  # what verl's trainer logs as timing_s/...
+        assert timing["tailspec/accept_length/mean"] >= 1.0 and timing["tailspec/drafter_health/min"] == -1.0
     finally:
         for server in manager.rollout_replicas[0].servers:
             ray_cpus.kill(server)
+
+
+def test_a_batchs_speculation_summary():
+    from tailspec.trainer_hooks.verl.agent_loop import rollout_metrics
+
+    fields = {
+        "accept_length": [2.0, 3.0],
+        "drafter_health": [-1.0, 0.4],
+        "drafter_version": [3, 4],
+        "weight_pushes": [2, 2],
+    }
+    assert rollout_metrics(fields) == {
+        "tailspec/accept_length/mean": 2.5,
+        "tailspec/accept_length/min": 2.0,
+        "tailspec/drafter_version": 4.0,
+        "tailspec/drafter_health/min": 0.4,
+        "tailspec/weight_pushes": 2.0,
+    }
+    assert rollout_metrics({}) == {}
 
 
 def test_a_wrong_tailspec_setting_is_one_line_naming_it(ray_cpus, policy_dir):
