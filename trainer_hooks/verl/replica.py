@@ -36,14 +36,18 @@ def server_name(replica_rank: int, role: str = "", suffix: str = "") -> str:
 
 
 def tailspec_settings(rollout_config: Any) -> dict[str, Any]:
-    """``engine_kwargs.tailspec`` as a dict (empty: the defaults)."""
+    """``engine_kwargs.tailspec`` as a dict. Where it names no strategy, ``adaptive``: it picks per
+    step among plain decoding, the suffix drafter and, given a drafter, the drafting arms, from
+    measured costs (tailspec's own default, ``none``, suits a library call more than a backend)."""
     kwargs = getattr(rollout_config, "engine_kwargs", None) or {}
     settings = kwargs.get("tailspec") if hasattr(kwargs, "get") else None
-    if settings is None:
-        return {}
-    settings = dict(settings)
+    settings = dict(settings or {})
     if not all(isinstance(k, str) for k in settings):
         raise ValueError("actor_rollout_ref.rollout.engine_kwargs.tailspec must map setting names to values")
+    engine = settings.get("engine")
+    named = "strategy" in settings or "engine.strategy" in settings or (hasattr(engine, "get") and "strategy" in engine)
+    if not named:
+        settings["strategy"] = "adaptive"
     return settings
 
 

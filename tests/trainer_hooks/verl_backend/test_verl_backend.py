@@ -219,6 +219,18 @@ def test_verls_agent_loop_rolls_out_a_batch_through_tailspec(ray_cpus, tmp_path)
             ray_cpus.kill(server)
 
 
+def test_with_no_strategy_named_the_backend_runs_adaptive():
+    from tailspec.trainer_hooks.verl.replica import tailspec_settings
+
+    def rollout(settings):
+        return OmegaConf.create({"engine_kwargs": {"tailspec": settings}})
+
+    assert tailspec_settings(rollout({}))["strategy"] == "adaptive"
+    assert tailspec_settings(OmegaConf.create({"engine_kwargs": {"vllm": {}}})) == {"strategy": "adaptive"}
+    assert "strategy" not in tailspec_settings(rollout({"engine": {"strategy": "none"}}))
+    assert tailspec_settings(rollout({"strategy": "chain:4"}))["strategy"] == "chain:4"
+
+
 def test_a_batchs_speculation_summary():
     from tailspec.trainer_hooks.verl.agent_loop import rollout_metrics
 
