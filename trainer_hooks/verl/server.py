@@ -243,8 +243,13 @@ class TailspecServer:
             if not self._waiting and not self.inbox.has_news():
                 self._learn()
 
+    @property
+    def _learning(self) -> bool:
+        return self.rollout.online is not None and bool(self.rollout.config.training.drafter_train_steps)
+
     def _completed(self, output: RequestOutput) -> ServedOutput:
-        self._learned.append((list(output.prompt_ids), list(output.completion_ids)))
+        if self._learning:  # kept only for a drafter that trains (a long run would hold every completion)
+            self._learned.append((list(output.prompt_ids), list(output.completion_ids)))
         return ServedOutput(
             list(output.completion_ids),
             list(output.logprobs),
@@ -277,9 +282,11 @@ class TailspecServer:
     def _learn(self) -> None:
         """The server is idle: the drafter learns from what it served (online training's steps)."""
         online, steps = self.rollout.online, self.rollout.config.training.drafter_train_steps
-        if online is None or not steps or not self._learned or self.rollout.health.misfit:
+        if not self._learning or not self._learned:
             return
         learned, self._learned = self._learned, []
+        if self.rollout.health.misfit:  # a drafter that does not fit the policy learns nothing from it
+            return
         start = time.perf_counter()
         with self._lock:
             online.observe([p for p, _ in learned], [c for _, c in learned])
