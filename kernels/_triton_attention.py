@@ -118,11 +118,11 @@ def paged_attention_kernel(
     block_tables_ptr, cached_lens_ptr, query_lens_ptr, query_start_ptr,  # [B, max_blocks]; [B] (all i32)
     tree_mask_ptr, query_pos_ptr,  # [B, MQ, MQ] u8 (HAS_TREE); [T] i32 positions (HAS_WINDOW)
     sinks_ptr,  # [H] f32 sink logits (HAS_SINKS)
-    scale, window, head_dim, block_size, max_blocks, mask_q, softcap,
+    scale, window, head_dim, value_dim, block_size, max_blocks, mask_q, softcap,
     stride_qt, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_ot, stride_oh,
     GROUP: tl.constexpr, HAS_TREE: tl.constexpr, HAS_WINDOW: tl.constexpr,
     HAS_SINKS: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-    BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):  # fmt: skip
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -136,6 +136,8 @@ def paged_attention_kernel(
     row_ok = rows < q_len
     dims = tl.arange(0, BLOCK_D)
     dim_ok = dims < head_dim
+    value_dims = tl.arange(0, BLOCK_DV)  # values may be of another size than keys (MLA)
+    value_ok = value_dims < value_dim
     packed_rows = (q_start + rows).to(tl.int64)
     q = tl.load(
         q_ptr + packed_rows[:, None] * stride_qt + h * stride_qh + dims[None, :],
@@ -150,7 +152,7 @@ def paged_attention_kernel(
     key_end = tl.where(first < q_len, cached + tl.minimum(q_len, first + BLOCK_Q), 0)
     m = tl.full((BLOCK_Q,), float("-inf"), dtype=tl.float32)
     denom = tl.zeros((BLOCK_Q,), dtype=tl.float32)
-    acc = tl.zeros((BLOCK_Q, BLOCK_D), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_Q, BLOCK_DV), dtype=tl.float32)
     table = block_tables_ptr + b.to(tl.int64) * max_blocks
     for start in range(0, key_end, BLOCK_N):
         keys = start + tl.arange(0, BLOCK_N)
@@ -162,7 +164,7 @@ def paged_attention_kernel(
             keys, key_ok, rows, row_ok, cached, q_pos, window, tree_mask_ptr, b, mask_q, HAS_TREE, HAS_WINDOW
         )
         scores = tl.where(visible, capped(block_scores(q, k, scale, True), softcap, HAS_SOFTCAP), float("-inf"))
-        v = load_kv(v_cache_ptr, slots, kv_head, stride_vs, stride_vh, dims, kv_mask)
+        v = load_kv(v_cache_ptr, slots, kv_head, stride_vs, stride_vh, value_dims, key_ok[:, None] & value_ok[None, :])
         m, denom, acc = online_softmax_step(scores, v, m, denom, acc, True)
 
     if HAS_SINKS:
@@ -170,9 +172,9 @@ def paged_attention_kernel(
     else:
         out = acc / tl.where(denom > 0, denom, 1.0)[:, None]
     tl.store(
-        out_ptr + packed_rows[:, None] * stride_ot + h * stride_oh + dims[None, :],
+        out_ptr + packed_rows[:, None] * stride_ot + h * stride_oh + value_dims[None, :],
         out,
-        mask=row_ok[:, None] & dim_ok[None, :],
+        mask=row_ok[:, None] & value_ok[None, :],
     )
 
 

@@ -33,15 +33,16 @@ from ._triton_attention import block_scores, capped, kv_slots, load_kv, online_s
 @triton.jit
 def split_kv_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr,  # [T, H, D]; [slots, KVH, D] each
-    part_out_ptr, part_max_ptr, part_sum_ptr,  # [S, T, H, D] f32 unnormalised; [S, T, H] f32 each
+    part_out_ptr, part_max_ptr, part_sum_ptr,  # [S, T, H, DV] f32 unnormalised; [S, T, H] f32 each
     block_tables_ptr, cached_lens_ptr, query_lens_ptr, query_start_ptr,  # [B, max_blocks]; [B] (all i32)
     tree_mask_ptr, query_pos_ptr,  # [B, MQ, MQ] u8 (HAS_TREE); [T] i32 positions (HAS_WINDOW)
     sinks_ptr,  # [H] f32 sink logits (HAS_SINKS: added to the softmax where the output is normalised)
-    scale, window, head_dim, block_size, max_blocks, mask_q, softcap, num_rows, num_heads,
+    scale, window, head_dim, value_dim, block_size, max_blocks, mask_q, softcap, num_rows, num_heads,
     stride_qt, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh,
     GROUP: tl.constexpr, NUM_SPLITS: tl.constexpr, HAS_TREE: tl.constexpr, HAS_WINDOW: tl.constexpr,
     HAS_SINKS: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
 ):  # fmt: skip
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -56,6 +57,8 @@ def split_kv_attention_kernel(
     row_ok = token < q_len
     dims = tl.arange(0, BLOCK_D)
     dim_ok = dims < head_dim
+    value_dims = tl.arange(0, BLOCK_DV)  # values may be of another size than keys (MLA)
+    value_ok = value_dims < value_dim
     packed = (q_start + token).to(tl.int64)
     q = tl.load(
         q_ptr + packed[:, None] * stride_qt + head[:, None] * stride_qh + dims[None, :],
@@ -70,7 +73,7 @@ def split_kv_attention_kernel(
     key_end = tl.minimum(key_begin + per_split, context)
     m = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
     denom = tl.zeros((BLOCK_M,), dtype=tl.float32)
-    acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_M, BLOCK_DV), dtype=tl.float32)
     table = block_tables_ptr + b.to(tl.int64) * max_blocks
     for start in range(key_begin, key_end, BLOCK_N):
         keys = start + tl.arange(0, BLOCK_N)
@@ -82,7 +85,7 @@ def split_kv_attention_kernel(
             keys, key_ok, token, row_ok, cached, q_pos, window, tree_mask_ptr, b, mask_q, HAS_TREE, HAS_WINDOW
         )
         scores = tl.where(visible, capped(block_scores(q, k, scale, IEEE), softcap, HAS_SOFTCAP), float("-inf"))
-        v = load_kv(v_cache_ptr, slots, kv_head, stride_vs, stride_vh, dims, kv_mask)
+        v = load_kv(v_cache_ptr, slots, kv_head, stride_vs, stride_vh, value_dims, key_ok[:, None] & value_ok[None, :])
         m, denom, acc = online_softmax_step(scores, v, m, denom, acc, IEEE)
 
     part = (split.to(tl.int64) * num_rows + packed) * num_heads + head
@@ -91,7 +94,8 @@ def split_kv_attention_kernel(
             acc = with_sink(m, denom, acc, tl.load(sinks_ptr + head, mask=row_ok, other=0.0))
         else:
             acc = acc / tl.where(denom > 0, denom, 1.0)[:, None]
-    tl.store(part_out_ptr + part[:, None] * head_dim + dims[None, :], acc, mask=row_ok[:, None] & dim_ok[None, :])
+    at = part_out_ptr + part[:, None] * value_dim + value_dims[None, :]
+    tl.store(at, acc, mask=row_ok[:, None] & value_ok[None, :])
     if NUM_SPLITS > 1:
         tl.store(part_max_ptr + part, m, mask=row_ok)
         tl.store(part_sum_ptr + part, denom, mask=row_ok)
@@ -99,7 +103,7 @@ def split_kv_attention_kernel(
 
 @triton.jit
 def merge_splits_kernel(
-    part_out_ptr,  # [S, T, H, D]
+    part_out_ptr,  # [S, T, H, D]: D the value size
     part_max_ptr,  # [S, T, H]
     part_sum_ptr,
     out_ptr,  # [T, H, D] f32

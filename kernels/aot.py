@@ -15,6 +15,7 @@ import json
 import os
 
 ATTENTION_DTYPES = ("fp32", "bf16", "fp16")
+SCALARS = {"scale": "fp32", "softcap": "fp32"}
 
 
 def _signature(kernel, pointer_types: dict[str, str], scalar_types: dict[str, str]) -> dict[str, str]:
@@ -60,13 +61,16 @@ def compile_kernels(
                     "GROUP": group,
                     "HAS_TREE": tree,
                     "HAS_WINDOW": window,
+                    "HAS_SINKS": False,
+                    "HAS_SOFTCAP": False,
                     "BLOCK_Q": 16,
                     "BLOCK_N": 32,
                     "BLOCK_D": block_d,
+                    "BLOCK_DV": block_d,
                 }
                 pointers = {"q_ptr": f"*{dtype}", "k_cache_ptr": f"*{dtype}", "v_cache_ptr": f"*{dtype}"}
-                pointers |= {"out_ptr": "*fp32", "tree_mask_ptr": "*u8"}
-                signature = _signature(paged_attention_kernel, pointers, {"scale": "fp32"})
+                pointers |= {"out_ptr": "*fp32", "tree_mask_ptr": "*u8", "sinks_ptr": "*fp32"}
+                signature = _signature(paged_attention_kernel, pointers, SCALARS)
                 src = ASTSource(paged_attention_kernel, signature, constexprs)
                 name = f"attention[{dtype}{',tree' if tree else ''}{',window' if window else ''}]"
                 sizes[name] = len(triton.compile(src, target=target).asm["cubin"])
@@ -76,37 +80,41 @@ def compile_kernels(
 
 def _split_kv(triton, target, source, head_dim: int, group: int, block_d: int) -> dict[str, int]:
     """The split-KV attention and its merge: decode (one new token per sequence) on fp32 (ieee
-    dots) and bf16 caches, tree verification (17 new tokens) on bf16; 16 splits (the split count
-    only scales an offset)."""
+    dots) and bf16 caches, with sinks and a soft cap too (gpt-oss, Gemma 2), tree verification (17
+    new tokens) on bf16; 16 splits (the split count only scales an offset)."""
     from ._triton_split_kv import merge_splits_kernel, split_kv_attention_kernel
 
     sizes = {}
-    for dtype, ieee, new_tokens, tree in (
-        ("fp32", True, 1, False),
-        ("bf16", False, 1, False),
-        ("bf16", False, 17, True),
+    for dtype, ieee, new_tokens, tree, variants in (
+        ("fp32", True, 1, False, False),
+        ("bf16", False, 1, False, False),
+        ("bf16", False, 1, False, True),
+        ("bf16", False, 17, True, False),
     ):
         constexprs = {
             "GROUP": group,
             "NUM_SPLITS": 16,
             "HAS_TREE": tree,
             "HAS_WINDOW": False,
+            "HAS_SINKS": variants,
+            "HAS_SOFTCAP": variants,
             "IEEE": ieee,
             "BLOCK_M": max(16, 1 << (new_tokens * group - 1).bit_length()),
             "BLOCK_N": 64,
             "BLOCK_D": block_d,
+            "BLOCK_DV": block_d,
         }
         pointers = {"q_ptr": f"*{dtype}", "k_cache_ptr": f"*{dtype}", "v_cache_ptr": f"*{dtype}"}
-        pointers |= {p: "*fp32" for p in ("part_out_ptr", "part_max_ptr", "part_sum_ptr")} | {"tree_mask_ptr": "*u8"}
-        src = source(
-            split_kv_attention_kernel, _signature(split_kv_attention_kernel, pointers, {"scale": "fp32"}), constexprs
-        )
-        sizes[f"split_kv[{dtype},{new_tokens} new]"] = len(triton.compile(src, target=target).asm["cubin"])
-    pointers = {p: "*fp32" for p in ("part_out_ptr", "part_max_ptr", "part_sum_ptr", "out_ptr")}
-    src = source(
-        merge_splits_kernel, _signature(merge_splits_kernel, pointers, {}), {"NUM_SPLITS": 16, "BLOCK_D": block_d}
-    )
-    sizes["merge_splits"] = len(triton.compile(src, target=target).asm["cubin"])
+        pointers |= {p: "*fp32" for p in ("part_out_ptr", "part_max_ptr", "part_sum_ptr", "sinks_ptr")}
+        pointers |= {"tree_mask_ptr": "*u8"}
+        src = source(split_kv_attention_kernel, _signature(split_kv_attention_kernel, pointers, SCALARS), constexprs)
+        name = f"split_kv[{dtype},{new_tokens} new{',sinks,softcap' if variants else ''}]"
+        sizes[name] = len(triton.compile(src, target=target).asm["cubin"])
+    pointers = {p: "*fp32" for p in ("part_out_ptr", "part_max_ptr", "part_sum_ptr", "out_ptr", "sinks_ptr")}
+    for sinks in (False, True):
+        constexprs = {"NUM_SPLITS": 16, "HAS_SINKS": sinks, "BLOCK_D": block_d}
+        src = source(merge_splits_kernel, _signature(merge_splits_kernel, pointers, {}), constexprs)
+        sizes[f"merge_splits{'[sinks]' if sinks else ''}"] = len(triton.compile(src, target=target).asm["cubin"])
     return sizes
 
 

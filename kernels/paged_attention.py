@@ -109,16 +109,17 @@ def paged_attention_reference(
     sinks: torch.Tensor | None = None,
     softcap: float | None = None,
 ) -> torch.Tensor:
-    """``query`` ``[T, H, D]``, caches ``[slots, KVH, D]`` (new K/V already written). Returns
-    ``[T, H, D]`` in float32 (float64 for float64 inputs: the reference a kernel's relative error is
-    taken against); rows that belong to no sequence are zero. ``softcap``: logits become ``softcap *
+    """``query`` ``[T, H, D]``, caches ``[slots, KVH, D]`` and ``[slots, KVH, DV]`` (new K/V already
+    written; values may be of another size, MLA's). Returns ``[T, H, DV]`` in float32 (float64 for
+    float64 inputs: the reference a kernel's relative error is taken against); rows that belong to
+    no sequence are zero. ``softcap``: logits become ``softcap *
     tanh(s / softcap)`` before the mask; ``sinks`` (``[H]``): a logit per head that joins each
     softmax and gives no value."""
     precise = torch.promote_types(query.dtype, torch.float32)
     num_rows, heads, head_dim = query.shape
     group = heads // k_cache.shape[1]
     scale = scale if scale is not None else 1.0 / math.sqrt(head_dim)
-    out = torch.zeros(num_rows, heads, head_dim, dtype=precise, device=query.device)
+    out = torch.zeros(num_rows, heads, v_cache.shape[2], dtype=precise, device=query.device)
     bs = plan.block_size
     for b in range(plan.block_tables.shape[0]):
         cached, q_len, start = (int(x[b]) for x in (plan.cached_lens, plan.query_lens, plan.query_start))
@@ -170,7 +171,8 @@ def paged_attention_triton(
     if heads % kv_heads:
         raise ValueError(f"{heads} query heads are not a multiple of {kv_heads} KV heads")
     scale = scale if scale is not None else 1.0 / math.sqrt(head_dim)
-    out = torch.zeros(num_rows, heads, head_dim, dtype=torch.float32, device=query.device)
+    value_dim = v_cache.shape[2]
+    out = torch.zeros(num_rows, heads, value_dim, dtype=torch.float32, device=query.device)
     num_seqs = plan.block_tables.shape[0]
     tree = plan.tree_mask
     grid = (num_seqs, heads, triton_cdiv(plan.max_query_len, block_q))
@@ -181,7 +183,7 @@ def paged_attention_triton(
         out,
         *_plan_args(plan),
         _sinks_arg(sinks, plan),
-        *_shape_args(plan, scale, sliding_window, head_dim, softcap),
+        *_shape_args(plan, scale, sliding_window, head_dim, value_dim, softcap),
         *_stride_args(query, k_cache, v_cache),
         out.stride(0),
         out.stride(1),
@@ -192,7 +194,8 @@ def paged_attention_triton(
         HAS_SOFTCAP=bool(softcap),
         BLOCK_Q=block_q,
         BLOCK_N=block_n,
-        BLOCK_D=max(16, 1 << (head_dim - 1).bit_length()),
+        BLOCK_D=_block(head_dim),
+        BLOCK_DV=_block(value_dim),
     )
     return out
 
@@ -237,9 +240,9 @@ def paged_attention_split_kv(
         num_splits = split_count(num_seqs, kv_heads, plan.block_tables.shape[1] * plan.block_size, sms, block_n)
     if num_splits < 1 or num_splits & (num_splits - 1):
         raise ValueError(f"num_splits must be a power of two >= 1, got {num_splits}")
-    parts, maxima, sums = _split_scratch(num_splits, num_rows, heads, head_dim, query.device)
+    value_dim = v_cache.shape[2]
+    parts, maxima, sums = _split_scratch(num_splits, num_rows, heads, value_dim, query.device)
     tree = plan.tree_mask
-    block_d = max(16, 1 << (head_dim - 1).bit_length())
     split_kv_attention_kernel[(num_seqs, kv_heads, num_splits)](
         query,
         k_cache,
@@ -249,7 +252,7 @@ def paged_attention_split_kv(
         sums,
         *_plan_args(plan),
         _sinks_arg(sinks, plan),
-        *_shape_args(plan, scale, sliding_window, head_dim, softcap),
+        *_shape_args(plan, scale, sliding_window, head_dim, value_dim, softcap),
         num_rows,
         heads,
         *_stride_args(query, k_cache, v_cache),
@@ -262,11 +265,12 @@ def paged_attention_split_kv(
         IEEE=k_cache.dtype == torch.float32,
         BLOCK_M=max(16, 1 << (plan.max_query_len * group - 1).bit_length()),
         BLOCK_N=block_n,
-        BLOCK_D=block_d,
+        BLOCK_D=_block(head_dim),
+        BLOCK_DV=_block(value_dim),
     )
     if num_splits == 1:  # the kernel wrote the output itself
         return parts[0]
-    out = torch.empty(num_rows, heads, head_dim, dtype=torch.float32, device=query.device)
+    out = torch.empty(num_rows, heads, value_dim, dtype=torch.float32, device=query.device)
     merge_splits_kernel[(num_rows, heads)](
         parts,
         maxima,
@@ -275,10 +279,10 @@ def paged_attention_split_kv(
         _sinks_arg(sinks, plan),
         num_rows,
         heads,
-        head_dim,
+        value_dim,
         NUM_SPLITS=num_splits,
         HAS_SINKS=sinks is not None,
-        BLOCK_D=block_d,
+        BLOCK_D=_block(value_dim),
     )
     return out
 
@@ -305,19 +309,17 @@ def _sinks_arg(sinks: torch.Tensor | None, plan: PagedAttentionPlan) -> torch.Te
 
 
 def _shape_args(
-    plan: PagedAttentionPlan, scale: float, window: int | None, head_dim: int, softcap: float | None
+    plan: PagedAttentionPlan, scale: float, window: int | None, head_dim: int, value_dim: int, softcap: float | None
 ) -> tuple:
-    """scale, window, head_dim, block_size, max_blocks, mask_q, softcap, in the kernels' order."""
+    """scale, window, head_dim, value_dim, block_size, max_blocks, mask_q, softcap, in the kernels' order."""
     mask_q = plan.tree_mask.shape[1] if plan.tree_mask is not None else 1
-    return (
-        float(scale),
-        int(window or 0),
-        head_dim,
-        plan.block_size,
-        plan.block_tables.shape[1],
-        mask_q,
-        float(softcap or 0),
-    )
+    blocks = plan.block_tables.shape[1]
+    return float(scale), int(window or 0), head_dim, value_dim, plan.block_size, blocks, mask_q, float(softcap or 0)
+
+
+def _block(size: int) -> int:
+    """A kernel's tile width for vectors of ``size`` numbers: a power of two, at least 16."""
+    return max(16, 1 << (size - 1).bit_length())
 
 
 def _stride_args(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[int, ...]:

@@ -138,7 +138,9 @@ FAMILY_STRATEGIES = ("none", "chain:4", "tree:3,2,6", "suffix", "hybrid")
 
 
 def families(stage: Stage, family: str) -> None:
-    """One mechanism family, fp32 on the device: every strategy exact against a no-cache recompute."""
+    """One mechanism family, fp32 on the device: every strategy exact against a no-cache recompute,
+    on the torch path and (on CUDA) forced onto the Triton kernels (sinks, soft caps, per-layer and
+    MLA's unequal K/V sizes in them), CUDA graphs as the engine captures them."""
     from ...rollout.model.model_support import UnservableModel
     from ...testing.families import no_cache_greedy, no_cache_logprobs, tiny_family_model
 
@@ -151,35 +153,35 @@ def families(stage: Stage, family: str) -> None:
     drafter = tiny_family_model("llama", seed=11).to(dev)
     prompts = random_prompts(4, seed=5, min_len=3, max_len=12)
     want = [no_cache_greedy(model, p, 12, eos_id=-1) for p in prompts]
-    for strategy in FAMILY_STRATEGIES:
-        try:
-            engine = RolloutEngine(
-                model,
-                RolloutConfig(strategy=strategy),
-                eos_token_ids=[],
-                drafter=None if strategy in ("none", "suffix") else drafter,
+    for kernels in ("torch", "triton") if dev.type == "cuda" else ("torch",):
+        for strategy in FAMILY_STRATEGIES:
+            name = f"family {family} {strategy} {kernels}"
+            try:
+                config = RolloutConfig(strategy=strategy, kernels=kernels)
+                spec = None if strategy in ("none", "suffix") else drafter
+                engine = RolloutEngine(model, config, eos_token_ids=[], drafter=spec)
+            except UnservableModel as e:
+                stage.check(name, False, f"refused: {e}")
+                continue
+            greedy = engine.generate(prompts, SamplingParams(temperature=0.0, max_new_tokens=12))
+            sampled = engine.generate(prompts, SamplingParams(temperature=1.0, max_new_tokens=12, seed=2))
+            pool = engine.runner.graph_pool
+            engine.close()
+            err = max(
+                _logprob_error(o.logprobs, no_cache_logprobs(model, p, o.completion_ids))
+                for p, o in zip(prompts, sampled)
             )
-        except UnservableModel as e:
-            stage.check(f"family {family} {strategy}", False, f"refused: {e}")
-            continue
-        got = [o.completion_ids for o in engine.generate(prompts, SamplingParams(temperature=0.0, max_new_tokens=12))]
-        sampled = engine.generate(prompts, SamplingParams(temperature=1.0, max_new_tokens=12, seed=2))
-        err = max(
-            float(
-                (torch.tensor(o.logprobs, dtype=torch.float64) - no_cache_logprobs(model, p, o.completion_ids))
-                .abs()
-                .max()
+            same = sum(o.completion_ids == w for o, w in zip(greedy, want))
+            replays = f", graph replays {pool.stats.hits}" if pool is not None else ", no graph pool"
+            stage.check(
+                name,
+                same == len(want) and err < 1e-3,
+                f"{same}/{len(want)} greedy equal, logprob error {err:.1e}{replays}",
             )
-            for p, o in zip(prompts, sampled)
-        )
-        backend = "triton" if engine.runner.cache.layout.triton_ready and dev.type == "cuda" else "torch"
-        engine.close()
-        same = sum(g == w for g, w in zip(got, want))
-        stage.check(
-            f"family {family} {strategy}",
-            same == len(want) and err < 1e-3,
-            f"{same}/{len(want)} greedy equal, logprob error {err:.1e}, attention {backend}",
-        )
+
+
+def _logprob_error(got: list[float], want: torch.Tensor) -> float:
+    return float((torch.tensor(got, dtype=torch.float64) - want).abs().max())
 
 
 def hybrid_refused(stage: Stage) -> None:

@@ -69,8 +69,6 @@ class AttentionMetadata:
 def attention_backend(cache: PagedKVCache, kernels: str | None, max_new: int) -> str:
     """The backend of a forward's attention over ``cache`` with at most ``max_new`` new tokens per
     sequence (``kernels``: a ``RolloutConfig.kernels`` choice, None for the enclosing one)."""
-    if not cache.layout.triton_ready:  # keys and values of unequal sizes (MLA): torch only
-        return "torch"
     suits = attention_suits_triton(cache.layout.dtype, max_new)
     return resolve_backend(cache.layout.device, kernels, triton_suits=suits)
 

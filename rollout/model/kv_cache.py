@@ -154,12 +154,6 @@ class KVLayout:
             return self.layer_shapes[layer]
         return self.num_kv_heads, self.head_dim, self.head_dim
 
-    @property
-    def triton_ready(self) -> bool:
-        """Whether the Triton kernels serve this layout: keys and values of one size in every layer
-        (a layer's size is the launch's; MLA's smaller values are not)."""
-        return all(k == v for _, k, v in map(self.shape_of, range(self.num_layers)))
-
     def bytes_per_token(self) -> int:
         elem = torch.empty((), dtype=self.dtype).element_size()
         return sum(heads * (k + v) * elem for heads, k, v in map(self.shape_of, range(self.num_layers)))

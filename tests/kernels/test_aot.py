@@ -28,7 +28,8 @@ def test_every_kernel_variant_compiles(arch, tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     sizes = json.loads(out.stdout)
     assert "verify" in sizes and sum(k.startswith("attention[") for k in sizes) == 8
-    assert sum(k.startswith("split_kv[") for k in sizes) == 3 and "merge_splits" in sizes
+    assert sum(k.startswith("split_kv[") for k in sizes) == 4 and "split_kv[bf16,1 new,sinks,softcap]" in sizes
+    assert "merge_splits" in sizes and "merge_splits[sinks]" in sizes
     assert all(size > 1000 for size in sizes.values())
 
 

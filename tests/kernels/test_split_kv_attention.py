@@ -78,3 +78,17 @@ def test_split_kv_with_sinks_and_a_soft_cap_equals_reference(splits):
             q, k, v, plan, 0.3, 9, sinks=sinks, softcap=softcap, num_splits=splits, block_n=16
         )
         torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("splits", [1, 4])
+def test_values_of_another_size_than_keys(splits):
+    """MLA's values (here 8 numbers) are smaller than its keys (24): both kernels as the reference."""
+    from tailspec.kernels.paged_attention import paged_attention_triton
+
+    q, k, _, plan = random_case(51 + splits, 4, 4, 4, 24, trees=True)
+    v = torch.randn(k.shape[0], k.shape[1], 8, generator=torch.Generator().manual_seed(3))
+    want = paged_attention_reference(q, k, v, plan, 0.3, None)
+    assert want.shape[-1] == 8
+    got = paged_attention_split_kv(q, k, v, plan, 0.3, None, num_splits=splits, block_n=16)
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(paged_attention_triton(q, k, v, plan, 0.3, None), want, atol=2e-5, rtol=1e-4)

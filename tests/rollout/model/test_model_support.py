@@ -195,12 +195,14 @@ def test_a_drafter_lm_of_a_refused_family_is_refused_as_the_drafter():
 @pytest.mark.parametrize("family", ["gpt_oss", "gemma2", "gemma4_text", "deepseek_v3"])
 def test_each_mechanism_is_exact_on_the_triton_kernels(family):
     """Sinks and soft caps in the Triton kernels (Triton's interpreter here), per-layer head sizes
-    launched per layer; MLA's unequal K/V sizes stay on the torch path whatever is asked."""
+    launched per layer, MLA's values of another size than its keys."""
     pytest.importorskip("triton")
     model = tiny_family_model(family)
     config = RolloutConfig(strategy="chain:3", kernels="triton", kv_cache_tokens=512)
     engine = RolloutEngine(model, config, eos_token_ids=[], drafter=_drafter("lm", model))
-    assert engine.runner.cache.layout.triton_ready == (family != "deepseek_v3")
+    from tailspec.rollout.model.attention import attention_backend
+
+    assert attention_backend(engine.runner.cache, "triton", 1) == "triton"
     greedy = engine.generate(PROMPTS[:2], SamplingParams(temperature=0.0, max_new_tokens=8))
     assert [o.completion_ids for o in greedy] == [no_cache_greedy(model, p, 8, eos_id=-1) for p in PROMPTS[:2]]
     sampled = engine.generate(PROMPTS[:2], SamplingParams(temperature=1.0, max_new_tokens=8, seed=4))
