@@ -117,42 +117,14 @@ def device_inputs(
     positions = torch.where(valid_t, at, torch.zeros_like(index))
     block = table_t.gather(1, (index // bs).clamp(max=width - 1))
     slot_mapping = torch.where(valid_t, block * bs + index % bs, torch.full_like(index, scratch_block * bs))
-    if ids.numel() == batch * tokens:
-        padded_ids = ids
-    else:
-        rows = np.flatnonzero(valid)
-        padded_ids = ids.new_zeros(batch * tokens).index_copy_(0, to_device(rows, device), ids)
+    padded_ids = ids if ids.numel() == batch * tokens else _scattered(ids, valid)
     plan = None
     if use_plan:  # the kernel reads block tables and lengths, not gathered slots and masks
         gather = torch.zeros(batch, 0, dtype=torch.int64, device=device)
         mask = torch.zeros(batch, 1, tokens, 0, dtype=torch.bool, device=device)
-        query_lens = np.where(np.arange(batch) < n, new, 0)
-        plan = PagedAttentionPlan(
-            block_tables=table_t.to(torch.int32),
-            cached_lens=lengths.to(torch.int32),
-            query_lens=to_device(query_lens.astype(np.int32), device),
-            query_start=to_device((np.arange(batch) * tokens).astype(np.int32), device),
-            query_positions=positions.reshape(-1).to(torch.int32),
-            tree_mask=(
-                to_device(np.broadcast_to(_causal(tokens), (batch, tokens, tokens)).copy(), device)
-                if visible is None
-                else visible.to(torch.uint8)
-            ),
-            block_size=bs,
-            max_query_len=tokens,
-        )
+        plan = _kernel_plan(table_t, lengths, positions, visible, n, new, bs)
     else:
-        keys = torch.arange(context, device=device)
-        gather = table_t.gather(1, (keys // bs).expand(batch, -1)) * bs + keys % bs
-        if visible is None:  # the cached prefix and the rows up to itself
-            mask = valid_t.unsqueeze(-1) & (keys <= index.unsqueeze(-1))
-        else:  # the cached prefix and the new rows it sees
-            new_row = keys - lengths.unsqueeze(1)  # [batch, context]: the new row a key holds, if any
-            among = (new_row >= 0) & (new_row < tokens)
-            sees = visible.gather(2, new_row.clamp(0, tokens - 1).unsqueeze(1).expand(-1, tokens, -1))
-            mask = valid_t.unsqueeze(-1) & ((new_row < 0).unsqueeze(1) | (among.unsqueeze(1) & sees))
-        mask[:, :, 0] = True  # padding rows see one key (for real rows key 0 is visible anyway)
-        mask = mask.unsqueeze(1)
+        gather, mask = _gathered(table_t, lengths, index, valid_t, visible, context, bs)
     meta = AttentionMetadata(
         cache=cache,
         slot_mapping=slot_mapping.reshape(-1),
@@ -176,6 +148,68 @@ def device_inputs(
     if plan is not None:
         inputs.update({f"plan.{k}": v for k, v in plan.tensors().items()})
     return inputs, meta
+
+
+def _scattered(ids: torch.Tensor, valid: np.ndarray) -> torch.Tensor:
+    """``ids`` (the valid rows', in order) at their rows of a zero-padded ``valid.size`` vector."""
+    rows = to_device(np.flatnonzero(valid), ids.device)
+    return ids.new_zeros(valid.size).index_copy_(0, rows, ids)
+
+
+def _kernel_plan(
+    table: torch.Tensor,
+    lengths: torch.Tensor,
+    positions: torch.Tensor,
+    visible: torch.Tensor | None,
+    n: int,
+    new: int,
+    block_size: int,
+) -> PagedAttentionPlan:
+    """What the Triton kernels read of a padded forward: block tables, lengths, each row's position
+    and the rows' visibility among themselves (a chain's causal mask where ``visible`` is None)."""
+    batch, tokens = positions.shape
+    device = positions.device
+    query_lens = np.where(np.arange(batch) < n, new, 0)
+    return PagedAttentionPlan(
+        block_tables=table.to(torch.int32),
+        cached_lens=lengths.to(torch.int32),
+        query_lens=to_device(query_lens.astype(np.int32), device),
+        query_start=to_device((np.arange(batch) * tokens).astype(np.int32), device),
+        query_positions=positions.reshape(-1).to(torch.int32),
+        tree_mask=(
+            to_device(np.broadcast_to(_causal(tokens), (batch, tokens, tokens)).copy(), device)
+            if visible is None
+            else visible.to(torch.uint8)
+        ),
+        block_size=block_size,
+        max_query_len=tokens,
+    )
+
+
+def _gathered(
+    table: torch.Tensor,
+    lengths: torch.Tensor,
+    index: torch.Tensor,
+    valid: torch.Tensor,
+    visible: torch.Tensor | None,
+    context: int,
+    block_size: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """What the gathering path reads of a padded forward: every row's context slots ``[batch,
+    context]`` and its mask ``[batch, 1, tokens, context]`` (the cached prefix and the new rows it
+    sees: those up to itself in a chain, ``visible``'s in a tree)."""
+    batch, tokens = index.shape
+    keys = torch.arange(context, device=index.device)
+    gather = table.gather(1, (keys // block_size).expand(batch, -1)) * block_size + keys % block_size
+    if visible is None:  # the cached prefix and the rows up to itself
+        mask = valid.unsqueeze(-1) & (keys <= index.unsqueeze(-1))
+    else:  # the cached prefix and the new rows it sees
+        new_row = keys - lengths.unsqueeze(1)  # [batch, context]: the new row a key holds, if any
+        among = (new_row >= 0) & (new_row < tokens)
+        sees = visible.gather(2, new_row.clamp(0, tokens - 1).unsqueeze(1).expand(-1, tokens, -1))
+        mask = valid.unsqueeze(-1) & ((new_row < 0).unsqueeze(1) | (among.unsqueeze(1) & sees))
+    mask[:, :, 0] = True  # padding rows see one key (for real rows key 0 is visible anyway)
+    return gather, mask.unsqueeze(1)
 
 
 def _padded(values: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
