@@ -52,13 +52,7 @@ def build_padded_metadata(
     new = np.fromiter((s.num_new for s in seqs), np.int64, n)
     blocks = np.fromiter((len(s.block_table) for s in seqs), np.int64, n)
     ends = cached + new
-    bad = np.flatnonzero((ends > context) | (new > tokens) | (blocks * bs < ends))
-    if bad.size:
-        i = int(bad[0])
-        raise ValueError(
-            f"sequence {i} ({new[i]} new, {ends[i]} in context, {blocks[i]} blocks of {bs}) exceeds "
-            f"the bucket ({tokens} new, {context} in context) or its block table"
-        )
+    _check_fits(new, ends, blocks, bs, tokens, context)
     valid = padded_rows(seqs, batch, tokens) if valid is None else valid
     table = _padded_block_tables(seqs, -(-context // bs), scratch_slot // bs)  # [n, width]
     rows = np.arange(tokens)
@@ -71,19 +65,7 @@ def build_padded_metadata(
     if use_plan:  # the kernel reads block tables, not gathered slots
         gather, mask = np.zeros((batch, 0), dtype=np.int64), np.zeros((batch, tokens, 0), dtype=bool)
     else:
-        keys = np.arange(context)
-        gather = np.full((batch, context), scratch_slot, dtype=np.int64)
-        spread = (table[:, :, None] * bs + np.arange(bs)).reshape(n, -1)[:, :context]  # every key's slot
-        spread[keys >= ends[:, None]] = scratch_slot
-        gather[:n] = spread
-        mask = np.zeros((batch, tokens, context), dtype=bool)
-        # row r sees the cached prefix and the new tokens up to itself (causal)
-        mask[:n] = valid[:n, :, None] & (keys < (new_keys + 1)[:, :, None])
-        for i, s in enumerate(seqs):
-            if s.new_token_mask is not None:  # a draft tree: its ancestor mask among the new tokens
-                c0, q = s.num_cached, s.num_new
-                mask[i, :q, c0 : c0 + q] = s.new_token_mask.bool().cpu().numpy()
-        mask[:, :, 0] = True  # padding rows; for real rows key 0 is visible anyway (prefix or first new token)
+        gather, mask = _gathered(seqs, table, ends, new_keys, valid, (batch, tokens, context), scratch_slot, bs)
     query_positions_t = torch.from_numpy(query_positions)
     plan = None
     if use_plan:
@@ -100,6 +82,46 @@ def build_padded_metadata(
         valid_queries=None,
         plan=plan,
     )
+
+
+def _check_fits(new: np.ndarray, ends: np.ndarray, blocks: np.ndarray, bs: int, tokens: int, context: int) -> None:
+    """Every sequence within the bucket and its own block table, else a ``ValueError`` naming the first."""
+    bad = np.flatnonzero((ends > context) | (new > tokens) | (blocks * bs < ends))
+    if bad.size:
+        i = int(bad[0])
+        raise ValueError(
+            f"sequence {i} ({new[i]} new, {ends[i]} in context, {blocks[i]} blocks of {bs}) exceeds "
+            f"the bucket ({tokens} new, {context} in context) or its block table"
+        )
+
+
+def _gathered(
+    seqs: Sequence[SequenceSlice],
+    table: np.ndarray,
+    ends: np.ndarray,
+    new_keys: np.ndarray,
+    valid: np.ndarray,
+    shape: tuple[int, int, int],
+    scratch_slot: int,
+    bs: int,
+) -> tuple[np.ndarray, np.ndarray]:
+    """The gathering path's ``[batch, context]`` slots (the scratch slot past a sequence's context)
+    and ``[batch, tokens, context]`` mask: a row sees the cached prefix and the new tokens up to
+    itself, or its draft tree's ancestors; padding rows see key 0 alone."""
+    batch, tokens, context = shape
+    n, keys = len(seqs), np.arange(context)
+    gather = np.full((batch, context), scratch_slot, dtype=np.int64)
+    spread = (table[:, :, None] * bs + np.arange(bs)).reshape(n, -1)[:, :context]  # every key's slot
+    spread[keys >= ends[:, None]] = scratch_slot
+    gather[:n] = spread
+    mask = np.zeros((batch, tokens, context), dtype=bool)
+    mask[:n] = valid[:n, :, None] & (keys < (new_keys + 1)[:, :, None])
+    for i, s in enumerate(seqs):
+        if s.new_token_mask is not None:  # a draft tree: its ancestor mask among the new tokens
+            c0, q = s.num_cached, s.num_new
+            mask[i, :q, c0 : c0 + q] = s.new_token_mask.bool().cpu().numpy()
+    mask[:, :, 0] = True  # padding rows; for real rows key 0 is visible anyway (prefix or first new token)
+    return gather, mask
 
 
 def _padded_block_tables(seqs: Sequence[SequenceSlice], width: int, scratch_block: int) -> np.ndarray:
