@@ -217,7 +217,7 @@ def paged_attention_forward(
         )
     dtype = meta.cache.layout.dtype
     k_rows, v_rows = kv_rows(key, dtype), kv_rows(value, dtype)
-    extras = AttentionExtras(s_aux, softcap)
+    extras = AttentionExtras(s_aux, softcap) if s_aux is not None or softcap else NO_EXTRAS
     return _write_and_attend(module, query, k_rows, v_rows, meta, scaling, sliding_window, extras), None
 
 
@@ -230,6 +230,9 @@ class AttentionExtras:
 
     def __bool__(self) -> bool:
         return self.sinks is not None or bool(self.softcap)
+
+
+NO_EXTRAS = AttentionExtras()  # plain softmax attention: one instance, not one a layer call
 
 
 def kv_rows(states: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -251,11 +254,12 @@ def _write_and_attend(
 ) -> torch.Tensor:
     # the layer index is read here, untraced: dynamo would compile once per layer for an int
     k_cache, v_cache = meta.cache.k[module.layer_idx], meta.cache.v[module.layer_idx]
-    if k_rows.shape[1] != k_cache[0].numel() or v_rows.shape[1] != v_cache[0].numel():
+    k_row, v_row = k_cache.shape[1] * k_cache.shape[2], v_cache.shape[1] * v_cache.shape[2]  # no tensor made
+    if k_rows.shape[1] != k_row or v_rows.shape[1] != v_row:
         raise RuntimeError(
             f"{type(module).__name__} (layer {module.layer_idx}) hands keys of {k_rows.shape[1]} and values of "
-            f"{v_rows.shape[1]} numbers a token where the paged cache holds {k_cache[0].numel()} and "
-            f"{v_cache[0].numel()}: its cache layout was not read right (model_support.kv_layout_of)"
+            f"{v_rows.shape[1]} numbers a token where the paged cache holds {k_row} and "
+            f"{v_row}: its cache layout was not read right (model_support.kv_layout_of)"
         )
     write_kv(k_cache, v_cache, meta.slot_mapping, k_rows, v_rows)
     return attend(meta, k_cache, v_cache, query, scaling, sliding_window, extras)
@@ -269,7 +273,7 @@ def attend(
     query: torch.Tensor,
     scaling: float | None,
     sliding_window: int | None,
-    extras: AttentionExtras = AttentionExtras(),
+    extras: AttentionExtras = NO_EXTRAS,
 ) -> torch.Tensor:
     """``query`` (``[1, heads, T, head_dim]``) over the cache (its new K/V already written):
     ``[1, T, heads, value size]``, by the Triton kernels when the metadata has their plan, else by

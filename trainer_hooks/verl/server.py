@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from ...draft_contract import Versioned
 from ...rollout.handoff import InboxItem, PartialRequest, RequestInbox
 from ...rollout.request import RequestOutput
 from ...rollout.serving import serve
@@ -213,7 +214,7 @@ class TailspecServer:
         if online is not None and online.part is not None:
             return int(online.part.version)
         drafter = self.engine.drafter
-        return int(drafter.version) if drafter is not None and hasattr(drafter, "version") else 0
+        return int(drafter.version) if isinstance(drafter, Versioned) else 0
 
     def metrics(self) -> dict[str, float]:
         """Counts since the server started, for the rollout's metrics."""
@@ -221,6 +222,7 @@ class TailspecServer:
         return {
             "tailspec/accept_length": counts.mean_accept_length,
             "tailspec/drafted_tokens": float(counts.drafted_tokens),
+            "tailspec/generated_tokens": float(counts.generated_tokens),
             "tailspec/drafter_version": float(self.drafter_version),
             "tailspec/weight_pushes": float(self.weight_pushes),
             **{f"tailspec/strategy_steps/{k}": float(v) for k, v in counts.strategy_steps.items()},

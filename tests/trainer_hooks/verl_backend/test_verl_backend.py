@@ -134,12 +134,15 @@ def test_an_abort_returns_partial_tokens(served):
     replica = manager.rollout_replicas[0]
 
     async def run():
+        before = (await replica.servers[0].metrics.remote())["tailspec/generated_tokens"]
         fields = {"temperature": 0.0, "ignore_eos": True, "max_tokens": 400}
         running = [
             asyncio.ensure_future(client.generate(f"a{i}", prompt_ids=p, sampling_params=dict(fields)))
             for i, p in enumerate(PROMPTS)
         ]
-        await asyncio.sleep(0.5)
+        server = replica.servers[0]
+        while (await server.metrics.remote())["tailspec/generated_tokens"] < before + 20:  # decoding
+            await asyncio.sleep(0.01)
         await replica.abort_all_requests()
         outs = await asyncio.gather(*running)
         await replica.resume_generation()
