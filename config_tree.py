@@ -99,11 +99,19 @@ def _default_of(cls: type, name: str) -> Any:
     return None if f.default is dataclasses.MISSING else f.default
 
 
+#: fields a config once had, with why they went: a config that still names one is told that
+RETIRED_FIELDS = {
+    ("RolloutConfig", "overlap"): "is gone: every decode step is launched before the one before it is committed",
+}
+
+
 def _check_keys(cls: type, data: Mapping[str, Any], path: str) -> None:
     known = [f.name for f in dataclasses.fields(cls) if f.init]
     for key in data:
         if key not in known:
             where = f"{path}.{key}" if path else str(key)
+            if (cls.__name__, key) in RETIRED_FIELDS:
+                raise ConfigError(where, RETIRED_FIELDS[(cls.__name__, key)])
             raise ConfigError(where, f"is not a field of {cls.__name__}; its fields: {', '.join(known)}")
 
 

@@ -4,10 +4,11 @@ Use :meth:`RolloutEngine.generate` for a batch of prompts (one completion per pr
 order), or the step-wise API (:meth:`add_request`, :meth:`step`) to interleave submission and
 generation. Bad requests are refused with ``ValueError`` before they touch any running batch.
 
-A step reads schedule -> prefill or decode. Every decode step has one shape, propose -> forward ->
-verify -> commit (:class:`DecodeStep`); which strategy it runs is planned and measured from outside
-it (:class:`StepMeter`); where its drafts come from is the :class:`Proposer`'s; the front ends that
-loop over steps are in ``serving.py``.
+One loop runs every step: ``in_flight = step(schedule(), in_flight)``. Each iteration launches a
+step (:class:`StepLauncher`: prefill, plain, or speculative from any drafter) and then commits the
+one before it, the only place tokens reach the host (``launched.py``). Which strategy a decode step
+runs is planned and measured from outside it (:class:`StepMeter`); where its drafts come from is the
+:class:`Proposer`'s; the front ends that loop over steps are in ``serving.py``.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from contextlib import AbstractContextManager
 
 import torch
 
-from ..draft_contract import Drafter, Stateful, drafter_factory
+from ..draft_contract import Drafter, DrafterSet, Stateful, drafter_factory
 from . import serving
 from .adaptive.calibration import calibrate_costs
 from .adaptive.choice import StrategyChoice
@@ -27,18 +28,17 @@ from .adaptive.forward_table import ForwardTable
 from .adaptive.meter import StepMeter
 from .adaptive.selector import SelectorConfig, StrategySelector
 from .admission import RequestLimits, eos_ids_of, prepare_requests
-from .decode_step import DecodeStep
 from .feature_taps import FeatureTaps
 from .handoff import PartialRequest, RequestInbox, ServeUpdate
+from .launched import Launched
+from .launcher import StepLauncher
 from .model.graph_pool import graph_pool_for
 from .model.host_memory import keep_freed_host_memory
 from .model.runner import ModelRunner
 from .params import RolloutConfig, SamplingParams
-from .prefill import commit_prefill, pack_prefill
 from .proposer import Proposer
-from .request import RequestOutput, SeqStatus, Sequence
+from .request import RequestOutput
 from .request_book import RequestBook
-from .sampling import store_prompt_logprobs
 from .scheduler import ScheduledBatch, Scheduler, StepKind
 from .spec.length_budget import tokens_to_go
 from .stats import EngineStats, StepRecord
@@ -67,65 +67,64 @@ class RolloutEngine:
         tokenizer=None,
         drafter: Drafter | torch.nn.Module | None = None,
     ) -> None:
-        self.config = config or RolloutConfig()
+        self.config = config = config or RolloutConfig()
         self.runner = ModelRunner(
             model,
-            self.config.total_blocks,
-            self.config.block_size,
-            graph_pool=graph_pool_for(model, self.config),
-            cache_prefixes=self.config.prefix_caching,
-            compile_layers=self.config.compile,
-            merge_projections=self.config.merge_projections,
-            dtype=self.config.dtype,
+            config.total_blocks,
+            config.block_size,
+            graph_pool=graph_pool_for(model, config),
+            cache_prefixes=config.prefix_caching,
+            compile_layers=config.compile,
+            merge_projections=config.merge_projections,
+            dtype=config.dtype,
         )
         self.model = model = self.runner.model  # what it decodes on: the model, or its copy in config.dtype
         keep_freed_host_memory(self.runner.device.type)  # CPU forwards: freed buffers kept for reuse
         self.vocab_size = self.runner.vocab_size
-        self.limits = RequestLimits.of(model, self.config)
+        self.limits = RequestLimits.of(model, config)
         self.max_model_len = self.limits.max_model_len
         self.eos_ids = frozenset(eos_token_ids) if eos_token_ids is not None else eos_ids_of(model, tokenizer)
-        bad_eos = [i for i in self.eos_ids if not 0 <= i < self.vocab_size]
-        if bad_eos:
+        if bad_eos := [i for i in self.eos_ids if not 0 <= i < self.vocab_size]:
             raise ValueError(f"eos_token_ids {bad_eos} are outside the vocabulary [0, {self.vocab_size})")
         self.scheduler = Scheduler(
-            self.runner.cache.allocator,
-            self.config.block_size,
-            self.config.max_num_seqs,
-            self.config.max_prefill_tokens,
+            self.runner.cache.allocator, config.block_size, config.max_num_seqs, config.max_prefill_tokens
         )
-        self.generator = torch.Generator().manual_seed(self.config.seed)
         self.stats = EngineStats()
-        drafters = drafter_factory()(drafter, model, self.config, self.vocab_size, tokenizer)
-        if self.config.prefix_caching and drafters.model is not None:
+        self._speculate_with(drafter_factory()(drafter, model, config, self.vocab_size, tokenizer))
+        self.in_flight: Launched | None = None  # the step launched last and not yet retired by the loop
+        self.set_strategy(config.strategy)
+
+    def _speculate_with(self, drafters: DrafterSet) -> None:
+        """The drafters, the strategy choice and its meter, and the launcher of every step."""
+        config = self.config
+        if config.prefix_caching and drafters.model is not None:
             raise ValueError(
                 "prefix_caching does not work with a model drafter yet (the drafter would miss the cached "
                 "prefix); use prefix_caching=False or a model-free strategy (suffix)"
             )
-        self.proposer = Proposer(model, drafters, self.config)
+        self.proposer = Proposer(self.model, drafters, config)
         self.drafter, self.suffix_drafter = drafters.model, drafters.suffix
-        self.choice = StrategyChoice(self.config, self.drafter, self._calibrate, self.stats)
-        self.meter = StepMeter(self.choice, self.stats, self.config.tail_fraction, tokens_to_go)
+        self.choice = StrategyChoice(config, self.drafter, self._calibrate, self.stats)
+        self.meter = StepMeter(self.choice, self.stats, config.tail_fraction, tokens_to_go, self.runner.device)
         self.requests = RequestBook(self.scheduler, self.limits, self.eos_ids, self.proposer)
         layers = self.drafter.feature_layers if self.drafter is not None else None
         self.taps = FeatureTaps(self.runner, layers, self.proposer.observe)  # what an EAGLE-style drafter reads
-        self.decode = DecodeStep(
+        generator = torch.Generator().manual_seed(config.seed)
+        self.launcher = StepLauncher(
             self.runner,
-            self.config,
+            config,
             self.proposer,
             self.taps,
-            self.generator,
+            generator,
             self.stats,
             self.requests.finish,
-            self.limits.max_model_len,
+            self.max_model_len,
         )
-        self._settled_early: list[int] = []  # requests that finished when a step in flight was read outside a step
-        self.set_strategy(self.config.strategy)
 
     # -- speculation set-up --------------------------------------------------------------
     def set_strategy(self, strategy: str | Strategy) -> None:
-        """Switch the speculation strategy; takes effect at the next decode step (an overlapped step
-        in flight is read now: a switch to ``adaptive`` may calibrate before it plans)."""
-        self._read_in_flight()
+        """Switch the speculation strategy; takes effect at the next decode step (launched from the
+        step in flight's state where it can be, whatever that step's strategy was)."""
         self.choice.set(strategy)
         self.proposer.prepare(self.choice.arms)
 
@@ -163,7 +162,9 @@ class RolloutEngine:
     def weights_changed(self) -> None:
         """Tell the engine its model's weights changed (``ModelRunner.weights_changed``): needed
         after an optimizer step that bumps no version counter (torch's fused AdamW); other in-place
-        changes and moved weights it notices itself."""
+        changes and moved weights it notices itself. The step in flight, launched with the weights
+        before, is committed first."""
+        self.sync()
         self.runner.weights_changed()
 
     def close(self) -> None:
@@ -217,73 +218,75 @@ class RolloutEngine:
         return self.requests.new_group()
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work() or self.decode.in_flight is not None
+        """Requests wait or run, or the step in flight holds tokens or finished requests that
+        :meth:`step` has not reported yet."""
+        in_flight = self.in_flight
+        return self.scheduler.has_work() or (
+            in_flight is not None and (not in_flight.committed or bool(in_flight.commit().finished))
+        )
 
     def abort(self, request_id: int) -> None:
-        # the step in flight is read first: the request keeps every token sampled for it, and the
+        # the step in flight is committed first: the request keeps every token sampled for it, and the
         # blocks it frees hold K/V of tokens it knows (prefix caching registers them by their tokens)
-        self._read_in_flight()
+        self.sync()
         self.requests.abort(request_id)
 
     def discard(self, request_id: int) -> None:
         """Abort a request and drop it, finished or not (a front end's caller stopped early)."""
-        self._read_in_flight()
+        self.sync()
         self.requests.discard(request_id)
 
-    def release(self, request_id: int) -> PartialRequest:
-        """Stop an unfinished request and hand over its state, to be continued elsewhere."""
-        self._read_in_flight()  # a token in flight is part of what is handed over
-        return self.requests.release(request_id)
+    def release(self, request_id: int) -> PartialRequest | None:
+        """Stop an unfinished request and hand over its state, to be continued elsewhere. The step
+        in flight is committed first (its tokens are part of what is handed over); None where the
+        request has finished, on them or before (its output waits for :meth:`pop_output`)."""
+        self.sync()
+        return None if self.requests.finished(request_id) else self.requests.release(request_id)
 
     def pop_output(self, request_id: int) -> RequestOutput:
         """A finished request's output (an unfinished one raises ``ValueError`` and stays)."""
         return self.requests.pop_output(request_id)
 
     def step(self) -> list[int]:
-        """Run one scheduled forward; return the ids of requests that finished in it (overlapped:
-        in the step before it, read now)."""
-        overlap = self._overlaps()
-        finished, self._settled_early = self._settled_early, []
-        if not overlap:
-            finished += self.decode.settle()
+        """One iteration of the loop: launch the scheduled step, then commit the step before it;
+        the ids of the requests that finished (in the step before, or earlier since the last call)."""
         if self.proposer.switch_pending:  # alive() walks every request: only when an executor waits
             self.proposer.between_steps(self.requests.alive(), self.mirror_capable)
         if not self.scheduler.running:
             self.meter.before_rollout(len(self.scheduler.waiting))
         if self.config.prefix_caching and self.scheduler.waiting:  # only admission reads the cache
             self.runner.drop_stale_prefixes()
+        previous = self.in_flight
         mixed = self.config.mixed_batches and not self.strategy.speculative and not self.strategy.adaptive
-        batch = self.scheduler.schedule(mixed=mixed)
-        if batch is None:
-            return finished + self.decode.settle()  # every sequence left has its final token in flight
-        with self.inference():
-            if batch.kind is StepKind.DECODE:
-                finished += self._decode_step(batch.seqs, overlap)
-            else:  # PREFILL, or MIXED: a running sequence is a prompt with one uncached token
-                finished += self._prefill(batch)
-                self.stats.mixed_steps += batch.kind is StepKind.MIXED
-        if not self.scheduler.running:
-            finished += self.decode.settle()  # rows of finished sequences alone: nothing is left in flight
+        batch = self.scheduler.schedule(mixed, previous)
+        self.in_flight = self._launch(batch, previous) if batch is not None else None
+        self.stats.overlapped_steps += self.in_flight is not None and previous is not None and not previous.committed
+        finished = self.meter.retire(previous).finished if previous is not None else []
+        if self.in_flight is not None and not self.scheduler.running:  # rows of finished sequences alone
+            finished += self.meter.retire(self.in_flight).finished
+            self.in_flight = None
         self.stats.steps += 1
         self.stats.preemptions = self.scheduler.num_preemptions
         self.stats.prefix_hit_tokens = self.scheduler.num_prefix_hit_tokens
         return finished
 
-    def _overlaps(self) -> bool:
-        """Whether this step may be launched before the step in flight is read (``config.overlap``):
-        a decode step that admits no prompt and preempts nothing, plain (``rollout/sampled.py``) or
-        a fixed chain's or tree's on the device (``rollout/spec/device_step.py``, where each batch
-        is checked again); under ``adaptive``, a step it plans plain (one it plans speculative reads the step
-        in flight first, :meth:`_decode_step`). A drafter reading the target's features gets a dropped row's
-        too, past its sequence's last token: what it records is cut to the tokens at the finish."""
-        scheduler = self.scheduler
-        steady = not self.proposer.switch_pending
-        steady &= not self.strategy.speculative or self.decode.on_device.serves(self.strategy)
-        return self.config.overlap and steady and not scheduler.waiting and scheduler.decode_fits()
+    def _launch(self, batch: ScheduledBatch, previous: Launched | None) -> Launched | None:
+        with self.inference():
+            if (
+                batch.kind is not StepKind.DECODE
+            ):  # PREFILL, or MIXED: a running sequence is a prompt with one uncached token
+                self.stats.mixed_steps += batch.kind is StepKind.MIXED
+                return self.launcher.prefill(batch)
+            plan = self.meter.plan(batch.seqs, previous)
+            return self.meter.launch(
+                plan, batch.seqs, lambda: self.launcher.decode(batch.seqs, plan.strategy, previous)
+            )
 
-    def _read_in_flight(self) -> None:
-        """Read an overlapped step in flight outside a step; its finished requests are the next step's."""
-        self._settled_early += self.decode.settle()
+    def sync(self) -> None:
+        """Commit the step in flight now: every token sampled is in its request's output (the
+        requests it finished are still reported by the next :meth:`step`)."""
+        if self.in_flight is not None:
+            self.in_flight.commit()
 
     # -- front ends (rollout/serving.py) -------------------------------------------------
     def generate(self, prompts: Seq[Seq[int]], params=None, *, progress: bool | None = None) -> list[RequestOutput]:
@@ -303,43 +306,3 @@ class RolloutEngine:
     def inference(self) -> AbstractContextManager[None]:
         """no_grad + eval mode + paged attention for the model (``ModelRunner.inference``), re-entrant."""
         return self.runner.inference(self.config.kernels)
-
-    # -- internals -----------------------------------------------------------------------
-    def _prefill(self, batch: ScheduledBatch) -> list[int]:
-        pack = pack_prefill(batch)
-        logits = self.decode.forward(pack.slices, pack.tokens, pack.positions, pack.logits_index)
-        if pack.scored:
-            store_prompt_logprobs(pack.scored, logits[len(pack.last) :], batch.followers)
-            logits = logits[: len(pack.last)]
-        self.stats.prefill_steps += 1
-        self.stats.prefill_tokens += len(pack.tokens)
-        seqs, rows, observed = commit_prefill(batch, pack, self._fork_from)
-        self.taps.observe(observed, logits)
-        self.stats.forked_prefills += len(seqs) - len(batch.seqs)
-        return self.decode.append(self.decode.sample(seqs, logits[rows] if len(rows) != len(batch.seqs) else logits))
-
-    def _fork_from(self, leader: Sequence, member: Sequence) -> None:
-        """Member shares the leader's full blocks; copy the leader's partial last block."""
-        bs = self.config.block_size
-        partial = leader.num_tokens % bs
-        if partial:
-            self.runner.cache.copy_block(leader.block_table[-1], member.block_table[-1], partial)
-        member.num_cached = leader.num_cached
-
-    def _decode_step(self, seqs: list[Sequence], overlap: bool) -> list[int]:
-        """One decode step of the strategy the meter plans, timed by it."""
-        plan, finished = self.meter.plan(seqs), []
-        on_device = self.decode.on_device.serves(plan.strategy)  # a step launched from the device's state
-        if plan.strategy.speculative and not on_device and self.decode.in_flight is not None:
-            # adaptive planned a host-read speculative step after overlapped ones: it is timed whole,
-            # so the step in flight is read first, outside every step's timer (each overlapped step's
-            # timer ends with its read of the one before)
-            finished = self.decode.settle()
-            if len(running := [s for s in seqs if s.status is SeqStatus.RUNNING]) < len(seqs):
-                if not running:  # every one stopped on the token just read
-                    return finished
-                seqs, plan = running, self.meter.plan(running)
-        overlap &= not plan.strategy.speculative or on_device  # ... and leaves none in flight
-        # the first step of an overlapped run reads nothing: its timer holds a launch, not a step
-        unread = overlap and not plan.strategy.speculative and self.decode.in_flight is None
-        return finished + self.meter.run(plan, seqs, unread, lambda: self.decode(seqs, plan.strategy, overlap))

@@ -241,10 +241,6 @@ class RolloutConfig:
     # QKV and gate-up projections as one GEMM each, over merged copies of their weights (memory: about two
     # thirds of the decoder's weights again; rollout/model/merged_projections.py)
     merge_projections: bool = False
-    # plain decode steps are launched before the previous one's tokens are read, so the host's work
-    # of a step runs while the device computes (rollout/sampled.py; for CUDA, where the device runs
-    # behind the host; on CPU it only adds the dropped rows of finished sequences)
-    overlap: bool = False
     seed: int = 0
     progress: bool = False
 
@@ -323,7 +319,6 @@ class RolloutConfig:
         require(self.dtype in ROLLOUT_DTYPES, "dtype", "'auto', 'bfloat16', 'float16' or 'float32'", self.dtype)
         require(isinstance(self.compile, bool), "compile", "True or False", self.compile)
         require(isinstance(self.merge_projections, bool), "merge_projections", "True or False", self.merge_projections)
-        require(isinstance(self.overlap, bool), "overlap", "True or False", self.overlap)
         require(
             is_int(self.graph_memory_mb) and self.graph_memory_mb >= 1,
             "graph_memory_mb",

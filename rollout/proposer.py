@@ -77,7 +77,6 @@ class Proposer:
 
     def propose(self, seqs: list[Sequence], strategy: Strategy, allocator, block_size: int) -> Proposal:
         """``seqs``' drafts for a step of ``strategy``, within their limits and free KV blocks."""
-        self.mirrors.split_threads(strategy)
         if not strategy.speculative:
             return Proposal(strategy, [EMPTY_DRAFT] * len(seqs))
         strategy, mirror = self.mirrors.for_step(strategy)
@@ -90,6 +89,15 @@ class Proposer:
             return Proposal(strategy, *shared)
         drafter = self.drafter_for(strategy)
         return Proposal(strategy, propose(drafter, seqs, strategy.shape, allocator, block_size, drafting), drafter)
+
+    def before_step(self, strategy: Strategy) -> None:
+        """Every decode step: with ``MirrorConfig.threads``, a mirror step leaves the draft its threads."""
+        self.mirrors.split_threads(strategy)
+
+    def drafts_on_host(self, strategy: Strategy) -> bool:
+        """Whether a step of ``strategy`` drafts here, from the host's text, even with a drafter that
+        drafts on the device: while a mirror pipeline runs, chains and trees draft on its drafter."""
+        return self.mirrors.pipeline is not None and strategy.kind in ("chain", "tree")
 
     def drafter_for(self, strategy: Strategy) -> Drafter:
         if strategy.kind == "suffix":

@@ -46,8 +46,6 @@ class Sequence:
     num_drafted: int = 0  # draft tokens verified for it
     num_accepted: int = 0  # of those, accepted
     expected_length: float | None = None  # predicted completion length (a scheduling hint, never a limit)
-    # tokens sampled on the device and not yet read into output_ids (RolloutConfig.overlap)
-    tokens_in_flight: int = 0
 
     def __post_init__(self) -> None:
         if self.params.seed is not None and self.generator is None:
@@ -76,16 +74,6 @@ class Sequence:
             self.finish_reason = FinishReason.STOP
         elif len(self.output_ids) >= self.params.max_new_tokens:
             self.finish_reason = FinishReason.LENGTH
-
-    @property
-    def num_sampled(self) -> int:
-        """Tokens generated so far, those sampled and still in flight included."""
-        return len(self.output_ids) + self.tokens_in_flight
-
-    @property
-    def last_token_in_flight(self) -> bool:
-        """Its final token (by ``max_new_tokens``) is sampled and on its way: it takes no further step."""
-        return self.tokens_in_flight > 0 and self.num_sampled >= self.params.max_new_tokens
 
     @property
     def done(self) -> bool:

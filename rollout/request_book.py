@@ -63,6 +63,11 @@ class RequestBook:
         self.abort(request_id)
         self.seqs.pop(request_id, None)
 
+    def finished(self, request_id: int) -> bool:
+        """Whether the request is here and has finished (its output not popped yet)."""
+        seq = self.seqs.get(request_id)
+        return seq is not None and seq.status is SeqStatus.FINISHED
+
     def release(self, request_id: int) -> PartialRequest:
         seq = self.seqs.get(request_id)
         if seq is None or seq.status is SeqStatus.FINISHED:

@@ -1,9 +1,8 @@
-"""Tokens sampled on the device and not yet read: what a plain step hands back before its host
-half, and what overlapped decoding (``RolloutConfig.overlap``) keeps in flight across a step.
+"""A plain step launched: one token per sequence sampled on the device, read at its commit.
 
-Overlapped, step N + 1 is launched before step N's tokens are read, so the host's part of a step
-(scheduling, the next forward's inputs, appending tokens and checking stops) runs while the device
-computes, as SGLang's overlap scheduler and vLLM's async scheduling do for plain decoding:
+The loop launches step N + 1 before step N is committed, so the host's part of a step (scheduling,
+the next forward's inputs, appending tokens and checking stops) runs while the device computes, as
+SGLang's overlap scheduler and vLLM's async scheduling do for plain decoding:
 
 * a sequence's next input is its last sampled token, still on the device: the tensor of step N's
   tokens feeds step N + 1's forward (:meth:`Sampled.inputs_for`) and is read only for the host;
@@ -13,40 +12,69 @@ computes, as SGLang's overlap scheduler and vLLM's async scheduling do for plain
   whose final token (``max_new_tokens``) is in flight takes no further step;
 * such a dropped row of an unseeded sampled request drew a uniform from the engine's generator,
   so the rows after it get other draws from the same distribution. Greedy, seeded and
-  position-keyed requests decode the same tokens with and without overlap.
+  position-keyed requests decode the same tokens whatever is in flight.
+
+On a CPU the device is the host: the forward runs inside the launch, and the order changes only
+when the host's bookkeeping runs, not what overlaps it.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
 
 import torch
 
 from ..kernels.transfers import QueuedRead, select_rows
-from .request import Sequence
+from .launched import Committed, Launched
+from .request import SeqStatus, Sequence
+from .stats import EngineStats
 
 
-@dataclass
-class Sampled:
+class Sampled(Launched):
     """One forward's sampled tokens: ``tokens`` on the device, and the read that brings them and
-    their logprobs to the host (queued when sampled, waited for by :meth:`read`)."""
+    their logprobs to the host (queued when sampled, waited for at the commit)."""
 
-    seqs: list[Sequence]
-    tokens: torch.Tensor  # [len(seqs)] on the logits' device
-    pending: QueuedRead  # tokens, then logprobs
+    def __init__(
+        self,
+        seqs: list[Sequence],
+        tokens: torch.Tensor,
+        pending: QueuedRead,
+        finish: Callable[[Sequence], None],
+        stats: EngineStats,
+    ) -> None:
+        super().__init__(seqs, stats)
+        self.tokens = tokens  # [len(seqs)] on the logits' device
+        self.pending = pending  # tokens, then logprobs
+        self.finish = finish
 
-    def read(self) -> list[list]:
-        """``[tokens, logprobs]`` on the host (waits for them)."""
-        return self.pending.result()
+    def _commit(self) -> Committed:
+        """Append the sampled tokens; a row of a request that finished, was aborted or handed over
+        meanwhile is dropped."""
+        tokens, logprobs = self.pending.result()
+        finished, emitted = [], 0
+        for seq, token, logprob in zip(self.seqs, tokens, logprobs):
+            if seq.status is SeqStatus.FINISHED:
+                self.stats.dropped_rows += 1
+                continue
+            seq.append(token, logprob)
+            emitted += 1
+            if seq.done:
+                self.finish(seq)
+                finished.append(seq.seq_id)
+        self.stats.generated_tokens += emitted
+        return Committed(finished, emitted)
 
-    def inputs_for(self, seqs: list[Sequence]) -> torch.Tensor:
-        """The tokens sampled here for ``seqs`` (each one of this step's), in their order, on the
-        device: the next decode step's inputs, never read for it."""
-        row_of = {id(seq): row for row, seq in enumerate(self.seqs)}
-        missing = [seq.seq_id for seq in seqs if id(seq) not in row_of]
-        if missing:
-            raise RuntimeError(f"sequences {missing} have no token in flight (overlapped decoding bug)")
-        rows = [row_of[id(seq)] for seq in seqs]
-        if rows == list(range(len(self.seqs))):
-            return self.tokens
-        return select_rows(self.tokens, rows)
+    def unread(self, seq: Sequence) -> int:
+        """Tokens sampled here for ``seq`` that its ``output_ids`` do not hold yet."""
+        return int(not self.committed and self.holds(seq))
+
+    def holds_final(self, seq: Sequence) -> bool:
+        return self.unread(seq) > 0 and len(seq.output_ids) + 1 >= seq.params.max_new_tokens
+
+    def inputs_for(self, seqs: list[Sequence]) -> torch.Tensor | None:
+        """The tokens sampled here for ``seqs``, in their order, on the device: the next plain step's
+        inputs, never read for it. None once committed, or where one of ``seqs`` is not here."""
+        rows = None if self.committed else self.rows_of(seqs)
+        if rows is None:
+            return None
+        return self.tokens if rows == list(range(len(self.seqs))) else select_rows(self.tokens, rows)

@@ -15,6 +15,7 @@ import enum
 from collections import deque
 from dataclasses import dataclass, field
 
+from .launched import Launched
 from .model.kv_cache import BlockAllocator, blocks_for, prefix_hashes
 from .request import SeqStatus, Sequence
 
@@ -43,6 +44,7 @@ class Scheduler:
         self.running: dict[int, Sequence] = {}  # seq_id -> sequence, in admission order
         self.num_preemptions = 0
         self.num_prefix_hit_tokens = 0  # prompt tokens whose K/V came from the prefix cache
+        self._in_flight: Launched | None = None  # the step in flight while a step is scheduled
 
     def add(self, seq: Sequence) -> None:
         seq.status = SeqStatus.WAITING
@@ -52,16 +54,23 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     # -- step planning -------------------------------------------------------------------
-    def schedule(self, mixed: bool = False) -> ScheduledBatch | None:
+    def schedule(self, mixed: bool = False, in_flight: Launched | None = None) -> ScheduledBatch | None:
         """A prefill step if a waiting sequence can be admitted, else a decode step. With ``mixed``,
         the running sequences' blocks for their next token are reserved first and any admitted
-        prompts join them in one MIXED step (running sequences first in ``seqs``)."""
+        prompts join them in one MIXED step (running sequences first in ``seqs``, the step in
+        flight committed: their pending tokens are the host's). ``in_flight``: the step launched
+        and not committed, committed before anyone is preempted (its tokens are kept, and the
+        blocks freed hold K/V of known tokens)."""
+        self._in_flight = in_flight
         if not mixed or not self.running:
             return self._schedule_prefill() or self._schedule_decode()
         decode = self._schedule_decode()
         prefill = self._schedule_prefill()
         if decode is None or prefill is None:
             return decode or prefill
+        if in_flight is not None and not in_flight.committed:
+            in_flight.commit()
+            decode.seqs = [s for s in decode.seqs if s.status is SeqStatus.RUNNING]
         return ScheduledBatch(StepKind.MIXED, decode.seqs + prefill.seqs, prefill.followers)
 
     def _group_members(self, leader: Sequence) -> list[Sequence]:
@@ -154,21 +163,29 @@ class Scheduler:
 
     def _schedule_decode(self) -> ScheduledBatch | None:
         scheduled: list[Sequence] = []
+        in_flight = self._in_flight
         for seq in list(self.running.values()):
-            if seq.status is not SeqStatus.RUNNING or seq.last_token_in_flight:
-                continue  # preempted earlier in this loop, or its final token is being read
-            if not self._reserve(seq, seq.num_cached + 1):
-                continue  # seq itself was preempted
-            scheduled.append(seq)
+            if seq.status is not SeqStatus.RUNNING or (in_flight is not None and in_flight.holds_final(seq)):
+                continue  # preempted or finished earlier in this loop, or its final token is being read
+            if self._reserve(seq):
+                scheduled.append(seq)
         scheduled = [s for s in scheduled if s.status is SeqStatus.RUNNING]
         if not scheduled:
             return None
         return ScheduledBatch(StepKind.DECODE, scheduled)
 
-    def _reserve(self, seq: Sequence, num_tokens: int) -> bool:
-        """Grow ``seq``'s block table to hold ``num_tokens``, preempting others if needed."""
-        missing = blocks_for(num_tokens, self.block_size) - len(seq.block_table)
-        while missing > self.allocator.num_free:
+    def _reserve(self, seq: Sequence) -> bool:
+        """Grow ``seq``'s block table for its next decode step, past the tokens the step in flight
+        may still add, preempting others if needed; False if ``seq`` itself was preempted or
+        finished. The step in flight is committed before anyone is preempted (what it finished
+        frees blocks, and it adds no more)."""
+        while (missing := self._missing(seq)) > self.allocator.num_free:
+            in_flight = self._in_flight
+            if in_flight is not None and not in_flight.committed:
+                in_flight.commit()
+                if seq.status is not SeqStatus.RUNNING:
+                    return False
+                continue
             victim = self.running[next(reversed(self.running))]
             self.preempt(victim)
             if victim is seq:
@@ -176,6 +193,10 @@ class Scheduler:
         if missing > 0:
             seq.block_table += self.allocator.allocate(missing)
         return True
+
+    def _missing(self, seq: Sequence) -> int:
+        ahead = self._in_flight.cache_ahead(seq) if self._in_flight is not None else 0
+        return blocks_for(seq.num_cached + ahead + 1, self.block_size) - len(seq.block_table)
 
     # -- state changes -------------------------------------------------------------------
     def preempt(self, seq: Sequence) -> None:

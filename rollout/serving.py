@@ -36,7 +36,7 @@ class SteppedEngine(Protocol):
 
     def pop_output(self, request_id: int) -> RequestOutput: ...
 
-    def release(self, request_id: int) -> PartialRequest: ...
+    def release(self, request_id: int) -> PartialRequest | None: ...
 
     def discard(self, request_id: int) -> None: ...
 
@@ -114,8 +114,9 @@ def serve(engine: SteppedEngine, inbox: RequestInbox, *, idle_wait_s: float = 0.
             _admit(engine, take.items, key_of)
             held = {key: rid for rid, key in key_of.items()}
             for key in take.release:
-                if key in held:
-                    update.released.append((key, engine.release(held[key])))
+                partial = engine.release(held[key]) if key in held else None
+                if partial is not None:  # None: it finished, and a step reports it
+                    update.released.append((key, partial))
                     del key_of[held[key]]
             if key_of and not update.released:
                 with engine.inference():

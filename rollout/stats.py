@@ -16,18 +16,6 @@ class Drafted:
     branches: list[tuple[int, int]]
 
 
-@dataclass(frozen=True)
-class StepResult:
-    """What a decode step returns: the ids of the requests it finished (of a step in flight too, read
-    now), what the speculative step read now drafted and accepted (None for plain steps), and
-    whether this step was launched and left in flight (then ``drafted`` is the step before's, read
-    after this one's launch, or None if none was in flight)."""
-
-    finished: list[int] = field(default_factory=list)
-    drafted: Drafted | None = None
-    launched: bool = False
-
-
 @dataclass
 class SpecStepRecord:
     """What one speculative step did (kept in ``EngineStats.spec_log``)."""
@@ -72,8 +60,8 @@ class EngineCounts:
     forked_prefills: int = 0  # group members that reused a leader's prefill
     prefix_hit_tokens: int = 0  # prompt tokens served from the prefix cache (RolloutConfig.prefix_caching)
     mixed_steps: int = 0  # prefills that also advanced the running sequences (RolloutConfig.mixed_batches)
-    # decode steps launched before the previous one was read, and their rows of sequences that had
-    # finished meanwhile, computed and dropped (RolloutConfig.overlap)
+    # steps (prefill or decode) launched before the step before them was committed, and their rows of sequences
+    # that had finished meanwhile, computed and dropped (``rollout/launched.py``)
     overlapped_steps: int = 0
     dropped_rows: int = 0
     model_time_s: float = 0.0
@@ -89,6 +77,7 @@ class EngineCounts:
     tail_time_s: float = 0.0
     decode_time_s: float = 0.0
     decode_model_time_s: float = 0.0  # target forwards inside decode steps (the rest: drafting and bookkeeping)
+    commit_time_s: float = 0.0  # steps' commits: reading their tokens and the host's bookkeeping after
     capture_time_s: float = 0.0  # of decode steps' time, what graph pools spent capturing (target's and drafter's)
     calibration_time_s: float = 0.0  # adaptive's forward table timed (before a rollout, or on a switch to adaptive)
     strategy_steps: dict[str, int] = field(default_factory=dict)  # decode steps per strategy

@@ -128,6 +128,18 @@ def stopping_params(model, prompts: list[list[int]], n: int = 20, stop_from: int
     ]
 
 
+def generate_committing_each_step(engine, prompts: list[list[int]], params) -> list:
+    """``engine``'s outputs with every step committed before the next is launched
+    (``RolloutEngine.sync``): each step's inputs are the host's tokens, the reference a launched
+    step's tokens must equal."""
+    params = params if isinstance(params, list) else [params] * len(prompts)
+    ids = [engine.add_request(p, q) for p, q in zip(prompts, params)]
+    while engine.has_unfinished():
+        engine.step()
+        engine.sync()
+    return [engine.pop_output(i) for i in ids]
+
+
 def with_synchronizations(call: Callable[[], T]) -> tuple[T, int]:
     """``call()``'s result and how many calls that wait for the device it made, as torch's CUDA
     sync debug mode counts them (an event's wait is not among them)."""

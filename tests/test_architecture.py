@@ -66,7 +66,7 @@ def test_the_rollout_engine_reaches_drafters_only_by_name():
 
 # rollout/'s rooms: model/ at the ground (it imports no other rollout module), the step loop's
 # modules at the top, and between them spec/, mirror/ (over spec/) and adaptive/
-STEP_LOOP = {"engine", "serving", "decode_step", "proposer", "request_book", "feature_taps", "prefill"}
+STEP_LOOP = {"engine", "serving", "launcher", "host_step", "proposer", "request_book", "feature_taps", "prefill"}
 NOT_FROM = {
     "spec": {"mirror", "adaptive", *STEP_LOOP},
     "mirror": {"adaptive", *STEP_LOOP},

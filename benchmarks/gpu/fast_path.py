@@ -76,10 +76,6 @@ VARIANTS = (
     ("compiled", " compile", {"compile": True}),
     ("compiled + merged", " compile merged", {"compile": True, "merge_projections": True}),
 )
-# and for plain decoding at batch 1, where the host's part of a step weighs most: the fastest path
-# with each step launched before the last one is read (RolloutConfig.overlap; the 7.2B step was
-# 2.0x its floor in run 12 where its replay alone was 1.4x)
-OVERLAPPED = ("compiled + merged, overlapped", " compile merged overlap", {**VARIANTS[2][2], "overlap": True})
 
 
 # and at the largest batch on a GPU, where attention weighs most: the eager layers with the other
@@ -89,7 +85,7 @@ OTHER_ATTENTION = ("eager layers, gather + SDPA", " kernels=torch", {"kernels": 
 
 def variants(strategy: str, batch: int, largest: int | None = None) -> tuple:
     """The decoder paths ``strategy`` is timed on at ``batch`` (``largest``: the stage's largest batch)."""
-    extra = (OVERLAPPED,) if (strategy, batch) == ("none", 1) else ()
+    extra: tuple = ()
     if strategy == "none" and batch == largest and batch > 1 and torch.cuda.is_available():
         extra += (OTHER_ATTENTION,)
     return VARIANTS + extra
@@ -139,7 +135,7 @@ def _rate(speed: SpeedRun, strategy: str, batch: int, fields: dict) -> dict:
 def kernels_per_step(speed: SpeedRun, policy, copy_gbs: float) -> None:
     """One batch-1 decode graph's replay on each decoder path: kernels, device time, wall time
     against the bandwidth floor (the issue's target: at most 2.0 ms, 3x the floor); and each
-    path's whole decode step as timed (overlapped too) against the floor."""
+    path's whole decode step as timed against the floor."""
     context = len(speed.prompts[0]) + speed.stage.size.max_new_tokens // 2
     floor, _ = decode_floor_ms(policy, context, copy_gbs)
     steps = {r["contender"]: r["decode_step_ms"] for r in speed.rows if r["batch"] == 1 and "decode_step_ms" in r}

@@ -29,16 +29,13 @@ from .env import copy_bandwidth_gbs
 from .models import task_prompts
 
 SPEC_STRATEGIES = ("chain:4", "adaptive", "mirror:chain:4,k=0")
-CHAIN_ON_DEVICE = "chain:4 overlapped"  # RolloutConfig(overlap=True): launched from state on the device
 # every speculative contender: its strategy and the RolloutConfig fields it runs with
-SPEC_CONTENDERS = {s: (s, {}) for s in SPEC_STRATEGIES} | {CHAIN_ON_DEVICE: ("chain:4", {"overlap": True})}
-# chain:4 launched on the device / none (issue targets, the median of same-pass ratios)
+SPEC_CONTENDERS = {s: (s, {}) for s in SPEC_STRATEGIES}
+# chain:4 (launched from state on the device) / none (issue targets, the median of same-pass ratios)
 DEVICE_CHAIN_TARGETS = {1: 2.6, 16: 1.8, 64: 1.6}
 # a decode step's anatomy (wall against device busy, the host's CUDA calls): these arms at
 # ``CheckSize.anatomy_batches``, in ``CheckSize.anatomy_passes`` interleaved passes (``step_anatomy``)
-ANATOMY = (("none", "none", {}), ("none overlapped", "none", {"overlap": True}), ("chain:4", "chain:4", {}))
-ANATOMY = (*ANATOMY, (CHAIN_ON_DEVICE, "chain:4", {"overlap": True}), ("tree:4,2,8", "tree:4,2,8", {}))
-ANATOMY = (*ANATOMY, ("tree:4,2,8 overlapped", "tree:4,2,8", {"overlap": True}))
+ANATOMY = (("none", "none", {}), ("chain:4", "chain:4", {}), ("tree:4,2,8", "tree:4,2,8", {}))
 
 
 def count_tokens(rows: list[list[int]], eos: int) -> int:
@@ -54,7 +51,7 @@ class Contenders:
         self.policy, self.drafter, self.tokenizer = policy, drafter, tokenizer
         self.max_num_seqs = max_num_seqs
         self.kv_cache_tokens = kv_cache_tokens
-        self.engines: dict[tuple[str, str, str, bool, bool, bool], RolloutEngine] = {}
+        self.engines: dict[tuple[str, str, str, bool, bool], RolloutEngine] = {}
         self.eos = tokenizer.eos_token_id
 
     def engine(
@@ -64,9 +61,8 @@ class Contenders:
         kernels: str = "auto",
         compile: bool = False,
         merge_projections: bool = False,
-        overlap: bool = False,
     ) -> RolloutEngine:
-        key = (strategy, graphs, kernels, compile, merge_projections, overlap)
+        key = (strategy, graphs, kernels, compile, merge_projections)
         if key not in self.engines:
             config = RolloutConfig(
                 strategy=strategy,
@@ -74,7 +70,6 @@ class Contenders:
                 kernels=kernels,
                 compile=compile,
                 merge_projections=merge_projections,
-                overlap=overlap,
                 max_num_seqs=self.max_num_seqs,
                 kv_cache_tokens=self.kv_cache_tokens,
                 mirror=mirror_config(),
@@ -279,7 +274,7 @@ def step_profile(engine: RolloutEngine, prompts, params, rows: int = 20, python:
         "cudaLaunchKernel",
         "cudaGraphLaunch",
         "cudaStreamSynchronize",
-        "cudaEventSynchronize",  # an overlapped step's one wait, for the step before it
+        "cudaEventSynchronize",  # a step's one wait, at the commit of the step before it
         "cudaMemsetAsync",
     )
     per_step = {c: round(sum(e.name == c for e in events) / steps, 1) for c in calls}
@@ -388,7 +383,6 @@ def same_pass_ratio(a: dict[int, dict], b: dict[int, dict]) -> str | None:
 
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
-OVERLAP = "none graphs overlap"  # RolloutConfig(overlap=True): each step launched before the last one is read
 
 
 def selector_check(engine: RolloutEngine, steps: list[StepRecord]) -> list[dict]:
@@ -458,7 +452,7 @@ def run(stage: Stage) -> None:
     with stage.part("profile of the batch-1 decode graph", 10, cuda_only=True) as ok:
         if ok:
             stage.record("batch1_replay_profile", replay_profile(speed.contenders.engine("none", speed.graphs)))
-    # overlapped: whether the device stays busy through the host's part of a step (wall = busy)
+    # whether the device stays busy through the host's part of a step (wall = busy)
     # batch 1's first pass before the speculation parts, every other pass and batch after the long
     # tail, on what the stage's budget leaves (the headline ratios come first)
     step_anatomy(speed, [(0, 1)])
@@ -495,27 +489,20 @@ def step_anatomy(speed: SpeedRun, plan: list[tuple[int, int]]) -> None:
 
 
 def plain_decoding(speed: SpeedRun, other_kernels: str) -> None:
-    """No speculation at every batch size: the engine with graphs and eager, HF ``generate``, the
-    engine with the other attention kernels and the engine with overlapped steps (``overlap``:
-    each step launched before the last one is read); the graph contenders in passes at batch 1
-    and at the largest batch (whose target a single run left in doubt in run 15), with the
-    same-pass ratios of overlap; the headline ratios against their targets."""
+    """No speculation at every batch size: the engine with graphs and eager, HF ``generate`` and the
+    engine with the other attention kernels; the graph contenders in passes at batch 1 and at the
+    largest batch (whose target a single run left in doubt in run 15); the headline ratios
+    against their targets."""
     largest = max(speed.stage.size.speed_batches)
     for batch in speed.stage.size.speed_batches:
-        graphs = {
-            "none graphs": lambda p, b=batch: speed.engine_rate("none", b)(),
-            OVERLAP: lambda p, b=batch: speed.engine_rate("none", b, overlap=True)(),
-        }
+        graphs = {"none graphs": lambda p, b=batch: speed.engine_rate("none", b)()}
         name = f"none graphs kernels={other_kernels}"
         if other_kernels == "triton" and not torch.cuda.is_available():
             speed.stage.skip(f"{name} batch {batch}", "needs CUDA (Triton's interpreter times nothing)")
         else:
             graphs[name] = lambda p, b=batch: speed.engine_rate("none", b, kernels=other_kernels)()
         passes = speed.stage.size.tail_passes if batch in (1, largest) else 1
-        runs = speed.in_passes(batch, graphs, passes)
-        paired = same_pass_ratio(runs[OVERLAP], runs["none graphs"])
-        if paired is not None:
-            speed.headline[f"none overlapped / none, batch {batch}"] = paired
+        speed.in_passes(batch, graphs, passes)
         speed.measure("none eager", batch, speed.engine_rate("none", batch, graphs="none"))
         speed.measure("HF generate", batch, lambda b=batch: speed.contenders.hf_rate(speed.prompts[:b], speed.greedy))
     b64 = 64 if 64 in speed.stage.size.speed_batches else largest
@@ -533,23 +520,19 @@ def plain_decoding(speed: SpeedRun, other_kernels: str) -> None:
 
 
 def bandwidth_floor(speed: SpeedRun, policy, copy_gbs: float) -> None:
-    """The batch-1 decode step, overlapped or not, and the graph replay alone against the bytes a
-    step must read."""
+    """The batch-1 decode step and the graph replay alone against the bytes a step must read."""
     rows = {r["contender"]: r for r in speed.rows if r["batch"] == 1}
     if "none graphs" not in rows:
         return
     context = len(speed.prompts[0]) + speed.stage.size.max_new_tokens // 2
     floor, nbytes = decode_floor_ms(policy, context, copy_gbs)
     step = rows["none graphs"]["decode_step_ms"]
-    overlapped = rows[OVERLAP]["decode_step_ms"] if OVERLAP in rows else None
     replay = replay_ms(speed.contenders.engine("none", speed.graphs))
-    measured = {"step_ms": step, "overlapped_ms": overlapped, "replay_ms": replay}
+    measured = {"step_ms": step, "replay_ms": replay}
     speed.stage.record("decode_floor", {"bytes_per_step": nbytes, "floor_ms": floor, **measured})
     if replay is not None:
         speed.headline["batch-1 graph replay alone / floor"] = f"{replay / floor:.1f}x ({replay:.2f} ms)"
     speed.headline["batch-1 decode step / bandwidth floor (target <= 2x)"] = f"{step / floor:.1f}x ({step:.2f} ms)"
-    if overlapped is not None:
-        speed.headline["batch-1 overlapped decode step / floor"] = f"{overlapped / floor:.1f}x ({overlapped:.2f} ms)"
 
 
 def speculation(speed: SpeedRun, other_kernels: str) -> None:
@@ -574,8 +557,8 @@ def speculation(speed: SpeedRun, other_kernels: str) -> None:
         for strategy in rates:
             if strategy == "none graphs":
                 continue
-            target = " (target >= 2x)" if (strategy, batch) == ("chain:4", 1) else ""
-            if strategy == CHAIN_ON_DEVICE and batch in DEVICE_CHAIN_TARGETS:
+            target = ""
+            if strategy == "chain:4" and batch in DEVICE_CHAIN_TARGETS:
                 target = f" (target >= {DEVICE_CHAIN_TARGETS[batch]}x)"
             paired = same_pass_ratio(runs[strategy], runs["none graphs"]) if "none graphs" in runs else None
             _headline_ratio(speed, strategy, batch, f"{strategy} / none, batch {batch}{target}", paired)
@@ -660,7 +643,7 @@ def long_tail(stage: Stage, contenders: Contenders, tokenizer, graphs: str, add,
         stage.check("long tail: every strategy emits the same completions", min(same.values()) == same["none"])
     for strategy, by_pass in runs.items():
         if by_pass:
-            target = " (target >= 2.0x)" if strategy == CHAIN_ON_DEVICE else ""
+            target = " (target >= 2.0x)" if strategy == "chain:4" else ""
             headline[f"long tail {strategy} / none{target}"] = same_pass_ratio(by_pass, runs["none"])
     fixed = [s for s in ("chain:4", "mirror:chain:4,k=0") if runs.get(s)]
     if runs.get("adaptive") and fixed:

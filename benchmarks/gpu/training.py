@@ -192,8 +192,6 @@ def demo_config(stage: Stage, size: TrainingSize, policy_dir: Path, out: Path):
         **{
             "rollout.engine.strategy": "adaptive",
             "rollout.workers.num_workers": 0,
-            # each step launched before the last is read, chains from state on the device (the twin's too)
-            "rollout.engine.overlap": True,
             "rollout.engine.tail_fraction": TAIL_FRACTION,
             "rollout.training.drafter_train_steps": 4,
             # position-keyed sampling: every rollout of a step must emit the very same completions

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ...draft_contract import Drafter, TimesDraftLevels, Versioned
+from ..launched import Launched
 from ..params import RolloutConfig
 from ..stats import EngineCounts
 from ..strategy import Strategy, parse_strategy
@@ -74,9 +75,10 @@ class DrafterLag:
     def __init__(self) -> None:
         self._seen: dict[int, int] = {}  # seq id -> its tokens when the drafter last drafted for it
 
-    def of(self, seqs: Sequence) -> int:
-        """What ``seqs`` emitted since their last draft, tokens in flight (overlapped) included."""
-        emitted = [(s.seq_id, s.num_tokens + s.tokens_in_flight) for s in seqs]
+    def of(self, seqs: Sequence, in_flight: Launched | None = None) -> int:
+        """What ``seqs`` emitted since their last draft, the tokens known in flight included."""
+        unread = in_flight.unread if in_flight is not None else (lambda seq: 0)
+        emitted = [(s.seq_id, s.num_tokens + unread(s)) for s in seqs]
         return sum(now - self._seen.get(seq_id, now) for seq_id, now in emitted)
 
     def meets_new(self, seqs: Sequence) -> bool:

@@ -17,8 +17,8 @@ and the host is one step behind:
 * **The host assumes full acceptance.** Launching step N + 1 it knows each sequence's length up
   to step N - 1 (read), so step N + 1's pending token lies at most ``k + 1`` past it: it reserves
   blocks (target and drafter) for that bound plus the ``k + 1`` tokens step N + 1 writes, and
-  pads every shape to it. A batch that cannot get the room or would pass ``max_model_len`` takes
-  the host-read step instead (``DecodeStep``). Position-keyed rows, whose noise follows each
+  pads every shape to it. A batch that cannot get the room or would pass ``max_model_len`` is
+  drafted from the host's text instead (``rollout/host_step.py``). Position-keyed rows, whose noise follows each
   token's completion index, take that index from the device lengths.
 * **Rejected slots are never attended to.** Step N writes K/V at ``cached .. cached + k``; a
   sequence that accepted ``L`` drafts keeps ``cached .. cached + L`` (chain node ``j`` is written
@@ -35,7 +35,7 @@ and the host is one step behind:
   tree at once as ``verify.py`` walks one, and ``keep_path_kv`` moves the accepted nodes' K/V to
   ``cached + 1 ..``, so the sequence's cache is a chain's again before the next step reads it. The
   host reserves for ``n`` nodes, and the next step's pending token is at most ``depth + 1`` past.
-* **Stops are applied when the host reads**, one step late: tokens after a stop token or past
+* **Stops are applied at the commit**, one step late: tokens after a stop token or past
   ``max_new_tokens`` are dropped, never returned; a sequence that finished in step N has a row in
   step N + 1, computed and dropped (its blocks are freed after that row's writes are queued, so
   whoever gets them next writes after it). An unseeded sampled request's dropped row draws from
@@ -63,6 +63,7 @@ from ...draft_contract import (
     static_tree_scratch,
 )
 from ...kernels.transfers import QueuedRead, to_device
+from ..launched import Committed, Launched
 from ..model.device_inputs import BlockTables, completion_offsets
 from ..model.kv_cache import blocks_for
 from ..model.runner import ModelRunner
@@ -75,25 +76,47 @@ from .device_tree import keep_path_kv, tree_rows
 from .verdicts import greedy_chain_verdicts, sampled_chain_verdicts, tree_verdicts
 
 
-@dataclass(eq=False)  # identity: a step is never "equal" to another
-class DeviceLaunch:
-    """A step launched and not read: its sequences (rows), the next step's state on the device,
-    and the queued read of what it emitted (a tree's nodes and accepted path too)."""
+class DeviceLaunch(Launched):
+    """A step launched from state on the device: its sequences (rows), the next step's state on the
+    device, and the queued read of what it emitted (a tree's nodes and accepted path too)."""
 
-    seqs: list[Sequence]
-    strategy: Strategy
-    step: StepOnDevice  # what its verification left: what the next step's drafter reads
-    cached: torch.Tensor  # [B] the next step's: each sequence's cached tokens after this step
-    last_two: torch.Tensor  # [B, 2] the next step's: the tokens at cached - 1 and cached
-    # the emitted tokens [B, depth + 1], accept lengths [B], their logprobs [B, depth + 1]; a tree's
-    # tokens and parents [B, n] and accepted nodes [B, depth]
-    pending: QueuedRead
-    logits: torch.Tensor | None  # [B * (k + 1), V] with a drafter reading features: what it is handed at the read
-    draft_s: float
-    verify_s: float
+    def __init__(
+        self,
+        steps: DeviceSteps,
+        seqs: list[Sequence],
+        strategy: Strategy,
+        step: StepOnDevice,
+        fed: torch.Tensor,
+        pending: QueuedRead,
+        logits: torch.Tensor | None,
+        draft_s: float,
+        verify_s: float,
+    ) -> None:
+        super().__init__(seqs, steps.stats)
+        self.steps, self.strategy = steps, strategy
+        self.step = step  # what its verification left: what the next step's drafter reads
+        cached, emitted, accepted = step.cached, step.emitted, step.accepted
+        self.cached = cached + accepted + 1  # [B] the next step's: each sequence's cached tokens after this step
+        last_kept = emitted.gather(1, (accepted - 1).clamp(min=0).unsqueeze(1)).squeeze(1)
+        before_pending = torch.where(accepted > 0, last_kept, fed)  # fed: [B] the pending tokens it ran
+        final = emitted.gather(1, accepted.unsqueeze(1)).squeeze(1)
+        self.last_two = torch.stack([before_pending, final], dim=1)  # [B, 2] the next step's last two tokens
+        # the emitted tokens [B, depth + 1], accept lengths [B], their logprobs [B, depth + 1]; a tree's
+        # tokens and parents [B, n] and accepted nodes [B, depth]
+        self.pending = pending
+        self.logits = logits  # [B * (k + 1), V] with a drafter reading features: what it is handed at the commit
+        self.draft_s, self.verify_s = draft_s, verify_s
+        self.consumed = False  # a step launched since drafted from this one's state
+
+    def _commit(self) -> Committed:
+        return self.steps.read(self)
+
+    def cache_ahead(self, seq: Sequence) -> int:
+        return 0 if self.committed or not self.holds(seq) else self.strategy.shape.depth + 1
 
     def next_inputs(self, rows: list[int]) -> DeviceDraftInputs:
         """What the next step over this step's ``rows`` drafts from, picked on the device."""
+        self.consumed = True
         if rows == list(range(len(self.seqs))):
             return DeviceDraftInputs(self.cached, self.last_two, self.step)
         index = to_device(np.asarray(rows, dtype=np.int64), self.cached.device)
@@ -103,12 +126,6 @@ class DeviceLaunch:
             *(t.index_select(0, index) for t in (step.cached, step.emitted, step.accepted)), features, step.tree
         )
         return DeviceDraftInputs(self.cached.index_select(0, index), self.last_two.index_select(0, index), picked)
-
-    def rows_of(self, seqs: list[Sequence]) -> list[int] | None:
-        """Each of ``seqs``' row here, None if one of them is not in this step."""
-        row_of = {id(seq): row for row, seq in enumerate(self.seqs)}
-        rows = [row_of.get(id(seq)) for seq in seqs]
-        return None if None in rows else rows
 
 
 @dataclass(eq=False)
@@ -155,56 +172,50 @@ class DeviceSteps:
             return isinstance(self.drafter, TreesOnDevice)
         return self.drafter is not None and strategy.kind == "chain"
 
-    def launch(self, seqs: list[Sequence], strategy: Strategy, in_flight: object | None) -> DeviceLaunch | None:
-        """Launch a step of ``strategy`` over ``seqs`` from the state of ``in_flight`` (a step
-        launched here, of any shape, holding every one of them) or, with nothing in flight, from
-        the host's; None (nothing launched, no room taken) where this batch cannot run here."""
+    def launch(self, seqs: list[Sequence], strategy: Strategy, previous: Launched | None) -> DeviceLaunch | None:
+        """Launch a step of ``strategy`` over ``seqs`` from the state of ``previous`` where it is a
+        step launched here (of any shape), not committed, holding every one of them; otherwise
+        ``previous`` is committed and the step launched from the host's state. None (nothing
+        launched, no room taken) where this batch cannot run here."""
         if not self.serves(strategy):
             return None
+        chained = previous if isinstance(previous, DeviceLaunch) and not previous.committed else None
+        rows = chained.rows_of(seqs) if chained is not None else None
+        if rows is None:
+            chained = None
+            if previous is not None:
+                previous.commit()
+                seqs = [s for s in seqs if s.status is SeqStatus.RUNNING]
+            if not seqs or not self.drafter.ready_on_device(seqs):
+                return None
         shape, tree = strategy.shape, strategy.kind == "tree"
         nodes = static_tree_nodes(shape) if tree else shape.depth
-        previous = in_flight if isinstance(in_flight, DeviceLaunch) else None  # of any shape
-        rows = previous.rows_of(seqs) if previous is not None else None
-        if in_flight is not None and rows is None:
-            return None
-        if previous is None and not self.drafter.ready_on_device(seqs):
-            return None
         # each pending token's position: exact from the host, or at most depth + 1 past it (in flight)
-        ahead = previous.strategy.shape.depth + 1 if previous is not None else 0
-        lengths = [s.num_cached + ahead for s in seqs]
+        lengths = [s.num_cached + (chained.cache_ahead(s) if chained is not None else 0) for s in seqs]
         drafter_rows = 1 + static_tree_scratch(shape) if tree else shape.depth  # its forwards' rows past each
         bound = max(lengths) + max(nodes + 1, drafter_rows)  # every position this step writes is below it
         if bound > self.max_model_len or not self._reserve(seqs, lengths, nodes, drafter_rows):
             return None
         start = time.perf_counter()
-        if previous is None:
-            cached = to_device(np.asarray([s.num_cached for s in seqs], dtype=np.int64), self.runner.device)
-            two = [[s.token_at(s.num_cached - 1), s.token_at(s.num_cached)] for s in seqs]
-            inputs = DeviceDraftInputs(cached, to_device(np.asarray(two, dtype=np.int64), self.runner.device))
-        else:
-            inputs = previous.next_inputs(rows)
+        inputs = chained.next_inputs(rows) if chained is not None else self._host_inputs(seqs)
         tables = BlockTables([s.block_table for s in seqs])
         if tree:
             done = self._tree_step(seqs, inputs, shape, tables, bound)
         else:
             done = self._chain_step(seqs, inputs, shape.depth, tables, bound)
-        cached, emitted, accepted = inputs.cached, done.emitted, done.accepted
-        last_kept = emitted.gather(1, (accepted - 1).clamp(min=0).unsqueeze(1)).squeeze(1)
-        before_pending = torch.where(accepted > 0, last_kept, inputs.last_two[:, 1])
-        final = emitted.gather(1, accepted.unsqueeze(1)).squeeze(1)
-        launched = DeviceLaunch(
-            seqs,
-            strategy,
-            StepOnDevice(cached, emitted, accepted, done.features, tree),
-            cached + accepted + 1,
-            torch.stack([before_pending, final], dim=1),
-            QueuedRead(emitted, accepted, done.logprobs, *done.also_read),
-            done.logits,
-            done.draft_s,
-            time.perf_counter() - start - done.draft_s,
+        step = StepOnDevice(inputs.cached, done.emitted, done.accepted, done.features, tree)
+        read = QueuedRead(done.emitted, done.accepted, done.logprobs, *done.also_read)
+        verify_s = time.perf_counter() - start - done.draft_s
+        self.stats.model_time_s += verify_s
+        return DeviceLaunch(
+            self, seqs, strategy, step, inputs.last_two[:, 1], read, done.logits, done.draft_s, verify_s
         )
-        self.stats.model_time_s += launched.verify_s
-        return launched
+
+    def _host_inputs(self, seqs: list[Sequence]) -> DeviceDraftInputs:
+        """What a step launched from the host's state drafts from (exact: nothing is in flight)."""
+        cached = to_device(np.asarray([s.num_cached for s in seqs], dtype=np.int64), self.runner.device)
+        two = [[s.token_at(s.num_cached - 1), s.token_at(s.num_cached)] for s in seqs]
+        return DeviceDraftInputs(cached, to_device(np.asarray(two, dtype=np.int64), self.runner.device))
 
     def _chain_step(self, seqs, inputs: DeviceDraftInputs, depth: int, tables: BlockTables, bound: int) -> _Verified:
         """Draft, run and verify a chain, the target's features tapped for a drafter reading them."""
@@ -305,12 +316,11 @@ class DeviceSteps:
                 seq.block_table += allocator.allocate(m)
         return True
 
-    def read(self, launched: DeviceLaunch, consumed: bool) -> tuple[list[int], Drafted]:
-        """Append what ``launched`` emitted (waiting for it), up to each sequence's stop; the ids of
-        the requests it finished, and its drafts and accept lengths (of the rows read). A row of a
-        request that finished, was aborted or handed over meanwhile is dropped. ``consumed``: a
-        step launched since drafted from this one's state. A drafter reading features is handed
-        those of the kept tokens, before any finishes."""
+    def read(self, launched: DeviceLaunch) -> Committed:
+        """Append what ``launched`` emitted (waiting for it), up to each sequence's stop: the requests
+        it finished, and its drafts and accept lengths (of the rows read). A row of a request that
+        finished, was aborted or handed over meanwhile is dropped. A drafter reading features is
+        handed those of the kept tokens, before any finishes."""
         tokens, accepted, logprobs, *tree = launched.pending.result()
         width, is_tree = launched.strategy.shape.depth + 1, launched.step.tree
         nodes = len(tree[0]) // len(launched.seqs) if is_tree else width - 1
@@ -343,7 +353,7 @@ class DeviceSteps:
                 self.finish(seq)
                 finished.append(seq.seq_id)
             else:  # a tree's drafter forwards wrote scratch, not its accepted nodes
-                self.drafter.settled_on_device(seq, cached, 0 if is_tree else n, consumed)
+                self.drafter.settled_on_device(seq, cached, 0 if is_tree else n, launched.consumed)
         s = self.stats
         s.record_spec_step(
             str(launched.strategy),
@@ -356,7 +366,7 @@ class DeviceSteps:
         )
         s.generated_tokens += emitted
         counts = [n for _, _, n, _ in read]
-        return finished, Drafted([nodes] * len(read), counts, branches)
+        return Committed(finished, emitted, Drafted([nodes] * len(read), counts, branches))
 
 
 def _first_branch(read: list[list], i: int, nodes: int, depth: int, accepted: int) -> tuple[int, int]:

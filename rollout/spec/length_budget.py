@@ -42,6 +42,5 @@ def drafting_mask(seqs: Seq[Sequence], ratio: float) -> list[bool]:
 
 def tokens_to_go(seqs: Seq[Sequence]) -> int:
     """Tokens the batch is expected to generate still: each sequence's expected remaining length,
-    or what its ``max_new_tokens`` leaves without a prediction (a token in flight, overlapped, counts
-    as generated)."""
-    return sum(int(min(expected_remaining(s), s.params.max_new_tokens - s.num_sampled)) for s in seqs)
+    or what its ``max_new_tokens`` leaves without a prediction (as far as the host has read)."""
+    return sum(int(min(expected_remaining(s), s.params.max_new_tokens - len(s.output_ids))) for s in seqs)

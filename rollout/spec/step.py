@@ -108,7 +108,7 @@ def accept(trees: Seq[DraftTree], verified: Verified) -> Accepted:
 
 
 @dataclass
-class Committed:
+class Kept:
     observed: list[tuple[Sequence, int, list[int], list[int]]]  # (seq, first position, rows, logit rows)
     drafted: int
     accepted: int
@@ -117,10 +117,10 @@ class Committed:
 
 def commit(
     seqs: Seq[Sequence], trees: Seq[DraftTree], verified: Verified, accepted: Accepted, cache: PagedKVCache
-) -> Committed:
+) -> Kept:
     """Keep each sequence's accepted K/V, append its emitted tokens (up to where it is done) and
     count them; no sequence is finished here."""
-    out = Committed([], sum(len(t) for t in trees), 0, 0)
+    out = Kept([], sum(len(t) for t in trees), 0, 0)
     for i, (seq, tree, verdict) in enumerate(zip(seqs, trees, verified.verdicts)):
         keep_accepted_kv(cache, seq, verdict.path)
         first_position = seq.num_cached

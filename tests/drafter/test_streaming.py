@@ -42,27 +42,27 @@ def _assert_plain(engine, arch, outputs, prompts, params):
     assert engine.stats.drafted_tokens > 0
 
 
-# overlapped chains are drafted from state on the device: chain:7 with two heads streams blocks
-# of 3, 3 and 1 (the last never fed, so the next step's root refeeds what was emitted)
+# chains are drafted from state on the device: chain:7 with two heads streams blocks of 3, 3 and 1
+# (the last never fed, so the next step's root refeeds what was emitted); mirror steps from the host's
 @pytest.mark.parametrize("arch", ARCHITECTURES)
-@pytest.mark.parametrize("strategy,overlap", [("chain:4", False), ("chain:7", True), ("mirror:chain:4,k=0", False)])
-def test_greedy_with_streaming_heads_matches_plain_decoding(arch, strategy, overlap):
+@pytest.mark.parametrize("strategy", ["chain:4", "chain:7", "mirror:chain:4,k=0"])
+def test_greedy_with_streaming_heads_matches_plain_decoding(arch, strategy):
     prompts = random_prompts(5, seed=6)
     params = SamplingParams(max_new_tokens=24, temperature=0.0)
-    config = RolloutConfig(strategy=strategy, mirror={"executor": "inline"}, overlap=overlap)
+    config = RolloutConfig(strategy=strategy, mirror={"executor": "inline"})
     engine = RolloutEngine(target(arch), config, drafter=streaming_drafter(arch))
     _assert_plain(engine, arch, engine.generate(prompts, params), prompts, params)
-    assert (engine.stats.overlapped_steps > 0) == overlap
+    assert (engine.stats.overlapped_steps > 0) == (not strategy.startswith("mirror"))
     engine.close()
 
 
-def test_overlapped_streamed_chains_and_trees_in_turn_decode_as_plain_decoding():
+def test_streamed_chains_and_trees_in_turn_decode_as_plain_decoding():
     """Each step launched from the one in flight, the strategy switched every step: a tree's root
     after a streamed chain, a streamed chain after a tree, chains of other depths after both."""
     arch = "llama"
     prompts = random_prompts(4, seed=8)
     params = SamplingParams(max_new_tokens=30, temperature=0.0)
-    engine = RolloutEngine(target(arch), RolloutConfig(overlap=True), drafter=streaming_drafter(arch))
+    engine = RolloutEngine(target(arch), RolloutConfig(), drafter=streaming_drafter(arch))
     ids = [engine.add_request(p, params) for p in prompts]
     strategies, step = ["chain:4", "tree:3,2,6", "chain:2", "chain:6", "tree:2,2,3"], 0
     while engine.has_unfinished():

@@ -3,7 +3,12 @@ folder's conftest shares, so importing from it breaks when pytest collects sever
 
 import functools
 
-from tailspec.testing import chi_square_pvalue, hf_greedy, tiny_random_model  # noqa: F401 (used by tests)
+from tailspec.testing import (  # noqa: F401 (used by tests)
+    chi_square_pvalue,
+    generate_committing_each_step,
+    hf_greedy,
+    tiny_random_model,
+)
 from tailspec.testing import random_prompts as testing_random_prompts
 
 EOS = 1
@@ -39,7 +44,7 @@ def serve_handing_one_over(engine, other, prompts, params, lengths) -> dict:
         got.update(update.finished)
         released.update(update.released)
     assert sorted([*got, *released]) == list(range(len(prompts))) and list(released) == [moved]
-    assert engine.decode.in_flight is None
+    assert engine.in_flight is None
     rid = other.add_request(prompts[moved], params[moved], resume=released[moved])
     while other.has_unfinished():
         other.step()

@@ -34,7 +34,6 @@ ENGINE_SETTINGS = {  # a value other than the default for every engine field a u
     "kernels": "torch",
     "compile": True,
     "merge_projections": True,
-    "overlap": True,
     "dtype": "bfloat16",
     "progress": True,
 }

@@ -9,7 +9,7 @@ import torch
 from tailspec.drafter.eagle3 import Eagle3Config, Eagle3Drafter, Eagle3Head, FeatureBuffer
 from tailspec.drafter.eagle3.train import DrafterTrainer, DrafterTrainingConfig
 from tailspec.rollout import RolloutConfig, RolloutEngine, SamplingParams
-from tailspec.testing import random_prompts, tiny_random_model
+from tailspec.testing import generate_committing_each_step, random_prompts, tiny_random_model
 
 VOCAB = 96
 
@@ -26,12 +26,23 @@ def random_head(model, seed: int = 0, std: float = 0.2, **cfg) -> Eagle3Head:
     return head.eval()
 
 
-def collect(model, head, prompts, params, strategy: str = "none", buffer: FeatureBuffer | None = None, **cfg):
-    """Run ``prompts`` with an EAGLE-3 drafter attached; returns (engine, outputs, buffer)."""
+def collect(
+    model,
+    head,
+    prompts,
+    params,
+    strategy: str = "none",
+    buffer: FeatureBuffer | None = None,
+    committed: bool = False,
+    **cfg,
+):
+    """Run ``prompts`` with an EAGLE-3 drafter attached (``committed``: every step committed before
+    the next is launched); returns (engine, outputs, buffer)."""
     buffer = buffer if buffer is not None else FeatureBuffer()
     drafter = Eagle3Drafter(head, model, buffer=buffer)
     engine = RolloutEngine(model, RolloutConfig(strategy=strategy, **cfg), drafter=drafter)
-    return engine, engine.generate(prompts, params), buffer
+    run = generate_committing_each_step if committed else lambda e, p, q: e.generate(p, q)
+    return engine, run(engine, prompts, params), buffer
 
 
 @functools.cache

@@ -293,6 +293,7 @@ def test_a_branch_over_the_head_s_own_draft_continues_that_draft():
     rid = engine.add_request(random_prompts(1, seed=4)[0], SamplingParams(max_new_tokens=20, temperature=0.0))
     engine.step()  # the prefill: the drafter observes the prompt's features
     engine.step()  # one decode step: more features, one more token
+    engine.sync()  # its token committed: the host's state is the drafter's
     seq = engine.requests.seqs[rid]
     with torch.no_grad():
         whole = drafter.propose([DraftRequest(seq, 7)], DraftShape(7))[0].tokens
@@ -333,6 +334,7 @@ def test_device_trees_equal_the_search_run_path_by_path_on_the_host():
     ids = [engine.add_request(p, params) for p in random_prompts(3, seed=13)]
     engine.step()  # the prefill: the head observes the prompts' features
     engine.step()  # one decode step
+    engine.sync()  # its token committed: the host's state is the drafter's
     seqs = [engine.requests.seqs[i] for i in ids]
     shape = DraftShape(4, 3, 12)
     lengths = [s.num_cached + 1 + static_tree_scratch(shape) for s in seqs]
@@ -375,6 +377,7 @@ def test_device_chains_draft_the_loop_s_tokens_and_distributions():
     ids = [engine.add_request(p, sp) for p, sp in zip(random_prompts(4, seed=12), params)]
     engine.step()  # the prefill: the head observes the prompts' features
     engine.step()  # one decode step
+    engine.sync()  # its token committed: the host's state is the drafter's
     twin = copy.deepcopy(drafter)
     twin._device_chain = lambda requests, h, lg: twin._chain(requests, h, lg)
     requests = [DraftRequest(engine.requests.seqs[i], d) for i, d in zip(ids, [5, 2, 5, 4])]

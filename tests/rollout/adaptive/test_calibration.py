@@ -52,9 +52,9 @@ def test_adaptive_prices_each_step_at_its_sequences_mean_context(monkeypatch):
     means, asked = [], []
     plan, choose = engine.meter.plan, engine.selector.choose
 
-    def planned(seqs):
+    def planned(seqs, *rest):
         means.append(sum(s.num_tokens for s in seqs) / len(seqs))
-        return plan(seqs)
+        return plan(seqs, *rest)
 
     def chosen(n, remaining=None, lag_tokens=0, context=None):
         asked.append(context)

@@ -507,15 +507,16 @@ def test_calibration_captures_the_graphs_and_one_off_steps_teach_no_costs(monkey
     cycle = [S("none"), S("chain:4"), S("none"), S("chain:2")]
     engine.selector.choose = lambda n, remaining, lag, context: cycle[len(seen) % len(cycle)]
     capturing = []  # per decode step: whether a graph was captured in it
-    decode_step = engine._decode_step
+    decode_step = engine.launcher.decode
 
-    def counted(batch, *rest):
+    def counted(*args):
         before = len(captured)
-        out = decode_step(batch, *rest)
-        capturing.append(len(captured) > before)
+        out = decode_step(*args)
+        if out is not None:  # None: every sequence stopped on the step before
+            capturing.append(len(captured) > before)
         return out
 
-    engine._decode_step = counted
+    engine.launcher.decode = counted
     engine.generate(random_prompts(4, seed=5), SamplingParams(max_new_tokens=24, temperature=0.0))
     assert len(engine.selector.costs.table.measured) == calibrated  # the rollout's batch was covered
     assert len(seen) == len(capturing) == len(engine.stats.step_log)

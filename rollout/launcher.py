@@ -1,0 +1,145 @@
+"""Every step the engine runs, launched: each returns a :class:`~tailspec.rollout.launched.Launched`
+record whose commit brings its tokens to the host (``launched.py``).
+
+* **prefill**: the scheduled prompts in one forward, each first token sampled on the device
+  (:class:`Sampled`).
+* **plain**: one token a sequence; its inputs are the step before's tokens still on the device
+  when that step was a plain one holding every sequence (``sampled.py``), the host's otherwise.
+* **from the device's state**: a chain or tree from a drafter that drafts on the device, launched
+  from the state the step before left there (``spec/device_step.py``).
+* **from the host's text**: every other speculative step (``host_step.py``).
+
+A step that needs the host's state exact commits the step before it itself; the loop does not
+know which steps do.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import torch
+
+from ..draft_contract import EMPTY_DRAFT
+from ..kernels.transfers import QueuedRead
+from .feature_taps import FeatureTaps
+from .host_step import HostVerified
+from .launched import Launched
+from .model.runner import ModelRunner
+from .params import RolloutConfig
+from .prefill import commit_prefill, pack_prefill
+from .proposer import Proposer
+from .request import SeqStatus, Sequence
+from .sampled import Sampled
+from .sampling import sample_tokens, store_prompt_logprobs
+from .scheduler import ScheduledBatch
+from .spec.device_step import DeviceSteps
+from .spec.kv_blocks import pack_verify_batch
+from .spec.step import verify
+from .stats import EngineStats
+from .strategy import Strategy
+
+
+class StepLauncher:
+    def __init__(
+        self,
+        runner: ModelRunner,
+        config: RolloutConfig,
+        proposer: Proposer,
+        taps: FeatureTaps,
+        generator: torch.Generator,
+        stats: EngineStats,
+        finish: Callable[[Sequence], None],
+        max_model_len: int,
+    ) -> None:
+        self.runner, self.config, self.proposer, self.taps = runner, config, proposer, taps
+        self.generator, self.stats, self.finish = generator, stats, finish
+        self.on_device = DeviceSteps(
+            runner, proposer.drafter, max_model_len, stats, finish, generator, taps.layers, taps.observer
+        )
+
+    def decode(self, seqs: list[Sequence], strategy: Strategy, previous: Launched | None) -> Launched | None:
+        """A decode step of ``strategy`` over ``seqs`` (None: each of them stopped on a token of the
+        step before, committed first)."""
+        self.proposer.before_step(strategy)
+        if strategy.speculative:
+            on_device = not self.proposer.drafts_on_host(strategy)
+            launched = self.on_device.launch(seqs, strategy, previous) if on_device else None
+            return launched if launched is not None else self._from_host_text(seqs, strategy, previous)
+        pending = previous.inputs_for(seqs) if isinstance(previous, Sampled) else None
+        if pending is None:
+            seqs = self._committed_first(seqs, previous)
+        return self._plain(seqs, pending, int(pending is not None)) if seqs else None
+
+    def prefill(self, batch: ScheduledBatch) -> Sampled:
+        """The scheduled prompts' forward; each sequence's first token sampled (a group's followers
+        fork their leader's blocks and sample from its row)."""
+        pack = pack_prefill(batch)
+        logits = self.forward(pack.slices, pack.tokens, pack.positions, pack.logits_index)
+        if pack.scored:
+            store_prompt_logprobs(pack.scored, logits[len(pack.last) :], batch.followers)
+            logits = logits[: len(pack.last)]
+        self.stats.prefill_steps += 1
+        self.stats.prefill_tokens += len(pack.tokens)
+        seqs, rows, observed = commit_prefill(batch, pack, self._fork_from)
+        self.taps.observe(observed, logits)
+        self.stats.forked_prefills += len(seqs) - len(batch.seqs)
+        return self.sample(seqs, logits[rows] if len(rows) != len(batch.seqs) else logits)
+
+    def forward(self, slices, tokens, positions: list[int], logits_index: list[int]) -> torch.Tensor:
+        """The target forward (tapping features when a drafter reads them), timed."""
+        start = time.perf_counter()
+        logits = self.taps.forward(slices, tokens, positions, logits_index)
+        self.stats.model_time_s += time.perf_counter() - start
+        return logits
+
+    def sample(self, seqs: list[Sequence], logits: torch.Tensor, ahead: int = 0) -> Sampled:
+        """Each sequence's next token, sampled on the device, its read queued (``ahead``: tokens each
+        sequence has in flight already, which position-keyed rows count)."""
+        tokens, logprobs = sample_tokens(seqs, logits, self.generator, [ahead] * len(seqs))
+        return Sampled(seqs, tokens, QueuedRead(tokens, logprobs), self.finish, self.stats)
+
+    def _plain(self, seqs: list[Sequence], pending: torch.Tensor | None, ahead: int) -> Sampled:
+        """One token each: the forward over each sequence's pending token (``pending``: on the device)."""
+        slices, tokens, positions = pack_verify_batch(seqs, [EMPTY_DRAFT] * len(seqs), pending)
+        logits = self.forward(slices, tokens, positions, list(range(len(positions))))
+        if self.taps.layers:  # one row per sequence, built only for a drafter that reads features
+            self.taps.observe([(seq, seq.num_cached, [row], [row]) for row, seq in enumerate(seqs)], logits)
+        for seq in seqs:
+            seq.num_cached += 1
+        self.stats.decode_steps += 1
+        self.stats.batch_sizes.append(len(seqs))
+        return self.sample(seqs, logits, ahead)
+
+    def _from_host_text(self, seqs: list[Sequence], strategy: Strategy, previous: Launched | None) -> Launched | None:
+        """Drafted from the host's text, verified on the host, committed before it returns."""
+        seqs = self._committed_first(seqs, previous)
+        if not seqs:
+            return None
+        start = time.perf_counter()
+        proposal = self.proposer.propose(seqs, strategy, self.runner.cache.allocator, self.config.block_size)
+        drafted_at = time.perf_counter()
+        slices, tokens, positions = pack_verify_batch(seqs, proposal.trees)
+        with proposal.around_forward(self.runner, seqs):
+            logits = self.forward(slices, tokens, positions, list(range(len(positions))))
+        forward_s = time.perf_counter() - drafted_at
+        verified = verify(seqs, proposal.trees, logits, [s.num_new for s in slices], self.generator)
+        seconds = (drafted_at - start, forward_s, time.perf_counter() - drafted_at)
+        step = HostVerified(
+            seqs, proposal, verified, logits, seconds, self.runner.cache, self.taps, self.stats, self.finish
+        )
+        step.commit()
+        return step
+
+    def _committed_first(self, seqs: list[Sequence], previous: Launched | None) -> list[Sequence]:
+        """Commit ``previous`` (if nothing did yet); those of ``seqs`` still running."""
+        if previous is not None:
+            previous.commit()
+        return [seq for seq in seqs if seq.status is SeqStatus.RUNNING]
+
+    def _fork_from(self, leader: Sequence, member: Sequence) -> None:
+        """Member shares the leader's full blocks; copy the leader's partial last block."""
+        partial = leader.num_tokens % self.config.block_size
+        if partial:
+            self.runner.cache.copy_block(leader.block_table[-1], member.block_table[-1], partial)
+        member.num_cached = leader.num_cached
