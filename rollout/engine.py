@@ -109,17 +109,7 @@ class RolloutEngine:
         self.requests = RequestBook(self.scheduler, self.limits, self.eos_ids, self.proposer)
         layers = self.drafter.feature_layers if self.drafter is not None else None
         self.taps = FeatureTaps(self.runner, layers, self.proposer.observe)  # what an EAGLE-style drafter reads
-        generator = torch.Generator().manual_seed(config.seed)
-        self.launcher = StepLauncher(
-            self.runner,
-            config,
-            self.proposer,
-            self.taps,
-            generator,
-            self.stats,
-            self.requests.finish,
-            self.max_model_len,
-        )
+        self.launcher = StepLauncher(self.runner, config, self.proposer, self.taps, self.stats, self.requests)
 
     # -- speculation set-up --------------------------------------------------------------
     def set_strategy(self, strategy: str | Strategy) -> None:

@@ -16,7 +16,6 @@ know which steps do.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 
 import torch
 
@@ -30,6 +29,7 @@ from .params import RolloutConfig
 from .prefill import commit_prefill, pack_prefill
 from .proposer import Proposer
 from .request import SeqStatus, Sequence
+from .request_book import RequestBook
 from .sampled import Sampled
 from .sampling import sample_tokens, store_prompt_logprobs
 from .scheduler import ScheduledBatch
@@ -47,15 +47,21 @@ class StepLauncher:
         config: RolloutConfig,
         proposer: Proposer,
         taps: FeatureTaps,
-        generator: torch.Generator,
         stats: EngineStats,
-        finish: Callable[[Sequence], None],
-        max_model_len: int,
+        requests: RequestBook,
     ) -> None:
-        self.runner, self.config, self.proposer, self.taps = runner, config, proposer, taps
-        self.generator, self.stats, self.finish = generator, stats, finish
+        self.runner, self.config, self.proposer, self.taps, self.stats = runner, config, proposer, taps, stats
+        self.finish = requests.finish
+        self.generator = torch.Generator().manual_seed(config.seed)  # draws of rows without a seed of their own
         self.on_device = DeviceSteps(
-            runner, proposer.drafter, max_model_len, stats, finish, generator, taps.layers, taps.observer
+            runner,
+            proposer.drafter,
+            requests.limits.max_model_len,
+            stats,
+            self.finish,
+            self.generator,
+            taps.layers,
+            taps.observer,
         )
 
     def decode(self, seqs: list[Sequence], strategy: Strategy, previous: Launched | None) -> Launched | None:

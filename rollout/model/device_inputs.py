@@ -137,17 +137,17 @@ def device_inputs(
         valid_queries=None,
         plan=plan,
     )
-    inputs = {
-        "ids": padded_ids.view(1, -1),
-        "pos": positions.view(1, -1),
-        "slot_mapping": meta.slot_mapping,
-        "gather_slots": gather,
-        "mask": mask,
-        "query_positions": positions,
-    }
-    if plan is not None:
-        inputs.update({f"plan.{k}": v for k, v in plan.tensors().items()})
-    return inputs, meta
+    return _captured_inputs(padded_ids, meta), meta
+
+
+def _captured_inputs(ids: torch.Tensor, meta: AttentionMetadata) -> dict[str, torch.Tensor]:
+    """A captured forward's inputs by name (``ModelRunner.padded_inputs``'s layout)."""
+    positions = meta.query_positions
+    inputs = {"ids": ids.view(1, -1), "pos": positions.view(1, -1), "slot_mapping": meta.slot_mapping}
+    inputs.update(gather_slots=meta.gather_slots, mask=meta.mask, query_positions=positions)
+    if meta.plan is not None:
+        inputs.update({f"plan.{k}": v for k, v in meta.plan.tensors().items()})
+    return inputs
 
 
 def _scattered(ids: torch.Tensor, valid: np.ndarray) -> torch.Tensor:

@@ -130,14 +130,20 @@ def tree_verdicts(
         alive = moved
     if sampled:  # greedy rows emit the argmax where they stopped, sampled ones a draw from what was left
         final = torch.where(greedy, final, sample_from_probs(left, uniforms[:, n]))
-    columns = torch.arange(depth + 1, device=device)
+    emitted, emitted_logprobs = _along_path(logprobs, tokens, path, accepted, final)
+    return emitted, accepted, path, emitted_logprobs
+
+
+def _along_path(logprobs, tokens, path, accepted, final) -> tuple[torch.Tensor, torch.Tensor]:
+    """The emitted tokens ``[B, depth + 1]`` (the accepted nodes' tokens, then ``final``, then
+    ``final`` as padding) and each one's logprob at the row it was drawn at."""
+    columns = torch.arange(path.shape[1] + 1, device=path.device)
     padded = torch.cat([tokens.gather(1, path), final.unsqueeze(1)], dim=1)
-    taken = columns < accepted.unsqueeze(1)
-    emitted = torch.where(taken, padded, final.unsqueeze(1))
+    emitted = torch.where(columns < accepted.unsqueeze(1), padded, final.unsqueeze(1))
     rows = torch.cat([torch.zeros_like(path[:, :1]), path + 1], dim=1)  # the row each emitted token is drawn at
     rows = torch.where(columns <= accepted.unsqueeze(1), rows, torch.zeros_like(rows))
     scored = logprobs.gather(1, rows.unsqueeze(-1).expand(-1, -1, logprobs.shape[-1]))
-    return emitted, accepted, path, scored.gather(2, emitted.unsqueeze(-1)).squeeze(-1)
+    return emitted, scored.gather(2, emitted.unsqueeze(-1)).squeeze(-1)
 
 
 def _try_children(
