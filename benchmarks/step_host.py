@@ -14,6 +14,7 @@ run's mean host milliseconds per decode step, with the spread, and the accepted 
 
 from __future__ import annotations
 
+import gc
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -73,7 +74,9 @@ def models() -> tuple[torch.nn.Module, torch.nn.Module]:
 
 def measure_run(arm: str, batch: int, new_tokens: int, target, drafter) -> tuple[float, float, float]:
     """(mean host ms, mean forward ms, tokens emitted) per decode step of one rollout of ``batch``
-    prompts under ``arm``; prefill steps are left out."""
+    prompts under ``arm``; prefill steps are left out. A full garbage collection first: each run
+    starts from the same heap, so where the collector's slow passes land is not the arms' doing."""
+    gc.collect()
     kv_tokens = batch * (PROMPT_TOKENS + new_tokens + 32)
     config = RolloutConfig(strategy=arm, max_num_seqs=batch, kv_cache_tokens=kv_tokens, seed=0)
     engine = RolloutEngine(target, config, eos_token_ids=[1], drafter=drafter if arm != "none" else None)

@@ -46,7 +46,9 @@ class HostVerified(Launched):
         finish: Callable[[Sequence], None],
     ) -> None:
         super().__init__(seqs, stats)
-        self.proposal, self.verified, self.logits = proposal, verified, logits
+        self.proposal: Proposal | None = proposal
+        self.verified: Verified | None = verified
+        self.logits: torch.Tensor | None = logits
         self.draft_s, self.forward_s, self.verify_s = seconds
         self.cache, self.taps, self.finish = cache, taps, finish
         self.bases = [seq.num_tokens for seq in seqs]
@@ -71,4 +73,5 @@ class HostVerified(Launched):
         paths = [v.path for v in verified.verdicts]
         branches = [t.first_branch(p) for t, p in zip(trees, paths)]
         drafted = Drafted([len(t) for t in trees], [len(p) for p in paths], branches)
+        self.proposal = self.verified = self.logits = None  # the loop holds the record a step longer
         return Committed([seq.seq_id for seq in finished], kept.emitted, drafted)

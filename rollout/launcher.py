@@ -19,7 +19,6 @@ import time
 
 import torch
 
-from ..draft_contract import EMPTY_DRAFT
 from ..kernels.transfers import QueuedRead
 from .feature_taps import FeatureTaps
 from .host_step import HostVerified
@@ -34,7 +33,7 @@ from .sampled import Sampled
 from .sampling import sample_tokens, store_prompt_logprobs
 from .scheduler import ScheduledBatch
 from .spec.device_step import DeviceSteps
-from .spec.kv_blocks import pack_verify_batch
+from .spec.kv_blocks import pack_plain_batch, pack_verify_batch
 from .spec.step import verify
 from .stats import EngineStats
 from .strategy import Strategy
@@ -107,7 +106,7 @@ class StepLauncher:
 
     def _plain(self, seqs: list[Sequence], pending: torch.Tensor | None, ahead: int) -> Sampled:
         """One token each: the forward over each sequence's pending token (``pending``: on the device)."""
-        slices, tokens, positions = pack_verify_batch(seqs, [EMPTY_DRAFT] * len(seqs), pending)
+        slices, tokens, positions = pack_plain_batch(seqs, pending)
         logits = self.forward(slices, tokens, positions, list(range(len(positions))))
         if self.taps.layers:  # one row per sequence, built only for a drafter that reads features
             self.taps.observe([(seq, seq.num_cached, [row], [row]) for row, seq in enumerate(seqs)], logits)

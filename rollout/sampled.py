@@ -44,7 +44,7 @@ class Sampled(Launched):
     ) -> None:
         super().__init__(seqs, stats)
         self.tokens = tokens  # [len(seqs)] on the logits' device
-        self.pending = pending  # tokens, then logprobs
+        self.pending: QueuedRead | None = pending  # tokens, then logprobs
         self.finish = finish
 
     def _commit(self) -> Committed:
@@ -62,6 +62,7 @@ class Sampled(Launched):
                 self.finish(seq)
                 finished.append(seq.seq_id)
         self.stats.generated_tokens += emitted
+        self.pending = None  # read: nothing of it is needed again
         return Committed(finished, emitted)
 
     def unread(self, seq: Sequence) -> int:
@@ -69,7 +70,7 @@ class Sampled(Launched):
         return int(not self.committed and self.holds(seq))
 
     def holds_final(self, seq: Sequence) -> bool:
-        return self.unread(seq) > 0 and len(seq.output_ids) + 1 >= seq.params.max_new_tokens
+        return len(seq.output_ids) + 1 >= seq.params.max_new_tokens and self.unread(seq) > 0
 
     def inputs_for(self, seqs: list[Sequence]) -> torch.Tensor | None:
         """The tokens sampled here for ``seqs``, in their order, on the device: the next plain step's

@@ -164,8 +164,9 @@ class Scheduler:
     def _schedule_decode(self) -> ScheduledBatch | None:
         scheduled: list[Sequence] = []
         in_flight = self._in_flight
+        final = in_flight.holds_final if in_flight is not None else _never
         for seq in list(self.running.values()):
-            if seq.status is not SeqStatus.RUNNING or (in_flight is not None and in_flight.holds_final(seq)):
+            if seq.status is not SeqStatus.RUNNING or final(seq):
                 continue  # preempted or finished earlier in this loop, or its final token is being read
             if self._reserve(seq):
                 scheduled.append(seq)
@@ -179,17 +180,21 @@ class Scheduler:
         may still add, preempting others if needed; False if ``seq`` itself was preempted or
         finished. The step in flight is committed before anyone is preempted (what it finished
         frees blocks, and it adds no more)."""
-        while (missing := self._missing(seq)) > self.allocator.num_free:
+        missing = self._missing(seq)
+        if missing <= 0:
+            return True
+        while missing > self.allocator.num_free:
             in_flight = self._in_flight
             if in_flight is not None and not in_flight.committed:
                 in_flight.commit()
                 if seq.status is not SeqStatus.RUNNING:
                     return False
-                continue
-            victim = self.running[next(reversed(self.running))]
-            self.preempt(victim)
-            if victim is seq:
-                return False
+            else:
+                victim = self.running[next(reversed(self.running))]
+                self.preempt(victim)
+                if victim is seq:
+                    return False
+            missing = self._missing(seq)
         if missing > 0:
             seq.block_table += self.allocator.allocate(missing)
         return True
@@ -224,3 +229,7 @@ class Scheduler:
             self._register_prefix(seq)
             self.allocator.free(seq.block_table)
             seq.block_table = []
+
+
+def _never(seq: Sequence) -> bool:
+    return False

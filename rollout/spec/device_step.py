@@ -94,7 +94,7 @@ class DeviceLaunch(Launched):
     ) -> None:
         super().__init__(seqs, steps.stats)
         self.steps, self.strategy = steps, strategy
-        self.step = step  # what its verification left: what the next step's drafter reads
+        self.step: StepOnDevice | None = step  # what its verification left: what the next step's drafter reads
         cached, emitted, accepted = step.cached, step.emitted, step.accepted
         self.cached = cached + accepted + 1  # [B] the next step's: each sequence's cached tokens after this step
         last_kept = emitted.gather(1, (accepted - 1).clamp(min=0).unsqueeze(1)).squeeze(1)
@@ -103,13 +103,17 @@ class DeviceLaunch(Launched):
         self.last_two = torch.stack([before_pending, final], dim=1)  # [B, 2] the next step's last two tokens
         # the emitted tokens [B, depth + 1], accept lengths [B], their logprobs [B, depth + 1]; a tree's
         # tokens and parents [B, n] and accepted nodes [B, depth]
-        self.pending = pending
-        self.logits = logits  # [B * (k + 1), V] with a drafter reading features: what it is handed at the commit
+        self.pending: QueuedRead | None = pending
+        self.logits: torch.Tensor | None = (
+            logits  # [B * (k + 1), V] with a drafter reading features: what it is handed at the commit
+        )
         self.draft_s, self.verify_s = draft_s, verify_s
         self.consumed = False  # a step launched since drafted from this one's state
 
     def _commit(self) -> Committed:
-        return self.steps.read(self)
+        committed = self.steps.read(self)
+        self.pending = self.logits = self.step = None  # read: the loop holds the record a step longer
+        return committed
 
     def cache_ahead(self, seq: Sequence) -> int:
         return 0 if self.committed or not self.holds(seq) else self.strategy.shape.depth + 1

@@ -64,6 +64,17 @@ def pack_verify_batch(
     return slices, tokens if pending is None else pending, positions
 
 
+def pack_plain_batch(
+    seqs: Seq[Sequence], pending: torch.Tensor | None = None
+) -> tuple[list[SequenceSlice], list[int] | torch.Tensor, list[int]]:
+    """:func:`pack_verify_batch` with every draft empty: one pending token per sequence, at its
+    position ``num_cached`` (``pending``: those tokens on the device)."""
+    slices = [SequenceSlice(seq.block_table, seq.num_cached, 1) for seq in seqs]
+    positions = [seq.num_cached for seq in seqs]
+    tokens = pending if pending is not None else [seq.token_at(seq.num_cached) for seq in seqs]
+    return slices, tokens, positions
+
+
 def keep_accepted_kv(cache: PagedKVCache, seq: Sequence, path: list[int]) -> None:
     """Node ``i`` was written at cache index ``num_cached + 1 + i``; the ``j``-th accepted node
     belongs at ``num_cached + 1 + j``. Move the ones that are elsewhere (never needed for chains)."""
