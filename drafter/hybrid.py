@@ -48,7 +48,9 @@ def merge_trees(first: DraftTree, second: DraftTree, budget: int) -> DraftTree:
 
 
 class HybridDrafter(Drafter):
-    """Model drafter + suffix drafter, fused per sequence (strategy ``hybrid:D,K,B``)."""
+    """Model drafter + suffix drafter, fused per sequence (strategy ``hybrid:D,K,B``). Its suffix
+    half drafts from the host's text, so a hybrid step commits the step before it first (as a suffix
+    step does: the device idles while the host drafts, verifies and commits, once a step)."""
 
     name = "hybrid"
 

@@ -17,6 +17,11 @@ counts from the group index weigh ``group_weight`` times more. Drafts are trees 
 by estimated path probability (the product of next-token frequencies), so the most frequent
 continuation comes first among siblings; ``topk == 1`` gives a chain. Everything is CPU-side
 Python dicts; drafts are deterministic (verified as one-hot).
+
+It drafts from the host's text, so its steps commit the step before them first (the engine's
+``rollout/host_step.py``): drafting from text one step old would match on a context missing up to
+a step's tokens. The cost: the device idles while the host drafts, verifies and commits, once a
+step.
 """
 
 from __future__ import annotations
