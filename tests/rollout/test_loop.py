@@ -321,3 +321,42 @@ def test_on_cuda_adaptive_moves_between_plain_steps_and_chains_under_graphs_exac
         assert [o.completion_ids for o in outs] == [o.completion_ids for o in plain]
     assert engine.stats.overlapped_steps > 0 and any(s["arm"].startswith("chain") for s in seen)
     assert engine.runner.graph_pool is not None and engine.runner.graph_pool.stats.hits > 0
+
+
+@pytest.mark.parametrize("strategy", ["none", "chain:3"])
+def test_a_weight_update_mid_rollout_commits_the_step_in_flight_first(strategy):
+    """New weights loaded into the policy while a step is in flight: ``weights_changed`` commits it
+    (its tokens come from the weights it was launched with), and every later step runs the new
+    weights, as when every step is committed before the next; a run without the update differs."""
+    import copy
+
+    from rollout_helpers import cached_model
+
+    base = cached_model("llama")
+    new_weights = perturbed_copy(base, 0.3, 9).state_dict()
+    prompts = random_prompts(4, seed=52, min_len=3, max_len=10)
+    params = SamplingParams(temperature=0.0, max_new_tokens=20, ignore_eos=True)
+
+    def run(committed: bool, update: bool = True):
+        model = copy.deepcopy(base)
+        drafter = perturbed_copy(base, 0.05, 7) if strategy != "none" else None
+        config = RolloutConfig(strategy=strategy, block_size=4, kv_cache_tokens=4096)
+        engine = RolloutEngine(model, config, drafter=drafter, eos_token_ids=[EOS])
+        ids = [engine.add_request(p, params) for p in prompts]
+        for step in range(10**6):
+            if step == 4 and update:
+                assert engine.in_flight is not None and engine.in_flight.committed == committed
+                with torch.no_grad():
+                    model.load_state_dict(new_weights)
+                engine.weights_changed()
+                assert engine.in_flight.committed
+            if not engine.has_unfinished():
+                break
+            engine.step()
+            if committed:
+                engine.sync()
+        return [engine.pop_output(i).completion_ids for i in ids]
+
+    got = run(committed=False)
+    assert got == run(committed=True)
+    assert got != run(committed=False, update=False)
