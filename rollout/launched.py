@@ -54,9 +54,10 @@ class StepClock:
             self._events[1].record()
 
     def seconds(self, commit_s: float) -> float:
-        """The step's cost: its host seconds, or on CUDA its device seconds where they are more."""
+        """The step's cost: its host seconds, or on CUDA its device seconds where they are more (when
+        the device has passed the second event: asked, never waited for)."""
         host = self.launch_s + commit_s
-        if self._events is None:
+        if self._events is None or not self._events[1].query():
             return host
         return max(host, self._events[0].elapsed_time(self._events[1]) / 1000)
 
