@@ -279,10 +279,10 @@ class Drafter(ABC):
         """Target features of ``seq``'s committed tokens at positions ``start, start + 1, ...``
         (``[n, feature_size]``), and the target's logits after the last ``next_logits.shape[0]``
         of them (the distributions their next tokens were drawn from). Called only for drafters
-        with ``feature_layers``, after every target forward, for tokens the sequence keeps; with
-        ``RolloutConfig.overlap``, a plain step may also hand over the row of a token past the
-        sequence's last (computed before its stop was read): its ``finished`` and ``release``
-        follow, and what the drafter records must be cut to the sequence's tokens."""
+        with ``feature_layers``, after every target forward, for tokens the sequence keeps; a
+        plain step launched before the step before it was committed may also hand over the row
+        of a token past the sequence's last (computed before its stop was read): its ``finished``
+        and ``release`` follow, and what the drafter records must be cut to the sequence's tokens."""
 
     def observe_batch(
         self,

@@ -109,8 +109,8 @@ class QueuedCopy:
 class QueuedRead:
     """:func:`read_back` in two halves: made, it queues the transfer behind the work that computes
     ``tensors`` (a :class:`QueuedCopy` of their values) and returns at once; :meth:`result` waits
-    for that transfer alone. An engine that launches its next forward between the two
-    (``RolloutConfig.overlap``) keeps the device busy while the host reads. (The wait is an
+    for that transfer alone. An engine that launches its next forward between the two (the
+    engine's loop, ``rollout/launched.py``) keeps the device busy while the host reads. (The wait is an
     event's, which torch's sync debug mode does not flag.)"""
 
     def __init__(self, *tensors: torch.Tensor) -> None:
