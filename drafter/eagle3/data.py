@@ -175,7 +175,7 @@ class SequenceRecorder:
     A forward's kept rows and soft labels go to the host in one queued copy (:class:`QueuedCopy`),
     so recording adds no wait for the device to a step: copies are taken over when they have
     landed, at the latest when a sequence finishes, and then only as far as its tokens reach
-    (an overlapped step's row past them, still being computed, is not waited for)."""
+    (a launched step's row past them, still being computed, is not waited for)."""
 
     _MAX_QUEUED = 4  # forwards whose copies may be in flight; the oldest is waited for past this
 

@@ -1,6 +1,6 @@
 """Inputs of a forward whose sequence lengths live on the device.
 
-A speculative step launched before the step in flight is read (``rollout/spec/device_step.py``)
+A speculative step launched before the step in flight is committed (``rollout/spec/device_step.py``)
 does not know on the host how many tokens each sequence accepted: its lengths are a device tensor
 ``cached`` (the tokens each sequence has in the cache before the forward). What the host knows are
 upper bounds: it reserved every sequence's blocks for a fully accepted draft, so its block tables

@@ -39,7 +39,7 @@ and the host is one step behind:
   ``max_new_tokens`` are dropped, never returned; a sequence that finished in step N has a row in
   step N + 1, computed and dropped (its blocks are freed after that row's writes are queued, so
   whoever gets them next writes after it). An unseeded sampled request's dropped row draws from
-  the engine's generator, as overlapped plain decoding's does (``rollout/sampled.py``).
+  the engine's generator, as a launched plain step's does (``rollout/sampled.py``).
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 :func:`sampled_chain_verdicts`) and one-hot trees of one size (:func:`tree_verdicts`), with the
 acceptance rule, residuals and per-node uniforms of ``verify.py``'s walk of one tree (its
 reference), so a batch verified here emits what the walk would. The device step verifies every
-step so (``device_step.py``), and the host-read step the sampled drafts that share a shape
+step so (``device_step.py``), and a step drafted from the host's text the sampled drafts that share a shape
 (``verify.verify_batch``): a few tensor operations per batch instead of dozens per sequence.
 """
 
