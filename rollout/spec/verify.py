@@ -180,40 +180,57 @@ def _verify_shared_shapes(
     verdicts: list[Verdict | None],
 ) -> None:
     """Sampled trees that share a shape, verified together (``verdicts.py``: the same rule and
-    uniforms as :func:`verify_sampled`): chains of one length (drafted with distributions or
-    deterministically), deterministic trees of one size. Fills their entries of ``verdicts``."""
+    uniforms as :func:`verify_sampled`): empty drafts, chains of one length (drafted with
+    distributions or deterministically), deterministic trees of one size. Every group's accepted
+    nodes, final token and emitted tokens' logprobs are read in one transfer. Fills their entries
+    of ``verdicts``."""
     groups: dict[tuple, list[int]] = {}
     for b, tree in enumerate(trees):
         with_probs = tree.draft_probs is not None
-        if greedy[b] or not len(tree):
+        if greedy[b]:
             continue
         if tree.is_chain:
             groups.setdefault(("chain", with_probs, len(tree)), []).append(b)
         elif not with_probs:
             groups.setdefault(("tree", False, len(tree)), []).append(b)
+    outcomes = [_group_outcome(trees, starts, logprobs, uniforms, key, members) for key, members in groups.items()]
+    read = iter(read_back(*(t for outcome in outcomes for t in outcome)))  # one wait for the device
+    for members in groups.values():
+        paths, accepted, finals, emitted_lps = next(read), next(read), next(read), next(read)
+        depth, width = len(paths) // len(members), len(emitted_lps) // len(members)
+        for i, (b, a, final) in enumerate(zip(members, accepted, finals)):
+            lps = emitted_lps[i * width : i * width + a + 1]
+            verdicts[b] = Verdict(paths[i * depth : i * depth + a], final, lps)
+
+
+def _group_outcome(trees, starts, logprobs: torch.Tensor, uniforms: torch.Tensor, key: tuple, members: list[int]):
+    """One shape group's verdicts on the device: accepted nodes ``[m, n]`` (padded), accept lengths,
+    final tokens and the emitted tokens' logprobs ``[m, n + 1]``."""
+    kind, with_probs, n = key
     device = logprobs.device
-    for (kind, with_probs, n), members in groups.items():
-        rows = torch.tensor([starts[b] + r for b in members for r in range(n + 1)], device=device)
-        scored, drawn = logprobs.index_select(0, rows), uniforms.to(device).index_select(0, rows).view(-1, n + 1)
-        tokens = torch.tensor([trees[b].tokens for b in members], device=device)
-        no_greedy = torch.zeros(len(members), dtype=torch.bool, device=device)
-        if kind == "chain":
-            q = (
-                torch.stack([trees[b].draft_probs for b in members]).to(device)
-                if with_probs
-                else torch.nn.functional.one_hot(tokens, logprobs.shape[-1])
-            )
-            emitted, accepted, _ = sampled_chain_verdicts(scored, tokens, q, drawn, no_greedy)
-            paths = [list(range(a)) for a in accepted.tolist()]
-        else:
-            parents = torch.tensor([trees[b].parents for b in members], device=device)
-            depth = max(max(trees[b].depths) for b in members)
-            topk = max(max(len(c) for c in trees[b].children) for b in members)
-            emitted, accepted, path, _ = tree_verdicts(scored, tokens, parents, depth, topk, no_greedy, drawn)
-            paths = [p[:a] for p, a in zip(path.tolist(), accepted.tolist())]
-        finals = emitted.gather(1, accepted.unsqueeze(1)).squeeze(1).tolist()
-        for b, p, final in zip(members, paths, finals):
-            verdicts[b] = Verdict(p, final)
+    rows = torch.tensor([starts[b] + r for b in members for r in range(n + 1)], device=device)
+    scored, drawn = logprobs.index_select(0, rows), uniforms.to(device).index_select(0, rows).view(-1, n + 1)
+    no_greedy = torch.zeros(len(members), dtype=torch.bool, device=device)
+    if n == 0:  # nothing drafted: the final token drawn from the root's distribution
+        final = sample_from_probs(scored.exp(), drawn[:, 0])
+        empty = torch.zeros(len(members), 0, dtype=torch.int64, device=device)
+        return empty, torch.zeros_like(final), final, scored.gather(1, final.unsqueeze(1))
+    tokens = torch.tensor([trees[b].tokens for b in members], device=device)
+    if kind == "chain":
+        q = (
+            torch.stack([trees[b].draft_probs for b in members]).to(device)
+            if with_probs
+            else torch.nn.functional.one_hot(tokens, logprobs.shape[-1])
+        )
+        emitted, accepted, emitted_lps = sampled_chain_verdicts(scored, tokens, q, drawn, no_greedy)
+        path = torch.arange(n, device=device).expand(len(members), -1)
+    else:
+        parents = torch.tensor([trees[b].parents for b in members], device=device)
+        depth = max(max(trees[b].depths) for b in members)
+        topk = max(max(len(c) for c in trees[b].children) for b in members)
+        emitted, accepted, path, emitted_lps = tree_verdicts(scored, tokens, parents, depth, topk, no_greedy, drawn)
+    final = emitted.gather(1, accepted.unsqueeze(1)).squeeze(1)
+    return path, accepted, final, emitted_lps
 
 
 def _verify_batch_triton(

@@ -54,16 +54,16 @@ def test_a_sampled_plain_step_reads_once(monkeypatch, temperature):
     assert decodes > 0 and reads == prefills + decodes
 
 
-def test_a_greedy_suffix_step_reads_once(monkeypatch):
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_a_suffix_step_reads_once(monkeypatch, temperature):
     """A suffix step commits the step before it (that step's one read), drafts from the host's text
-    and reads its verdicts with their tokens and logprobs in one read: one read a step. (Sampled
-    trees of several shapes read once per shape group, and a hybrid's drafter LM reads its chains
-    on the host: docs/ARCHITECTURE.md, "The one loop".)"""
+    and reads its verdicts with their tokens and logprobs in one read: greedy, the rows' argmax;
+    sampled, every shape group's verdicts together (``verify._verify_shared_shapes``). (A hybrid's
+    drafter LM reads its chains on the host: docs/ARCHITECTURE.md, "The one loop".)"""
     engine = RolloutEngine(cached_model("llama"), RolloutConfig(strategy="suffix"))
     prompts = [p * 4 for p in random_prompts(3, seed=4, max_len=6)]  # repeating text: the suffix drafter drafts
-    reads, (prefills, decodes, specs) = generate_counting_reads(
-        monkeypatch, engine, prompts, SamplingParams(max_new_tokens=40, temperature=0.0)
-    )
+    params = SamplingParams(max_new_tokens=40, temperature=temperature, seed=3)
+    reads, (prefills, decodes, specs) = generate_counting_reads(monkeypatch, engine, prompts, params)
     assert specs > 4 and reads == prefills + decodes
 
 
