@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import lru_cache
 from itertools import chain
 
 import numpy as np
@@ -40,9 +41,11 @@ class TreeRows:
     visible: torch.Tensor  # [1 or B, new, new] bool
 
 
+@lru_cache(maxsize=64)
 def static_paths(paths: int, length: int, device: torch.device) -> TreeRows:
     """``paths`` independent chains of ``length`` rows each, path-major: row ``i * length + j`` is
-    path ``i``'s ``j``-th token, at offset ``j``, seeing its own path's rows up to itself."""
+    path ``i``'s ``j``-th token, at offset ``j``, seeing its own path's rows up to itself (made once
+    a shape: never written to)."""
     new = paths * length
     path_of, step = np.divmod(np.arange(new), length)
     visible = (path_of[:, None] == path_of[None, :]) & (step[None, :] <= step[:, None])
@@ -107,11 +110,9 @@ def device_inputs(
     n, bs, device = len(tables), cache.block_size, cached.device
     width = -(-context // bs)
     table_t = tables.padded(batch, width, scratch_block, device)
-    valid = np.zeros((batch, tokens), dtype=bool)
-    valid[:n, :new] = True
-    valid_t = to_device(valid, device)
+    valid, valid_t, columns = _row_layout(batch, tokens, n, new, device)
     lengths = torch.cat([cached, cached.new_zeros(batch - n)]) if batch > n else cached
-    index = lengths.unsqueeze(1) + torch.arange(tokens, device=device)  # [batch, tokens]: each row's cache index
+    index = lengths.unsqueeze(1) + columns  # [batch, tokens]: each row's cache index
     visible = None if tree is None else _padded_visible(tree, n, batch, tokens)  # [batch, tokens, tokens]
     at = index if tree is None else lengths.unsqueeze(1) + _padded(tree.offsets, (batch, tokens))
     positions = torch.where(valid_t, at, torch.zeros_like(index))
@@ -148,6 +149,24 @@ def _captured_inputs(ids: torch.Tensor, meta: AttentionMetadata) -> dict[str, to
     if meta.plan is not None:
         inputs.update({f"plan.{k}": v for k, v in meta.plan.tensors().items()})
     return inputs
+
+
+@lru_cache(maxsize=256)
+def _row_layout(batch: int, tokens: int, n: int, new: int, device: torch.device) -> tuple:
+    """Which of a padded forward's ``[batch, tokens]`` rows are real (on the host and the device) and
+    the column indices ``0 .. tokens - 1``: the same for every forward of a shape, made once (never
+    written to)."""
+    valid = np.zeros((batch, tokens), dtype=bool)
+    valid[:n, :new] = True
+    return valid, to_device(valid, device), torch.arange(tokens, device=device)
+
+
+@lru_cache(maxsize=64)
+def _key_layout(context: int, block_size: int, device: torch.device) -> tuple:
+    """The key indices ``0 .. context - 1`` of a padded forward, their blocks and their offsets in
+    them: made once a shape (never written to)."""
+    keys = torch.arange(context, device=device)
+    return keys, keys // block_size, keys % block_size
 
 
 def _scattered(ids: torch.Tensor, valid: np.ndarray) -> torch.Tensor:
@@ -199,8 +218,8 @@ def _gathered(
     context]`` and its mask ``[batch, 1, tokens, context]`` (the cached prefix and the new rows it
     sees: those up to itself in a chain, ``visible``'s in a tree)."""
     batch, tokens = index.shape
-    keys = torch.arange(context, device=index.device)
-    gather = table.gather(1, (keys // block_size).expand(batch, -1)) * block_size + keys % block_size
+    keys, key_blocks, key_offsets = _key_layout(context, block_size, index.device)
+    gather = table.gather(1, key_blocks.expand(batch, -1)) * block_size + key_offsets
     if visible is None:  # the cached prefix and the rows up to itself
         mask = valid.unsqueeze(-1) & (keys <= index.unsqueeze(-1))
     else:  # the cached prefix and the new rows it sees
