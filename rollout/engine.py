@@ -261,16 +261,14 @@ class RolloutEngine:
         return finished
 
     def _launch(self, batch: ScheduledBatch, previous: Launched | None) -> Launched | None:
+        """Launch ``batch``: a prefill (or MIXED: a running sequence is a prompt with one uncached
+        token), or a decode step of the strategy the meter plans, its clock started."""
         with self.inference():
-            if (
-                batch.kind is not StepKind.DECODE
-            ):  # PREFILL, or MIXED: a running sequence is a prompt with one uncached token
+            if batch.kind is not StepKind.DECODE:
                 self.stats.mixed_steps += batch.kind is StepKind.MIXED
                 return self.launcher.prefill(batch)
-            plan = self.meter.plan(batch.seqs, previous)
-            return self.meter.launch(
-                plan, batch.seqs, lambda: self.launcher.decode(batch.seqs, plan.strategy, previous)
-            )
+            plan, seqs = self.meter.plan(batch.seqs, previous), batch.seqs
+            return self.meter.launch(plan, seqs, lambda: self.launcher.decode(seqs, plan.strategy, previous))
 
     def sync(self) -> None:
         """Commit the step in flight now: every token sampled is in its request's output (the
