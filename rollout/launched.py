@@ -21,7 +21,7 @@ from functools import cached_property
 
 import torch
 
-from .request import Sequence
+from .request import SeqStatus, Sequence
 from .stats import Drafted, EngineStats
 
 
@@ -124,3 +124,11 @@ class Launched(ABC):
         """Each of ``seqs``' row in this step, None if one of them is not in it."""
         rows = [self._row_of.get(id(seq)) for seq in seqs]
         return None if None in rows else rows
+
+
+def committed_first(seqs: Seq[Sequence], previous: Launched | None) -> list[Sequence]:
+    """Commit ``previous`` (if nothing did yet); those of ``seqs`` still running (the others
+    stopped on its tokens)."""
+    if previous is not None:
+        previous.commit()
+    return [seq for seq in seqs if seq.status is SeqStatus.RUNNING]

@@ -22,12 +22,12 @@ import torch
 from ..kernels.transfers import QueuedRead
 from .feature_taps import FeatureTaps
 from .host_step import HostVerified
-from .launched import Launched
+from .launched import Launched, committed_first
 from .model.runner import ModelRunner
 from .params import RolloutConfig
 from .prefill import commit_prefill, pack_prefill
 from .proposer import Proposer
-from .request import SeqStatus, Sequence
+from .request import Sequence
 from .request_book import RequestBook
 from .sampled import Sampled
 from .sampling import sample_tokens, store_prompt_logprobs
@@ -73,8 +73,8 @@ class StepLauncher:
             return launched if launched is not None else self._from_host_text(seqs, strategy, previous)
         pending = previous.inputs_for(seqs) if isinstance(previous, Sampled) else None
         if pending is None:
-            seqs = self._committed_first(seqs, previous)
-        return self._plain(seqs, pending, int(pending is not None)) if seqs else None
+            seqs = committed_first(seqs, previous)
+        return self._plain(seqs, pending) if seqs else None
 
     def prefill(self, batch: ScheduledBatch) -> Sampled:
         """The scheduled prompts' forward; each sequence's first token sampled (a group's followers
@@ -104,8 +104,9 @@ class StepLauncher:
         tokens, logprobs = sample_tokens(seqs, logits, self.generator, [ahead] * len(seqs))
         return Sampled(seqs, tokens, QueuedRead(tokens, logprobs), self.finish, self.stats)
 
-    def _plain(self, seqs: list[Sequence], pending: torch.Tensor | None, ahead: int) -> Sampled:
-        """One token each: the forward over each sequence's pending token (``pending``: on the device)."""
+    def _plain(self, seqs: list[Sequence], pending: torch.Tensor | None) -> Sampled:
+        """One token each: the forward over each sequence's pending token (``pending``: the step
+        before's tokens, still on the device; position-keyed rows count that token in flight)."""
         slices, tokens, positions = pack_plain_batch(seqs, pending)
         logits = self.forward(slices, tokens, positions, list(range(len(positions))))
         if self.taps.layers:  # one row per sequence, built only for a drafter that reads features
@@ -114,11 +115,11 @@ class StepLauncher:
             seq.num_cached += 1
         self.stats.decode_steps += 1
         self.stats.batch_sizes.append(len(seqs))
-        return self.sample(seqs, logits, ahead)
+        return self.sample(seqs, logits, int(pending is not None))
 
     def _from_host_text(self, seqs: list[Sequence], strategy: Strategy, previous: Launched | None) -> Launched | None:
         """Drafted from the host's text, verified on the host, committed before it returns."""
-        seqs = self._committed_first(seqs, previous)
+        seqs = committed_first(seqs, previous)
         if not seqs:
             return None
         start = time.perf_counter()
@@ -129,18 +130,12 @@ class StepLauncher:
             logits = self.forward(slices, tokens, positions, list(range(len(positions))))
         forward_s = time.perf_counter() - drafted_at
         verified = verify(seqs, proposal.trees, logits, [s.num_new for s in slices], self.generator)
-        seconds = (drafted_at - start, forward_s, time.perf_counter() - drafted_at)
+        seconds = (drafted_at - start, forward_s, time.perf_counter() - drafted_at)  # verifying: the forward's too
         step = HostVerified(
             seqs, proposal, verified, logits, seconds, self.runner.cache, self.taps, self.stats, self.finish
         )
         step.commit()
         return step
-
-    def _committed_first(self, seqs: list[Sequence], previous: Launched | None) -> list[Sequence]:
-        """Commit ``previous`` (if nothing did yet); those of ``seqs`` still running."""
-        if previous is not None:
-            previous.commit()
-        return [seq for seq in seqs if seq.status is SeqStatus.RUNNING]
 
     def _fork_from(self, leader: Sequence, member: Sequence) -> None:
         """Member shares the leader's full blocks; copy the leader's partial last block."""

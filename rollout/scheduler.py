@@ -15,7 +15,7 @@ import enum
 from collections import deque
 from dataclasses import dataclass, field
 
-from .launched import Launched
+from .launched import Launched, committed_first
 from .model.kv_cache import BlockAllocator, blocks_for, prefix_hashes
 from .request import SeqStatus, Sequence
 
@@ -62,16 +62,17 @@ class Scheduler:
         and not committed, committed before anyone is preempted (its tokens are kept, and the
         blocks freed hold K/V of known tokens)."""
         self._in_flight = in_flight
-        if not mixed or not self.running:
-            return self._schedule_prefill() or self._schedule_decode()
-        decode = self._schedule_decode()
-        prefill = self._schedule_prefill()
-        if decode is None or prefill is None:
-            return decode or prefill
-        if in_flight is not None and not in_flight.committed:
-            in_flight.commit()
-            decode.seqs = [s for s in decode.seqs if s.status is SeqStatus.RUNNING]
-        return ScheduledBatch(StepKind.MIXED, decode.seqs + prefill.seqs, prefill.followers)
+        try:
+            if not mixed or not self.running:
+                return self._schedule_prefill() or self._schedule_decode()
+            decode = self._schedule_decode()
+            prefill = self._schedule_prefill()
+            if decode is None or prefill is None:
+                return decode or prefill
+            running = committed_first(decode.seqs, in_flight)
+            return ScheduledBatch(StepKind.MIXED, running + prefill.seqs, prefill.followers)
+        finally:
+            self._in_flight = None  # held for this call only
 
     def _group_members(self, leader: Sequence) -> list[Sequence]:
         if leader.group is None or not leader.is_fresh:

@@ -63,7 +63,7 @@ from ...draft_contract import (
     static_tree_scratch,
 )
 from ...kernels.transfers import QueuedRead, to_device
-from ..launched import Committed, Launched
+from ..launched import Committed, Launched, committed_first
 from ..model.device_inputs import BlockTables, completion_offsets
 from ..model.kv_cache import blocks_for
 from ..model.runner import ModelRunner
@@ -186,10 +186,7 @@ class DeviceSteps:
         chained = previous if isinstance(previous, DeviceLaunch) and not previous.committed else None
         rows = chained.rows_of(seqs) if chained is not None else None
         if rows is None:
-            chained = None
-            if previous is not None:
-                previous.commit()
-                seqs = [s for s in seqs if s.status is SeqStatus.RUNNING]
+            chained, seqs = None, committed_first(seqs, previous)
             if not seqs or not self.drafter.ready_on_device(seqs):
                 return None
         shape, tree = strategy.shape, strategy.kind == "tree"

@@ -203,7 +203,14 @@ def _verify_shared_shapes(
             verdicts[b] = Verdict(paths[i * depth : i * depth + a], final, lps)
 
 
-def _group_outcome(trees, starts, logprobs: torch.Tensor, uniforms: torch.Tensor, key: tuple, members: list[int]):
+def _group_outcome(
+    trees: Sequence[DraftTree],
+    starts: list[int],
+    logprobs: torch.Tensor,
+    uniforms: torch.Tensor,
+    key: tuple,
+    members: list[int],
+) -> tuple[torch.Tensor, ...]:
     """One shape group's verdicts on the device: accepted nodes ``[m, n]`` (padded), accept lengths,
     final tokens and the emitted tokens' logprobs ``[m, n + 1]``."""
     kind, with_probs, n = key
