@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from functools import cache, cached_property
 from importlib import import_module
@@ -440,14 +441,60 @@ class TreesOnDevice(DraftsOnDevice, Protocol):
         ...
 
 
+@runtime_checkable
+class DraftsWholeSteps(Protocol):
+    """A drafter that runs a step's drafting whole (Mirror-SD, ``rollout/mirror/drafter.py``): it
+    drafts the step (ready drafts, the rest now), drafts beside the step's verification forward, and
+    settles what that kept; the engine asks it which strategies' steps it takes. ``strategy`` is the
+    engine's ``Strategy``, ``seqs`` its running sequences."""
+
+    def takes(self, strategy: Any) -> bool: ...
+
+    def step_drafts(
+        self, seqs: list[Any], strategy: Any, allocator: Any, block_size: int, drafting: list[bool]
+    ) -> tuple[Any, list[DraftTree]]:
+        """The strategy the step runs (a fallback's when it cannot run ``strategy``) and one draft
+        per sequence, fitted to its limits and KV blocks."""
+        ...
+
+    def beside_verify(self, seqs: Sequence[Any], trees: Sequence[DraftTree], strategy: Any) -> AbstractContextManager:
+        """Entered around the step's verification forward."""
+        ...
+
+    def settle(self, seqs: Sequence[Any], trees: Sequence[DraftTree], verdicts: Sequence[Any], strategy: Any, bases):
+        """What the verification kept (``bases``: each sequence's tokens before the step)."""
+        ...
+
+    def prepare(self, arms: Sequence[Any]) -> None:
+        """The engine's strategy (and its arms) changed: refuse what it cannot run, start what they need."""
+        ...
+
+    def close(self) -> None: ...
+
+
 @dataclass
 class DrafterSet:
     """The drafters one engine speculates with: the model drafter (None without one), the
-    model-free suffix drafter, and their hybrid (None without a model drafter)."""
+    model-free suffix drafter, their hybrid, and the model drafter's mirror steps (both None
+    without a model drafter)."""
 
     model: Drafter | None
     suffix: Drafter
     hybrid: Drafter | None
+    mirror: Drafter | None = None  # a DraftsWholeSteps drafter
+
+    def drafter_for(self, strategy: Any) -> Drafter | None:
+        """The drafter a step of ``strategy`` (a speculative ``Strategy``) drafts with: a drafter that
+        runs whole steps where it takes them, else the one its kind names."""
+        if isinstance(self.mirror, DraftsWholeSteps) and self.mirror.takes(strategy):
+            return self.mirror
+        if strategy.kind == "suffix":
+            return self.suffix
+        return self.hybrid if strategy.kind == "hybrid" else self.model
+
+    def notified(self) -> list[Drafter]:
+        """The drafters told of finished and released sequences (the hybrid's parts are told themselves)."""
+        return [d for d in (self.model, self.suffix, self.mirror) if d is not None]
 
 
 #: ``(user_drafter, target_model, rollout_config, vocab_size, tokenizer) -> DrafterSet``

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from ..drafter.small_lm import SmallLMDrafter
 from ..drafter.streaming import StreamingHeads, fit_streaming_heads
 from ..rollout import RolloutConfig, RolloutEngine, SamplingParams
+from ..rollout.mirror.drafter import mirror_pipeline
 from ..rollout.model.early_exit import exit_agreement
 from ..rollout.params import DEFAULT_ARMS, SelectorConfig
 from .policies import BenchPolicy, task_prompts, torch_threads
@@ -159,7 +160,8 @@ def _round_trips(engines: dict[str, RolloutEngine]) -> dict[str, float]:
 
     out = {}
     for engine in engines.values():
-        executor = engine.mirror.executor if engine.mirror is not None else None
+        pipeline = mirror_pipeline(engine.drafters)
+        executor = pipeline.executor if pipeline is not None else None
         if executor is not None and hasattr(executor, "call") and executor.name not in out:
             out[executor.name] = 1e3 * round_trip_s(executor)
     return out
@@ -170,8 +172,8 @@ def _finish(engine: RolloutEngine, result: ArmResult) -> None:
     if st.spec_steps:
         result.draft_share = st.draft_time_s / max(st.draft_time_s + st.verify_time_s, 1e-9)
         result.accept_length = st.spec_emitted_tokens / max(st.spec_seq_steps, 1)
-    if engine.mirror is not None:
-        m = engine.mirror.stats
+    if (pipeline := mirror_pipeline(engine.drafters)) is not None:
+        m = pipeline.stats
         result.mirror = {
             "reuse": m.reuse_rate,
             "serial_ms": 1e3 * m.serial_draft_s / max(m.steps, 1),

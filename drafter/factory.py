@@ -186,14 +186,17 @@ def build_drafters(
     drafter: Any, target: torch.nn.Module, config: Any, vocab_size: int, tokenizer: Any = None
 ) -> DrafterSet:
     """The engine's drafters: the model drafter made from ``drafter`` (None without one), the
-    model-free suffix drafter, and the hybrid that fuses both (for ``hybrid`` strategies)."""
+    model-free suffix drafter, the hybrid that fuses both (for ``hybrid`` strategies), and the model
+    drafter's mirror steps (``mirror`` strategies, drafting beside ``target``'s forward)."""
+    from ..rollout.mirror.drafter import MirrorDrafter
     from .hybrid import HybridDrafter
     from .suffix import SuffixDrafter
 
-    model = None
-    if drafter is not None:
-        model = as_drafter(drafter, target, config)
-        model.bind(vocab_size, tokenizer)
     suffix = SuffixDrafter(history_tokens=config.suffix_history_tokens)
     suffix.bind(vocab_size)
-    return DrafterSet(model, suffix, HybridDrafter(model, suffix) if model is not None else None)
+    if drafter is None:
+        return DrafterSet(None, suffix, None)
+    model = as_drafter(drafter, target, config)
+    model.bind(vocab_size, tokenizer)
+    mirror = MirrorDrafter(model, target, config.mirror, config.kernels)
+    return DrafterSet(model, suffix, HybridDrafter(model, suffix), mirror)

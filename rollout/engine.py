@@ -102,7 +102,7 @@ class RolloutEngine:
                 "prefix_caching does not work with a model drafter yet (the drafter would miss the cached "
                 "prefix); use prefix_caching=False or a model-free strategy (suffix)"
             )
-        self.proposer = Proposer(self.model, drafters, config)
+        self.drafters, self.proposer = drafters, Proposer(drafters, config)
         self.drafter, self.suffix_drafter = drafters.model, drafters.suffix
         self.choice = StrategyChoice(config, self.drafter, self._calibrate, self.stats)
         self.meter = StepMeter(self.choice, self.stats, config.tail_fraction, tokens_to_go, self.runner.device)
@@ -133,22 +133,6 @@ class RolloutEngine:
         """The adaptive strategy's selector (made with the first ``adaptive`` strategy)."""
         return self.choice.selector
 
-    @property
-    def mirror(self):
-        """The mirror pipeline, once a mirror step (or a strategy with mirror arms) started it."""
-        return self.proposer.mirror
-
-    @property
-    def mirror_capable(self) -> bool:
-        """Its steps can run mirror steps with a drafter a peer's draft host can take over."""
-        return self.proposer.hostable(self.choice.arms, bool(self.taps.layers))
-
-    def use_draft_executor(self, executor) -> None:
-        """Mirror steps draft on ``executor`` (a ``workers.draft_hosts.PeerExecutor``: another worker's
-        draft host, a ``rollout.mirror.executors.DraftExecutor``) from the next step on; None: on the
-        engine's own executor again. Safe to call from another thread: the switch happens between steps."""
-        self.proposer.use_executor(executor)
-
     def weights_changed(self) -> None:
         """Tell the engine its model's weights changed (``ModelRunner.weights_changed``): needed
         after an optimizer step that bumps no version counter (torch's fused AdamW); other in-place
@@ -158,7 +142,7 @@ class RolloutEngine:
         self.runner.weights_changed()
 
     def close(self) -> None:
-        """Stop the mirror draft executor's thread or process, if one was started."""
+        """Stop the draft executor's thread or process of its mirror steps, if one was started."""
         self.proposer.close()
 
     def state_dict(self) -> dict:
@@ -240,8 +224,6 @@ class RolloutEngine:
     def step(self) -> list[int]:
         """One iteration of the loop: launch the scheduled step, then commit the step before it;
         the ids of the requests that finished (in the step before, or earlier since the last call)."""
-        if self.proposer.switch_pending:  # alive() walks every request: only when an executor waits
-            self.proposer.between_steps(self.requests.alive(), self.mirror_capable)
         if not self.scheduler.running:
             self.meter.before_rollout(len(self.scheduler.waiting))
         if self.config.prefix_caching and self.scheduler.waiting:  # only admission reads the cache

@@ -54,7 +54,6 @@ class StepLauncher:
         self.generator = torch.Generator().manual_seed(config.seed)  # draws of rows without a seed of their own
         self.on_device = DeviceSteps(
             runner,
-            proposer.drafter,
             requests.limits.max_model_len,
             stats,
             self.finish,
@@ -68,8 +67,8 @@ class StepLauncher:
         step before, committed first)."""
         self.proposer.before_step(strategy)
         if strategy.speculative:
-            on_device = not self.proposer.drafts_on_host(strategy)
-            launched = self.on_device.launch(seqs, strategy, previous) if on_device else None
+            drafter = self.proposer.drafters.drafter_for(strategy)
+            launched = self.on_device.launch(seqs, strategy, drafter, previous)
             return launched if launched is not None else self._from_host_text(seqs, strategy, previous)
         pending = previous.inputs_for(seqs) if isinstance(previous, Sampled) else None
         if pending is None:

@@ -1,13 +1,12 @@
-"""Where a decode step's drafts come from: nowhere (plain decoding: every draft empty), the engine's
-drafters (chain, tree, suffix, hybrid), or the mirror pipeline, which drafts the next round beside
-the verification forward (``rollout/mirror/``).
+"""Where a decode step's drafts come from: nowhere (plain decoding: every draft empty) or the drafter
+the engine's :class:`DrafterSet` names for the step's strategy.
 
-A step asks :meth:`Proposer.propose` for a :class:`Proposal` and runs it the same way whatever its
-source: the proposal's :meth:`~Proposal.around_forward` wraps the target forward (the mirror's
-drafting runs beside it) and :meth:`~Proposal.verified` hands it the verdicts (the mirror keeps
-the branches they agree with; a serial drafter learns how much of its draft was kept). The step
-never asks which source it got. The proposer is also what the request book tells about finished
-and released sequences, and what the feature taps hand the target's features to.
+A step asks :meth:`Proposer.propose` for a :class:`Proposal` and runs it the same way whatever
+drafted it: the proposal's :meth:`~Proposal.around_forward` wraps the target forward and
+:meth:`~Proposal.verified` hands it the verdicts. A drafter that runs whole steps
+(:class:`DraftsWholeSteps`: Mirror-SD drafts the next round beside the forward) does both itself;
+any other drafter learns how much of its draft was kept. The proposer is also what the request book
+tells about finished and released sequences, and what the feature taps hand the target's features to.
 """
 
 from __future__ import annotations
@@ -19,10 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..draft_contract import EMPTY_DRAFT, Drafter, DrafterSet, DraftTree
-from .mirror.executors import DraftExecutor
-from .mirror.pipeline import MirrorPipeline
-from .mirror.slot import MirrorSlot
+from ..draft_contract import EMPTY_DRAFT, Drafter, DrafterSet, DraftsWholeSteps, DraftTree
 from .model.runner import ModelRunner
 from .params import RolloutConfig
 from .request import Sequence
@@ -35,13 +31,12 @@ from .strategy import Strategy
 @dataclass
 class Proposal:
     """A step's drafts (one tree per sequence, empty where it does not draft), the strategy they
-    were drafted for (a failed mirror pipeline's step falls back to its serial strategy), and the
-    drafter that made them; ``mirror`` when the mirror pipeline did."""
+    were drafted for (a drafter that cannot run the step's strategy falls back to another), and the
+    drafter that made them (None: plain decoding)."""
 
     strategy: Strategy
     trees: list[DraftTree]
     drafter: Drafter | None = None
-    mirror: MirrorPipeline | None = None
 
     @property
     def plain(self) -> bool:
@@ -50,59 +45,51 @@ class Proposal:
 
     @contextmanager
     def around_forward(self, runner: ModelRunner, seqs: Seq[Sequence]) -> Iterator[None]:
-        """The verification forward, with a mirror step's drafting beside it (nothing otherwise);
-        eager when an early-exit hook must fire (a graph replay skips hooks)."""
-        if self.mirror is None:
+        """The verification forward, with what a whole-step drafter runs beside it; eager when the
+        strategy's early exit must fire (a graph replay skips hooks)."""
+        if not isinstance(self.drafter, DraftsWholeSteps):
             yield
             return
         eager = runner.eager() if self.strategy.branches else nullcontext()
-        with self.mirror.overlap(seqs, self.trees, self.strategy), eager:
+        with self.drafter.beside_verify(seqs, self.trees, self.strategy), eager:
             yield
 
     def verified(self, seqs: Seq[Sequence], verdicts: Seq[Verdict], bases: Seq[int]) -> None:
         """What the verification kept of each draft (``bases``: each sequence's tokens before it)."""
-        if self.mirror is not None:
-            self.mirror.settle(seqs, self.trees, verdicts, self.strategy, bases)
+        if isinstance(self.drafter, DraftsWholeSteps):
+            self.drafter.settle(seqs, self.trees, verdicts, self.strategy, bases)
             return
         for seq, verdict in zip(seqs, verdicts):
             self.drafter.accepted(seq, len(verdict.path))
 
 
 class Proposer:
-    def __init__(self, model: torch.nn.Module, drafters: DrafterSet, config: RolloutConfig) -> None:
-        self.config = config
-        self.drafter, self.suffix, self.hybrid = drafters.model, drafters.suffix, drafters.hybrid
-        self.mirrors = MirrorSlot(model, self.drafter, config.mirror, config.kernels)
-        self._notified = [d for d in (self.drafter, self.suffix) if d is not None]  # of finished sequences
+    def __init__(self, drafters: DrafterSet, config: RolloutConfig) -> None:
+        self.config, self.drafters = config, drafters
+        self._notified = drafters.notified()  # of finished and released sequences
 
     def propose(self, seqs: list[Sequence], strategy: Strategy, allocator, block_size: int) -> Proposal:
         """``seqs``' drafts for a step of ``strategy``, within their limits and free KV blocks."""
         if not strategy.speculative:
             return Proposal(strategy, [EMPTY_DRAFT] * len(seqs))
-        strategy, mirror = self.mirrors.for_step(strategy)
         drafting = drafting_mask(seqs, self.config.length_budget)
-        if mirror is not None:
-            trees = mirror.drafts(seqs, strategy, allocator, block_size, drafting)
-            return Proposal(strategy, trees, mirror.drafter, mirror)
-        shared = self.mirrors.serial_drafts(strategy, seqs, allocator, block_size, drafting)
-        if shared is not None:
-            return Proposal(strategy, *shared)
-        drafter = self.drafter_for(strategy)
+        drafter = self.drafters.drafter_for(strategy)
+        if isinstance(drafter, DraftsWholeSteps):
+            strategy, trees = drafter.step_drafts(seqs, strategy, allocator, block_size, drafting)
+            return Proposal(strategy, trees, drafter)
         return Proposal(strategy, propose(drafter, seqs, strategy.shape, allocator, block_size, drafting), drafter)
 
     def before_step(self, strategy: Strategy) -> None:
-        """Every decode step: with ``MirrorConfig.threads``, a mirror step leaves the draft its threads."""
-        self.mirrors.split_threads(strategy)
+        """Every decode step: with ``MirrorConfig.threads``, a mirror step leaves the draft its
+        ``draft_threads`` and any other step gives the target all of them."""
+        mirror = self.config.mirror
+        if mirror is not None and mirror.threads is not None:
+            torch.set_num_threads(mirror.threads - (mirror.draft_threads if strategy.mirror else 0))
 
-    def drafts_on_host(self, strategy: Strategy) -> bool:
-        """Whether a step of ``strategy`` drafts here, from the host's text, even with a drafter that
-        drafts on the device: while a mirror pipeline runs, chains and trees draft on its drafter."""
-        return self.mirrors.pipeline is not None and strategy.kind in ("chain", "tree")
-
-    def drafter_for(self, strategy: Strategy) -> Drafter:
-        if strategy.kind == "suffix":
-            return self.suffix
-        return self.hybrid if strategy.kind == "hybrid" else self.drafter
+    def prepare(self, arms: list[Strategy]) -> None:
+        """Refuse arms this engine cannot run, and start what they need now, not inside a measured step."""
+        if self.drafters.mirror is not None:
+            self.drafters.mirror.prepare(arms)
 
     # -- what the request book and the feature taps tell it ---------------------------------
     def finished(self, seq: Sequence) -> None:
@@ -114,35 +101,13 @@ class Proposer:
         """A sequence finished, was aborted or handed over: its drafting state goes."""
         for drafter in self._notified:
             drafter.release(seq_id)
-        self.mirrors.release(seq_id)
 
     def observe(self, observed, features: torch.Tensor, logits: torch.Tensor) -> None:
-        """The target's features of kept tokens, for the drafter and a copy of it in a draft process."""
-        self.drafter.observe_batch(observed, features, logits)
-        self.mirrors.observe(observed, features, logits)
-
-    # -- the mirror pipeline's life ----------------------------------------------------------
-    @property
-    def mirror(self) -> MirrorPipeline | None:
-        return self.mirrors.pipeline
-
-    def prepare(self, arms: list[Strategy]) -> None:
-        """Refuse arms this engine cannot run, and start what they need now, not inside a measured step."""
-        self.mirrors.prepare(arms)
-
-    def use_executor(self, executor: DraftExecutor | None) -> None:
-        self.mirrors.use_executor(executor)
-
-    def between_steps(self, alive: list[int], hostable: bool) -> None:
-        """Take the draft executor asked for since the last step (:meth:`use_executor`)."""
-        self.mirrors.switch_between_steps(alive, hostable)
-
-    @property
-    def switch_pending(self) -> bool:
-        return self.mirrors.switch_pending
-
-    def hostable(self, arms: list[Strategy], reads_features: bool) -> bool:
-        return self.mirrors.hostable(arms, reads_features)
+        """The target's features of kept tokens, for the drafter and any copy of it elsewhere."""
+        self.drafters.model.observe_batch(observed, features, logits)
+        if self.drafters.mirror is not None:
+            self.drafters.mirror.observe_batch(observed, features, logits)
 
     def close(self) -> None:
-        self.mirrors.close()
+        if self.drafters.mirror is not None:
+            self.drafters.mirror.close()

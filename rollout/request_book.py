@@ -49,9 +49,6 @@ class RequestBook:
         self._next_group += 1
         return self._next_group
 
-    def alive(self) -> list[int]:
-        return [s.seq_id for s in self.seqs.values() if s.status is not SeqStatus.FINISHED]
-
     def abort(self, request_id: int) -> None:
         seq = self.seqs.get(request_id)
         if seq is not None and seq.status is not SeqStatus.FINISHED:

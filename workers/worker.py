@@ -291,13 +291,15 @@ class RolloutWorker:
         changes) when this worker's engine has no mirror steps to hand over."""
         from .draft_hosts import PeerExecutor
 
+        mirror = self.engine.drafters.mirror
         if host is None:
-            self.engine.use_draft_executor(None)
+            if mirror is not None:
+                mirror.use_executor(None)
             self._event("draft_host", host=None)
             return True
-        if not self.engine.mirror_capable:
+        if mirror is None or not mirror.hostable:
             return False
-        self.engine.use_draft_executor(PeerExecutor(self.actors, host, pairing, source=self.engine.drafter))
+        mirror.use_executor(PeerExecutor(self.actors, host, pairing, source=self.engine.drafter))
         self._event("draft_host", pairing=pairing)
         return True
 

@@ -19,6 +19,7 @@ import torch
 
 from ...drafter.eagle3 import Eagle3Config, Eagle3Drafter, Eagle3Head
 from ...rollout.engine import RolloutEngine
+from ...rollout.mirror.drafter import mirror_pipeline
 from ...rollout.params import RolloutConfig, SamplingParams
 from ...testing import (
     chi_square_pvalue,
@@ -62,8 +63,8 @@ def greedy_against_hf(stage: Stage, arch: str) -> None:
             extra = f", graph replays {pool.stats.hits}" if pool is not None else ", no graph pool"
             if pool is not None and spec is head:
                 extra += f", graphs tapping features {sum(bool(k.taps) for k in pool.keys())}"
-            if engine.mirror is not None:
-                extra += f", executor {type(engine.mirror.executor).__name__}, ready {engine.mirror.stats.ready}"
+            if (pipeline := mirror_pipeline(engine.drafters)) is not None:
+                extra += f", executor {type(pipeline.executor).__name__}, ready {pipeline.stats.ready}"
             engine.close()
             stage.check(f"greedy {arch} {label}", same == len(want), f"{same}/{len(want)} equal HF{extra}")
 

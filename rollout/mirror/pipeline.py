@@ -334,16 +334,16 @@ class MirrorPipeline:
             self.drafter.capture_missed_graphs()
 
     def serial_step(self, seqs: Seq[Sequence], shape: DraftShape, allocator, block_size: int, drafting):
-        """A serial step's drafts for ``seqs`` from this pipeline's drafter, with current weights,
-        and that drafter. The step tells it what was accepted, which leaves its state exact:
-        nothing is left to reconcile for them."""
+        """A serial step's drafts for ``seqs`` from this pipeline's drafter, with current weights.
+        The step tells that drafter what was accepted, which leaves its state exact: nothing is left
+        to reconcile for them."""
         try:
             self.executor.refresh()
         except ExecutorError as e:
             self.fail(e)
         for seq in seqs:
             self._held.pop(seq.seq_id, None)
-        return self._propose(seqs, shape, allocator, block_size, drafting), self.drafter
+        return self._propose(seqs, shape, allocator, block_size, drafting)
 
     def _propose(self, seqs, shape: DraftShape, allocator, block_size: int, drafting) -> list[DraftTree]:
         """Drafts from the executor's drafter; from the in-process one if the executor fails meanwhile."""

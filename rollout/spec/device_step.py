@@ -85,6 +85,7 @@ class DeviceLaunch(Launched):
         steps: DeviceSteps,
         seqs: list[Sequence],
         strategy: Strategy,
+        drafter: DraftsOnDevice,
         step: StepOnDevice,
         fed: torch.Tensor,
         pending: QueuedRead,
@@ -93,7 +94,7 @@ class DeviceLaunch(Launched):
         verify_s: float,
     ) -> None:
         super().__init__(seqs, steps.stats)
-        self.steps, self.strategy = steps, strategy
+        self.steps, self.strategy, self.drafter = steps, strategy, drafter
         self.step: StepOnDevice | None = step  # what its verification left: what the next step's drafter reads
         cached, emitted, accepted = step.cached, step.emitted, step.accepted
         self.cached = cached + accepted + 1  # [B] the next step's: each sequence's cached tokens after this step
@@ -156,7 +157,6 @@ class DeviceSteps:
     def __init__(
         self,
         runner: ModelRunner,
-        drafter: Drafter | None,
         max_model_len: int,
         stats: EngineStats,
         finish: Callable[[Sequence], None],
@@ -166,28 +166,30 @@ class DeviceSteps:
     ) -> None:
         self.runner, self.max_model_len, self.stats, self.finish = runner, max_model_len, stats, finish
         self.generator = generator  # the verification's uniforms for rows without a generator of their own
-        self.drafter = drafter if isinstance(drafter, DraftsOnDevice) else None
         # a drafter reading the target's features: the layers tapped, and what is handed the kept rows
         self.feature_layers, self.observer = tuple(feature_layers or ()), observer
 
-    def serves(self, strategy: Strategy) -> bool:
-        """Whether steps of ``strategy`` may run here (each batch is checked again at launch)."""
+    @staticmethod
+    def serves(strategy: Strategy, drafter: Drafter | None) -> bool:
+        """Whether ``drafter``'s steps of ``strategy`` may run here (each batch is checked again at launch)."""
         if strategy.kind == "tree":
-            return isinstance(self.drafter, TreesOnDevice)
-        return self.drafter is not None and strategy.kind == "chain"
+            return isinstance(drafter, TreesOnDevice)
+        return strategy.kind == "chain" and isinstance(drafter, DraftsOnDevice)
 
-    def launch(self, seqs: list[Sequence], strategy: Strategy, previous: Launched | None) -> DeviceLaunch | None:
-        """Launch a step of ``strategy`` over ``seqs`` from the state of ``previous`` where it is a
-        step launched here (of any shape), not committed, holding every one of them; otherwise
-        ``previous`` is committed and the step launched from the host's state. None (nothing
-        launched, no room taken) where this batch cannot run here."""
-        if not self.serves(strategy):
+    def launch(
+        self, seqs: list[Sequence], strategy: Strategy, drafter: Drafter | None, previous: Launched | None
+    ) -> DeviceLaunch | None:
+        """Launch ``drafter``'s step of ``strategy`` over ``seqs`` from the state of ``previous`` where
+        it is a step of that drafter launched here (of any shape), not committed, holding every one of
+        them; otherwise ``previous`` is committed and the step launched from the host's state. None
+        (nothing launched, no room taken) where this batch cannot run here."""
+        if not self.serves(strategy, drafter):
             return None
         chained = previous if isinstance(previous, DeviceLaunch) and not previous.committed else None
-        rows = chained.rows_of(seqs) if chained is not None else None
+        rows = chained.rows_of(seqs) if chained is not None and chained.drafter is drafter else None
         if rows is None:
             chained, seqs = None, committed_first(seqs, previous)
-            if not seqs or not self.drafter.ready_on_device(seqs):
+            if not seqs or not drafter.ready_on_device(seqs):
                 return None
         shape, tree = strategy.shape, strategy.kind == "tree"
         nodes = static_tree_nodes(shape) if tree else shape.depth
@@ -195,21 +197,21 @@ class DeviceSteps:
         lengths = [s.num_cached + (chained.cache_ahead(s) if chained is not None else 0) for s in seqs]
         drafter_rows = 1 + static_tree_scratch(shape) if tree else shape.depth  # its forwards' rows past each
         bound = max(lengths) + max(nodes + 1, drafter_rows)  # every position this step writes is below it
-        if bound > self.max_model_len or not self._reserve(seqs, lengths, nodes, drafter_rows):
+        if bound > self.max_model_len or not self._reserve(drafter, seqs, lengths, nodes, drafter_rows):
             return None
         start = time.perf_counter()
         inputs = chained.next_inputs(rows) if chained is not None else self._host_inputs(seqs)
         tables = BlockTables([s.block_table for s in seqs])
         if tree:
-            done = self._tree_step(seqs, inputs, shape, tables, bound)
+            done = self._tree_step(drafter, seqs, inputs, shape, tables, bound)
         else:
-            done = self._chain_step(seqs, inputs, shape.depth, tables, bound)
+            done = self._chain_step(drafter, seqs, inputs, shape.depth, tables, bound)
         step = StepOnDevice(inputs.cached, done.emitted, done.accepted, done.features, tree)
         read = QueuedRead(done.emitted, done.accepted, done.logprobs, *done.also_read)
         verify_s = time.perf_counter() - start - done.draft_s
         self.stats.model_time_s += verify_s
         return DeviceLaunch(
-            self, seqs, strategy, step, inputs.last_two[:, 1], read, done.logits, done.draft_s, verify_s
+            self, seqs, strategy, drafter, step, inputs.last_two[:, 1], read, done.logits, done.draft_s, verify_s
         )
 
     def _host_inputs(self, seqs: list[Sequence]) -> DeviceDraftInputs:
@@ -218,10 +220,12 @@ class DeviceSteps:
         two = [[s.token_at(s.num_cached - 1), s.token_at(s.num_cached)] for s in seqs]
         return DeviceDraftInputs(cached, to_device(np.asarray(two, dtype=np.int64), self.runner.device))
 
-    def _chain_step(self, seqs, inputs: DeviceDraftInputs, depth: int, tables: BlockTables, bound: int) -> _Verified:
+    def _chain_step(
+        self, drafter, seqs, inputs: DeviceDraftInputs, depth: int, tables: BlockTables, bound: int
+    ) -> _Verified:
         """Draft, run and verify a chain, the target's features tapped for a drafter reading them."""
         start = time.perf_counter()
-        drafts, q = self.drafter.draft_on_device(seqs, inputs, depth, bound)
+        drafts, q = drafter.draft_on_device(seqs, inputs, depth, bound)
         drafted = time.perf_counter() - start
         drafts = drafts.to(inputs.last_two.device)
         ids = torch.cat([inputs.last_two[:, 1:], drafts], dim=1).reshape(-1)
@@ -233,13 +237,13 @@ class DeviceSteps:
             return _Verified(drafted, emitted, accepted, logprobs)
         return _Verified(drafted, emitted, accepted, logprobs, features.view(len(seqs), depth + 1, -1), logits)
 
-    def _tree_step(self, seqs, inputs: DeviceDraftInputs, shape, tables: BlockTables, bound: int) -> _Verified:
+    def _tree_step(self, drafter, seqs, inputs: DeviceDraftInputs, shape, tables: BlockTables, bound: int) -> _Verified:
         """Draft, run and verify a tree; its accepted nodes' K/V moved into place, its tokens,
         parents and accepted nodes read with the rest (to learn its first branch), and for a drafter
         reading features the target's features and logits at the kept tokens' rows, laid out as a
         chain step's."""
         start = time.perf_counter()
-        tokens, parents = self.drafter.draft_tree_on_device(seqs, inputs, shape, bound)
+        tokens, parents = drafter.draft_tree_on_device(seqs, inputs, shape, bound)
         drafted = time.perf_counter() - start
         cached, device = inputs.cached, inputs.last_two.device
         tokens, parents = tokens.to(device), parents.to(device)
@@ -301,7 +305,7 @@ class DeviceSteps:
         uniforms = None if all(greedy) else self._uniforms(seqs, tokens.shape[1] + 1, logits.device)
         return tree_verdicts(logprobs, tokens, parents, shape.depth, shape.topk, greedy_t, uniforms, scores)
 
-    def _reserve(self, seqs: list[Sequence], lengths: list[int], nodes: int, drafter_rows: int) -> bool:
+    def _reserve(self, drafter, seqs: list[Sequence], lengths: list[int], nodes: int, drafter_rows: int) -> bool:
         """Blocks for each sequence's fully accepted step (its pending token at ``lengths[i]``, then
         ``nodes`` drafts) in the target's cache, and for the drafter's ``drafter_rows`` past the
         pending token in its own; False, taking none of the target's, where the free blocks do not
@@ -310,7 +314,7 @@ class DeviceSteps:
         missing = [blocks_for(n + nodes + 1, bs) - len(s.block_table) for s, n in zip(seqs, lengths)]
         if sum(m for m in missing if m > 0) > allocator.num_free:
             return False
-        if not self.drafter.reserve_on_device(seqs, [n + drafter_rows for n in lengths]):
+        if not drafter.reserve_on_device(seqs, [n + drafter_rows for n in lengths]):
             return False
         for seq, m in zip(seqs, missing):
             if m > 0:
@@ -354,7 +358,7 @@ class DeviceSteps:
                 self.finish(seq)
                 finished.append(seq.seq_id)
             else:  # a tree's drafter forwards wrote scratch, not its accepted nodes
-                self.drafter.settled_on_device(seq, cached, 0 if is_tree else n, launched.consumed)
+                launched.drafter.settled_on_device(seq, cached, 0 if is_tree else n, launched.consumed)
         s = self.stats
         s.record_spec_step(
             str(launched.strategy),

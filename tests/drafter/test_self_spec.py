@@ -81,10 +81,10 @@ def test_the_self_drafter_runs_in_a_draft_process_and_follows_policy_updates():
     with torch.no_grad():
         for p in model.model.layers[1].parameters():
             p.mul_(1.5)
-    engine.mirror.executor.refresh()  # the policy stepped: the child gets its new layers
+    engine.drafters.mirror.pipeline.executor.refresh()  # the policy stepped: the child gets its new layers
     request = [DraftRequest(greedy_view(prompts[0], 77), 3)]
     fresh = SelfSpecDrafter(model, 3, kv_cache_tokens=256).propose(request, DraftShape(3))[0].tokens
-    assert engine.mirror.drafter.propose(request, DraftShape(3))[0].tokens == fresh
+    assert engine.drafters.mirror.pipeline.drafter.propose(request, DraftShape(3))[0].tokens == fresh
     for a, b in zip(engine.generate(prompts, params), _plain(model, prompts, params)):
         assert a.completion_ids == b.completion_ids
     engine.close()

@@ -104,15 +104,15 @@ def test_streaming_heads_cross_to_a_draft_process():
         assert a.completion_ids == b.completion_ids
     request = [DraftRequest(SeqSnapshot(5, prompts[0], [], None, frozenset(), params), 6)]
     assert (
-        engine.mirror.drafter.propose(request, DraftShape(6))[0].tokens
+        engine.drafters.mirror.pipeline.drafter.propose(request, DraftShape(6))[0].tokens
         == drafter.propose(request, DraftShape(6))[0].tokens
     )
     # the heads train in this process (online streaming-head training): the copy follows them
     StreamingHeadTrainer(drafter.model, drafter.heads, lr=0.05).train([p + [1, 2, 3] for p in prompts], steps=5)
-    engine.mirror.executor.refresh()
+    engine.drafters.mirror.pipeline.executor.refresh()
     request = [DraftRequest(SeqSnapshot(6, prompts[1], [], None, frozenset(), params), 6)]
     mine = drafter.propose(request, DraftShape(6))[0].tokens
-    assert engine.mirror.drafter.propose(request, DraftShape(6))[0].tokens == mine
+    assert engine.drafters.mirror.pipeline.drafter.propose(request, DraftShape(6))[0].tokens == mine
     engine.close()
 
 

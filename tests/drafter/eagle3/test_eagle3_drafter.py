@@ -240,7 +240,7 @@ def test_greedy_mirror_with_the_head_matches_plain_decoding(arch, strategy, exec
     config = RolloutConfig(strategy=strategy, mirror={"executor": executor})
     engine = RolloutEngine(model, config, drafter=drafter)
     assert_same(engine.generate(prompts, params), plain(model, prompts, params))
-    assert engine.mirror.stats.branches > 0
+    assert engine.drafters.mirror.pipeline.stats.branches > 0
     engine.close()
 
 
@@ -262,17 +262,17 @@ def test_the_head_in_a_draft_process_drafts_exactly_as_in_this_one_and_follows_t
         )
         for executor in ("inline", "process")
     }
-    assert type(engines["process"].mirror.executor).__name__ == "ProcessExecutor"
+    assert type(engines["process"].drafters.mirror.pipeline.executor).__name__ == "ProcessExecutor"
     for _ in range(2):
         for engine in engines.values():
             assert_same(engine.generate(prompts, params), want)
         inline, process = (engines[e] for e in ("inline", "process"))
         assert process.stats.accepted_tokens == inline.stats.accepted_tokens > 0
-        assert process.mirror.stats.ready == inline.mirror.stats.ready
+        assert process.drafters.mirror.pipeline.stats.ready == inline.drafters.mirror.pipeline.stats.ready
         with torch.no_grad():  # a training step of the head, in this process
             for p in head.parameters():
                 p.add_(torch.randn_like(p) * 0.05)
-    assert not engines["process"].mirror_capable  # a peer's host could not catch up without features
+    assert not engines["process"].drafters.mirror.hostable  # a peer's host could not catch up without features
     for engine in engines.values():
         engine.close()
 

@@ -32,7 +32,7 @@ def _run(engine: RolloutEngine, prompts, params, switch_at: dict[int, object]) -
     step = 0
     while engine.has_unfinished():
         if step in switch_at:
-            engine.use_draft_executor(switch_at[step])
+            engine.drafters.mirror.use_executor(switch_at[step])
         engine.step()
         step += 1
     return [engine.pop_output(i).completion_ids for i in ids]
@@ -54,7 +54,8 @@ def test_drafting_moves_to_a_peer_and_back_without_changing_a_token():
     peer = _CountingPeer(SmallLMDrafter(good_drafter(ARCH)))  # a fresh drafter: no state of the sequences
     got = _run(engine, prompts, params, {3: peer, 8: None})
     assert got == want
-    assert engine.mirror.stats.executor_switches == 2 and engine.mirror.executor is not peer
+    pipeline = engine.drafters.mirror.pipeline
+    assert pipeline.stats.executor_switches == 2 and pipeline.executor is not peer
     assert 0 < peer.started <= 2 * 5  # branches (continuations, early-exit guesses) in steps 3-7 only
     assert engine.stats.accepted_tokens > 0
 
@@ -73,21 +74,22 @@ def test_a_failed_peer_hands_drafting_back_to_the_engine_s_own_executor():
 
     def remember_own():
         nonlocal own
-        own = engine.proposer.mirrors.ensure().executor
+        own = engine.drafters.mirror.pipeline.executor
 
     remember_own()
     got = _run(engine, prompts, params, {2: _DeadPeer(SmallLMDrafter(good_drafter(ARCH)))})
     assert got == want
-    assert engine.mirror.stats.executor_failures == 1
-    assert engine.mirror.executor is own and not engine.mirror.failed  # mirror steps go on, on its own executor
+    pipeline = engine.drafters.mirror.pipeline
+    assert pipeline.stats.executor_failures == 1
+    assert pipeline.executor is own and not pipeline.failed  # mirror steps go on, on its own executor
 
 
 def test_an_engine_without_mirror_steps_ignores_a_peer():
     engine = _engine(strategy="chain:3")
-    assert not engine.mirror_capable
-    engine.use_draft_executor(InlineExecutor(SmallLMDrafter(good_drafter(ARCH))))
+    assert not engine.drafters.mirror.hostable
+    engine.drafters.mirror.use_executor(InlineExecutor(SmallLMDrafter(good_drafter(ARCH))))
     engine.generate(random_prompts(2, seed=1), SamplingParams(max_new_tokens=8, temperature=0.0))
-    assert engine.mirror is None
+    assert engine.drafters.mirror.pipeline is None
 
 
 def test_a_sequenced_host_handles_commands_in_the_order_they_were_sent():
@@ -114,7 +116,7 @@ def test_a_sequenced_host_handles_commands_in_the_order_they_were_sent():
 
 
 def test_a_drafter_that_cannot_be_rebuilt_elsewhere_is_refused_a_process_by_name():
-    from tailspec.rollout.mirror.slot import make_executor
+    from tailspec.rollout.mirror.drafter import make_executor
 
     drafter = SmallLMDrafter(good_drafter(ARCH))
     for kind in ("process", "ray"):
@@ -134,8 +136,8 @@ model = tiny_random_model("llama", seed=1)
 config = RolloutConfig(strategy="mirror:chain:3,k=1", mirror=MirrorConfig(executor="process"))
 engine = RolloutEngine(model, config, drafter=perturbed_copy(model, 0.3, seed=7))
 out = engine.generate(random_prompts(3, seed=2), SamplingParams(temperature=0.0, max_new_tokens=8))
-print("DONE", type(engine.mirror.executor).__name__, len(out), flush=True)
-print("CHILD", engine.mirror.executor._process.pid, flush=True)
+print("DONE", type(engine.drafters.mirror.pipeline.executor).__name__, len(out), flush=True)
+print("CHILD", engine.drafters.mirror.pipeline.executor._process.pid, flush=True)
 time.sleep(600)
 """
 

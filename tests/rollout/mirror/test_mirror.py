@@ -139,13 +139,14 @@ def test_greedy_mirror_matches_plain_decoding(arch, strategy, drafter, executor)
     draft = {"good": good_drafter, "bad": bad_drafter, "self": cached_model}[drafter](arch)
     engine = mirror_engine(cached_model(arch), strategy, draft, executor)
     _assert_same(engine.generate(prompts, params), _plain(arch, prompts, params))
-    stats = engine.mirror.stats
+    stats = engine.drafters.mirror.pipeline.stats
     assert stats.early_exits > 0 and stats.branches > 0
     if drafter != "bad" and not strategy.endswith("k=1"):
         assert stats.ready > 0  # some rounds ran on a draft made beside the target
     if drafter == "self":  # the target as its own drafter: every continuation is right
         assert stats.ready_continued == stats.ready > 0 and stats.early_exits == 0
-    assert engine.mirror.drafter.allocator.num_free == engine.mirror.drafter.allocator.num_blocks  # forks freed
+    allocator = engine.drafters.mirror.pipeline.drafter.allocator
+    assert allocator.num_free == allocator.num_blocks  # forks freed
     engine.close()
 
 
@@ -158,7 +159,7 @@ def test_shapes_only_the_draft_thread_met_are_captured_between_steps_and_stay_ex
     engine = mirror_engine(cached_model(arch), strategy, good_drafter(arch), "thread", graph_backend="eager")
     prompts, params = random_prompts(4, seed=5), SamplingParams(max_new_tokens=24, temperature=0.0)
     want = _plain(arch, prompts, params)
-    pool = engine.mirror.drafter.runner.graph_pool
+    pool = engine.drafters.mirror.pipeline.drafter.runner.graph_pool
     _assert_same(engine.generate(prompts, params), want)
     missed_first = pool.stats.uncaptured
     assert missed_first > 0  # the draft thread met shapes of its own
@@ -174,15 +175,15 @@ def test_greedy_mirror_in_a_process_matches_plain_decoding_and_follows_weight_ch
     draft = perturbed_copy(cached_model(arch), noise=0.3, seed=7)
     engine = mirror_engine(cached_model(arch), "mirror:chain:3,k=2", draft, "process")
     _assert_same(engine.generate(prompts, params), _plain(arch, prompts, params))
-    assert engine.mirror.stats.ready > 0
+    assert engine.drafters.mirror.pipeline.stats.ready > 0
     with torch.no_grad():  # the drafter trains in this process: the child must draft with the new weights
         for p in draft.parameters():
             p.add_(torch.randn_like(p) * 0.5)
-    engine.mirror.executor.refresh()
+    engine.drafters.mirror.pipeline.executor.refresh()
     request = [DraftRequest(greedy_view(prompts[0], 99), 3)]
     fresh = SmallLMDrafter(draft, kv_cache_tokens=256)
     assert (
-        engine.mirror.drafter.propose(request, DraftShape(3))[0].tokens
+        engine.drafters.mirror.pipeline.drafter.propose(request, DraftShape(3))[0].tokens
         == fresh.propose(request, DraftShape(3))[0].tokens
     )
     engine.close()
@@ -214,13 +215,13 @@ def test_serial_steps_draft_on_the_mirror_s_drafter_so_switching_costs_no_second
     engine.drafter.propose = lambda requests, shape: asked.append(len(requests)) or real_propose(requests, shape)
     strategies = ["mirror:chain:3,k=0", "mirror:chain:3,k=0", "chain:3", "chain:2", "tree:2,2,4"]
     _assert_same(_run_alternating(engine, prompts, params, strategies), _plain(arch, prompts, params))
-    assert asked == [] and engine.mirror.stats.ready > 0
+    assert asked == [] and engine.drafters.mirror.pipeline.stats.ready > 0
     assert engine.stats.strategy_steps.get("chain:3", 0) > 0
-    executor = engine.mirror.executor
+    executor = engine.drafters.mirror.pipeline.executor
     executor._process.kill()
     executor._process.join()
     _assert_same(_run_alternating(engine, prompts, params, strategies[2:4]), _plain(arch, prompts, params))
-    assert engine.mirror.failed and asked  # the in-process drafter took over
+    assert engine.drafters.mirror.pipeline.failed and asked  # the in-process drafter took over
     engine.close()
 
 
@@ -229,12 +230,12 @@ def test_a_dead_draft_process_falls_back_to_serial_drafting_and_loses_nothing():
     prompts = random_prompts(4, seed=5)
     params = SamplingParams(max_new_tokens=24, temperature=0.0)
     engine = mirror_engine(cached_model(arch), "mirror:chain:3,k=1", good_drafter(arch), "process")
-    executor = engine.mirror.executor
+    executor = engine.drafters.mirror.pipeline.executor
     assert isinstance(executor, ProcessExecutor)
     executor._process.kill()
     executor._process.join()
     _assert_same(engine.generate(prompts, params), _plain(arch, prompts, params))
-    assert engine.mirror.failed and engine.mirror.stats.executor_failures == 1
+    assert engine.drafters.mirror.pipeline.failed and engine.drafters.mirror.pipeline.stats.executor_failures == 1
     assert engine.stats.spec_steps > 0  # it went on speculating serially
     engine.close()
 
@@ -302,7 +303,7 @@ def mirror_joint_counts(strategy: str, kind: str, params: SamplingParams, execut
         drafter={"target": target, "eagle3": eagle3_drafter}.get(kind, functools.partial(drafter_model, kind))(),
     )
     outs = engine.generate([PROMPT] * n, params.with_updates(max_new_tokens=5, ignore_eos=True))
-    assert engine.mirror.stats.ready > 0  # tokens 3-4 often came from a draft made beside the target
+    assert engine.drafters.mirror.pipeline.stats.ready > 0  # tokens 3-4 often came from a draft made beside the target
     engine.close()
     pairs = torch.tensor([o.completion_ids[2] * V + o.completion_ids[3] for o in outs])
     return torch.bincount(pairs, minlength=V * V)
@@ -368,7 +369,7 @@ def test_greedy_mirror_on_cuda_matches_plain_decoding(executor):
     want = RolloutEngine(model, RolloutConfig()).generate(prompts, params)
     engine = mirror_engine(model, "mirror:chain:4,k=2", draft, executor)
     _assert_same(engine.generate(prompts, params), want)
-    assert engine.mirror.stats.ready > 0
+    assert engine.drafters.mirror.pipeline.stats.ready > 0
     engine.close()
 
 
@@ -381,10 +382,10 @@ def test_greedy_mirror_through_a_ray_actor_matches_plain_decoding(ray_local):
     params = SamplingParams(max_new_tokens=20, temperature=0.0)
     draft = perturbed_copy(cached_model(arch), noise=0.3, seed=7)
     engine = mirror_engine(cached_model(arch), "mirror:chain:3,k=1", draft, "ray")
-    assert isinstance(engine.mirror.executor, RayExecutor)
+    assert isinstance(engine.drafters.mirror.pipeline.executor, RayExecutor)
     _assert_same(engine.generate(prompts, params), _plain(arch, prompts, params))
-    assert engine.mirror.stats.branches > 0 and not engine.mirror.failed
-    assert 0 < round_trip_s(engine.mirror.executor, repeats=5) < 5
+    assert engine.drafters.mirror.pipeline.stats.branches > 0 and not engine.drafters.mirror.pipeline.failed
+    assert 0 < round_trip_s(engine.drafters.mirror.pipeline.executor, repeats=5) < 5
     engine.close()
 
 
@@ -438,11 +439,11 @@ def test_aborting_and_releasing_mirror_requests_forgets_their_drafts():
     keep, drop, move = (engine.add_request(p, params) for p in prompts)
     for _ in range(4):
         engine.step()
-    assert engine.mirror._ready  # the target as its own drafter: continuations are always right
+    assert engine.drafters.mirror.pipeline._ready  # the target as its own drafter: continuations are always right
     engine.abort(drop)
     partial = engine.release(move)
-    assert drop not in engine.mirror._ready and move not in engine.mirror._ready
-    assert drop not in engine.mirror._held and move not in engine.mirror._held
+    assert drop not in engine.drafters.mirror.pipeline._ready and move not in engine.drafters.mirror.pipeline._ready
+    assert drop not in engine.drafters.mirror.pipeline._held and move not in engine.drafters.mirror.pipeline._held
     while engine.has_unfinished():
         engine.step()
     other = mirror_engine(cached_model(arch), "mirror:chain:3,k=0", cached_model(arch), "inline")
