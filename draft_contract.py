@@ -207,18 +207,78 @@ class DraftRequest:
     max_depth: int
 
 
+class DraftStep(ABC):
+    """One speculative step as the drafter its strategy names sees it (the engine's, in
+    ``rollout/spec/draft_step.py``): the draft's ``shape``, the engine's ``strategy``, and the state to
+    draft from, which the drafter picks by what it asks for.
+
+    * :meth:`on_device`: the device's state, never read: the step is launched before the step in
+      flight is committed, and the host assumes that step accepted every draft (room is reserved
+      for it). A drafter that drafts on the device asks for it first and returns
+      :class:`DeviceDrafts`; None where the batch cannot be launched from there.
+    * :meth:`on_host`: the host's text, exact: the step in flight is committed first. A drafter
+      that drafts from text (the suffix drafter, the hybrid, mirror steps) returns one tree per
+      request; the cost is the device idling while the host drafts, verifies and commits.
+    """
+
+    shape: DraftShape
+    tree: bool  # the step verifies trees (else chains)
+    strategy: Any  # the engine's Strategy; a drafter that runs another (a failed mirror's serial one) sets it
+
+    @abstractmethod
+    def on_device(
+        self, reserve: Callable[[Sequence[SequenceView], Sequence[int], bool], bool]
+    ) -> DeviceDraftInputs | None:
+        """The device's state for every sequence of the step, room taken for a fully accepted step;
+        ``reserve(seqs, lengths, from_host)``: the drafter's room for each sequence's first
+        ``lengths[i]`` tokens in its own state, False where it has none or (``from_host``: nothing
+        in flight) cannot draft for them from the host's state. None: draft :meth:`on_host`."""
+
+    @abstractmethod
+    def on_host(self) -> list[DraftRequest]:
+        """The step in flight committed, a request for each sequence that drafts this step (with
+        its depth limit), in batch order; empty where none does."""
+
+
+@dataclass
+class DeviceDrafts:
+    """Drafts on the device for :meth:`DraftStep.on_device`'s sequences: ``tokens`` ``[B, n]``; a
+    tree's ``parents`` (node indices, -1 for a child of the root; a best-first tree with the same
+    ``n`` for every row, ``drafter/tree_search.grow_static_trees``), None for chains; a chain's
+    draft distributions ``[B, n, vocab]`` when a row samples (None: every node deterministic)."""
+
+    tokens: torch.Tensor
+    parents: torch.Tensor | None = None
+    probs: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
+class Settled:
+    """What the host read of a step a drafter drafted for one sequence: ``kept`` drafts (from the
+    host's text: the accepted path's length; from the device's state: those its forwards left at
+    their positions, a chain's accepted ones and none of a tree's), and for a step launched from
+    the device's state the pending token's position it ran at (``cached``, None otherwise) and
+    whether a step launched since drafted from it (``consumed``)."""
+
+    kept: int
+    cached: int | None = None
+    consumed: bool = False
+
+
 class Drafter(ABC):
-    """Base class of drafters. The engine calls :meth:`bind` once, then per speculative step
-    :meth:`propose`, then :meth:`accepted` after verification, and :meth:`release` when a sequence
-    finishes or is aborted. Drafters may keep per-sequence state keyed by ``seq.seq_id``.
+    """What the engine asks of a drafter: seven methods, :meth:`draft` the only one without a default.
+
+    Per speculative step the engine calls :meth:`draft` (the one way to draft: the drafter reads the
+    step's state where it chooses, :class:`DraftStep`), then :meth:`settled` for each sequence once the
+    step is read. After every target forward a drafter with ``feature_layers`` gets
+    :meth:`observe_batch`; :meth:`finished` and :meth:`release` when a sequence ends; :meth:`bind`
+    and :meth:`fit_problems` when it meets a target. Drafters may keep per-sequence state keyed by
+    ``seq.seq_id``. What only some drafters do is declared as a capability below.
     """
 
     name: str = "drafter"
-    #: whether :meth:`propose_branches` drafts further branches (and every ``BranchView.fork``) in
-    #: forks of a sequence's state, leaving the state with the sequence's first unforked branch
-    forks_branches: bool = False
     #: target layers whose *inputs* this drafter reads (EAGLE-style heads); ``None`` = none. When
-    #: set, the engine taps them in every target forward and calls :meth:`observe`.
+    #: set, the engine taps them in every target forward and calls :meth:`observe_batch`.
     feature_layers: tuple[int, ...] | None = None
 
     def bind(self, vocab_size: int, tokenizer=None) -> None:  # noqa: B027 - optional hook
@@ -231,85 +291,107 @@ class Drafter(ABC):
         return []
 
     @abstractmethod
-    def propose(self, requests: Sequence[DraftRequest], shape: DraftShape) -> list[DraftTree]:
-        """One draft tree per request (possibly empty), each within ``shape`` and ``max_depth``."""
+    def draft(self, step: DraftStep) -> list[DraftTree] | DeviceDrafts:
+        """The step's drafts: one tree per request of ``step.on_host()`` (each within the step's shape
+        and the request's ``max_depth``, possibly empty), or :class:`DeviceDrafts` for the sequences of
+        ``step.on_device(...)``."""
 
-    def accepted(self, seq: SequenceView, num_accepted: int) -> None:  # noqa: B027 - optional hook
-        """Verification kept the first ``num_accepted`` nodes of the path just proposed for ``seq``."""
+    def settled(self, seq: SequenceView, settled: Settled) -> None:  # noqa: B027 - optional hook
+        """What the verification kept of the draft it made for ``seq`` in the step just read."""
 
-    def release(self, seq_id: int) -> None:  # noqa: B027 - optional hook
-        """Forget per-sequence state (the sequence finished or was aborted)."""
-
-    def truncate(self, seq_id: int, num_tokens: int) -> None:  # noqa: B027 - optional hook
-        """Only the sequence's first ``num_tokens`` tokens are what this drafter last saw (it drafted
-        from a branch that was not kept): forget any state past them."""
-
-    def propose_branches(self, requests: Sequence[DraftRequest], shape: DraftShape) -> list[DraftTree]:
-        """One draft per :class:`BranchView` request, drafted while the target verifies (Mirror-SD).
-        The default proposes one round per branch slot (a sequence appears at most once in a
-        :meth:`propose` call), the sequence's first-listed branch last, so that a drafter whose
-        state follows its last proposal then holds the likeliest branch; between a sequence's
-        rounds it truncates the state to what the two branches share. Drafters may batch all
-        branches instead."""
-        rounds: list[list[int]] = []
-        seen: dict[int, int] = {}
-        for i in reversed(range(len(requests))):
-            slot = seen.get(requests[i].seq.seq_id, 0)
-            seen[requests[i].seq.seq_id] = slot + 1
-            if slot == len(rounds):
-                rounds.append([])
-            rounds[slot].append(i)
-        out: list[DraftTree] = [EMPTY_DRAFT] * len(requests)
-        previous: dict[int, list[int]] = {}  # seq_id -> the tokens past the sequence its last round drafted from
-        for slot in rounds:
-            for i in slot:
-                view = requests[i].seq
-                before = previous.get(view.seq_id)
-                if before is not None:
-                    shared = next((n for n, (a, b) in enumerate(zip(before, view.extra)) if a != b), None)
-                    common = min(len(before), len(view.extra)) if shared is None else shared
-                    self.truncate(view.seq_id, view.seq.num_tokens + common)
-            for i, tree in zip(slot, self.propose([requests[i] for i in slot], shape)):
-                out[i] = tree
-                previous[requests[i].seq.seq_id] = requests[i].seq.extra + list(tree.tokens)
-        return out
-
-    def observe(  # noqa: B027 - optional hook
-        self, seq: SequenceView, start: int, features: torch.Tensor, next_logits: torch.Tensor
-    ) -> None:
-        """Target features of ``seq``'s committed tokens at positions ``start, start + 1, ...``
-        (``[n, feature_size]``), and the target's logits after the last ``next_logits.shape[0]``
-        of them (the distributions their next tokens were drawn from). Called only for drafters
-        with ``feature_layers``, after every target forward, for tokens the sequence keeps; a
-        plain step launched before the step before it was committed may also hand over the row
-        of a token past the sequence's last (computed before its stop was read): its ``finished``
-        and ``release`` follow, and what the drafter records must be cut to the sequence's tokens."""
-
-    def observe_batch(
+    def observe_batch(  # noqa: B027 - optional hook
         self,
         observed: Sequence[tuple[SequenceView, int, list[int], list[int]]],
         features: torch.Tensor,
         logits: torch.Tensor,
     ) -> None:
-        """One target forward's observations: per sequence ``(seq, start, rows, logit_rows)``, its
-        kept tokens' packed rows of ``features`` and the rows of ``logits`` after them. By default
-        one gather of each for the whole batch, split into per-sequence :meth:`observe` calls (a
-        drafter may keep references instead and gather only when it drafts)."""
-        rows, logit_rows = observed_rows(observed)
-        gathered = features.index_select(0, torch.tensor(rows, device=features.device))
-        next_logits = logits.index_select(0, torch.tensor(logit_rows, device=logits.device))
-        feature_parts = gathered.split([len(r) for _, _, r, _ in observed])
-        logit_parts = next_logits.split([len(r) for _, _, _, r in observed])
-        for (seq, start, _, _), seq_features, seq_logits in zip(observed, feature_parts, logit_parts):
-            self.observe(seq, start, seq_features, seq_logits)
+        """One target forward's observations: per sequence ``(seq, start, rows, logit_rows)``, the
+        packed rows of ``features`` of its committed tokens at positions ``start, start + 1, ...``
+        and the rows of ``logits`` after them (the distributions their next tokens were drawn from;
+        :func:`observed_rows` gathers them). Called for drafters with ``feature_layers``, after
+        every target forward, for tokens the sequence keeps; a plain step launched before the step
+        before it was committed may also hand over the row of a token past the sequence's last
+        (computed before its stop was read): its ``finished`` and ``release`` follow, and what the
+        drafter records must be cut to the sequence's tokens."""
 
     def finished(self, seq: SequenceView) -> None:  # noqa: B027 - optional hook
         """``seq`` finished normally (its completion may be remembered); ``release`` follows."""
 
-    def capture_missed_graphs(self) -> None:  # noqa: B027 - optional hook
-        """Capture the graph buckets a draft executor's thread ran without one (a drafter with a
-        graph pool). Called on the engine's thread while no draft thread runs (Mirror-SD, once a
-        step's branches are collected)."""
+    def release(self, seq_id: int) -> None:  # noqa: B027 - optional hook
+        """Forget per-sequence state (the sequence finished, was aborted or handed over)."""
+
+
+@runtime_checkable
+class DraftsFromText(Protocol):
+    """A drafter that drafts from the host's text for any caller: what the hybrid fuses, what a
+    mirror step drafts serially with, what a draft process's copy answers."""
+
+    def propose(self, requests: Sequence[DraftRequest], shape: DraftShape) -> list[DraftTree]:
+        """One draft tree per request (possibly empty), each within ``shape`` and ``max_depth``."""
+        ...
+
+
+def draft_from_text(drafter: DraftsFromText, step: DraftStep) -> list[DraftTree]:
+    """``step`` drafted from the host's text, the step in flight committed first: how a drafter that
+    only drafts from text implements :meth:`Drafter.draft`."""
+    requests = step.on_host()
+    return drafter.propose(requests, step.shape) if requests else []
+
+
+@runtime_checkable
+class DraftsBranches(DraftsFromText, Protocol):
+    """A drafter mirror steps run on (``rollout/mirror/``): it drafts *branches* (requests whose
+    sequence is a :class:`BranchView`) while the target verifies, and cuts its state back to where
+    a branch agrees with the real text. ``forks_branches``: whether it drafts further branches (and
+    every ``BranchView.fork``) in forks of a sequence's state, leaving the state with the sequence's
+    first unforked branch (:func:`propose_slot_by_slot` is the way without forks)."""
+
+    forks_branches: bool
+
+    def propose_branches(self, requests: Sequence[DraftRequest], shape: DraftShape) -> list[DraftTree]:
+        """One draft per :class:`BranchView` request, drafted while the target verifies."""
+        ...
+
+    def truncate(self, seq_id: int, num_tokens: int) -> None:
+        """Only the sequence's first ``num_tokens`` tokens are what this drafter last saw (it drafted
+        from a branch that was not kept): forget any state past them."""
+        ...
+
+    def capture_missed_graphs(self) -> None:
+        """Capture the graph buckets a draft executor's thread ran without one (nothing without a
+        graph pool). Called on the engine's thread while no draft thread runs."""
+        ...
+
+
+def propose_slot_by_slot(
+    drafter: DraftsBranches, requests: Sequence[DraftRequest], shape: DraftShape
+) -> list[DraftTree]:
+    """Branches one round per branch slot (a sequence appears at most once in a :meth:`propose`
+    call), the sequence's first-listed branch last, so that a drafter whose state follows its last
+    proposal then holds the likeliest branch; between a sequence's rounds its state is truncated to
+    what the two branches share. A drafter without forks may answer ``propose_branches`` with it."""
+    rounds: list[list[int]] = []
+    seen: dict[int, int] = {}
+    for i in reversed(range(len(requests))):
+        slot = seen.get(requests[i].seq.seq_id, 0)
+        seen[requests[i].seq.seq_id] = slot + 1
+        if slot == len(rounds):
+            rounds.append([])
+        rounds[slot].append(i)
+    out: list[DraftTree] = [EMPTY_DRAFT] * len(requests)
+    previous: dict[int, list[int]] = {}  # seq_id -> the tokens past the sequence its last round drafted from
+    for slot in rounds:
+        for i in slot:
+            view = requests[i].seq
+            before = previous.get(view.seq_id)
+            if before is not None:
+                shared = next((n for n, (a, b) in enumerate(zip(before, view.extra)) if a != b), None)
+                common = min(len(before), len(view.extra)) if shared is None else shared
+                drafter.truncate(view.seq_id, view.seq.num_tokens + common)
+        for i, tree in zip(slot, drafter.propose([requests[i] for i in slot], shape)):
+            out[i] = tree
+            previous[requests[i].seq.seq_id] = requests[i].seq.extra + list(tree.tokens)
+    return out
 
 
 # -- optional capabilities: declared by the drafters that have them, checked with isinstance ---------
@@ -379,40 +461,14 @@ class DeviceDraftInputs:
     """What a step launched on the device drafts from, every tensor on the device, never read:
     each sequence's pending token's position (``cached``), its tokens at ``cached - 1`` and
     ``cached`` (``last_two``), and the step before it (None when the step is launched from the
-    host's state, which is exact then)."""
+    host's state, which is exact then); the sequences (the batch's rows), and ``bound``, an upper
+    bound of every position the drafter's forwards or the verification write, plus one."""
 
     cached: torch.Tensor  # [B]
     last_two: torch.Tensor  # [B, 2]
     previous: StepOnDevice | None = None
-
-
-@runtime_checkable
-class DraftsOnDevice(Protocol):
-    """A drafter that drafts chains from state on the device: a step launched before the one in
-    flight is read (``rollout/spec/device_step.py``) hands it :class:`DeviceDraftInputs`, never
-    read, and tells it what the host read of each step once the step is read."""
-
-    def ready_on_device(self, seqs: Sequence[SequenceView]) -> bool:
-        """Whether it can draft for every one of ``seqs`` from the host's state (nothing in flight)."""
-        ...
-
-    def reserve_on_device(self, seqs: Sequence[SequenceView], lengths: Sequence[int]) -> bool:
-        """Room in its state for each sequence's first ``lengths[i]`` tokens; False if there is none."""
-        ...
-
-    def draft_on_device(
-        self, seqs: Sequence[SequenceView], inputs: DeviceDraftInputs, depth: int, bound: int
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """``[len(seqs), depth]`` draft tokens on the device, each picked by its request's sampling
-        rule, and (None for an all-greedy batch) their ``[len(seqs), depth, vocab]`` draft
-        distributions; ``bound`` is an upper bound of every ``cached[i] + depth + 1``."""
-        ...
-
-    def settled_on_device(self, seq: SequenceView, cached: int, kept: int, consumed: bool) -> None:
-        """The host read a step of ``seq``: it ran with the pending token at ``cached``, and its
-        drafter's forwards left the ``kept`` drafts after it at their positions (a chain's accepted
-        drafts; none for a tree); ``consumed``: a later step launched on the device drafted from it."""
-        ...
+    seqs: list[SequenceView] = field(default_factory=list)
+    bound: int = 0
 
 
 def static_tree_nodes(shape: DraftShape) -> int:
@@ -427,42 +483,49 @@ def static_tree_scratch(shape: DraftShape) -> int:
     return shape.topk * (shape.depth - 1)
 
 
-@runtime_checkable
-class TreesOnDevice(DraftsOnDevice, Protocol):
-    """A drafter that also drafts trees from state on the device."""
+ChainOnDevice = Callable[[DeviceDraftInputs, int], tuple[torch.Tensor, torch.Tensor | None]]
+TreeOnDevice = Callable[[DeviceDraftInputs, DraftShape], tuple[torch.Tensor, torch.Tensor]]
 
-    def draft_tree_on_device(
-        self, seqs: Sequence[SequenceView], inputs: DeviceDraftInputs, shape: DraftShape, bound: int
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``[len(seqs), n]`` draft tokens and their parents (node indices, -1 for a child of the
-        root), a best-first tree of ``shape`` per sequence with the same ``n`` for all
-        (``drafter/tree_search.grow_static_trees``); ``bound``: an upper bound of every position
-        its forwards or the verification write, plus one."""
-        ...
+
+def draft_on_device_else_text(
+    step: DraftStep,
+    reserve: Callable[[Sequence[SequenceView], Sequence[int], bool], bool],
+    chain: ChainOnDevice,
+    tree: TreeOnDevice,
+    propose: Callable[[Sequence[DraftRequest], DraftShape], list[DraftTree]],
+) -> list[DraftTree] | DeviceDrafts:
+    """:meth:`Drafter.draft` for a drafter that drafts on the device where the step lets it and from
+    the host's text otherwise: ``chain(inputs, depth)`` gives ``[B, depth]`` tokens, each picked by
+    its request's rule, and their draft distributions (None for an all-greedy batch);
+    ``tree(inputs, shape)`` a best-first tree's tokens and parents ``[B, n]``
+    (:func:`static_tree_nodes`)."""
+    inputs = step.on_device(reserve)
+    if inputs is None:
+        requests = step.on_host()
+        return propose(requests, step.shape) if requests else []
+    if step.tree:
+        tokens, parents = tree(inputs, step.shape)
+        return DeviceDrafts(tokens, parents)
+    tokens, probs = chain(inputs, step.shape.depth)
+    return DeviceDrafts(tokens, None, probs)
 
 
 @runtime_checkable
 class DraftsWholeSteps(Protocol):
-    """A drafter that runs a step's drafting whole (Mirror-SD, ``rollout/mirror/drafter.py``): it
-    drafts the step (ready drafts, the rest now), drafts beside the step's verification forward, and
-    settles what that kept; the engine asks it which strategies' steps it takes. ``strategy`` is the
-    engine's ``Strategy``, ``seqs`` its running sequences."""
+    """A drafter that runs a step's drafting whole (Mirror-SD, ``rollout/mirror/drafter.py``): beside
+    :meth:`Drafter.draft` it drafts during the step's verification forward and settles what that kept
+    for the whole batch; the engine asks it which strategies' steps it takes, and tells it the arms
+    it may run. ``strategy`` is the engine's ``Strategy``, ``seqs`` its running sequences."""
 
     def takes(self, strategy: Any) -> bool: ...
-
-    def step_drafts(
-        self, seqs: list[Any], strategy: Any, allocator: Any, block_size: int, drafting: list[bool]
-    ) -> tuple[Any, list[DraftTree]]:
-        """The strategy the step runs (a fallback's when it cannot run ``strategy``) and one draft
-        per sequence, fitted to its limits and KV blocks."""
-        ...
 
     def beside_verify(self, seqs: Sequence[Any], trees: Sequence[DraftTree], strategy: Any) -> AbstractContextManager:
         """Entered around the step's verification forward."""
         ...
 
     def settle(self, seqs: Sequence[Any], trees: Sequence[DraftTree], verdicts: Sequence[Any], strategy: Any, bases):
-        """What the verification kept (``bases``: each sequence's tokens before the step)."""
+        """What the verification kept (``bases``: each sequence's tokens before the step); in place
+        of :meth:`Drafter.settled`."""
         ...
 
     def prepare(self, arms: Sequence[Any]) -> None:

@@ -10,7 +10,16 @@ from __future__ import annotations
 
 from collections.abc import Sequence as Seq
 
-from ..draft_contract import Drafter, DraftRequest, DraftShape, DraftTree, SequenceView
+from ..draft_contract import (
+    Drafter,
+    DraftRequest,
+    DraftShape,
+    DraftStep,
+    DraftTree,
+    SequenceView,
+    Settled,
+    draft_from_text,
+)
 
 
 def merge_trees(first: DraftTree, second: DraftTree, budget: int) -> DraftTree:
@@ -54,10 +63,13 @@ class HybridDrafter(Drafter):
 
     name = "hybrid"
 
-    def __init__(self, model_drafter: Drafter, suffix_drafter: Drafter) -> None:
+    def __init__(self, model_drafter: Drafter, suffix_drafter: Drafter) -> None:  # both DraftsFromText
         self.model_drafter = model_drafter
         self.suffix_drafter = suffix_drafter
         self._model_chain: dict[int, list[int]] = {}  # seq -> the model's chain, when it proposed one
+
+    def draft(self, step: DraftStep) -> list[DraftTree]:
+        return draft_from_text(self, step)
 
     def propose(self, requests: Seq[DraftRequest], shape: DraftShape) -> list[DraftTree]:
         model_trees = self.model_drafter.propose(requests, shape)
@@ -69,16 +81,14 @@ class HybridDrafter(Drafter):
             out.append(merge_trees(a, b, shape.max_nodes))
         return out
 
-    def accepted(self, seq: SequenceView, num_accepted: int) -> None:
+    def settled(self, seq: SequenceView, settled: Settled) -> None:
         """The model drafter keeps its chain's K/V only for the part verification took, which here
         may have followed a suffix branch: hand it the length of the common prefix."""
-        chain = self._model_chain.pop(seq.seq_id, None)
+        chain, num_accepted = self._model_chain.pop(seq.seq_id, None), settled.kept
+        common = 0
         if chain is not None:
             kept = seq.output_ids[len(seq.output_ids) - num_accepted - 1 : len(seq.output_ids) - 1]
-            common = 0
             while common < min(len(chain), len(kept)) and chain[common] == kept[common]:
                 common += 1
-            self.model_drafter.accepted(seq, common)
-        else:
-            self.model_drafter.accepted(seq, 0)
-        self.suffix_drafter.accepted(seq, num_accepted)
+        self.model_drafter.settled(seq, Settled(common))
+        self.suffix_drafter.settled(seq, settled)

@@ -33,13 +33,17 @@ import torch
 
 from ..draft_contract import (
     DeviceDraftInputs,
+    DeviceDrafts,
     Drafter,
     DraftRequest,
+    DraftsBranches,
     DraftShape,
+    DraftStep,
     DraftTree,
     SequenceView,
+    Settled,
     TimesDraftLevels,
-    TreesOnDevice,
+    draft_on_device_else_text,
 )
 from ..kernels.transfers import select_rows
 from ..rollout.adaptive.calibration import forward_timer, scratch_fit
@@ -102,7 +106,7 @@ def output_rows(model: torch.nn.Module) -> int:
     return int(model.get_output_embeddings().weight.shape[0])
 
 
-class SmallLMDrafter(Drafter, TreesOnDevice, TimesDraftLevels):
+class SmallLMDrafter(Drafter, DraftsBranches, TimesDraftLevels):
     name = "small_lm"
     forks_branches = True
     # chains drafted on the device with one read a step (draft_chains_on_device); False: the
@@ -259,10 +263,24 @@ class SmallLMDrafter(Drafter, TreesOnDevice, TimesDraftLevels):
             torch.load(io.BytesIO(data), map_location=self.runner.device, weights_only=True)
         )
 
-    def accepted(self, seq: SequenceView, num_accepted: int) -> None:
+    def draft(self, step: DraftStep) -> list[DraftTree] | DeviceDrafts:
+        """From the device's state where the step can be launched there, else from the host's text."""
+        return draft_on_device_else_text(
+            step, self._reserve_on_device, self._chain_on_device, self._tree_on_device, self.propose
+        )
+
+    def settled(self, seq: SequenceView, settled: Settled) -> None:
+        """From the host's text: its state keeps the ``kept`` drafts of the chain it drafted (a tree
+        left none). From the device's state: its state holds the sequence's tokens before ``cached +
+        kept`` (the last kept one included unless a whole chain was accepted), whichever steps ran
+        since; a streamed chain's last block was never fed, so none of its drafts count."""
         state, base = self._states.get(seq.seq_id), self._draft_base.pop(seq.seq_id, None)
-        if state is not None and base is not None:
-            state.num_cached = min(state.num_cached, base + num_accepted)
+        if state is None:
+            return
+        if settled.cached is not None:
+            state.num_cached = settled.cached + (settled.kept if self.heads is None else 0)
+        elif base is not None:
+            state.num_cached = min(state.num_cached, base + settled.kept)
 
     # -- forward helpers -----------------------------------------------------------------
     @contextmanager
@@ -431,11 +449,12 @@ class SmallLMDrafter(Drafter, TreesOnDevice, TimesDraftLevels):
         trees, _ = grow_trees(requests, torch.log_softmax(root_logits, dim=-1), shape, score_level)
         return trees
 
-    # -- chains and trees from state on the device (TreesOnDevice) -------------------------
-    def ready_on_device(self, seqs: Seq[SequenceView]) -> bool:
-        return all(self._can_read(seq) for seq in seqs)
-
-    def reserve_on_device(self, seqs: Seq[SequenceView], lengths: Seq[int]) -> bool:
+    # -- chains and trees from state on the device ------------------------------------------
+    def _reserve_on_device(self, seqs: Seq[SequenceView], lengths: Seq[int], from_host: bool) -> bool:
+        """Room for each sequence's first ``lengths[i]`` tokens; from the host's state, only for
+        sequences whose every token it can read."""
+        if from_host and not all(self._can_read(seq) for seq in seqs):
+            return False
         self._clock += 1
         busy = {seq.seq_id for seq in seqs}
         return all(self._ensure_room(seq.seq_id, n, busy) for seq, n in zip(seqs, lengths))
@@ -478,12 +497,11 @@ class SmallLMDrafter(Drafter, TreesOnDevice, TimesDraftLevels):
             self._hidden = features[rows]
         return self._target_vocab(logits[rows])
 
-    def draft_on_device(
-        self, seqs: Seq[SequenceView], inputs: DeviceDraftInputs, depth: int, bound: int
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _chain_on_device(self, inputs: DeviceDraftInputs, depth: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Catch up (:meth:`_root_on_device`), then one forward a draft token, each picked by the
         request's rule (:func:`pick_draft_tokens`, its uniforms drawn beforehand); with streaming
         heads, :meth:`_stream_on_device`."""
+        seqs, bound = inputs.seqs, inputs.bound
         tables = BlockTables([self._states[seq.seq_id].block_table for seq in seqs])
         top, cached = self.runner.vocab_size - 1, inputs.cached
         picks = DeviceChainPicks(seqs, self.generator, depth, cached)
@@ -520,12 +538,11 @@ class SmallLMDrafter(Drafter, TreesOnDevice, TimesDraftLevels):
             start = cached + len(picks.tokens) - width + 1  # the block's first token's position
             logits = self._logits_on_device(tables, start, fed, width, bound, slice(width - 1, None, width), True)
 
-    def draft_tree_on_device(
-        self, seqs: Seq[SequenceView], inputs: DeviceDraftInputs, shape: DraftShape, bound: int
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def _tree_on_device(self, inputs: DeviceDraftInputs, shape: DraftShape) -> tuple[torch.Tensor, torch.Tensor]:
         """Catch up, then :func:`grow_static_trees`: each level's forward runs the frontier's
         ``topk`` paths from the root as independent chains after the pending token (at ``cached +
         1 ..``, written there as scratch the next step's catch-up rewrites)."""
+        seqs, bound = inputs.seqs, inputs.bound
         tables = BlockTables([self._states[seq.seq_id].block_table for seq in seqs])
         top, after_pending = self.runner.vocab_size - 1, inputs.cached + 1
 
@@ -540,14 +557,6 @@ class SmallLMDrafter(Drafter, TreesOnDevice, TimesDraftLevels):
         with self._inference():
             root = torch.log_softmax(self._root_on_device(seqs, inputs, tables, bound), dim=-1)
             return grow_static_trees(root, shape, level)
-
-    def settled_on_device(self, seq: SequenceView, cached: int, kept: int, consumed: bool) -> None:
-        """Its state holds the sequence's tokens before ``cached + kept`` (the last kept one included
-        unless a whole chain was accepted), whichever steps ran since."""
-        state = self._states.get(seq.seq_id)
-        if state is not None:  # a streamed chain's last block was never fed: count none of its drafts
-            state.num_cached = cached + (kept if self.heads is None else 0)
-        self._draft_base.pop(seq.seq_id, None)
 
 
 class _Fork:

@@ -31,7 +31,7 @@ from collections import OrderedDict, deque
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
-from ..draft_contract import Drafter, DraftRequest, DraftShape, DraftTree, SequenceView
+from ..draft_contract import Drafter, DraftRequest, DraftShape, DraftStep, DraftTree, SequenceView, draft_from_text
 
 
 class NgramIndex:
@@ -223,6 +223,11 @@ class SuffixDrafter(Drafter):
             total = sum(merged.values())
             return sorted(((c / total, tok) for tok, c in merged.items()), key=lambda x: (-x[0], x[1]))
         return []
+
+    def draft(self, step: DraftStep) -> list[DraftTree]:
+        """From the host's text: its n-gram index reads every token, so the step before is committed
+        first (the device idles while the host drafts, verifies and commits, once a step)."""
+        return draft_from_text(self, step)
 
     def propose(self, requests: Seq[DraftRequest], shape: DraftShape) -> list[DraftTree]:
         return [self._draft(r, shape) for r in requests]

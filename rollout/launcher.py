@@ -5,12 +5,13 @@ record whose commit brings its tokens to the host (``launched.py``).
   (:class:`Sampled`).
 * **plain**: one token a sequence; its inputs are the step before's tokens still on the device
   when that step was a plain one holding every sequence (``sampled.py``), the host's otherwise.
-* **from the device's state**: a chain or tree from a drafter that drafts on the device, launched
-  from the state the step before left there (``spec/device_step.py``).
-* **from the host's text**: every other speculative step (``host_step.py``).
+* **speculative**: the drafter the strategy names drafts, the one way there is
+  (``Drafter.draft``), from the state it asks its :class:`EngineDraftStep` for: drafts from the
+  device's state are run and verified there, nothing read (``spec/device_step.py``); drafts from
+  the host's text, whose drafter had the step before committed first, are verified on the host and
+  committed before the launch returns (``host_step.py``).
 
-A step that needs the host's state exact commits the step before it itself; the loop does not
-know which steps do.
+The loop does not know which steps committed the step before them.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import time
 
 import torch
 
+from ..draft_contract import DeviceDrafts
 from ..kernels.transfers import QueuedRead
 from .feature_taps import FeatureTaps
 from .host_step import HostVerified
@@ -26,13 +28,14 @@ from .launched import Launched, committed_first
 from .model.runner import ModelRunner
 from .params import RolloutConfig
 from .prefill import commit_prefill, pack_prefill
-from .proposer import Proposer
+from .proposer import Proposal, Proposer
 from .request import Sequence
 from .request_book import RequestBook
 from .sampled import Sampled
 from .sampling import sample_tokens, store_prompt_logprobs
 from .scheduler import ScheduledBatch
 from .spec.device_step import DeviceSteps
+from .spec.draft_step import EngineDraftStep
 from .spec.kv_blocks import pack_plain_batch, pack_verify_batch
 from .spec.step import verify
 from .stats import EngineStats
@@ -52,9 +55,9 @@ class StepLauncher:
         self.runner, self.config, self.proposer, self.taps, self.stats = runner, config, proposer, taps, stats
         self.finish = requests.finish
         self.generator = torch.Generator().manual_seed(config.seed)  # draws of rows without a seed of their own
+        self.max_model_len = requests.limits.max_model_len
         self.on_device = DeviceSteps(
             runner,
-            requests.limits.max_model_len,
             stats,
             self.finish,
             self.generator,
@@ -67,13 +70,26 @@ class StepLauncher:
         step before, committed first)."""
         self.proposer.before_step(strategy)
         if strategy.speculative:
-            drafter = self.proposer.drafters.drafter_for(strategy)
-            launched = self.on_device.launch(seqs, strategy, drafter, previous)
-            return launched if launched is not None else self._from_host_text(seqs, strategy, previous)
+            return self._speculative(seqs, strategy, previous)
         pending = previous.inputs_for(seqs) if isinstance(previous, Sampled) else None
         if pending is None:
             seqs = committed_first(seqs, previous)
         return self._plain(seqs, pending) if seqs else None
+
+    def _speculative(self, seqs: list[Sequence], strategy: Strategy, previous: Launched | None) -> Launched | None:
+        """The drafter the strategy names drafts (from the device's state or the host's text: its
+        choice, :class:`EngineDraftStep`); its drafts are verified where they are."""
+        drafter = self.proposer.drafters.drafter_for(strategy)
+        step = EngineDraftStep(seqs, strategy, previous, self.runner, self.max_model_len, self.config.length_budget)
+        start = time.perf_counter()
+        drafts = drafter.draft(step)
+        draft_s = time.perf_counter() - start
+        if isinstance(drafts, DeviceDrafts):
+            return self.on_device.launch(step, drafter, drafts, draft_s)
+        trees = step.fitted(drafts, drafter.name)
+        if not step.seqs:
+            return None
+        return self._verify_on_host(step.seqs, Proposal(step.strategy, trees, drafter), draft_s)
 
     def prefill(self, batch: ScheduledBatch) -> Sampled:
         """The scheduled prompts' forward; each sequence's first token sampled (a group's followers
@@ -116,20 +132,15 @@ class StepLauncher:
         self.stats.batch_sizes.append(len(seqs))
         return self.sample(seqs, logits, int(pending is not None))
 
-    def _from_host_text(self, seqs: list[Sequence], strategy: Strategy, previous: Launched | None) -> Launched | None:
-        """Drafted from the host's text, verified on the host, committed before it returns."""
-        seqs = committed_first(seqs, previous)
-        if not seqs:
-            return None
+    def _verify_on_host(self, seqs: list[Sequence], proposal: Proposal, draft_s: float) -> HostVerified:
+        """Drafts from the host's text, verified on the host and committed before it returns."""
         start = time.perf_counter()
-        proposal = self.proposer.propose(seqs, strategy, self.runner.cache.allocator, self.config.block_size)
-        drafted_at = time.perf_counter()
         slices, tokens, positions = pack_verify_batch(seqs, proposal.trees)
         with proposal.around_forward(self.runner, seqs):
             logits = self.forward(slices, tokens, positions, list(range(len(positions))))
-        forward_s = time.perf_counter() - drafted_at
+        forward_s = time.perf_counter() - start
         verified = verify(seqs, proposal.trees, logits, [s.num_new for s in slices], self.generator)
-        seconds = (drafted_at - start, forward_s, time.perf_counter() - drafted_at)  # verifying: the forward's too
+        seconds = (draft_s, forward_s, time.perf_counter() - start)  # verifying: the forward's too
         step = HostVerified(
             seqs, proposal, verified, logits, seconds, self.runner.cache, self.taps, self.stats, self.finish
         )

@@ -1,12 +1,12 @@
-"""Where a decode step's drafts come from: nowhere (plain decoding: every draft empty) or the drafter
-the engine's :class:`DrafterSet` names for the step's strategy.
+"""The engine's drafters as one party: the :class:`DrafterSet` names the drafter of each step's
+strategy; the request book tells them of finished and released sequences, the feature taps hand them
+the target's features, and :meth:`Proposer.prepare` tells them the arms they may run.
 
-A step asks :meth:`Proposer.propose` for a :class:`Proposal` and runs it the same way whatever
-drafted it: the proposal's :meth:`~Proposal.around_forward` wraps the target forward and
-:meth:`~Proposal.verified` hands it the verdicts. A drafter that runs whole steps
-(:class:`DraftsWholeSteps`: Mirror-SD drafts the next round beside the forward) does both itself;
-any other drafter learns how much of its draft was kept. The proposer is also what the request book
-tells about finished and released sequences, and what the feature taps hand the target's features to.
+A step drafted from the host's text is verified as a :class:`Proposal` the same way whatever drafted
+it: :meth:`~Proposal.around_forward` wraps the target forward and :meth:`~Proposal.verified` hands
+the drafter the verdicts. A drafter that runs whole steps (:class:`DraftsWholeSteps`: Mirror-SD drafts
+the next round beside the forward) does both itself; any other drafter learns how much of its draft
+was kept.
 """
 
 from __future__ import annotations
@@ -18,12 +18,10 @@ from dataclasses import dataclass
 
 import torch
 
-from ..draft_contract import EMPTY_DRAFT, Drafter, DrafterSet, DraftsWholeSteps, DraftTree
+from ..draft_contract import Drafter, DrafterSet, DraftsWholeSteps, DraftTree, Settled
 from .model.runner import ModelRunner
 from .params import RolloutConfig
 from .request import Sequence
-from .spec.length_budget import drafting_mask
-from .spec.step import propose
 from .spec.verify import Verdict
 from .strategy import Strategy
 
@@ -60,24 +58,13 @@ class Proposal:
             self.drafter.settle(seqs, self.trees, verdicts, self.strategy, bases)
             return
         for seq, verdict in zip(seqs, verdicts):
-            self.drafter.accepted(seq, len(verdict.path))
+            self.drafter.settled(seq, Settled(len(verdict.path)))
 
 
 class Proposer:
     def __init__(self, drafters: DrafterSet, config: RolloutConfig) -> None:
         self.config, self.drafters = config, drafters
         self._notified = drafters.notified()  # of finished and released sequences
-
-    def propose(self, seqs: list[Sequence], strategy: Strategy, allocator, block_size: int) -> Proposal:
-        """``seqs``' drafts for a step of ``strategy``, within their limits and free KV blocks."""
-        if not strategy.speculative:
-            return Proposal(strategy, [EMPTY_DRAFT] * len(seqs))
-        drafting = drafting_mask(seqs, self.config.length_budget)
-        drafter = self.drafters.drafter_for(strategy)
-        if isinstance(drafter, DraftsWholeSteps):
-            strategy, trees = drafter.step_drafts(seqs, strategy, allocator, block_size, drafting)
-            return Proposal(strategy, trees, drafter)
-        return Proposal(strategy, propose(drafter, seqs, strategy.shape, allocator, block_size, drafting), drafter)
 
     def before_step(self, strategy: Strategy) -> None:
         """Every decode step: with ``MirrorConfig.threads``, a mirror step leaves the draft its

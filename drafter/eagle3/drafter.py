@@ -34,12 +34,16 @@ import torch
 
 from ...draft_contract import (
     DeviceDraftInputs,
+    DeviceDrafts,
     Drafter,
     DraftRequest,
+    DraftsBranches,
     DraftShape,
+    DraftStep,
     DraftTree,
     SequenceView,
-    TreesOnDevice,
+    Settled,
+    draft_on_device_else_text,
     observed_rows,
 )
 from ...kernels.transfers import select_rows, to_device
@@ -91,7 +95,7 @@ class _HeadState:
     last: tuple[torch.Tensor, torch.Tensor] | None = None  # the last catch-up row's (hidden out, logits)
 
 
-class Eagle3Drafter(Drafter, TreesOnDevice):
+class Eagle3Drafter(Drafter, DraftsBranches):
     """Drafts with an :class:`Eagle3Head` for ``target`` (whose input embeddings it shares), or,
     without a target, over ``embed`` (a copy of them: what a draft process holds).
 
@@ -100,6 +104,7 @@ class Eagle3Drafter(Drafter, TreesOnDevice):
     """
 
     name = "eagle3"
+    forks_branches = False  # one batch per branch slot; nothing speculative stays in its state
 
     def __init__(
         self,
@@ -432,16 +437,42 @@ class Eagle3Drafter(Drafter, TreesOnDevice):
         trees, _ = grow_trees(requests, torch.log_softmax(root_logits, dim=-1), shape, score_level)
         return trees
 
-    # -- chains and trees from state on the device (TreesOnDevice) -------------------------
-    def ready_on_device(self, seqs: Seq[SequenceView]) -> bool:
-        """Every sequence has the features of all its tokens but the pending one, some not run yet."""
-        states = [self._states.get(seq.seq_id) for seq in seqs]
-        return all(
-            st is not None and not st.blind and st.feature_end == seq.num_tokens - 1 > st.num_cached
-            for st, seq in zip(states, seqs)
+    def draft(self, step: DraftStep) -> list[DraftTree] | DeviceDrafts:
+        """From the device's state where the step can be launched there, else from the host's text."""
+        return draft_on_device_else_text(
+            step, self._reserve_on_device, self._chain_on_device, self._tree_on_device, self.propose
         )
 
-    def reserve_on_device(self, seqs: Seq[SequenceView], lengths: Seq[int]) -> bool:
+    def settled(self, seq: SequenceView, settled: Settled) -> None:
+        """From the device's state, the step's kept features were just observed (positions ``cached
+        .. cached + accepted``): a later step on the device ran them (``consumed``), else they wait for
+        a host catch-up. From the host's text nothing changes: its catch-up runs the kept features."""
+        state = self._states.get(seq.seq_id)
+        if state is None or settled.cached is None:
+            return
+        if settled.consumed:
+            state.num_cached, state.pending = state.feature_end, []
+        else:
+            state.num_cached = settled.cached
+        state.last = None
+
+    def truncate(self, seq_id: int, num_tokens: int) -> None:
+        """Nothing to cut: rows a branch drafted past ``num_cached`` are rewritten at the next catch-up."""
+
+    def capture_missed_graphs(self) -> None:
+        """Nothing to capture: the head drafts without a graph pool."""
+
+    # -- chains and trees from state on the device ------------------------------------------
+    def _reserve_on_device(self, seqs: Seq[SequenceView], lengths: Seq[int], from_host: bool) -> bool:
+        """Room for each sequence's first ``lengths[i]`` tokens; from the host's state, only where
+        every sequence has the features of all its tokens but the pending one, some not run yet."""
+        if from_host:
+            states = [self._states.get(seq.seq_id) for seq in seqs]
+            if not all(
+                st is not None and not st.blind and st.feature_end == seq.num_tokens - 1 > st.num_cached
+                for st, seq in zip(states, seqs)
+            ):
+                return False
         return all(self._ensure_room(self._states[seq.seq_id], n) for seq, n in zip(seqs, lengths))
 
     def _root_on_device(
@@ -466,11 +497,10 @@ class Eagle3Drafter(Drafter, TreesOnDevice):
             self._states[seq.seq_id].last = None
         return out.index_select(0, last), logits.index_select(0, last)
 
-    def draft_on_device(
-        self, seqs: Seq[SequenceView], inputs: DeviceDraftInputs, depth: int, bound: int
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _chain_on_device(self, inputs: DeviceDraftInputs, depth: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Catch up (:meth:`_root_on_device`), then draft a chain, its forwards fed with the head's
         own hidden output."""
+        seqs = inputs.seqs
         tables = BlockTables([self._states[seq.seq_id].block_table for seq in seqs])
         picks = DeviceChainPicks(seqs, self.generator, depth, inputs.cached)
         with eval_mode(self.head), torch.no_grad():
@@ -481,14 +511,13 @@ class Eagle3Drafter(Drafter, TreesOnDevice):
                 token = picks.pick(logits)
         return picks.result()
 
-    def draft_tree_on_device(
-        self, seqs: Seq[SequenceView], inputs: DeviceDraftInputs, shape: DraftShape, bound: int
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def _tree_on_device(self, inputs: DeviceDraftInputs, shape: DraftShape) -> tuple[torch.Tensor, torch.Tensor]:
         """Catch up, then :func:`grow_static_trees`: each level's forward runs the frontier's
         ``topk`` paths from the root as independent chains from the pending token's position (the
         row of a path's ``j``-th node at ``cached + j``, written there as scratch the next catch-up
         rewrites), each row fed the hidden output of its parent, which the level before computed
         (the root's for a path's first node)."""
+        seqs = inputs.seqs
         tables = BlockTables([self._states[seq.seq_id].block_table for seq in seqs])
         with eval_mode(self.head), torch.no_grad():
             root_hidden, root_logits = self._root_on_device(seqs, inputs, tables)
@@ -508,18 +537,6 @@ class Eagle3Drafter(Drafter, TreesOnDevice):
                 return torch.log_softmax(logits.view(batch * k, length, -1)[:, -1], dim=-1).view(batch, k, -1)
 
             return grow_static_trees(torch.log_softmax(root_logits, dim=-1), shape, level)
-
-    def settled_on_device(self, seq: SequenceView, cached: int, kept: int, consumed: bool) -> None:
-        """The step's kept features were just observed (positions ``cached .. cached + accepted``):
-        a later step on the device ran them (``consumed``), else they wait for a host catch-up."""
-        state = self._states.get(seq.seq_id)
-        if state is None:
-            return
-        if consumed:
-            state.num_cached, state.pending = state.feature_end, []
-        else:
-            state.num_cached = cached
-        state.last = None
 
 
 def _rebuilt(modules: bytes, kv_cache_tokens: int, block_size: int, seed: int, target_vocab: int) -> Eagle3Drafter:

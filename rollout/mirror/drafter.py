@@ -22,9 +22,8 @@ from contextlib import contextmanager
 
 import torch
 
-from ...draft_contract import Drafter, DrafterSet, DraftRequest, DraftShape, DraftTree, Portable
+from ...draft_contract import Drafter, DrafterSet, DraftsBranches, DraftStep, DraftTree, Portable, Settled
 from ..model.early_exit import check_exit_layer
-from ..model.kv_cache import BlockAllocator
 from ..model.layer_taps import decoder_layers
 from ..model.runner import model_device_dtype
 from ..params import EXECUTORS, MirrorConfig
@@ -37,7 +36,8 @@ from .process_executor import ProcessExecutor
 
 
 class MirrorDrafter(Drafter):
-    """Mirror steps of ``drafter`` (the engine's model drafter) beside ``target``."""
+    """Mirror steps of ``drafter`` (the engine's model drafter; mirror arms need it to declare
+    ``DraftsBranches``, :meth:`prepare` refuses them otherwise) beside ``target``."""
 
     name = "mirror"
 
@@ -62,6 +62,11 @@ class MirrorDrafter(Drafter):
         """Refuse mirror arms it cannot run, and start its executor now, not inside a measured step."""
         self.mirror_arms = any(a.mirror for a in arms)
         if self.mirror_arms:
+            if not isinstance(self.inner, DraftsBranches):
+                raise ValueError(
+                    f"mirror strategies need a drafter that drafts branches (DraftsBranches); "
+                    f"the {self.inner.name} drafter does not"
+                )
             check_exit_layer(self.target, self.exit_layer)
             self._ensure()
 
@@ -119,20 +124,19 @@ class MirrorDrafter(Drafter):
             self.pipeline = None
 
     # -- a step ------------------------------------------------------------------------------
-    def step_drafts(
-        self, seqs: list[Sequence], strategy: Strategy, allocator: BlockAllocator, block_size: int, drafting: list[bool]
-    ) -> tuple[Strategy, list[DraftTree]]:
-        """The step's drafts and the strategy it runs: a mirror step's ready drafts (the rest drafted
-        now), or a chain or tree on its executor's drafter; a mirror step of a failed pipeline runs as
-        its serial strategy."""
+    def draft(self, step: DraftStep) -> list[DraftTree]:
+        """From the host's text (a ready draft is a branch its tokens must match exactly): a mirror
+        step's ready drafts, the rest drafted now, or a chain or tree on its executor's drafter; a
+        mirror step of a failed pipeline runs as its serial strategy (and says so on ``step``)."""
         self._switch()
-        self._drafted_for.update(s.seq_id for s in seqs)
+        requests, strategy = step.on_host(), step.strategy
         pipeline = self._ensure()
         if strategy.mirror and pipeline.failed:
-            strategy = Strategy("chain" if strategy.shape.is_chain else "tree", strategy.shape)
+            strategy = step.strategy = Strategy("chain" if strategy.shape.is_chain else "tree", strategy.shape)
+        self._drafted_for.update(r.seq.seq_id for r in requests)
         if strategy.mirror:
-            return strategy, pipeline.drafts(seqs, strategy, allocator, block_size, drafting)
-        return strategy, pipeline.serial_step(seqs, strategy.shape, allocator, block_size, drafting)
+            return pipeline.drafts(step.seqs, requests, strategy)
+        return pipeline.serial_step(requests, strategy.shape) if requests else []
 
     @contextmanager
     def beside_verify(self, seqs: Seq[Sequence], trees: Seq[DraftTree], strategy: Strategy) -> Iterator[None]:
@@ -149,13 +153,9 @@ class MirrorDrafter(Drafter):
             self.pipeline.settle(seqs, trees, verdicts, strategy, bases)
             return
         for seq, verdict in zip(seqs, verdicts):
-            self.pipeline.drafter.accepted(seq, len(verdict.path))
+            self.pipeline.drafter.settled(seq, Settled(len(verdict.path)))
 
-    # -- the drafter contract ------------------------------------------------------------------
-    def propose(self, requests: Seq[DraftRequest], shape: DraftShape) -> list[DraftTree]:
-        """Drafts from its executor's drafter (a serial step's, as :meth:`step_drafts` makes them)."""
-        return self._ensure().drafter.propose(requests, shape)
-
+    # -- the rest of the drafter contract ------------------------------------------------------
     def observe_batch(self, observed, features: torch.Tensor, logits: torch.Tensor) -> None:
         """A copy of the drafter in a draft process reads the tapped features too (the engine hands
         its own drafter them itself)."""

@@ -22,11 +22,16 @@ from ...draft_contract import (
     BranchView,
     Drafter,
     DraftRequest,
+    DraftsBranches,
     DraftShape,
+    DraftStep,
     DraftTree,
     Portable,
     SequenceView,
+    Settled,
+    draft_from_text,
     observed_rows,
+    propose_slot_by_slot,
 )
 from ...kernels.dispatch import kernel_backend
 from ...kernels.transfers import select_rows
@@ -103,7 +108,7 @@ class DrafterHost:
         elif command == "features":  # a feature-reading drafter's rows of the engine's last forward
             for seq_id, start, rows in args[0]:
                 self.drafter.add_features(seq_id, start, torch.from_numpy(rows))
-        elif command in ("accepted", "truncate", "release", "finished"):
+        elif command in ("settled", "truncate", "release", "finished"):
             getattr(self.drafter, command)(*args)
         else:
             raise ValueError(f"unknown draft command {command!r}")
@@ -134,9 +139,9 @@ class SequencedHost:
                 self._turn.notify_all()
 
 
-class _RemoteDrafter(Drafter):
+class _RemoteDrafter(Drafter, DraftsBranches):
     """The engine's handle on a drafter across a boundary (``executor.call`` waits for the
-    answer, ``executor.tell`` sends in order and does not wait)."""
+    answer, ``executor.tell`` sends in order and does not wait): it drafts from text only."""
 
     name = "remote"
 
@@ -157,11 +162,21 @@ class _RemoteDrafter(Drafter):
             offset += len(rows)
         self._tell("features", (sent,))
 
+    def draft(self, step: DraftStep) -> list[DraftTree]:
+        return draft_from_text(self, step)
+
     def propose(self, requests: Sequence[DraftRequest], shape: DraftShape) -> list[DraftTree]:
         return self._executor.call("propose", (snapshots(requests), shape))
 
-    def accepted(self, seq: SequenceView, num_accepted: int) -> None:
-        self._tell("accepted", (SeqSnapshot.of(seq), num_accepted))
+    def propose_branches(self, requests: Sequence[DraftRequest], shape: DraftShape) -> list[DraftTree]:
+        """Branches as serial calls (the executor's own ``start`` sends them as one command)."""
+        return propose_slot_by_slot(self, requests, shape)
+
+    def capture_missed_graphs(self) -> None:
+        """Nothing here: the copy captures its own graphs."""
+
+    def settled(self, seq: SequenceView, settled: Settled) -> None:
+        self._tell("settled", (SeqSnapshot.of(seq), settled))
 
     def truncate(self, seq_id: int, num_tokens: int) -> None:
         self._tell("truncate", (seq_id, num_tokens))

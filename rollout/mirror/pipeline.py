@@ -23,7 +23,7 @@ emitted tokens, so the kept draft is a draft from ``q`` for that prefix.
 
 The drafter's state may hold K/V of branch tokens that were not emitted: after each step the
 pipeline compares what the drafter last drafted from with the sequence's real tokens and
-truncates the drafter's state to where they agree (``Drafter.truncate``); before a mirror step it
+truncates the drafter's state to where they agree (``DraftsBranches.truncate``); before a mirror step it
 does the same against whatever happened in between.
 """
 
@@ -36,12 +36,10 @@ from collections.abc import Sequence as Seq
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
-from ...draft_contract import BranchView, Drafter, DraftRequest, DraftShape, DraftTree
+from ...draft_contract import BranchView, DraftRequest, DraftsBranches, DraftShape, DraftTree
 from ..model.early_exit import EarlyExit
-from ..model.kv_cache import BlockAllocator
 from ..request import Sequence
-from ..spec.kv_blocks import fit_draft, max_draft_depth
-from ..spec.step import propose
+from ..spec.kv_blocks import max_draft_depth
 from ..strategy import Strategy
 from .executors import DraftExecutor, ExecutorError
 
@@ -138,7 +136,7 @@ class _Held:
 class MirrorPipeline:
     """The mirror step's drafting: ready drafts, the early-exit launch and the settling after verify."""
 
-    def __init__(self, target, executor: DraftExecutor, exit_layer: int, fallback: Drafter) -> None:
+    def __init__(self, target, executor: DraftExecutor, exit_layer: int, fallback: DraftsBranches) -> None:
         self.executor = executor
         self.fallback = fallback  # the in-process drafter, used serially once the executor has failed
         self.exit_layer = exit_layer
@@ -160,7 +158,7 @@ class MirrorPipeline:
         return self.executor is self._own and self._own_failed
 
     @property
-    def drafter(self) -> Drafter:
+    def drafter(self) -> DraftsBranches:
         return self.fallback if self.failed else self.executor.drafter
 
     def use_executor(self, executor: DraftExecutor | None, seq_ids: Iterable[int]) -> None:
@@ -183,16 +181,9 @@ class MirrorPipeline:
         self.stats.executor_switches += 1
 
     # -- before the forward --------------------------------------------------------------
-    def drafts(
-        self,
-        seqs: Seq[Sequence],
-        strategy: Strategy,
-        allocator: BlockAllocator,
-        block_size: int,
-        drafting: Seq[bool],
-    ) -> list[DraftTree]:
-        """Each sequence's draft: the branch kept for it last step if it is still valid, else one
-        drafted now (serially)."""
+    def drafts(self, seqs: Seq[Sequence], requests: Seq[DraftRequest], strategy: Strategy) -> list[DraftTree]:
+        """One draft per request (the step's ``seqs`` that draft): the branch kept for its sequence
+        last step if it is still valid, else one drafted now (serially)."""
         self.stats.steps += 1
         self.stats.rounds += len(seqs)
         try:
@@ -200,23 +191,24 @@ class MirrorPipeline:
         except ExecutorError as e:
             self.fail(e)
         self._reconcile(seqs)
+        ready = {seq.seq_id: self._ready.pop(seq.seq_id, None) for seq in seqs}
         trees: list[DraftTree | None] = []
-        for seq, d in zip(seqs, drafting):
-            ready = self._ready.pop(seq.seq_id, None)
-            if ready is not None and d and ready[2] == strategy and ready[0] == seq.num_tokens:
+        for request in requests:
+            kept = ready[request.seq.seq_id]
+            if kept is not None and kept[2] == strategy and kept[0] == request.seq.num_tokens:
                 self.stats.ready += 1
-                trees.append(fit_draft(seq, ready[1], allocator, block_size))
+                trees.append(kept[1])
             else:
                 trees.append(None)
         missing = [i for i, t in enumerate(trees) if t is None]
         if missing:
             start = time.perf_counter()
-            asked = ([seqs[i] for i in missing], strategy.shape, allocator, block_size, [drafting[i] for i in missing])
-            serial = self._propose(*asked)
+            serial = self._propose([requests[i] for i in missing], strategy.shape)
             self.stats.serial_draft_s += time.perf_counter() - start
             for i, tree in zip(missing, serial):
                 trees[i] = tree
-                self._held[seqs[i].seq_id] = _Held(seqs[i].num_tokens, _kept_tokens(tree))
+                seq = requests[i].seq
+                self._held[seq.seq_id] = _Held(seq.num_tokens, _kept_tokens(tree))
         return trees  # type: ignore[return-value]
 
     def _reconcile(self, seqs: Seq[Sequence]) -> None:
@@ -333,25 +325,25 @@ class MirrorPipeline:
         if not self.failed:  # no branch is being drafted now: the draft thread's missed shapes
             self.drafter.capture_missed_graphs()
 
-    def serial_step(self, seqs: Seq[Sequence], shape: DraftShape, allocator, block_size: int, drafting):
-        """A serial step's drafts for ``seqs`` from this pipeline's drafter, with current weights.
-        The step tells that drafter what was accepted, which leaves its state exact: nothing is left
-        to reconcile for them."""
+    def serial_step(self, requests: Seq[DraftRequest], shape: DraftShape) -> list[DraftTree]:
+        """A serial step's drafts from this pipeline's drafter, with current weights. The step tells
+        that drafter what was accepted, which leaves its state exact: nothing is left to reconcile
+        for these sequences."""
         try:
             self.executor.refresh()
         except ExecutorError as e:
             self.fail(e)
-        for seq in seqs:
-            self._held.pop(seq.seq_id, None)
-        return self._propose(seqs, shape, allocator, block_size, drafting)
+        for request in requests:
+            self._held.pop(request.seq.seq_id, None)
+        return self._propose(requests, shape)
 
-    def _propose(self, seqs, shape: DraftShape, allocator, block_size: int, drafting) -> list[DraftTree]:
+    def _propose(self, requests: Seq[DraftRequest], shape: DraftShape) -> list[DraftTree]:
         """Drafts from the executor's drafter; from the in-process one if the executor fails meanwhile."""
         try:
-            return propose(self.drafter, seqs, shape, allocator, block_size, drafting)
+            return self.drafter.propose(requests, shape)
         except ExecutorError as e:
             self.fail(e)
-            return propose(self.drafter, seqs, shape, allocator, block_size, drafting)
+            return self.drafter.propose(requests, shape)
 
     def fail(self, error: Exception) -> None:
         """The executor failed: drop what it had drafted; a peer's host hands drafting back to

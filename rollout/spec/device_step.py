@@ -7,7 +7,7 @@ and the host is one step behind:
 
 * **On the device**, per running sequence: ``cached`` (the tokens whose K/V the target cache
   holds: its pending token's position) and ``last_two`` (its tokens at ``cached - 1`` and
-  ``cached``, the second one pending). A step drafts from them (:class:`DraftsOnDevice`: the
+  ``cached``, the second one pending). A step's drafter drafts from them (``draft_step.py``: the
   drafter LM feeds the two tokens, then its chain, each token picked by the request's sampling
   rule), runs the target over ``[pending, drafts]`` at positions ``cached .. cached + k``, and
   verifies every row at once: greedy rows accept drafts equal to the argmax, sampled rows by
@@ -28,7 +28,7 @@ and the host is one step behind:
   accepted tokens are rewritten by the next step before any query can reach them. The drafter's
   state follows the same rule with the two tokens it feeds: the first rewrites the last kept
   slot, so a fully accepted chain (whose last draft it never fed) is covered too.
-* **Trees** (a drafter that declares :class:`TreesOnDevice`) take the same course with static
+* **Trees** take the same course with static
   shapes: the drafter grows a best-first tree of ``n`` nodes per sequence on the device, the
   target runs the pending token and the nodes (node ``i`` at cache index ``cached + 1 + i``, at
   position ``cached + depth``, seeing its ancestors), ``verdicts.tree_verdicts`` walks every
@@ -48,24 +48,15 @@ import time
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
-from ...draft_contract import (
-    DeviceDraftInputs,
-    Drafter,
-    DraftsOnDevice,
-    DraftTree,
-    StepOnDevice,
-    TreesOnDevice,
-    static_tree_nodes,
-    static_tree_scratch,
-)
+from ...draft_contract import DeviceDraftInputs, DeviceDrafts, Drafter, DraftTree, Settled, StepOnDevice
 from ...kernels.transfers import QueuedRead, to_device
-from ..launched import Committed, Launched, committed_first
+from ..launched import Committed, Launched
 from ..model.device_inputs import BlockTables, completion_offsets
-from ..model.kv_cache import blocks_for
 from ..model.runner import ModelRunner
 from ..position_noise import keyed_scores_at
 from ..request import SeqStatus, Sequence
@@ -74,6 +65,9 @@ from ..stats import Drafted, EngineStats
 from ..strategy import Strategy
 from .device_tree import keep_path_kv, tree_rows
 from .verdicts import greedy_chain_verdicts, sampled_chain_verdicts, tree_verdicts
+
+if TYPE_CHECKING:
+    from .draft_step import EngineDraftStep
 
 
 class DeviceLaunch(Launched):
@@ -85,7 +79,7 @@ class DeviceLaunch(Launched):
         steps: DeviceSteps,
         seqs: list[Sequence],
         strategy: Strategy,
-        drafter: DraftsOnDevice,
+        drafter: Drafter,
         step: StepOnDevice,
         fed: torch.Tensor,
         pending: QueuedRead,
@@ -135,11 +129,10 @@ class DeviceLaunch(Launched):
 
 @dataclass(eq=False)
 class _Verified:
-    """A step drafted, run and verified on the device, nothing read: its drafting's seconds, the
-    emitted tokens, accept lengths and their logprobs, the target's features at its rows and the
-    logits kept for a drafter that reads them (None otherwise), and what else its read brings."""
+    """A step run and verified on the device, nothing read: the emitted tokens, accept lengths and
+    their logprobs, the target's features at its rows and the logits kept for a drafter that reads
+    them (None otherwise), and what else its read brings."""
 
-    draft_s: float
     emitted: torch.Tensor
     accepted: torch.Tensor
     logprobs: torch.Tensor
@@ -149,121 +142,78 @@ class _Verified:
 
 
 class DeviceSteps:
-    """Launches and reads :class:`DeviceLaunch` steps of ``chain`` strategies with a drafter that
-    drafts on the device (:class:`DraftsOnDevice`: the drafter LM, ``self:L``, the EAGLE-3 head),
-    and of ``tree`` strategies with one that drafts trees there (:class:`TreesOnDevice`: the
-    drafter LM, ``self:L``, the EAGLE-3 head)."""
+    """Runs, verifies and reads :class:`DeviceLaunch` steps: the chains and trees a drafter drafted
+    from the device's state (``DeviceDrafts``: the drafter LM, ``self:L``, the EAGLE-3 head)."""
 
     def __init__(
         self,
         runner: ModelRunner,
-        max_model_len: int,
         stats: EngineStats,
         finish: Callable[[Sequence], None],
         generator: torch.Generator,
         feature_layers: Seq[int] | None,
         observer: Callable[[list, torch.Tensor, torch.Tensor], None],
     ) -> None:
-        self.runner, self.max_model_len, self.stats, self.finish = runner, max_model_len, stats, finish
+        self.runner, self.stats, self.finish = runner, stats, finish
         self.generator = generator  # the verification's uniforms for rows without a generator of their own
         # a drafter reading the target's features: the layers tapped, and what is handed the kept rows
         self.feature_layers, self.observer = tuple(feature_layers or ()), observer
 
-    @staticmethod
-    def serves(strategy: Strategy, drafter: Drafter | None) -> bool:
-        """Whether ``drafter``'s steps of ``strategy`` may run here (each batch is checked again at launch)."""
-        if strategy.kind == "tree":
-            return isinstance(drafter, TreesOnDevice)
-        return strategy.kind == "chain" and isinstance(drafter, DraftsOnDevice)
-
-    def launch(
-        self, seqs: list[Sequence], strategy: Strategy, drafter: Drafter | None, previous: Launched | None
-    ) -> DeviceLaunch | None:
-        """Launch ``drafter``'s step of ``strategy`` over ``seqs`` from the state of ``previous`` where
-        it is a step of that drafter launched here (of any shape), not committed, holding every one of
-        them; otherwise ``previous`` is committed and the step launched from the host's state. None
-        (nothing launched, no room taken) where this batch cannot run here."""
-        if not self.serves(strategy, drafter):
-            return None
-        chained = previous if isinstance(previous, DeviceLaunch) and not previous.committed else None
-        rows = chained.rows_of(seqs) if chained is not None and chained.drafter is drafter else None
-        if rows is None:
-            chained, seqs = None, committed_first(seqs, previous)
-            if not seqs or not drafter.ready_on_device(seqs):
-                return None
-        shape, tree = strategy.shape, strategy.kind == "tree"
-        nodes = static_tree_nodes(shape) if tree else shape.depth
-        # each pending token's position: exact from the host, or at most depth + 1 past it (in flight)
-        lengths = [s.num_cached + (chained.cache_ahead(s) if chained is not None else 0) for s in seqs]
-        drafter_rows = 1 + static_tree_scratch(shape) if tree else shape.depth  # its forwards' rows past each
-        bound = max(lengths) + max(nodes + 1, drafter_rows)  # every position this step writes is below it
-        if bound > self.max_model_len or not self._reserve(drafter, seqs, lengths, nodes, drafter_rows):
-            return None
-        start = time.perf_counter()
-        inputs = chained.next_inputs(rows) if chained is not None else self._host_inputs(seqs)
+    def launch(self, step: EngineDraftStep, drafter: Drafter, drafts: DeviceDrafts, draft_s: float) -> DeviceLaunch:
+        """Run and verify ``drafter``'s ``drafts`` for the sequences of ``step.on_device``: nothing
+        read, the next step's state left on the device."""
+        start, inputs = time.perf_counter(), step.inputs
+        seqs, bound = inputs.seqs, inputs.bound
         tables = BlockTables([s.block_table for s in seqs])
-        if tree:
-            done = self._tree_step(drafter, seqs, inputs, shape, tables, bound)
+        device = inputs.last_two.device
+        if drafts.parents is not None:
+            done = self._tree_step(seqs, inputs, drafts.tokens.to(device), drafts.parents.to(device), step.shape)
         else:
-            done = self._chain_step(drafter, seqs, inputs, shape.depth, tables, bound)
-        step = StepOnDevice(inputs.cached, done.emitted, done.accepted, done.features, tree)
+            done = self._chain_step(seqs, inputs, drafts.tokens.to(device), drafts.probs, tables, bound)
+        on_device = StepOnDevice(inputs.cached, done.emitted, done.accepted, done.features, drafts.parents is not None)
         read = QueuedRead(done.emitted, done.accepted, done.logprobs, *done.also_read)
-        verify_s = time.perf_counter() - start - done.draft_s
+        verify_s = time.perf_counter() - start
         self.stats.model_time_s += verify_s
         return DeviceLaunch(
-            self, seqs, strategy, drafter, step, inputs.last_two[:, 1], read, done.logits, done.draft_s, verify_s
+            self, seqs, step.strategy, drafter, on_device, inputs.last_two[:, 1], read, done.logits, draft_s, verify_s
         )
 
-    def _host_inputs(self, seqs: list[Sequence]) -> DeviceDraftInputs:
-        """What a step launched from the host's state drafts from (exact: nothing is in flight)."""
-        cached = to_device(np.asarray([s.num_cached for s in seqs], dtype=np.int64), self.runner.device)
-        two = [[s.token_at(s.num_cached - 1), s.token_at(s.num_cached)] for s in seqs]
-        return DeviceDraftInputs(cached, to_device(np.asarray(two, dtype=np.int64), self.runner.device))
-
-    def _chain_step(
-        self, drafter, seqs, inputs: DeviceDraftInputs, depth: int, tables: BlockTables, bound: int
-    ) -> _Verified:
-        """Draft, run and verify a chain, the target's features tapped for a drafter reading them."""
-        start = time.perf_counter()
-        drafts, q = drafter.draft_on_device(seqs, inputs, depth, bound)
-        drafted = time.perf_counter() - start
-        drafts = drafts.to(inputs.last_two.device)
+    def _chain_step(self, seqs, inputs: DeviceDraftInputs, drafts, q, tables: BlockTables, bound: int) -> _Verified:
+        """Run and verify a chain, the target's features tapped for a drafter reading them."""
+        depth = drafts.shape[1]
         ids = torch.cat([inputs.last_two[:, 1:], drafts], dim=1).reshape(-1)
         logits, features = self.runner.forward_on_device(
             tables, inputs.cached, ids, depth + 1, bound, self.feature_layers
         )
         emitted, accepted, logprobs = self._verdicts(seqs, logits, drafts, q, inputs.cached)
         if features is None:
-            return _Verified(drafted, emitted, accepted, logprobs)
-        return _Verified(drafted, emitted, accepted, logprobs, features.view(len(seqs), depth + 1, -1), logits)
+            return _Verified(emitted, accepted, logprobs)
+        return _Verified(emitted, accepted, logprobs, features.view(len(seqs), depth + 1, -1), logits)
 
-    def _tree_step(self, drafter, seqs, inputs: DeviceDraftInputs, shape, tables: BlockTables, bound: int) -> _Verified:
-        """Draft, run and verify a tree; its accepted nodes' K/V moved into place, its tokens,
-        parents and accepted nodes read with the rest (to learn its first branch), and for a drafter
-        reading features the target's features and logits at the kept tokens' rows, laid out as a
-        chain step's."""
-        start = time.perf_counter()
-        tokens, parents = drafter.draft_tree_on_device(seqs, inputs, shape, bound)
-        drafted = time.perf_counter() - start
+    def _tree_step(self, seqs, inputs: DeviceDraftInputs, tokens, parents, shape) -> _Verified:
+        """Run and verify a tree; its accepted nodes' K/V moved into place, its tokens, parents and
+        accepted nodes read with the rest (to learn its first branch), and for a drafter reading
+        features the target's features and logits at the kept tokens' rows, laid out as a chain
+        step's."""
         cached, device = inputs.cached, inputs.last_two.device
-        tokens, parents = tokens.to(device), parents.to(device)
+        tables = BlockTables([s.block_table for s in seqs])
         rows = tree_rows(parents, shape.depth)
         ids = torch.cat([inputs.last_two[:, 1:], tokens], dim=1).reshape(-1)
         width = tokens.shape[1] + 1
         logits, features = self.runner.forward_on_device(
-            tables, cached, ids, width, bound, self.feature_layers, tree=rows
+            tables, cached, ids, width, inputs.bound, self.feature_layers, tree=rows
         )
         emitted, accepted, path, logprobs = self._tree_verdicts(seqs, logits, tokens, parents, shape, cached, rows)
         padded = tables.padded(len(seqs), tables.longest(), 0, device)
         keep_path_kv(self.runner.cache, padded, cached, path, accepted)
         read = (tokens, parents, path)
         if features is None:
-            return _Verified(drafted, emitted, accepted, logprobs, also_read=read)
+            return _Verified(emitted, accepted, logprobs, also_read=read)
         # the kept tokens' rows as a chain's: the pending token's, then the accepted nodes' (padding past them)
         kept = torch.cat([torch.zeros_like(path[:, :1]), path + 1], dim=1)
         flat = (torch.arange(len(seqs), device=device).unsqueeze(1) * width + kept).reshape(-1)
         kept_features = features.index_select(0, flat).view(len(seqs), shape.depth + 1, -1)
-        return _Verified(drafted, emitted, accepted, logprobs, kept_features, logits.index_select(0, flat), read)
+        return _Verified(emitted, accepted, logprobs, kept_features, logits.index_select(0, flat), read)
 
     def _processed(self, seqs: list[Sequence], logits: torch.Tensor, cached, offsets: torch.Tensor) -> tuple:
         """The processed logprobs of ``offsets.shape[1]`` rows a sequence, the scores position-keyed
@@ -305,22 +255,6 @@ class DeviceSteps:
         uniforms = None if all(greedy) else self._uniforms(seqs, tokens.shape[1] + 1, logits.device)
         return tree_verdicts(logprobs, tokens, parents, shape.depth, shape.topk, greedy_t, uniforms, scores)
 
-    def _reserve(self, drafter, seqs: list[Sequence], lengths: list[int], nodes: int, drafter_rows: int) -> bool:
-        """Blocks for each sequence's fully accepted step (its pending token at ``lengths[i]``, then
-        ``nodes`` drafts) in the target's cache, and for the drafter's ``drafter_rows`` past the
-        pending token in its own; False, taking none of the target's, where the free blocks do not
-        cover them."""
-        bs, allocator = self.runner.cache.block_size, self.runner.cache.allocator
-        missing = [blocks_for(n + nodes + 1, bs) - len(s.block_table) for s, n in zip(seqs, lengths)]
-        if sum(m for m in missing if m > 0) > allocator.num_free:
-            return False
-        if not drafter.reserve_on_device(seqs, [n + drafter_rows for n in lengths]):
-            return False
-        for seq, m in zip(seqs, missing):
-            if m > 0:
-                seq.block_table += allocator.allocate(m)
-        return True
-
     def read(self, launched: DeviceLaunch) -> Committed:
         """Append what ``launched`` emitted (waiting for it), up to each sequence's stop: the requests
         it finished, and its drafts and accept lengths (of the rows read). A row of a request that
@@ -358,7 +292,7 @@ class DeviceSteps:
                 self.finish(seq)
                 finished.append(seq.seq_id)
             else:  # a tree's drafter forwards wrote scratch, not its accepted nodes
-                launched.drafter.settled_on_device(seq, cached, 0 if is_tree else n, launched.consumed)
+                launched.drafter.settled(seq, Settled(0 if is_tree else n, cached, launched.consumed))
         s = self.stats
         s.record_spec_step(
             str(launched.strategy),

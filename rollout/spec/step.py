@@ -1,13 +1,13 @@
-"""One speculative decode step as four functions, each with a clear input and output:
+"""A speculative step drafted from the host's text, after its drafts (``draft_step.py``: each
+sequence's tree, fitted to its limits and KV blocks), as three functions with a clear input and output:
 
-    propose  drafters' trees, fitted to each sequence's limits and KV blocks
     verify   the target's processed distribution at every scored row, and a verdict per sequence
     accept   the tokens each verdict emits, with their logprobs (one gather for the batch)
     commit   the kept K/V and tokens appended to each sequence, and what a feature-reading drafter
              must observe
 
-The engine runs the target forward between ``propose`` and ``verify`` and finishes sequences
-after ``commit``. Why the output is exactly the target's: ``rollout/spec/verify.py``.
+The engine runs the target forward before ``verify`` and finishes sequences after ``commit``. Why
+the output is exactly the target's: ``rollout/spec/verify.py``.
 """
 
 from __future__ import annotations
@@ -19,32 +19,14 @@ from itertools import accumulate
 import numpy as np
 import torch
 
-from ...draft_contract import EMPTY_DRAFT, Drafter, DraftRequest, DraftShape, DraftTree
+from ...draft_contract import DraftTree
 from ...kernels.transfers import read_back, select_rows
-from ..model.kv_cache import BlockAllocator, PagedKVCache
+from ..model.kv_cache import PagedKVCache
 from ..position_noise import keyed_scores
 from ..request import Sequence
 from ..sampling import BatchSamplingTensors, draw_uniforms, processed_logprobs
-from .kv_blocks import fit_draft, keep_accepted_kv, max_draft_depth
+from .kv_blocks import keep_accepted_kv
 from .verify import Verdict, verify_batch
-
-
-def propose(
-    drafter: Drafter,
-    seqs: Seq[Sequence],
-    shape: DraftShape,
-    allocator: BlockAllocator,
-    block_size: int,
-    drafting: Seq[bool] | None = None,
-) -> list[DraftTree]:
-    """One tree per sequence (empty where it may not draft, or where ``drafting`` says it does not),
-    within its depth limit and KV blocks."""
-    drafting = drafting if drafting is not None else [True] * len(seqs)
-    requests = [DraftRequest(seq, max_draft_depth(seq, shape) if d else 0) for seq, d in zip(seqs, drafting)]
-    asked = [r for r in requests if r.max_depth > 0]
-    proposed = iter(drafter.propose(asked, shape) if asked else [])
-    trees = [next(proposed) if r.max_depth > 0 else EMPTY_DRAFT for r in requests]
-    return [fit_draft(r.seq, tree, allocator, block_size) for r, tree in zip(requests, trees)]
 
 
 @dataclass

@@ -1,6 +1,7 @@
 import pytest
 import torch
 
+from tailspec.draft_contract import Settled
 from tailspec.drafter import DraftRequest, DraftShape, SmallLMDrafter
 from tailspec.rollout import RolloutConfig, RolloutEngine, SamplingParams
 from tailspec.rollout.request import Sequence
@@ -66,7 +67,7 @@ def test_drafter_cache_stays_in_step_with_accepted_tokens():
     (tree,) = drafter.propose([DraftRequest(seq, 4)], DraftShape(4))
     # accept two drafts, then the target emits a different token
     seq.output_ids += tree.tokens[:2] + [77]
-    drafter.accepted(seq, 2)
+    drafter.settled(seq, Settled(2))
     state = drafter._states[0]
     assert state.num_cached == 4 + 2  # prompt + the two accepted drafts still valid
     (tree2,) = drafter.propose([DraftRequest(seq, 3)], DraftShape(3))

@@ -224,7 +224,7 @@ def test_a_streamed_chain_drafted_on_the_device_equals_the_host_s(accepted):
     previous = StepOnDevice(start, emitted, torch.full((len(seqs),), accepted))
     lengths = [s.num_cached + 1 + depth for s in seqs]
     with torch.no_grad():
-        assert drafter.ready_on_device(seqs) and drafter.reserve_on_device(seqs, lengths)
+        assert drafter._reserve_on_device(seqs, lengths, True)
         cache = drafter.runner.cache
         for b, seq in enumerate(seqs):  # what it holds past the step before's pending token is never read
             state = drafter._states[seq.seq_id]
@@ -232,6 +232,7 @@ def test_a_streamed_chain_drafted_on_the_device_equals_the_host_s(accepted):
             past = [slot_of(state.block_table, i, cache.block_size) for i in range(state.num_cached, lengths[b])]
             for kv in (*cache.k, *cache.v):
                 kv[past] = torch.randn_like(kv[past])
-        got, _ = drafter.draft_on_device(seqs, DeviceDraftInputs(cached, two, previous), depth, max(lengths) + width)
+        inputs = DeviceDraftInputs(cached, two, previous, seqs, max(lengths) + width)
+        got, _ = drafter._chain_on_device(inputs, depth)
     want = twin.propose([DraftRequest(seq, depth) for seq in seqs], DraftShape(depth))
     assert got.tolist() == [tree.tokens for tree in want]

@@ -342,9 +342,9 @@ def test_device_trees_equal_the_search_run_path_by_path_on_the_host():
     cached = torch.tensor([s.num_cached for s in seqs])
     two = torch.tensor([[s.token_at(s.num_cached - 1), s.token_at(s.num_cached)] for s in seqs])
     with torch.no_grad():
-        assert drafter.ready_on_device(seqs) and drafter.reserve_on_device(seqs, lengths)
-        got = drafter.draft_tree_on_device(seqs, DeviceDraftInputs(cached, two), shape, max(lengths) + 1)
-        assert twin.reserve_on_device(seqs, lengths)
+        assert drafter._reserve_on_device(seqs, lengths, True)
+        got = drafter._tree_on_device(DeviceDraftInputs(cached, two, None, seqs, max(lengths) + 1), shape)
+        assert twin._reserve_on_device(seqs, lengths, True)
         root_hidden, root_logits = twin._catch_up(seqs)
 
         def level(paths, _extends):
