@@ -221,6 +221,7 @@ class DraftStep(ABC):
       request; the cost is the device idling while the host drafts, verifies and commits.
     """
 
+    seqs: list[SequenceView]  # the step's sequences; once on_host committed the step before, those still running
     shape: DraftShape
     tree: bool  # the step verifies trees (else chains)
     strategy: Any  # the engine's Strategy; a drafter that runs another (a failed mirror's serial one) sets it
@@ -535,6 +536,13 @@ class DraftsWholeSteps(Protocol):
     def close(self) -> None: ...
 
 
+@cache
+def runs_whole_steps(drafter_type: type) -> bool:
+    """Whether drafters of this type declare :class:`DraftsWholeSteps`, decided once per type (a
+    runtime protocol's ``isinstance`` walks its members at every call, and steps ask every step)."""
+    return issubclass(drafter_type, DraftsWholeSteps)
+
+
 @dataclass
 class DrafterSet:
     """The drafters one engine speculates with: the model drafter (None without one), the
@@ -549,7 +557,7 @@ class DrafterSet:
     def drafter_for(self, strategy: Any) -> Drafter | None:
         """The drafter a step of ``strategy`` (a speculative ``Strategy``) drafts with: a drafter that
         runs whole steps where it takes them, else the one its kind names."""
-        if isinstance(self.mirror, DraftsWholeSteps) and self.mirror.takes(strategy):
+        if self.mirror is not None and runs_whole_steps(type(self.mirror)) and self.mirror.takes(strategy):
             return self.mirror
         if strategy.kind == "suffix":
             return self.suffix

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..draft_contract import Drafter, DrafterSet, DraftsWholeSteps, DraftTree, Settled
+from ..draft_contract import Drafter, DrafterSet, DraftTree, Settled, runs_whole_steps
 from .model.runner import ModelRunner
 from .params import RolloutConfig
 from .request import Sequence
@@ -45,7 +45,7 @@ class Proposal:
     def around_forward(self, runner: ModelRunner, seqs: Seq[Sequence]) -> Iterator[None]:
         """The verification forward, with what a whole-step drafter runs beside it; eager when the
         strategy's early exit must fire (a graph replay skips hooks)."""
-        if not isinstance(self.drafter, DraftsWholeSteps):
+        if not runs_whole_steps(type(self.drafter)):
             yield
             return
         eager = runner.eager() if self.strategy.branches else nullcontext()
@@ -54,7 +54,7 @@ class Proposal:
 
     def verified(self, seqs: Seq[Sequence], verdicts: Seq[Verdict], bases: Seq[int]) -> None:
         """What the verification kept of each draft (``bases``: each sequence's tokens before it)."""
-        if isinstance(self.drafter, DraftsWholeSteps):
+        if runs_whole_steps(type(self.drafter)):
             self.drafter.settle(seqs, self.trees, verdicts, self.strategy, bases)
             return
         for seq, verdict in zip(seqs, verdicts):
