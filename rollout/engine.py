@@ -34,6 +34,7 @@ from .launched import Launched
 from .launcher import StepLauncher
 from .model.graph_pool import graph_pool_for
 from .model.host_memory import keep_freed_host_memory
+from .model.recurrent_state import refuse_what_state_cannot_serve
 from .model.runner import ModelRunner
 from .params import RolloutConfig, SamplingParams
 from .proposer import Proposer
@@ -42,7 +43,7 @@ from .request_book import RequestBook
 from .scheduler import ScheduledBatch, Scheduler, StepKind
 from .spec.length_budget import tokens_to_go
 from .stats import EngineStats, StepRecord
-from .strategy import Strategy
+from .strategy import Strategy, parse_strategy
 
 __all__ = ["EngineStats", "RequestLimits", "RolloutEngine", "StepRecord", "eos_ids_of", "prepare_requests"]
 
@@ -77,6 +78,7 @@ class RolloutEngine:
             compile_layers=config.compile,
             merge_projections=config.merge_projections,
             dtype=config.dtype,
+            state_slots=config.max_num_seqs + 1,  # a recurrent model's state: a slot per running sequence
         )
         self.model = model = self.runner.model  # what it decodes on: the model, or its copy in config.dtype
         keep_freed_host_memory(self.runner.device.type)  # CPU forwards: freed buffers kept for reuse
@@ -87,7 +89,11 @@ class RolloutEngine:
         if bad_eos := [i for i in self.eos_ids if not 0 <= i < self.vocab_size]:
             raise ValueError(f"eos_token_ids {bad_eos} are outside the vocabulary [0, {self.vocab_size})")
         self.scheduler = Scheduler(
-            self.runner.cache.allocator, config.block_size, config.max_num_seqs, config.max_prefill_tokens
+            self.runner.cache.allocator,
+            config.block_size,
+            config.max_num_seqs,
+            config.max_prefill_tokens,
+            self.runner.states,
         )
         self.stats = EngineStats()
         self._speculate_with(drafter_factory()(drafter, model, config, self.vocab_size, tokenizer))
@@ -115,6 +121,7 @@ class RolloutEngine:
     def set_strategy(self, strategy: str | Strategy) -> None:
         """Switch the speculation strategy; takes effect at the next decode step (launched from the
         step in flight's state where it can be, whatever that step's strategy was)."""
+        refuse_what_state_cannot_serve(self.runner.states, parse_strategy(strategy), self.config.prefix_caching)
         self.choice.set(strategy)
         self.proposer.prepare(self.choice.arms)
 

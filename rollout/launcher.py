@@ -152,4 +152,6 @@ class StepLauncher:
         partial = leader.num_tokens % self.config.block_size
         if partial:
             self.runner.cache.copy_block(leader.block_table[-1], member.block_table[-1], partial)
+        if self.runner.states is not None:  # a recurrent model's state after the leader's prompt
+            self.runner.states.copy(leader.state_slot, member.state_slot)
         member.num_cached = leader.num_cached

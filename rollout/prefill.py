@@ -35,7 +35,7 @@ def pack_prefill(batch: ScheduledBatch) -> PrefillPack:
     pack = PrefillPack()
     for seq in batch.seqs:
         new = seq.uncached_tokens()
-        pack.slices.append(SequenceSlice(seq.block_table, seq.num_cached, len(new)))
+        pack.slices.append(SequenceSlice(seq.block_table, seq.num_cached, len(new), state_slot=seq.state_slot))
         pack.positions.extend(range(seq.num_cached, seq.num_tokens))
         pack.tokens.extend(new)
         pack.last.append(len(pack.tokens) - 1)

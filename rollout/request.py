@@ -37,6 +37,7 @@ class Sequence:
     prompt_logprobs: list[float] | None = None  # of the last params.prompt_logprobs prompt tokens
     block_table: list[int] = field(default_factory=list)
     num_cached: int = 0  # tokens whose K/V are in the cache
+    state_slot: int = 0  # its slot of the model's recurrent state while it runs (0: none, model/recurrent_state.py)
     status: SeqStatus = SeqStatus.WAITING
     finish_reason: FinishReason | None = None
     generator: torch.Generator | None = None

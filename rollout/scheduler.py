@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 from .launched import Launched, committed_first
 from .model.kv_cache import BlockAllocator, blocks_for, prefix_hashes
+from .model.recurrent_state import RecurrentStates
 from .request import SeqStatus, Sequence
 
 
@@ -35,8 +36,16 @@ class ScheduledBatch:
 
 
 class Scheduler:
-    def __init__(self, allocator: BlockAllocator, block_size: int, max_num_seqs: int, max_prefill_tokens: int) -> None:
+    def __init__(
+        self,
+        allocator: BlockAllocator,
+        block_size: int,
+        max_num_seqs: int,
+        max_prefill_tokens: int,
+        states: RecurrentStates | None = None,
+    ) -> None:
         self.allocator = allocator
+        self.states = states  # a recurrent model's: a slot per running sequence
         self.block_size = block_size
         self.max_num_seqs = max_num_seqs
         self.max_prefill_tokens = max_prefill_tokens
@@ -158,6 +167,8 @@ class Scheduler:
         return self._decode_headroom() <= self.allocator.num_free
 
     def _start(self, seq: Sequence) -> None:
+        if self.states is not None:
+            seq.state_slot = self.states.allocate()
         seq.cache_epoch = self.allocator.epoch
         seq.status = SeqStatus.RUNNING
         self.running[seq.seq_id] = seq
@@ -226,6 +237,9 @@ class Scheduler:
 
     def _release(self, seq: Sequence) -> None:
         self.running.pop(seq.seq_id, None)
+        if seq.state_slot:
+            self.states.free(seq.state_slot)
+            seq.state_slot = 0
         if seq.block_table:
             self._register_prefix(seq)
             self.allocator.free(seq.block_table)

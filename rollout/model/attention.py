@@ -39,6 +39,7 @@ class SequenceSlice:
     num_cached: int  # tokens already in the cache before this forward
     num_new: int  # new tokens (queries) this forward
     new_token_mask: torch.Tensor | None = None  # [num_new, num_new] bool, None = causal
+    state_slot: int = 0  # the sequence's slot of a recurrent model's state (0: scratch)
 
 
 @dataclass
@@ -53,6 +54,7 @@ class AttentionMetadata:
     query_index: torch.Tensor | None  # [B, Q] packed index of each query; None when uniform
     valid_queries: torch.Tensor | None  # [B*Q] bool; None when uniform
     plan: PagedAttentionPlan | None = None  # set when the Triton kernel attends (tailspec.kernels)
+    segments: tuple | None = None  # a recurrent model's: each sequence's Segment (model/recurrent_state.py)
     _window_masks: dict[int, torch.Tensor] = field(default_factory=dict)
 
     def mask_for(self, sliding_window: int | None) -> torch.Tensor:

@@ -12,8 +12,10 @@ Two checks, both from what the code declares rather than from running it:
 * **the model's modules** (:func:`module_traits`, read once per class from its source): a module
   that calls the attention function passes keyword arguments (all must be in
   :data:`HONOURED_KEYWORDS`); one that reads or writes a recurrent state (Mamba, linear attention,
-  short convolutions, RG-LRU) keeps a state the paged cache does not hold; a decoder layer with no
-  attention call mixes tokens some other way.
+  short convolutions, RG-LRU) keeps a state the paged cache does not hold, except the Gated DeltaNet
+  layers whose state the engine keeps in slots beside it (``recurrent_state.py``: plain decoding
+  only, the engine refuses speculative strategies for them); a decoder layer with neither mixes
+  tokens some other way.
 * **the family** (:data:`SERVED_FAMILIES`): a family whose modules pass the first check may still
   compute something from the whole input (learned positions counted from its length, a relative
   bias, an ALiBi table) that a packed forward of new tokens breaks; only the families
@@ -34,6 +36,7 @@ import torch
 
 from .kv_cache import KVLayout
 from .layer_taps import decoder_of
+from .recurrent_state import GATED_DELTA_NETS
 
 # what ``paged_attention_forward`` takes beyond query, key, value and mask: ``dropout`` is 0 in
 # eval mode, ``is_causal`` is the paged mask's own, ``position_ids`` and ``output_attentions``
@@ -57,7 +60,8 @@ SERVED_FAMILIES = frozenset(
         "internlm3", "iquestcoder", "jais2", "jetmoe", "kolibri1", "laguna", "lfm2", "llama", "mellum",
         "mimo_v2_flash", "minicpm3", "minimax_m2", "ministral3", "mistral", "mixtral", "modernbert-decoder",
         "moshi", "moss_transcribe_diarize", "nanochat", "olmo", "olmo2", "olmo3", "olmoe", "opt", "persimmon",
-        "phi", "phi3", "phi4_multimodal", "phimoe", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "seed_oss",
+        "phi", "phi3", "phi4_multimodal", "phimoe", "qwen2", "qwen2_moe", "qwen3", "qwen3_5", "qwen3_5_moe",
+        "qwen3_5_moe_text", "qwen3_5_text", "qwen3_moe", "qwen3_next", "seed_oss",
         "smollm3", "solar_open", "starcoder2", "vaultgemma", "youtu",
     }
 )  # fmt: skip
@@ -156,6 +160,9 @@ def check_model(model: torch.nn.Module, role: str = "model") -> None:
         for module in layer.modules():
             traits = module_traits(type(module))
             where = f"{type(module).__name__} (layer {i})"
+            if type(module).__name__ in GATED_DELTA_NETS:  # its state in slots beside the paged cache
+                attends = True
+                continue
             if traits.keeps_state:
                 raise refuse(f"{where} keeps a recurrent state across forwards, which the paged cache does not hold")
             if traits.attention_keywords is not None:

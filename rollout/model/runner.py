@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from ...kernels.dispatch import kernel_backend
-from ...kernels.transfers import select_rows, to_device
+from ...kernels.transfers import to_device
 from .attention import (
     METADATA_KWARG,
     AttentionMetadata,
@@ -26,6 +26,7 @@ from .attention import (
     build_metadata,
     paged_attention_enabled,
 )
+from .bucket_rows import put_rows, take_rows
 from .cast_copy import rollout_model, weights_fingerprint
 from .compiled import CompiledLayers
 from .device_inputs import BlockTables, device_inputs
@@ -36,6 +37,7 @@ from .layer_taps import decoder_layers, features_of, tapped
 from .merged_projections import MergedProjections
 from .model_support import check_model, kv_layout_of
 from .padded_metadata import build_padded_metadata, padded_rows
+from .recurrent_state import recurrent_state_enabled, recurrent_states_for, segments_of
 
 # a packed forward as the step loop and calibration call it (ModelRunner.forward, or a wrapper of
 # it): sequences, their new tokens, those tokens' positions, the rows whose logits to return
@@ -72,10 +74,12 @@ class ModelRunner:
         merge_projections: bool = False,
         dtype: str = "auto",
         role: str = "policy",
+        state_slots: int = 0,
     ) -> None:
         check_model(model, role)  # a family it cannot decode exactly is refused before any forward
         self.model, self.cast = rollout_model(model, dtype)  # decodes on a copy in another dtype if asked
         model = self.model
+        self.states = recurrent_states_for(model, role, state_slots, graph_pool)
         self.device, self.dtype = model_device_dtype(model)
         self.vocab_size = model_vocab_size(model)
         self.layout = kv_layout_of(model, self.dtype, self.device)
@@ -153,8 +157,9 @@ class ModelRunner:
         try:
             compiled = self.compiled.active() if self.compiled is not None else nullcontext()
             merged = self.merged.active() if self.merged is not None else nullcontext()
+            states = recurrent_state_enabled(self.model, self.states) if self.states is not None else nullcontext()
             with eval_mode(self.model), torch.no_grad(), paged_attention_enabled(self.model), kernel_backend(kernels):
-                with merged, compiled:
+                with merged, compiled, states:
                     if self.cast is not None:
                         self.cast.refresh()  # the source's weights as they are now (an optimizer stepped)
                     self.forget_graphs_of_moved_weights()
@@ -199,6 +204,8 @@ class ModelRunner:
         pos = to_device(np.asarray(positions, dtype=np.int64), self.device)
         keep = to_device(np.asarray(logits_index, dtype=np.int64), self.device)
         meta = build_metadata(self.cache, seqs, pos)
+        if self.states is not None:
+            meta.segments = segments_of(seqs)
         with tapped(self.model, taps) as captured:
             out = self.model(
                 input_ids=ids.unsqueeze(0),
@@ -373,27 +380,3 @@ class ModelRunner:
             yield
         finally:
             self.graph_pool = pool
-
-
-def take_rows(output: torch.Tensor, rows: np.ndarray) -> torch.Tensor:
-    """``output[rows]`` as a tensor of its own (a replay's output buffer is overwritten by the next
-    replay): a copy of a slice where the rows run in order from 0, as a decode step's and a full
-    verification's do, else a gather whose index is queued without waiting for the device."""
-    if runs_from_zero(rows):
-        return output[: rows.size].clone()
-    return select_rows(output, rows)
-
-
-def runs_from_zero(rows: np.ndarray) -> bool:
-    """Whether ``rows`` are ``0, 1, ..., n - 1``: then a slice stands for them."""
-    return np.array_equal(rows, np.arange(rows.size))
-
-
-def put_rows(values: torch.Tensor, rows: np.ndarray, size: int) -> torch.Tensor:
-    """A ``[size]`` tensor on ``values``' device: ``values`` at ``rows``, zeros elsewhere."""
-    out = values.new_zeros(size)
-    if runs_from_zero(rows):
-        out[: rows.size] = values
-    else:
-        out.index_copy_(0, to_device(rows, values.device), values)
-    return out

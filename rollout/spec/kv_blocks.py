@@ -53,7 +53,7 @@ def pack_verify_batch(
     for seq, tree in zip(seqs, trees):
         c0 = seq.num_cached
         mask = None if tree.is_chain else tree.ancestor_mask()
-        slices.append(SequenceSlice(seq.block_table, c0, 1 + len(tree), mask))
+        slices.append(SequenceSlice(seq.block_table, c0, 1 + len(tree), mask, seq.state_slot))
         if pending is None:
             tokens.append(seq.token_at(c0))
             tokens.extend(tree.tokens)
@@ -69,7 +69,7 @@ def pack_plain_batch(
 ) -> tuple[list[SequenceSlice], list[int] | torch.Tensor, list[int]]:
     """:func:`pack_verify_batch` with every draft empty: one pending token per sequence, at its
     position ``num_cached`` (``pending``: those tokens on the device)."""
-    slices = [SequenceSlice(seq.block_table, seq.num_cached, 1) for seq in seqs]
+    slices = [SequenceSlice(seq.block_table, seq.num_cached, 1, state_slot=seq.state_slot) for seq in seqs]
     positions = [seq.num_cached for seq in seqs]
     tokens = pending if pending is not None else [seq.token_at(seq.num_cached) for seq in seqs]
     return slices, tokens, positions

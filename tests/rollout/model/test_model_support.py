@@ -171,7 +171,7 @@ def test_speculative_samples_follow_the_target_exactly(family):
 
 def test_a_refusal_names_the_family_the_layer_and_what_is_missing():
     cases = {
-        "qwen3_next": "Qwen3NextGatedDeltaNet (layer 0) keeps a recurrent state across forwards",
+        "kimi_linear": "KimiLinearDeltaAttention (layer 0) keeps a recurrent state across forwards",
         "nemotron_h": "NemotronHMamba2Mixer (layer 0) keeps a recurrent state",
         "deepseek_v32": "DeepseekV32Attention (layer 0) passes indices to attention",
         "bert": "not among the families measured exact",
@@ -182,13 +182,14 @@ def test_a_refusal_names_the_family_the_layer_and_what_is_missing():
         assert words in str(refused.value)
 
 
-def test_a_drafter_lm_of_a_refused_family_is_refused_as_the_drafter():
-    with pytest.raises(UnservableModel, match=r"^drafter \(small_lm\) family 'qwen3_next'"):
+@pytest.mark.parametrize("family, words", [("nemotron_h", "across forwards"), ("qwen3_next", "policy only")])
+def test_a_drafter_lm_of_a_refused_family_is_refused_as_the_drafter(family, words):
+    with pytest.raises(UnservableModel, match=rf"^drafter \(small_lm\) family '{family}': .*{words}"):
         RolloutEngine(
             tiny_family_model("llama"),
             RolloutConfig(strategy="chain:2", kv_cache_tokens=256),
             eos_token_ids=[],
-            drafter=tiny_family_model("qwen3_next"),
+            drafter=tiny_family_model(family),
         )
 
 

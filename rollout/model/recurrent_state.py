@@ -1,0 +1,235 @@
+"""Recurrent state beside the paged cache: the Gated DeltaNet layers of Qwen3.5 (dense and MoE) and
+Qwen3-Next, three of every four decoder layers by default.
+
+A Gated DeltaNet layer carries two tensors from one forward to the next: a short convolution's
+last ``K`` inputs (``[conv_dim, K]``) and the delta rule's state (``[heads, key size, value size]``,
+fp32). Transformers keeps them in its ``Cache`` for a padded batch; the engine packs every
+sequence's new tokens into one row, so here each running sequence holds one *slot* of every such
+layer's state (:class:`RecurrentStates`: allocated when the scheduler starts it, freed when it
+stops running: finished, aborted, handed over or preempted), and the layer runs once per
+sequence's segment of the packed row from that sequence's slot (:func:`recurrent_state_enabled`).
+One sequence's state never sees another's tokens.
+
+The layer's own ``forward`` does the arithmetic (its projections, its convolution, transformers'
+torch delta rule: chunked over a segment of several tokens, recurrent over one), handed a cache
+that reads and writes the segment's slot (:class:`_SlotCache`), so the engine computes what
+transformers computes for one sequence. A segment that starts a sequence (nothing cached) starts
+from zero state whatever its slot held, which is what makes a recompute after preemption or a
+handed-over request exact. Segments of one new token each (a decode step) run as one batch: their
+slots gathered, run, and scattered back. Slot 0 is scratch (padding rows).
+
+Not served (refused where they would be wrong, ``model_support.py`` and the engine): a speculative
+step (its verification advances the state over every draft token, and a rejected one must not
+leave its state behind), prefix caching (a cached prefix has K/V but no state), captured graphs
+(padded rows would write slot 0 unsynchronised), and a drafter LM with such layers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from functools import partial
+
+import torch
+
+# the token mixers served here: transformers' Gated DeltaNet classes (the same cache calls, the same state)
+GATED_DELTA_NETS = frozenset({"Qwen3_5GatedDeltaNet", "Qwen3_5MoeGatedDeltaNet", "Qwen3NextGatedDeltaNet"})
+
+
+def recurrent_mixers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """``model``'s token mixers that keep a recurrent state served here, in layer order."""
+    return [m for m in model.modules() if type(m).__name__ in GATED_DELTA_NETS]
+
+
+class RecurrentStates:
+    """``num_slots`` slots of every recurrent layer's state (slot 0 scratch), each layer's tensors
+    made at its first write, in the dtype and shape the layer hands over."""
+
+    def __init__(self, num_slots: int) -> None:
+        if num_slots < 2:
+            raise ValueError(f"recurrent state needs at least 2 slots (one scratch), got {num_slots}")
+        self.num_slots = num_slots
+        self._free = list(range(num_slots - 1, 0, -1))
+        self.conv: dict[int, torch.Tensor] = {}  # layer -> [slots, conv_dim, K]
+        self.recurrent: dict[int, torch.Tensor] = {}  # layer -> [slots, heads, key size, value size]
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def allocate(self) -> int:
+        if not self._free:
+            raise RuntimeError(f"no recurrent state slot free ({self.num_slots - 1} sequences hold one each)")
+        return self._free.pop()
+
+    def free(self, slot: int) -> None:
+        if not 0 < slot < self.num_slots or slot in self._free:
+            raise ValueError(f"recurrent state slot {slot} is not held")
+        self._free.append(slot)
+
+    def copy(self, source: int, target: int) -> None:
+        """Slot ``target`` takes ``source``'s state (a prompt group's member after its leader's prefill)."""
+        for states in (*self.conv.values(), *self.recurrent.values()):
+            states[target].copy_(states[source])
+
+    def bytes_per_slot(self) -> int:
+        """What one sequence's state takes, every layer's (after each layer's first write)."""
+        tensors = (*self.conv.values(), *self.recurrent.values())
+        return sum(t[0].numel() * t.element_size() for t in tensors)
+
+    def store(self, table: dict[int, torch.Tensor], layer: int, slots: torch.Tensor, value: torch.Tensor) -> None:
+        if layer not in table:
+            table[layer] = value.new_zeros((self.num_slots, *value.shape[1:]))
+        table[layer][slots] = value.to(table[layer].dtype)
+
+
+@dataclass(frozen=True)
+class Segment:
+    """One sequence's part of a packed forward: its state slot, the tokens it had cached before the
+    forward, and its rows ``start .. start + num_new - 1`` of the packed row."""
+
+    slot: int
+    num_cached: int
+    start: int
+    num_new: int
+
+
+class _SlotCache:
+    """What a Gated DeltaNet layer's ``forward`` asks of transformers' ``Cache``, answered from the
+    slots of one call's sequences (a batch of one-token segments, or one segment): their states
+    before the call (None where a sequence starts here), and their updates written back."""
+
+    def __init__(self, states: RecurrentStates, layer: int, slots: list[int], fresh: bool) -> None:
+        self.states, self.layer, self.fresh = states, layer, fresh
+        self.slots = torch.tensor(slots, dtype=torch.long)
+        self.conv_kernel_size: int | None = None
+        self._conv: torch.Tensor | None = None  # the gathered conv state the layer may update in place
+
+    def get_conv_state(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor | None:
+        if self.fresh:
+            return None
+        self._conv = self._gathered_conv()
+        return self._conv
+
+    def _gathered_conv(self) -> torch.Tensor:
+        table = self.states.conv[self.layer]
+        return table[self.slots.to(table.device)]
+
+    def get_recurrent_state(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor | None:
+        if self.fresh:
+            return None
+        table = self.states.recurrent[self.layer]
+        return table[self.slots.to(table.device)]
+
+    def is_recording_past(self, layer_idx: int) -> bool:
+        return False
+
+    def update_conv_state(self, conv_states: torch.Tensor, layer_idx: int, state_idx: int = 0, **kwargs):
+        """As transformers' ``LinearAttentionLayer``: a sequence's first inputs padded to the kernel,
+        later ones after the state; the last ``K`` columns kept, the whole returned."""
+        kernel = kwargs.get("conv_kernel_size") or conv_states.shape[-1]
+        if self.fresh:
+            full = conv_states
+            if full.shape[-1] < kernel:
+                full = torch.nn.functional.pad(full, (kernel - full.shape[-1], 0), value=0)
+        else:
+            full = torch.cat([self._gathered_conv(), conv_states], dim=-1)
+        self._store_conv(full[..., -kernel:])
+        self._conv = None  # stored: nothing is updated in place after this
+        return full
+
+    def update_recurrent_state(self, recurrent_states: torch.Tensor, layer_idx: int, state_idx: int = 0, **kwargs):
+        self.states.store(self.states.recurrent, self.layer, self.slots.to(recurrent_states.device), recurrent_states)
+        return recurrent_states
+
+    def written_in_place(self) -> None:
+        """A one-token call updates the gathered conv state in place (transformers'
+        ``causal_conv1d_update``): write it back to the slots."""
+        if self._conv is not None:
+            self._store_conv(self._conv)
+
+    def _store_conv(self, value: torch.Tensor) -> None:
+        self.states.store(self.states.conv, self.layer, self.slots.to(value.device), value)
+
+
+@contextmanager
+def recurrent_state_enabled(model: torch.nn.Module, states: RecurrentStates) -> Iterator[None]:
+    """Within the block, ``model``'s Gated DeltaNet layers run each packed forward's sequences from
+    their slots of ``states`` (a forward without the engine's segments runs as transformers wrote it)."""
+    mixers = recurrent_mixers(model)
+    for mixer in mixers:
+        mixer.forward = partial(_segmented_forward, mixer, type(mixer).forward, states)
+    try:
+        yield
+    finally:
+        for mixer in mixers:
+            del mixer.forward
+
+
+def _segmented_forward(mixer, original, states: RecurrentStates, hidden_states: torch.Tensor, *args, **kwargs):
+    from .attention import METADATA_KWARG  # the packed forward's metadata names its segments
+
+    meta = kwargs.pop(METADATA_KWARG, None)
+    segments = meta.segments if meta is not None else None
+    if not segments:
+        return original(mixer, hidden_states, *args, **kwargs)
+    kwargs.pop("cache_params", None)
+    kwargs.pop("attention_mask", None)
+    layer, out = mixer.layer_idx, torch.empty_like(hidden_states)
+    steps = [s for s in segments if s.num_new == 1 and s.num_cached > 0]
+    if steps:  # one token each from a state: one batched call
+        rows = torch.tensor([s.start for s in steps], device=hidden_states.device)
+        cache = _SlotCache(states, layer, [s.slot for s in steps], fresh=False)
+        batch = hidden_states[0].index_select(0, rows).unsqueeze(1)  # [n, 1, hidden]
+        out[0].index_copy_(0, rows, original(mixer, batch, cache_params=cache, **kwargs)[:, 0])
+        cache.written_in_place()
+    for s in segments:
+        if s.num_new == 1 and s.num_cached > 0:
+            continue
+        cache = _SlotCache(states, layer, [s.slot], fresh=s.num_cached == 0)
+        part = hidden_states[:, s.start : s.start + s.num_new]
+        out[:, s.start : s.start + s.num_new] = original(mixer, part, cache_params=cache, **kwargs)
+        cache.written_in_place()
+    return out
+
+
+def segments_of(slices) -> tuple[Segment, ...]:
+    """Each sequence's :class:`Segment` of a packed forward of ``slices`` (``SequenceSlice``s, in order)."""
+    out, start = [], 0
+    for s in slices:
+        out.append(Segment(s.state_slot, s.num_cached, start, s.num_new))
+        start += s.num_new
+    return tuple(out)
+
+
+def recurrent_states_for(model: torch.nn.Module, role: str, slots: int, graph_pool) -> RecurrentStates | None:
+    """The state slots a runner of ``model`` needs (None: no recurrent layer). ``slots``: one per
+    sequence it may run at once, plus scratch; a runner that cannot give each sequence its slot (a
+    drafter LM's), or that replays captured graphs, is refused by name."""
+    from .model_support import UnservableModel, family_of  # which imports this module's GATED_DELTA_NETS
+
+    mixers = recurrent_mixers(model)
+    if not mixers:
+        return None
+    what = f"{role} family {family_of(model)!r}: its {type(mixers[0]).__name__} layers keep a recurrent state"
+    if slots < 2:
+        raise UnservableModel(f"{what}, which tailspec serves for the policy only, not as a drafter LM")
+    if graph_pool is not None:
+        raise ValueError(f"{what}, which captured graphs do not hold yet; use RolloutConfig(graph_backend='none')")
+    return RecurrentStates(slots)
+
+
+def refuse_what_state_cannot_serve(states: RecurrentStates | None, strategy, prefix_caching: bool) -> None:
+    """Refuse, by name, what a model with recurrent state would decode wrong: a speculative or
+    adaptive ``strategy`` (the engine's ``Strategy``) and prefix caching."""
+    if states is None:
+        return
+    why = "the model's Gated DeltaNet layers keep a recurrent state"
+    if prefix_caching:
+        raise ValueError(f"prefix_caching: {why}, which a cached prefix does not hold; use prefix_caching=False")
+    if strategy.speculative or strategy.adaptive:
+        raise ValueError(
+            f"strategy {str(strategy)!r}: {why}, and a verification forward would leave the state of rejected "
+            "drafts behind (rolling it back is not built yet); use strategy='none'"
+        )
