@@ -141,9 +141,9 @@ def calibrate_costs(
     slopes = known.per_token if known is not None and known.context == context else None
     key = (runner.model.config.to_json_string(), str(runner.dtype), str(runner.device), kernels, context, taps)
     key += (tuple(shapes), config.calibration_repeats)
-    if pad is None and not fresh and key in _EAGER_TIMINGS:
-        measured, slopes = _EAGER_TIMINGS[key]
-        return ForwardTable(measured, None, context, slopes)
+    if pad is None and not fresh and key in _EAGER_TIMINGS:  # what ``known`` holds stays as it is
+        measured, timed_slopes = _EAGER_TIMINGS[key]
+        return ForwardTable({**measured, **kept}, None, context, slopes if slopes is not None else timed_slopes)
     todo = [s for s in shapes if s not in kept]
     timer = forward_timer(runner, block_size, context, forward)
     start = time.perf_counter()

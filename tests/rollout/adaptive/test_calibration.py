@@ -46,6 +46,21 @@ def test_calibration_times_what_a_cached_token_costs_at_the_narrowest_and_widest
     assert engine.selector.costs.table.per_token == table.per_token
 
 
+def test_an_extended_table_keeps_its_slopes_when_this_process_timed_the_shapes_before():
+    """Another engine of the same model timed the extended shapes first: what this table measured
+    stays, not the other engine's timings (a test run in one process with another did that)."""
+    model = cached_model("llama")
+    other = RolloutEngine(model, RolloutConfig(strategy="adaptive"), drafter=perturbed_copy(model, 0.3, 7))
+    other.choice.calibrate(8, fresh=True)
+    engine = RolloutEngine(model, RolloutConfig(strategy="adaptive"), drafter=perturbed_copy(model, 0.3, 7))
+    engine.choice.calibrate(4, fresh=True)
+    table = engine.selector.costs.table
+    engine.choice.calibrate(8, fresh=False)
+    extended = engine.selector.costs.table
+    assert extended.per_token == table.per_token
+    assert all(extended.measured[s] == v for s, v in table.measured.items())
+
+
 def test_adaptive_prices_each_step_at_its_sequences_mean_context(monkeypatch):
     model = cached_model("llama")
     engine = RolloutEngine(model, RolloutConfig(strategy="adaptive"), drafter=perturbed_copy(model, 0.3, 7))
