@@ -245,8 +245,10 @@ class DraftStep(ABC):
 class DeviceDrafts:
     """Drafts on the device for :meth:`DraftStep.on_device`'s sequences: ``tokens`` ``[B, n]``; a
     tree's ``parents`` (node indices, -1 for a child of the root; a best-first tree with the same
-    ``n`` for every row, ``drafter/tree_search.grow_static_trees``), None for chains; a chain's
-    draft distributions ``[B, n, vocab]`` when a row samples (None: every node deterministic)."""
+    ``n`` for every row, ``drafter/tree_search.grow_static_trees``, verified as one-hot nodes), None
+    for chains; a chain's draft distributions ``[B, n, vocab]``, which a batch with a sampling row
+    must give (verification reads them; a deterministic chain gives one-hot rows), None only where
+    every row is greedy."""
 
     tokens: torch.Tensor
     parents: torch.Tensor | None = None

@@ -43,7 +43,7 @@ from .request_book import RequestBook
 from .scheduler import ScheduledBatch, Scheduler, StepKind
 from .spec.length_budget import tokens_to_go
 from .stats import EngineStats, StepRecord
-from .strategy import Strategy, parse_strategy
+from .strategy import Strategy
 
 __all__ = ["EngineStats", "RequestLimits", "RolloutEngine", "StepRecord", "eos_ids_of", "prepare_requests"]
 
@@ -95,6 +95,7 @@ class RolloutEngine:
             config.max_prefill_tokens,
             self.runner.states,
         )
+        refuse_what_state_cannot_serve(self.runner.states, config.prefix_caching)
         self.stats = EngineStats()
         self._speculate_with(drafter_factory()(drafter, model, config, self.vocab_size, tokenizer))
         self.in_flight: Launched | None = None  # the step launched last and not yet retired by the loop
@@ -121,7 +122,6 @@ class RolloutEngine:
     def set_strategy(self, strategy: str | Strategy) -> None:
         """Switch the speculation strategy; takes effect at the next decode step (launched from the
         step in flight's state where it can be, whatever that step's strategy was)."""
-        refuse_what_state_cannot_serve(self.runner.states, parse_strategy(strategy), self.config.prefix_caching)
         self.choice.set(strategy)
         self.proposer.prepare(self.choice.arms)
 

@@ -21,6 +21,7 @@ import torch
 from .feature_taps import FeatureTaps
 from .launched import Committed, Launched
 from .model.kv_cache import PagedKVCache
+from .model.recurrent_state import RecurrentStates
 from .proposer import Proposal
 from .request import Sequence
 from .spec.kv_blocks import release_unused_blocks
@@ -41,6 +42,7 @@ class HostVerified(Launched):
         logits: torch.Tensor,
         seconds: tuple[float, float, float],  # drafting, the target's forward, verifying
         cache: PagedKVCache,
+        states: RecurrentStates | None,
         taps: FeatureTaps,
         stats: EngineStats,
         finish: Callable[[Sequence], None],
@@ -50,12 +52,15 @@ class HostVerified(Launched):
         self.verified: Verified | None = verified
         self.logits: torch.Tensor | None = logits
         self.draft_s, self.forward_s, self.verify_s = seconds
-        self.cache, self.taps, self.finish = cache, taps, finish
+        self.cache, self.states, self.taps, self.finish = cache, states, taps, finish
         self.bases = [seq.num_tokens for seq in seqs]
 
     def _commit(self) -> Committed:
         start, seqs, trees, verified = time.perf_counter(), self.seqs, self.proposal.trees, self.verified
         kept = commit(seqs, trees, verified, accept(trees, verified), self.cache)
+        if self.states is not None:  # each sequence's state after the last token it kept
+            last = [v.path[-1] + 1 if v.path else 0 for v in verified.verdicts]
+            self.states.keep(torch.tensor([s.state_slot for s in seqs]), torch.tensor(last))
         self.stats.generated_tokens += kept.emitted
         self.proposal.verified(seqs, verified.verdicts, self.bases)
         self.taps.observe(kept.observed, self.logits)  # before finishing: a recording drafter needs every feature

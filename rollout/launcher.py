@@ -142,7 +142,16 @@ class StepLauncher:
         verified = verify(seqs, proposal.trees, logits, [s.num_new for s in slices], self.generator)
         seconds = (draft_s, forward_s, time.perf_counter() - start)  # verifying: the forward's too
         step = HostVerified(
-            seqs, proposal, verified, logits, seconds, self.runner.cache, self.taps, self.stats, self.finish
+            seqs,
+            proposal,
+            verified,
+            logits,
+            seconds,
+            self.runner.cache,
+            self.runner.states,
+            self.taps,
+            self.stats,
+            self.finish,
         )
         step.commit()
         return step

@@ -193,3 +193,25 @@ def no_cache_greedy(model: torch.nn.Module, prompt: list[int], max_new_tokens: i
         if ids[-1] == eos_id:
             break
     return ids[len(prompt) :]
+
+
+@torch.no_grad()
+def second_and_third_token_joint(model: torch.nn.Module, prompt: list[int], params) -> torch.Tensor:
+    """The processed joint of completion tokens 2 and 3 (marginalised over token 1) over the
+    vocabulary squared, each from a no-cache forward, walking only the tokens ``params``
+    (a ``SamplingParams`` with a small ``top_k``) leaves: what a chi-square test of sampled
+    completions compares with."""
+    from . import processed_probs
+
+    vocab = model.config.get_text_config().vocab_size
+
+    def probs(ctx: list[int]) -> torch.Tensor:
+        return processed_probs(model(torch.tensor([ctx])).logits[:, -1], params)[0]
+
+    joint = torch.zeros(vocab, vocab, dtype=torch.float64)
+    p1 = probs(prompt)
+    for a in p1.nonzero().flatten().tolist():
+        p2 = probs(prompt + [a])
+        for b in p2.nonzero().flatten().tolist():
+            joint[b] += p1[a] * p2[b] * probs(prompt + [a, b])
+    return joint.reshape(-1)

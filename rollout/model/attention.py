@@ -40,6 +40,7 @@ class SequenceSlice:
     num_new: int  # new tokens (queries) this forward
     new_token_mask: torch.Tensor | None = None  # [num_new, num_new] bool, None = causal
     state_slot: int = 0  # the sequence's slot of a recurrent model's state (0: scratch)
+    draft_parents: tuple[int, ...] | None = None  # a verification's: each row's parent row (row 0: -1)
 
 
 @dataclass
@@ -55,6 +56,7 @@ class AttentionMetadata:
     valid_queries: torch.Tensor | None  # [B*Q] bool; None when uniform
     plan: PagedAttentionPlan | None = None  # set when the Triton kernel attends (tailspec.kernels)
     segments: tuple | None = None  # a recurrent model's: each sequence's Segment (model/recurrent_state.py)
+    draft_rows: torch.Tensor | None = None  # a verification's [S, R] parent row of each row (-1: the slot's state)
     _window_masks: dict[int, torch.Tensor] = field(default_factory=dict)
 
     def mask_for(self, sliding_window: int | None) -> torch.Tensor:

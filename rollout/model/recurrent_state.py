@@ -16,12 +16,23 @@ that reads and writes the segment's slot (:class:`_SlotCache`), so the engine co
 transformers computes for one sequence. A segment that starts a sequence (nothing cached) starts
 from zero state whatever its slot held, which is what makes a recompute after preemption or a
 handed-over request exact. Segments of one new token each (a decode step) run as one batch: their
-slots gathered, run, and scattered back. Slot 0 is scratch (padding rows).
+slots gathered, run, and scattered back. Slot 0 is scratch (padding rows, calibration's forwards).
 
-Not served (refused where they would be wrong, ``model_support.py`` and the engine): a speculative
-step (its verification advances the state over every draft token, and a rejected one must not
-leave its state behind), prefix caching (a cached prefix has K/V but no state), captured graphs
-(padded rows would write slot 0 unsynchronised), and a drafter LM with such layers.
+**Speculation rolls the state back.** A verification forward (its slices name each row's parent
+row: a chain's row before it, a tree node's parent, row 0 the pending token) runs the layer one row
+at a time, every sequence's ``r``-th row as one batch, each from its parent row's state (row 0 from
+the slot's), and holds every row's state (``RecurrentStates.rows``). Once the verification knows
+what it kept, :meth:`RecurrentStates.keep` writes each slot the state after its last kept token:
+on the host for a step drafted from the host's text (``host_step.py``), on the device, from the
+device's accept lengths and paths with nothing read, for a step launched from the device's state
+(``spec/device_step.py``). A rejected draft's state never reaches a slot, trees included, and a
+kept row's state is the one plain decoding leaves (one token a call is transformers' decode step).
+Cost: ``depth + 1`` (a chain) or ``n + 1`` (a tree of ``n`` nodes) one-token calls a layer instead
+of one, and every row's state held until the keep: ``rows`` times a slot's size per sequence.
+
+Not served (refused by name): prefix caching (a cached prefix has K/V but no state), captured
+graphs (padded rows would write slot 0 unsynchronised), and a drafter LM with such layers (``self:L``
+of a hybrid policy included).
 """
 
 from __future__ import annotations
@@ -53,6 +64,7 @@ class RecurrentStates:
         self._free = list(range(num_slots - 1, 0, -1))
         self.conv: dict[int, torch.Tensor] = {}  # layer -> [slots, conv_dim, K]
         self.recurrent: dict[int, torch.Tensor] = {}  # layer -> [slots, heads, key size, value size]
+        self.rows: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # layer -> a verification's row states
 
     @property
     def num_free(self) -> int:
@@ -77,6 +89,17 @@ class RecurrentStates:
         """What one sequence's state takes, every layer's (after each layer's first write)."""
         tensors = (*self.conv.values(), *self.recurrent.values())
         return sum(t[0].numel() * t.element_size() for t in tensors)
+
+    def keep(self, slots: torch.Tensor, rows: torch.Tensor) -> None:
+        """After a verification forward (each of its rows' states held, :func:`_verification_rows`):
+        slot ``slots[i]`` takes the state after its sequence's row ``rows[i]`` (the last token the
+        verification kept: row 0 the pending token, row j + 1 draft node j), on the device."""
+        for layer, (conv_rows, rec_rows) in self.rows.items():
+            pick = torch.arange(len(slots), device=conv_rows.device)
+            at = rows.to(conv_rows.device)
+            self.conv[layer][slots.to(conv_rows.device)] = conv_rows[pick, at]
+            self.recurrent[layer][slots.to(rec_rows.device)] = rec_rows[pick, at].to(self.recurrent[layer].dtype)
+        self.rows.clear()
 
     def store(self, table: dict[int, torch.Tensor], layer: int, slots: torch.Tensor, value: torch.Tensor) -> None:
         if layer not in table:
@@ -153,6 +176,27 @@ class _SlotCache:
         self.states.store(self.states.conv, self.layer, self.slots.to(value.device), value)
 
 
+class _RowCache:
+    """A one-token call's cache for a verification row: the states it starts from (its parent
+    row's, or its sequence's slot's), and the states after it, kept for :meth:`RecurrentStates.keep`."""
+
+    def __init__(self, conv: torch.Tensor, recurrent: torch.Tensor) -> None:
+        self.conv, self.recurrent = conv, recurrent  # the layer updates ``conv`` in place
+
+    def get_conv_state(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor:
+        return self.conv
+
+    def get_recurrent_state(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor:
+        return self.recurrent
+
+    def is_recording_past(self, layer_idx: int) -> bool:
+        return False
+
+    def update_recurrent_state(self, recurrent_states: torch.Tensor, layer_idx: int, state_idx: int = 0, **kwargs):
+        self.recurrent = recurrent_states
+        return recurrent_states
+
+
 @contextmanager
 def recurrent_state_enabled(model: torch.nn.Module, states: RecurrentStates) -> Iterator[None]:
     """Within the block, ``model``'s Gated DeltaNet layers run each packed forward's sequences from
@@ -176,8 +220,10 @@ def _segmented_forward(mixer, original, states: RecurrentStates, hidden_states: 
         return original(mixer, hidden_states, *args, **kwargs)
     kwargs.pop("cache_params", None)
     kwargs.pop("attention_mask", None)
+    if meta.draft_rows is not None:
+        return _verification_rows(mixer, original, states, hidden_states, segments, meta.draft_rows, kwargs)
     layer, out = mixer.layer_idx, torch.empty_like(hidden_states)
-    steps = [s for s in segments if s.num_new == 1 and s.num_cached > 0]
+    steps = [s for s in segments if s.num_new == 1 and s.num_cached > 0 and s.slot > 0]
     if steps:  # one token each from a state: one batched call
         rows = torch.tensor([s.start for s in steps], device=hidden_states.device)
         cache = _SlotCache(states, layer, [s.slot for s in steps], fresh=False)
@@ -185,22 +231,42 @@ def _segmented_forward(mixer, original, states: RecurrentStates, hidden_states: 
         out[0].index_copy_(0, rows, original(mixer, batch, cache_params=cache, **kwargs)[:, 0])
         cache.written_in_place()
     for s in segments:
-        if s.num_new == 1 and s.num_cached > 0:
+        if s.num_new == 1 and s.num_cached > 0 and s.slot > 0:
             continue
-        cache = _SlotCache(states, layer, [s.slot], fresh=s.num_cached == 0)
+        cache = _SlotCache(states, layer, [s.slot], fresh=s.num_cached == 0 or s.slot == 0)  # scratch: no state
         part = hidden_states[:, s.start : s.start + s.num_new]
         out[:, s.start : s.start + s.num_new] = original(mixer, part, cache_params=cache, **kwargs)
         cache.written_in_place()
     return out
 
 
-def segments_of(slices) -> tuple[Segment, ...]:
-    """Each sequence's :class:`Segment` of a packed forward of ``slices`` (``SequenceSlice``s, in order)."""
+def segments_of(slices, device: torch.device) -> tuple[tuple[Segment, ...], torch.Tensor | None]:
+    """Each sequence's :class:`Segment` of a packed forward of ``slices`` (``SequenceSlice``s, in
+    order), and for a verification forward (slices with ``draft_parents``) each row's parent row
+    ``[S, R]`` (-1: the slot's state; past a sequence's rows, -1)."""
     out, start = [], 0
     for s in slices:
         out.append(Segment(s.state_slot, s.num_cached, start, s.num_new))
         start += s.num_new
-    return tuple(out)
+    if slices[0].draft_parents is None:
+        return tuple(out), None
+    rows = max(s.num_new for s in slices)
+    parents = [list(s.draft_parents) + [-1] * (rows - len(s.draft_parents)) for s in slices]
+    return tuple(out), torch.tensor(parents, dtype=torch.long, device=device)
+
+
+def verification_segments(slots, new: int, tree, device: torch.device) -> tuple[tuple[Segment, ...], torch.Tensor]:
+    """The segments of a verification forward launched from the device's state (``new`` rows a
+    sequence, a chain's or ``tree``'s: a ``TreeRows``), and each row's parent row, found on the
+    device from the tree's visibility (its deepest visible row before it)."""
+    segments = tuple(Segment(slot, 1, i * new, new) for i, slot in enumerate(slots))
+    rows = torch.arange(new, device=device)
+    if tree is None:
+        parents = (rows - 1).expand(len(slots), new)
+    else:
+        before = tree.visible & (rows.unsqueeze(0) < rows.unsqueeze(1))  # [1 or B, new, new]: j < r, seen by r
+        parents = torch.where(before, rows, -1).amax(dim=-1).expand(len(slots), new)
+    return segments, parents
 
 
 def recurrent_states_for(model: torch.nn.Module, role: str, slots: int, graph_pool) -> RecurrentStates | None:
@@ -220,16 +286,43 @@ def recurrent_states_for(model: torch.nn.Module, role: str, slots: int, graph_po
     return RecurrentStates(slots)
 
 
-def refuse_what_state_cannot_serve(states: RecurrentStates | None, strategy, prefix_caching: bool) -> None:
-    """Refuse, by name, what a model with recurrent state would decode wrong: a speculative or
-    adaptive ``strategy`` (the engine's ``Strategy``) and prefix caching."""
-    if states is None:
-        return
-    why = "the model's Gated DeltaNet layers keep a recurrent state"
-    if prefix_caching:
-        raise ValueError(f"prefix_caching: {why}, which a cached prefix does not hold; use prefix_caching=False")
-    if strategy.speculative or strategy.adaptive:
+def refuse_what_state_cannot_serve(states: RecurrentStates | None, prefix_caching: bool) -> None:
+    """Refuse, by name, what a model with recurrent state would decode wrong: prefix caching."""
+    if states is not None and prefix_caching:
         raise ValueError(
-            f"strategy {str(strategy)!r}: {why}, and a verification forward would leave the state of rejected "
-            "drafts behind (rolling it back is not built yet); use strategy='none'"
+            "prefix_caching: the model's Gated DeltaNet layers keep a recurrent state, which a cached prefix "
+            "does not hold; use prefix_caching=False"
         )
+
+
+def _verification_rows(mixer, original, states, hidden_states, segments, parents: torch.Tensor, kwargs):
+    """A verification forward: row by row (``r``-th rows of every sequence as one batch), each row one
+    token from its parent row's state (row 0 from the slot's), every row's state held in
+    ``states.rows`` until the verification keeps one (:meth:`RecurrentStates.keep`): a rejected
+    draft's state never reaches the slot. One token a call is transformers' own decode step, so a
+    kept row's state is what plain decoding would have left."""
+    layer, device = mixer.layer_idx, hidden_states.device
+    out = torch.empty_like(hidden_states)
+    slots = torch.tensor([s.slot for s in segments], device=device)
+    rows_of = max(s.num_new for s in segments)
+    conv_rows = rec_rows = None
+    for r in range(rows_of):
+        active = [i for i, s in enumerate(segments) if s.num_new > r]
+        index = torch.tensor(active, device=device)
+        packed = torch.tensor([segments[i].start + r for i in active], device=device)
+        if r == 0:
+            conv = states.conv[layer][slots[index].to(states.conv[layer].device)]
+            recurrent = states.recurrent[layer][slots[index].to(states.recurrent[layer].device)]
+        else:
+            parent = parents[index, r].to(conv_rows.device)
+            conv, recurrent = conv_rows[index, parent], rec_rows[index, parent]
+        cache = _RowCache(conv, recurrent)
+        x = hidden_states[0].index_select(0, packed).unsqueeze(1)  # [active, 1, hidden]
+        out[0].index_copy_(0, packed, original(mixer, x, cache_params=cache, **kwargs)[:, 0])
+        if conv_rows is None:
+            conv_rows = conv.new_zeros((len(segments), rows_of, *conv.shape[1:]))
+            rec_rows = cache.recurrent.new_zeros((len(segments), rows_of, *cache.recurrent.shape[1:]))
+        conv_rows[index, r] = cache.conv
+        rec_rows[index, r] = cache.recurrent.to(rec_rows.dtype)
+    states.rows[layer] = (conv_rows, rec_rows)
+    return out

@@ -37,7 +37,7 @@ from .layer_taps import decoder_layers, features_of, tapped
 from .merged_projections import MergedProjections
 from .model_support import check_model, kv_layout_of
 from .padded_metadata import build_padded_metadata, padded_rows
-from .recurrent_state import recurrent_state_enabled, recurrent_states_for, segments_of
+from .recurrent_state import recurrent_state_enabled, recurrent_states_for, segments_of, verification_segments
 
 # a packed forward as the step loop and calibration call it (ModelRunner.forward, or a wrapper of
 # it): sequences, their new tokens, those tokens' positions, the rows whose logits to return
@@ -205,7 +205,7 @@ class ModelRunner:
         keep = to_device(np.asarray(logits_index, dtype=np.int64), self.device)
         meta = build_metadata(self.cache, seqs, pos)
         if self.states is not None:
-            meta.segments = segments_of(seqs)
+            meta.segments, meta.draft_rows = segments_of(seqs, self.device)
         with tapped(self.model, taps) as captured:
             out = self.model(
                 input_ids=ids.unsqueeze(0),
@@ -217,18 +217,30 @@ class ModelRunner:
         return out.logits[0], features_of(captured, taps)
 
     def forward_on_device(
-        self, tables: BlockTables, cached: torch.Tensor, ids: torch.Tensor, new: int, bound: int, taps=(), tree=None
+        self,
+        tables: BlockTables,
+        cached: torch.Tensor,
+        ids: torch.Tensor,
+        new: int,
+        bound: int,
+        taps=(),
+        tree=None,
+        slots: Sequence[int] = (),
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``[len(tables) * new, vocab]`` logits of a forward whose lengths are on the device
         (``device_inputs.py``; sequence ``i`` feeds ``ids[i * new : (i + 1) * new]`` after its
         ``cached[i]`` tokens, as ``tree`` relates them, else a chain; ``bound`` caps every ``cached[i]
-        + new``), and the inputs of the ``taps`` layers (None without), from the graph pool if it can."""
+        + new``), and the inputs of the ``taps`` layers (None without), from the graph pool if it can;
+        ``slots``: a recurrent model's sequences' state slots (the forward verifies drafts: each row's
+        state is kept until the verification keeps one)."""
         n, bs, taps = len(tables), self.cache.block_size, tuple(taps)
         key = self.graph_key(n, new, bound)
         if key is None:
             shape = (n, new, tables.longest() * bs)
             backend = attention_backend(self.cache, None, new)
             inputs, meta = device_inputs(self.cache, tables, cached, ids, new, shape, 0, backend == "triton", tree)
+            if self.states is not None:
+                meta.segments, meta.draft_rows = verification_segments(slots, new, tree, self.device)
             with tapped(self.model, taps) as captured:
                 out = self.model(
                     input_ids=inputs["ids"], position_ids=inputs["pos"], use_cache=False, **{METADATA_KWARG: meta}

@@ -140,6 +140,15 @@ class _Verified:
     logits: torch.Tensor | None = None
     also_read: tuple[torch.Tensor, ...] = ()
 
+    def kept_row(self) -> torch.Tensor:
+        """``[B]``: each sequence's row of its last kept token (0 the pending token, ``j + 1`` draft
+        node ``j``): a chain's accept length, a tree's last accepted node plus one."""
+        if not self.also_read:
+            return self.accepted
+        path = self.also_read[2]  # a tree's accepted nodes
+        last = path.gather(1, (self.accepted - 1).clamp(min=0).unsqueeze(1)).squeeze(1)
+        return torch.where(self.accepted > 0, last + 1, torch.zeros_like(last))
+
 
 class DeviceSteps:
     """Runs, verifies and reads :class:`DeviceLaunch` steps: the chains and trees a drafter drafted
@@ -164,12 +173,20 @@ class DeviceSteps:
         read, the next step's state left on the device."""
         start, inputs = time.perf_counter(), step.inputs
         seqs, bound = inputs.seqs, inputs.bound
+        if (
+            drafts.parents is None
+            and drafts.probs is None
+            and not all(s.params.greedy or s.params.position_keyed for s in seqs)
+        ):
+            raise ValueError(f"the {drafter.name} drafter's chains for sampling rows need their distributions")
         tables = BlockTables([s.block_table for s in seqs])
         device = inputs.last_two.device
         if drafts.parents is not None:
             done = self._tree_step(seqs, inputs, drafts.tokens.to(device), drafts.parents.to(device), step.shape)
         else:
             done = self._chain_step(seqs, inputs, drafts.tokens.to(device), drafts.probs, tables, bound)
+        if self.runner.states is not None:  # each sequence's state after the last token it kept, picked there
+            self.runner.states.keep(to_device(np.asarray([s.state_slot for s in seqs]), device), done.kept_row())
         on_device = StepOnDevice(inputs.cached, done.emitted, done.accepted, done.features, drafts.parents is not None)
         read = QueuedRead(done.emitted, done.accepted, done.logprobs, *done.also_read)
         verify_s = time.perf_counter() - start
@@ -182,8 +199,9 @@ class DeviceSteps:
         """Run and verify a chain, the target's features tapped for a drafter reading them."""
         depth = drafts.shape[1]
         ids = torch.cat([inputs.last_two[:, 1:], drafts], dim=1).reshape(-1)
+        slots = [s.state_slot for s in seqs]
         logits, features = self.runner.forward_on_device(
-            tables, inputs.cached, ids, depth + 1, bound, self.feature_layers
+            tables, inputs.cached, ids, depth + 1, bound, self.feature_layers, slots=slots
         )
         emitted, accepted, logprobs = self._verdicts(seqs, logits, drafts, q, inputs.cached)
         if features is None:
@@ -200,8 +218,9 @@ class DeviceSteps:
         rows = tree_rows(parents, shape.depth)
         ids = torch.cat([inputs.last_two[:, 1:], tokens], dim=1).reshape(-1)
         width = tokens.shape[1] + 1
+        slots = [s.state_slot for s in seqs]
         logits, features = self.runner.forward_on_device(
-            tables, cached, ids, width, inputs.bound, self.feature_layers, tree=rows
+            tables, cached, ids, width, inputs.bound, self.feature_layers, tree=rows, slots=slots
         )
         emitted, accepted, path, logprobs = self._tree_verdicts(seqs, logits, tokens, parents, shape, cached, rows)
         padded = tables.padded(len(seqs), tables.longest(), 0, device)

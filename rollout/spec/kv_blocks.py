@@ -53,7 +53,8 @@ def pack_verify_batch(
     for seq, tree in zip(seqs, trees):
         c0 = seq.num_cached
         mask = None if tree.is_chain else tree.ancestor_mask()
-        slices.append(SequenceSlice(seq.block_table, c0, 1 + len(tree), mask, seq.state_slot))
+        parents = (-1, *(p + 1 for p in tree.parents))  # row 0 the pending token, row i + 1 node i
+        slices.append(SequenceSlice(seq.block_table, c0, 1 + len(tree), mask, seq.state_slot, parents))
         if pending is None:
             tokens.append(seq.token_at(c0))
             tokens.extend(tree.tokens)

@@ -20,6 +20,7 @@ from tailspec.testing.families import (
     causal_lm_families,
     no_cache_greedy,
     no_cache_logprobs,
+    second_and_third_token_joint,
     tiny_family_model,
 )
 
@@ -132,25 +133,6 @@ def test_each_mechanism_is_exact_with_every_strategy(mechanism_model, strategy, 
 
 
 @torch.no_grad()
-def _exact_joint(model, prompt: list[int], params: SamplingParams) -> torch.Tensor:
-    """The processed joint of completion tokens 2 and 3 (marginalised over token 1) over the
-    vocabulary squared, walking only the tokens ``top_k`` leaves."""
-    from tailspec.testing import processed_probs
-
-    vocab = model.config.get_text_config().vocab_size
-
-    def probs(ctx: list[int]) -> torch.Tensor:
-        return processed_probs(model(torch.tensor([ctx])).logits[:, -1], params)[0]
-
-    joint = torch.zeros(vocab, vocab, dtype=torch.float64)
-    p1 = probs(prompt)
-    for a in p1.nonzero().flatten().tolist():
-        p2 = probs(prompt + [a])
-        for b in p2.nonzero().flatten().tolist():
-            joint[b] += p1[a] * p2[b] * probs(prompt + [a, b])
-    return joint.reshape(-1)
-
-
 @pytest.mark.parametrize("family", ["gpt_oss", "deepseek_v3"])
 def test_speculative_samples_follow_the_target_exactly(family):
     model = tiny_family_model(family)
@@ -166,7 +148,12 @@ def test_speculative_samples_follow_the_target_exactly(family):
     assert engine.stats.counts().spec_steps > 0
     vocab = model.config.get_text_config().vocab_size
     pairs = torch.tensor([o.completion_ids[1] * vocab + o.completion_ids[2] for o in outs])
-    assert chi_square_pvalue(torch.bincount(pairs, minlength=vocab * vocab), _exact_joint(model, prompt, params)) > 1e-3
+    assert (
+        chi_square_pvalue(
+            torch.bincount(pairs, minlength=vocab * vocab), second_and_third_token_joint(model, prompt, params)
+        )
+        > 1e-3
+    )
 
 
 def test_a_refusal_names_the_family_the_layer_and_what_is_missing():

@@ -3,13 +3,27 @@ sequence's recurrent state in a slot of its own, exact against transformers' own
 under continuous batching, preemption, prompt groups, MIXED steps, abort and hand-over; what the
 state cannot serve yet is refused by name."""
 
+import copy
+
 import pytest
 import torch
 
+from tailspec.draft_contract import (
+    Drafter,
+    DraftTree,
+    draft_from_text,
+    draft_on_device_else_text,
+    static_tree_nodes,
+)
 from tailspec.rollout import RolloutConfig, RolloutEngine, SamplingParams
 from tailspec.rollout.model.recurrent_state import RecurrentStates
-from tailspec.testing import random_prompts
-from tailspec.testing.families import no_cache_greedy, no_cache_logprobs, tiny_family_model
+from tailspec.testing import chi_square_pvalue, random_prompts
+from tailspec.testing.families import (
+    no_cache_greedy,
+    no_cache_logprobs,
+    second_and_third_token_joint,
+    tiny_family_model,
+)
 
 HYBRIDS = ["qwen3_5_text", "qwen3_5_moe_text", "qwen3_next"]
 GREEDY = SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True)
@@ -113,22 +127,12 @@ def test_an_aborted_request_frees_its_slot_and_the_others_stay_exact():
     assert engine.runner.states.num_free == 2
 
 
-@pytest.mark.parametrize(
-    "config, words",
-    [
-        (dict(strategy="suffix"), "strategy 'suffix:8,2,16': the model's Gated DeltaNet layers keep a recurrent state"),
-        (dict(strategy="adaptive"), "strategy 'adaptive'"),
-        (dict(prefix_caching=True), "prefix_caching: the model's Gated DeltaNet layers"),
-    ],
-)
-def test_what_the_state_cannot_serve_yet_is_refused_by_name(config, words):
-    with pytest.raises(ValueError, match=words):
-        RolloutEngine(tiny_family_model("qwen3_5_text"), RolloutConfig(**config))
-    engine = RolloutEngine(tiny_family_model("qwen3_5_text"), RolloutConfig())
-    if "strategy" in config:
-        with pytest.raises(ValueError, match=words):
-            engine.set_strategy(config["strategy"])
-        assert str(engine.strategy) == "none"
+def test_what_the_state_cannot_serve_yet_is_refused_by_name():
+    model = tiny_family_model("qwen3_5_text")
+    with pytest.raises(ValueError, match="prefix_caching: the model's Gated DeltaNet layers keep a recurrent state"):
+        RolloutEngine(model, RolloutConfig(prefix_caching=True))
+    with pytest.raises(ValueError, match="its Qwen3_5GatedDeltaNet layers keep a recurrent state.*policy only"):
+        RolloutEngine(model, RolloutConfig(strategy="chain:2"), drafter="self:2")  # its own layers as a drafter LM
 
 
 def test_the_slot_pool_keeps_scratch_and_refuses_what_it_does_not_hold():
@@ -143,3 +147,142 @@ def test_the_slot_pool_keeps_scratch_and_refuses_what_it_does_not_hold():
             states.free(bad)
     with pytest.raises(ValueError, match="at least 2 slots"):
         RecurrentStates(1)
+
+
+# -- speculation over the state: every row's state held, the kept row's committed -----------------
+
+
+class _Oracle(Drafter):
+    """Drafts the target's own greedy continuation (``want``: each prompt's whole sequence), wrong at
+    every position ``p`` with ``p % wrong == 0`` so verification keeps part of a draft and rolls the
+    rest back; from the device's state (chains and static trees, as a model drafter does) when
+    ``on_device``, else from the host's text."""
+
+    name = "oracle"
+
+    def __init__(self, want: dict[tuple, list[int]], wrong: int, on_device: bool) -> None:
+        self.want, self.wrong, self.on_device = want, wrong, on_device
+
+    def _token(self, seq, position: int) -> int:
+        full = self.want[tuple(seq.prompt_ids)]
+        token = full[position] if position < len(full) else 3
+        return (token + 1) % 96 if position % self.wrong == 0 else token
+
+    def propose(self, requests, shape):
+        out = []
+        for r in requests:
+            start = r.seq.num_tokens
+            tokens = [self._token(r.seq, start + j) for j in range(r.max_depth)]
+            tree = DraftTree.chain(tokens)
+            if not shape.is_chain and tokens:  # a wrong sibling beside the first draft
+                tree = DraftTree([*tokens, (tokens[0] + 7) % 96], [*tree.parents, -1])
+            out.append(tree)
+        return out
+
+    def draft(self, step):
+        if not self.on_device:
+            return draft_from_text(self, step)
+        return draft_on_device_else_text(step, lambda *_: True, self._chain, self._tree, self.propose)
+
+    def _chain(self, inputs, depth):
+        cached = inputs.cached.tolist()  # a test drafter on CPU may look; a real one never reads
+        rows = [[self._token(s, c + 1 + j) for j in range(depth)] for s, c in zip(inputs.seqs, cached)]
+        return torch.tensor(rows), None
+
+    def _tree(self, inputs, shape):
+        n = static_tree_nodes(shape)
+        chain, _ = self._chain(inputs, shape.depth)
+        extra = n - shape.depth  # wrong leaves under the root and the first node
+        tokens = torch.cat([chain, (chain[:, :1] + 7 + torch.arange(extra)) % 96], dim=1)
+        parents = torch.tensor([*range(-1, shape.depth - 1), *([-1, 0] * extra)[:extra]]).expand(len(chain), -1)
+        return tokens, parents
+
+
+@pytest.mark.parametrize("on_device", [False, True], ids=["host", "device"])
+@pytest.mark.parametrize("strategy", ["chain:4", "tree:3,2,6"])
+def test_speculation_keeps_the_state_of_the_kept_tokens_only(hybrid, strategy, on_device):
+    prompts = random_prompts(4, seed=11, min_len=2, max_len=9)
+    want = _want(hybrid, prompts, 20)
+    oracle = _Oracle({tuple(p): p + w for p, w in zip(prompts, want)}, wrong=3, on_device=on_device)
+    engine = RolloutEngine(hybrid, RolloutConfig(strategy=strategy, max_num_seqs=3), drafter=oracle)
+    params = SamplingParams(max_new_tokens=20, temperature=0.0, ignore_eos=True)
+    outs = _run(engine, prompts, params)
+    assert [o.completion_ids for o in outs] == want
+    stats = engine.stats
+    assert 0 < stats.accepted_tokens < stats.drafted_tokens  # drafts kept in part: the rest rolled back
+    assert engine.runner.states.rows == {}  # every verification's rows consumed by its keep
+    assert (engine.stats.overlapped_steps > 0) == on_device  # launched from the device's state, chained
+
+
+class _ArgmaxContinuation(Drafter):
+    """Drafts, from the host's text, the target's own argmax continuation (deterministic drafts,
+    verified as one-hot): at T = 1 a sampled row keeps some of it and rolls the rest back."""
+
+    name = "argmax"
+
+    def __init__(self, model) -> None:
+        self.model, self.memo = model, {}
+
+    def draft(self, step):
+        return draft_from_text(self, step)
+
+    def propose(self, requests, shape):
+        out = []
+        for r in requests:
+            context = tuple(r.seq.prompt_ids + r.seq.output_ids)
+            if context not in self.memo:
+                self.memo[context] = no_cache_greedy(self.model, list(context), shape.depth, eos_id=-1)
+            out.append(DraftTree.chain(self.memo[context][: r.max_depth]))
+        return out
+
+
+def test_sampled_speculation_over_the_state_follows_the_target_exactly():
+    """Chi-square of tokens 2-3 at T = 1 against transformers' own processed joint: the state of
+    every rejected draft is rolled back, whatever was drawn."""
+    model = tiny_family_model("qwen3_5_text")
+    params = SamplingParams(temperature=1.0, top_k=3, max_new_tokens=3)
+    n, prompt = 3000, [5, 9, 17, 33, 3]
+    config = RolloutConfig(strategy="chain:3", max_num_seqs=n, block_size=4, kv_cache_tokens=n * 12)
+    oracle = _ArgmaxContinuation(copy.deepcopy(model))  # its own copy: the engine's runs paged attention
+    engine = RolloutEngine(model, config, eos_token_ids=[], drafter=oracle)
+    outs = engine.generate([prompt] * n, params)
+    assert 0 < engine.stats.accepted_tokens < engine.stats.drafted_tokens
+    vocab = model.config.get_text_config().vocab_size
+    pairs = torch.tensor([o.completion_ids[1] * vocab + o.completion_ids[2] for o in outs])
+    expected = second_and_third_token_joint(model, prompt, params)
+    assert chi_square_pvalue(torch.bincount(pairs, minlength=vocab * vocab), expected) > 1e-3
+
+
+def _drafter_for(kind: str, target):
+    if kind == "lm":  # a drafter LM of an attention-only family
+        return tiny_family_model("llama", seed=11)
+    from tailspec.drafter.eagle3 import Eagle3Config, Eagle3Head
+
+    torch.manual_seed(5)  # an EAGLE-3 head reading features tapped from the hybrid stack
+    head = Eagle3Head(Eagle3Config.for_target(target.config))
+    head.reset_parameters(std=0.05)
+    return head
+
+
+@pytest.mark.parametrize(
+    "strategy, drafter",
+    [
+        ("suffix", None),
+        ("chain:3", "lm"),
+        ("tree:3,2,6", "lm"),
+        ("hybrid:3,2,8", "lm"),
+        ("mirror:chain:2,k=1", "lm"),
+        ("adaptive", "lm"),
+        ("chain:3", "eagle3"),
+        ("tree:3,2,6", "eagle3"),
+    ],
+)
+def test_every_strategy_and_drafter_decodes_transformers_tokens(strategy, drafter):
+    model = tiny_family_model("qwen3_5_text", seed=1)
+    prompts = [p * 3 for p in random_prompts(4, seed=3, min_len=2, max_len=6)]
+    config = RolloutConfig(strategy=strategy, max_num_seqs=3, mirror={"executor": "inline"})
+    engine = RolloutEngine(model, config, drafter=_drafter_for(drafter, model) if drafter else None)
+    params = SamplingParams(max_new_tokens=16, temperature=0.0, ignore_eos=True)
+    assert [o.completion_ids for o in engine.generate(prompts, params)] == _want(model, prompts, 16)
+    assert engine.stats.counts().spec_steps > 0
+    engine.close()
