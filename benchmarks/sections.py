@@ -78,6 +78,7 @@ for _section in (
     Section("selector_sim", "selector_sim:run_selector_sim_section", ("quick",), "the selector's simulator"),
     Section("host", "host:run_host_section", ("quick",), "host work before each captured replay"),
     Section("step_host", "step_host:run_step_host_section", ("quick",), "host time of one decode step per strategy"),
+    Section("hybrid_state", "hybrid_state:run_hybrid_state_section", ("quick",), "what recurrent state costs a step"),
 ):
     register(_section)
 

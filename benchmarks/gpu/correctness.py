@@ -5,9 +5,10 @@
   and ``chain:4`` with an EAGLE-3 head (its target's forwards replay graphs that return its features);
 - sampled: the chi-square test of the joint of completion tokens 2 and 3 (the first speculative step)
   against the target's exact processed distribution;
-- model families: gpt-oss (sinks), Gemma 2 (soft cap), Gemma 4 (per-layer head sizes) and DeepSeek
-  V3 (MLA) at tiny size, each strategy on the device's kernels and graphs against a no-cache
-  recompute (greedy tokens and every sampled token's logprob); a hybrid (Qwen3-Next) refused;
+- model families: gpt-oss (sinks), Gemma 2 (soft cap), Gemma 4 (per-layer head sizes), DeepSeek
+  V3 (MLA) and Qwen3.5 (Gated DeltaNet state in slots, rolled back past rejected drafts; eager, no
+  graphs) at tiny size, each strategy on the device's kernels and graphs against a no-cache
+  recompute (greedy tokens and every sampled token's logprob); a Mamba-2 hybrid (Nemotron-H) refused;
 - bf16: each strategy at full batch against a batch-1 bf16 control of ``none`` (the divergence method
   of "Batch Speculative Decoding Done Right"): where a completion first differs, the control's logit
   margin (top-1 minus top-2) says whether rounding could explain it.
@@ -134,7 +135,7 @@ def bf16_divergence(stage: Stage) -> None:
             )
 
 
-FAMILIES = ("gpt_oss", "gemma2", "gemma4_text", "deepseek_v3")
+FAMILIES = ("gpt_oss", "gemma2", "gemma4_text", "deepseek_v3", "qwen3_5_text")  # the last: Gated DeltaNet state
 FAMILY_STRATEGIES = ("none", "chain:4", "tree:3,2,6", "suffix", "hybrid")
 
 
@@ -186,20 +187,21 @@ def _logprob_error(got: list[float], want: torch.Tensor) -> float:
 
 
 def hybrid_refused(stage: Stage) -> None:
+    """A recurrent mixer the engine holds no state for (Nemotron-H's Mamba-2) is refused, not decoded wrong."""
     from ...rollout.model.model_support import UnservableModel
     from ...testing.families import tiny_family_model
 
     try:
-        model = tiny_family_model("qwen3_next")
+        model = tiny_family_model("nemotron_h")
     except ValueError as e:
-        stage.skip("hybrid refused", f"transformers here cannot build qwen3_next: {str(e).splitlines()[0][:120]}")
+        stage.skip("hybrid refused", f"transformers here cannot build nemotron_h: {str(e).splitlines()[0][:120]}")
         return
     try:
         RolloutEngine(model, RolloutConfig(), eos_token_ids=[])
     except UnservableModel as e:
         stage.check("hybrid refused", "keeps a recurrent state" in str(e), str(e))
         return
-    stage.check("hybrid refused", False, "qwen3_next was served")
+    stage.check("hybrid refused", False, "nemotron_h was served")
 
 
 def run(stage: Stage) -> None:

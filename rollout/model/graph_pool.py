@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from ...kernels.transfers import to_device
+from .recurrent_state import recurrent_mixers
 from .staged_inputs import StagedInputs
 
 logger = logging.getLogger(__name__)
@@ -323,10 +324,11 @@ class GraphPool:
 
 def graph_pool_for(model: torch.nn.Module, config: Any) -> GraphPool | None:
     """The pool ``config.graph_backend`` asks for (a ``RolloutConfig``): captured CUDA graphs on
-    CUDA by default, none on CPU; eager buckets on request."""
+    CUDA by default, none on CPU or for a model with recurrent state (which graphs do not hold yet;
+    asked for by name, the engine refuses it); eager buckets on request."""
     backend = config.graph_backend
     on_cuda = next(model.parameters()).device.type == "cuda"
-    if backend == "none" or (backend == "auto" and not on_cuda):
+    if backend == "none" or (backend == "auto" and (not on_cuda or recurrent_mixers(model))):
         return None
     if backend == "cuda_graph" and not on_cuda:
         raise ValueError("RolloutConfig.graph_backend='cuda_graph' needs the model on a CUDA device")

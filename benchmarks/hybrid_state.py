@@ -1,0 +1,177 @@
+"""What a hybrid model's recurrent state costs a decode step, beside the attention-only model of its shape.
+
+Two random Qwen3.5 models shaped like the deep policy (24 layers x hidden 256, 4 query and 2 K/V
+heads of 64, MLP 768, its 54-token vocabulary): the *hybrid* with three Gated DeltaNet layers to every
+attention layer (Qwen3.5's pattern), and its *attention-only* twin (every layer full attention).
+Arms: ``none``, and ``chain:4`` drafted by the deep policy's drafter LM (random targets: its drafts
+are mostly rejected, so each step verifies five rows and keeps about one, which is what a rollback
+costs most). Per (model, arm, batch) each pass runs one rollout, interleaved; the table gives the
+median over passes of each run's mean milliseconds per decode step (its spread), the hybrid's
+share of it inside its Gated DeltaNet layers (forward hooks), and the memory a sequence holds:
+its state slot, the rows a ``chain:4`` verification holds until its keep, and its K/V per token.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from ..rollout import RolloutConfig, RolloutEngine, SamplingParams
+from ..rollout.model.recurrent_state import recurrent_mixers
+from .policies import BenchPolicy, torch_threads
+from .step_host import ForwardClock
+
+HYBRID_STATE_TITLE = "Recurrent state: what it costs a decode step"
+ARMS = ("none", "chain:4")
+BATCHES = (1, 16)
+PROMPT_TOKENS = 16
+LAYERS = 24
+
+
+def qwen35_like(hybrid: bool, vocab_size: int, seed: int = 0) -> torch.nn.Module:
+    """A random Qwen3.5 of the deep policy's shape: 3:1 Gated DeltaNet to attention, or all attention."""
+    pattern = ["linear_attention"] * 3 + ["full_attention"] if hybrid else ["full_attention"] * 4
+    config = AutoConfig.for_model(
+        "qwen3_5_text",
+        vocab_size=vocab_size,
+        hidden_size=256,
+        intermediate_size=768,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=64,
+        linear_value_head_dim=64,
+        layer_types=pattern * (LAYERS // 4),
+        max_position_embeddings=1024,
+        eos_token_id=1,
+        bos_token_id=2,
+        pad_token_id=0,
+    )
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+
+
+@dataclass
+class StateRun:
+    """One (model, arm, batch) over the passes: each pass's mean ms per decode step and mixer share."""
+
+    model: str
+    arm: str
+    batch: int
+    step_ms: list[float] = field(default_factory=list)
+    mixer_share: list[float] = field(default_factory=list)
+
+
+def measure_run(model: torch.nn.Module, arm: str, batch: int, new_tokens: int, drafter) -> tuple[float, float, dict]:
+    """(mean ms per decode step, the share of it in Gated DeltaNet layers, memory) of one rollout."""
+    config = RolloutConfig(strategy=arm, max_num_seqs=batch, kv_cache_tokens=batch * (PROMPT_TOKENS + new_tokens + 48))
+    engine = RolloutEngine(model, config, eos_token_ids=[1], drafter=drafter if arm != "none" else None)
+    gen = torch.Generator().manual_seed(batch)
+    params = SamplingParams(temperature=0.0, max_new_tokens=new_tokens, ignore_eos=True)
+    for _ in range(batch):
+        engine.add_request(torch.randint(3, model.config.vocab_size, (PROMPT_TOKENS,), generator=gen).tolist(), params)
+    clock = ForwardClock(recurrent_mixers(model))
+    seconds, in_mixers, steps = 0.0, 0.0, 0
+    try:
+        with engine.inference():
+            while engine.has_unfinished():
+                prefills, decodes = engine.stats.prefill_steps, engine.stats.decode_steps
+                before, start = clock.seconds, time.perf_counter()
+                engine.step()
+                if engine.stats.prefill_steps == prefills:
+                    seconds += time.perf_counter() - start
+                    in_mixers += clock.seconds - before
+                    steps += engine.stats.decode_steps - decodes
+    finally:
+        clock.close()
+        engine.close()
+    return 1000 * seconds / steps, in_mixers / seconds, _memory(engine, arm)
+
+
+def _memory(engine: RolloutEngine, arm: str) -> dict:
+    layout = engine.runner.layout
+    attention_layers = sum(t == "full_attention" for t in engine.model.config.layer_types)
+    kv = 2 * layout.num_kv_heads * layout.head_dim * layout.dtype.itemsize * attention_layers
+    states = engine.runner.states
+    slot = states.bytes_per_slot() if states is not None else 0
+    rows = 1 + int(arm.split(":")[1]) if arm.startswith("chain") else 0
+    return {"slot": slot, "verify_rows": rows * slot, "kv_per_token": kv}
+
+
+def measure(passes: int, new_tokens: int, batches=BATCHES, arms=ARMS) -> tuple[list[StateRun], dict]:
+    deep = BenchPolicy.load("deep")
+    vocab = deep.model.config.vocab_size
+    models = {"hybrid": qwen35_like(True, vocab), "attention": qwen35_like(False, vocab)}
+    runs = {(m, a, b): StateRun(m, a, b) for b in batches for a in arms for m in models}
+    memory = {}
+    with torch_threads(1):
+        for model in models.values():  # warm-up: first calls of every path
+            measure_run(model, "chain:4", 2, 4, deep.drafter_lm)
+        for _ in range(passes):
+            for b in batches:
+                for a in arms:
+                    for name, model in models.items():
+                        ms, share, memory[(name, a)] = measure_run(model, a, b, new_tokens, deep.drafter_lm)
+                        runs[(name, a, b)].step_ms.append(ms)
+                        runs[(name, a, b)].mixer_share.append(share)
+    return list(runs.values()), memory
+
+
+def hybrid_state_table(runs: list[StateRun]) -> str:
+    by = {(r.model, r.arm, r.batch): r for r in runs}
+    lines = [
+        "| batch | arm | hybrid ms / step (median, spread) | attention-only ms / step | hybrid / attention-only "
+        "| in Gated DeltaNet layers |",
+        "|---:|---|---:|---:|---:|---:|",
+    ]
+    for b in sorted({r.batch for r in runs}):
+        for a in ARMS:
+            h, t = by[("hybrid", a, b)], by[("attention", a, b)]
+            ratios = [x / y for x, y in zip(h.step_ms, t.step_ms)]
+            lines.append(
+                f"| {b} | {a} | {statistics.median(h.step_ms):.1f} ({min(h.step_ms):.1f}-{max(h.step_ms):.1f}) "
+                f"| {statistics.median(t.step_ms):.1f} | {statistics.median(ratios):.2f} "
+                f"({min(ratios):.2f}-{max(ratios):.2f}) | {100 * statistics.median(h.mixer_share):.0f}% |"
+            )
+    return "\n".join(lines)
+
+
+def memory_line(memory: dict) -> str:
+    hybrid, twin = memory[("hybrid", "chain:4")], memory[("attention", "chain:4")]
+    slot, kv, twin_kv = hybrid["slot"], hybrid["kv_per_token"], twin["kv_per_token"]
+    return (
+        f"Memory a sequence holds: the hybrid's state slot, {slot / 1024:.0f} KiB (18 Gated DeltaNet layers' "
+        f"convolution inputs and fp32 delta-rule states: the attention-only twin's K/V of {slot / twin_kv:.0f} "
+        f"tokens), and {hybrid['verify_rows'] / 1024:.0f} KiB more while a `chain:4` verification holds its five "
+        f"rows' states; K/V {kv / 1024:.1f} KiB a token (6 attention layers) against the twin's "
+        f"{twin_kv / 1024:.1f} KiB (24)."
+    )
+
+
+def run_hybrid_state_section(out: Path, quick: bool = False) -> str:
+    from .report import replace_section
+
+    passes, new_tokens = (1, 4) if quick else (3, 32)
+    runs, memory = measure(passes, new_tokens)
+    table = hybrid_state_table(runs)
+    body = (
+        "Random Qwen3.5 models of the deep policy's shape (24 layers x hidden 256): the hybrid (three Gated "
+        "DeltaNet layers to every attention layer) and its attention-only twin; `none`, and `chain:4` drafted by "
+        "the deep policy's drafter LM (on random targets its drafts are mostly rejected: each step verifies five "
+        "rows, one token a call in the hybrid's Gated DeltaNet layers, and keeps about one). Greedy, "
+        f"{new_tokens} new tokens from {PROMPT_TOKENS}-token prompts, one torch thread, wall ms per decode step: "
+        f"the median over {passes} interleaved passes, with the spread; the Gated DeltaNet layers run "
+        "transformers' torch reference (no flash-linear-attention on this machine).\n\n"
+        f"{table}\n\n{memory_line(memory)}"
+    )
+    with torch_threads(1):  # the section's machine line names the threads it was measured with
+        replace_section(out, HYBRID_STATE_TITLE, body, "tailspec bench --section hybrid_state")
+    return table
