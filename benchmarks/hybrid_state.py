@@ -144,6 +144,21 @@ def hybrid_state_table(runs: list[StateRun]) -> str:
     return "\n".join(lines)
 
 
+def verification_line(runs: list[StateRun]) -> str:
+    """What a ``chain:4`` step costs against a ``none`` step on each model, at each batch."""
+    ms = {(r.model, r.arm, r.batch): statistics.median(r.step_ms) for r in runs}
+    parts = []
+    for b in sorted({r.batch for r in runs}):
+        hybrid = ms[("hybrid", "chain:4", b)] / ms[("hybrid", "none", b)]
+        twin = ms[("attention", "chain:4", b)] / ms[("attention", "none", b)]
+        parts.append(f"{hybrid:.1f}x on the hybrid against {twin:.1f}x on the twin at batch {b}")
+    return (
+        "A `chain:4` step costs a `none` step's time " + ", ".join(parts) + ": the verification's rows run one "
+        "token a call through each Gated DeltaNet layer (its projections too), so on the hybrid a chain "
+        "must keep that many more tokens a step to pay."
+    )
+
+
 def memory_line(memory: dict) -> str:
     hybrid, twin = memory[("hybrid", "chain:4")], memory[("attention", "chain:4")]
     slot, kv, twin_kv = hybrid["slot"], hybrid["kv_per_token"], twin["kv_per_token"]
@@ -170,7 +185,7 @@ def run_hybrid_state_section(out: Path, quick: bool = False) -> str:
         f"{new_tokens} new tokens from {PROMPT_TOKENS}-token prompts, one torch thread, wall ms per decode step: "
         f"the median over {passes} interleaved passes, with the spread; the Gated DeltaNet layers run "
         "transformers' torch reference (no flash-linear-attention on this machine).\n\n"
-        f"{table}\n\n{memory_line(memory)}"
+        f"{table}\n\n{verification_line(runs)}\n\n{memory_line(memory)}"
     )
     with torch_threads(1):  # the section's machine line names the threads it was measured with
         replace_section(out, HYBRID_STATE_TITLE, body, "tailspec bench --section hybrid_state")
