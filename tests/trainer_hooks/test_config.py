@@ -6,7 +6,7 @@ from dataclasses import fields
 
 import pytest
 import yaml
-from test_spec_rollout import _greedy_trainer
+from trainer_stand_in import greedy_trainer
 
 from tailspec.config_tree import ConfigError, field_paths, parse_assignments
 from tailspec.rollout.params import MirrorConfig, RolloutConfig
@@ -51,7 +51,7 @@ def test_every_engine_field_reaches_the_engine_by_name(task_tokenizer, tiny_poli
     # compile=True reaches the engine; compiling itself is tests/rollout/model/test_compiled.py's
     monkeypatch.setattr(CompiledLayers, "active", lambda self: nullcontext())
     rollout = SpecRollout(model=tiny_policy, seed=5, **ENGINE_SETTINGS)
-    trainer, _ = _greedy_trainer(task_tokenizer, tiny_policy, max_completion_length=8)
+    trainer, _ = greedy_trainer(task_tokenizer, tiny_policy, max_completion_length=8)
     rollout([[{"role": "user", "content": "add 1 2"}]] * 2, trainer)
     engine = rollout._engine
     for name, value in ENGINE_SETTINGS.items():

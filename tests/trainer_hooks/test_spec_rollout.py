@@ -3,38 +3,22 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from trl import GRPOConfig
+from trainer_stand_in import greedy_trainer, grpo_args
 
 from tailspec.rollout.params import SamplingParams
 from tailspec.trainer_hooks import SpecRollout, sampling_params_from_trl
 
 
-def _args(**kw):
-    base = dict(output_dir="/tmp/unused", max_completion_length=32, report_to=[], use_cpu=True)
-    base.update(kw)
-    return GRPOConfig(**base)
-
-
-def _greedy_trainer(tokenizer, policy, max_completion_length: int = 24):
-    """A stand-in for GRPOTrainer as SpecRollout reads it (greedy), and its metrics store."""
-    metrics = {"train": defaultdict(list), "eval": defaultdict(list)}
-    trainer = SimpleNamespace(
-        args=_args(max_completion_length=max_completion_length, generation_kwargs={"do_sample": False}),
-        processing_class=tokenizer,
-        model=policy,
-        _metrics=metrics,
-    )
-    return trainer, metrics
-
-
 def test_sampling_params_follow_grpo_config():
-    sp = sampling_params_from_trl(_args(temperature=0.7, top_p=0.9, top_k=20, min_p=0.05))
+    sp = sampling_params_from_trl(grpo_args(temperature=0.7, top_p=0.9, top_k=20, min_p=0.05))
     assert sp == SamplingParams(temperature=0.7, top_p=0.9, top_k=20, min_p=0.05, max_new_tokens=32)
-    assert sampling_params_from_trl(_args()).min_p == 0.0  # GRPOConfig.min_p=None means off
+    assert sampling_params_from_trl(grpo_args()).min_p == 0.0  # GRPOConfig.min_p=None means off
 
 
 def test_generation_kwargs_override_and_greedy():
-    sp = sampling_params_from_trl(_args(generation_kwargs={"do_sample": False, "max_tokens": 7, "stop_token_ids": [5]}))
+    sp = sampling_params_from_trl(
+        grpo_args(generation_kwargs={"do_sample": False, "max_tokens": 7, "stop_token_ids": [5]})
+    )
     assert sp.greedy and sp.max_new_tokens == 7 and sp.stop_token_ids == (5,)
 
 
@@ -49,7 +33,7 @@ def test_generation_kwargs_override_and_greedy():
 )
 def test_unsupported_sampling_is_refused(kwargs, match):
     with pytest.raises(ValueError, match=match):
-        sampling_params_from_trl(_args(**kwargs))
+        sampling_params_from_trl(grpo_args(**kwargs))
 
 
 def test_tokenize_prompts_matches_chat_template(task_tokenizer):
@@ -73,7 +57,7 @@ def test_rollout_contract_with_repeated_prompts(task_tokenizer, tiny_policy):
     convs = [[{"role": "user", "content": f"add {i} {i + 1}"}] for i in range(3)]
     prompts = [c for c in convs for _ in range(4)]  # TRL repeats each prompt num_generations times
     trainer = SimpleNamespace(
-        args=_args(max_completion_length=10, generation_kwargs={"do_sample": False}),
+        args=grpo_args(max_completion_length=10, generation_kwargs={"do_sample": False}),
         processing_class=task_tokenizer,
         model=tiny_policy,
     )
@@ -107,7 +91,7 @@ def test_speculative_rollout_matches_plain_and_logs_acceptance(task_tokenizer, t
 
     convs = [[{"role": "user", "content": f"add {i} {i + 2} {i + 1}"}] for i in range(3)]
     prompts = [c for c in convs for _ in range(3)]
-    trainer, metrics = _greedy_trainer(task_tokenizer, tiny_policy)
+    trainer, metrics = greedy_trainer(task_tokenizer, tiny_policy)
     plain = SpecRollout(model=tiny_policy)(prompts, trainer)
     drafter = perturbed_copy(tiny_policy, noise=0.2, seed=1) if strategy != "suffix" else None
     rollout = SpecRollout(model=tiny_policy, strategy=strategy, drafter=drafter)
@@ -138,7 +122,7 @@ def test_eagle3_head_drafts_and_trains_online_between_rollouts(task_tokenizer, t
 
     convs = [[{"role": "user", "content": f"add {i} {i + 2} {i + 1}"}] for i in range(3)]
     prompts = [c for c in convs for _ in range(2)]
-    trainer, metrics = _greedy_trainer(task_tokenizer, tiny_policy)
+    trainer, metrics = greedy_trainer(task_tokenizer, tiny_policy)
     plain = SpecRollout(model=tiny_policy)(prompts, trainer)
     torch.manual_seed(0)
     head = Eagle3Head(Eagle3Config.for_target(tiny_policy.config))
@@ -170,7 +154,7 @@ def test_streaming_heads_train_online_between_rollouts_and_resume(task_tokenizer
 
     convs = [[{"role": "user", "content": f"add {i} {i + 2} {i + 1}"}] for i in range(3)]
     prompts = [c for c in convs for _ in range(2)]
-    trainer, metrics = _greedy_trainer(task_tokenizer, tiny_policy)
+    trainer, metrics = greedy_trainer(task_tokenizer, tiny_policy)
     plain = SpecRollout(model=tiny_policy)(prompts, trainer)
     lm = perturbed_copy(tiny_policy, noise=0.05, seed=3)
 
@@ -206,7 +190,7 @@ def test_a_bare_drafter_lm_is_distilled_online_behind_the_held_out_gate_and_resu
 
     convs = [[{"role": "user", "content": f"add {i} {i + 2} {i + 1}"}] for i in range(4)]
     prompts = [c for c in convs for _ in range(2)]
-    trainer, metrics = _greedy_trainer(task_tokenizer, tiny_policy)
+    trainer, metrics = greedy_trainer(task_tokenizer, tiny_policy)
     plain = SpecRollout(model=tiny_policy)(prompts, trainer)
     lm = perturbed_copy(tiny_policy, noise=0.3, seed=3)
     training = DraftLMTrainingConfig(learning_rate=1e-3, batch_size=4)
@@ -241,7 +225,7 @@ def test_online_drafters_draft_on_the_engine_s_bf16_copy(task_tokenizer, tiny_po
     import torch
 
     convs = [[{"role": "user", "content": f"add {i} {i + 2}"}] for i in range(3)]
-    trainer, _ = _greedy_trainer(task_tokenizer, tiny_policy)
+    trainer, _ = greedy_trainer(task_tokenizer, tiny_policy)
     plain = SpecRollout(model=tiny_policy, dtype="bfloat16")(convs, trainer)
     rollout = SpecRollout(
         model=tiny_policy,
@@ -267,7 +251,7 @@ def test_the_self_speculative_exit_adapter_trains_online_and_resumes(task_tokeni
     checkpoint carries it and its optimizer."""
     convs = [[{"role": "user", "content": f"add {i} {i + 1} {i + 3}"}] for i in range(3)]
     prompts = [c for c in convs for _ in range(2)]
-    trainer, metrics = _greedy_trainer(task_tokenizer, tiny_policy)
+    trainer, metrics = greedy_trainer(task_tokenizer, tiny_policy)
     plain = SpecRollout(model=tiny_policy)(prompts, trainer)
 
     def self_rollout() -> SpecRollout:
@@ -303,7 +287,7 @@ def test_adaptive_rollout_is_lossless_and_reports_its_strategy_mix(task_tokenize
 
     convs = [[{"role": "user", "content": f"add {i} {i + 3}"}] for i in range(4)]
     prompts = [c for c in convs for _ in range(2)]
-    trainer, metrics = _greedy_trainer(task_tokenizer, tiny_policy)
+    trainer, metrics = greedy_trainer(task_tokenizer, tiny_policy)
     plain = SpecRollout(model=tiny_policy)(prompts, trainer)
     rollout = SpecRollout(
         model=tiny_policy,
@@ -335,7 +319,7 @@ def test_position_noise_makes_sampled_rollouts_independent_of_the_strategy(task_
     prompts = [c for c in convs for _ in range(4)]
     metrics = {"train": defaultdict(list), "eval": defaultdict(list)}
     trainer = SimpleNamespace(
-        args=_args(max_completion_length=24, seed=5),
+        args=grpo_args(max_completion_length=24, seed=5),
         processing_class=task_tokenizer,
         model=tiny_policy,
         _metrics=metrics,
@@ -368,7 +352,7 @@ def test_catch_up_raises_the_online_heads_learning_rate_after_a_fall(task_tokeni
     from tailspec.drafter.eagle3.train import DrafterTrainingConfig
 
     convs = [[{"role": "user", "content": f"add {i} {i + 2} {i + 1}"}] for i in range(2)]
-    trainer, _ = _greedy_trainer(task_tokenizer, tiny_policy)
+    trainer, _ = greedy_trainer(task_tokenizer, tiny_policy)
     torch.manual_seed(0)
     head = Eagle3Head(Eagle3Config.for_target(tiny_policy.config))
     rollout = SpecRollout(
@@ -399,7 +383,7 @@ def test_a_drafter_the_resized_policy_outgrew_is_set_aside_with_a_warning(task_t
 
     tokenizer = copy.deepcopy(task_tokenizer)
     prompts = [[{"role": "user", "content": f"add {i} {i + 2}"}] for i in range(3)]
-    trainer, metrics = _greedy_trainer(tokenizer, tiny_policy)
+    trainer, metrics = greedy_trainer(tokenizer, tiny_policy)
     rollout = SpecRollout(model=tiny_policy, strategy="chain:3", drafter=perturbed_copy(tiny_policy, 0.1, seed=1))
     rollout(prompts, trainer)
     assert rollout.last_stats.drafter_health == 1.0
