@@ -215,3 +215,30 @@ def second_and_third_token_joint(model: torch.nn.Module, prompt: list[int], para
         for b in p2.nonzero().flatten().tolist():
             joint[b] += p1[a] * p2[b] * probs(prompt + [a, b])
     return joint.reshape(-1)
+
+
+# families whose transformers forward without a cache and with one round differently by more than the
+# walk's 1e-4 (Nemotron-H's Mamba-2: its chunked scan against its one-token update, about 1e-3 in a
+# token's logprob at tiny size): their oracle is transformers' own cached decode (its ``generate``)
+CACHED_ORACLE = frozenset({"nemotron_h"})
+
+
+@torch.no_grad()
+def cached_logprobs(model: torch.nn.Module, prompt: list[int], completion: list[int]) -> torch.Tensor:
+    """The log-probability of each completion token as transformers' own cached decode computes it:
+    the prompt in one forward with a cache, then one token a forward (``[len(completion)]``, float64)."""
+    device = next(model.parameters()).device
+    out = model(input_ids=torch.tensor([list(prompt)], device=device), use_cache=True)
+    logits, cache, got = out.logits[0, -1], out.past_key_values, []
+    for token in completion:
+        got.append(logits.double().log_softmax(-1)[token])
+        out = model(input_ids=torch.tensor([[token]], device=device), past_key_values=cache, use_cache=True)
+        logits, cache = out.logits[0, -1], out.past_key_values
+    return torch.stack(got).cpu()
+
+
+def oracle_logprobs(model: torch.nn.Module, prompt: list[int], completion: list[int]) -> torch.Tensor:
+    """What the engine's logprobs are measured against: a no-cache forward, or for the families in
+    :data:`CACHED_ORACLE` transformers' cached decode."""
+    family = str(getattr(model.config, "model_type", ""))
+    return (cached_logprobs if family in CACHED_ORACLE else no_cache_logprobs)(model, prompt, completion)

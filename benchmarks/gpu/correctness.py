@@ -8,7 +8,7 @@
 - model families: gpt-oss (sinks), Gemma 2 (soft cap), Gemma 4 (per-layer head sizes), DeepSeek
   V3 (MLA) and Qwen3.5 (Gated DeltaNet state in slots, rolled back past rejected drafts; eager, no
   graphs) at tiny size, each strategy on the device's kernels and graphs against a no-cache
-  recompute (greedy tokens and every sampled token's logprob); a Mamba-2 hybrid (Nemotron-H) refused;
+  recompute (greedy tokens and every sampled token's logprob); a Mamba hybrid (Jamba) refused;
 - bf16: each strategy at full batch against a batch-1 bf16 control of ``none`` (the divergence method
   of "Batch Speculative Decoding Done Right"): where a completion first differs, the control's logit
   margin (top-1 minus top-2) says whether rounding could explain it.
@@ -187,21 +187,21 @@ def _logprob_error(got: list[float], want: torch.Tensor) -> float:
 
 
 def hybrid_refused(stage: Stage) -> None:
-    """A recurrent mixer the engine holds no state for (Nemotron-H's Mamba-2) is refused, not decoded wrong."""
+    """A recurrent mixer the engine holds no state for (Jamba's Mamba) is refused, not decoded wrong."""
     from ...rollout.model.model_support import UnservableModel
     from ...testing.families import tiny_family_model
 
     try:
-        model = tiny_family_model("nemotron_h")
+        model = tiny_family_model("jamba")
     except ValueError as e:
-        stage.skip("hybrid refused", f"transformers here cannot build nemotron_h: {str(e).splitlines()[0][:120]}")
+        stage.skip("hybrid refused", f"transformers here cannot build jamba: {str(e).splitlines()[0][:120]}")
         return
     try:
         RolloutEngine(model, RolloutConfig(), eos_token_ids=[])
     except UnservableModel as e:
         stage.check("hybrid refused", "keeps a recurrent state" in str(e), str(e))
         return
-    stage.check("hybrid refused", False, "nemotron_h was served")
+    stage.check("hybrid refused", False, "jamba was served")
 
 
 def run(stage: Stage) -> None:

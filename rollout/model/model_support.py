@@ -36,7 +36,7 @@ import torch
 
 from .kv_cache import KVLayout
 from .layer_taps import decoder_of
-from .recurrent_state import GATED_DELTA_NETS
+from .recurrent_state import RECURRENT_MIXERS
 
 # what ``paged_attention_forward`` takes beyond query, key, value and mask: ``dropout`` is 0 in
 # eval mode, ``is_causal`` is the paged mask's own, ``position_ids`` and ``output_attentions``
@@ -59,7 +59,8 @@ SERVED_FAMILIES = frozenset(
         "granite_swa", "granitemoe", "granitemoe_swa", "granitemoeshared", "helium", "hy_v3", "hyperclovax",
         "internlm3", "iquestcoder", "jais2", "jetmoe", "kolibri1", "laguna", "lfm2", "llama", "mellum",
         "mimo_v2_flash", "minicpm3", "minimax_m2", "ministral3", "mistral", "mixtral", "modernbert-decoder",
-        "moshi", "moss_transcribe_diarize", "nanochat", "olmo", "olmo2", "olmo3", "olmoe", "opt", "persimmon",
+        "moshi", "moss_transcribe_diarize", "nanochat", "nemotron_h", "olmo", "olmo2", "olmo3", "olmoe", "opt",
+        "persimmon",
         "phi", "phi3", "phi4_multimodal", "phimoe", "qwen2", "qwen2_moe", "qwen3", "qwen3_5", "qwen3_5_moe",
         "qwen3_5_moe_text", "qwen3_5_text", "qwen3_moe", "qwen3_next", "seed_oss",
         "smollm3", "solar_open", "starcoder2", "vaultgemma", "youtu",
@@ -160,7 +161,7 @@ def check_model(model: torch.nn.Module, role: str = "model") -> None:
         for module in layer.modules():
             traits = module_traits(type(module))
             where = f"{type(module).__name__} (layer {i})"
-            if type(module).__name__ in GATED_DELTA_NETS:  # its state in slots beside the paged cache
+            if type(module).__name__ in RECURRENT_MIXERS:  # its state in slots beside the paged cache
                 attends = True
                 continue
             if traits.keeps_state:
@@ -172,10 +173,16 @@ def check_model(model: torch.nn.Module, role: str = "model") -> None:
                 attends = True
             elif traits.attends_itself:
                 raise refuse(f"{where} computes its attention itself, outside transformers' AttentionInterface")
-        if not attends:
+        if not attends and not _token_wise(layer):
             raise refuse(f"{type(layer).__name__} (layer {i}) mixes tokens without transformers' AttentionInterface")
     if family not in SERVED_FAMILIES:
         raise refuse("not among the families measured exact against a no-cache recompute (README, 'Models')")
+
+
+def _token_wise(layer: torch.nn.Module) -> bool:
+    """A decoder block that declares it mixes no tokens: Nemotron-H's MLP and MoE blocks (its
+    ``block_type``; the family's token mixers are its attention and Mamba-2 blocks)."""
+    return type(layer).__name__ == "NemotronHBlock" and layer.block_type in ("mlp", "moe")
 
 
 def _attention_module(layer: torch.nn.Module) -> torch.nn.Module | None:

@@ -1,13 +1,14 @@
 """Recurrent state beside the paged cache: the Gated DeltaNet layers of Qwen3.5 (dense and MoE) and
-Qwen3-Next, three of every four decoder layers by default.
+Qwen3-Next (three of every four decoder layers by default) and the Mamba-2 layers of Nemotron-H.
 
-A Gated DeltaNet layer carries two tensors from one forward to the next: a short convolution's
-last ``K`` inputs (``[conv_dim, K]``) and the delta rule's state (``[heads, key size, value size]``,
-fp32). Transformers keeps them in its ``Cache`` for a padded batch; the engine packs every
-sequence's new tokens into one row, so here each running sequence holds one *slot* of every such
-layer's state (:class:`RecurrentStates`: allocated when the scheduler starts it, freed when it
-stops running: finished, aborted, handed over or preempted), and the layer runs once per
-sequence's segment of the packed row from that sequence's slot (:func:`recurrent_state_enabled`).
+Such a layer carries two tensors from one forward to the next: a short convolution's last ``K``
+inputs (``[conv_dim, K]``) and its recurrence's state (the delta rule's ``[heads, key size, value
+size]``, fp32; Mamba-2's SSM state ``[heads, head size, state size]``). Transformers keeps them in
+its ``Cache`` for a padded batch; the engine packs every sequence's new tokens into one row, so
+here each running sequence holds one *slot* of every such layer's state (:class:`RecurrentStates`:
+allocated when the scheduler starts it, freed when it stops running: finished, aborted, handed over
+or preempted), and the layer runs once per sequence's segment of the packed row from that
+sequence's slot (:func:`recurrent_state_enabled`).
 One sequence's state never sees another's tokens.
 
 The layer's own ``forward`` does the arithmetic (its projections, its convolution, transformers'
@@ -44,13 +45,16 @@ from functools import partial
 
 import torch
 
-# the token mixers served here: transformers' Gated DeltaNet classes (the same cache calls, the same state)
-GATED_DELTA_NETS = frozenset({"Qwen3_5GatedDeltaNet", "Qwen3_5MoeGatedDeltaNet", "Qwen3NextGatedDeltaNet"})
+# the token mixers served here: transformers' classes that keep their state through the same cache calls
+# (get/update conv and recurrent state; a one-token call from a state, several from the chunked form)
+RECURRENT_MIXERS = frozenset(
+    {"Qwen3_5GatedDeltaNet", "Qwen3_5MoeGatedDeltaNet", "Qwen3NextGatedDeltaNet", "NemotronHMamba2Mixer"}
+)
 
 
 def recurrent_mixers(model: torch.nn.Module) -> list[torch.nn.Module]:
     """``model``'s token mixers that keep a recurrent state served here, in layer order."""
-    return [m for m in model.modules() if type(m).__name__ in GATED_DELTA_NETS]
+    return [m for m in model.modules() if type(m).__name__ in RECURRENT_MIXERS]
 
 
 class RecurrentStates:
@@ -127,7 +131,8 @@ class _SlotCache:
         self.states, self.layer, self.fresh = states, layer, fresh
         self.slots = torch.tensor(slots, dtype=torch.long)
         self.conv_kernel_size: int | None = None
-        self._conv: torch.Tensor | None = None  # the gathered conv state the layer may update in place
+        self._conv: torch.Tensor | None = None  # the gathered states a layer may update in place
+        self._recurrent: torch.Tensor | None = None
 
     def get_conv_state(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor | None:
         if self.fresh:
@@ -143,7 +148,8 @@ class _SlotCache:
         if self.fresh:
             return None
         table = self.states.recurrent[self.layer]
-        return table[self.slots.to(table.device)]
+        self._recurrent = table[self.slots.to(table.device)]
+        return self._recurrent
 
     def is_recording_past(self, layer_idx: int) -> bool:
         return False
@@ -164,13 +170,17 @@ class _SlotCache:
 
     def update_recurrent_state(self, recurrent_states: torch.Tensor, layer_idx: int, state_idx: int = 0, **kwargs):
         self.states.store(self.states.recurrent, self.layer, self.slots.to(recurrent_states.device), recurrent_states)
+        self._recurrent = None  # stored: nothing is updated in place after this
         return recurrent_states
 
     def written_in_place(self) -> None:
-        """A one-token call updates the gathered conv state in place (transformers'
-        ``causal_conv1d_update``): write it back to the slots."""
+        """A one-token call updates the gathered states in place (transformers' ``causal_conv1d_update``;
+        Mamba-2's ``selective_state_update`` its SSM state, which it never hands back): write them back."""
         if self._conv is not None:
             self._store_conv(self._conv)
+        if self._recurrent is not None:
+            table = self.states.recurrent[self.layer]
+            self.states.store(self.states.recurrent, self.layer, self.slots.to(table.device), self._recurrent)
 
     def _store_conv(self, value: torch.Tensor) -> None:
         self.states.store(self.states.conv, self.layer, self.slots.to(value.device), value)
@@ -290,8 +300,8 @@ def refuse_what_state_cannot_serve(states: RecurrentStates | None, prefix_cachin
     """Refuse, by name, what a model with recurrent state would decode wrong: prefix caching."""
     if states is not None and prefix_caching:
         raise ValueError(
-            "prefix_caching: the model's Gated DeltaNet layers keep a recurrent state, which a cached prefix "
-            "does not hold; use prefix_caching=False"
+            "prefix_caching: the model's recurrent layers (Gated DeltaNet, Mamba-2) keep a state, which a "
+            "cached prefix does not hold; use prefix_caching=False"
         )
 
 

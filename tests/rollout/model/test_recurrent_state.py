@@ -20,12 +20,13 @@ from tailspec.rollout.model.recurrent_state import RecurrentStates
 from tailspec.testing import chi_square_pvalue, random_prompts
 from tailspec.testing.families import (
     no_cache_greedy,
-    no_cache_logprobs,
+    oracle_logprobs,
     second_and_third_token_joint,
     tiny_family_model,
 )
 
-HYBRIDS = ["qwen3_5_text", "qwen3_5_moe_text", "qwen3_next"]
+HYBRIDS = ["qwen3_5_text", "qwen3_5_moe_text", "qwen3_next", "nemotron_h"]
+
 GREEDY = SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True)
 
 
@@ -57,7 +58,7 @@ def test_continuous_batching_decodes_transformers_tokens_and_logprobs(hybrid):
     outs = _run(engine, prompts)
     assert [o.completion_ids for o in outs] == _want(hybrid, prompts)
     for prompt, out in zip(prompts, outs):
-        want = no_cache_logprobs(hybrid, prompt, out.completion_ids)
+        want = oracle_logprobs(hybrid, prompt, out.completion_ids)
         torch.testing.assert_close(torch.tensor(out.logprobs, dtype=torch.float64), want, atol=1e-4, rtol=0)
     assert engine.runner.states.num_free == 3  # every slot back
     assert engine.runner.states.bytes_per_slot() > 0
@@ -129,7 +130,7 @@ def test_an_aborted_request_frees_its_slot_and_the_others_stay_exact():
 
 def test_what_the_state_cannot_serve_yet_is_refused_by_name():
     model = tiny_family_model("qwen3_5_text")
-    with pytest.raises(ValueError, match="prefix_caching: the model's Gated DeltaNet layers keep a recurrent state"):
+    with pytest.raises(ValueError, match=r"prefix_caching: the model's recurrent layers \(Gated DeltaNet, Mamba-2\)"):
         RolloutEngine(model, RolloutConfig(prefix_caching=True))
     with pytest.raises(ValueError, match="its Qwen3_5GatedDeltaNet layers keep a recurrent state.*policy only"):
         RolloutEngine(model, RolloutConfig(strategy="chain:2"), drafter="self:2")  # its own layers as a drafter LM
