@@ -124,3 +124,22 @@ def test_the_loop_holds_the_step_in_flight_alone():
         text = (ROOT / rel).read_text()
         assert not [name for name in names if name in text], rel
     assert not (ROOT / "rollout" / "decode_step.py").exists()
+
+
+def test_mirror_is_a_drafter_the_engine_does_not_name():
+    """Mirror-SD is a drafter (rollout/mirror/drafter.py) the factory builds: the engine, the proposer
+    and the launcher neither build nor name its pipeline, slot or executor switches."""
+    for rel in ("rollout/engine.py", "rollout/proposer.py", "rollout/launcher.py"):
+        text = (ROOT / rel).read_text()
+        named = ("MirrorSlot", "MirrorPipeline", "MirrorDrafter", "use_draft_executor", "mirror_capable")
+        assert not [n for n in named if n in text], rel
+    assert not (ROOT / "rollout" / "mirror" / "slot.py").exists()
+
+
+def test_a_drafter_implements_at_most_eight_methods_and_drafts_one_way():
+    """The contract's methods (draft the one abstract) and no second way to draft on it."""
+    from tailspec.draft_contract import Drafter
+
+    methods = {n for n, v in vars(Drafter).items() if callable(v) and not n.startswith("_")}
+    assert len(methods) <= 8 and Drafter.__abstractmethods__ == frozenset({"draft"})
+    assert not methods & {"propose", "draft_on_device", "draft_tree_on_device", "accepted", "settled_on_device"}
