@@ -122,7 +122,40 @@ class Segment:
     num_new: int
 
 
-class _SlotCache:
+class _OlderCacheCalls:
+    """The cache calls transformers made before 5.23 as well (the GPU image's 5.17 reads
+    ``has_previous_state`` and the states through ``layers[i]``), answered from the same states."""
+
+    def has_previous_state(self, layer_idx: int, state_idx: int = 0) -> bool:
+        return self.get_conv_state(layer_idx) is not None
+
+    @property
+    def layers(self) -> _LayerStates:
+        return _LayerStates(self)
+
+
+class _LayerStates:
+    """``cache.layers[i]`` as an older transformers reads it: ``conv_states[0]``, ``recurrent_states[0]``."""
+
+    record_past = False
+
+    def __init__(self, cache) -> None:
+        self.cache = cache
+
+    def __getitem__(self, layer_idx: int) -> _LayerStates:
+        self.layer_idx = layer_idx
+        return self
+
+    @property
+    def conv_states(self) -> list[torch.Tensor | None]:
+        return [self.cache.get_conv_state(self.layer_idx)]
+
+    @property
+    def recurrent_states(self) -> list[torch.Tensor | None]:
+        return [self.cache.get_recurrent_state(self.layer_idx)]
+
+
+class _SlotCache(_OlderCacheCalls):
     """What a Gated DeltaNet layer's ``forward`` asks of transformers' ``Cache``, answered from the
     slots of one call's sequences (a batch of one-token segments, or one segment): their states
     before the call (None where a sequence starts here), and their updates written back."""
@@ -186,7 +219,7 @@ class _SlotCache:
         self.states.store(self.states.conv, self.layer, self.slots.to(value.device), value)
 
 
-class _RowCache:
+class _RowCache(_OlderCacheCalls):
     """A one-token call's cache for a verification row: the states it starts from (its parent
     row's, or its sequence's slot's), and the states after it, kept for :meth:`RecurrentStates.keep`."""
 
