@@ -83,7 +83,7 @@ class StepLauncher:
         step = EngineDraftStep(seqs, strategy, previous, self.runner, self.max_model_len, self.config.length_budget)
         start = time.perf_counter()
         drafts = drafter.draft(step)
-        draft_s = time.perf_counter() - start
+        draft_s = time.perf_counter() - start - step.commit_s
         if isinstance(drafts, DeviceDrafts):
             return self.on_device.launch(step, drafter, drafts, draft_s)
         trees = step.fitted(drafts, drafter.name)

@@ -15,6 +15,7 @@ The drafter picks the state it drafts from by what it asks for (``Drafter.draft`
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from dataclasses import replace
@@ -59,6 +60,7 @@ class EngineDraftStep(DraftStep):
         self.shape, self.tree = strategy.shape, strategy.kind == "tree"
         self.runner, self.max_model_len, self.length_budget = runner, max_model_len, length_budget
         self.inputs: DeviceDraftInputs | None = None  # what on_device handed out
+        self.commit_s = 0.0  # seconds spent committing the step before (not this step's drafting)
         self.requests: list[DraftRequest] | None = None  # what on_host handed out
         self._depths: list[int] = []  # each sequence's depth limit (0: it does not draft)
 
@@ -69,8 +71,7 @@ class EngineDraftStep(DraftStep):
         chained = previous if isinstance(previous, DeviceLaunch) and not previous.committed else None
         rows = chained.rows_of(seqs) if chained is not None else None
         if rows is None:
-            chained, seqs = None, committed_first(seqs, previous)
-            self.seqs = seqs
+            chained, seqs = None, self._committed_first()
             if not seqs:
                 return None
         nodes = static_tree_nodes(self.shape) if self.tree else self.shape.depth
@@ -86,7 +87,7 @@ class EngineDraftStep(DraftStep):
 
     def on_host(self) -> list[DraftRequest]:
         if self.requests is None:
-            self.seqs = committed_first(self.seqs, self.previous)
+            self._committed_first()
             drafting = drafting_mask(self.seqs, self.length_budget)
             self._depths = [max_draft_depth(s, self.shape) if d else 0 for s, d in zip(self.seqs, drafting)]
             self.requests = [DraftRequest(s, n) for s, n in zip(self.seqs, self._depths) if n > 0]
@@ -105,6 +106,13 @@ class EngineDraftStep(DraftStep):
         trees = [next(proposed) if n > 0 else EMPTY_DRAFT for n in self._depths]
         cache = self.runner.cache
         return [fit_draft(s, t, cache.allocator, cache.block_size) for s, t in zip(self.seqs, trees)]
+
+    def _committed_first(self) -> list[Sequence]:
+        """The step before committed: the sequences still running, timed apart from the drafting."""
+        start = time.perf_counter()
+        self.seqs = committed_first(self.seqs, self.previous)
+        self.commit_s += time.perf_counter() - start
+        return self.seqs
 
     def _reserve(self, reserve: Reserve, lengths: list[int], nodes: int, drafter_rows: int, from_host: bool) -> bool:
         """Blocks for each sequence's fully accepted step (its pending token at ``lengths[i]``, then
