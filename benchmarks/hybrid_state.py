@@ -166,8 +166,9 @@ def memory_line(memory: dict) -> str:
         f"Memory a sequence holds: the hybrid's state slot, {slot / 1024:.0f} KiB (18 Gated DeltaNet layers' "
         f"convolution inputs and fp32 delta-rule states: the attention-only twin's K/V of {slot / twin_kv:.0f} "
         f"tokens), and {hybrid['verify_rows'] / 1024:.0f} KiB more while a `chain:4` verification holds its five "
-        f"rows' states; K/V {kv / 1024:.1f} KiB a token (6 attention layers) against the twin's "
-        f"{twin_kv / 1024:.1f} KiB (24)."
+        f"rows' states. Its 6 attention layers need {kv / 1024:.1f} KiB of K/V a token against the twin's "
+        f"{twin_kv / 1024:.1f} KiB (24 layers), but the paged cache allocates a K/V tensor for every decoder "
+        f"layer today, so the hybrid's cache is the twin's size with three quarters of it unused."
     )
 
 
