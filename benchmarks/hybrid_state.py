@@ -97,9 +97,7 @@ def measure_run(model: torch.nn.Module, arm: str, batch: int, new_tokens: int, d
 
 
 def _memory(engine: RolloutEngine, arm: str) -> dict:
-    layout = engine.runner.layout
-    attention_layers = sum(t == "full_attention" for t in engine.model.config.layer_types)
-    kv = 2 * layout.num_kv_heads * layout.head_dim * layout.dtype.itemsize * attention_layers
+    kv = engine.runner.layout.bytes_per_token()  # what the paged cache holds a token
     states = engine.runner.states
     slot = states.bytes_per_slot() if states is not None else 0
     rows = 1 + int(arm.split(":")[1]) if arm.startswith("chain") else 0
@@ -166,9 +164,8 @@ def memory_line(memory: dict) -> str:
         f"Memory a sequence holds: the hybrid's state slot, {slot / 1024:.0f} KiB (18 Gated DeltaNet layers' "
         f"convolution inputs and fp32 delta-rule states: the attention-only twin's K/V of {slot / twin_kv:.0f} "
         f"tokens), and {hybrid['verify_rows'] / 1024:.0f} KiB more while a `chain:4` verification holds its five "
-        f"rows' states. Its 6 attention layers need {kv / 1024:.1f} KiB of K/V a token against the twin's "
-        f"{twin_kv / 1024:.1f} KiB (24 layers), but the paged cache allocates a K/V tensor for every decoder "
-        f"layer today, so the hybrid's cache is the twin's size with three quarters of it unused."
+        f"rows' states; K/V {kv / 1024:.1f} KiB a token (the paged cache holds its 6 attention layers' only) "
+        f"against the twin's {twin_kv / 1024:.1f} KiB (24)."
     )
 
 

@@ -208,14 +208,15 @@ def _cache_shape(module: torch.nn.Module, text_config) -> tuple[int, int, int]:
 
 def kv_layout_of(model: torch.nn.Module, dtype: torch.dtype, device: torch.device) -> KVLayout:
     """The paged cache's layout for ``model`` (checked by :func:`check_model`): each layer's K/V
-    shape as its attention module declares it."""
+    shape as its attention module declares it; a layer without one (a hybrid's recurrent or MLP
+    block) holds none, ``(0, 0, 0)``: its cache tensors take no memory and index like the others."""
     base = KVLayout.from_hf_config(model.config, dtype, device)
     layers = _layers(model)
     modules = [_attention_module(layer) for layer in layers] if layers is not None else []
-    if not modules or any(m is None for m in modules):
+    if all(m is None for m in modules):
         return base
     text_config = model.config.get_text_config(decoder=True)
-    shapes = tuple(_cache_shape(m, text_config) for m in modules)
+    shapes = tuple(_cache_shape(m, text_config) if m is not None else (0, 0, 0) for m in modules)
     uniform = len(set(shapes)) == 1 and shapes[0][1] == shapes[0][2]
-    heads, key, _ = shapes[0]
+    heads, key, _ = next(s for s in shapes if s[0])
     return KVLayout(len(shapes), heads, key, dtype, device, None if uniform else shapes)
