@@ -312,23 +312,6 @@ def verification_segments(slots, new: int, tree, device: torch.device) -> tuple[
     return segments, parents
 
 
-def recurrent_states_for(model: torch.nn.Module, role: str, slots: int, graph_pool) -> RecurrentStates | None:
-    """The state slots a runner of ``model`` needs (None: no recurrent layer). ``slots``: one per
-    sequence it may run at once, plus scratch; a runner that cannot give each sequence its slot (a
-    drafter LM's), or that replays captured graphs, is refused by name."""
-    from .model_support import UnservableModel, family_of  # which imports this module's GATED_DELTA_NETS
-
-    mixers = recurrent_mixers(model)
-    if not mixers:
-        return None
-    what = f"{role} family {family_of(model)!r}: its {type(mixers[0]).__name__} layers keep a recurrent state"
-    if slots < 2:
-        raise UnservableModel(f"{what}, which tailspec serves for the policy only, not as a drafter LM")
-    if graph_pool is not None:
-        raise ValueError(f"{what}, which captured graphs do not hold yet; use RolloutConfig(graph_backend='none')")
-    return RecurrentStates(slots)
-
-
 def refuse_what_state_cannot_serve(states: RecurrentStates | None, prefix_caching: bool) -> None:
     """Refuse, by name, what a model with recurrent state would decode wrong: prefix caching."""
     if states is not None and prefix_caching:

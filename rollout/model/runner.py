@@ -35,9 +35,9 @@ from .graph_pool import GraphKey, GraphPool, input_signature
 from .kv_cache import PagedKVCache
 from .layer_taps import decoder_layers, features_of, tapped
 from .merged_projections import MergedProjections
-from .model_support import check_model, kv_layout_of
+from .model_support import check_model, kv_layout_of, recurrent_states_for
 from .padded_metadata import build_padded_metadata, padded_rows
-from .recurrent_state import recurrent_state_enabled, recurrent_states_for, segments_of, verification_segments
+from .recurrent_state import recurrent_state_enabled, segments_of, verification_segments
 
 # a packed forward as the step loop and calibration call it (ModelRunner.forward, or a wrapper of
 # it): sequences, their new tokens, those tokens' positions, the rows whose logits to return
