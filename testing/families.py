@@ -113,6 +113,8 @@ def _shrunk(config: PretrainedConfig) -> dict[str, Any]:
             out[name] = value
     if any(k in out for k in ("num_experts", "num_local_experts", "n_routed_experts")):
         out["num_experts_per_tok"] = SIZES["num_experts_per_tok"]
+        if fields.get("num_experts_per_token") is not None:  # Kimi-Linear's name for it
+            out["num_experts_per_token"] = SIZES["num_experts_per_tok"]
     if fields.get("kv_lora_rank") is not None and "num_key_value_heads" in out:  # MLA: one K/V head a query head
         out["num_key_value_heads"] = out["num_attention_heads"]
     if "qk_rope_head_dim" in out:  # MLA: head_dim is the rotary part
@@ -120,8 +122,11 @@ def _shrunk(config: PretrainedConfig) -> dict[str, Any]:
             out["head_dim"] = out["qk_rope_head_dim"]
         if fields.get("qk_head_dim") is not None:
             out["qk_head_dim"] = out["qk_rope_head_dim"] + out["qk_nope_head_dim"]
-    if "mamba_n_heads" in out:  # Mamba-2: heads x head size = expand x hidden
-        out["mamba_n_heads"] = fields.get("mamba_expand", 2) * out["hidden_size"] // out.get("mamba_d_head", 16)
+    if "mamba_n_heads" in out:  # Mamba-2: heads x head size = its inner size (expand x hidden, or Falcon-H1's d_ssm)
+        inner = fields.get("mamba_expand", 2) * out["hidden_size"]
+        if fields.get("mamba_d_ssm") is not None:
+            out["mamba_d_ssm"] = inner
+        out["mamba_n_heads"] = inner // out.get("mamba_d_head", 16)
     for name, value in vars(config).items():
         if isinstance(value, PretrainedConfig):
             out[name] = _rebuilt(value)

@@ -53,11 +53,11 @@ SERVED_FAMILIES = frozenset(
     {
         "afmoe", "apertus", "arcee", "aria_text", "axk1", "beam", "biogpt", "bitnet", "cohere", "cohere2",
         "cohere2_moe", "ctrl", "cwm", "deepseek_v2", "deepseek_v3", "doge", "ernie4_5", "ernie4_5_moe",
-        "exaone4", "exaone_moe", "flex_olmo", "flint", "fuyu", "gemma", "gemma2", "gemma3", "gemma3_text",
+        "exaone4", "exaone_moe", "falcon_h1", "flex_olmo", "flint", "fuyu", "gemma", "gemma2", "gemma3", "gemma3_text",
         "gemma4", "gemma4_text", "gemma4_unified", "gemma4_unified_text", "glm", "glm4", "glm4_moe",
         "glm4_moe_lite", "got_ocr2", "gpt-sw3", "gpt2", "gpt_bigcode", "gpt_neox", "gpt_oss", "granite",
         "granite_swa", "granitemoe", "granitemoe_swa", "granitemoeshared", "helium", "hy_v3", "hyperclovax",
-        "internlm3", "iquestcoder", "jais2", "jetmoe", "kolibri1", "laguna", "lfm2", "llama", "mellum",
+        "internlm3", "iquestcoder", "jais2", "jetmoe", "kimi_linear", "kolibri1", "laguna", "lfm2", "llama", "mellum",
         "mimo_v2_flash", "minicpm3", "minimax_m2", "ministral3", "mistral", "mixtral", "modernbert-decoder",
         "moshi", "moss_transcribe_diarize", "nanochat", "nemotron_h", "olmo", "olmo2", "olmo3", "olmoe", "opt",
         "persimmon",

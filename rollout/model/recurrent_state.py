@@ -1,5 +1,6 @@
 """Recurrent state beside the paged cache: the Gated DeltaNet layers of Qwen3.5 (dense and MoE) and
-Qwen3-Next (three of every four decoder layers by default) and the Mamba-2 layers of Nemotron-H.
+Qwen3-Next (three of every four decoder layers by default), Kimi-Linear's KDA layers, and the Mamba-2
+mixers of Nemotron-H and Falcon-H1 (beside attention in every Falcon-H1 layer).
 
 Such a layer carries two tensors from one forward to the next: a short convolution's last ``K``
 inputs (``[conv_dim, K]``) and its recurrence's state (the delta rule's ``[heads, key size, value
@@ -20,16 +21,19 @@ handed-over request exact. Segments of one new token each (a decode step) run as
 slots gathered, run, and scattered back. Slot 0 is scratch (padding rows, calibration's forwards).
 
 **Speculation rolls the state back.** A verification forward (its slices name each row's parent
-row: a chain's row before it, a tree node's parent, row 0 the pending token) runs the layer one row
-at a time, every sequence's ``r``-th row as one batch, each from its parent row's state (row 0 from
-the slot's), and holds every row's state (``RecurrentStates.rows``). Once the verification knows
+row: a chain's row before it, a tree node's parent, row 0 the pending token) runs a Gated DeltaNet
+layer in one call (``delta_rule_rows.py``: projections and convolutions once, the delta rule row by
+row) and any other mixer one row at a time, every sequence's ``r``-th row as one batch; each row
+starts from its parent row's state (row 0 from the slot's), and every row's state is held
+(``RecurrentStates.rows``). Once the verification knows
 what it kept, :meth:`RecurrentStates.keep` writes each slot the state after its last kept token:
 on the host for a step drafted from the host's text (``host_step.py``), on the device, from the
 device's accept lengths and paths with nothing read, for a step launched from the device's state
 (``spec/device_step.py``). A rejected draft's state never reaches a slot, trees included, and a
 kept row's state is the one plain decoding leaves (one token a call is transformers' decode step).
-Cost: ``depth + 1`` (a chain) or ``n + 1`` (a tree of ``n`` nodes) one-token calls a layer instead
-of one, and every row's state held until the keep: ``rows`` times a slot's size per sequence.
+Cost: a Gated DeltaNet layer's one call and ``rows`` small recurrences; another mixer's ``depth + 1``
+(a chain) or ``n + 1`` (a tree of ``n`` nodes) one-token calls instead of one; every row's state held
+until the keep: ``rows`` times a slot's size per sequence.
 
 Not served (refused by name): prefix caching (a cached prefix has K/V but no state), captured
 graphs (padded rows would write slot 0 unsynchronised), and a drafter LM with such layers (``self:L``
@@ -45,10 +49,19 @@ from functools import partial
 
 import torch
 
+from .delta_rule_rows import ROW_VERIFIED, verify_rows
+
 # the token mixers served here: transformers' classes that keep their state through the same cache calls
 # (get/update conv and recurrent state; a one-token call from a state, several from the chunked form)
 RECURRENT_MIXERS = frozenset(
-    {"Qwen3_5GatedDeltaNet", "Qwen3_5MoeGatedDeltaNet", "Qwen3NextGatedDeltaNet", "NemotronHMamba2Mixer"}
+    {
+        "Qwen3_5GatedDeltaNet",
+        "Qwen3_5MoeGatedDeltaNet",
+        "Qwen3NextGatedDeltaNet",
+        "KimiLinearDeltaAttention",
+        "NemotronHMamba2Mixer",
+        "FalconH1Mixer",
+    }
 )
 
 
@@ -242,7 +255,7 @@ class _RowCache(_OlderCacheCalls):
 
 @contextmanager
 def recurrent_state_enabled(model: torch.nn.Module, states: RecurrentStates) -> Iterator[None]:
-    """Within the block, ``model``'s Gated DeltaNet layers run each packed forward's sequences from
+    """Within the block, ``model``'s recurrent layers run each packed forward's sequences from
     their slots of ``states`` (a forward without the engine's segments runs as transformers wrote it)."""
     mixers = recurrent_mixers(model)
     for mixer in mixers:
@@ -263,6 +276,8 @@ def _segmented_forward(mixer, original, states: RecurrentStates, hidden_states: 
         return original(mixer, hidden_states, *args, **kwargs)
     kwargs.pop("cache_params", None)
     kwargs.pop("attention_mask", None)
+    if meta.draft_rows is not None and type(mixer).__name__ in ROW_VERIFIED:
+        return _verification_in_one_call(mixer, states, hidden_states, segments, meta.draft_rows)
     if meta.draft_rows is not None:
         return _verification_rows(mixer, original, states, hidden_states, segments, meta.draft_rows, kwargs)
     layer, out = mixer.layer_idx, torch.empty_like(hidden_states)
@@ -316,7 +331,7 @@ def refuse_what_state_cannot_serve(states: RecurrentStates | None, prefix_cachin
     """Refuse, by name, what a model with recurrent state would decode wrong: prefix caching."""
     if states is not None and prefix_caching:
         raise ValueError(
-            "prefix_caching: the model's recurrent layers (Gated DeltaNet, Mamba-2) keep a state, which a "
+            "prefix_caching: the model's recurrent layers (Gated DeltaNet, KDA, Mamba-2) keep a state, which a "
             "cached prefix does not hold; use prefix_caching=False"
         )
 
@@ -351,4 +366,25 @@ def _verification_rows(mixer, original, states, hidden_states, segments, parents
         conv_rows[index, r] = cache.conv
         rec_rows[index, r] = cache.recurrent.to(rec_rows.dtype)
     states.rows[layer] = (conv_rows, rec_rows)
+    return out
+
+
+def _verification_in_one_call(mixer, states: RecurrentStates, hidden_states, segments, parents: torch.Tensor):
+    """A verification forward through a Gated DeltaNet layer (``delta_rule_rows.py``): every row's
+    projections and convolution in one call, the recurrence row by row, every row's state held."""
+    layer, device = mixer.layer_idx, hidden_states.device
+    rows = parents.shape[1]
+    offsets = torch.arange(rows, device=device)
+    starts = torch.tensor([s.start for s in segments], device=device)
+    last = torch.tensor([s.start + s.num_new - 1 for s in segments], device=device)
+    packed = torch.minimum(starts[:, None] + offsets, last[:, None])  # [S, R]: rows past a sequence's repeat its last
+    slots = torch.tensor([s.slot for s in segments], device=device)
+    conv, recurrent = states.conv[layer], states.recurrent[layer]
+    out_rows, conv_rows, rec_rows = verify_rows(
+        mixer, hidden_states[0][packed], parents, conv[slots.to(conv.device)], recurrent[slots.to(recurrent.device)]
+    )
+    states.rows[layer] = (conv_rows, rec_rows)
+    out = torch.empty_like(hidden_states)
+    valid = offsets < torch.tensor([s.num_new for s in segments], device=device)[:, None]
+    out[0, packed[valid]] = out_rows[valid]
     return out

@@ -25,7 +25,7 @@ from tailspec.testing.families import (
     tiny_family_model,
 )
 
-HYBRIDS = ["qwen3_5_text", "qwen3_5_moe_text", "qwen3_next", "nemotron_h"]
+HYBRIDS = ["qwen3_5_text", "qwen3_5_moe_text", "qwen3_next", "kimi_linear", "nemotron_h", "falcon_h1"]
 
 GREEDY = SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True)
 
@@ -285,5 +285,18 @@ def test_every_strategy_and_drafter_decodes_transformers_tokens(strategy, drafte
     engine = RolloutEngine(model, config, drafter=_drafter_for(drafter, model) if drafter else None)
     params = SamplingParams(max_new_tokens=16, temperature=0.0, ignore_eos=True)
     assert [o.completion_ids for o in engine.generate(prompts, params)] == _want(model, prompts, 16)
+    assert engine.stats.counts().spec_steps > 0
+    engine.close()
+
+
+@pytest.mark.parametrize("strategy, drafter", [("suffix", None), ("chain:3", "lm")])
+def test_every_hybrid_family_decodes_suffix_and_a_foreign_chain_exactly(hybrid, strategy, drafter):
+    """Greedy: ``suffix`` (drafts from the sequences' own repeats) and a chain drafted by a drafter LM
+    of another family, on each hybrid family, equal transformers' no-cache tokens."""
+    prompts = [p * 3 for p in random_prompts(3, seed=4, min_len=2, max_len=6)]
+    config = RolloutConfig(strategy=strategy, max_num_seqs=2)
+    engine = RolloutEngine(hybrid, config, drafter=_drafter_for(drafter, hybrid) if drafter else None)
+    params = SamplingParams(max_new_tokens=16, temperature=0.0, ignore_eos=True)
+    assert [o.completion_ids for o in engine.generate(prompts, params)] == _want(hybrid, prompts, 16)
     assert engine.stats.counts().spec_steps > 0
     engine.close()
