@@ -198,6 +198,13 @@ def _train_deep(args: argparse.Namespace) -> int:
     return deep_main(args.rest) or 0
 
 
+def _train_hybrid(args: argparse.Namespace) -> int:
+    _from_checkout("`tailspec train-hybrid`")
+    from .tasks.hybrid import main as hybrid_main
+
+    return hybrid_main(args.rest) or 0
+
+
 def _load_policy(spec: str, tokenizer_path: str | None):
     """``tiny`` / ``deep`` (a shipped policy), a local Hugging Face model directory or a hub id."""
     from transformers import AutoTokenizer
@@ -414,7 +421,7 @@ def _add_drafter(sub) -> None:
 
 
 def _add_models(sub) -> None:
-    """The `train-tiny`, `train-deep` and `pack-assets` commands."""
+    """The `train-tiny`, `train-deep`, `train-hybrid` and `pack-assets` commands."""
     tiny = sub.add_parser(
         "train-tiny",
         help="SFT recipe for the shipped tiny policy and drafter (options: tailspec train-tiny --help)",
@@ -428,6 +435,13 @@ def _add_models(sub) -> None:
         add_help=False,
     )
     deep.set_defaults(func=_train_deep)
+    hybrid = sub.add_parser(
+        "train-hybrid",
+        help="recipe for the hybrid policy (Qwen3.5-shaped, distilled from the deep one) and its drafter LM "
+        "(options: tailspec train-hybrid --help)",
+        add_help=False,
+    )
+    hybrid.set_defaults(func=_train_hybrid)
     pack = sub.add_parser(
         "pack-assets",
         help="store the shipped weights in 16 bits, packed losslessly (after a recipe rewrote them)",
@@ -456,7 +470,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args, rest = parser.parse_known_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)
-    if args.func in (_train_tiny, _train_deep):
+    if args.func in (_train_tiny, _train_deep, _train_hybrid):
         args.rest = rest
     elif rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")

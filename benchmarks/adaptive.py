@@ -56,12 +56,15 @@ class _EngineContender:
     """One engine (one strategy) making passes over the same prompts; with ``split_cold`` its
     first pass (a fresh selector) is reported apart from the rest (what later RL steps see)."""
 
-    def __init__(self, name, model, drafter, prompts, params, eos, strategy: str, split_cold: bool = False):
+    def __init__(
+        self, name, model, drafter, prompts, params, eos, strategy: str, split_cold: bool = False, max_num_seqs=256
+    ):
         self.name, self.prompts, self.params, self.split_cold = name, prompts, params, split_cold
         parsed = parse_strategy(strategy)
         if not parsed.wants_model_drafter:
             drafter = None  # an attached EAGLE-3 head makes every forward tap features: not plain decoding
-        self.engine = RolloutEngine(model, RolloutConfig(strategy=strategy), drafter=drafter, eos_token_ids=eos)
+        config = RolloutConfig(strategy=strategy, max_num_seqs=max_num_seqs)
+        self.engine = RolloutEngine(model, config, drafter=drafter, eos_token_ids=eos)
         self.engine.generate([list(p) for p in prompts[:2]], params.with_updates(max_new_tokens=8))  # warm-up
 
     def run_pass(self, workload: int) -> RunResult:

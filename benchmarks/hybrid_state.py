@@ -19,10 +19,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import AutoModelForCausalLM
 
 from ..rollout import RolloutConfig, RolloutEngine, SamplingParams
 from ..rollout.model.recurrent_state import recurrent_mixers
+from ..tasks.hybrid import hybrid_config
 from .policies import BenchPolicy, torch_threads
 from .step_host import ForwardClock
 
@@ -30,33 +31,15 @@ HYBRID_STATE_TITLE = "Recurrent state: what it costs a decode step"
 ARMS = ("none", "chain:4")
 BATCHES = (1, 16)
 PROMPT_TOKENS = 16
-LAYERS = 24
 
 
-def qwen35_like(hybrid: bool, vocab_size: int, seed: int = 0) -> torch.nn.Module:
-    """A random Qwen3.5 of the deep policy's shape: 3:1 Gated DeltaNet to attention, or all attention."""
-    pattern = ["linear_attention"] * 3 + ["full_attention"] if hybrid else ["full_attention"] * 4
-    config = AutoConfig.for_model(
-        "qwen3_5_text",
-        vocab_size=vocab_size,
-        hidden_size=256,
-        intermediate_size=768,
-        num_hidden_layers=LAYERS,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=64,
-        linear_num_key_heads=2,
-        linear_num_value_heads=4,
-        linear_key_head_dim=64,
-        linear_value_head_dim=64,
-        layer_types=pattern * (LAYERS // 4),
-        max_position_embeddings=1024,
-        eos_token_id=1,
-        bos_token_id=2,
-        pad_token_id=0,
-    )
+def qwen35_like(hybrid: bool, deep_config, seed: int = 0) -> torch.nn.Module:
+    """A random Qwen3.5 of the deep policy's shape (``tasks.hybrid.hybrid_config``): Qwen3.5's own
+    pattern of three Gated DeltaNet layers then one attention layer, or all attention."""
+    layers = deep_config.num_hidden_layers
+    attention = range(3, layers, 4) if hybrid else range(layers)
     torch.manual_seed(seed)
-    return AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    return AutoModelForCausalLM.from_config(hybrid_config(deep_config, tuple(attention)), dtype=torch.float32).eval()
 
 
 @dataclass
@@ -106,8 +89,7 @@ def _memory(engine: RolloutEngine, arm: str) -> dict:
 
 def measure(passes: int, new_tokens: int, batches=BATCHES, arms=ARMS) -> tuple[list[StateRun], dict]:
     deep = BenchPolicy.load("deep")
-    vocab = deep.model.config.vocab_size
-    models = {"hybrid": qwen35_like(True, vocab), "attention": qwen35_like(False, vocab)}
+    models = {"hybrid": qwen35_like(True, deep.model.config), "attention": qwen35_like(False, deep.model.config)}
     runs = {(m, a, b): StateRun(m, a, b) for b in batches for a in arms for m in models}
     memory = {}
     with torch_threads(1):

@@ -79,6 +79,7 @@ for _section in (
     Section("host", "host:run_host_section", ("quick",), "host work before each captured replay"),
     Section("step_host", "step_host:run_step_host_section", ("quick",), "host time of one decode step per strategy"),
     Section("hybrid_state", "hybrid_state:run_hybrid_state_section", ("quick",), "what recurrent state costs a step"),
+    Section("hybrid_policy", "hybrid_policy:run_hybrid_policy_section", ("quick",), "speculation on a hybrid policy"),
 ):
     register(_section)
 

@@ -1,11 +1,15 @@
 """The hybrid-state section: the hybrid and its attention-only twin per (arm, batch) over interleaved
 passes, the share inside the Gated DeltaNet layers, and what a sequence's state and rows take."""
 
+from transformers import AutoConfig
+
 from tailspec.benchmarks.hybrid_state import hybrid_state_table, measure, memory_line, qwen35_like
+from tailspec.tasks.sft import assets_dir
 
 
 def test_the_two_models_differ_only_in_their_token_mixers():
-    hybrid, twin = qwen35_like(True, 54), qwen35_like(False, 54)
+    deep_config = AutoConfig.from_pretrained(assets_dir("deep") / "policy")
+    hybrid, twin = qwen35_like(True, deep_config), qwen35_like(False, deep_config)
     assert hybrid.config.layer_types.count("linear_attention") == 18
     assert set(twin.config.layer_types) == {"full_attention"}
     assert hybrid.config.hidden_size == twin.config.hidden_size == 256

@@ -17,7 +17,7 @@ from tailspec.draft_contract import (
 )
 from tailspec.rollout import RolloutConfig, RolloutEngine, SamplingParams
 from tailspec.rollout.model.recurrent_state import RecurrentStates
-from tailspec.testing import chi_square_pvalue, random_prompts
+from tailspec.testing import chi_square_pvalue, perturbed_copy, random_prompts
 from tailspec.testing.families import (
     no_cache_greedy,
     oracle_logprobs,
@@ -300,3 +300,34 @@ def test_every_hybrid_family_decodes_suffix_and_a_foreign_chain_exactly(hybrid, 
     assert [o.completion_ids for o in engine.generate(prompts, params)] == _want(hybrid, prompts, 16)
     assert engine.stats.counts().spec_steps > 0
     engine.close()
+
+
+@pytest.mark.parametrize("strategy", ["none", "chain:3"])
+def test_a_weight_update_mid_run_keeps_each_sequence_s_state_as_stepwise_commits_do(strategy):
+    """New weights loaded while a step is in flight: the state each sequence carries on (written by
+    the old weights, as its K/V is) and every later step run with the new weights are what a run
+    that commits every step before the next gives; a run without the update differs."""
+    base = tiny_family_model("qwen3_5_text", seed=6)
+    new_weights = perturbed_copy(base, 0.3, 9).state_dict()
+    prompts = random_prompts(3, seed=52, min_len=3, max_len=10)
+
+    def run(committed: bool, update: bool = True) -> list[list[int]]:
+        model = copy.deepcopy(base)
+        drafter = tiny_family_model("llama", seed=11) if strategy != "none" else None
+        engine = RolloutEngine(model, RolloutConfig(strategy=strategy, max_num_seqs=3), drafter=drafter)
+        ids = [engine.add_request(p, GREEDY) for p in prompts]
+        step = 0
+        while engine.has_unfinished():
+            if step == 3 and update:
+                with torch.no_grad():
+                    model.load_state_dict(new_weights)
+                engine.weights_changed()
+            engine.step()
+            if committed:
+                engine.sync()
+            step += 1
+        return [engine.pop_output(i).completion_ids for i in ids]
+
+    got = run(committed=False)
+    assert got == run(committed=True)
+    assert got != run(committed=False, update=False)
