@@ -37,6 +37,15 @@ def default_aux_layer_ids(num_layers: int) -> tuple[int, int, int]:
     return (min(2, num_layers - 1), num_layers // 2, max(0, num_layers - 3))
 
 
+def _dense_mlp_size(fields: dict[str, Any]) -> int:
+    """The MLP width of a head shaped like one target layer: the target's dense MLP, or where every
+    layer is a mixture of experts (Qwen3.5-MoE, Qwen3-Next) its shared expert's, else one expert's."""
+    for name in ("intermediate_size", "shared_expert_intermediate_size", "moe_intermediate_size"):
+        if fields.get(name):
+            return int(fields[name])
+    raise ValueError("Eagle3Config.for_target: the target config names no MLP width (intermediate_size)")
+
+
 @dataclass
 class Eagle3Config:
     """Shape of an EAGLE-3 head and of the target it drafts for.
@@ -120,7 +129,7 @@ class Eagle3Config:
         rope = getattr(tc, "rope_parameters", None) or {}
         values: dict[str, Any] = dict(
             hidden_size=tc.hidden_size,
-            intermediate_size=tc.intermediate_size,
+            intermediate_size=_dense_mlp_size(fields),
             num_attention_heads=heads,
             num_key_value_heads=fields.get("num_key_value_heads") or heads,
             head_dim=fields.get("head_dim") or tc.hidden_size // heads,

@@ -17,13 +17,19 @@ import torch
 from .eval_mode import eval_mode
 from .layer_taps import decoder_layers, decoder_of
 
+# what the families name the norm after their last decoder layer: most ``norm``, Nemotron-H ``norm_f``,
+# Falcon-H1 ``final_layernorm``
+FINAL_NORM_NAMES = ("norm", "norm_f", "final_layernorm")
+
 
 def final_norm(model: torch.nn.Module) -> torch.nn.Module:
     """The norm a Hugging Face causal LM applies after its last decoder layer."""
-    norm = getattr(decoder_of(model), "norm", None)
-    if not isinstance(norm, torch.nn.Module):
-        raise ValueError(f"cannot find the final norm of {type(model).__name__} for an early exit")
-    return norm
+    decoder = decoder_of(model)
+    for name in FINAL_NORM_NAMES:
+        norm = decoder._modules.get(name)
+        if isinstance(norm, torch.nn.Module):
+            return norm
+    raise ValueError(f"cannot find the final norm of {type(model).__name__} for an early exit")
 
 
 def check_exit_layer(model: torch.nn.Module, layer: int, name: str = "mirror exit_layer") -> int:

@@ -289,12 +289,24 @@ def test_every_strategy_and_drafter_decodes_transformers_tokens(strategy, drafte
     engine.close()
 
 
-@pytest.mark.parametrize("strategy, drafter", [("suffix", None), ("chain:3", "lm")])
-def test_every_hybrid_family_decodes_suffix_and_a_foreign_chain_exactly(hybrid, strategy, drafter):
-    """Greedy: ``suffix`` (drafts from the sequences' own repeats) and a chain drafted by a drafter LM
-    of another family, on each hybrid family, equal transformers' no-cache tokens."""
+@pytest.mark.parametrize(
+    "strategy, drafter",
+    [
+        ("suffix", None),
+        ("chain:3", "lm"),
+        ("tree:3,2,6", "lm"),
+        ("hybrid:3,2,8", "lm"),
+        ("mirror:chain:2,k=1", "lm"),
+        ("adaptive", "lm"),
+        ("chain:3", "eagle3"),
+    ],
+)
+def test_every_hybrid_family_decodes_every_strategy_exactly(hybrid, strategy, drafter):
+    """Greedy, on each hybrid family: ``suffix`` (drafts from the sequences' own repeats), chains and
+    trees drafted by a drafter LM of another family or an EAGLE-3 head tapping the hybrid stack,
+    hybrid, mirror and ``adaptive``, each equal to transformers' no-cache tokens."""
     prompts = [p * 3 for p in random_prompts(3, seed=4, min_len=2, max_len=6)]
-    config = RolloutConfig(strategy=strategy, max_num_seqs=2)
+    config = RolloutConfig(strategy=strategy, max_num_seqs=2, mirror={"executor": "inline"})
     engine = RolloutEngine(hybrid, config, drafter=_drafter_for(drafter, hybrid) if drafter else None)
     params = SamplingParams(max_new_tokens=16, temperature=0.0, ignore_eos=True)
     assert [o.completion_ids for o in engine.generate(prompts, params)] == _want(hybrid, prompts, 16)
