@@ -13,17 +13,19 @@ speedup is the median over rounds of ``none``'s seconds over the contender's in 
 
 from __future__ import annotations
 
+import json
 import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
 from ..rollout.params import SamplingParams
+from ..tasks.hybrid import DEFAULT_OUT
 from .adaptive import RunResult, _EngineContender, _interleaved, same_pass_ratios
 from .policies import BenchPolicy, task_prompts, torch_threads
 
 HYBRID_POLICY_TITLE = "Speculation on a hybrid policy (Gated DeltaNet and attention, 3:1)"
 ARMS = ("none", "chain:4", "adaptive")
-WORKLOADS = {"batch 1": (4, 1), "batch 16": (16, 16), "long tail": (48, 256)}  # prompts, max_num_seqs
+WORKLOADS = {"batch 1": (12, 1), "batch 16": (16, 16), "long tail": (48, 256)}  # prompts, max_num_seqs
 
 
 @dataclass
@@ -83,6 +85,18 @@ def hybrid_policy_table(runs: list[PolicyRuns]) -> str:
     return "\n".join(lines)
 
 
+def accuracy_line(evals: Path) -> str:
+    """Each model's greedy accuracy from ``tailspec train-hybrid``'s eval stage, where it ran."""
+    if not evals.exists():
+        return "(Greedy accuracy: run `tailspec train-hybrid --stages eval`.)"
+    scores = json.loads(evals.read_text())
+    parts = [
+        f"{name} {100 * e['accuracy']:.0f}% ({e['mean_completion_tokens']:.0f} tokens)" for name, e in scores.items()
+    ]
+    n = next(iter(scores.values()))["num_problems"]
+    return f"Greedy accuracy on {n} held-out chain-sum problems (mean completion length): {', '.join(parts)}."
+
+
 def run_hybrid_policy_section(out: Path, quick: bool = False) -> str:
     from .report import replace_section
 
@@ -100,7 +114,7 @@ def run_hybrid_policy_section(out: Path, quick: bool = False) -> str:
         "median over rounds of `none`'s seconds over the contender's in the same round, with the spread. "
         "The Gated DeltaNet layers run transformers' torch reference for prefill and one-token steps, and "
         "tailspec's one-call verification (`rollout/model/delta_rule_rows.py`) for drafts.\n\n"
-        f"{table}"
+        f"{table}\n\n{accuracy_line(DEFAULT_OUT / 'eval.json')}"
     )
     with torch_threads(1):
         replace_section(out, HYBRID_POLICY_TITLE, body, "tailspec bench --section hybrid_policy")

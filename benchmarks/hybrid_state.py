@@ -133,9 +133,9 @@ def verification_line(runs: list[StateRun]) -> str:
         twin = ms[("attention", "chain:4", b)] / ms[("attention", "none", b)]
         parts.append(f"{hybrid:.1f}x on the hybrid against {twin:.1f}x on the twin at batch {b}")
     return (
-        "A `chain:4` step costs a `none` step's time " + ", ".join(parts) + ": the verification's rows run one "
-        "token a call through each Gated DeltaNet layer (its projections too), so on the hybrid a chain "
-        "must keep that many more tokens a step to pay."
+        "A `chain:4` step costs a `none` step's time " + ", ".join(parts) + ": a verification runs each Gated "
+        "DeltaNet layer's projections and convolution once over its rows and only the delta rule row by row "
+        "(`rollout/model/delta_rule_rows.py`), each row's state held until the keep."
     )
 
 
@@ -161,10 +161,11 @@ def run_hybrid_state_section(out: Path, quick: bool = False) -> str:
         "Random Qwen3.5 models of the deep policy's shape (24 layers x hidden 256): the hybrid (three Gated "
         "DeltaNet layers to every attention layer) and its attention-only twin; `none`, and `chain:4` drafted by "
         "the deep policy's drafter LM (on random targets its drafts are mostly rejected: each step verifies five "
-        "rows, one token a call in the hybrid's Gated DeltaNet layers, and keeps about one). Greedy, "
+        "rows and keeps about one). Greedy, "
         f"{new_tokens} new tokens from {PROMPT_TOKENS}-token prompts, one torch thread, wall ms per decode step: "
         f"the median over {passes} interleaved passes, with the spread; the Gated DeltaNet layers run "
-        "transformers' torch reference (no flash-linear-attention on this machine).\n\n"
+        "transformers' torch reference for prefill and one-token steps (no flash-linear-attention on this "
+        "machine) and tailspec's one-call verification for drafts.\n\n"
         f"{table}\n\n{verification_line(runs)}\n\n{memory_line(memory)}"
     )
     with torch_threads(1):  # the section's machine line names the threads it was measured with
