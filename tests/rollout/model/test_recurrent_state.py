@@ -343,3 +343,22 @@ def test_a_weight_update_mid_run_keeps_each_sequence_s_state_as_stepwise_commits
     got = run(committed=False)
     assert got == run(committed=True)
     assert got != run(committed=False, update=False)
+
+
+@pytest.mark.parametrize("strategy, drafter", [("suffix", None), ("chain:3", "lm")])
+def test_every_hybrid_family_samples_its_own_distribution_under_speculation(hybrid, strategy, drafter):
+    """Chi-square of tokens 2-3 at T = 1 against transformers' processed joint, on each hybrid family:
+    ``suffix`` drafting from earlier completions of the prompt and a chain from a drafter LM of another family, each
+    rolling back the states of what it rejects."""
+    params = SamplingParams(temperature=1.0, top_k=3, max_new_tokens=3)
+    n, prompt = 2000, [5, 9, 17, 33, 3]
+    config = RolloutConfig(strategy=strategy, max_num_seqs=n, block_size=4, kv_cache_tokens=n * 20)
+    engine = RolloutEngine(hybrid, config, eos_token_ids=[], drafter=_drafter_for(drafter, hybrid) if drafter else None)
+    engine.generate([prompt] * 64, params)  # the suffix drafter's history: earlier completions of the prompt
+    drafted = engine.stats.drafted_tokens
+    outs = engine.generate([prompt] * n, params)
+    assert engine.stats.drafted_tokens > drafted
+    vocab = hybrid.config.get_text_config().vocab_size
+    pairs = torch.tensor([o.completion_ids[1] * vocab + o.completion_ids[2] for o in outs])
+    expected = second_and_third_token_joint(hybrid, prompt, params)
+    assert chi_square_pvalue(torch.bincount(pairs, minlength=vocab * vocab), expected) > 1e-3
