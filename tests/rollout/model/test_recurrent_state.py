@@ -130,7 +130,9 @@ def test_an_aborted_request_frees_its_slot_and_the_others_stay_exact():
 
 def test_what_the_state_cannot_serve_yet_is_refused_by_name():
     model = tiny_family_model("qwen3_5_text")
-    with pytest.raises(ValueError, match=r"prefix_caching: the model's recurrent layers \(Gated DeltaNet, Mamba-2\)"):
+    with pytest.raises(
+        ValueError, match=r"prefix_caching: the model.s recurrent layers \(Gated DeltaNet, KDA, Mamba-2\) keep"
+    ):
         RolloutEngine(model, RolloutConfig(prefix_caching=True))
     with pytest.raises(ValueError, match="its Qwen3_5GatedDeltaNet layers keep a recurrent state.*policy only"):
         RolloutEngine(model, RolloutConfig(strategy="chain:2"), drafter="self:2")  # its own layers as a drafter LM

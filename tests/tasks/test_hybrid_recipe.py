@@ -1,4 +1,4 @@
-"""The hybrid policy's surgery: a Qwen3.5 that starts near the attention policy it is cut from."""
+"""The hybrid policy's recipe (tasks/hybrid.py): a Qwen3.5 that starts near the attention policy it is cut from."""
 
 import pytest
 import torch
