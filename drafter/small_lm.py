@@ -44,8 +44,9 @@ from ..draft_contract import (
     Settled,
     TimesDraftLevels,
     draft_on_device_else_text,
+    static_tree_scratch,
 )
-from ..kernels.transfers import select_rows
+from ..kernels.transfers import read_back, select_rows
 from ..rollout.adaptive.calibration import forward_timer, scratch_fit
 from ..rollout.mirror.hosted import weights_bytes
 from ..rollout.model.attention import SequenceSlice, paged_attention_enabled
@@ -57,7 +58,7 @@ from ..rollout.model.runner import ModelRunner
 from .draft_sampling import ChainDrafts, DeviceChainPicks, draft_chains_on_device, draft_generator
 from .lm_trainer import versioned_lm
 from .streaming import StreamingHeads
-from .tree_search import LevelInput, grow_static_trees, grow_trees
+from .tree_search import LevelPaths, grow_static_trees
 
 logger = logging.getLogger(__name__)
 
@@ -431,23 +432,26 @@ class SmallLMDrafter(Drafter, DraftsBranches, TimesDraftLevels):
             hidden = self._hidden
 
     def _tree(self, requests: list[DraftRequest], root_logits: torch.Tensor, shape: DraftShape) -> list[DraftTree]:
-        """Best-first tree; each level's forward reruns the frontier's ancestors under a tree mask."""
-        seqs = [r.seq for r in requests]
-
-        def score_level(inputs: list[LevelInput]) -> torch.Tensor:
-            slices, feed, positions, index = [], [], [], []
-            for inp in inputs:
-                state = self._states[seqs[inp.index].seq_id]
-                base = len(feed)
-                mask = inp.sub.ancestor_mask()[1:, 1:]
-                slices.append(SequenceSlice(state.block_table, state.num_cached, len(inp.sub), mask))
-                feed.extend(inp.sub.tokens)
-                positions.extend(state.num_cached + d - 1 for d in inp.sub.depths)
-                index.extend(base + row for row in inp.frontier_rows)
-            return torch.log_softmax(self._logits(slices, feed, positions, index), dim=-1)
-
-        trees, _ = grow_trees(requests, torch.log_softmax(root_logits, dim=-1), shape, score_level)
-        return trees
+        """A static best-first tree from the host's state (:func:`grow_static_trees`, as a tree step on
+        the device drafts it): each level's forward runs the frontier's paths after the sequence's
+        tokens, nothing read until the tree is grown, then one read of it all. Each tree is cut to
+        its request's depth, and nothing is drafted past a stop token."""
+        states = [self._states[r.seq.seq_id] for r in requests]
+        tables = BlockTables([s.block_table for s in states])
+        after = torch.tensor([s.num_cached for s in states], device=root_logits.device)  # caught up to each seq
+        bound = max(s.num_cached for s in states) + static_tree_scratch(shape) + 1
+        level = self._paths_after(tables, after, bound)
+        tokens, parents = grow_static_trees(torch.log_softmax(root_logits, dim=-1), shape, level)
+        n = tokens.shape[1]
+        flat_tokens, flat_parents = read_back(tokens, parents)  # flat lists: n nodes a request
+        return [
+            _cut(
+                DraftTree(flat_tokens[i * n : (i + 1) * n], flat_parents[i * n : (i + 1) * n]),
+                r.max_depth,
+                r.seq.stop_ids,
+            )
+            for i, r in enumerate(requests)
+        ]
 
     # -- chains and trees from state on the device ------------------------------------------
     def _reserve_on_device(self, seqs: Seq[SequenceView], lengths: Seq[int], from_host: bool) -> bool:
@@ -544,19 +548,39 @@ class SmallLMDrafter(Drafter, DraftsBranches, TimesDraftLevels):
         1 ..``, written there as scratch the next step's catch-up rewrites)."""
         seqs, bound = inputs.seqs, inputs.bound
         tables = BlockTables([self._states[seq.seq_id].block_table for seq in seqs])
-        top, after_pending = self.runner.vocab_size - 1, inputs.cached + 1
+        with self._inference():
+            root = torch.log_softmax(self._root_on_device(seqs, inputs, tables, bound), dim=-1)
+            return grow_static_trees(root, shape, self._paths_after(tables, inputs.cached + 1, bound))
+
+    def _paths_after(self, tables: BlockTables, after: torch.Tensor, bound: int) -> LevelPaths:
+        """A tree level's forward: the frontier's ``topk`` paths from the root run as independent
+        chains from position ``after`` of each sequence (scratch the next catch-up rewrites), giving
+        the log-probabilities after each path."""
+        top = self.runner.vocab_size - 1
 
         def level(paths: torch.Tensor, _extends: torch.Tensor | None) -> torch.Tensor:
             batch, k, length = paths.shape
             rows = static_paths(k, length, paths.device)
             fed = paths.reshape(-1).clamp(max=top)
-            logits = self.runner.forward_on_device(tables, after_pending, fed, k * length, bound, tree=rows)[0]
+            logits = self.runner.forward_on_device(tables, after, fed, k * length, bound, tree=rows)[0]
             last = self._target_vocab(logits.view(batch * k, length, -1)[:, -1])
             return torch.log_softmax(last, dim=-1).view(batch, k, -1)
 
-        with self._inference():
-            root = torch.log_softmax(self._root_on_device(seqs, inputs, tables, bound), dim=-1)
-            return grow_static_trees(root, shape, level)
+        return level
+
+
+def _cut(tree: DraftTree, max_depth: int, stop_ids) -> DraftTree:
+    """``tree`` without its nodes deeper than ``max_depth`` or below a stop token (parents precede
+    children, so a kept node's parent is kept first and the kept nodes renumber in order)."""
+    kept: dict[int, int] = {}
+    tokens, parents = [], []
+    for i, (token, parent, depth) in enumerate(zip(tree.tokens, tree.parents, tree.depths)):
+        if depth > max_depth or (parent >= 0 and (parent not in kept or tree.tokens[parent] in stop_ids)):
+            continue
+        kept[i] = len(tokens)
+        tokens.append(token)
+        parents.append(kept[parent] if parent >= 0 else -1)
+    return DraftTree(tokens, parents)
 
 
 class _Fork:

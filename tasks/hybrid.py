@@ -162,7 +162,7 @@ class HybridRecipe:
     batch_size: int = 16
     eval_problems: int = 100
     max_new_tokens: int = 512
-    threads: int = 1
+    threads: int = 2
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -238,12 +238,12 @@ def _load(path: Path):
 
 
 def load_hybrid(out: Path = DEFAULT_OUT, recipe: HybridRecipe | None = None):
-    """The hybrid policy, its tokenizer and its drafter LM from ``out``, made there first (about 40
+    """The hybrid policy, its tokenizer and its drafter LM from ``out``, made there first (about 20
     minutes on 2 CPU cores) if an earlier run did not."""
     from transformers import AutoTokenizer
 
     if not (out / "drafter" / "config.json").exists():
-        logger.warning("no hybrid policy at %s: training it (tailspec train-hybrid), about 40 minutes", out)
+        logger.warning("no hybrid policy at %s: training it (tailspec train-hybrid), about 20 minutes", out)
         run_hybrid_recipe(recipe or HybridRecipe(), out, ("policy", "drafter"))
     return _load(out / "policy"), AutoTokenizer.from_pretrained(out / "policy"), _load(out / "drafter")
 

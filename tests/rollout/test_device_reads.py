@@ -58,13 +58,25 @@ def test_a_sampled_plain_step_reads_once(monkeypatch, temperature):
 def test_a_suffix_step_reads_once(monkeypatch, temperature):
     """A suffix step commits the step before it (that step's one read), drafts from the host's text
     and reads its verdicts with their tokens and logprobs in one read: greedy, the rows' argmax;
-    sampled, every shape group's verdicts together (``verify._verify_shared_shapes``). (A hybrid's
-    drafter LM reads its chains on the host: docs/ARCHITECTURE.md, "The one loop".)"""
+    sampled, every shape group's verdicts together (``verify._verify_shared_shapes``)."""
     engine = RolloutEngine(cached_model("llama"), RolloutConfig(strategy="suffix"))
     prompts = [p * 4 for p in random_prompts(3, seed=4, max_len=6)]  # repeating text: the suffix drafter drafts
     params = SamplingParams(max_new_tokens=40, temperature=temperature, seed=3)
     reads, (prefills, decodes, specs) = generate_counting_reads(monkeypatch, engine, prompts, params)
     assert specs > 4 and reads == prefills + decodes
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_a_hybrid_step_reads_its_model_tree_once_and_its_verdicts_once(monkeypatch, temperature):
+    """A hybrid step drafts from the host's text: the drafter LM grows its static tree from the
+    host's state with no read between its levels and reads it once, the suffix drafter adds its
+    branches, and the verdicts come back in one read (with the commit of the step before)."""
+    model = cached_model("llama")
+    engine = RolloutEngine(model, RolloutConfig(strategy="hybrid"), drafter=perturbed_copy(model, noise=0.05, seed=7))
+    prompts = [p * 4 for p in random_prompts(3, seed=4, max_len=6)]
+    params = SamplingParams(max_new_tokens=40, temperature=temperature, seed=3)
+    reads, (prefills, decodes, specs) = generate_counting_reads(monkeypatch, engine, prompts, params)
+    assert specs == decodes > 4 and decodes < reads <= prefills + 2 * decodes
 
 
 @pytest.mark.parametrize(
