@@ -6,9 +6,10 @@
 - sampled: the chi-square test of the joint of completion tokens 2 and 3 (the first speculative step)
   against the target's exact processed distribution;
 - model families: gpt-oss (sinks), Gemma 2 (soft cap), Gemma 4 (per-layer head sizes), DeepSeek
-  V3 (MLA) and Qwen3.5 (Gated DeltaNet state in slots, rolled back past rejected drafts; eager, no
-  graphs) at tiny size, each strategy on the device's kernels and graphs against a no-cache
-  recompute (greedy tokens and every sampled token's logprob); a Mamba hybrid (Jamba) refused;
+  V3 (MLA), and Qwen3.5, Kimi-Linear and Falcon-H1 (Gated DeltaNet, KDA and Mamba-2 state in slots,
+  rolled back past rejected drafts; graphs replay their one-token steps) at tiny size, each
+  strategy on the device's kernels and graphs against a no-cache recompute (greedy tokens and every
+  sampled token's logprob); a Mamba hybrid (Jamba) refused;
 - bf16: each strategy at full batch against a batch-1 bf16 control of ``none`` (the divergence method
   of "Batch Speculative Decoding Done Right"): where a completion first differs, the control's logit
   margin (top-1 minus top-2) says whether rounding could explain it.
@@ -135,7 +136,8 @@ def bf16_divergence(stage: Stage) -> None:
             )
 
 
-FAMILIES = ("gpt_oss", "gemma2", "gemma4_text", "deepseek_v3", "qwen3_5_text")  # the last: Gated DeltaNet state
+# the last three keep a recurrent state: Gated DeltaNet, KDA, Mamba-2 beside attention
+FAMILIES = ("gpt_oss", "gemma2", "gemma4_text", "deepseek_v3", "qwen3_5_text", "kimi_linear", "falcon_h1")
 FAMILY_STRATEGIES = ("none", "chain:4", "tree:3,2,6", "suffix", "hybrid")
 
 
@@ -144,7 +146,7 @@ def families(stage: Stage, family: str) -> None:
     on the torch path and (on CUDA) forced onto the Triton kernels (sinks, soft caps, per-layer and
     MLA's unequal K/V sizes in them), CUDA graphs as the engine captures them."""
     from ...rollout.model.model_support import UnservableModel
-    from ...testing.families import no_cache_greedy, no_cache_logprobs, tiny_family_model
+    from ...testing.families import no_cache_greedy, oracle_logprobs, tiny_family_model
 
     dev = device()
     try:
@@ -170,7 +172,7 @@ def families(stage: Stage, family: str) -> None:
             pool = engine.runner.graph_pool
             engine.close()
             err = max(
-                _logprob_error(o.logprobs, no_cache_logprobs(model, p, o.completion_ids))
+                _logprob_error(o.logprobs, oracle_logprobs(model, p, o.completion_ids))
                 for p, o in zip(prompts, sampled)
             )
             same = sum(o.completion_ids == w for o, w in zip(greedy, want))

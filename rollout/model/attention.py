@@ -57,6 +57,7 @@ class AttentionMetadata:
     plan: PagedAttentionPlan | None = None  # set when the Triton kernel attends (tailspec.kernels)
     segments: tuple | None = None  # a recurrent model's: each sequence's Segment (model/recurrent_state.py)
     draft_rows: torch.Tensor | None = None  # a verification's [S, R] parent row of each row (-1: the slot's state)
+    state_slots: torch.Tensor | None = None  # a recurrent model's padded one-token forward: each row's slot [B]
     _window_masks: dict[int, torch.Tensor] = field(default_factory=dict)
 
     def mask_for(self, sliding_window: int | None) -> torch.Tensor:

@@ -19,13 +19,13 @@ import weakref
 from bisect import bisect_left
 from collections import OrderedDict
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from ...kernels.transfers import to_device
-from .recurrent_state import recurrent_mixers
 from .staged_inputs import StagedInputs
 
 logger = logging.getLogger(__name__)
@@ -229,6 +229,9 @@ class GraphPool:
         self._owner = threading.get_ident()
         # buckets another thread ran uncaptured, with its inputs' signature, for the owner to capture
         self._missed: dict[GraphKey, InputSignature] = {}
+        # what must hold across a capture, whose warm-up runs the forward (a recurrent model's states,
+        # ``model_support.recurrent_states_for``): entered around each capture with its inputs
+        self.preserve: Callable[[Inputs], AbstractContextManager] | None = None
 
     def key_for(self, num_seqs: int, tokens: int, context: int, reads_tables: bool = False) -> GraphKey | None:
         """The bucket a forward pads to, or None if it is larger than every bucket.
@@ -293,7 +296,8 @@ class GraphPool:
                 self._missed.setdefault(key, input_signature(inputs))
             return self._uncaptured(make_fn, inputs)
         start = time.perf_counter()
-        entry = self.backend.capture(make_fn(), inputs)
+        with self.preserve(inputs) if self.preserve is not None else nullcontext():
+            entry = self.backend.capture(make_fn(), inputs)
         self.stats.capture_s[key] = took = time.perf_counter() - start
         self.stats.captures += 1
         with _capture_lock:
@@ -324,11 +328,10 @@ class GraphPool:
 
 def graph_pool_for(model: torch.nn.Module, config: Any) -> GraphPool | None:
     """The pool ``config.graph_backend`` asks for (a ``RolloutConfig``): captured CUDA graphs on
-    CUDA by default, none on CPU or for a model with recurrent state (which graphs do not hold yet;
-    asked for by name, the engine refuses it); eager buckets on request."""
+    CUDA by default, none on CPU; eager buckets on request."""
     backend = config.graph_backend
     on_cuda = next(model.parameters()).device.type == "cuda"
-    if backend == "none" or (backend == "auto" and (not on_cuda or recurrent_mixers(model))):
+    if backend == "none" or (backend == "auto" and not on_cuda):
         return None
     if backend == "cuda_graph" and not on_cuda:
         raise ValueError("RolloutConfig.graph_backend='cuda_graph' needs the model on a CUDA device")

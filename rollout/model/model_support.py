@@ -36,7 +36,7 @@ import torch
 
 from .kv_cache import KVLayout
 from .layer_taps import decoder_of
-from .recurrent_state import RECURRENT_MIXERS, RecurrentStates, recurrent_mixers
+from .recurrent_state import RECURRENT_MIXERS, RecurrentStates, recurrent_mixers, slots_preserved
 
 # what ``paged_attention_forward`` takes beyond query, key, value and mask: ``dropout`` is 0 in
 # eval mode, ``is_causal`` is the paged mask's own, ``position_ids`` and ``output_attentions``
@@ -225,13 +225,15 @@ def kv_layout_of(model: torch.nn.Module, dtype: torch.dtype, device: torch.devic
 def recurrent_states_for(model: torch.nn.Module, role: str, slots: int, graph_pool) -> RecurrentStates | None:
     """The state slots a runner of ``model`` needs (None: no recurrent layer). ``slots``: one per
     sequence it may run at once, plus scratch; a runner that cannot give each sequence its slot (a
-    drafter LM's), or that replays captured graphs, is refused by name."""
+    drafter LM's) is refused by name. With a ``graph_pool``, its captures keep the states of the
+    slots they warm up on (:func:`slots_preserved`)."""
     mixers = recurrent_mixers(model)
     if not mixers:
         return None
     what = f"{role} family {family_of(model)!r}: its {type(mixers[0]).__name__} layers keep a recurrent state"
     if slots < 2:
         raise UnservableModel(f"{what}, which tailspec serves for the policy only, not as a drafter LM")
+    states = RecurrentStates(slots)
     if graph_pool is not None:
-        raise ValueError(f"{what}, which captured graphs do not hold yet; use RolloutConfig(graph_backend='none')")
-    return RecurrentStates(slots)
+        graph_pool.preserve = functools.partial(slots_preserved, states)
+    return states

@@ -14,7 +14,7 @@ One sequence's state never sees another's tokens.
 
 The layer's own ``forward`` does the arithmetic (its projections, its convolution, transformers'
 torch delta rule: chunked over a segment of several tokens, recurrent over one), handed a cache
-that reads and writes the segment's slot (:class:`_SlotCache`), so the engine computes what
+that reads and writes the segment's slot (:class:`SlotCache`), so the engine computes what
 transformers computes for one sequence. A segment that starts a sequence (nothing cached) starts
 from zero state whatever its slot held, which is what makes a recompute after preemption or a
 handed-over request exact. Segments of one new token each (a decode step) run as one batch: their
@@ -35,9 +35,15 @@ Cost: a Gated DeltaNet layer's one call and ``rows`` small recurrences; another 
 (a chain) or ``n + 1`` (a tree of ``n`` nodes) one-token calls instead of one; every row's state held
 until the keep: ``rows`` times a slot's size per sequence.
 
-Not served (refused by name): prefix caching (a cached prefix has K/V but no state), captured
-graphs (padded rows would write slot 0 unsynchronised), and a drafter LM with such layers (``self:L``
-of a hybrid policy included).
+**Captured graphs** replay one-token steps (:func:`replayable`): a bucket's rows name their slots in
+an input (padding rows slot 0, scratch; :func:`padded_slots`), and the layer runs one batched call
+from the gathered states, written back, every index on the device. A capture's warm-up runs the
+forward, so the pool keeps the bucket's slots' states across it (:func:`slots_preserved`) and the
+replay that follows advances them once. Prefills and verifications run uncaptured (their rows start
+states or hold each row's, which a replay could not hand to the keep).
+
+Not served (refused by name): prefix caching (a cached prefix has K/V but no state) and a drafter
+LM with such layers (``self:L`` of a hybrid policy included).
 """
 
 from __future__ import annotations
@@ -50,6 +56,7 @@ from functools import partial
 import torch
 
 from .delta_rule_rows import ROW_VERIFIED, verify_rows
+from .slot_caches import RowCache, SlotCache
 
 # the token mixers served here: transformers' classes that keep their state through the same cache calls
 # (get/update conv and recurrent state; a one-token call from a state, several from the chunked form)
@@ -135,124 +142,6 @@ class Segment:
     num_new: int
 
 
-class _OlderCacheCalls:
-    """The cache calls transformers made before 5.23 as well (the GPU image's 5.17 reads
-    ``has_previous_state`` and the states through ``layers[i]``), answered from the same states."""
-
-    def has_previous_state(self, layer_idx: int, state_idx: int = 0) -> bool:
-        return self.get_conv_state(layer_idx) is not None
-
-    @property
-    def layers(self) -> _LayerStates:
-        return _LayerStates(self)
-
-
-class _LayerStates:
-    """``cache.layers[i]`` as an older transformers reads it: ``conv_states[0]``, ``recurrent_states[0]``."""
-
-    record_past = False
-
-    def __init__(self, cache) -> None:
-        self.cache = cache
-
-    def __getitem__(self, layer_idx: int) -> _LayerStates:
-        self.layer_idx = layer_idx
-        return self
-
-    @property
-    def conv_states(self) -> list[torch.Tensor | None]:
-        return [self.cache.get_conv_state(self.layer_idx)]
-
-    @property
-    def recurrent_states(self) -> list[torch.Tensor | None]:
-        return [self.cache.get_recurrent_state(self.layer_idx)]
-
-
-class _SlotCache(_OlderCacheCalls):
-    """What a Gated DeltaNet layer's ``forward`` asks of transformers' ``Cache``, answered from the
-    slots of one call's sequences (a batch of one-token segments, or one segment): their states
-    before the call (None where a sequence starts here), and their updates written back."""
-
-    def __init__(self, states: RecurrentStates, layer: int, slots: list[int], fresh: bool) -> None:
-        self.states, self.layer, self.fresh = states, layer, fresh
-        self.slots = torch.tensor(slots, dtype=torch.long)
-        self.conv_kernel_size: int | None = None
-        self._conv: torch.Tensor | None = None  # the gathered states a layer may update in place
-        self._recurrent: torch.Tensor | None = None
-
-    def get_conv_state(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor | None:
-        if self.fresh:
-            return None
-        self._conv = self._gathered_conv()
-        return self._conv
-
-    def _gathered_conv(self) -> torch.Tensor:
-        table = self.states.conv[self.layer]
-        return table[self.slots.to(table.device)]
-
-    def get_recurrent_state(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor | None:
-        if self.fresh:
-            return None
-        table = self.states.recurrent[self.layer]
-        self._recurrent = table[self.slots.to(table.device)]
-        return self._recurrent
-
-    def is_recording_past(self, layer_idx: int) -> bool:
-        return False
-
-    def update_conv_state(self, conv_states: torch.Tensor, layer_idx: int, state_idx: int = 0, **kwargs):
-        """As transformers' ``LinearAttentionLayer``: a sequence's first inputs padded to the kernel,
-        later ones after the state; the last ``K`` columns kept, the whole returned."""
-        kernel = kwargs.get("conv_kernel_size") or conv_states.shape[-1]
-        if self.fresh:
-            full = conv_states
-            if full.shape[-1] < kernel:
-                full = torch.nn.functional.pad(full, (kernel - full.shape[-1], 0), value=0)
-        else:
-            full = torch.cat([self._gathered_conv(), conv_states], dim=-1)
-        self._store_conv(full[..., -kernel:])
-        self._conv = None  # stored: nothing is updated in place after this
-        return full
-
-    def update_recurrent_state(self, recurrent_states: torch.Tensor, layer_idx: int, state_idx: int = 0, **kwargs):
-        self.states.store(self.states.recurrent, self.layer, self.slots.to(recurrent_states.device), recurrent_states)
-        self._recurrent = None  # stored: nothing is updated in place after this
-        return recurrent_states
-
-    def written_in_place(self) -> None:
-        """A one-token call updates the gathered states in place (transformers' ``causal_conv1d_update``;
-        Mamba-2's ``selective_state_update`` its SSM state, which it never hands back): write them back."""
-        if self._conv is not None:
-            self._store_conv(self._conv)
-        if self._recurrent is not None:
-            table = self.states.recurrent[self.layer]
-            self.states.store(self.states.recurrent, self.layer, self.slots.to(table.device), self._recurrent)
-
-    def _store_conv(self, value: torch.Tensor) -> None:
-        self.states.store(self.states.conv, self.layer, self.slots.to(value.device), value)
-
-
-class _RowCache(_OlderCacheCalls):
-    """A one-token call's cache for a verification row: the states it starts from (its parent
-    row's, or its sequence's slot's), and the states after it, kept for :meth:`RecurrentStates.keep`."""
-
-    def __init__(self, conv: torch.Tensor, recurrent: torch.Tensor) -> None:
-        self.conv, self.recurrent = conv, recurrent  # the layer updates ``conv`` in place
-
-    def get_conv_state(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor:
-        return self.conv
-
-    def get_recurrent_state(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor:
-        return self.recurrent
-
-    def is_recording_past(self, layer_idx: int) -> bool:
-        return False
-
-    def update_recurrent_state(self, recurrent_states: torch.Tensor, layer_idx: int, state_idx: int = 0, **kwargs):
-        self.recurrent = recurrent_states
-        return recurrent_states
-
-
 @contextmanager
 def recurrent_state_enabled(model: torch.nn.Module, states: RecurrentStates) -> Iterator[None]:
     """Within the block, ``model``'s recurrent layers run each packed forward's sequences from
@@ -272,6 +161,10 @@ def _segmented_forward(mixer, original, states: RecurrentStates, hidden_states: 
 
     meta = kwargs.pop(METADATA_KWARG, None)
     segments = meta.segments if meta is not None else None
+    if meta is not None and meta.state_slots is not None:
+        kwargs.pop("cache_params", None)
+        kwargs.pop("attention_mask", None)
+        return _padded_one_token(mixer, original, states, hidden_states, meta.state_slots, kwargs)
     if not segments:
         return original(mixer, hidden_states, *args, **kwargs)
     kwargs.pop("cache_params", None)
@@ -284,18 +177,57 @@ def _segmented_forward(mixer, original, states: RecurrentStates, hidden_states: 
     steps = [s for s in segments if s.num_new == 1 and s.num_cached > 0 and s.slot > 0]
     if steps:  # one token each from a state: one batched call
         rows = torch.tensor([s.start for s in steps], device=hidden_states.device)
-        cache = _SlotCache(states, layer, [s.slot for s in steps], fresh=False)
+        cache = SlotCache(states, layer, [s.slot for s in steps], fresh=False)
         batch = hidden_states[0].index_select(0, rows).unsqueeze(1)  # [n, 1, hidden]
         out[0].index_copy_(0, rows, original(mixer, batch, cache_params=cache, **kwargs)[:, 0])
         cache.written_in_place()
     for s in segments:
         if s.num_new == 1 and s.num_cached > 0 and s.slot > 0:
             continue
-        cache = _SlotCache(states, layer, [s.slot], fresh=s.num_cached == 0 or s.slot == 0)  # scratch: no state
+        cache = SlotCache(states, layer, [s.slot], fresh=s.num_cached == 0 or s.slot == 0)  # scratch: no state
         part = hidden_states[:, s.start : s.start + s.num_new]
         out[:, s.start : s.start + s.num_new] = original(mixer, part, cache_params=cache, **kwargs)
         cache.written_in_place()
     return out
+
+
+def _padded_one_token(mixer, original, states: RecurrentStates, hidden_states, slots: torch.Tensor, kwargs):
+    """A captured bucket's one-token forward (``[1, B, hidden]``, row ``i`` one token of the sequence
+    holding ``slots[i]``; padding rows slot 0, scratch): one batched call from the gathered states,
+    written back, every index on the device, so a CUDA graph replays it."""
+    cache = SlotCache(states, mixer.layer_idx, slots, fresh=False)
+    out = original(mixer, hidden_states.transpose(0, 1), cache_params=cache, **kwargs)  # [B, 1, hidden]
+    cache.written_in_place()
+    return out.transpose(0, 1)
+
+
+def replayable(slices) -> bool:
+    """Whether a packed forward of ``slices`` may be padded to a captured bucket on a recurrent
+    model: one token each, from a state (a decode step). Prefills and verifications, whose rows
+    start states or hold each row's, run uncaptured."""
+    return all(s.num_new == 1 and s.num_cached > 0 and s.draft_parents is None for s in slices)
+
+
+def padded_slots(slices, batch: int) -> torch.Tensor:
+    """``[batch]`` on the host: each sequence's state slot, then slot 0 (scratch) for padding rows."""
+    slots = torch.zeros(batch, dtype=torch.long)
+    slots[: len(slices)] = torch.tensor([s.state_slot for s in slices], dtype=torch.long)
+    return slots
+
+
+@contextmanager
+def slots_preserved(states: RecurrentStates, inputs: dict[str, torch.Tensor]) -> Iterator[None]:
+    """Within the block, whatever runs may advance the states of the slots a captured bucket's
+    ``inputs`` name (a CUDA graph's capture runs its forward for warm-up): after it they hold what
+    they held before, so the replay that follows advances them once."""
+    tables = (*states.conv.values(), *states.recurrent.values())
+    slots = inputs.get("state_slots")
+    saved = [] if slots is None else [(t, t[slots.to(t.device)].clone()) for t in tables]
+    try:
+        yield
+    finally:
+        for table, before in saved:
+            table[slots.to(table.device)] = before
 
 
 def segments_of(slices, device: torch.device) -> tuple[tuple[Segment, ...], torch.Tensor | None]:
@@ -357,7 +289,7 @@ def _verification_rows(mixer, original, states, hidden_states, segments, parents
         else:
             parent = parents[index, r].to(conv_rows.device)
             conv, recurrent = conv_rows[index, parent], rec_rows[index, parent]
-        cache = _RowCache(conv, recurrent)
+        cache = RowCache(conv, recurrent)
         x = hidden_states[0].index_select(0, packed).unsqueeze(1)  # [active, 1, hidden]
         out[0].index_copy_(0, packed, original(mixer, x, cache_params=cache, **kwargs)[:, 0])
         if conv_rows is None:

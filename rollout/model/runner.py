@@ -37,7 +37,7 @@ from .layer_taps import decoder_layers, features_of, tapped
 from .merged_projections import MergedProjections
 from .model_support import check_model, kv_layout_of, recurrent_states_for
 from .padded_metadata import build_padded_metadata, padded_rows
-from .recurrent_state import recurrent_state_enabled, segments_of, verification_segments
+from .recurrent_state import padded_slots, recurrent_state_enabled, replayable, segments_of, verification_segments
 
 # a packed forward as the step loop and calibration call it (ModelRunner.forward, or a wrapper of
 # it): sequences, their new tokens, those tokens' positions, the rows whose logits to return
@@ -198,7 +198,7 @@ class ModelRunner:
         self, seqs: Sequence[SequenceSlice], tokens: list[int], positions: list[int], logits_index: list[int], taps
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         key = self.graph_key(len(seqs), max(s.num_new for s in seqs), max(s.num_cached + s.num_new for s in seqs))
-        if key is not None:
+        if key is not None and (self.states is None or replayable(seqs)):
             return self._forward_padded(seqs, tokens, positions, logits_index, replace(key, taps=taps))
         ids = tokens if isinstance(tokens, torch.Tensor) else to_device(np.asarray(tokens, dtype=np.int64), self.device)
         pos = to_device(np.asarray(positions, dtype=np.int64), self.device)
@@ -234,7 +234,7 @@ class ModelRunner:
         ``slots``: a recurrent model's sequences' state slots (the forward verifies drafts: each row's
         state is kept until the verification keeps one)."""
         n, bs, taps = len(tables), self.cache.block_size, tuple(taps)
-        key = self.graph_key(n, new, bound)
+        key = self.graph_key(n, new, bound) if self.states is None else None  # a verification's rows: uncaptured
         if key is None:
             shape = (n, new, tables.longest() * bs)
             backend = attention_backend(self.cache, None, new)
@@ -294,6 +294,8 @@ class ModelRunner:
         }
         if meta.plan is not None:
             inputs.update({f"plan.{k}": v for k, v in meta.plan.tensors().items()})
+        if self.states is not None:
+            inputs["state_slots"] = padded_slots(seqs, b)
         return inputs, meta, np.flatnonzero(valid)
 
     def _forward_padded(self, seqs, tokens, positions, logits_index, key) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -375,6 +377,7 @@ class ModelRunner:
                     None,
                     None,
                     plan=static_plan,
+                    state_slots=x.get("state_slots"),
                 )
                 with tapped(model, taps) as captured:
                     out = model(input_ids=x["ids"], position_ids=x["pos"], use_cache=False, **{METADATA_KWARG: static})

@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from tailspec.rollout.model.delta_rule_rows import ROW_VERIFIED, conv_windows, verify_rows
-from tailspec.rollout.model.recurrent_state import _RowCache, recurrent_mixers
+from tailspec.rollout.model.recurrent_state import recurrent_mixers
+from tailspec.rollout.model.slot_caches import RowCache
 from tailspec.testing.families import tiny_family_model
 
 PARENTS = {
@@ -22,7 +23,7 @@ def _one_token_walk(mixer, x, parents, conv, recurrent, row):
     while at >= 0:
         path.append(at)
         at = parents[at]
-    cache = _RowCache(conv.clone(), recurrent.clone())
+    cache = RowCache(conv.clone(), recurrent.clone())
     for step in reversed(path):
         out = type(mixer).forward(mixer, x[step].view(1, 1, -1), cache_params=cache)
     return out[0, 0], cache.conv[0], cache.recurrent[0]

@@ -16,6 +16,7 @@ from tailspec.draft_contract import (
     static_tree_nodes,
 )
 from tailspec.rollout import RolloutConfig, RolloutEngine, SamplingParams
+from tailspec.rollout.model.graph_pool import EagerBackend
 from tailspec.rollout.model.recurrent_state import RecurrentStates
 from tailspec.testing import chi_square_pvalue, perturbed_copy, random_prompts
 from tailspec.testing.families import (
@@ -364,3 +365,32 @@ def test_every_hybrid_family_samples_its_own_distribution_under_speculation(hybr
     pairs = torch.tensor([o.completion_ids[1] * vocab + o.completion_ids[2] for o in outs])
     expected = second_and_third_token_joint(hybrid, prompt, params)
     assert chi_square_pvalue(torch.bincount(pairs, minlength=vocab * vocab), expected) > 1e-3
+
+
+class _WarmingBackend(EagerBackend):
+    """Runs each forward twice when it captures it, as the CUDA backend's warm-up does: a capture
+    that left the states those runs advanced would decode the rest wrong."""
+
+    def capture(self, fn, example):
+        entry = super().capture(fn, example)
+        for _ in range(2):
+            entry.run(example)
+        return entry
+
+
+@pytest.mark.parametrize("strategy, drafter", [("none", None), ("chain:3", "lm"), ("tree:3,2,6", "lm")])
+def test_captured_one_token_steps_advance_each_state_once(hybrid, strategy, drafter):
+    """Under a graph pool a hybrid's one-token steps are padded to buckets (each row's slot an input,
+    padding rows the scratch slot) and replayed; prefills and verifications run uncaptured (a
+    speculative step's target forward is a verification). Greedy tokens equal transformers', with
+    captures that run the forward beside the replay."""
+    prompts = random_prompts(4, seed=21, min_len=2, max_len=9)
+    config = RolloutConfig(strategy=strategy, max_num_seqs=3, graph_backend="eager")
+    engine = RolloutEngine(hybrid, config, drafter=_drafter_for(drafter, hybrid) if drafter else None)
+    pool = engine.runner.graph_pool
+    pool.backend = _WarmingBackend(pool.backend.device)
+    params = SamplingParams(max_new_tokens=14, temperature=0.0, ignore_eos=True)
+    assert [o.completion_ids for o in engine.generate(prompts, params)] == _want(hybrid, prompts, 14)
+    if strategy == "none":  # every decode step a one-token forward: replayed
+        assert pool.stats.captures > 0 and pool.stats.hits > pool.stats.captures
+    engine.close()
