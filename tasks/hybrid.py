@@ -208,6 +208,9 @@ def run_hybrid_recipe(recipe: HybridRecipe, out: Path, stages: tuple[str, ...] =
     unknown = set(stages) - set(STAGES)
     if unknown or not stages:
         raise ValueError(f"stages must be a non-empty subset of {STAGES}, got {list(stages)}")
+    needs = {"policy": "policy" not in stages, "drafter": "eval" in stages and "drafter" not in stages}
+    for name in (n for n, needed in needs.items() if needed and not (out / n / "config.json").exists()):
+        raise FileNotFoundError(f"{out / name} is missing: run `tailspec train-hybrid` (its stage that makes it) first")
     torch.set_num_threads(recipe.threads)
     start = time.perf_counter()
     deep, tokenizer = load_shipped("deep", "policy")

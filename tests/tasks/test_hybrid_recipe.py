@@ -66,3 +66,12 @@ def test_bad_settings_are_refused_by_name(tiny):
         HybridRecipe(distill_lr=0)
     with pytest.raises(ValueError, match="drafter_steps must be >= 0"):
         HybridRecipe(drafter_steps=-1)
+
+
+def test_a_run_names_what_it_cannot_do_before_training(tmp_path):
+    from tailspec.tasks.hybrid import run_hybrid_recipe
+
+    with pytest.raises(ValueError, match=r"stages must be a non-empty subset of \('policy', 'drafter', 'eval'\)"):
+        run_hybrid_recipe(HybridRecipe(), tmp_path, ("policy", "head"))
+    with pytest.raises(FileNotFoundError, match="policy is missing: run `tailspec train-hybrid`"):
+        run_hybrid_recipe(HybridRecipe(), tmp_path, ("drafter",))  # nothing saved a policy there
