@@ -7,7 +7,8 @@
   against the target's exact processed distribution;
 - model families: gpt-oss (sinks), Gemma 2 (soft cap), Gemma 4 (per-layer head sizes), DeepSeek
   V3 (MLA), and Qwen3.5, Kimi-Linear and Falcon-H1 (Gated DeltaNet, KDA and Mamba-2 state in slots,
-  rolled back past rejected drafts; graphs replay their one-token steps) at tiny size, each
+  rolled back past rejected drafts; graphs replay their one-token steps and Gated DeltaNet
+  verifications) at tiny size, each
   strategy on the device's kernels and graphs against a no-cache recompute (greedy tokens and every
   sampled token's logprob); a Mamba hybrid (Jamba) refused;
 - bf16: each strategy at full batch against a batch-1 bf16 control of ``none`` (the divergence method

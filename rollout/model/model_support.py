@@ -34,6 +34,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .delta_rule_rows import ROW_VERIFIED
 from .kv_cache import KVLayout
 from .layer_taps import decoder_of
 from .recurrent_state import RECURRENT_MIXERS, RecurrentStates, recurrent_mixers, slots_preserved
@@ -234,6 +235,7 @@ def recurrent_states_for(model: torch.nn.Module, role: str, slots: int, graph_po
     if slots < 2:
         raise UnservableModel(f"{what}, which tailspec serves for the policy only, not as a drafter LM")
     states = RecurrentStates(slots)
+    states.verifications_replayable = all(type(m).__name__ in ROW_VERIFIED for m in mixers)
     if graph_pool is not None:
         graph_pool.preserve = functools.partial(slots_preserved, states)
     return states

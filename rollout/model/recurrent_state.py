@@ -39,8 +39,10 @@ until the keep: ``rows`` times a slot's size per sequence.
 an input (padding rows slot 0, scratch; :func:`padded_slots`), and the layer runs one batched call
 from the gathered states, written back, every index on the device. A capture's warm-up runs the
 forward, so the pool keeps the bucket's slots' states across it (:func:`slots_preserved`) and the
-replay that follows advances them once. Prefills and verifications run uncaptured (their rows start
-states or hold each row's, which a replay could not hand to the keep).
+replay that follows advances them once. Verifications through Gated DeltaNet layers replay too
+(:func:`padded_verification_inputs`: each row's parent an input; the rows' states copied into the
+bucket's buffers, which :meth:`RecurrentStates.replayed` hands to the keep, since a replay runs no
+Python); prefills, and verifications through other mixers (row by row), run uncaptured.
 
 Not served (refused by name): prefix caching (a cached prefix has K/V but no state) and a drafter
 LM with such layers (``self:L`` of a hybrid policy included).
@@ -53,8 +55,10 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import partial
 
+import numpy as np
 import torch
 
+from ...kernels.transfers import to_device
 from .delta_rule_rows import ROW_VERIFIED, verify_rows
 from .slot_caches import RowCache, SlotCache
 
@@ -89,6 +93,9 @@ class RecurrentStates:
         self.conv: dict[int, torch.Tensor] = {}  # layer -> [slots, conv_dim, K]
         self.recurrent: dict[int, torch.Tensor] = {}  # layer -> [slots, heads, key size, value size]
         self.rows: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # layer -> a verification's row states
+        # a captured verification's row states, per bucket (batch, rows): buffers its replays write
+        self.bucket_rows: dict[tuple[int, int], dict[int, tuple[torch.Tensor, torch.Tensor]]] = {}
+        self.verifications_replayable = False  # every recurrent layer verifies in one call (delta_rule_rows)
 
     @property
     def num_free(self) -> int:
@@ -124,6 +131,10 @@ class RecurrentStates:
             self.conv[layer][slots.to(conv_rows.device)] = conv_rows[pick, at]
             self.recurrent[layer][slots.to(rec_rows.device)] = rec_rows[pick, at].to(self.recurrent[layer].dtype)
         self.rows.clear()
+
+    def replayed(self, batch: int, rows: int) -> None:
+        """After a captured verification's replay: its row states are in the bucket's buffers."""
+        self.rows = dict(self.bucket_rows[(batch, rows)])
 
     def store(self, table: dict[int, torch.Tensor], layer: int, slots: torch.Tensor, value: torch.Tensor) -> None:
         if layer not in table:
@@ -164,6 +175,8 @@ def _segmented_forward(mixer, original, states: RecurrentStates, hidden_states: 
     if meta is not None and meta.state_slots is not None:
         kwargs.pop("cache_params", None)
         kwargs.pop("attention_mask", None)
+        if meta.draft_rows is not None:
+            return _padded_verification(mixer, states, hidden_states, meta.state_slots, meta.draft_rows)
         return _padded_one_token(mixer, original, states, hidden_states, meta.state_slots, kwargs)
     if not segments:
         return original(mixer, hidden_states, *args, **kwargs)
@@ -213,6 +226,34 @@ def padded_slots(slices, batch: int) -> torch.Tensor:
     slots = torch.zeros(batch, dtype=torch.long)
     slots[: len(slices)] = torch.tensor([s.state_slot for s in slices], dtype=torch.long)
     return slots
+
+
+def _padded_verification(mixer, states: RecurrentStates, hidden_states, slots: torch.Tensor, parents: torch.Tensor):
+    """A captured bucket's verification (``[1, B * R, hidden]``, sequence ``i``'s rows at ``i * R``,
+    ``parents [B, R]``) through a Gated DeltaNet layer in one call, every index on the device; its row
+    states copied into the bucket's buffers (made at its first, uncaptured run), which every replay
+    rewrites and :meth:`RecurrentStates.replayed` hands to the keep."""
+    layer, (batch, rows) = mixer.layer_idx, parents.shape
+    conv, recurrent = states.conv[layer], states.recurrent[layer]
+    x = hidden_states[0].view(batch, rows, -1)
+    out, windows, row_states = verify_rows(mixer, x, parents, conv[slots], recurrent[slots])
+    buffers = states.bucket_rows.setdefault((batch, rows), {})
+    if layer not in buffers:
+        buffers[layer] = (torch.empty_like(windows), torch.empty_like(row_states))
+    buffers[layer][0].copy_(windows)
+    buffers[layer][1].copy_(row_states)
+    states.rows[layer] = buffers[layer]
+    return out.view(1, batch * rows, -1)
+
+
+def padded_verification_inputs(slots, parents: torch.Tensor, batch: int, rows: int) -> dict[str, torch.Tensor]:
+    """A captured verification's state inputs: each sequence's slot (padding sequences slot 0) and
+    its rows' parents ``[batch, rows]`` (-1 past its rows: they start from the slot, never read)."""
+    padded = parents.new_full((batch, rows), -1)
+    padded[: parents.shape[0], : parents.shape[1]] = parents
+    state_slots = np.zeros(batch, dtype=np.int64)
+    state_slots[: len(slots)] = list(slots)
+    return {"state_slots": to_device(state_slots, parents.device), "state_parents": padded}  # queued, no wait
 
 
 @contextmanager

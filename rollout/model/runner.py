@@ -31,13 +31,21 @@ from .cast_copy import rollout_model, weights_fingerprint
 from .compiled import CompiledLayers
 from .device_inputs import BlockTables, device_inputs
 from .eval_mode import eval_mode
-from .graph_pool import GraphKey, GraphPool, input_signature
+from .graph_pool import GraphKey, GraphPool
 from .kv_cache import PagedKVCache
 from .layer_taps import decoder_layers, features_of, tapped
 from .merged_projections import MergedProjections
+from .missed_captures import capture_missed
 from .model_support import check_model, kv_layout_of, recurrent_states_for
 from .padded_metadata import build_padded_metadata, padded_rows
-from .recurrent_state import padded_slots, recurrent_state_enabled, replayable, segments_of, verification_segments
+from .recurrent_state import (
+    padded_slots,
+    padded_verification_inputs,
+    recurrent_state_enabled,
+    replayable,
+    segments_of,
+    verification_segments,
+)
 
 # a packed forward as the step loop and calibration call it (ModelRunner.forward, or a wrapper of
 # it): sequences, their new tokens, those tokens' positions, the rows whose logits to return
@@ -234,7 +242,7 @@ class ModelRunner:
         ``slots``: a recurrent model's sequences' state slots (the forward verifies drafts: each row's
         state is kept until the verification keeps one)."""
         n, bs, taps = len(tables), self.cache.block_size, tuple(taps)
-        key = self.graph_key(n, new, bound) if self.states is None else None  # a verification's rows: uncaptured
+        key = self.graph_key(n, new, bound) if self.states is None or self.states.verifications_replayable else None
         if key is None:
             shape = (n, new, tables.longest() * bs)
             backend = attention_backend(self.cache, None, new)
@@ -250,7 +258,12 @@ class ModelRunner:
         use_plan = attention_backend(self.cache, None, key.tokens) == "triton"
         shape, scratch = (key.batch, key.tokens, key.context), self.scratch_slot // bs
         inputs, meta = device_inputs(self.cache, tables, cached, ids, new, shape, scratch, use_plan, tree)
+        if self.states is not None:  # a verification: each row's parent row, its rows' states kept
+            parents = verification_segments(slots, new, tree, self.device)[1]
+            inputs.update(padded_verification_inputs(slots, parents, key.batch, key.tokens))
         out = self.graph_pool.run(key, self._padded_forward_fn(meta, key), inputs)
+        if self.states is not None:
+            self.states.replayed(key.batch, key.tokens)
         logits, features = out if taps else (out, None)
         rows = (np.arange(n)[:, None] * key.tokens + np.arange(new)).reshape(-1)
         return take_rows(logits, rows), None if features is None else take_rows(features, rows)
@@ -309,50 +322,8 @@ class ModelRunner:
         return take_rows(logits, row_of[np.asarray(logits_index, dtype=np.int64)]), features
 
     def capture_missed(self) -> int:
-        """Capture, on this thread (the pool's owner), the buckets a draft executor's thread ran
-        without a graph since the last call: each from padding alone, one row that writes the
-        scratch slot, so no sequence's cache is touched. Call it while no other thread uses the
-        pool (a mirror pipeline does, once its branches are collected). A bucket is captured for
-        the attention path the other thread ran (its inputs' names and shapes); one whose capture
-        fails is logged and left to run uncaptured. Returns how many were captured.
-
-        Mirror-SD's draft thread meets shapes of its own (continuations one token deeper than the
-        serial chains), which the owner never ran: without this call they would run eagerly for
-        the whole rollout."""
-        pool = self.graph_pool
-        if pool is None:
-            return 0
-        captured = 0
-        device = self.cache.layout.device  # a drafter on another GPU captures on its own
-        for key, signature in pool.take_missed().items():
-            built = self._padding_like(key, signature)
-            if built is None:
-                logger.debug("no padding inputs match %s's; it runs uncaptured", key)
-                continue
-            kernels, inputs, meta = built
-            on_device = torch.cuda.device(device) if device.type == "cuda" else nullcontext()
-            try:
-                with on_device, kernel_backend(kernels, ("attention",)):
-                    pool.run(key, self._padded_forward_fn(meta, key), inputs)
-                captured += 1
-            except Exception:  # the bucket keeps running uncaptured, as before
-                logger.warning("could not capture %s for a draft thread", key, exc_info=True)
-        return captured
-
-    def _padding_like(self, key: GraphKey, signature) -> tuple[str, dict[str, torch.Tensor], AttentionMetadata] | None:
-        """Inputs of bucket ``key`` holding padding alone (one row, written to the scratch slot),
-        built for the attention path (``torch``: gathered slots; ``triton``: block tables) whose
-        inputs have ``signature``; None when neither has."""
-        padding = SequenceSlice([self.scratch_slot // self.cache.block_size], 0, 1)
-        for kernels in ("torch", "triton"):
-            try:
-                with kernel_backend(kernels, ("attention",)):
-                    inputs, meta, _ = self.padded_inputs([padding], [0], [0], key)
-            except Exception:  # a path this machine cannot run (no Triton)
-                continue
-            if input_signature(inputs) == signature:
-                return kernels, inputs, meta
-        return None
+        """Capture the buckets a draft executor's thread ran uncaptured (``missed_captures.py``)."""
+        return capture_missed(self)
 
     def _padded_forward_fn(self, meta: AttentionMetadata, key: GraphKey) -> Callable[[], Callable]:
         """What the graph pool captures for bucket ``key``: the model's forward on the static
@@ -378,6 +349,7 @@ class ModelRunner:
                     None,
                     plan=static_plan,
                     state_slots=x.get("state_slots"),
+                    draft_rows=x.get("state_parents"),
                 )
                 with tapped(model, taps) as captured:
                     out = model(input_ids=x["ids"], position_ids=x["pos"], use_cache=False, **{METADATA_KWARG: static})

@@ -16,8 +16,9 @@ from tailspec.draft_contract import (
     static_tree_nodes,
 )
 from tailspec.rollout import RolloutConfig, RolloutEngine, SamplingParams
+from tailspec.rollout.model.delta_rule_rows import ROW_VERIFIED
 from tailspec.rollout.model.graph_pool import EagerBackend
-from tailspec.rollout.model.recurrent_state import RecurrentStates
+from tailspec.rollout.model.recurrent_state import RecurrentStates, recurrent_mixers
 from tailspec.testing import chi_square_pvalue, perturbed_copy, random_prompts
 from tailspec.testing.families import (
     no_cache_greedy,
@@ -367,30 +368,46 @@ def test_every_hybrid_family_samples_its_own_distribution_under_speculation(hybr
     assert chi_square_pvalue(torch.bincount(pairs, minlength=vocab * vocab), expected) > 1e-3
 
 
-class _WarmingBackend(EagerBackend):
-    """Runs each forward twice when it captures it, as the CUDA backend's warm-up does: a capture
-    that left the states those runs advanced would decode the rest wrong."""
+class _GraphLikeBackend(EagerBackend):
+    """The eager backend made to behave as CUDA graphs do where it matters to a recurrent state: a
+    capture runs the forward twice more (CUDA's warm-up), and a replay leaves no Python-side record
+    (what the forward stored in ``states.rows`` is forgotten after each run: a CUDA replay runs the
+    kernels alone, so the runner must find the rows in the bucket's buffers)."""
+
+    def __init__(self, device, states) -> None:
+        super().__init__(device)
+        self.states = states
 
     def capture(self, fn, example):
         entry = super().capture(fn, example)
         for _ in range(2):
             entry.run(example)
+        run = entry.run
+
+        def replay(inputs):
+            out = run(inputs)
+            self.states.rows.clear()
+            return out
+
+        entry.run = replay
         return entry
 
 
 @pytest.mark.parametrize("strategy, drafter", [("none", None), ("chain:3", "lm"), ("tree:3,2,6", "lm")])
-def test_captured_one_token_steps_advance_each_state_once(hybrid, strategy, drafter):
+def test_captured_steps_advance_each_state_once(hybrid, strategy, drafter):
     """Under a graph pool a hybrid's one-token steps are padded to buckets (each row's slot an input,
-    padding rows the scratch slot) and replayed; prefills and verifications run uncaptured (a
-    speculative step's target forward is a verification). Greedy tokens equal transformers', with
-    captures that run the forward beside the replay."""
+    padding rows the scratch slot) and replayed, and so are verifications through Gated DeltaNet
+    layers (each row's parent an input, its rows' states in the bucket's buffers); prefills, and
+    verifications through other mixers, run uncaptured. Greedy tokens equal transformers', under
+    captures that run the forward beside the replay and replays that leave no Python-side record."""
     prompts = random_prompts(4, seed=21, min_len=2, max_len=9)
     config = RolloutConfig(strategy=strategy, max_num_seqs=3, graph_backend="eager")
     engine = RolloutEngine(hybrid, config, drafter=_drafter_for(drafter, hybrid) if drafter else None)
-    pool = engine.runner.graph_pool
-    pool.backend = _WarmingBackend(pool.backend.device)
+    pool, states = engine.runner.graph_pool, engine.runner.states
+    pool.backend = _GraphLikeBackend(pool.backend.device, states)
     params = SamplingParams(max_new_tokens=14, temperature=0.0, ignore_eos=True)
     assert [o.completion_ids for o in engine.generate(prompts, params)] == _want(hybrid, prompts, 14)
-    if strategy == "none":  # every decode step a one-token forward: replayed
+    if strategy == "none" or states.verifications_replayable:
         assert pool.stats.captures > 0 and pool.stats.hits > pool.stats.captures
+    assert states.verifications_replayable == (type(recurrent_mixers(hybrid)[0]).__name__ in ROW_VERIFIED)
     engine.close()
