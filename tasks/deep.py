@@ -38,6 +38,7 @@ from .sft import (
     _eval_row,
     _machine,
     _write_metrics,
+    check_recipe_fields,
     count_parameters,
     evaluate_accuracy,
     fit_model,
@@ -179,19 +180,12 @@ class DeepRecipe:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        positive = (
+        counts = (
             "num_layers", "batch_size", "warmup_prompts", "warmup_rounds", "eval_problems", "cost_repeats",
             "cost_context", "threads",
         )  # fmt: skip
-        for name in positive:
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)!r}")
-        for name in ("finetune_steps", "distill_steps", "warmup_steps", "long_eval_problems"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)!r}")
-        for name in ("finetune_lr", "distill_lr"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
+        steps = ("finetune_steps", "distill_steps", "warmup_steps", "long_eval_problems")
+        check_recipe_fields(self, counts, steps, ("finetune_lr", "distill_lr"))
 
     def sft(self, steps: int, lr: float) -> SFTConfig:
         return SFTConfig(

@@ -38,7 +38,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from ..safe_files import load_causal_lm
 from .chain_sum import ChainSumConfig, sample_problems
-from .sft import SFTConfig, _write_metrics, evaluate_accuracy, fit_model, load_shipped
+from .sft import SFTConfig, _write_metrics, check_recipe_fields, evaluate_accuracy, fit_model, load_shipped
 from .tokenizer import chat_ids, save_beside
 
 logger = logging.getLogger(__name__)
@@ -166,15 +166,8 @@ class HybridRecipe:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        for name in ("batch_size", "eval_problems", "max_new_tokens", "threads"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)!r}")
-        for name in ("distill_steps", "drafter_steps"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)!r}")
-        for name in ("distill_lr", "drafter_lr"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
+        counts = ("batch_size", "eval_problems", "max_new_tokens", "threads")
+        check_recipe_fields(self, counts, ("distill_steps", "drafter_steps"), ("distill_lr", "drafter_lr"))
 
     def sft(self, steps: int, lr: float) -> SFTConfig:
         return SFTConfig(

@@ -217,6 +217,19 @@ class SFTBatches:
                 yield collate(batch, self.tokenizer.pad_token_id, self.cfg.max_len)
 
 
+def check_recipe_fields(recipe: Any, counts: tuple[str, ...], steps: tuple[str, ...], rates: tuple[str, ...]) -> None:
+    """Refuse, naming the field, a recipe whose ``counts`` are below 1, ``steps`` below 0 or
+    ``rates`` not above 0."""
+    for names, ok, allowed in (
+        (counts, lambda v: v >= 1, ">= 1"),
+        (steps, lambda v: v >= 0, ">= 0"),
+        (rates, lambda v: v > 0, "> 0"),
+    ):
+        for name in names:
+            if not ok(getattr(recipe, name)):
+                raise ValueError(f"{name} must be {allowed}, got {getattr(recipe, name)!r}")
+
+
 def count_parameters(model: torch.nn.Module) -> int:
     """Number of distinct parameters (tied embeddings counted once)."""
     return sum(p.numel() for p in model.parameters())
