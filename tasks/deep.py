@@ -44,6 +44,7 @@ from .sft import (
     fit_model,
     load_shipped,
     long_problems,
+    recipe_sft,
 )
 from .tokenizer import chat_ids, save_beside
 
@@ -188,15 +189,7 @@ class DeepRecipe:
         check_recipe_fields(self, counts, steps, ("finetune_lr", "distill_lr"))
 
     def sft(self, steps: int, lr: float) -> SFTConfig:
-        return SFTConfig(
-            steps=max(1, steps),
-            batch_size=self.batch_size,
-            lr=lr,
-            warmup_steps=min(50, max(1, steps // 10)),
-            seed=self.seed,
-            threads=self.threads,
-            bf16=False,  # fp32: bf16 autocast is ~10x slower on CPUs without native bf16
-        )
+        return recipe_sft(self, steps, lr, max_warmup=50)
 
 
 def _save_fp16(model: torch.nn.Module, out: Path) -> None:

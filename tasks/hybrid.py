@@ -38,7 +38,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from ..safe_files import load_causal_lm
 from .chain_sum import ChainSumConfig, sample_problems
-from .sft import SFTConfig, _write_metrics, check_recipe_fields, evaluate_accuracy, fit_model, load_shipped
+from .sft import SFTConfig, _write_metrics, check_recipe_fields, evaluate_accuracy, fit_model, load_shipped, recipe_sft
 from .tokenizer import chat_ids, save_beside
 
 logger = logging.getLogger(__name__)
@@ -170,15 +170,7 @@ class HybridRecipe:
         check_recipe_fields(self, counts, ("distill_steps", "drafter_steps"), ("distill_lr", "drafter_lr"))
 
     def sft(self, steps: int, lr: float) -> SFTConfig:
-        return SFTConfig(
-            steps=max(1, steps),
-            batch_size=self.batch_size,
-            lr=lr,
-            warmup_steps=min(20, max(1, steps // 10)),
-            seed=self.seed,
-            threads=self.threads,
-            bf16=False,
-        )
+        return recipe_sft(self, steps, lr, max_warmup=20)
 
 
 STAGES = ("policy", "drafter", "eval")

@@ -230,6 +230,21 @@ def check_recipe_fields(recipe: Any, counts: tuple[str, ...], steps: tuple[str, 
                 raise ValueError(f"{name} must be {allowed}, got {getattr(recipe, name)!r}")
 
 
+def recipe_sft(recipe: Any, steps: int, lr: float, max_warmup: int) -> SFTConfig:
+    """The SFT run of a model recipe's stage (``recipe``: its ``batch_size``, ``seed`` and ``threads``):
+    ``steps`` at peak ``lr``, a tenth of them warming up (at most ``max_warmup``), fp32 (bf16 autocast
+    is ~10x slower on CPUs without native bf16)."""
+    return SFTConfig(
+        steps=max(1, steps),
+        batch_size=recipe.batch_size,
+        lr=lr,
+        warmup_steps=min(max_warmup, max(1, steps // 10)),
+        seed=recipe.seed,
+        threads=recipe.threads,
+        bf16=False,
+    )
+
+
 def count_parameters(model: torch.nn.Module) -> int:
     """Number of distinct parameters (tied embeddings counted once)."""
     return sum(p.numel() for p in model.parameters())

@@ -323,7 +323,9 @@ class ModelRunner:
 
     def capture_missed(self) -> int:
         """Capture the buckets a draft executor's thread ran uncaptured (``missed_captures.py``)."""
-        return capture_missed(self)
+        return capture_missed(
+            self.graph_pool, self.cache, self.scratch_slot, self.padded_inputs, self._padded_forward_fn
+        )
 
     def _padded_forward_fn(self, meta: AttentionMetadata, key: GraphKey) -> Callable[[], Callable]:
         """What the graph pool captures for bucket ``key``: the model's forward on the static

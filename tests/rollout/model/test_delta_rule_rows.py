@@ -6,7 +6,7 @@ import torch
 
 from tailspec.rollout.model.delta_rule_rows import ROW_VERIFIED, conv_windows, verify_rows
 from tailspec.rollout.model.recurrent_state import recurrent_mixers
-from tailspec.rollout.model.slot_caches import RowCache
+from tailspec.rollout.model.state_slots import RowCache
 from tailspec.testing.families import tiny_family_model
 
 PARENTS = {

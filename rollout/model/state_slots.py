@@ -1,16 +1,73 @@
-"""The cache a recurrent layer's own ``forward`` is handed inside the engine: what transformers'
-``Cache`` answers for a Gated DeltaNet, KDA or Mamba-2 layer (its convolution and recurrent state,
-their updates), answered from :class:`~.recurrent_state.RecurrentStates`' slots
-(:class:`SlotCache`) or from a verification row's parent state (:class:`RowCache`)."""
+"""Each running sequence's slot of a recurrent model's state (:class:`RecurrentStates`), and the
+cache a recurrent layer's own ``forward`` is handed inside the engine: what transformers' ``Cache``
+answers for a Gated DeltaNet, KDA or Mamba-2 layer (its convolution and recurrent state, their
+updates), answered from a sequence's slot (:class:`SlotCache`) or from a verification row's parent
+state (:class:`RowCache`). How the layers use them: ``recurrent_state.py``."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
-if TYPE_CHECKING:
-    from .recurrent_state import RecurrentStates
+
+class RecurrentStates:
+    """``num_slots`` slots of every recurrent layer's state (slot 0 scratch), each layer's tensors
+    made at its first write, in the dtype and shape the layer hands over."""
+
+    def __init__(self, num_slots: int) -> None:
+        if num_slots < 2:
+            raise ValueError(f"recurrent state needs at least 2 slots (one scratch), got {num_slots}")
+        self.num_slots = num_slots
+        self._free = list(range(num_slots - 1, 0, -1))
+        self.conv: dict[int, torch.Tensor] = {}  # layer -> [slots, conv_dim, K]
+        self.recurrent: dict[int, torch.Tensor] = {}  # layer -> [slots, heads, key size, value size]
+        self.rows: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # layer -> a verification's row states
+        # a captured verification's row states, per bucket (batch, rows): buffers its replays write
+        self.bucket_rows: dict[tuple[int, int], dict[int, tuple[torch.Tensor, torch.Tensor]]] = {}
+        self.verifications_replayable = False  # every recurrent layer verifies in one call (delta_rule_rows)
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def allocate(self) -> int:
+        if not self._free:
+            raise RuntimeError(f"no recurrent state slot free ({self.num_slots - 1} sequences hold one each)")
+        return self._free.pop()
+
+    def free(self, slot: int) -> None:
+        if not 0 < slot < self.num_slots or slot in self._free:
+            raise ValueError(f"recurrent state slot {slot} is not held")
+        self._free.append(slot)
+
+    def copy(self, source: int, target: int) -> None:
+        """Slot ``target`` takes ``source``'s state (a prompt group's member after its leader's prefill)."""
+        for states in (*self.conv.values(), *self.recurrent.values()):
+            states[target].copy_(states[source])
+
+    def bytes_per_slot(self) -> int:
+        """What one sequence's state takes, every layer's (after each layer's first write)."""
+        tensors = (*self.conv.values(), *self.recurrent.values())
+        return sum(t[0].numel() * t.element_size() for t in tensors)
+
+    def keep(self, slots: torch.Tensor, rows: torch.Tensor) -> None:
+        """After a verification forward (each of its rows' states held, :func:`_verification_rows`):
+        slot ``slots[i]`` takes the state after its sequence's row ``rows[i]`` (the last token the
+        verification kept: row 0 the pending token, row j + 1 draft node j), on the device."""
+        for layer, (conv_rows, rec_rows) in self.rows.items():
+            pick = torch.arange(len(slots), device=conv_rows.device)
+            at = rows.to(conv_rows.device)
+            self.conv[layer][slots.to(conv_rows.device)] = conv_rows[pick, at]
+            self.recurrent[layer][slots.to(rec_rows.device)] = rec_rows[pick, at].to(self.recurrent[layer].dtype)
+        self.rows.clear()
+
+    def replayed(self, batch: int, rows: int) -> None:
+        """After a captured verification's replay: its row states are in the bucket's buffers."""
+        self.rows = dict(self.bucket_rows[(batch, rows)])
+
+    def store(self, table: dict[int, torch.Tensor], layer: int, slots: torch.Tensor, value: torch.Tensor) -> None:
+        if layer not in table:
+            table[layer] = value.new_zeros((self.num_slots, *value.shape[1:]))
+        table[layer][slots] = value.to(table[layer].dtype)
 
 
 class _OlderCacheCalls:
